@@ -1,0 +1,136 @@
+"""The ``zeppelin`` command: plan | simulate | bench | calibrate.
+
+Each subcommand parses its flags here and calls one function of the layer that owns the work.
+Bad input exits with status 2 and a message naming the value (no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from typing import Sequence
+
+from megatron_zeppelin.config import ConfigError, ZeppelinConfig, load_setup
+from megatron_zeppelin.cost_model import CostModel
+
+
+def add_setup_args(p: argparse.ArgumentParser, nodes_nargs: str | None = None) -> None:
+    """--model --cluster --nodes --hardware --tp and the planner options."""
+    p.add_argument("--model", required=True, help="model YAML path or shipped name (llama-7b)")
+    p.add_argument("--cluster", required=True, help="cluster YAML path or shipped name")
+    p.add_argument("--nodes", type=int, nargs=nodes_nargs, default=None,
+                   help="number of nodes (default: the cluster YAML's)")
+    p.add_argument("--hardware", default=None, help="hardware profile YAML (default: the "
+                   "cluster's `hardware:` entry)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per rank")
+    p.add_argument("--capacity", type=int, default=None,
+                   help="attention-layout tokens per rank (default: capacity-factor x mean)")
+    p.add_argument("--capacity-factor", type=float, default=2.0)
+    p.add_argument("--max-seqlen", type=int, default=None,
+                   help="longest document accepted (Megatron's --seq-length)")
+    p.add_argument("--overlong", default="error", help="error | split | drop: documents longer "
+                   "than --max-seqlen")
+    p.add_argument("--no-routing", action="store_true", help="switch the routing layer off")
+    p.add_argument("--no-remap", action="store_true", help="switch the remapping layer off")
+
+
+def add_workload_args(p: argparse.ArgumentParser, nargs: str | None = None) -> None:
+    p.add_argument("--workload", nargs=nargs, default=["github"] if nargs else "github",
+                   help="built-in workload name(s); see `zeppelin plan --list-workloads`")
+    p.add_argument("--lengths", default=None, help="file with one document length per line "
+                   "(replaces --workload)")
+    p.add_argument("--global-batch-tokens", default="2M", help="tokens per global batch (2M, 512K)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def zeppelin_config(args: argparse.Namespace) -> ZeppelinConfig:
+    return ZeppelinConfig(max_seqlen=args.max_seqlen, capacity_tokens_per_gpu=args.capacity,
+                          capacity_factor=args.capacity_factor, overlong=args.overlong,
+                          routing=not args.no_routing, remap=not args.no_remap)
+
+
+def batch_lengths(args: argparse.Namespace, workload: str) -> list[int]:
+    """The documents of one global batch: from --lengths (all of them) or sampled."""
+    from megatron_zeppelin.sim.workloads import parse_tokens, read_lengths, sample_batch
+
+    if args.lengths:
+        return read_lengths(args.lengths)
+    budget = parse_tokens(args.global_batch_tokens)
+    return sample_batch(workload, budget, random.Random(args.seed))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from megatron_zeppelin.planner import STRATEGIES, make_plan
+    from megatron_zeppelin.planner.report import format_table, summarize
+
+    for name in args.strategy:
+        if name not in STRATEGIES:
+            raise ValueError(f"unknown strategy {name!r}: expected one of {list(STRATEGIES)}")
+    config = zeppelin_config(args)
+    setup = load_setup(args.model, args.cluster, args.nodes, args.hardware, config, args.tp)
+    cost = CostModel(setup.model, setup.cluster, setup.hardware, setup.tp)
+    lengths = batch_lengths(args, args.workload)
+    options: dict[str, dict] = {"static-cp": {"cp_size": args.cp_size}} if args.cp_size else {}
+    if args.max_seqlen_per_rank:
+        for name in ("hybrid-dp", "megatron-hybrid-cp"):
+            options[name] = {"max_seqlen_per_rank": args.max_seqlen_per_rank}
+    summaries = []
+    for name in args.strategy:
+        plan = make_plan(name, lengths, cost, config, **options.get(name, {}))
+        if args.validate:
+            plan.validate()
+        summaries.append(summarize(plan, cost, routed=config.routing))
+    if args.json:
+        print(json.dumps({"model": setup.model.name, "cluster": setup.cluster.name,
+                          "nodes": setup.cluster.nodes, "documents": len(lengths),
+                          "tokens": sum(lengths), "plans": [s.to_dict() for s in summaries]},
+                         indent=2))
+    else:
+        print(f"{setup.model.name} on {setup.cluster.nodes} x {setup.cluster.name} "
+              f"({setup.cluster.world_size} GPUs, TP={setup.tp}): {len(lengths)} documents, "
+              f"{sum(lengths)} tokens, longest {max(lengths)}")
+        print(format_table(summaries))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from megatron_zeppelin.planner import STRATEGIES
+
+    parser = argparse.ArgumentParser(prog="zeppelin", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="plan one global batch with several strategies")
+    add_setup_args(p)
+    add_workload_args(p)
+    p.add_argument("--strategy", nargs="+", default=list(STRATEGIES),
+                   help=f"strategies to compare: {list(STRATEGIES)}")
+    p.add_argument("--cp-size", type=int, default=None, help="static-cp group size")
+    p.add_argument("--max-seqlen-per-rank", type=int, default=None,
+                   help="hybrid-dp / megatron-hybrid-cp: Megatron's --max-seqlen-per-dp-cp-rank")
+    p.add_argument("--validate", action="store_true", help="also run Plan.validate()")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_plan)
+    for register in _extra_commands():
+        register(sub)
+    return parser
+
+
+def _extra_commands():
+    """Subcommands owned by other layers (bench, simulate, calibrate)."""
+    from megatron_zeppelin import bench
+
+    return [bench.register]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, ConfigError, FileNotFoundError) as exc:
+        print(f"zeppelin {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

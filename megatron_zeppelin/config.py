@@ -1,0 +1,359 @@
+"""Configuration a user edits: model dims, cluster topology, hardware profile, planner options.
+
+Every dataclass here is frozen and validated on construction; YAML files are loaded strictly:
+an unknown key, a wrong type or an out-of-range value raises ``ConfigError`` naming the file,
+the key, the value and what is allowed. Bare names (``llama-7b``) resolve to the YAML files
+shipped under ``configs/``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from megatron_zeppelin import env
+from megatron_zeppelin.plan import Topology
+
+OVERLONG_POLICIES = ("error", "split", "drop")
+
+
+class ConfigError(ValueError):
+    """A configuration value or file is invalid; the message names the key and the valid range."""
+
+
+def _require(cond: bool, what: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"{what}={value!r} is invalid: expected {allowed}")
+
+
+def _positive(what: str, value: Any) -> None:
+    _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+             what, value, "a positive number")
+
+
+def _positive_int(what: str, value: Any) -> None:
+    _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+             what, value, "a positive integer")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Transformer dimensions (Megatron names). ``num_query_groups`` < heads means GQA/MQA."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int | None = None
+    ffn_hidden_size: int | None = None
+    kv_channels: int | None = None
+    vocab_size: int = 32000
+    swiglu: bool = True
+    bytes_per_element: int = 2
+    num_experts: int | None = None
+    moe_router_topk: int = 1
+
+    def __post_init__(self) -> None:
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                    "bytes_per_element", "moe_router_topk"):
+            _positive_int(f"model.{key}", getattr(self, key))
+        for key in ("num_query_groups", "ffn_hidden_size", "kv_channels", "num_experts"):
+            if getattr(self, key) is not None:
+                _positive_int(f"model.{key}", getattr(self, key))
+        _require(self.num_attention_heads % self.kv_heads == 0, "model.num_query_groups",
+                 self.num_query_groups, f"a divisor of num_attention_heads={self.num_attention_heads}")
+        if self.kv_channels is None:
+            _require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
+                     self.hidden_size, f"a multiple of num_attention_heads={self.num_attention_heads}"
+                     " (or set kv_channels)")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Node type and count. Bandwidths are per direction: NVLink per GPU, NIC per NIC.
+
+    ``gpu_to_nic[i]`` is the NIC GPU ``i`` of a node sends inter-node traffic through
+    (its static affinity); by default GPUs are spread evenly over the NICs.
+    """
+
+    name: str
+    gpus_per_node: int
+    nics_per_node: int
+    nvlink_gbyte_per_s: float
+    nic_gbit_per_s: float
+    nvlink_latency_us: float = 3.0
+    nic_latency_us: float = 8.0
+    nodes: int = 1
+    gpu_to_nic: tuple[int, ...] | None = None
+    gpu_memory_gib: float = 80.0
+    hardware: str = "h100"
+
+    def __post_init__(self) -> None:
+        for key in ("gpus_per_node", "nics_per_node", "nodes"):
+            _positive_int(f"cluster.{key}", getattr(self, key))
+        for key in ("nvlink_gbyte_per_s", "nic_gbit_per_s", "gpu_memory_gib"):
+            _positive(f"cluster.{key}", getattr(self, key))
+        for key in ("nvlink_latency_us", "nic_latency_us"):
+            value = getattr(self, key)
+            _require(isinstance(value, (int, float)) and value >= 0, f"cluster.{key}", value,
+                     "a number >= 0")
+        if self.gpu_to_nic is None:
+            spread = tuple(i * self.nics_per_node // self.gpus_per_node
+                           for i in range(self.gpus_per_node))
+            object.__setattr__(self, "gpu_to_nic", spread)
+        else:
+            object.__setattr__(self, "gpu_to_nic", tuple(self.gpu_to_nic))
+        _require(len(self.gpu_to_nic) == self.gpus_per_node, "cluster.gpu_to_nic",
+                 list(self.gpu_to_nic), f"a list of {self.gpus_per_node} NIC indices")
+        bad = [n for n in self.gpu_to_nic if not (isinstance(n, int) and 0 <= n < self.nics_per_node)]
+        _require(not bad, "cluster.gpu_to_nic", list(self.gpu_to_nic),
+                 f"NIC indices in [0, {self.nics_per_node})")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def nic_byte_per_s(self) -> float:
+        return self.nic_gbit_per_s * 1e9 / 8
+
+    @property
+    def nvlink_byte_per_s(self) -> float:
+        return self.nvlink_gbyte_per_s * 1e9
+
+    def with_nodes(self, nodes: int) -> "ClusterSpec":
+        return dataclasses.replace(self, nodes=nodes)
+
+    def topology(self, tp: int = 1) -> Topology:
+        """Planner ranks: one per tensor-parallel group (``tp`` GPUs) of each node."""
+        _require(self.gpus_per_node % tp == 0, "tensor_model_parallel_size", tp,
+                 f"a divisor of gpus_per_node={self.gpus_per_node}")
+        return Topology(nodes=self.nodes, gpus_per_node=self.gpus_per_node // tp)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Achieved throughputs of one GPU (or CPU rank), with where the numbers come from.
+
+    ``attention_tflops`` maps a per-call query length to achieved causal attention forward
+    TFLOP/s; lengths in between interpolate on log(length), outside clamp to the ends.
+    """
+
+    name: str
+    gemm_tflops: float
+    attention_tflops: tuple[tuple[int, float], ...]
+    attention_bwd_ratio: float = 2.5
+    kernel_overhead_us: float = 8.0
+    p2p_gbyte_per_s: float | None = None
+    p2p_latency_us: float | None = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        _positive("hardware.gemm_tflops", self.gemm_tflops)
+        _positive("hardware.attention_bwd_ratio", self.attention_bwd_ratio)
+        _require(self.kernel_overhead_us >= 0, "hardware.kernel_overhead_us",
+                 self.kernel_overhead_us, "a number >= 0")
+        table = self.attention_tflops
+        if isinstance(table, Mapping):
+            table = tuple(sorted(table.items()))
+        table = tuple((int(length), float(tflops)) for length, tflops in table)
+        _require(len(table) > 0, "hardware.attention_tflops", table,
+                 "a non-empty map {length: TFLOP/s}")
+        for length, tflops in table:
+            _require(length > 0 and tflops > 0, "hardware.attention_tflops", {length: tflops},
+                     "positive lengths and positive TFLOP/s")
+        object.__setattr__(self, "attention_tflops", tuple(sorted(table)))
+        for key in ("p2p_gbyte_per_s", "p2p_latency_us"):
+            if getattr(self, key) is not None:
+                _require(getattr(self, key) >= 0, f"hardware.{key}", getattr(self, key),
+                         "a number >= 0")
+
+    def attention_flops_per_s(self, length: float) -> float:
+        """Achieved attention FLOP/s for a call whose query chunk has ``length`` tokens."""
+        table = self.attention_tflops
+        if length <= table[0][0]:
+            return table[0][1] * 1e12
+        for (l0, t0), (l1, t1) in zip(table, table[1:]):
+            if length <= l1:
+                w = (math.log(length) - math.log(l0)) / (math.log(l1) - math.log(l0))
+                return (t0 + w * (t1 - t0)) * 1e12
+        return table[-1][1] * 1e12
+
+
+@dataclass(frozen=True)
+class ZeppelinConfig:
+    """Planner options (``zeppelin:`` section of a training YAML, ``--zeppelin-*`` flags).
+
+    max_seqlen: longest document accepted (Megatron's ``--seq-length``); None: what the pool
+        can hold.
+    capacity_tokens_per_gpu: attention-layout tokens a rank may hold; None derives it as
+        ``capacity_factor`` x (batch tokens / ranks), at least the longest sequence's share.
+    overlong: what to do with a document longer than ``max_seqlen`` (or the pool): ``error``
+        (default), ``split`` into documents of at most that length, ``drop``. What ``split``
+        and ``drop`` did is counted in the plan's ``OverlongReport``.
+    routing / remap: switch the routing and remapping layers (ablations, comparisons).
+    balance_slack: relative overload accepted before a sequence is sharded further.
+    """
+
+    max_seqlen: int | None = None
+    capacity_tokens_per_gpu: int | None = None
+    capacity_factor: float = 2.0
+    overlong: str = "error"
+    routing: bool = True
+    remap: bool = True
+    balance_slack: float = 0.05
+
+    def __post_init__(self) -> None:
+        for key in ("max_seqlen", "capacity_tokens_per_gpu"):
+            if getattr(self, key) is not None:
+                _positive_int(f"zeppelin.{key}", getattr(self, key))
+        _require(isinstance(self.capacity_factor, (int, float)) and self.capacity_factor >= 1.0,
+                 "zeppelin.capacity_factor", self.capacity_factor, "a number >= 1.0")
+        _require(self.overlong in OVERLONG_POLICIES, "zeppelin.overlong", self.overlong,
+                 f"one of {list(OVERLONG_POLICIES)}")
+        _require(0.0 <= self.balance_slack <= 1.0, "zeppelin.balance_slack", self.balance_slack,
+                 "a number in [0, 1]")
+
+
+# ----------------------------------------------------------------------------- YAML loading
+
+def _coerce(cls_name: str, key: str, hint: Any, value: Any) -> Any:
+    """Convert a YAML scalar/list to the annotated type, or raise naming the key."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+        return _coerce(cls_name, key, hint, value)
+    if hint is bool:
+        _require(isinstance(value, bool), f"{cls_name}.{key}", value, "true or false")
+        return value
+    if hint is int:
+        _require(isinstance(value, int) and not isinstance(value, bool), f"{cls_name}.{key}",
+                 value, "an integer")
+        return value
+    if hint is float:
+        _require(isinstance(value, (int, float)) and not isinstance(value, bool),
+                 f"{cls_name}.{key}", value, "a number")
+        return float(value)
+    if hint is str:
+        _require(isinstance(value, str), f"{cls_name}.{key}", value, "a string")
+        return value
+    if typing.get_origin(hint) is tuple:
+        if isinstance(value, Mapping):
+            return tuple(value.items())
+        _require(isinstance(value, (list, tuple)), f"{cls_name}.{key}", value, "a list")
+        return tuple(tuple(v) if isinstance(v, list) else v for v in value)
+    return value
+
+
+def from_dict(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
+    """Build dataclass ``cls`` from a mapping, rejecting unknown keys and wrong types."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where or cls.__name__}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ConfigError(f"{where or cls.__name__}: unknown key(s) {unknown}; valid keys: {names}")
+    kwargs = {k: _coerce(cls.__name__, k, hints[k], v) for k, v in data.items()}
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [k for k in required if k not in kwargs]
+    if missing:
+        raise ConfigError(f"{where or cls.__name__}: missing required key(s) {missing}")
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}" if where else str(exc)) from None
+
+
+def configs_dir() -> Path:
+    """The shipped ``configs/`` folder (``ZEPPELIN_CONFIGS`` overrides)."""
+    override = env.configs_dir()
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parent.parent / "configs"
+
+
+def resolve_config_path(name_or_path: str | os.PathLike, kind: str) -> Path:
+    """A path as given, or ``configs/<kind>/<name>.yaml`` for a bare name."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.exists():
+            raise ConfigError(f"{kind} config file {str(path)!r} does not exist")
+        return path
+    candidate = configs_dir() / kind / f"{name_or_path}.yaml"
+    if not candidate.exists():
+        shipped = sorted(p.stem for p in (configs_dir() / kind).glob("*.yaml"))
+        raise ConfigError(f"unknown {kind} config {str(name_or_path)!r}; shipped: {shipped}"
+                          " (or give a path to a YAML file)")
+    return candidate
+
+
+def read_yaml(path: Path) -> dict:
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a YAML mapping at top level, got {type(data).__name__}")
+    return data
+
+
+def load_model(name_or_path: str | os.PathLike) -> ModelSpec:
+    path = resolve_config_path(name_or_path, "models")
+    return from_dict(ModelSpec, read_yaml(path), where=str(path))
+
+
+def load_hardware(name_or_path: str | os.PathLike) -> HardwareProfile:
+    path = resolve_config_path(name_or_path, "hardware")
+    return from_dict(HardwareProfile, read_yaml(path), where=str(path))
+
+
+def load_cluster(name_or_path: str | os.PathLike, nodes: int | None = None) -> ClusterSpec:
+    path = resolve_config_path(name_or_path, "clusters")
+    cluster = from_dict(ClusterSpec, read_yaml(path), where=str(path))
+    return cluster.with_nodes(nodes) if nodes is not None else cluster
+
+
+def load_zeppelin(data: Mapping[str, Any] | None, where: str = "zeppelin") -> ZeppelinConfig:
+    return from_dict(ZeppelinConfig, data or {}, where=where)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the planner, cost model and simulator need, loaded together."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    hardware: HardwareProfile
+    zeppelin: ZeppelinConfig = field(default_factory=ZeppelinConfig)
+    tp: int = 1
+
+
+def load_setup(model: str, cluster: str, nodes: int | None = None, hardware: str | None = None,
+               zeppelin: ZeppelinConfig | None = None, tp: int = 1) -> Setup:
+    """Load model + cluster (+ the cluster's hardware profile unless ``hardware`` is given)."""
+    cluster_spec = load_cluster(cluster, nodes)
+    cluster_spec.topology(tp)  # validates tp against gpus_per_node
+    return Setup(model=load_model(model), cluster=cluster_spec,
+                 hardware=load_hardware(hardware or cluster_spec.hardware),
+                 zeppelin=zeppelin or ZeppelinConfig(), tp=tp)

@@ -1,0 +1,252 @@
+"""Cost model: FLOPs, bytes and time per sequence and tier; crossover chunk lengths.
+
+Notation (per rank, i.e. per tensor-parallel group): a query heads, g KV heads, d head dim,
+h hidden, f FFN, B bytes per element, L layers. All times are seconds for a whole training
+step of the sequence (forward + backward, all layers).
+
+* Attention forward FLOPs of a causal sequence of s tokens: 2*a*d*s^2 (QK^T and PV, halved by
+  the causal mask); backward costs ``attention_bwd_ratio`` x the forward time.
+* Linear forward FLOPs per token: 2*(h*(a+2g)*d + a*d*h + m*h*f) with m = 3 for SwiGLU (2
+  otherwise); MoE multiplies the FFN part by top-k. Forward + backward = 3x forward.
+* A zigzag ring over G ranks runs G steps; per step each rank computes 2*a*d*(s/G)^2 forward
+  FLOPs and sends the KV of s/G tokens, (s/G)*2*g*d*B bytes per layer (backward sends KV and
+  dKV, so a step moves 3x the forward bytes in total). Communication is hidden when a step's
+  compute exceeds its transfer; that defines the crossover chunk length of each tier.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from megatron_zeppelin.config import ClusterSpec, HardwareProfile, ModelSpec
+from megatron_zeppelin.plan import Plan, Tier
+
+FWD_BWD_LINEAR = 3.0  # backward of a GEMM is two GEMMs of the forward's size
+RING_BYTES_FWD_BWD = 3.0  # forward sends KV; backward sends KV and dKV
+
+
+@dataclass(frozen=True)
+class Link:
+    """One transfer path: bytes/s and seconds of latency per message."""
+
+    byte_per_s: float
+    latency_s: float
+
+    def time(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.byte_per_s
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-rank costs of sequences for one model on one cluster and hardware profile."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    hardware: HardwareProfile
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.model.num_attention_heads % self.tp or self.cluster.gpus_per_node % self.tp:
+            raise ValueError(f"tensor_model_parallel_size={self.tp} must divide "
+                             f"num_attention_heads={self.model.num_attention_heads} and "
+                             f"gpus_per_node={self.cluster.gpus_per_node}")
+
+    # ------------------------------------------------------------------ dimensions
+    @property
+    def heads(self) -> int:
+        return self.model.num_attention_heads // self.tp
+
+    @property
+    def kv_heads(self) -> int:
+        return max(1, self.model.kv_heads // self.tp)
+
+    def kv_bytes(self, tokens: float) -> float:
+        """Bytes of K and V for ``tokens`` tokens, one layer."""
+        return tokens * 2 * self.kv_heads * self.model.head_dim * self.model.bytes_per_element
+
+    def qkvo_bytes(self, tokens: float) -> float:
+        """Bytes of q, k, v in and the attention output back, one layer, forward."""
+        m = self.model
+        return tokens * (2 * self.heads + 2 * self.kv_heads) * m.head_dim * m.bytes_per_element
+
+    # ------------------------------------------------------------------ compute
+    def attention_flops(self, seqlen: float) -> float:
+        """Causal attention forward FLOPs of one sequence, one layer."""
+        return 2.0 * self.heads * self.model.head_dim * seqlen * seqlen
+
+    def attention_time(self, seqlen: float, ring: int = 1) -> float:
+        """Forward + backward attention compute of one rank's share of a sequence.
+
+        With ``ring`` > 1 the share is 1/ring of the sequence's work, run as ring-step calls
+        whose query length is seqlen/ring; the achieved FLOP/s depends on that length.
+        """
+        hw = self.hardware
+        chunk = seqlen / ring
+        per_layer = self.attention_flops(seqlen) / ring / hw.attention_flops_per_s(chunk)
+        return per_layer * (1.0 + hw.attention_bwd_ratio) * self.model.num_layers
+
+    def attention_times(self, seqlens: Sequence[int]) -> list[float]:
+        """``attention_time(s)`` of many whole sequences at once (same interpolation, numpy)."""
+        s = np.asarray(seqlens, dtype=np.float64)
+        table = self.hardware.attention_tflops
+        flops_per_s = np.interp(np.log(s), np.log([length for length, _ in table]),
+                                [tflops * 1e12 for _, tflops in table])
+        per_layer = 2.0 * self.heads * self.model.head_dim * s * s / flops_per_s
+        scale = (1.0 + self.hardware.attention_bwd_ratio) * self.model.num_layers
+        return (per_layer * scale).tolist()
+
+    def linear_flops_per_token(self) -> float:
+        """Forward FLOPs per token of one layer's linear modules (QKV, proj, MLP)."""
+        m = self.model
+        d, h = m.head_dim, m.hidden_size
+        ffn_mats = 3 if m.swiglu else 2
+        experts = m.moe_router_topk if m.num_experts else 1
+        qkv_proj = h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h
+        mlp = ffn_mats * h * m.ffn * experts / self.tp
+        return 2.0 * (qkv_proj + mlp)
+
+    def linear_time(self, tokens: float) -> float:
+        """Forward + backward time of the linear modules and the LM head for ``tokens`` tokens."""
+        m = self.model
+        flops = tokens * (self.linear_flops_per_token() * m.num_layers
+                          + 2.0 * m.hidden_size * m.vocab_size / self.tp)
+        return FWD_BWD_LINEAR * flops / (self.hardware.gemm_tflops * 1e12)
+
+    # ------------------------------------------------------------------ communication
+    def link(self, tier: Tier, routed: bool = False) -> Link:
+        """The path a ring step of ``tier`` uses; routed inter-node steps use every NIC."""
+        key = (int(tier), routed)
+        cache = self.__dict__.setdefault("_links", {})
+        if key not in cache:
+            cache[key] = self._make_link(tier, routed)
+        return cache[key]
+
+    def _make_link(self, tier: Tier, routed: bool) -> Link:
+        c = self.cluster
+        nvlink = Link(c.nvlink_byte_per_s, c.nvlink_latency_us * 1e-6)
+        if tier == Tier.INTRA:
+            return nvlink
+        nic = Link(c.nic_byte_per_s, c.nic_latency_us * 1e-6)
+        if not routed or c.nics_per_node == 1:
+            return nic
+        # dispatch (P-1)/P over NVLink, all P NICs in parallel, combine (P-1)/P over NVLink
+        p = c.nics_per_node
+        per_byte = 1.0 / (p * c.nic_byte_per_s) + 2.0 * (p - 1) / p / c.nvlink_byte_per_s
+        routed_link = Link(1.0 / per_byte, nic.latency_s + 2.0 * nvlink.latency_s)
+        return routed_link if routed_link.byte_per_s > nic.byte_per_s else nic
+
+    def ring_step_comm_time(self, seqlen: float, ring: int, tier: Tier, routed: bool) -> float:
+        """Forward + backward transfer time of one ring step, all layers."""
+        link = self.link(tier, routed)
+        per_layer = RING_BYTES_FWD_BWD * self.kv_bytes(seqlen / ring) / link.byte_per_s
+        return (per_layer + 2 * link.latency_s) * self.model.num_layers
+
+    def ring_bytes(self, seqlen: float, ring: int) -> float:
+        """Bytes one rank sends over a whole ring (forward + backward, all layers)."""
+        if ring == 1:
+            return 0.0
+        steps = ring - 1
+        return RING_BYTES_FWD_BWD * self.kv_bytes(seqlen / ring) * steps * self.model.num_layers
+
+    def task_time(self, seqlen: float, ring: int, tier: Tier, routed: bool = True) -> float:
+        """One rank's time for its share of a sequence, counting ring traffic not hidden.
+
+        A ring of G ranks computes G steps; the transfer of step i overlaps the compute of
+        step i, so each of the G-1 transfer steps exposes max(0, comm - compute).
+        """
+        compute = self.attention_time(seqlen, ring)
+        if ring == 1:
+            return compute
+        step_compute = compute / ring
+        step_comm = self.ring_step_comm_time(seqlen, ring, tier, routed)
+        return compute + (ring - 1) * max(0.0, step_comm - step_compute)
+
+    def crossover_chunk(self, tier: Tier, routed: bool = False) -> int:
+        """Smallest per-rank chunk (tokens) whose ring-step compute hides its transfer.
+
+        Analytically c ~ g*B*F/(a*bw) (x 3/3.5 for forward + backward); solved numerically
+        because the achieved attention FLOP/s F depends on the chunk length.
+        """
+        if tier == Tier.LOCAL:
+            return 0
+        lo, hi = 1, 1 << 26
+        if self._step_hidden(hi, tier, routed) is False:
+            return hi
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._step_hidden(mid, tier, routed):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _step_hidden(self, chunk: int, tier: Tier, routed: bool) -> bool:
+        ring = 2
+        seqlen = chunk * ring
+        step_compute = self.attention_time(seqlen, ring) / ring
+        return step_compute >= self.ring_step_comm_time(seqlen, ring, tier, routed)
+
+
+@dataclass(frozen=True)
+class PlanEstimate:
+    """Estimated per-rank times (seconds per training step) and bytes of one plan.
+
+    attention_s / linear_s: per rank, summed over waves. step_s: the step time the plan
+    implies (slowest rank per phase; waves add up). Bytes are forward + backward, all layers.
+    """
+
+    attention_s: tuple[float, ...]
+    linear_s: tuple[float, ...]
+    step_s: float
+    ring_cross_node_bytes: float
+    remap_cross_node_bytes: float
+    remap_bytes: float
+
+    @staticmethod
+    def imbalance(values: tuple[float, ...]) -> float:
+        mean = sum(values) / len(values)
+        return max(values) / mean if mean > 0 else 1.0
+
+
+def estimate_plan(plan: Plan, cost: CostModel, routed: bool = True) -> PlanEstimate:
+    """Per-rank attention and linear time of ``plan`` and the bytes it moves across nodes."""
+    world, waves = plan.topology.world_size, plan.num_waves
+    att = [[0.0] * world for _ in range(waves)]
+    for task in plan.tasks:
+        t = cost.task_time(plan.seqlens[task.seq], len(task.ring), task.tier, routed)
+        for rank in task.ring:
+            att[task.wave][rank] += t
+    remapped = plan.linear != plan.attention
+    lin = [[0.0] * world for _ in range(waves)]
+    if remapped:
+        lin[0] = [cost.linear_time(n) for n in plan.linear_tokens()]
+    else:
+        for task in plan.tasks:
+            for rank in task.ring:
+                lin[task.wave][rank] += cost.linear_time(plan.seqlens[task.seq] / len(task.ring))
+    if remapped:
+        step = sum(max(a) for a in att) + sum(max(li) for li in lin)
+    else:
+        step = sum(max(a + li for a, li in zip(aw, lw)) for aw, lw in zip(att, lin))
+    per_token = 2.0 * cost.qkvo_bytes(1) * cost.model.num_layers  # forward and backward
+    moved = sum(t.end - t.start for t in plan.transfers if t.src != t.dst)
+    return PlanEstimate(
+        attention_s=tuple(map(sum, zip(*att))), linear_s=tuple(map(sum, zip(*lin))),
+        step_s=step, ring_cross_node_bytes=ring_cross_node_bytes(plan, cost),
+        remap_cross_node_bytes=plan.remap_cross_node_tokens() * per_token,
+        remap_bytes=moved * per_token)
+
+
+def ring_cross_node_bytes(plan: Plan, cost: CostModel) -> float:
+    """Bytes the plan's rings send between nodes (forward + backward, all layers)."""
+    node = plan.topology.node_of
+    total = 0.0
+    for task in plan.tasks:
+        if task.tier != Tier.INTER:
+            continue
+        ring = task.ring
+        hops = sum(node(a) != node(b) for a, b in zip(ring, ring[1:] + ring[:1]))
+        total += hops * cost.ring_bytes(plan.seqlens[task.seq], len(ring))
+    return total

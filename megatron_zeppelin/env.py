@@ -1,0 +1,50 @@
+"""Every environment variable the package reads, read here and nowhere else.
+
+ZEPPELIN_CONFIGS           folder to resolve bare config names against (default: repo configs/)
+ZEPPELIN_ROUTER_BACKEND    ``auto`` (default), ``cpp`` or ``python``: which router implementation
+ZEPPELIN_ATTENTION_BACKEND ``auto`` (default), ``torch``, ``flash_attn`` or ``te``
+ZEPPELIN_P2P_TIMEOUT_S     seconds a ring/remap exchange may wait on a peer (default 300)
+MEGATRON_LM_PATH           a Megatron-LM checkout, for the patch test and apply script
+"""
+from __future__ import annotations
+
+import os
+
+ROUTER_BACKENDS = ("auto", "cpp", "python")
+ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "te")
+
+
+def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = os.environ.get(name, default).strip().lower() or default
+    if value not in allowed:
+        raise ValueError(f"environment variable {name}={value!r} is invalid: expected one of "
+                         f"{list(allowed)}")
+    return value
+
+
+def configs_dir() -> str | None:
+    return os.environ.get("ZEPPELIN_CONFIGS") or None
+
+
+def router_backend() -> str:
+    return _choice("ZEPPELIN_ROUTER_BACKEND", "auto", ROUTER_BACKENDS)
+
+
+def attention_backend() -> str:
+    return _choice("ZEPPELIN_ATTENTION_BACKEND", "auto", ATTENTION_BACKENDS)
+
+
+def p2p_timeout_s() -> float:
+    raw = os.environ.get("ZEPPELIN_P2P_TIMEOUT_S", "300")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"environment variable ZEPPELIN_P2P_TIMEOUT_S={raw!r} is invalid: "
+                         "expected a positive number of seconds")
+    return value
+
+
+def megatron_lm_path() -> str | None:
+    return os.environ.get("MEGATRON_LM_PATH") or None

@@ -1,0 +1,308 @@
+"""The Plan: the contract between the planner and the runtime.
+
+Data flows one way: sequence lengths -> planner -> ``Plan`` -> runtime / simulator.
+
+A plan places one global batch of variable-length sequences on a pool of ranks
+(``Topology``: nodes x ranks per node; a rank is one GPU, or one tensor-parallel group):
+
+* attention layout: every sequence has exactly one ``AttentionTask``. A task whose ring has one
+  rank is LOCAL (the whole sequence on that rank); otherwise the sequence is zigzag-split into
+  2G chunks over its ring of G global ranks (ring position p holds chunks p and 2G-1-p), and the
+  ring is INTRA (one node) or INTER (several nodes). A rank's attention buffer is
+  ``[tokens, heads, head_dim]`` in ``Plan.attention[rank]`` order: ring groups sorted by the
+  global key (wave, tier, first task), inside a group its sequences in task order, each as
+  ``[chunk p, chunk 2G-1-p]``.
+* linear layout: ``Plan.linear[rank]`` lists the token ranges a rank holds for the linear modules
+  (QKV/MLP), balanced by token count. ``Plan.transfers`` is the remap between the two layouts.
+
+Only the standard library is used here, so plans can be built and checked anywhere.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
+
+
+class Tier(enum.IntEnum):
+    """Attention queue of a sequence, in the order a rank runs them."""
+
+    INTER = 0  # ring across nodes
+    INTRA = 1  # ring over NVLink inside one node
+    LOCAL = 2  # whole sequence on one rank
+
+
+class PlanError(ValueError):
+    """A plan breaks the contract (lost or duplicated tokens, bad ring, capacity exceeded)."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A pool of ``nodes x gpus_per_node`` ranks; global rank = node * gpus_per_node + local."""
+
+    nodes: int
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        for key in ("nodes", "gpus_per_node"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"topology {key}={value!r} is invalid: expected an integer >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def node_ranks(self, node: int) -> range:
+        return range(node * self.gpus_per_node, (node + 1) * self.gpus_per_node)
+
+    def tier_of(self, ring: tuple[int, ...]) -> Tier:
+        if len(ring) == 1:
+            return Tier.LOCAL
+        first = ring[0] // self.gpus_per_node
+        if all(r // self.gpus_per_node == first for r in ring):
+            return Tier.INTRA
+        return Tier.INTER
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise unless a process group of ``world_size`` ranks matches this topology."""
+        if world_size != self.world_size:
+            raise ValueError(f"world size {world_size} does not match the topology: "
+                             f"{self.nodes} nodes x {self.gpus_per_node} ranks per node = "
+                             f"{self.world_size}")
+
+
+class Segment(NamedTuple):
+    """Token range ``[start, end)`` of sequence ``seq``."""
+
+    seq: int
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+def zigzag_bounds(length: int, ring_size: int) -> tuple[int, ...]:
+    """The 2G+1 boundaries of the 2G zigzag chunks of a sequence (sizes differ by <= 1)."""
+    n = 2 * ring_size
+    return tuple(i * length // n for i in range(n + 1))
+
+
+def zigzag_segments(seq: int, length: int, ring_size: int, position: int) -> tuple[Segment, ...]:
+    """The segments ring position ``position`` holds: ``(chunk p, chunk 2G-1-p)``, or the whole."""
+    if ring_size == 1:
+        return (Segment(seq, 0, length),)
+    n = 2 * ring_size
+    mirror = n - 1 - position
+    return (Segment(seq, position * length // n, (position + 1) * length // n),
+            Segment(seq, mirror * length // n, (mirror + 1) * length // n))
+
+
+def zigzag_share(length: int, ring_size: int, position: int) -> int:
+    """Tokens ring position ``position`` holds under the zigzag split (O(1))."""
+    if ring_size == 1:
+        return length
+    n = 2 * ring_size
+    mirror = n - 1 - position
+    return ((position + 1) * length // n - position * length // n
+            + (mirror + 1) * length // n - mirror * length // n)
+
+
+def zigzag_share_bound(length: int, ring_size: int) -> int:
+    """An upper bound on any position's zigzag share: 2 * ceil(length / 2G) (O(1))."""
+    if ring_size == 1:
+        return length
+    return 2 * -(-length // (2 * ring_size))
+
+
+class AttentionTask(NamedTuple):
+    """Sequence ``seq`` attended on ``ring`` (global ranks in ring order) in ``wave``.
+
+    Waves run one after another with a barrier between them (Megatron's hybrid CP groups);
+    Zeppelin plans use a single wave. (A NamedTuple: immutable and cheap to build in bulk.)
+    """
+
+    seq: int
+    ring: tuple[int, ...]
+    tier: Tier
+    wave: int = 0
+
+
+class RingGroup(NamedTuple):
+    """Tasks that share a ring and a wave: one fused varlen attention call per ring step."""
+
+    key: tuple[int, int, int]  # (wave, tier, index of the first task): the global order
+    ring: tuple[int, ...]
+    tier: Tier
+    wave: int
+    seqs: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class OverlongReport:
+    """What the overlong policy did; nothing is dropped or split without being counted here."""
+
+    policy: str = "error"
+    dropped_sequences: int = 0
+    dropped_tokens: int = 0
+    split_sequences: int = 0
+    split_pieces: int = 0
+
+
+class Transfer(NamedTuple):
+    """Tokens ``[start, end)`` of ``seq`` move from ``src``'s linear buffer at ``src_offset``
+    to ``dst``'s attention buffer at ``dst_offset`` (the reverse for the attention output)."""
+
+    src: int
+    dst: int
+    seq: int
+    start: int
+    end: int
+    src_offset: int
+    dst_offset: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One global batch placed on the pool. ``tasks[i]`` attends sequence ``i``.
+
+    seqlens: planned sequences (after the overlong policy), tokens each.
+    sources: per planned sequence, the input document and token range it comes from
+        (``Segment(doc, start, end)``); a ``split`` policy maps several sequences to one doc.
+    linear: per rank, the token ranges of its linear (token-balanced) layout, in buffer order.
+    capacity: attention-layout tokens a rank may hold.
+    """
+
+    strategy: str
+    topology: Topology
+    seqlens: tuple[int, ...]
+    sources: tuple[Segment, ...]
+    tasks: tuple[AttentionTask, ...]
+    linear: tuple[tuple[Segment, ...], ...]
+    capacity: int
+    overlong: OverlongReport = OverlongReport()
+    plan_time_s: float = 0.0
+
+    # ------------------------------------------------------------------ derived views
+    @cached_property
+    def ring_groups(self) -> tuple[RingGroup, ...]:
+        """All ring groups of the plan in the global order every rank follows."""
+        members: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        for task in self.tasks:
+            members.setdefault((task.wave, task.ring), []).append(task.seq)
+        tier_of = self.topology.tier_of
+        groups = []
+        for (wave, ring), seqs in members.items():
+            tier = tier_of(ring)
+            groups.append(RingGroup((wave, int(tier), seqs[0]), ring, tier, wave, tuple(seqs)))
+        groups.sort(key=lambda g: g.key)
+        return tuple(groups)
+
+    @cached_property
+    def rank_groups(self) -> tuple[tuple[RingGroup, ...], ...]:
+        """Per rank, the ring groups it takes part in, in global order."""
+        per_rank: list[list[RingGroup]] = [[] for _ in range(self.topology.world_size)]
+        for group in self.ring_groups:
+            for rank in group.ring:
+                per_rank[rank].append(group)
+        return tuple(tuple(g) for g in per_rank)
+
+    @cached_property
+    def attention(self) -> tuple[tuple[Segment, ...], ...]:
+        """Per rank, the token ranges of its attention buffer, in buffer order."""
+        out: list[list[Segment]] = [[] for _ in range(self.topology.world_size)]
+        lengths = self.seqlens
+        for group in self.ring_groups:
+            size = len(group.ring)
+            if size == 1:
+                out[group.ring[0]].extend(Segment(seq, 0, lengths[seq]) for seq in group.seqs)
+                continue
+            for pos, rank in enumerate(group.ring):
+                for seq in group.seqs:
+                    out[rank].extend(zigzag_segments(seq, lengths[seq], size, pos))
+        return tuple(tuple(segs) for segs in out)
+
+    def attention_tokens(self) -> list[int]:
+        return [sum(end - start for _, start, end in segs) for segs in self.attention]
+
+    def linear_tokens(self) -> list[int]:
+        return [sum(end - start for _, start, end in segs) for segs in self.linear]
+
+    @property
+    def num_waves(self) -> int:
+        return 1 + max((t.wave for t in self.tasks), default=0)
+
+    def tier_counts(self) -> dict[str, int]:
+        counts = {tier.name.lower(): 0 for tier in Tier}
+        for task in self.tasks:
+            counts[task.tier.name.lower()] += 1
+        return counts
+
+    @cached_property
+    def transfers(self) -> tuple[Transfer, ...]:
+        """The remap from the linear layout to the attention layout, sorted by (src, dst, dst_offset)."""
+        att = _pieces_by_seq(self.attention, len(self.seqlens))
+        lin = _pieces_by_seq(self.linear, len(self.seqlens))
+        out: list[Transfer] = []
+        for seq in range(len(self.seqlens)):
+            out.extend(_intersect(seq, lin[seq], att[seq]))
+        out.sort(key=lambda t: (t.src, t.dst, t.dst_offset))
+        return tuple(out)
+
+    def remap_matrix(self) -> list[list[int]]:
+        """tokens[src][dst] moved from src's linear layout to dst's attention layout (src != dst)."""
+        n = self.topology.world_size
+        matrix = [[0] * n for _ in range(n)]
+        for t in self.transfers:
+            if t.src != t.dst:
+                matrix[t.src][t.dst] += t.end - t.start
+        return matrix
+
+    def remap_cross_node_tokens(self) -> int:
+        node = self.topology.node_of
+        return sum(t.end - t.start for t in self.transfers if node(t.src) != node(t.dst))
+
+    def validate(self) -> "Plan":
+        """Check the contract; raise ``PlanError`` naming the first violation. Returns self."""
+        from megatron_zeppelin import plan_checks  # kept apart to keep this file short
+
+        plan_checks.check_plan(self)
+        return self
+
+
+def _pieces_by_seq(layout: tuple[tuple[Segment, ...], ...], num_seqs: int
+                   ) -> list[list[tuple[int, int, int, int]]]:
+    """Per sequence, the (start, end, rank, buffer offset) of every piece, sorted by start."""
+    pieces: list[list[tuple[int, int, int, int]]] = [[] for _ in range(num_seqs)]
+    for rank, segs in enumerate(layout):
+        offset = 0
+        for seq, start, end in segs:
+            pieces[seq].append((start, end, rank, offset))
+            offset += end - start
+    for p in pieces:
+        p.sort()
+    return pieces
+
+
+def _intersect(seq: int, lin: list[tuple[int, int, int, int]],
+               att: list[tuple[int, int, int, int]]) -> list[Transfer]:
+    """Overlaps of two sorted tilings of one sequence, as transfers from linear to attention."""
+    out: list[Transfer] = []
+    i = j = 0
+    while i < len(lin) and j < len(att):
+        ls, le, lr, lo = lin[i]
+        as_, ae, ar, ao = att[j]
+        start, end = max(ls, as_), min(le, ae)
+        if start < end:
+            out.append(Transfer(lr, ar, seq, start, end, lo + start - ls, ao + start - as_))
+        if le <= ae:
+            i += 1
+        else:
+            j += 1
+    return out

@@ -1,0 +1,182 @@
+"""Baseline strategies behind the same Plan interface.
+
+* static CP (TE / Megatron ``--context-parallel-size``): the pool is DP x CP; documents are
+  token-balanced over DP replicas and every document is zigzag-split over its replica's
+  whole CP group of consecutive ranks. TE pads a document shorter than 2*CP to 2*CP tokens; a
+  plan holds no padding, so such a document is split over s//2 ranks of its group instead
+  (a negligible deviation that favours the baseline).
+* hybrid DP: each document gets the fewest ranks that hold it within ``max_seqlen_per_rank``
+  tokens each (1 when it fits), consecutive ranks inside a node, whole nodes beyond; placed
+  longest first on the ranks with the least estimated work (attention + linear).
+* Megatron hybrid CP: megatron-core's own ``BalancedCPScheduler`` (hybrid_cp_schedule.py)
+  forms the groups; each group becomes a wave, run one after another with a barrier.
+
+Both take Megatron's ``--max-seqlen-per-dp-cp-rank`` as ``max_seqlen_per_rank``; by default the
+value Megatron's docs suggest starting from: longest document / CP size (one node here).
+
+Baselines have one layout: the linear modules run on the attention layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Sequence
+
+from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.plan import AttentionTask, Plan, Topology, zigzag_share, zigzag_share_bound
+from megatron_zeppelin.plan_checks import wave_tokens
+from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble,
+                                              grow_derived_capacity, prepare, smallest_share)
+
+
+def _task(topology: Topology, seq: int, ring: Sequence[int], wave: int = 0) -> AttentionTask:
+    ring = tuple(ring)
+    return AttentionTask(seq=seq, ring=ring, tier=topology.tier_of(ring), wave=wave)
+
+
+def default_cp_size(batch: Batch) -> int:
+    """Smallest divisor of the pool, at least one node, whose groups hold the longest document."""
+    topo = batch.topology
+    longest = max(batch.seqlens)
+    for cp in range(min(topo.gpus_per_node, topo.world_size), topo.world_size + 1):
+        if topo.world_size % cp == 0 and zigzag_share_bound(longest, cp) <= batch.capacity:
+            return cp
+    return topo.world_size
+
+
+@grow_derived_capacity
+def plan_static_cp(seqlens: Sequence[int], cost: CostModel,
+                   config: ZeppelinConfig = ZeppelinConfig(), cp_size: int | None = None) -> Plan:
+    """Every document zigzag over its DP replica's whole CP group (TE/Megatron CP)."""
+    batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
+    world = batch.topology.world_size
+    cp = cp_size or default_cp_size(batch)
+    if cp < 1 or world % cp:
+        raise ValueError(f"cp_size={cp} is invalid: expected a divisor of the pool size {world}")
+    replicas = [(0, r) for r in range(world // cp)]
+    rank_tokens = [0] * world
+    tasks: list[AttentionTask | None] = [None] * len(batch.seqlens)
+    for seq in sorted(range(len(batch.seqlens)), key=lambda i: -batch.seqlens[i]):
+        seqlen = batch.seqlens[seq]
+        tokens, replica = heapq.heappop(replicas)
+        group = range(replica * cp, (replica + 1) * cp)
+        ring = tuple(sorted(sorted(group, key=rank_tokens.__getitem__)[:max(1, seqlen // 2)]))
+        for r in ring:
+            rank_tokens[r] += seqlen // len(ring)
+        tasks[seq] = _task(batch.topology, seq, ring)
+        heapq.heappush(replicas, (tokens + seqlen, replica))
+    return assemble(f"static-cp(cp={cp})", batch, tasks, None)
+
+
+def default_max_seqlen_per_rank(batch: Batch) -> int:
+    """Megatron's suggested ``--max-seqlen-per-dp-cp-rank``: the longest document over a
+    node-sized CP group, at least the mean tokens per rank, at most the capacity."""
+    topo = batch.topology
+    suggested = max(-(-max(batch.seqlens) // topo.gpus_per_node),
+                    -(-batch.total_tokens // topo.world_size))
+    longer = {s for s in batch.seqlens if s > suggested}  # give each of them a legal span
+    return min(batch.capacity, max([suggested, *(smallest_share(s, topo) for s in longer)]))
+
+
+@grow_derived_capacity
+def plan_hybrid_dp(seqlens: Sequence[int], cost: CostModel,
+                   config: ZeppelinConfig = ZeppelinConfig(),
+                   max_seqlen_per_rank: int | None = None) -> Plan:
+    """Fewest ranks that hold each document, greedy on estimated work, longest first."""
+    batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
+    topo = batch.topology
+    per_rank = max_seqlen_per_rank or default_max_seqlen_per_rank(batch)
+    loads = [0.0] * topo.world_size
+    tokens = [0] * topo.world_size
+    tasks: list[AttentionTask | None] = [None] * len(batch.seqlens)
+    for seq in sorted(range(len(batch.seqlens)), key=lambda i: -batch.seqlens[i]):
+        seqlen = batch.seqlens[seq]
+        k = _fewest_ranks(seqlen, per_rank, topo)
+        room = batch.capacity - zigzag_share_bound(seqlen, k)
+        ring = _least_loaded_block(loads, tokens, room, k, topo)
+        if ring is None:
+            raise CapacityError(f"hybrid-dp: no {k} rank(s) have room for sequence {seq} "
+                                f"({seqlen} tokens) within the capacity {batch.capacity}")
+        work = cost.task_time(seqlen, k, topo.tier_of(ring), routed=False) + \
+            cost.linear_time(seqlen / k)
+        for pos, r in enumerate(ring):
+            loads[r] += work
+            tokens[r] += zigzag_share(seqlen, k, pos)
+        tasks[seq] = _task(topo, seq, ring)
+    return assemble("hybrid-dp", batch, tasks, None)
+
+
+def _fewest_ranks(seqlen: int, capacity: int, topo: Topology) -> int:
+    """Fewest ranks (within a node, else whole nodes) whose zigzag shares fit the capacity."""
+    for k in range(1, topo.gpus_per_node + 1):
+        if zigzag_share_bound(seqlen, k) <= capacity and (k == 1 or seqlen >= 2 * k):
+            return k
+    for nodes in range(2, topo.nodes + 1):
+        k = nodes * topo.gpus_per_node
+        if zigzag_share_bound(seqlen, k) <= capacity:
+            return k
+    raise CapacityError(f"a sequence of {seqlen} tokens does not fit the pool at "
+                        f"{capacity} tokens per rank")
+
+
+def _least_loaded_block(loads: list[float], tokens: list[int], room: int, k: int,
+                        topo: Topology) -> tuple[int, ...] | None:
+    """k consecutive ranks inside one node (k <= ranks per node), else whole nodes, each with
+    at most ``room`` tokens already; the block whose busiest rank has the least work."""
+    gpn = topo.gpus_per_node
+    if k <= gpn:
+        starts = [n * gpn + i for n in range(topo.nodes) for i in range(gpn - k + 1)]
+    else:
+        starts = [n * gpn for n in range(topo.nodes - k // gpn + 1)]
+    starts = [s for s in starts if max(tokens[s:s + k]) <= room]
+    if not starts:
+        return None
+    best = min(starts, key=lambda s: (max(loads[s:s + k]), s))
+    return tuple(range(best, best + k))
+
+
+class _PoolGroup:
+    """What ``BalancedCPScheduler`` reads of its DPxCP process group: only its size."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@grow_derived_capacity
+def plan_megatron_hybrid_cp(seqlens: Sequence[int], cost: CostModel,
+                            config: ZeppelinConfig = ZeppelinConfig(),
+                            max_seqlen_per_rank: int | None = None) -> Plan:
+    """Megatron-core's hybrid CP: groups from its ``BalancedCPScheduler``, one wave each."""
+    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+
+    batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
+    topo = batch.topology
+    per_rank = max_seqlen_per_rank or default_max_seqlen_per_rank(batch)
+    scheduler = BalancedCPScheduler(max_seq_len_per_rank=per_rank,
+                                    dp_cp_group=_PoolGroup(topo.world_size))
+    _, id_groups = scheduler.get_groups_and_subsamples(list(enumerate(batch.seqlens)), None)
+    tasks: list[AttentionTask | None] = [None] * len(batch.seqlens)
+    for wave, per_rank in enumerate(id_groups):
+        members: dict[int, list[int]] = {}
+        for rank, sample_ids in enumerate(per_rank):
+            for sid in sample_ids:
+                members.setdefault(sid, []).append(rank)
+        for sid, ranks in members.items():
+            if tasks[sid] is not None:
+                raise RuntimeError(f"BalancedCPScheduler placed sample {sid} in two groups")
+            if len(ranks) > 1 and batch.seqlens[sid] < 2 * len(ranks):
+                ranks = ranks[:max(1, batch.seqlens[sid] // 2)]  # TE pads; see the docstring
+            tasks[sid] = _task(topo, sid, sorted(ranks), wave)
+    missing = [i for i, t in enumerate(tasks) if t is None]
+    if missing:
+        raise RuntimeError(f"BalancedCPScheduler left samples {missing[:8]} unscheduled")
+    plan = assemble("megatron-hybrid-cp", batch, tasks, None)
+    # Megatron runs every sub-sample as its own micro-batch, so what it bounds is tokens per
+    # sub-sample (max_seqlen_per_rank), not per rank and wave: record the peak it reached.
+    peak = max(max(per_rank) for per_rank in wave_tokens(plan))
+    return dataclasses.replace(plan, capacity=max(plan.capacity, peak))
+

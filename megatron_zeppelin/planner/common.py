@@ -1,0 +1,176 @@
+"""What every strategy shares: input checks, capacity, the overlong policy, plan assembly."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from megatron_zeppelin.config import OVERLONG_POLICIES, ZeppelinConfig
+from megatron_zeppelin.plan import (AttentionTask, OverlongReport, Plan, Segment, Topology,
+                                    zigzag_share_bound)
+
+
+class CapacityError(ValueError):
+    """The batch cannot be placed within the capacity (tokens per rank); names the limit."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Planner input after checks: sequences to place and where they come from.
+
+    seqlens: sequences after the overlong policy; sources[i] = (document, start, end).
+    capacity: attention-layout tokens a rank may hold.
+    """
+
+    topology: Topology
+    seqlens: tuple[int, ...]
+    sources: tuple[Segment, ...]
+    capacity: int
+    report: OverlongReport
+    started: float
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.seqlens)
+
+
+def check_lengths(seqlens: Sequence[int]) -> tuple[int, ...]:
+    """Reject an empty batch and lengths that are not positive integers, naming the item."""
+    lengths = tuple(seqlens)
+    if not lengths:
+        raise ValueError("empty batch: expected at least one sequence length")
+    for i, length in enumerate(lengths):
+        if isinstance(length, bool) or not isinstance(length, int) and not (
+                hasattr(length, "__index__")):
+            raise ValueError(f"sequence {i} has length {length!r}: expected a positive integer")
+        if int(length) < 1:
+            raise ValueError(f"sequence {i} has length {int(length)}: expected a positive integer "
+                             "(zero and negative lengths are invalid)")
+    return tuple(int(x) for x in lengths)
+
+
+def resolve_capacity(seqlens: tuple[int, ...], topology: Topology, config: ZeppelinConfig) -> int:
+    """The configured capacity, or ``capacity_factor`` x the mean tokens per rank, raised if
+    needed so that every sequence has a legal span (tiny batches on large pools)."""
+    if config.capacity_tokens_per_gpu is not None:
+        return config.capacity_tokens_per_gpu
+    capacity = max(1, math.ceil(config.capacity_factor * sum(seqlens) / topology.world_size))
+    longer = {s for s in seqlens if s > capacity}  # only these need a multi-rank span
+    return max([capacity, *(smallest_share(s, topology) for s in longer)])
+
+
+def smallest_share(seqlen: int, topology: Topology) -> int:
+    """Fewest tokens per rank any legal span gives ``seqlen``: k ranks of one node or whole
+    nodes, with at least 2 tokens per rank for a zigzag split."""
+    gpn = topology.gpus_per_node
+    spans = [k for k in range(1, gpn + 1)]
+    spans += [m * gpn for m in range(2, topology.nodes + 1)]
+    return min(zigzag_share_bound(seqlen, g) for g in spans if g == 1 or seqlen >= 2 * g)
+
+
+def pool_limit(world: int, capacity: int) -> int:
+    """Longest sequence the pool holds: zigzag over every rank, each share within ``capacity``
+    (by ``zigzag_share_bound``, so the exact shares fit too)."""
+    return capacity if world == 1 else 2 * world * (capacity // 2)
+
+
+def apply_overlong(seqlens: tuple[int, ...], limit: int, policy: str, why: str = "the limit"
+                   ) -> tuple[tuple[int, ...], tuple[Segment, ...], OverlongReport]:
+    """Apply the overlong policy to sequences longer than ``limit`` tokens; count what it did."""
+    if policy not in OVERLONG_POLICIES:
+        raise ValueError(f"overlong policy {policy!r} is invalid: expected one of "
+                         f"{list(OVERLONG_POLICIES)}")
+    lengths: list[int] = []
+    sources: list[Segment] = []
+    dropped = dropped_tokens = split = pieces = 0
+    for doc, length in enumerate(seqlens):
+        if length <= limit:
+            lengths.append(length)
+            sources.append(Segment(doc, 0, length))
+        elif policy == "error":
+            raise ValueError(f"sequence {doc} has {length} tokens, more than {why} allows "
+                             f"({limit} tokens); raise it, or set the overlong policy to 'split' "
+                             "or 'drop'")
+        elif policy == "drop":
+            dropped += 1
+            dropped_tokens += length
+        else:
+            k = math.ceil(length / limit)
+            bounds = [i * length // k for i in range(k + 1)]
+            for start, end in zip(bounds, bounds[1:]):
+                lengths.append(end - start)
+                sources.append(Segment(doc, start, end))
+            split += 1
+            pieces += k
+    if not lengths:
+        raise ValueError(f"every sequence of the batch was dropped as overlong ({dropped} "
+                         f"sequences, {dropped_tokens} tokens; {why} is {limit} tokens)")
+    report = OverlongReport(policy, dropped, dropped_tokens, split, pieces)
+    return tuple(lengths), tuple(sources), report
+
+
+def prepare(seqlens: Sequence[int], topology: Topology, config: ZeppelinConfig) -> Batch:
+    """Check the lengths, apply the overlong policy and fix the capacity.
+
+    A document is overlong when it exceeds ``max_seqlen`` or, with a configured capacity,
+    what the pool holds; a derived capacity always grows to hold every document.
+    """
+    started = time.perf_counter()
+    lengths = check_lengths(seqlens)
+    limit, why = config.max_seqlen or 0, "max_seqlen"
+    if config.capacity_tokens_per_gpu is not None:
+        pool = pool_limit(topology.world_size, config.capacity_tokens_per_gpu)
+        if not limit or pool < limit:
+            limit, why = pool, "the pool limit (ranks x capacity)"
+    if limit:
+        planned, sources, report = apply_overlong(lengths, limit, config.overlong, why)
+    else:
+        planned, sources = lengths, tuple(Segment(i, 0, n) for i, n in enumerate(lengths))
+        report = OverlongReport(config.overlong)
+    capacity = resolve_capacity(planned, topology, config)
+    if sum(planned) > topology.world_size * capacity:
+        raise CapacityError(f"the batch has {sum(planned)} tokens but the pool holds at most "
+                         f"{topology.world_size * capacity} ({topology.world_size} ranks x "
+                         f"capacity {capacity}); raise capacity_tokens_per_gpu or add ranks")
+    return Batch(topology, planned, sources, capacity, report, started)
+
+
+def grow_derived_capacity(plan_fn: Callable[..., Plan]) -> Callable[..., Plan]:
+    """Decorate a strategy: when a greedy placement cannot meet a *derived* capacity (the
+    default; tight on tiny batches over large pools), grow it by half and plan again, up to 4
+    times. A configured capacity is the user's limit: its ``CapacityError`` propagates."""
+    @functools.wraps(plan_fn)
+    def plan(seqlens, cost, config: ZeppelinConfig = ZeppelinConfig(), **options) -> Plan:
+        for attempt in range(5):
+            try:
+                return plan_fn(seqlens, cost, config, **options)
+            except CapacityError:
+                if config.capacity_tokens_per_gpu is not None or attempt == 4:
+                    raise
+                config = dataclasses.replace(config, capacity_factor=config.capacity_factor * 1.5)
+        raise AssertionError("unreachable")
+
+    return plan
+
+
+Layout = tuple[tuple[Segment, ...], ...]
+
+
+def assemble(strategy: str, batch: Batch, tasks: list[AttentionTask],
+             balance: Callable[[Layout, Topology], Layout] | None) -> Plan:
+    """Build the Plan. ``balance`` derives the linear layout from the attention layout;
+    ``None`` keeps the attention layout for the linear modules too (no remapping)."""
+    draft = Plan(strategy=strategy, topology=batch.topology, seqlens=batch.seqlens,
+                 sources=batch.sources, tasks=tuple(tasks), linear=(), capacity=batch.capacity,
+                 overlong=batch.report)
+    layout = draft.attention if balance is None else balance(draft.attention, batch.topology)
+    plan = Plan(strategy=strategy, topology=batch.topology, seqlens=batch.seqlens,
+                sources=batch.sources, tasks=draft.tasks, linear=layout,
+                capacity=batch.capacity, overlong=batch.report,
+                plan_time_s=time.perf_counter() - batch.started)
+    plan.__dict__["ring_groups"] = draft.ring_groups  # same tasks: reuse the cached views
+    plan.__dict__["attention"] = draft.attention
+    return plan

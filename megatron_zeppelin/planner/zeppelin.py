@@ -1,0 +1,341 @@
+"""Zeppelin's hierarchical sequence partitioner (paper s.4; design brief s.5).
+
+Two levels, longest sequence first, balancing estimated attention time (not tokens):
+
+1. Inter-node step: a sequence whose work (or tokens) one node cannot take within the
+   per-rank target W* = total/N (1 + slack) spans the fewest whole nodes that bring its
+   per-rank time (compute plus ring traffic not hidden, routed over all NICs) under W*.
+   It goes to the least-loaded nodes. Every other sequence goes whole to the least-loaded
+   node with room (LPT with a heap).
+2. Intra-node step, per node: inter-node shares first (every GPU of the node in the ring);
+   then a sequence stays LOCAL on the least-loaded GPU with room when its time is under W*,
+   otherwise it is ringed over the fewest GPUs of the node that bring it under W* (INTRA).
+
+Sharded sequences use the zigzag split. Per-rank attention tokens never exceed the capacity.
+The linear layout is token-balanced (``linear_layout.balance_linear``) unless remap is off.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.plan import (AttentionTask, Plan, Tier, zigzag_share,
+                                    zigzag_share_bound)
+from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble,
+                                              grow_derived_capacity, prepare)
+from megatron_zeppelin.planner.linear_layout import balance_linear
+
+
+@dataclass
+class _Placement:
+    """Working state shared by the two steps (mutable, private to one planning call)."""
+
+    batch: Batch
+    cost: CostModel
+    routed: bool
+    target: float  # per-rank attention time every rank should stay under
+    local_time: list[float]
+    slack: float  # relative peak increase accepted to use a smaller span
+    total_work: float  # sum of the local attention times of the batch
+    overhead: float = 0.0  # exposed ring traffic of the inter-node spans chosen so far
+
+    @property
+    def gpn(self) -> int:
+        return self.batch.topology.gpus_per_node
+
+    def fits(self, seqlen: int, ring: int) -> bool:
+        return (ring == 1 or seqlen >= 2 * ring) and \
+            zigzag_share_bound(seqlen, ring) <= self.batch.capacity
+
+    def span_time(self, seqlen: int, ring: int, tier: Tier) -> float:
+        return self.cost.task_time(seqlen, ring, tier, self.routed)
+
+
+@grow_derived_capacity
+def plan_zeppelin(seqlens: Sequence[int], cost: CostModel,
+                  config: ZeppelinConfig = ZeppelinConfig()) -> Plan:
+    """Place one global batch (``seqlens``: tokens per document) with Zeppelin's partitioner."""
+    batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
+    local_time = cost.attention_times(batch.seqlens)
+    world = batch.topology.world_size
+    total = sum(local_time)
+    state = _Placement(batch, cost, config.routing, total / world * (1.0 + config.balance_slack),
+                       local_time, config.balance_slack, total)
+    order = sorted(range(len(batch.seqlens)), key=lambda i: -batch.seqlens[i])
+    inter, per_node = assign_nodes(state, order)
+    tasks: list[AttentionTask | None] = [None] * len(batch.seqlens)
+    nodes, leftovers = [], []
+    for node in range(batch.topology.nodes):
+        placed, left, gpus = assign_gpus(state, node, inter, per_node[node])
+        nodes.append(gpus)
+        leftovers.extend(left)
+        for task in placed:
+            tasks[task.seq] = task
+    for task in place_leftovers(state, leftovers, nodes):
+        tasks[task.seq] = task
+    return assemble("zeppelin", batch, tasks, balance_linear if config.remap else None)
+
+
+# ---------------------------------------------------------------------------- inter-node step
+
+def assign_nodes(state: _Placement, order: list[int]
+                 ) -> tuple[dict[int, tuple[int, ...]], list[list[int]]]:
+    """Sequences to nodes. Returns (inter-node seq -> its nodes, per node its whole sequences)."""
+    topo, seqlens, local_time = state.batch.topology, state.batch.seqlens, state.local_time
+    room, target, capacity = state.gpn * state.batch.capacity, state.target, state.batch.capacity
+    heap = [(0.0, node) for node in range(topo.nodes)]
+    tokens = [0] * topo.nodes
+    inter: dict[int, tuple[int, ...]] = {}
+    per_node: list[list[int]] = [[] for _ in range(topo.nodes)]
+    for seq in order:
+        seqlen, seconds = seqlens[seq], local_time[seq]
+        load, node = heap[0]
+        if seconds <= target and seqlen <= capacity and tokens[node] + seqlen <= room:
+            per_node[node].append(seq)  # fast path: a short sequence to the least-loaded node
+            tokens[node] += seqlen
+            heapq.heapreplace(heap, (load + seconds, node))
+            continue
+        span = choose_node_span(state, sorted(load for load, _ in heap), seqlen, seconds)
+        share = -(-seqlen // span)
+        chosen = _pop_nodes(heap, tokens, share, room, span, seq, state.gpn)
+        if span == 1:
+            per_node[chosen[0][1]].append(seq)
+            work = seconds
+        else:
+            inter[seq] = tuple(sorted(node for _, node in chosen))
+            work = state.span_time(seqlen, span * state.gpn, Tier.INTER) * state.gpn
+            state.overhead += max(0.0, work * span - seconds)
+        for load, node in chosen:
+            tokens[node] += share
+            heapq.heappush(heap, (load + work, node))
+    return inter, per_node
+
+
+def choose_node_span(state: _Placement, node_loads: list[float], seqlen: int, seconds: float
+                     ) -> int:
+    """How many nodes a sequence spans: the fewest whose projected makespan stays under the
+    target, else the fewest within the slack of the lowest one (spans on a geometric grid).
+
+    Projected makespan of m nodes = max(peak, mean): the peak is (load of the m-th
+    least-loaded node + the sequence's work per node) per GPU, on one node at least the
+    sequence's best per-rank time there; the mean is the whole batch's work plus the ring
+    traffic left exposed so far and by this span, per rank. Exposed inter-node traffic is
+    wasted time that raises every rank's load, so a wider span must earn it.
+    """
+    gpn, nodes, world = state.gpn, state.batch.topology.nodes, state.batch.topology.world_size
+    floor = (state.total_work + state.overhead) / world
+    peaks: list[tuple[float, int]] = []
+    one = _best_node_time(state, seqlen, seconds)
+    if one < float("inf"):
+        peaks.append((max((node_loads[0] + seconds) / gpn, one, floor), 1))
+    for span in _span_grid(nodes):
+        if state.fits(seqlen, span * gpn):
+            per_rank = state.span_time(seqlen, span * gpn, Tier.INTER)
+            wasted = max(0.0, per_rank * span * gpn - seconds) / world
+            peaks.append((max(node_loads[span - 1] / gpn + per_rank, floor + wasted), span))
+    if not peaks:
+        raise CapacityError(f"a sequence of {seqlen} tokens cannot be placed: no span of ranks keeps "
+                         f"every rank within the capacity {state.batch.capacity} tokens")
+    under = [span for peak, span in peaks if peak <= state.target]
+    return min(under) if under else _smallest_near_best(peaks, state.slack)
+
+
+def _span_grid(nodes: int) -> list[int]:
+    """Node counts 2..nodes: all of them up to 16, then about 12 per doubling."""
+    grid, m = [], 2
+    while m <= nodes:
+        grid.append(m)
+        m = m + 1 if m < 16 else m + max(1, m // 12)
+    if nodes >= 2 and grid[-1] != nodes:
+        grid.append(nodes)
+    return grid
+
+
+def _smallest_near_best(peaks: list[tuple[float, int]], slack: float) -> int:
+    """The smallest span whose peak is within ``slack`` of the lowest peak."""
+    best = min(peak for peak, _ in peaks)
+    return min(span for peak, span in peaks if peak <= best * (1.0 + slack))
+
+
+def _best_node_time(state: _Placement, seqlen: int, local_time: float) -> float:
+    """Per-rank time of the sequence on the fewest GPUs of one node that bring it under the
+    target, else the lowest over all spans of the node (inf if it cannot fit one node)."""
+    best = local_time if seqlen <= state.batch.capacity else float("inf")
+    for k in range(2, state.gpn + 1):
+        if state.fits(seqlen, k):
+            best = min(best, state.span_time(seqlen, k, Tier.INTRA))
+            if best <= state.target:
+                break
+    return best
+
+
+def _pop_nodes(heap: list[tuple[float, int]], tokens: list[int], share: int, room: int,
+               count: int, seq: int, gpn: int) -> list[tuple[float, int]]:
+    """Pop the ``count`` least-loaded nodes with room for ``share`` more tokens each."""
+    chosen, skipped = [], []
+    while heap and len(chosen) < count:
+        load, node = heapq.heappop(heap)
+        (chosen if tokens[node] + share <= room else skipped).append((load, node))
+    for item in skipped:
+        heapq.heappush(heap, item)
+    if len(chosen) < count:
+        raise CapacityError(f"sequence {seq} needs {count} node(s) with room for {share} tokens "
+                            f"each, found {len(chosen)} (a node holds {room} tokens at the "
+                            f"capacity of {room // gpn} tokens per GPU); raise "
+                            "capacity_tokens_per_gpu (or capacity_factor)")
+    return chosen
+
+
+# ---------------------------------------------------------------------------- intra-node step
+
+@dataclass
+class _NodeGpus:
+    """Per-GPU load (seconds) and attention tokens of one node, with a heap for LPT."""
+
+    loads: list[float]
+    tokens: list[int]
+    heap: list[tuple[float, int]]
+
+    @classmethod
+    def empty(cls, gpn: int) -> "_NodeGpus":
+        return cls([0.0] * gpn, [0] * gpn, [(0.0, g) for g in range(gpn)])
+
+    def charge(self, gpus: list[int], seqlen: int, per_rank: float) -> None:
+        """Add a task's per-rank time and zigzag share to ``gpus`` (ring order)."""
+        for p, g in enumerate(gpus):
+            self.loads[g] += per_rank
+            self.tokens[g] += zigzag_share(seqlen, len(gpus), p)
+        self.heap = [(load, g) for g, load in enumerate(self.loads)]
+        heapq.heapify(self.heap)
+
+    def place_local(self, seqlen: int, seconds: float, capacity: int) -> int | None:
+        """LPT: the least-loaded GPU with room takes the whole sequence; None if none has room."""
+        load, g = self.heap[0]
+        if self.tokens[g] + seqlen <= capacity:
+            heapq.heapreplace(self.heap, (load + seconds, g))
+        else:
+            with_room = [(lo, h) for lo, h in self.heap if self.tokens[h] + seqlen <= capacity]
+            if not with_room:
+                return None
+            load, g = min(with_room)
+            self.heap.remove((load, g))
+            self.heap.append((load + seconds, g))
+            heapq.heapify(self.heap)
+        self.loads[g] = load + seconds
+        self.tokens[g] += seqlen
+        return g
+
+
+def assign_gpus(state: _Placement, node: int, inter: dict[int, tuple[int, ...]],
+                seqs: list[int]) -> tuple[list[AttentionTask], list[int], _NodeGpus]:
+    """Place one node's work on its GPUs: inter-node shares first, then longest first.
+
+    Returns the tasks, the sequences no GPU span of this node had room for (placed later by
+    ``place_leftovers``), and the node's GPU loads.
+    """
+    ranks = state.batch.topology.node_ranks(node)
+    gpus = _NodeGpus.empty(state.gpn)
+    tasks = _place_inter_shares(state, node, inter, gpus)
+    leftovers = []
+    capacity, target = state.batch.capacity, state.target
+    seqlens, local_time = state.batch.seqlens, state.local_time
+    for seq in seqs:
+        seqlen, seconds = seqlens[seq], local_time[seq]
+        load, g = gpus.heap[0]
+        if load + seconds <= target and gpus.tokens[g] + seqlen <= capacity:
+            gpus.place_local(seqlen, seconds, capacity)  # fast path: LPT on the lightest GPU
+            tasks.append(AttentionTask(seq=seq, ring=(ranks[g],), tier=Tier.LOCAL))
+            continue
+        picked = choose_gpus(state, gpus, seqlen, seconds)
+        if picked is None:
+            leftovers.append(seq)
+        elif len(picked) == 1:
+            gpus.charge(picked, seqlen, seconds)
+            tasks.append(AttentionTask(seq=seq, ring=(ranks[picked[0]],), tier=Tier.LOCAL))
+        else:
+            gpus.charge(picked, seqlen, state.span_time(seqlen, len(picked), Tier.INTRA))
+            tasks.append(AttentionTask(seq, tuple(ranks[g] for g in picked), Tier.INTRA))
+    return tasks, leftovers, gpus
+
+
+def _place_inter_shares(state: _Placement, node: int, inter: dict[int, tuple[int, ...]],
+                        gpus: _NodeGpus) -> list[AttentionTask]:
+    """Charge this node's GPUs for the inter-node rings it is part of; emit each task once."""
+    tasks = []
+    topo, gpn = state.batch.topology, state.gpn
+    for seq, nodes in inter.items():
+        if node not in nodes:
+            continue
+        seqlen, ring_size = state.batch.seqlens[seq], len(nodes) * gpn
+        per_rank = state.span_time(seqlen, ring_size, Tier.INTER)
+        first = nodes.index(node) * gpn
+        for g in range(gpn):
+            gpus.loads[g] += per_rank
+            gpus.tokens[g] += zigzag_share(seqlen, ring_size, first + g)
+            if gpus.tokens[g] > state.batch.capacity:
+                raise CapacityError(f"node {node} GPU {g} would hold {gpus.tokens[g]} tokens of "
+                                 f"inter-node sequences, over the capacity {state.batch.capacity}"
+                                 "; raise capacity_tokens_per_gpu (or capacity_factor)")
+        if nodes[0] == node:
+            ring = tuple(r for n in nodes for r in topo.node_ranks(n))
+            tasks.append(AttentionTask(seq=seq, ring=ring, tier=Tier.INTER))
+    gpus.charge([], 0, 0.0)  # rebuild the heap from the charged loads
+    return tasks
+
+
+def choose_gpus(state: _Placement, gpus: _NodeGpus, seqlen: int, seconds: float
+                ) -> list[int] | None:
+    """The GPUs of the node a sequence runs on: the fewest (least loaded, with room) whose
+    resulting peak load is within the slack of the lowest peak any span reaches; None if no
+    span has room. Peak of k GPUs = load of the k-th least-loaded one + the per-rank time at
+    k (compute plus ring traffic not hidden), so sharding pays only when it lowers the peak.
+    """
+    order = sorted(range(state.gpn), key=gpus.loads.__getitem__)
+    options: dict[int, list[int]] = {}
+    peaks: list[tuple[float, int]] = []
+    for k in range(1, state.gpn + 1):
+        if k > 1 and seqlen < 2 * k:
+            break
+        share = zigzag_share_bound(seqlen, k)
+        room = [g for g in order if gpus.tokens[g] + share <= state.batch.capacity][:k]
+        if len(room) < k:
+            continue
+        per_rank = seconds if k == 1 else state.span_time(seqlen, k, Tier.INTRA)
+        peaks.append((gpus.loads[room[-1]] + per_rank, k))
+        options[k] = sorted(room)
+    if not peaks:
+        return None
+    return options[_smallest_near_best(peaks, state.slack)]
+
+
+def place_leftovers(state: _Placement, seqs: list[int], nodes: list[_NodeGpus]
+                    ) -> list[AttentionTask]:
+    """Sequences their node had no room for: whole on the least-loaded GPU with room anywhere,
+    else ringed over the GPUs of the node that keeps the busiest of them least loaded."""
+    tasks = []
+    topo, capacity = state.batch.topology, state.batch.capacity
+    for seq in sorted(seqs, key=lambda i: -state.batch.seqlens[i]):
+        seqlen, seconds = state.batch.seqlens[seq], state.local_time[seq]
+        spots = [(gpus.loads[g], n, g) for n, gpus in enumerate(nodes)
+                 for g in range(state.gpn) if gpus.tokens[g] + seqlen <= capacity]
+        if spots:
+            _, n, g = min(spots)
+            nodes[n].charge([g], seqlen, seconds)
+            tasks.append(AttentionTask(seq, (topo.node_ranks(n)[g],), Tier.LOCAL))
+            continue
+        options = [(max(gpus.loads[g] for g in picked), n, picked)
+                   for n, gpus in enumerate(nodes)
+                   if (picked := choose_gpus(state, gpus, seqlen, seconds)) is not None]
+        if not options:
+            raise CapacityError(f"sequence {seq} ({seqlen} tokens) fits nowhere: no GPU, and no "
+                             f"GPUs of one node, have room for it within the capacity {capacity} "
+                             "tokens per GPU; raise capacity_tokens_per_gpu (or capacity_factor)")
+        _, n, picked = min(options)
+        tier = Tier.INTRA if len(picked) > 1 else Tier.LOCAL
+        nodes[n].charge(picked, seqlen, state.span_time(seqlen, len(picked), tier))
+        ranks = topo.node_ranks(n)
+        tasks.append(AttentionTask(seq, tuple(ranks[g] for g in picked), tier))
+    return tasks

@@ -1,0 +1,58 @@
+"""megatron-zeppelin: build and install (the one build path; it also builds csrc/).
+
+    pip install torch==2.13.0 -e ".[test]"      # CPU development install
+    pip install -e ".[gpu]"                     # on a CUDA machine with its own torch
+
+The C++ router (csrc/) is compiled as ``megatron_zeppelin._router_cpp`` with pybind11.
+"""
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+try:
+    from pybind11.setup_helpers import Pybind11Extension, build_ext
+except ImportError as exc:  # pyproject.toml's build-system brings pybind11
+    raise SystemExit("building megatron-zeppelin needs pybind11 (pip install pybind11)") from exc
+
+HERE = Path(__file__).resolve().parent
+CSRC = sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.cpp"))
+
+ext_modules = [
+    Pybind11Extension(
+        "megatron_zeppelin._router_cpp",
+        CSRC,
+        include_dirs=["csrc"],
+        cxx_std=17,
+        extra_compile_args=["-O3"],
+    )
+] if CSRC else []
+
+setup(
+    name="megatron-zeppelin",
+    version="0.1.0",
+    description="Zeppelin context parallelism for Megatron-Core: hierarchical sequence "
+                "partitioning, NIC-aware routing and attention/linear remapping",
+    long_description=(HERE / "README.md").read_text() if (HERE / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_zeppelin", "megatron_zeppelin.*"]),
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": build_ext},
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+        "numpy",
+        "pyyaml>=6",
+        "tqdm",
+        "matplotlib",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6"],
+        "te": ["transformer-engine[pytorch]>=2.9,<2.12"],
+        "flash-attn": ["flash-attn>=2.6"],
+        "tensorboard": ["tensorboard"],
+    },
+    entry_points={"console_scripts": ["zeppelin=megatron_zeppelin.cli:main"]},
+    zip_safe=False,
+)

@@ -1,0 +1,107 @@
+"""Config dataclasses and strict YAML loading."""
+from pathlib import Path
+
+import pytest
+
+from megatron_zeppelin.config import (ClusterSpec, ConfigError, HardwareProfile, ModelSpec,
+                                      ZeppelinConfig, configs_dir, load_cluster, load_hardware,
+                                      load_model, load_setup)
+
+CONFIGS = configs_dir()
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "models").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_model_loads(path):
+    model = load_model(path)
+    assert model.name == path.stem
+    assert model.num_attention_heads % model.kv_heads == 0
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "clusters").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_cluster_loads_with_its_hardware(path):
+    cluster = load_cluster(path)
+    assert cluster.name == path.stem
+    assert len(cluster.gpu_to_nic) == cluster.gpus_per_node
+    load_hardware(cluster.hardware)
+
+
+def test_paper_clusters_have_the_papers_nics():
+    assert load_cluster("a800-4nic").nics_per_node == 4
+    assert load_cluster("a800-4nic").nic_gbit_per_s == 200
+    assert load_cluster("h800-8nic").nics_per_node == 8
+    assert load_cluster("h200-8nic").nic_byte_per_s == 50e9
+
+
+def test_unknown_key_names_the_key_and_the_valid_ones(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("name: x\nnum_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nhiden: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['hiden'\].*valid keys"):
+        load_model(path)
+
+
+def test_wrong_type_names_key_and_value(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("name: x\nnum_layers: two\nhidden_size: 64\nnum_attention_heads: 4\n")
+    with pytest.raises(ConfigError, match=r"ModelSpec.num_layers='two'.*integer"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_layers=0), r"model.num_layers=0"),
+    (dict(num_query_groups=3), r"num_query_groups=3.*divisor of num_attention_heads=4"),
+    (dict(hidden_size=66), r"hidden_size=66.*multiple of num_attention_heads=4"),
+])
+def test_model_rejects_bad_values(kwargs, match):
+    base = dict(name="m", num_layers=2, hidden_size=64, num_attention_heads=4)
+    with pytest.raises(ConfigError, match=match):
+        ModelSpec(**{**base, **kwargs})
+
+
+def test_cluster_rejects_bad_affinity():
+    with pytest.raises(ConfigError, match=r"gpu_to_nic=\[0, 1\].*4 NIC indices"):
+        ClusterSpec("c", 4, 2, 100, 200, gpu_to_nic=(0, 1))
+    with pytest.raises(ConfigError, match=r"NIC indices in \[0, 2\)"):
+        ClusterSpec("c", 2, 2, 100, 200, gpu_to_nic=(0, 5))
+    assert ClusterSpec("c", 8, 4, 100, 200).gpu_to_nic == (0, 0, 1, 1, 2, 2, 3, 3)
+
+
+def test_missing_required_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("name: c\ngpus_per_node: 8\n")
+    with pytest.raises(ConfigError, match="missing required key"):
+        load_cluster(path)
+
+
+def test_unknown_name_lists_shipped_configs():
+    with pytest.raises(ConfigError, match=r"unknown models config 'llama-9b'.*llama-7b"):
+        load_model("llama-9b")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_model("/nonexistent/x.yaml")
+
+
+def test_zeppelin_config_validation():
+    with pytest.raises(ConfigError, match=r"zeppelin.overlong='truncate'.*\['error', 'split', 'drop'\]"):
+        ZeppelinConfig(overlong="truncate")
+    with pytest.raises(ConfigError, match="capacity_tokens_per_gpu=0"):
+        ZeppelinConfig(capacity_tokens_per_gpu=0)
+    with pytest.raises(ConfigError, match="capacity_factor=0.5"):
+        ZeppelinConfig(capacity_factor=0.5)
+
+
+def test_hardware_interpolates_on_log_length_and_clamps():
+    hw = HardwareProfile("h", 100, {1024: 100.0, 4096: 300.0})
+    assert hw.attention_flops_per_s(10) == 100e12
+    assert hw.attention_flops_per_s(1 << 20) == 300e12
+    assert hw.attention_flops_per_s(2048) == pytest.approx(200e12)
+    with pytest.raises(ConfigError, match="attention_tflops"):
+        HardwareProfile("h", 100, {})
+
+
+def test_setup_rejects_tp_not_dividing_node():
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size=3"):
+        load_setup("llama-7b", "h200-8nic", tp=3)
+
+
+def test_nodes_override():
+    assert load_cluster("h200-8nic", nodes=16).world_size == 128
+    assert Path(configs_dir()).name == "configs"

@@ -1,0 +1,79 @@
+"""Cost model formulas, tier crossovers and plan estimates."""
+import pytest
+
+from megatron_zeppelin.cost_model import RING_BYTES_FWD_BWD, estimate_plan
+from megatron_zeppelin.plan import Tier
+from megatron_zeppelin.planner import make_plan
+
+from conftest import make_cost
+
+
+def test_attention_flops_are_causal_and_quadratic(cost_7b):
+    # 2 * a * d * s^2 for LLaMA-7B: a = 32, d = 128
+    assert cost_7b.attention_flops(1000) == 2 * 32 * 128 * 1000 ** 2
+    assert cost_7b.attention_flops(2000) == 4 * cost_7b.attention_flops(1000)
+
+
+def test_linear_flops_per_token_matches_the_formula(cost_7b):
+    h, d, a, f = 4096, 128, 32, 11008
+    assert cost_7b.linear_flops_per_token() == 2 * (h * 3 * a * d + a * d * h + 3 * h * f)
+
+
+def test_gqa_shrinks_kv_bytes_not_query_flops():
+    tiny = make_cost("gpt-tiny", "h200-8nic")  # 4 heads, 2 KV heads, head dim 16, fp32
+    assert tiny.kv_bytes(10) == 10 * 2 * 2 * 16 * 4
+    assert tiny.attention_flops(10) == 2 * 4 * 16 * 100
+
+
+def test_tensor_parallel_splits_heads():
+    full, half = make_cost(tp=1), make_cost(tp=2)
+    assert half.attention_flops(4096) == full.attention_flops(4096) / 2
+    assert half.kv_bytes(4096) == full.kv_bytes(4096) / 2
+
+
+def test_vectorised_attention_times_match_scalar(cost_7b):
+    lengths = [1, 100, 1000, 5000, 70000]
+    for length, t in zip(lengths, cost_7b.attention_times(lengths)):
+        assert t == pytest.approx(cost_7b.attention_time(length), rel=1e-12)
+
+
+def test_crossovers_order_nvlink_below_routed_below_direct_nic(cost_7b):
+    intra = cost_7b.crossover_chunk(Tier.INTRA)
+    routed = cost_7b.crossover_chunk(Tier.INTER, routed=True)
+    direct = cost_7b.crossover_chunk(Tier.INTER, routed=False)
+    assert 0 < intra < routed < direct
+    assert cost_7b.crossover_chunk(Tier.LOCAL) == 0
+    # the analytic estimate c ~ (3/3.5) * g * B * F / (a * bw) holds at the crossover
+    f = cost_7b.hardware.attention_flops_per_s(direct)
+    analytic = 3 / 3.5 * 2 * f / cost_7b.cluster.nic_byte_per_s
+    assert direct == pytest.approx(analytic, rel=0.05)
+
+
+def test_step_is_hidden_exactly_above_the_crossover(cost_7b):
+    c = cost_7b.crossover_chunk(Tier.INTER)
+    assert cost_7b._step_hidden(c, Tier.INTER, False)
+    assert not cost_7b._step_hidden(c - 1, Tier.INTER, False)
+
+
+def test_task_time_counts_exposed_traffic_only(cost_7b):
+    short, long = 1024, 1 << 18
+    assert cost_7b.task_time(short, 8, Tier.INTER, routed=False) > cost_7b.attention_time(short, 8)
+    assert cost_7b.task_time(long, 8, Tier.INTRA) == pytest.approx(cost_7b.attention_time(long, 8))
+    assert cost_7b.task_time(short, 8, Tier.INTER, routed=True) <= \
+        cost_7b.task_time(short, 8, Tier.INTER, routed=False)
+
+
+def test_ring_bytes(cost_7b):
+    assert cost_7b.ring_bytes(4096, 1) == 0
+    expected = RING_BYTES_FWD_BWD * cost_7b.kv_bytes(1024) * 3 * 32
+    assert cost_7b.ring_bytes(4096, 4) == pytest.approx(expected)
+
+
+def test_estimate_counts_cross_node_ring_hops():
+    cost = make_cost(nodes=2, gpus_per_node=2)
+    plan = make_plan("static-cp", [4096, 4096], cost, cp_size=4)
+    est = estimate_plan(plan, cost)
+    # one ring of 4 ranks over 2 nodes: 2 node-crossing hops per step, for each document
+    assert est.ring_cross_node_bytes == pytest.approx(2 * 2 * cost.ring_bytes(4096, 4))
+    assert est.remap_cross_node_bytes == 0
+    assert len(est.attention_s) == 4 and est.step_s > 0
