@@ -176,3 +176,15 @@ def test_megatron_hybrid_cp_uses_megatrons_scheduler_groups():
     # gpus_needed = 2^ceil(log2(s / 2000)): 8000 tokens need 4 ranks at least
     assert len(plan.tasks[0].ring) >= 4
     assert plan.linear == plan.attention
+
+
+def test_linear_layout_moves_the_fewest_tokens_across_nodes():
+    rng = random.Random(3)
+    for trial in range(200):
+        nodes, gpn = TOPOLOGIES[trial % len(TOPOLOGIES)]
+        plan = make_plan("zeppelin", long_tailed(rng, rng.randint(1, 60), 1 << 15),
+                         make_cost(nodes=nodes, gpus_per_node=gpn))
+        att, lin = plan.attention_tokens(), plan.linear_tokens()
+        minimum = sum(max(0, sum(att[r] for r in plan.topology.node_ranks(n)) -
+                          sum(lin[r] for r in plan.topology.node_ranks(n))) for n in range(nodes))
+        assert plan.remap_cross_node_tokens() == minimum

@@ -1,0 +1,155 @@
+"""Remapping layer: move rows between the linear (token-balanced) and attention layouts.
+
+Linear modules run on ``Plan.linear[rank]``; core attention runs on ``Plan.attention[rank]``.
+Around core attention, q, k, v go linear -> attention and the output goes back. Both are one
+``all_to_all_single`` with uneven splits over the pool's process group; the rows a rank keeps
+are copied locally. The mapping is a bijection of token positions, so the backward of one
+direction is the other direction: gradients are exact.
+
+Buffers are ``[tokens, ...]`` (e.g. q ``[tokens, heads, head_dim]``); row i of a rank's
+linear buffer is the i-th token of its ``Plan.linear[rank]`` segments, likewise for attention.
+Ranks of the plan are ranks of ``group`` (the Zeppelin pool: data x context parallel).
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_zeppelin import env
+from megatron_zeppelin.plan import Plan
+
+
+@dataclass(frozen=True)
+class RemapIndex:
+    """One rank's side of the remap, derived from the plan (same on every rank).
+
+    send_rows: rows of the linear buffer to send, grouped by destination rank in rank order.
+    send_splits / recv_splits: rows per peer rank (0 for this rank: kept rows are copied).
+    recv_rows: where received rows land in the attention buffer, grouped by source rank.
+    keep_src / keep_dst: kept rows, linear buffer -> attention buffer.
+    """
+
+    rank: int
+    linear_rows: int
+    attention_rows: int
+    send_rows: torch.Tensor
+    send_splits: tuple[int, ...]
+    recv_rows: torch.Tensor
+    recv_splits: tuple[int, ...]
+    keep_src: torch.Tensor
+    keep_dst: torch.Tensor
+
+    def cross_node_rows(self, plan: Plan) -> int:
+        """Rows this rank sends to ranks of other nodes (linear -> attention)."""
+        node = plan.topology.node_of
+        return sum(n for peer, n in enumerate(self.send_splits) if node(peer) != node(self.rank))
+
+
+def build_remap_index(plan: Plan, rank: int) -> RemapIndex:
+    """The remap of ``rank`` from ``Plan.transfers`` (sorted by (src, dst, dst_offset))."""
+    world = plan.topology.world_size
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is invalid: the plan has ranks [0, {world})")
+    send, recv, keep_src, keep_dst = [], [], [], []
+    send_splits, recv_splits = [0] * world, [0] * world
+    for t in plan.transfers:
+        rows = t.end - t.start
+        if t.src == rank and t.dst == rank:
+            keep_src.append(torch.arange(t.src_offset, t.src_offset + rows))
+            keep_dst.append(torch.arange(t.dst_offset, t.dst_offset + rows))
+        elif t.src == rank:
+            send.append(torch.arange(t.src_offset, t.src_offset + rows))
+            send_splits[t.dst] += rows
+        elif t.dst == rank:
+            recv.append(torch.arange(t.dst_offset, t.dst_offset + rows))
+            recv_splits[t.src] += rows
+    return RemapIndex(rank, plan.linear_tokens()[rank], plan.attention_tokens()[rank],
+                      _cat(send), tuple(send_splits), _cat(recv), tuple(recv_splits),
+                      _cat(keep_src), _cat(keep_dst))
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def _exchange(x: torch.Tensor, gather: torch.Tensor, send_splits: tuple[int, ...],
+              recv_splits: tuple[int, ...], scatter: torch.Tensor, keep_src: torch.Tensor,
+              keep_dst: torch.Tensor, out_rows: int, group: dist.ProcessGroup | None
+              ) -> torch.Tensor:
+    """out[scatter] = all_to_all(x[gather]); out[keep_dst] = x[keep_src]."""
+    out = x.new_empty((out_rows, *x.shape[1:]))
+    received = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    work = dist.all_to_all_single(received, x.index_select(0, gather.to(x.device)),
+                                  output_split_sizes=list(recv_splits),
+                                  input_split_sizes=list(send_splits), group=group,
+                                  async_op=True)
+    if keep_src.numel():
+        out.index_copy_(0, keep_dst.to(x.device), x.index_select(0, keep_src.to(x.device)))
+    timeout = env.p2p_timeout_s()
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        raise RuntimeError(f"remap all-to-all on rank {dist.get_rank(group)} failed: a peer of "
+                           f"the pool stopped or stalled (timeout {timeout:.0f} s, "
+                           f"ZEPPELIN_P2P_TIMEOUT_S); rows were expected from ranks "
+                           f"{[r for r, n in enumerate(recv_splits) if n]}: {exc}") from exc
+    if received.shape[0]:
+        out.index_copy_(0, scatter.to(x.device), received)
+    return out
+
+
+def _forward(x: torch.Tensor, idx: RemapIndex, group) -> torch.Tensor:
+    """Linear layout -> attention layout."""
+    return _exchange(x, idx.send_rows, idx.send_splits, idx.recv_splits, idx.recv_rows,
+                     idx.keep_src, idx.keep_dst, idx.attention_rows, group)
+
+
+def _inverse(x: torch.Tensor, idx: RemapIndex, group) -> torch.Tensor:
+    """Attention layout -> linear layout (every arrow of ``_forward`` reversed)."""
+    return _exchange(x, idx.recv_rows, idx.recv_splits, idx.send_splits, idx.send_rows,
+                     idx.keep_dst, idx.keep_src, idx.linear_rows, group)
+
+
+class _ToAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, idx: RemapIndex, group) -> torch.Tensor:
+        ctx.idx, ctx.group = idx, group
+        return _forward(x, idx, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _inverse(grad.contiguous(), ctx.idx, ctx.group), None, None
+
+
+class _ToLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, idx: RemapIndex, group) -> torch.Tensor:
+        ctx.idx, ctx.group = idx, group
+        return _inverse(x, idx, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _forward(grad.contiguous(), ctx.idx, ctx.group), None, None
+
+
+def _check_rows(x: torch.Tensor, rows: int, layout: str, rank: int) -> None:
+    if x.shape[0] != rows:
+        raise ValueError(f"rank {rank}: a {layout}-layout tensor must have {rows} rows (tokens) "
+                         f"as the plan says, got shape {tuple(x.shape)}")
+
+
+def to_attention_layout(x: torch.Tensor, idx: RemapIndex,
+                        group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``x`` [linear tokens, ...] -> [attention tokens, ...]; autograd-aware."""
+    _check_rows(x, idx.linear_rows, "linear", idx.rank)
+    return _ToAttention.apply(x.contiguous(), idx, group)
+
+
+def to_linear_layout(x: torch.Tensor, idx: RemapIndex,
+                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``x`` [attention tokens, ...] -> [linear tokens, ...]; autograd-aware."""
+    _check_rows(x, idx.attention_rows, "attention", idx.rank)
+    return _ToLinear.apply(x.contiguous(), idx, group)
