@@ -1,0 +1,72 @@
+"""NIC-aware routing of inter-node ring traffic: the one switch point between the backends.
+
+``route(topology, flows, align)`` computes a ``RouteSchedule`` with the C++ twin
+(``megatron_zeppelin._router_cpp``, built from ``csrc/`` by ``pip install -e .``) when it is
+built, else with the pure-Python reference; both return the same schedule bit for bit.
+``ZEPPELIN_ROUTER_BACKEND`` (read by ``env.router_backend()``): ``auto`` (default), ``cpp``
+(require the C++ twin) or ``python``.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Callable, Sequence
+
+from megatron_zeppelin import env
+from megatron_zeppelin.router import reference
+from megatron_zeppelin.router.reference import RouteCost, direct, evaluate
+from megatron_zeppelin.router.schedule import (Flow, RouterTopology, RouteSchedule, Slice,
+                                               build_schedule, validate_flows)
+
+__all__ = ["Flow", "RouteCost", "RouteSchedule", "RouterTopology", "Slice", "backend_name",
+           "direct", "evaluate", "route", "get_route_raw"]
+
+
+def load_cpp() -> ModuleType | None:
+    """The compiled twin, or None when it was not built."""
+    try:
+        from megatron_zeppelin import _router_cpp
+    except ImportError:
+        return None
+    return _router_cpp
+
+
+def backend_name() -> str:
+    """``"cpp"`` or ``"python"``: the backend ``route`` uses now (raises like ``route``)."""
+    choice = env.router_backend()
+    if choice == "python":
+        return "python"
+    if load_cpp() is not None:
+        return "cpp"
+    if choice == "cpp":
+        raise ImportError("ZEPPELIN_ROUTER_BACKEND=cpp but the C++ router "
+                          "megatron_zeppelin._router_cpp is not built: reinstall with "
+                          "`pip install -e .` (setup.py compiles csrc/) or set "
+                          "ZEPPELIN_ROUTER_BACKEND=python")
+    return "python"
+
+
+def get_route_raw(backend: str | None = None) -> Callable[..., tuple]:
+    """The ``route_raw`` of ``backend`` (``"cpp"``/``"python"``; None: ``backend_name()``)."""
+    backend = backend or backend_name()
+    if backend == "python":
+        return reference.route_raw
+    if backend == "cpp":
+        module = load_cpp()
+        if module is None:
+            raise ImportError("the C++ router megatron_zeppelin._router_cpp is not built: "
+                              "reinstall with `pip install -e .` (setup.py compiles csrc/)")
+        return module.route_raw
+    raise ValueError(f"router backend={backend!r} is invalid: expected 'cpp' or 'python'")
+
+
+def route(topology: RouterTopology, flows: Sequence[Flow], align: int = 1,
+          backend: str | None = None) -> RouteSchedule:
+    """Route one ring step's inter-node ``flows`` (see ``reference`` for the algorithm).
+
+    align: byte granularity of every slice (e.g. the element size in bytes); every flow's
+    nbytes must be a multiple of it. backend: None follows ``ZEPPELIN_ROUTER_BACKEND``.
+    Raises ValueError naming a bad flow; ImportError when the C++ twin is required but absent.
+    """
+    validate_flows(topology, flows, align)
+    raw = get_route_raw(backend)(*reference.make_raw_arguments(topology, flows, align))
+    return build_schedule(topology, flows, align, raw)

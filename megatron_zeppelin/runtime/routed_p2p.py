@@ -1,0 +1,263 @@
+"""Inter-node exchange of one ring step over torch.distributed: routed (three phases) or direct.
+
+Every rank of the routing pool calls ``routed_exchange`` (or ``direct_exchange``) for every
+inter-node ring step, with the same global ``flows`` list and the same ``RouteSchedule``
+(``megatron_zeppelin.router.route`` is deterministic: each rank computes it itself). A rank acts
+as source, proxy and/or destination as the schedule says; ranks with nothing to do return at
+once. The three phases of a routed step are each one ``batch_isend_irecv``:
+
+1. dispatch: source -> source proxy over NVLink (slices whose src_proxy != src);
+2. NIC: source proxy -> destination proxy, through the proxies' NICs;
+3. combine: destination proxy -> destination over NVLink (slices whose dst_proxy != dst).
+
+Tensor layouts. ``sends[f]``: the payload of flow ``f`` on its source rank, a 1-D contiguous
+tensor of ``flows[f].nbytes`` bytes (any dtype). ``recv_like[f] = (numel, dtype)`` on the
+destination rank; the result ``out[f]`` is a new 1-D contiguous tensor of that shape and dtype
+holding the sender's bytes. Slices are byte ranges ``[offset, offset + nbytes)`` of the payload
+and travel as ``uint8`` views, so ``align`` only has to divide the flow sizes. Proxies stage
+slices in ``uint8`` buffers on ``device``. These functions do not record autograd history.
+
+Ranks in ``flows`` and the schedule are ranks of ``group`` (the routing pool: node-major,
+``node * gpus_per_node + local``); P2P ops address their global ranks. With NCCL, ``group`` must
+have run a collective (e.g. a barrier) before its first exchange, as ``batch_isend_irecv``
+requires. Each phase waits at most ``timeout_s`` (default ``env.p2p_timeout_s()``) and then
+raises RuntimeError naming the step, the phase and the peer, instead of hanging.
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Mapping, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_zeppelin import env
+from megatron_zeppelin.router.schedule import Flow, RouteSchedule
+
+
+class _Op(NamedTuple):
+    """One point-to-point op of this rank: ``peer`` is a group rank, ``what`` names it."""
+
+    send: bool
+    tensor: torch.Tensor
+    peer: int
+    tag: int
+    what: str
+
+
+def routed_exchange(sends: Mapping[int, torch.Tensor],
+                    recv_like: Mapping[int, tuple[int, torch.dtype]], flows: Sequence[Flow],
+                    schedule: RouteSchedule, group: dist.ProcessGroup, *, step: int = 0,
+                    timeout_s: float | None = None,
+                    device: torch.device | str | None = None) -> dict[int, torch.Tensor]:
+    """Deliver every flow of one ring step along ``schedule`` (see the module docstring).
+
+    sends: flow index -> payload on its source rank; recv_like: flow index -> (numel, dtype)
+    on its destination rank; step: names the ring step in errors; device: where proxies stage
+    slices (None: the device of this rank's first payload, else the group's default device).
+    Returns flow index -> received tensor for the flows this rank is the destination of.
+    """
+    me = _my_rank(group)
+    _check_schedule(flows, schedule)
+    dev = _staging_device(device, sends, group)
+    src_bytes = _payload_bytes(me, flows, sends)
+    out = _allocate_outputs(me, flows, recv_like, dev)
+    plan = _RankPlan(me, flows, src_bytes, {f: t.view(torch.uint8) for f, t in out.items()}, dev)
+    plan.add_slices(schedule.slice_table)
+    timeout, peers = _resolve_timeout(timeout_s), _global_ranks(group, flows)
+    for phase, ops in (("dispatch", plan.dispatch), ("NIC", plan.nic),
+                       ("combine", plan.combine)):
+        _run_phase(ops, peers, group, timeout, f"step {step}, {phase} phase, rank {me}")
+    return out
+
+
+def direct_exchange(sends: Mapping[int, torch.Tensor],
+                    recv_like: Mapping[int, tuple[int, torch.dtype]], flows: Sequence[Flow],
+                    group: dist.ProcessGroup, *, step: int = 0, timeout_s: float | None = None,
+                    device: torch.device | str | None = None) -> dict[int, torch.Tensor]:
+    """Deliver every flow of one ring step src -> dst in one phase (no routing).
+
+    Same arguments, layouts and result as ``routed_exchange`` without the schedule.
+    """
+    me = _my_rank(group)
+    dev = _staging_device(device, sends, group)
+    src_bytes = _payload_bytes(me, flows, sends)
+    out = _allocate_outputs(me, flows, recv_like, dev)
+    ops = []
+    for f, flow in enumerate(flows):
+        if me == flow.src:
+            ops.append(_Op(True, src_bytes[f], flow.dst, f, f"send of flow {f} to rank {flow.dst}"))
+        if me == flow.dst:
+            ops.append(_Op(False, out[f].view(torch.uint8), flow.src, f,
+                           f"receive of flow {f} from rank {flow.src}"))
+    _run_phase(ops, _global_ranks(group, flows), group, _resolve_timeout(timeout_s),
+               f"step {step}, direct phase, rank {me}")
+    return out
+
+
+class _RankPlan:
+    """This rank's ops of the three phases of a routed step, built from the slice table."""
+
+    def __init__(self, me: int, flows: Sequence[Flow], src_bytes: dict[int, torch.Tensor],
+                 out_bytes: dict[int, torch.Tensor], device: torch.device) -> None:
+        self.me, self.flows, self.device = me, flows, device
+        self.src_bytes, self.out_bytes = src_bytes, out_bytes
+        self.dispatch: list[_Op] = []
+        self.nic: list[_Op] = []
+        self.combine: list[_Op] = []
+
+    def add_slices(self, table: Sequence[int]) -> None:
+        """Add this rank's ops for every slice it is src, src proxy, dst proxy or dst of."""
+        me = self.me
+        for index in range(len(table) // 5):
+            f, sp, dp, offset, nbytes = table[5 * index:5 * index + 5]
+            flow = self.flows[f]
+            if me in (flow.src, sp, dp, flow.dst):
+                self.add_slice(index, f, flow, sp, dp, slice(offset, offset + nbytes))
+
+    def add_slice(self, index: int, f: int, flow: Flow, sp: int, dp: int, span: slice) -> None:
+        """Add this rank's ops for slice ``index``: bytes ``span`` of flow ``f`` relayed
+        src -> ``sp`` -> ``dp`` -> dst (a rank is never both proxies of one slice)."""
+        me, name = self.me, f"slice {index} (flow {f}, bytes {span.start}:{span.stop})"
+        staged = None
+        if sp != flow.src and me == flow.src:
+            self.dispatch.append(_Op(True, self.src_bytes[f][span], sp, index,
+                                     f"dispatch send of {name} to rank {sp}"))
+        if sp != flow.src and me == sp:
+            staged = torch.empty(span.stop - span.start, dtype=torch.uint8, device=self.device)
+            self.dispatch.append(_Op(False, staged, flow.src, index,
+                                     f"dispatch receive of {name} from rank {flow.src}"))
+        if me == sp:
+            payload = self.src_bytes[f][span] if sp == flow.src else staged
+            self.nic.append(_Op(True, payload, dp, index, f"NIC send of {name} to rank {dp}"))
+        if me == dp:
+            staged = (self.out_bytes[f][span] if dp == flow.dst else
+                      torch.empty(span.stop - span.start, dtype=torch.uint8, device=self.device))
+            self.nic.append(_Op(False, staged, sp, index, f"NIC receive of {name} from rank {sp}"))
+        if dp != flow.dst and me == dp:
+            self.combine.append(_Op(True, staged, flow.dst, index,
+                                    f"combine send of {name} to rank {flow.dst}"))
+        if dp != flow.dst and me == flow.dst:
+            self.combine.append(_Op(False, self.out_bytes[f][span], dp, index,
+                                    f"combine receive of {name} from rank {dp}"))
+
+
+def _run_phase(ops: Sequence[_Op], global_ranks: Sequence[int], group: dist.ProcessGroup,
+               timeout_s: float, where: str) -> None:
+    """Post ``ops`` as one ``batch_isend_irecv`` and wait for all of them, at most timeout_s."""
+    if not ops:
+        return
+    p2p = [dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, global_ranks[op.peer],
+                      group, op.tag) for op in ops]
+    try:
+        works = dist.batch_isend_irecv(p2p)
+    except RuntimeError as exc:  # e.g. gloo closed the pair after an earlier timeout
+        peers = sorted({op.peer for op in ops})
+        raise RuntimeError(f"routed P2P {where}: posting ops with ranks {peers} failed: "
+                           f"{exc}") from exc
+    deadline = time.monotonic() + timeout_s
+    for index, work in enumerate(works):
+        what = (ops[index].what if len(works) == len(ops)
+                else "ops with ranks " + str(sorted({op.peer for op in ops})))
+        remaining = deadline - time.monotonic()
+        try:
+            done = remaining > 0 and work.wait(timeout=timedelta(seconds=remaining)) is not False
+        except RuntimeError as exc:  # gloo and NCCL raise on timeout (DistBackendError)
+            raise RuntimeError(f"routed P2P {where}: {what} did not complete within "
+                               f"{timeout_s:g} s (peer not participating?): {exc}") from exc
+        if not done:
+            raise RuntimeError(f"routed P2P {where}: {what} did not complete within "
+                               f"{timeout_s:g} s (peer not participating?)")
+
+
+def _my_rank(group: dist.ProcessGroup) -> int:
+    """This process's rank in ``group``; ValueError when it is not a member."""
+    me = dist.get_rank(group)
+    if me < 0:
+        raise ValueError("this process is not a member of the process group passed as `group`")
+    return me
+
+
+def _resolve_timeout(timeout_s: float | None) -> float:
+    """Seconds a phase may wait: ``timeout_s``, or ``env.p2p_timeout_s()`` when None."""
+    if timeout_s is None:
+        return env.p2p_timeout_s()
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s!r} is invalid: expected a positive number of "
+                         "seconds (or None for ZEPPELIN_P2P_TIMEOUT_S)")
+    return float(timeout_s)
+
+
+def _global_ranks(group: dist.ProcessGroup, flows: Sequence[Flow]) -> list[int]:
+    """Global rank of each group rank; ValueError when a flow names a rank outside the group."""
+    ranks = dist.get_process_group_ranks(group)
+    for f, flow in enumerate(flows):
+        if not (0 <= flow.src < len(ranks) and 0 <= flow.dst < len(ranks)):
+            raise ValueError(f"flow {f} {flow}: ranks must be in [0, {len(ranks)}), the size "
+                             "of the process group passed as `group`")
+    return ranks
+
+
+def _staging_device(device: torch.device | str | None, sends: Mapping[int, torch.Tensor],
+                    group: dist.ProcessGroup) -> torch.device:
+    """``device`` if given, else the payloads' device, else CUDA for NCCL groups, else CPU."""
+    if device is not None:
+        return torch.device(device)
+    for tensor in sends.values():
+        return tensor.device
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _payload_bytes(me: int, flows: Sequence[Flow],
+                   sends: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """``uint8`` views of this rank's payloads; ValueError on a missing or malformed one."""
+    mine = {f for f, flow in enumerate(flows) if flow.src == me}
+    if set(sends) != mine:
+        raise ValueError(f"rank {me}: sends has flows {sorted(sends)}, expected exactly the "
+                         f"flows this rank is the source of: {sorted(mine)}")
+    views = {}
+    for f, tensor in sends.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if tensor.dim() != 1 or not tensor.is_contiguous() or nbytes != flows[f].nbytes:
+            raise ValueError(f"rank {me}: sends[{f}] has shape {tuple(tensor.shape)}, "
+                             f"{nbytes} bytes: expected a 1-D contiguous tensor of "
+                             f"{flows[f].nbytes} bytes ({flows[f]})")
+        views[f] = tensor.detach().view(torch.uint8)
+    return views
+
+
+def _allocate_outputs(me: int, flows: Sequence[Flow],
+                      recv_like: Mapping[int, tuple[int, torch.dtype]],
+                      device: torch.device) -> dict[int, torch.Tensor]:
+    """Empty 1-D receive tensors; ValueError when ``recv_like`` does not match the flows."""
+    mine = {f for f, flow in enumerate(flows) if flow.dst == me}
+    if set(recv_like) != mine:
+        raise ValueError(f"rank {me}: recv_like has flows {sorted(recv_like)}, expected exactly "
+                         f"the flows this rank is the destination of: {sorted(mine)}")
+    out = {}
+    for f, (numel, dtype) in recv_like.items():
+        out[f] = torch.empty(numel, dtype=dtype, device=device)
+        if out[f].numel() * out[f].element_size() != flows[f].nbytes:
+            raise ValueError(f"rank {me}: recv_like[{f}] = ({numel}, {dtype}) holds "
+                             f"{out[f].numel() * out[f].element_size()} bytes, expected "
+                             f"{flows[f].nbytes} ({flows[f]})")
+    return out
+
+
+def _check_schedule(flows: Sequence[Flow], schedule: RouteSchedule) -> None:
+    """ValueError unless the schedule's slices tile exactly these flows."""
+    covered = [0] * len(flows)
+    table = schedule.slice_table
+    for index in range(0, len(table), 5):
+        f, offset, nbytes = table[index], table[index + 3], table[index + 4]
+        if not 0 <= f < len(flows) or offset != covered[f]:
+            raise ValueError(f"schedule slice {index // 5} (flow {f}, offset {offset}) does not "
+                             f"match the {len(flows)} flows passed: route these flows again")
+        covered[f] += nbytes
+    for f, flow in enumerate(flows):
+        if covered[f] != flow.nbytes:
+            raise ValueError(f"schedule covers {covered[f]} bytes of flow {f} {flow}: expected "
+                             f"{flow.nbytes}; route these flows again")

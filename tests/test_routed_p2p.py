@@ -1,0 +1,223 @@
+"""Routed and direct exchanges over gloo deliver the exact bytes; a silent peer times out.
+
+Two pools of gloo ranks (2 nodes x 2 ranks, 2 nodes x 4 ranks) started with
+torch.multiprocessing (forkserver). Each rank writes a JSON report;
+the test asserts on the reports, so a failure names the rank and the flow.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_zeppelin.router import Flow, RouterTopology, route
+from megatron_zeppelin.runtime.routed_p2p import direct_exchange, routed_exchange
+
+pytestmark = pytest.mark.distributed
+
+DTYPES = (torch.float32, torch.bfloat16, torch.int16, torch.float64)
+TIMEOUT_S = 1.0
+
+
+def make_topology(nodes: int, gpus: int, gpu_to_nic: tuple[int, ...]) -> RouterTopology:
+    """Latency-free links so that the router splits even the test's small flows."""
+    return RouterTopology(nodes=nodes, gpus_per_node=gpus, nics_per_node=max(gpu_to_nic) + 1,
+                          gpu_to_nic=gpu_to_nic, nvlink_byte_per_s=200e9, nvlink_latency_s=0.0,
+                          nic_byte_per_s=25e9, nic_latency_s=0.0)
+
+
+def make_flows(topology: RouterTopology, seed: int, count: int) -> list[Flow]:
+    """Random inter-node flows whose sizes are multiples of 8 bytes (every dtype used)."""
+    rng = random.Random(seed)
+    flows = []
+    while len(flows) < count:
+        src, dst = rng.randrange(topology.world_size), rng.randrange(topology.world_size)
+        if topology.node_of(src) != topology.node_of(dst):
+            flows.append(Flow(src, dst, 8 * rng.randint(1, 4096)))
+    return flows
+
+
+def make_payload(flow_index: int, flow: Flow, seed: int) -> torch.Tensor:
+    """The deterministic payload of a flow: random bytes viewed as one of DTYPES."""
+    gen = torch.Generator().manual_seed(seed * 1000 + flow_index)
+    raw = torch.randint(0, 256, (flow.nbytes,), dtype=torch.uint8, generator=gen)
+    return raw.view(DTYPES[flow_index % len(DTYPES)])
+
+
+def exchange_all(me: int, flows: list[Flow], seed: int, group, schedule=None) -> dict[int, bool]:
+    """Run one exchange; map each flow this rank receives to "bytes identical"."""
+    sends = {f: make_payload(f, flow, seed) for f, flow in enumerate(flows) if flow.src == me}
+    recv_like = {f: (flow.nbytes // DTYPES[f % len(DTYPES)].itemsize, DTYPES[f % len(DTYPES)])
+                 for f, flow in enumerate(flows) if flow.dst == me}
+    if schedule is None:
+        out = direct_exchange(sends, recv_like, flows, group, step=seed)
+    else:
+        out = routed_exchange(sends, recv_like, flows, schedule, group, step=seed)
+    return {f: out[f].dtype == DTYPES[f % len(DTYPES)] and torch.equal(
+        out[f].view(torch.uint8), make_payload(f, flows[f], seed).view(torch.uint8)) for f in out}
+
+
+def check_integrity(me: int, topology: RouterTopology, report: dict) -> None:
+    group = dist.group.WORLD
+    for seed in range(3):
+        flows = make_flows(topology, seed, count=3 * topology.world_size)
+        schedule = route(topology, flows, align=8)
+        report[f"routed{seed}"] = exchange_all(me, flows, seed, group, schedule)
+        report[f"direct{seed}"] = exchange_all(me, flows, seed, group)
+
+
+def collect_input_errors(me: int, topology: RouterTopology, report: dict) -> None:
+    """Malformed arguments raise ValueError on the calling rank before any communication."""
+    flows = [Flow(0, topology.world_size - 1, 64), Flow(topology.world_size - 1, 0, 64)]
+    schedule = route(topology, flows, align=8)
+    sends = {f: torch.zeros(16, dtype=torch.float32) for f, fl in enumerate(flows) if fl.src == me}
+    recv = {f: (16, torch.float32) for f, fl in enumerate(flows) if fl.dst == me}
+    world = dist.group.WORLD
+    calls = {
+        "wrong_schedule": lambda: routed_exchange(sends, recv, flows[:1], schedule, world),
+        "missing_send": lambda: direct_exchange({}, recv, flows, world),
+        "short_recv": lambda: direct_exchange(sends, {f: (8, torch.float32) for f in recv},
+                                              flows, world),
+        "bad_timeout": lambda: routed_exchange(sends, recv, flows, schedule, world,
+                                               timeout_s=0),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+            report[name] = None
+        except ValueError as exc:
+            report[name] = str(exc)
+
+
+def time_out_silent_peer(me: int, world: int, out_dir: Path, report: dict) -> None:
+    """The last rank is the source of flows 0 and 1 but never calls the exchange: the world-4
+    pool runs the routed exchange, the world-8 pool the direct one (gloo closes a pair after a
+    timeout, so one pool can time out only once)."""
+    silent = world - 1
+    topology = make_topology(2, world // 2, (0, 1) if world == 4 else (0, 0, 0, 1))
+    flows = [Flow(silent, 0, 1 << 16), Flow(silent, 1, 1 << 16)]
+    schedule = route(topology, flows, align=8) if world == 4 else None
+    if schedule is not None:
+        report["relayed_via_rank2"] = any(s.src_proxy == 2 for s in schedule.slices)
+    if me == silent:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(list(out_dir.glob("rank*.json"))) < silent:
+            time.sleep(0.05)
+        return
+    recv_like = {f: (flow.nbytes, torch.uint8) for f, flow in enumerate(flows) if flow.dst == me}
+    start = time.monotonic()
+    try:
+        if schedule is not None:
+            routed_exchange({}, recv_like, flows, schedule, dist.group.WORLD, step=7,
+                            timeout_s=TIMEOUT_S)
+        else:
+            direct_exchange({}, recv_like, flows, dist.group.WORLD, step=8, timeout_s=TIMEOUT_S)
+        report["error"] = None
+    except RuntimeError as exc:
+        report["error"] = str(exc)
+    report["seconds"] = time.monotonic() - start
+
+
+def worker(rank: int, world: int, init_file: str, gpus: int, gpu_to_nic: tuple[int, ...],
+           out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    report: dict = {}
+    topology = make_topology(world // gpus, gpus, gpu_to_nic)
+    collect_input_errors(rank, topology, report)
+    check_integrity(rank, topology, report)
+    dist.barrier()
+    time_out_silent_peer(rank, world, Path(out_dir), report)
+    path = Path(out_dir) / f"rank{rank}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(report, default=str))
+    path.with_suffix(".tmp").rename(path)
+    os._exit(0)  # skip process-group teardown: the timeout test leaves receives pending
+
+
+def run_pool(tmp_path: Path, world: int, gpus: int, gpu_to_nic: tuple[int, ...]) -> list[dict]:
+    """Start ``world`` gloo ranks and return their reports. The forkserver imports torch once
+    and forks the ranks from it: on 2 cores, 8 fresh interpreters would take ~10 s to start."""
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", __name__])
+    mp.start_processes(worker, args=(world, str(tmp_path / "init"), gpus, gpu_to_nic,
+                                     str(tmp_path)), nprocs=world, join=True,
+                       start_method="forkserver")
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def expected_receivers(topology: RouterTopology, seed: int) -> dict[int, list[str]]:
+    flows = make_flows(topology, seed, count=3 * topology.world_size)
+    mine: dict[int, list[str]] = {r: [] for r in range(topology.world_size)}
+    for f, flow in enumerate(flows):
+        mine[flow.dst].append(str(f))
+    return mine
+
+
+def assert_integrity(reports: list[dict], topology: RouterTopology) -> None:
+    for seed in range(3):
+        flows = make_flows(topology, seed, count=3 * topology.world_size)
+        schedule = route(topology, flows, align=8)
+        assert any(s.src_proxy != flows[s.flow].src for s in schedule.slices)
+        assert any(s.dst_proxy != flows[s.flow].dst for s in schedule.slices)
+        receivers = expected_receivers(topology, seed)
+        for rank, report in enumerate(reports):
+            for kind in ("routed", "direct"):
+                got = report[f"{kind}{seed}"]
+                assert sorted(got, key=int) == receivers[rank], (kind, seed, rank)
+                assert all(got.values()), (kind, seed, rank, got)
+
+
+def assert_input_errors(reports: list[dict], topology: RouterTopology) -> None:
+    last = len(reports) - 1
+    schedule = route(topology, [Flow(0, last, 64), Flow(last, 0, 64)], align=8)
+    first_of_flow1 = [sl.flow for sl in schedule.slices].index(1)
+    for rank, report in enumerate(reports):
+        assert report["wrong_schedule"] == (f"schedule slice {first_of_flow1} (flow 1, offset 0)"
+                                            " does not match the 1 flows passed: route these "
+                                            "flows again")
+        assert report["bad_timeout"] == ("timeout_s=0 is invalid: expected a positive number of "
+                                         "seconds (or None for ZEPPELIN_P2P_TIMEOUT_S)")
+        sources = {0: [0], last: [1]}.get(rank, [])
+        if sources:
+            assert report["missing_send"] == (
+                f"rank {rank}: sends has flows [], expected exactly the flows this rank is the "
+                f"source of: {sources}")
+            assert report["short_recv"] == (
+                f"rank {rank}: recv_like[{1 - sources[0]}] = (8, torch.float32) holds 32 bytes, "
+                f"expected 64 (Flow(src={last if rank == 0 else 0}, dst={rank}, nbytes=64))")
+        else:
+            assert report["missing_send"] is None and report["short_recv"] is None
+
+
+def test_two_nodes_of_two_ranks_deliver_and_routed_times_out(tmp_path: Path) -> None:
+    reports = run_pool(tmp_path, world=4, gpus=2, gpu_to_nic=(0, 1))
+    assert_input_errors(reports, make_topology(2, 2, (0, 1)))
+    assert_integrity(reports, make_topology(2, 2, (0, 1)))
+    assert reports[0]["relayed_via_rank2"] is True
+    for rank in (0, 1, 2):  # rank 2 proxies for rank 3, ranks 0 and 1 receive from 2 and 3
+        error = reports[rank]["error"]
+        assert re.search(rf"routed P2P step 7, (dispatch|NIC) phase, rank {rank}: .* from rank "
+                         rf"[23] did not complete within {TIMEOUT_S:g} s", error), error
+        assert TIMEOUT_S - 0.1 < reports[rank]["seconds"] < TIMEOUT_S + 2.0
+
+
+def test_two_nodes_of_four_skewed_nics_deliver_and_direct_times_out(tmp_path: Path) -> None:
+    reports = run_pool(tmp_path, world=8, gpus=4, gpu_to_nic=(0, 0, 0, 1))
+    assert_input_errors(reports, make_topology(2, 4, (0, 0, 0, 1)))
+    assert_integrity(reports, make_topology(2, 4, (0, 0, 0, 1)))
+    for rank in (0, 1):
+        error = reports[rank]["error"]
+        assert re.search(rf"routed P2P step 8, direct phase, rank {rank}: receive of flow {rank} "
+                         rf"from rank 7 did not complete within {TIMEOUT_S:g} s", error), error
+        assert TIMEOUT_S - 0.1 < reports[rank]["seconds"] < TIMEOUT_S + 2.0
+    for rank in range(2, 7):  # nothing to receive from the silent rank: they return at once
+        assert reports[rank]["error"] is None and reports[rank]["seconds"] < 1.0
