@@ -76,7 +76,9 @@ def bench_planner(args: argparse.Namespace) -> int:
 def _router_bench(args: argparse.Namespace) -> int:
     from megatron_zeppelin.router import bench as router_bench
 
-    return router_bench.run(args.rest) or 0
+    router_bench.run(["--repeats", str(args.repeats), "--seed", str(args.seed),
+                      "--nodes", *map(str, args.nodes)])
+    return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -93,6 +95,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds after which megatron's scheduler is not run again")
     q.add_argument("--seed", type=int, default=0)
     q.set_defaults(func=bench_planner)
-    r = targets.add_parser("router", help="router time and routed ring-step model")
-    r.add_argument("rest", nargs=argparse.REMAINDER)
+    r = targets.add_parser("router", help="router time (C++ vs Python) and routed ring-step model")
+    r.add_argument("--repeats", type=int, default=50)
+    r.add_argument("--nodes", type=int, nargs="+", default=[16, 128])
+    r.add_argument("--seed", type=int, default=0)
     r.set_defaults(func=_router_bench)
