@@ -46,6 +46,7 @@ setup(
         "pyyaml>=6",
         "tqdm",
         "matplotlib",
+        "psutil",  # megatron-core's dist_checkpointing needs it
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6"],

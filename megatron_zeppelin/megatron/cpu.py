@@ -1,0 +1,402 @@
+"""Run megatron-core 0.16.1 on CPU with gloo: the one place our package patches Megatron.
+
+``enable_cpu_mode()`` (called only for ``--device cpu``) bridges the CUDA assumptions megatron-core
+makes on the paths a GPT training step takes: model build, forward/backward, RoPE, the local
+``DotProductAttention``, ``DistributedDataParallel`` grad buffers, ``get_forward_backward_func()``
+schedules and the fp32 ``get_megatron_optimizer`` (Adam), gradient clipping included.
+``disable_cpu_mode()`` restores every original object. Patches, by kind:
+
+1. Global torch patches (the only two): ``torch.cuda.current_device`` -> ``torch.device("cpu")``
+   and ``torch.cuda.synchronize`` -> no-op (CPU kernels are synchronous). About forty
+   megatron-core call sites pass ``current_device()`` inline as ``device=`` inside large
+   functions, e.g. ``RotaryEmbedding.get_emb`` (moves ``inv_freq`` "to the GPU" on first use),
+   the DDP grad buffer (``_ParamAndGradBuffer.__init__``), ``GlobalMemoryBuffer.get_tensor``
+   (attention scores of ``DotProductAttention``), the tensor-parallel layers when
+   ``use_cpu_initialization=False`` and the TP/SP mappings; ``synchronize`` is called
+   unconditionally by ``dist_checkpointing`` (async writer preload), ``parallel_state`` timeout
+   updates and DDP buffer offloading. On a CPU-only torch both originals raise "Torch not
+   compiled with CUDA enabled".
+2. Narrow replacements of small megatron-core functions that are CUDA-only by construction:
+   * ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``: the "device"
+     generator is the CPU generator (``torch.get_rng_state`` / ``torch.set_rng_state``); used by
+     ``CudaRNGStatesTracker.fork`` and activation recompute (``CheckpointFunction``).
+   * ``CudaRNGStatesTracker.add``: called by ``model_parallel_cuda_manual_seed``; the original
+     reads ``torch.cuda.get_rng_state()``. Ours seeds a CPU generator state.
+   * ``CudaRNGStatesTracker.fork``: same state swapping, without the "CPU RNG state changed within
+     GPU RNG context" check, which fires on every forked init/dropout once the tracked generator
+     is the CPU one.
+   * ``transformer.utils.get_default_causal_mask`` / ``get_sliding_window_causal_mask``: create the
+     mask on "cuda"; used by ``FusedScaleMaskSoftmax`` (``DotProductAttention`` with no mask).
+   * ``rope_utils.get_pos_emb_on_this_cp_rank``: ``pin_memory=True`` + ``.cuda()``; used by RoPE
+     when Megatron's own context parallelism is > 1.
+   * ``optimizer.clip_grads.clip_grad_by_total_norm_fp32``: asserts
+     ``grad.type() == 'torch.cuda.FloatTensor'``; called by every ``optimizer.step()`` with
+     ``clip_grad > 0``.
+3. Functions whose CUDA use is a literal ``device="cuda"`` / ``.cuda()`` inline in a larger body
+   run under ``CudaToCpuMode`` (a ``TorchFunctionMode`` that redirects CUDA devices to CPU,
+   drops ``pin_memory`` and makes ``Tensor.cuda()`` the identity), only while they run:
+   ``schedules.forward_backward_no_pipelining`` (``total_num_tokens`` on "cuda"),
+   ``FP32Optimizer.__init__`` (``_scale``), ``clip_grads.get_grad_norm_fp32`` /
+   ``count_zeros_fp32`` (scratch buffers), ``utils.local_multi_tensor_l2_norm`` (its result) and
+   ``dist_checkpointing.serialization.save`` / ``load`` (``state_dict_saver`` and
+   ``exchange_utils`` build tensors on "cuda"; the torch_dist writer also needs ``psutil``).
+   The schedule being wrapped, a training step's forward/backward runs under the mode too: each
+   torch call pays a Python dispatch (~10-25% on a tiny GPT), CPU runs only.
+
+A replaced function is swapped in its defining module and in every loaded ``megatron.core``
+module that bound it by name (``from .clip_grads import clip_grad_by_total_norm_fp32``,
+``l2_norm_impl = local_multi_tensor_l2_norm``), found by identity.
+
+Not bridged (not on our path; they fail loudly): the fp16/bf16 ``MixedPrecisionOptimizer`` and
+the ``DistributedOptimizer`` (literal "cuda" buffers in ``MixedPrecisionOptimizer.__init__`` and
+``param.type() == 'torch.cuda.FloatTensor'`` checks), CUDA streams/events
+(``num_distributed_optimizer_instances > 1``, the combined 1F1B schedule, ``StragglerDetector``),
+the pipeline-parallel schedules, ``torch.autocast("cuda")`` (``enable_autocast``) and the
+``torch.compile``-decorated fused kernels (keep the ``*_fusion`` config flags off on CPU).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+SUPPORTED_MEGATRON_VERSION = "0.16.1"
+_CPU = torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- device redirect
+def _is_cuda_device(device: Any) -> bool:
+    """True for anything torch would read as a CUDA device: 'cuda', 'cuda:1', cuda device, int."""
+    if isinstance(device, str):
+        return device.split(":", 1)[0] == "cuda"
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _identity_method(args: tuple, kwargs: dict) -> Any:
+    """``Tensor.cuda(...)`` / ``Tensor.pin_memory()`` on CPU: the tensor itself."""
+    return args[0]
+
+
+def _to_method(args: tuple, kwargs: dict) -> Any:
+    """``Tensor.to(device, ...)`` with a positional CUDA device: keep it on CPU."""
+    if len(args) > 1 and _is_cuda_device(args[1]):
+        args = (args[0], _CPU) + tuple(args[2:])
+    return torch.Tensor.to(*args, **kwargs)
+
+
+_METHOD_REDIRECTS: dict[Callable, Callable[[tuple, dict], Any]] = {
+    torch.Tensor.cuda: _identity_method,
+    torch.Tensor.pin_memory: _identity_method,
+    torch.Tensor.to: _to_method,
+}
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Redirect CUDA device arguments of torch calls to CPU while the mode is active.
+
+    ``device="cuda"``/``"cuda:N"``/int/cuda ``torch.device`` keyword arguments become CPU,
+    ``pin_memory=True`` becomes False, ``Tensor.cuda()``/``Tensor.pin_memory()`` return the tensor
+    and ``Tensor.to("cuda")`` stays on CPU. Every other call passes through unchanged.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs:
+            if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+                kwargs = {**kwargs, "device": _CPU}
+            if kwargs.get("pin_memory"):
+                kwargs = {**kwargs, "pin_memory": False}
+        else:
+            kwargs = {}
+        redirect = _METHOD_REDIRECTS.get(func)
+        if redirect is not None:
+            return redirect(args, kwargs)
+        return func(*args, **kwargs)
+
+
+_REDIRECT_STATE = threading.local()
+
+
+def run_on_cpu(fn: Callable) -> Callable:
+    """Wrap ``fn`` so that it runs under ``CudaToCpuMode`` (entered once per thread, not nested)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if getattr(_REDIRECT_STATE, "active", False):
+            return fn(*args, **kwargs)
+        _REDIRECT_STATE.active = True
+        try:
+            with CudaToCpuMode():
+                return fn(*args, **kwargs)
+        finally:
+            _REDIRECT_STATE.active = False
+
+    wrapper.__zeppelin_cpu_wrapped__ = fn
+    return wrapper
+
+
+# ----------------------------------------------------------------------------- replacements
+def _cpu_current_device() -> torch.device:
+    """``torch.cuda.current_device()`` in CPU mode: the CPU device (valid for ``device=``)."""
+    return _CPU
+
+
+def _cpu_synchronize(device: Any = None) -> None:
+    """``torch.cuda.synchronize()`` in CPU mode: nothing runs asynchronously."""
+
+
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False,
+                       graph_safe: bool = False) -> torch.Tensor:
+    """``random._get_cuda_rng_state`` on CPU: the CPU generator state (always a fresh tensor)."""
+    if graph_safe:
+        raise RuntimeError(f"graph_safe={graph_safe!r}: CUDA-graph-safe RNG states do not exist in "
+                           "CPU mode; set use_cudagraphable_rng=False")
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1,
+                       graph_safe: bool = False) -> None:
+    """``random._set_cuda_rng_state`` on CPU: set the CPU generator state."""
+    if graph_safe:
+        raise RuntimeError(f"graph_safe={graph_safe!r}: CUDA-graph-safe RNG states do not exist in "
+                           "CPU mode; set use_cudagraphable_rng=False")
+    torch.set_rng_state(new_state)
+
+
+def _cpu_tracker_add(self, name: str, seed: int) -> None:
+    """``CudaRNGStatesTracker.add`` on CPU: track a CPU generator state seeded with ``seed``."""
+    if getattr(self, "use_cudagraphable_rng", False):
+        raise RuntimeError("use_cudagraphable_rng=True is not available in CPU mode")
+    if seed in self.seeds_:
+        raise ValueError(f"rng seed {seed} is already tracked")
+    if name in self.states_:
+        raise ValueError(f"rng state {name!r} is already tracked")
+    self._is_initialized = True
+    self.seeds_.add(seed)
+    original = torch.get_rng_state()
+    torch.manual_seed(seed)
+    self.states_[name] = torch.get_rng_state()
+    torch.set_rng_state(original)
+
+
+def _make_cpu_tracker_fork(default_name: str) -> Callable:
+    """``CudaRNGStatesTracker.fork`` on CPU: swap the CPU generator to state ``name`` and back."""
+
+    @contextlib.contextmanager
+    def fork(self, name: str = default_name) -> Iterator[None]:
+        if name not in self.states_:
+            raise KeyError(f"rng state {name!r} is not tracked; known: {sorted(self.states_)}")
+        outer_state = torch.get_rng_state()
+        outer_name = self._current_state_name
+        if outer_name != "default-rng":
+            self.states_[outer_name] = outer_state
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            if self._current_state_name != name:
+                raise RuntimeError(f"rng state {self._current_state_name!r} is current when "
+                                   f"leaving the fork of {name!r}")
+            self.states_[name] = torch.get_rng_state()
+            if outer_name != "default-rng":
+                outer_state = self.states_[outer_name]
+            torch.set_rng_state(outer_state)
+            self._current_state_name = outer_name
+
+    return fork
+
+
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    """``transformer.utils.get_default_causal_mask`` on CPU: [sq, sq] bool, True = masked."""
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _cpu_sliding_window_causal_mask(sq: int, skv: int,
+                                    window_size: tuple[int, int]) -> torch.Tensor:
+    """``utils.get_sliding_window_causal_mask`` on CPU: [sq, skv] bool, True = masked."""
+    ones = torch.ones(sq, skv, dtype=torch.bool)
+    upper = torch.triu(ones, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(upper, diagonal=skv - sq + window_size[1])
+
+
+def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int,
+                                 cp_group: torch.distributed.ProcessGroup) -> torch.Tensor:
+    """``rope_utils.get_pos_emb_on_this_cp_rank`` on CPU: zigzag chunks (r, 2C-1-r) of ``seq_dim``.
+
+    ``pos_emb`` is [seq, ..., dim]-like with the sequence on ``seq_dim``; the result keeps the
+    layout with ``seq/cp`` positions: chunk ``cp_rank`` then chunk ``2*cp_size-1-cp_rank``.
+    """
+    if cp_group is None:
+        raise ValueError("cp_group=None: a context-parallel group is needed to slice RoPE")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    shape = pos_emb.shape
+    chunked = pos_emb.view(*shape[:seq_dim], 2 * cp_size, -1, *shape[seq_dim + 1:])
+    chunked = chunked.index_select(seq_dim, index)
+    return chunked.view(*shape[:seq_dim], -1, *shape[seq_dim + 1:])
+
+
+def _cpu_clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_norm: float,
+                                      use_decoupled_grad: bool = False) -> None:
+    """``clip_grad_by_total_norm_fp32`` on CPU: scale fp32 grads by max_norm / total_norm."""
+    from megatron.core.utils import to_local_if_dtensor
+
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    allowed = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
+    grads = []
+    for param in parameters:
+        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+        if grad is None:
+            continue
+        if grad.dtype not in allowed:
+            raise TypeError(f"gradient dtype {grad.dtype} cannot be clipped: expected {allowed}")
+        grads.append(to_local_if_dtensor(grad).detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+# ----------------------------------------------------------------------------- patch registry
+@dataclass
+class _Patch:
+    """``owner.name`` was ``original`` and is now ``replacement`` (owner: module or class)."""
+
+    owner: Any
+    name: str
+    original: Any
+    replacement: Any
+
+
+_APPLIED: list[_Patch] = []
+
+
+def _patch_specs() -> list[tuple[str, str, Callable[[Any], Any]]]:
+    """(module, attribute path, original -> replacement) for every bridge, in apply order."""
+    random_mod = "megatron.core.tensor_parallel.random"
+    fork_default = importlib.import_module(random_mod)._MODEL_PARALLEL_RNG_TRACKER_NAME
+    return [
+        ("torch.cuda", "current_device", lambda _: _cpu_current_device),
+        ("torch.cuda", "synchronize", lambda _: _cpu_synchronize),
+        (random_mod, "_get_cuda_rng_state", lambda _: _cpu_get_rng_state),
+        (random_mod, "_set_cuda_rng_state", lambda _: _cpu_set_rng_state),
+        (random_mod, "CudaRNGStatesTracker.add", lambda _: _cpu_tracker_add),
+        (random_mod, "CudaRNGStatesTracker.fork", lambda _: _make_cpu_tracker_fork(fork_default)),
+        ("megatron.core.transformer.utils", "get_default_causal_mask",
+         lambda _: _cpu_default_causal_mask),
+        ("megatron.core.transformer.utils", "get_sliding_window_causal_mask",
+         lambda _: _cpu_sliding_window_causal_mask),
+        ("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank",
+         lambda _: _cpu_pos_emb_on_this_cp_rank),
+        ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
+         lambda _: _cpu_clip_grad_by_total_norm_fp32),
+        ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining", run_on_cpu),
+        ("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__", run_on_cpu),
+        ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", run_on_cpu),
+        ("megatron.core.optimizer.clip_grads", "count_zeros_fp32", run_on_cpu),
+        ("megatron.core.utils", "local_multi_tensor_l2_norm", run_on_cpu),
+        ("megatron.core.dist_checkpointing.serialization", "save", run_on_cpu),
+        ("megatron.core.dist_checkpointing.serialization", "load", run_on_cpu),
+    ]
+
+
+# Imported before patching so that name bindings made at import time are found and swapped.
+_MEGATRON_MODULES = (
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+    "megatron.core.fusions.fused_softmax",
+    "megatron.core.transformer.dot_product_attention",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.dist_checkpointing",
+)
+
+
+def _resolve(module_name: str, path: str) -> tuple[Any, str]:
+    owner: Any = importlib.import_module(module_name)
+    *parents, name = path.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent)
+    if name not in vars(owner):
+        raise RuntimeError(f"{module_name}.{path} not found: this bridge targets megatron-core "
+                           f"{SUPPORTED_MEGATRON_VERSION}")
+    return owner, name
+
+
+def _megatron_modules() -> list[Any]:
+    return [m for n, m in list(sys.modules.items())
+            if m is not None and (n == "megatron.core" or n.startswith("megatron.core."))]
+
+
+def _rebind_everywhere(old: Any, new: Any) -> list[_Patch]:
+    """Swap every module-level binding of ``old`` in loaded megatron.core modules to ``new``."""
+    patches = []
+    for module in _megatron_modules():
+        for name, value in list(vars(module).items()):
+            if value is old:
+                setattr(module, name, new)
+                patches.append(_Patch(module, name, old, new))
+    return patches
+
+
+def cpu_mode_enabled() -> bool:
+    """Whether ``enable_cpu_mode()`` is in effect."""
+    return bool(_APPLIED)
+
+
+def enable_cpu_mode() -> None:
+    """Apply every CPU bridge (module docstring). Idempotent; ``disable_cpu_mode`` undoes it."""
+    if _APPLIED:
+        return
+    from megatron.core import package_info
+
+    if not package_info.__version__.startswith("0.16."):
+        raise RuntimeError(f"megatron-core {package_info.__version__} is installed; the CPU bridge "
+                           f"targets {SUPPORTED_MEGATRON_VERSION}")
+    for module_name in _MEGATRON_MODULES:
+        importlib.import_module(module_name)
+    try:
+        for module_name, path, make in _patch_specs():
+            owner, name = _resolve(module_name, path)
+            original = vars(owner)[name]
+            replacement = make(original)
+            setattr(owner, name, replacement)
+            _APPLIED.append(_Patch(owner, name, original, replacement))
+            if not isinstance(owner, type) and module_name != "torch.cuda":
+                _APPLIED.extend(_rebind_everywhere(original, replacement))
+    except Exception:
+        disable_cpu_mode()
+        raise
+
+
+def disable_cpu_mode() -> None:
+    """Restore every object ``enable_cpu_mode`` replaced, including later name bindings."""
+    while _APPLIED:
+        patch = _APPLIED.pop()
+        if getattr(patch.owner, patch.name, None) is patch.replacement:
+            setattr(patch.owner, patch.name, patch.original)
+        if not isinstance(patch.owner, type) and patch.owner is not torch.cuda:
+            _rebind_everywhere(patch.replacement, patch.original)
+
+
+@contextlib.contextmanager
+def cpu_mode() -> Iterator[None]:
+    """``with cpu_mode():`` enable the bridge for the block, restoring the previous state after."""
+    was_enabled = cpu_mode_enabled()
+    enable_cpu_mode()
+    try:
+        yield
+    finally:
+        if not was_enabled:
+            disable_cpu_mode()

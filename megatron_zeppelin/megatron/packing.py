@@ -1,0 +1,190 @@
+"""Packed token layouts for Megatron-Core: ``ZeppelinPackedSeqParams`` and per-document RoPE.
+
+A rank's tokens are packed along Megatron's sequence dimension with batch 1 (``sbhd`` with b=1):
+``[tokens, 1, hidden]`` activations, ``[1, tokens]`` input/position/label ids. The packed buffer is
+a list of pieces ``Segment(seq, start, end)`` (``Plan.linear[rank]`` in zeppelin mode; whole
+documents ``Segment(i, 0, len_i)`` for a local packed batch). Everything outside core attention is
+token-wise, so it runs on such a buffer as-is, provided RoPE rotates every token by its position
+inside its own document: position ids restart at each document (Megatron-LM's
+``reset_position_ids``), and a piece ``Segment(seq, start, end)`` holds positions
+``start .. end-1``.
+
+How RoPE gets those positions, without forking megatron-core 0.16.1:
+
+* ``GPTModel._preprocess`` builds ``rotary_pos_emb = self.rotary_pos_emb(rotary_seq_len, ...)``,
+  a table ``[rotary_seq_len, 1, 1, rot_dim]`` of angles for positions ``0..rotary_seq_len-1``
+  (``rotary_percent``, ``rotary_interleaved``, ``seq_len_interpolation_factor`` and rope scaling
+  already folded in); with ``packed_seq_params`` given, ``rotary_seq_len = max(max_seqlen_q,
+  max_seqlen_kv)``. It ignores ``position_ids`` for RoPE.
+* ``SelfAttention`` applies it with ``apply_rotary_pos_emb(q, freqs, config, cu_seqlens, mscale)``:
+  for ``qkv_format != 'thd'`` this is the bshd path ``t * cos(freqs) + rotate_half(t) *
+  sin(freqs)`` with ``freqs`` broadcast along the sequence dim (``mscale`` is the YaRN factor
+  from the config, 1.0 otherwise; with ``apply_rope_fusion`` TE's fused sbhd kernel reads
+  ``freqs[i]`` for token ``i`` the same way).
+* ``PackedGPTModel`` overrides ``_preprocess`` only: when the packed params are
+  ``ZeppelinPackedSeqParams`` it replaces that table by ``table[position_ids]`` ->
+  ``[tokens, 1, 1, rot_dim]``, so token ``i`` is rotated by its in-document position.
+  ``qkv_format='sbhd'`` keeps q/k/v as ``[tokens, 1, heads, head_dim]`` through ``SelfAttention``
+  (no ``thd`` squeeze, no per-sequence ``cu_seqlens`` RoPE split, no Megatron-CP slicing).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_zeppelin.plan import Plan, Segment
+
+QKV_FORMAT = "sbhd"
+
+
+@dataclass
+class ZeppelinPackedSeqParams(PackedSeqParams):
+    """Packed pieces of documents on one rank, in buffer order (Megatron's ``PackedSeqParams``).
+
+    segments: host-side ``Segment(seq, start, end)`` per piece, in buffer order.
+    cu_seqlens_q / cu_seqlens_kv: int32 ``[pieces + 1]`` piece boundaries in the packed buffer.
+    max_seqlen_q / max_seqlen_kv: the largest in-document end position ``max(end)``: an upper
+        bound on every piece length and the RoPE table length.
+    plan / rank: the zeppelin plan and the rank whose linear layout this is (None for a local
+        packed batch of whole documents).
+    qkv_format is always ``'sbhd'``: q/k/v stay ``[tokens, 1, heads, head_dim]``.
+    """
+
+    segments: tuple[Segment, ...] = ()
+    plan: Optional[Plan] = None
+    rank: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.qkv_format != QKV_FORMAT:
+            raise ValueError(f"qkv_format={self.qkv_format!r} is invalid: zeppelin packing keeps "
+                             f"Megatron's {QKV_FORMAT!r} layout with batch 1")
+        if not self.segments:
+            raise ValueError("segments=() is invalid: a packed buffer needs at least one piece")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.length for s in self.segments)
+
+    @property
+    def piece_lengths(self) -> list[int]:
+        return [s.length for s in self.segments]
+
+    def position_ids(self, device: torch.device | str = "cpu") -> Tensor:
+        """``[1, tokens]`` int64 in-document positions of the packed buffer (GPTModel's layout)."""
+        return position_ids_from_segments(self.segments, device).unsqueeze(0)
+
+
+def _check_segments(segments: Sequence[Segment]) -> None:
+    for i, seg in enumerate(segments):
+        if not isinstance(seg, Segment):
+            raise TypeError(f"segments[{i}]={seg!r} is not a Segment(seq, start, end)")
+        if not 0 <= seg.start < seg.end:
+            raise ValueError(f"segments[{i}]={seg!r} is invalid: expected 0 <= start < end")
+
+
+def position_ids_from_segments(segments: Sequence[Segment],
+                               device: torch.device | str = "cpu") -> Tensor:
+    """``[tokens]`` int64: ``start .. end-1`` for every piece, concatenated in buffer order."""
+    _check_segments(segments)
+    return torch.cat([torch.arange(s.start, s.end, dtype=torch.int64) for s in segments]).to(device)
+
+
+def packed_seq_params_from_segments(segments: Sequence[Segment], *,
+                                    device: torch.device | str = "cpu",
+                                    plan: Optional[Plan] = None,
+                                    rank: Optional[int] = None) -> ZeppelinPackedSeqParams:
+    """Build the packed params of a buffer made of ``segments`` (pieces in buffer order)."""
+    segments = tuple(segments)
+    _check_segments(segments)
+    bounds = [0]
+    for seg in segments:
+        bounds.append(bounds[-1] + seg.length)
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
+    max_position = max(s.end for s in segments)
+    return ZeppelinPackedSeqParams(
+        qkv_format=QKV_FORMAT, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=max_position, max_seqlen_kv=max_position,
+        segments=segments, plan=plan, rank=rank)
+
+
+def packed_seq_params_for_documents(lengths: Sequence[int], *,
+                                    device: torch.device | str = "cpu") -> ZeppelinPackedSeqParams:
+    """Packed params of whole documents ``0..n-1`` of the given token lengths, in that order."""
+    for i, length in enumerate(lengths):
+        if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+            raise ValueError(f"lengths[{i}]={length!r} is invalid: expected an integer >= 1")
+    return packed_seq_params_from_segments(
+        [Segment(i, 0, length) for i, length in enumerate(lengths)], device=device)
+
+
+def packed_seq_params_for_rank(plan: Plan, rank: int, *,
+                               device: torch.device | str = "cpu") -> ZeppelinPackedSeqParams:
+    """Packed params of ``plan.linear[rank]``: the rank's token-balanced linear layout."""
+    if not 0 <= rank < len(plan.linear):
+        raise ValueError(f"rank={rank} is invalid: the plan has {len(plan.linear)} ranks")
+    return packed_seq_params_from_segments(plan.linear[rank], device=device, plan=plan, rank=rank)
+
+
+def gather_rotary_pos_emb(table: Tensor, position_ids: Tensor) -> Tensor:
+    """RoPE angles per packed token: ``table[position_ids]``.
+
+    table: ``[max_len, 1, 1, rot_dim]`` from ``RotaryEmbedding.forward``.
+    position_ids: ``[1, tokens]`` (GPTModel's layout, batch 1) or ``[tokens]``, int.
+    Returns ``[tokens, 1, 1, rot_dim]``, the ``freqs`` that megatron's sbhd RoPE broadcasts over
+    ``[tokens, 1, heads, head_dim]``.
+    """
+    if table.dim() != 4 or table.shape[1:3] != (1, 1):
+        raise ValueError(f"RoPE table shape {tuple(table.shape)} is invalid: expected "
+                         "[max_len, 1, 1, rot_dim] (Megatron context parallelism must be 1)")
+    if position_ids.dim() == 2:
+        if position_ids.shape[0] != 1:
+            raise ValueError(f"position_ids shape {tuple(position_ids.shape)} is invalid: packed "
+                             "layouts have batch 1, expected [1, tokens]")
+        position_ids = position_ids[0]
+    elif position_ids.dim() != 1:
+        raise ValueError(f"position_ids shape {tuple(position_ids.shape)} is invalid: expected "
+                         "[1, tokens] or [tokens]")
+    return table.index_select(0, position_ids.to(device=table.device, dtype=torch.long))
+
+
+class PackedGPTModel(GPTModel):
+    """Megatron ``GPTModel`` whose RoPE uses ``position_ids`` on zeppelin-packed batches.
+
+    With ``packed_seq_params`` a ``ZeppelinPackedSeqParams``, ``forward(input_ids [1, tokens],
+    position_ids [1, tokens], attention_mask=None, ..., packed_seq_params=params)`` rotates token
+    ``i`` by ``position_ids[0, i]`` (see the module docstring). Any other call is plain
+    ``GPTModel``. Multi-latent attention and mRoPE build their rotary inputs elsewhere and are
+    refused.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.config.multi_latent_attention or self.position_embedding_type == "mrope":
+            raise ValueError("PackedGPTModel supports position_embedding_type 'rope'/'yarn' "
+                             f"without MLA; got {self.position_embedding_type!r}, "
+                             f"multi_latent_attention={self.config.multi_latent_attention}")
+        cp_size = self.pg_collection.cp.size() if self.pg_collection.cp is not None else 1
+        if cp_size != 1:
+            raise ValueError(f"Megatron context_parallel_size={cp_size}: zeppelin packing runs "
+                             "with Megatron CP 1 (the zeppelin group is the data-parallel group)")
+
+    def _preprocess(self, input_ids: Tensor, position_ids: Tensor, decoder_input: Tensor = None,
+                    inference_context: Any = None, packed_seq_params: PackedSeqParams = None,
+                    padding_mask: Optional[Tensor] = None):
+        """GPTModel's preprocessing; the RoPE table is gathered by position id when packed."""
+        out = super()._preprocess(input_ids, position_ids, decoder_input=decoder_input,
+                                  inference_context=inference_context,
+                                  packed_seq_params=packed_seq_params, padding_mask=padding_mask)
+        rotary_pos_emb = out[1]
+        if not isinstance(packed_seq_params, ZeppelinPackedSeqParams) or rotary_pos_emb is None:
+            return out
+        if position_ids is None:
+            raise ValueError("position_ids=None: zeppelin-packed batches need in-document "
+                             "position ids [1, tokens] for RoPE")
+        return (out[0], gather_rotary_pos_emb(rotary_pos_emb, position_ids)) + tuple(out[2:])
