@@ -142,6 +142,15 @@ class ClusterSpec:
     def with_nodes(self, nodes: int) -> "ClusterSpec":
         return dataclasses.replace(self, nodes=nodes)
 
+    def with_topology(self, nodes: int, gpus_per_node: int) -> "ClusterSpec":
+        """The same node type with ``gpus_per_node`` GPUs (NICs capped to GPUs, affinity
+        spread evenly again unless the GPU count is unchanged)."""
+        if gpus_per_node == self.gpus_per_node:
+            return self.with_nodes(nodes)
+        return dataclasses.replace(self, nodes=nodes, gpus_per_node=gpus_per_node,
+                                   nics_per_node=min(self.nics_per_node, gpus_per_node),
+                                   gpu_to_nic=None)
+
     def topology(self, tp: int = 1) -> Topology:
         """Planner ranks: one per tensor-parallel group (``tp`` GPUs) of each node."""
         _require(self.gpus_per_node % tp == 0, "tensor_model_parallel_size", tp,

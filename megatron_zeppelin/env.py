@@ -5,6 +5,8 @@ ZEPPELIN_ROUTER_BACKEND    ``auto`` (default), ``cpp`` or ``python``: which rout
 ZEPPELIN_ATTENTION_BACKEND ``auto`` (default), ``torch``, ``flash_attn`` or ``te``
 ZEPPELIN_P2P_TIMEOUT_S     seconds a ring/remap exchange may wait on a peer (default 300)
 MEGATRON_LM_PATH           a Megatron-LM checkout, for the patch test and apply script
+LOCAL_WORLD_SIZE           set by torchrun: processes on this node (default GPUs per node)
+RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT   set by torchrun (read by torch.distributed)
 """
 from __future__ import annotations
 
@@ -48,3 +50,12 @@ def p2p_timeout_s() -> float:
 
 def megatron_lm_path() -> str | None:
     return os.environ.get("MEGATRON_LM_PATH") or None
+
+
+def local_world_size() -> int | None:
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(raw) if raw and raw.isdigit() else None
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -14,14 +14,10 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 def make_cost(model: str = "llama-7b", cluster: str = "h200-8nic", nodes: int = 2,
               gpus_per_node: int | None = None, tp: int = 1) -> CostModel:
     """A cost model on a shipped config, optionally with a different node size."""
-    import dataclasses
-
     setup = load_setup(model, cluster, nodes=nodes)
     spec = setup.cluster
     if gpus_per_node is not None:
-        spec = dataclasses.replace(spec, gpus_per_node=gpus_per_node,
-                                   nics_per_node=min(spec.nics_per_node, gpus_per_node),
-                                   gpu_to_nic=None)
+        spec = spec.with_topology(nodes, gpus_per_node)
     return CostModel(setup.model, spec, setup.hardware, tp)
 
 

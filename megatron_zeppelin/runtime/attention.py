@@ -1,0 +1,366 @@
+"""Zigzag variable-length ring attention for one ring group (all its sequences fused).
+
+Layout. A group of sequences ``s_1..s_n`` is attended on a ring of ``G`` ranks. Each sequence
+is cut into ``2G`` zigzag chunks (``plan.zigzag_bounds``: sizes differ by at most one, so
+lengths need not divide by 2G); ring position ``p`` holds chunks ``p`` and ``2G-1-p``. The
+rank's group buffer is, sequence after sequence, ``[chunk p, chunk 2G-1-p]`` (Plan.attention
+order); q ``[tokens, heads, head_dim]``, k/v ``[tokens, kv_heads, head_dim]``. A ring of one
+(LOCAL) holds whole sequences and runs one causal varlen call.
+
+Forward ring. At step ``t`` position ``p`` holds the KV block of source ``j = (p - t) mod G``
+(KV travels p -> p+1 as one ``[2, tokens_j, kv_heads, head_dim]`` tensor). Causal structure of
+zigzag chunks, per sequence (``m = 2G-1-p``):
+
+* ``t = 0`` (``j = p``): q chunk p vs kv chunk p and q chunk m vs kv chunk m, each causal on the
+  diagonal (one fused call), plus q chunk m vs kv chunk p, full;
+* ``j < p``: both q chunks vs kv chunk j, full (kv chunk 2G-1-j lies after both);
+* ``j > p``: q chunk m vs both kv chunks, full (q chunk p lies before both).
+
+All sequences of the group go into one varlen call per block (``kernels``), and the partial
+outputs merge with the LSE merge (``utils.merge_into_``) in float32 (float64 for float64).
+
+Backward ring. The KV travels again; ``dq`` accumulates locally and the ``dK/dV``
+accumulator of a source travels with it, one step behind the KV, and after ``G`` hops arrives
+back at its owner. Exchange ``t`` (posted at the start of step ``t``) carries the KV held at
+``t`` (for ``t < G-1``) and the dKV accumulated at step ``t-1`` (for ``t >= 1``); exchange
+``G`` returns the last accumulator to its owner. Block gradients use the FINAL out and lse.
+
+``RingGroupRun`` exposes the steps so that a scheduler (``engine``) can interleave many groups;
+``ZigzagRingAttention``/``ring_attention`` run one group alone.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from megatron_zeppelin.plan import zigzag_bounds
+from megatron_zeppelin.runtime import kernels
+from megatron_zeppelin.runtime.utils import RingComm, merge_into_
+
+
+class Block(NamedTuple):
+    """One fused varlen call of a ring step.
+
+    q_rows: int64 rows of the group's q buffer, in call order (None: every row, in order);
+    k_rows: rows of the KV block held at this step (None: every row); cu_q/cu_k: offsets of the
+    pieces (``kernels`` pair convention); causal: diagonal blocks (END-aligned, tq == tk).
+    """
+
+    q_rows: torch.Tensor | None
+    k_rows: torch.Tensor | None
+    cu_q: tuple[int, ...]
+    cu_k: tuple[int, ...]
+    causal: bool
+
+
+class ZigzagLayout:
+    """Chunk sizes and per-step blocks of one ring group at one ring position.
+
+    lengths: tokens of each sequence of the group, in group order; ring_size: G >= 1;
+    position: this rank's ring position in ``[0, G)``.
+    """
+
+    def __init__(self, lengths: Sequence[int], ring_size: int, position: int) -> None:
+        if not (isinstance(ring_size, int) and ring_size >= 1):
+            raise ValueError(f"ring_size={ring_size!r} is invalid: expected an integer >= 1")
+        if not (isinstance(position, int) and 0 <= position < ring_size):
+            raise ValueError(f"position={position!r} is invalid: expected in [0, {ring_size})")
+        bad = [n for n in lengths if not (isinstance(n, int) and n >= 0)]
+        if bad:
+            raise ValueError(f"sequence lengths {bad} are invalid: expected integers >= 0")
+        self.lengths, self.ring_size, self.position = tuple(lengths), ring_size, position
+        self._bounds = [zigzag_bounds(n, ring_size) for n in self.lengths]
+        self._blocks: dict[tuple[int, str], tuple[Block, ...]] = {}
+
+    def held(self, source: int) -> list[tuple[int, int]]:
+        """Per sequence, the sizes of (chunk source, chunk 2G-1-source) position ``source``
+        holds (a ring of one holds the whole sequence as the first chunk)."""
+        if self.ring_size == 1:
+            return [(n, 0) for n in self.lengths]
+        mirror = 2 * self.ring_size - 1 - source
+        return [(b[source + 1] - b[source], b[mirror + 1] - b[mirror]) for b in self._bounds]
+
+    def tokens(self, source: int | None = None) -> int:
+        """Tokens position ``source`` (default: this rank's) holds."""
+        return sum(a + b for a, b in self.held(self.position if source is None else source))
+
+    def source(self, step: int) -> int:
+        """Ring position whose KV block this rank holds at ``step``."""
+        return (self.position - step) % self.ring_size
+
+    def blocks(self, step: int, device: torch.device | str = "cpu") -> tuple[Block, ...]:
+        """The fused calls of ``step`` (row indices on ``device``)."""
+        if not 0 <= step < self.ring_size:
+            raise ValueError(f"step={step} is invalid: expected in [0, {self.ring_size})")
+        key = (step, str(device))
+        if key not in self._blocks:
+            cpu = self._blocks.get((step, "cpu")) or self.build_blocks(step)
+            self._blocks[(step, "cpu")] = cpu
+            self._blocks[key] = tuple(b._replace(
+                q_rows=None if b.q_rows is None else b.q_rows.to(device),
+                k_rows=None if b.k_rows is None else b.k_rows.to(device)) for b in cpu)
+        return self._blocks[key]
+
+    def build_blocks(self, step: int) -> tuple[Block, ...]:
+        """The fused calls of ``step`` (see the module docstring), row indices on CPU."""
+        p, j = self.position, self.source(step)
+        mine, theirs = self.held(p), self.held(j)
+        q_off, k_off = _offsets(mine), _offsets(theirs)
+        q_total, k_total = q_off[-1], k_off[-1]
+        if step == 0:
+            diag = [pair for o, (a, m) in zip(q_off, mine)
+                    for pair in ((o, a, o, a), (o + a, m, o + a, m))]
+            full = [(o + a, m, o, a) for o, (a, m) in zip(q_off, mine)]
+            blocks = [_block(diag, True, q_total, k_total), _block(full, False, q_total, k_total)]
+        elif j < p:
+            pairs = [(qo, a + m, ko, ka) for qo, (a, m), ko, (ka, _) in
+                     zip(q_off, mine, k_off, theirs)]
+            blocks = [_block(pairs, False, q_total, k_total)]
+        else:
+            pairs = [(qo + a, m, ko, ka + km) for qo, (a, m), ko, (ka, km) in
+                     zip(q_off, mine, k_off, theirs)]
+            blocks = [_block(pairs, False, q_total, k_total)]
+        return tuple(b for b in blocks if b is not None)
+
+
+def _offsets(held: list[tuple[int, int]]) -> list[int]:
+    out = [0]
+    for a, b in held:
+        out.append(out[-1] + a + b)
+    return out
+
+
+def _block(pairs: list[tuple[int, int, int, int]], causal: bool, q_total: int,
+           k_total: int) -> Block | None:
+    """A block from (q start, q len, k start, k len) pairs; empty pairs dropped."""
+    pairs = [pr for pr in pairs if pr[1] > 0 and pr[3] > 0]
+    if not pairs:
+        return None
+    cu_q, cu_k = [0], [0]
+    for _, tq, _, tk in pairs:
+        cu_q.append(cu_q[-1] + tq)
+        cu_k.append(cu_k[-1] + tk)
+    return Block(_rows([(s, n) for s, n, _, _ in pairs], q_total),
+                 _rows([(s, n) for _, _, s, n in pairs], k_total), tuple(cu_q), tuple(cu_k),
+                 causal)
+
+
+def _rows(ranges: list[tuple[int, int]], total: int) -> torch.Tensor | None:
+    """Row indices of consecutive ``(start, length)`` ranges; None when they are 0..total-1."""
+    position = 0
+    for start, length in ranges:
+        if start != position:
+            break
+        position += length
+    else:
+        if position == total:
+            return None
+    return torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in ranges])
+
+
+def _take(x: torch.Tensor, rows: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
+    return x if rows is None else x.index_select(dim, rows)
+
+
+def _add_rows(acc: torch.Tensor, rows: torch.Tensor | None, value: torch.Tensor) -> None:
+    if rows is None:
+        acc.add_(value)
+    else:
+        acc.index_add_(0, rows, value.to(acc.dtype))
+
+
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulator dtype of outputs, lse and gradients: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def recv_like(layout: ZigzagLayout, step: int, phase: str, tail: tuple[int, ...],
+              dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of what ring position ``layout.position`` receives at ``step``.
+
+    phase ``forward``: the next KV block ``[2, tokens, *tail]`` (steps < G-1). ``backward``: the
+    next KV block (steps < G-1), then the dKV accumulator of the block held at ``step`` in the
+    accumulator dtype (steps 1..G). ``tail`` is ``(kv_heads, head_dim)``, dtype the KV dtype.
+    What position p+1 receives is exactly what position p sends.
+    """
+    size, like = layout.ring_size, []
+    if step < size - 1:
+        like.append(((2, layout.tokens(layout.source(step + 1)), *tail), dtype))
+    if phase == "backward" and step >= 1 and size > 1:
+        like.append(((2, layout.tokens(layout.source(step)), *tail), accum_dtype(dtype)))
+    elif phase not in ("forward", "backward"):
+        raise ValueError(f"phase={phase!r} is invalid: expected 'forward' or 'backward'")
+    return like
+
+
+class RingGroupRun:
+    """One ring group on this rank, driven one step at a time.
+
+    Forward: ``begin_forward``, then for each step ``s < forward_steps``: post
+    ``forward_sends(s)`` / ``forward_recv_like(s)``, ``forward_compute(s)``,
+    ``forward_receive(s, received)``; ``end_forward`` returns ``(out, lse)``. Backward likewise
+    with ``backward_steps`` (``backward_compute`` is a no-op at the final return step).
+    Sends go to the next ring position, receives come from the previous one.
+    ``compute=False`` skips the kernels (a measurement switch: the results are then wrong).
+    """
+
+    def __init__(self, layout: ZigzagLayout, scale: float, backend: str | None = None,
+                 compute: bool = True) -> None:
+        self.layout, self.scale, self.backend, self.compute = layout, scale, backend, compute
+        size = layout.ring_size
+        self.forward_steps = size
+        self.backward_steps = size + 1 if size > 1 else 1
+
+    # ------------------------------------------------------------------ forward
+    def begin_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """q ``[n, h, d]``, k/v ``[n, g, d]``: this rank's group buffer (n = layout.tokens())."""
+        n = self.layout.tokens()
+        if q.shape[0] != n or k.shape[0] != n or v.shape[0] != n:
+            raise ValueError(f"group buffers have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens "
+                             f"(q/k/v): expected {n} for ring position {self.layout.position}")
+        acc = accum_dtype(q.dtype)
+        self.q, self.kv = q, torch.stack((k, v))
+        self.out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+        self.lse_acc = torch.full((q.shape[1], n), float("-inf"), dtype=acc, device=q.device)
+
+    def forward_sends(self, step: int) -> list[torch.Tensor]:
+        return [self.kv] if step < self.layout.ring_size - 1 else []
+
+    def forward_recv_like(self, step: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return recv_like(self.layout, step, "forward", tuple(self.kv.shape[2:]), self.kv.dtype)
+
+    def forward_compute(self, step: int) -> None:
+        for block in self.layout.blocks(step, self.q.device) if self.compute else ():
+            out, lse = kernels.block_forward(
+                _take(self.q, block.q_rows), _take(self.kv[0], block.k_rows),
+                _take(self.kv[1], block.k_rows), block.cu_q, block.cu_k, block.causal,
+                self.scale, self.backend)
+            merge_into_(self.out_acc, self.lse_acc, out, lse, block.q_rows)
+
+    def forward_receive(self, step: int, received: Sequence[torch.Tensor]) -> None:
+        if received:
+            self.kv = received[0]
+
+    def end_forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [n, h, d] in q's dtype, lse [h, n] accumulator dtype)``; frees the state."""
+        out, lse = self.out_acc.to(self.q.dtype), self.lse_acc
+        del self.q, self.kv, self.out_acc, self.lse_acc
+        return out, lse
+
+    # ------------------------------------------------------------------ backward
+    def begin_backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """dout/q/out ``[n, h, d]``, k/v ``[n, g, d]``, lse ``[h, n]`` (the forward's)."""
+        acc = accum_dtype(q.dtype)
+        self.dout, self.q, self.out, self.lse = dout.contiguous(), q, out, lse
+        self.kv = torch.stack((k, v))
+        self.dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        self.dkv = torch.zeros(self.kv.shape, dtype=acc, device=q.device)
+
+    def backward_sends(self, step: int) -> list[torch.Tensor]:
+        size = self.layout.ring_size
+        return ([self.kv] if step < size - 1 else []) + ([self.dkv] if step >= 1 and size > 1
+                                                          else [])
+
+    def backward_recv_like(self, step: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return recv_like(self.layout, step, "backward", tuple(self.kv.shape[2:]), self.kv.dtype)
+
+    def backward_compute(self, step: int) -> None:
+        if step >= self.layout.ring_size:
+            return
+        fresh = torch.zeros((2, *self.kv.shape[1:]), dtype=self.dq.dtype, device=self.dq.device)
+        for block in self.layout.blocks(step, self.q.device) if self.compute else ():
+            rows = block.q_rows
+            dq, dk, dv = kernels.block_backward(
+                _take(self.dout, rows), _take(self.q, rows), _take(self.kv[0], block.k_rows),
+                _take(self.kv[1], block.k_rows), _take(self.out, rows), _take(self.lse, rows, 1),
+                block.cu_q, block.cu_k, block.causal, self.scale, self.backend)
+            _add_rows(self.dq, rows, dq)
+            _add_rows(fresh[0], block.k_rows, dk)
+            _add_rows(fresh[1], block.k_rows, dv)
+        self.fresh_dkv = fresh
+
+    def backward_receive(self, step: int, received: Sequence[torch.Tensor]) -> None:
+        size = self.layout.ring_size
+        received = list(received)
+        kv_next = received.pop(0) if step < size - 1 else None
+        dkv_in = received.pop(0) if step >= 1 and size > 1 else None
+        if step < size:
+            self.dkv = self.fresh_dkv if dkv_in is None else self.fresh_dkv.add_(dkv_in)
+        else:
+            self.dkv = dkv_in  # the final accumulator of this rank's own KV
+        if kv_next is not None:
+            self.kv = kv_next
+
+    def end_backward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dq [n, h, d], dk [n, g, d], dv [n, g, d])`` in q's dtype; frees the state."""
+        dtype = self.q.dtype
+        grads = self.dq.to(dtype), self.dkv[0].to(dtype), self.dkv[1].to(dtype)
+        del self.dout, self.q, self.out, self.lse, self.kv, self.dq, self.dkv
+        self.__dict__.pop("fresh_dkv", None)
+        return grads
+
+
+def run_forward(run: RingGroupRun, comm: RingComm | None, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One group's forward alone: each step's exchange overlaps that step's compute."""
+    run.begin_forward(q, k, v)
+    for step in range(run.forward_steps):
+        sends, like = run.forward_sends(step), run.forward_recv_like(step)
+        request = comm.exchange(sends, like, step, device=q.device) if sends or like else None
+        run.forward_compute(step)
+        run.forward_receive(step, request.wait() if request else [])
+    return run.end_forward()
+
+
+def run_backward(run: RingGroupRun, comm: RingComm | None, dout: torch.Tensor, q: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One group's backward alone (same overlap as ``run_forward``)."""
+    run.begin_backward(dout, q, k, v, out, lse)
+    for step in range(run.backward_steps):
+        sends, like = run.backward_sends(step), run.backward_recv_like(step)
+        request = (comm.exchange(sends, like, step, phase="backward", device=q.device)
+                   if sends or like else None)
+        run.backward_compute(step)
+        run.backward_receive(step, request.wait() if request else [])
+    return run.end_backward()
+
+
+class ZigzagRingAttention(torch.autograd.Function):
+    """Autograd of one ring group: forward and backward rings (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout, comm, scale, backend):
+        run = RingGroupRun(layout, scale, backend)
+        out, lse = run_forward(run, comm, q.detach(), k.detach(), v.detach())
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.run, ctx.comm = run, comm
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = run_backward(ctx.run, ctx.comm, dout, q, k, v, out, lse)
+        # one entry per forward input: q, k, v, layout, comm, scale, backend
+        return dq, dk, dv, None, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ZigzagLayout,
+                   comm: RingComm | None = None, scale: float | None = None,
+                   backend: str | None = None) -> torch.Tensor:
+    """Causal attention of one ring group's sequences: ``out [n, heads, head_dim]``.
+
+    q ``[n, heads, head_dim]``, k/v ``[n, kv_heads, head_dim]`` in the group layout of
+    ``layout`` (this rank's position); ``comm`` the group's ring (None only for a ring of one);
+    scale defaults to ``head_dim ** -0.5``; backend as in ``kernels``.
+    """
+    if comm is None and layout.ring_size > 1:
+        raise ValueError(f"a ring of {layout.ring_size} ranks needs a RingComm (comm=None)")
+    if comm is not None and (len(comm.ring) != layout.ring_size
+                             or comm.position != layout.position):
+        raise ValueError(f"comm ring {comm.ring} (position {comm.position}) does not match the "
+                         f"layout (ring size {layout.ring_size}, position {layout.position})")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return ZigzagRingAttention.apply(q, k, v, layout, comm, scale, backend)

@@ -1,0 +1,202 @@
+"""Benchmark of the attention engine on CPU: 2 gloo ranks against one process, and overlap.
+
+``run(argv)`` plans one batch on a 1 node x 2 ranks pool (gpt-tiny cost model, the real
+planner), spawns 2 gloo processes (one intra-op thread each) and times forward + backward of
+
+* the engine on the plan (``engine``),
+* the same engine with P2P switched off (``compute``: same kernel calls, received blocks are
+  zeros) and with kernels switched off (``comm``: same P2P, no compute),
+* the whole batch on one process: one causal varlen call over all sequences (``single``),
+* the compute-only engine of each rank while the other rank idles (``compute_solo``: the
+  slower rank), which shows the split of the work when the ranks do not share CPU cores.
+
+Each figure is the median over iterations of the slowest rank's time. Communication hidden
+behind compute: ``(compute + comm - engine) / comm`` (1 = fully hidden, 0 = fully exposed;
+noise can push it outside [0, 1] when comm is small). Returns the figures as a dict.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_LENGTHS = "3072,512,384,256,200,128,100,64,33,17,5,1"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="zeppelin bench engine", description=__doc__.split(
+        "\n\n")[0])
+    parser.add_argument("--lengths", default=DEFAULT_LENGTHS,
+                        help="comma-separated sequence lengths (tokens) of the batch")
+    parser.add_argument("--strategy", default="zeppelin",
+                        help="planner strategy (zeppelin, static-cp, hybrid-dp, ...)")
+    parser.add_argument("--capacity-factor", type=float, default=1.05,
+                        help="capacity_tokens_per_gpu = factor x mean tokens per rank (small "
+                             "values force rings); 0 lets the planner derive it")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--forward-only", action="store_true", help="time the forward only")
+    args = parser.parse_args(argv)
+    for key in ("heads", "kv_heads", "head_dim", "iters"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')}={getattr(args, key)} must be >= 1")
+    if args.heads % args.kv_heads:
+        parser.error(f"--kv-heads={args.kv_heads} must divide --heads={args.heads}")
+    return args
+
+
+def make_bench_plan(args: argparse.Namespace):
+    """The plan of the benchmark batch on 1 node x 2 ranks."""
+    from megatron_zeppelin.config import ZeppelinConfig, load_setup
+    from megatron_zeppelin.cost_model import CostModel
+    from megatron_zeppelin.planner import make_plan
+
+    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--lengths={args.lengths!r} is invalid: expected positive integers")
+    setup = load_setup("gpt-tiny", "h200-8nic", nodes=1)
+    cluster = dataclasses.replace(setup.cluster, gpus_per_node=2, nics_per_node=2,
+                                  gpu_to_nic=None)
+    cost = CostModel(setup.model, cluster, setup.hardware, 1)
+    capacity = (max(math.ceil(sum(lengths) / 2 * args.capacity_factor), 1)
+                if args.capacity_factor > 0 else None)
+    return make_plan(args.strategy, lengths, cost,
+                     ZeppelinConfig(capacity_tokens_per_gpu=capacity))
+
+
+def _timed_once(fn: Callable[[], None]) -> float:
+    """Seconds of ``fn`` on the slowest rank (all ranks start together)."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return took.item()
+
+
+def _medians(variants: dict[str, Callable[[], None]], iters: int, warmup: int) -> dict:
+    """Median seconds of each variant; variants alternate within every iteration, so that
+    load from elsewhere on the machine hits them alike."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for index in range(warmup + iters):
+        for name, fn in variants.items():
+            took = _timed_once(fn)
+            if index >= warmup:
+                times[name].append(took)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _inputs(plan, rank: int, args) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(rank)
+    tokens = plan.attention_tokens()[rank]
+    shapes = [(tokens, args.heads, args.head_dim), (tokens, args.kv_heads, args.head_dim),
+              (tokens, args.kv_heads, args.head_dim), (tokens, args.heads, args.head_dim)]
+    return [torch.randn(shape, generator=gen) for shape in shapes]
+
+
+def _step(engine, tensors, forward_only: bool) -> Callable[[], None]:
+    q, k, v, dout = tensors
+
+    def step() -> None:
+        leaves = [t.clone().requires_grad_(not forward_only) for t in (q, k, v)]
+        out = engine.forward(*leaves)
+        if not forward_only:
+            out.backward(dout)
+    return step
+
+
+def _single(plan, args) -> Callable[[], None]:
+    """The whole batch on this process: one causal varlen call (forward + backward)."""
+    from megatron_zeppelin.runtime import kernels
+
+    total, cu = sum(plan.seqlens), [0]
+    for n in plan.seqlens:
+        cu.append(cu[-1] + n)
+    gen = torch.Generator().manual_seed(7)
+    q, dout = (torch.randn(total, args.heads, args.head_dim, generator=gen) for _ in range(2))
+    k, v = (torch.randn(total, args.kv_heads, args.head_dim, generator=gen) for _ in range(2))
+    scale = args.head_dim ** -0.5
+
+    def step() -> None:
+        out, lse = kernels.block_forward(q, k, v, cu, cu, True, scale)
+        if not args.forward_only:
+            kernels.block_backward(dout, q, k, v, out, lse, cu, cu, True, scale)
+    return step
+
+
+def _worker(rank: int, store: str, out_path: str, args: argparse.Namespace, plan) -> None:
+    from megatron_zeppelin.runtime.engine import AttentionEngine
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=600))
+    tensors = _inputs(plan, rank, args)
+    engines = {work: AttentionEngine(plan, rank, dist.group.WORLD, work=work)
+               for work in ("all", "compute", "comm")}
+    idle = (lambda: None)
+    variants = {"engine": _step(engines["all"], tensors, args.forward_only),
+                "compute": _step(engines["compute"], tensors, args.forward_only),
+                "comm": _step(engines["comm"], tensors, args.forward_only),
+                "single": _single(plan, args) if rank == 0 else idle}
+    for active in range(2):  # each rank's kernels alone: no CPU sharing
+        variants[f"solo{active}"] = variants["compute"] if rank == active else idle
+    figures = _medians(variants, args.iters, args.warmup)
+    figures["compute_solo"] = max(figures.pop("solo0"), figures.pop("solo1"))
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(figures))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(argv: Sequence[str] | None = None) -> dict:
+    """Run the benchmark (see the module docstring); print and return the figures."""
+    import torch.multiprocessing as mp
+
+    args = parse_args(argv)
+    plan = make_bench_plan(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "figures.json")
+        mp.start_processes(_worker, args=(os.path.join(tmp, "store"), out_path, args, plan),
+                           nprocs=2, join=True, start_method="spawn")
+        figures = json.loads(Path(out_path).read_text())
+    figures["speedup"] = figures["single"] / figures["engine"]
+    figures["speedup_solo"] = figures["single"] / figures["compute_solo"]
+    figures["hidden_fraction"] = ((figures["compute"] + figures["comm"] - figures["engine"])
+                                  / figures["comm"])
+    figures["plan"] = {"strategy": plan.strategy, "tiers": plan.tier_counts(),
+                       "rings": [list(g.ring) for g in plan.ring_groups if len(g.ring) > 1],
+                       "tokens_per_rank": plan.attention_tokens()}
+    _print(figures, args)
+    return figures
+
+
+def _print(figures: dict, args: argparse.Namespace) -> None:
+    what = "forward" if args.forward_only else "forward + backward"
+    plan = figures["plan"]
+    print(f"attention engine bench: 2 gloo ranks (1 node x 2) on CPU, {what}, fp32, heads "
+          f"{args.heads}/{args.kv_heads} kv, head_dim {args.head_dim}, median of {args.iters}")
+    print(f"  plan {plan['strategy']}: tiers {plan['tiers']}, rings {plan['rings']}, tokens "
+          f"per rank {plan['tokens_per_rank']}")
+    print(f"  single process, whole batch  {figures['single'] * 1e3:9.2f} ms")
+    print(f"  engine, 2 ranks              {figures['engine'] * 1e3:9.2f} ms   "
+          f"speedup {figures['speedup']:.2f}x")
+    print(f"  engine, compute only         {figures['compute'] * 1e3:9.2f} ms")
+    print(f"  engine, compute only, each rank alone {figures['compute_solo'] * 1e3:9.2f} ms   "
+          f"speedup {figures['speedup_solo']:.2f}x (what free cores would allow)")
+    print(f"  engine, communication only   {figures['comm'] * 1e3:9.2f} ms")
+    print(f"  communication hidden         {figures['hidden_fraction'] * 100:9.1f} %   "
+          "(compute + comm - engine) / comm")

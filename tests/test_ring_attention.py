@@ -1,0 +1,186 @@
+"""Zigzag varlen ring attention of one group: block structure, a simulated ring, real rings.
+
+The simulated ring runs every position of a group in one process, handing each step's sends
+to the next position, so the step logic (unequal chunks, empty chunks, dK/dV travelling back
+to the owner) is checked without processes. One spawned gloo world runs the autograd Function
+on real rings.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import make_batch, reference_grads, spawn_world
+from megatron_zeppelin.plan import zigzag_segments
+from megatron_zeppelin.runtime.attention import (RingGroupRun, ZigzagLayout, recv_like,
+                                                 ring_attention)
+from megatron_zeppelin.runtime.utils import RingComm
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    """Tiny tensors: one thread avoids OpenMP spin-waits when the CPU is oversubscribed."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def held_tokens(lengths, ring_size, position):
+    """Global (seq, token) of each row of a position's buffer (the Plan.attention order)."""
+    return [(s, t) for s, n in enumerate(lengths)
+            for _, a, b in zigzag_segments(s, n, ring_size, position) for t in range(a, b)]
+
+
+def attended_pairs(layout: ZigzagLayout):
+    """Every (query token, key token) some block of some step computes, with multiplicity."""
+    lengths, size, p = layout.lengths, layout.ring_size, layout.position
+    q_tokens, pairs = held_tokens(lengths, size, p), []
+    for step in range(size):
+        k_tokens = held_tokens(lengths, size, layout.source(step))
+        for block in layout.blocks(step):
+            q_rows = block.q_rows.tolist() if block.q_rows is not None else range(len(q_tokens))
+            k_rows = block.k_rows.tolist() if block.k_rows is not None else range(len(k_tokens))
+            q_rows, k_rows = list(q_rows), list(k_rows)
+            for i in range(len(block.cu_q) - 1):
+                qs = [q_tokens[r] for r in q_rows[block.cu_q[i]:block.cu_q[i + 1]]]
+                ks = [k_tokens[r] for r in k_rows[block.cu_k[i]:block.cu_k[i + 1]]]
+                offset = len(ks) - len(qs)
+                pairs += [(a, b) for x, a in enumerate(qs) for y, b in enumerate(ks)
+                          if not block.causal or y <= x + offset]
+    return pairs
+
+
+@pytest.mark.parametrize("ring_size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("lengths", [[1], [2, 9, 16], [37, 1, 5, 64, 3], [7, 7, 7, 100]])
+def test_blocks_cover_exactly_the_causal_pairs(ring_size, lengths):
+    for position in range(ring_size):
+        layout = ZigzagLayout(lengths, ring_size, position)
+        got = attended_pairs(layout)
+        want = [((s, t), (s, c)) for s, t in held_tokens(lengths, ring_size, position)
+                for c in range(t + 1)]
+        assert len(got) == len(set(got)), f"a pair computed twice at position {position}"
+        assert sorted(got) == sorted(want), f"position {position}: wrong causal pairs"
+        for step in range(ring_size):  # causal blocks: only the diagonal chunks of step 0
+            for block in layout.blocks(step):
+                assert not block.causal or (step == 0 and block.cu_q == block.cu_k)
+
+
+def simulate_ring(lengths, ring_size, heads, kv_heads, head_dim=8, seed=0):
+    """Forward and backward of every position of a group in one process (fp32)."""
+    batch = make_batch(lengths, heads, kv_heads, head_dim, seed)
+    scale = head_dim ** -0.5
+
+    def local(name, p):
+        return torch.cat([batch[name][s][a:b] for s, n in enumerate(lengths)
+                          for _, a, b in zigzag_segments(s, n, ring_size, p)]).float()
+
+    runs = [RingGroupRun(ZigzagLayout(lengths, ring_size, p), scale) for p in range(ring_size)]
+    for p, run in enumerate(runs):
+        run.begin_forward(local("q", p), local("k", p), local("v", p))
+    drive(runs, "forward")
+    results = [run.end_forward() for run in runs]
+    for p, run in enumerate(runs):
+        run.begin_backward(local("dout", p), local("q", p), local("k", p), local("v", p),
+                           *results[p])
+    drive(runs, "backward")
+    grads = [run.end_backward() for run in runs]
+    ref = reference_grads(batch, range(len(lengths)), scale)
+    errors = []
+    for p in range(ring_size):
+        want = [torch.cat([ref[s][name][a:b] for s, n in enumerate(lengths)
+                           for _, a, b in zigzag_segments(s, n, ring_size, p)])
+                for name in ("out", "q", "k", "v")]
+        for got, expected in zip((results[p][0], *grads[p]), want):
+            if expected.numel():
+                errors.append((got.double() - expected).abs().max().item())
+    return max(errors)
+
+
+def drive(runs, phase):
+    """Run the steps of every position; position p receives what p-1 sent, checked against
+    what p expects (``recv_like``)."""
+    size = len(runs)
+    steps = runs[0].forward_steps if phase == "forward" else runs[0].backward_steps
+    for step in range(steps):
+        sends = [[t.clone() for t in (run.forward_sends(step) if phase == "forward"
+                                      else run.backward_sends(step))] for run in runs]
+        for p, run in enumerate(runs):
+            like = recv_like(run.layout, step, phase, (run.kv.shape[2], run.kv.shape[3]),
+                             run.kv.dtype)
+            got = [(tuple(t.shape), t.dtype) for t in sends[(p - 1) % size]]
+            assert got == [(tuple(s), d) for s, d in like], f"{phase} step {step} position {p}"
+        for run in runs:
+            (run.forward_compute if phase == "forward" else run.backward_compute)(step)
+        for p, run in enumerate(runs):
+            (run.forward_receive if phase == "forward" else run.backward_receive)(
+                step, sends[(p - 1) % size] if size > 1 else [])
+
+
+@pytest.mark.parametrize("ring_size", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)])
+def test_simulated_ring_is_exact(ring_size, heads, kv_heads):
+    lengths = [1, 5, 2 * ring_size + 3, 64, 13, 4 * ring_size]  # most not divisible by 2G
+    assert simulate_ring(lengths, ring_size, heads, kv_heads) < 1e-5
+
+
+def test_layout_and_ring_argument_errors():
+    with pytest.raises(ValueError, match="position=3 is invalid: expected in \\[0, 3\\)"):
+        ZigzagLayout([4], 3, 3)
+    with pytest.raises(ValueError, match="ring_size=0 is invalid"):
+        ZigzagLayout([4], 0, 0)
+    with pytest.raises(ValueError, match=r"sequence lengths \[-1\] are invalid"):
+        ZigzagLayout([4, -1], 2, 0)
+    q = torch.zeros(4, 2, 8)
+    with pytest.raises(ValueError, match="a ring of 2 ranks needs a RingComm"):
+        ring_attention(q, q, q, ZigzagLayout([8], 2, 0))
+    run = RingGroupRun(ZigzagLayout([8], 2, 0), 0.5)
+    with pytest.raises(ValueError, match="expected 4 for ring position 0"):
+        run.begin_forward(torch.zeros(5, 2, 8), torch.zeros(5, 2, 8), torch.zeros(5, 2, 8))
+
+
+# ----------------------------------------------------------------------------- real rings
+
+RING_CASES = [  # (ring of world ranks in ring order, lengths, heads, kv_heads)
+    ((2, 0, 1), [37, 1, 64, 6], 4, 2),
+    ((1, 2), [1, 2, 3, 50], 4, 1),
+    ((0, 2, 1), [12], 4, 4),
+]
+
+
+def _ring_worker(rank: int, world: int) -> list:
+    """Each case: the group's rows of this rank, ring_attention forward + backward, errors."""
+    errors = []
+    for index, (ring, lengths, heads, kv_heads) in enumerate(RING_CASES):
+        if rank not in ring:
+            errors.append(None)
+            continue
+        position, size = ring.index(rank), len(ring)
+        batch = make_batch(lengths, heads, kv_heads, 8, seed=index)
+        segments = [seg for s, n in enumerate(lengths)
+                    for seg in zigzag_segments(s, n, size, position)]
+        q, k, v, dout = (torch.cat([batch[name][s][a:b] for s, a, b in segments]).float()
+                         for name in ("q", "k", "v", "dout"))
+        q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+        comm = RingComm(ring, rank, dist.group.WORLD, tag=index, timeout_s=30)
+        out = ring_attention(q, k, v, ZigzagLayout(lengths, size, position), comm)
+        out.backward(dout)
+        ref = reference_grads(batch, range(len(lengths)), 8 ** -0.5)
+        want = {name: torch.cat([ref[s][name][a:b] for s, a, b in segments])
+                for name in ("out", "q", "k", "v")}
+        got = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+        errors.append({name: (got[name].double() - want[name]).abs().max().item()
+                       for name in got})
+    return errors
+
+
+@pytest.mark.distributed
+def test_ring_attention_on_real_rings_is_exact():
+    results = spawn_world(3, _ring_worker, timeout_s=60)
+    for rank, errors in enumerate(results):
+        for case, err in zip(RING_CASES, errors):
+            if rank not in case[0]:
+                assert err is None
+                continue
+            assert max(err.values()) < 1e-5, f"rank {rank}, ring {case[0]}: errors {err}"
