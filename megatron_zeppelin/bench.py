@@ -100,3 +100,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--nodes", type=int, nargs="+", default=[16, 128])
     r.add_argument("--seed", type=int, default=0)
     r.set_defaults(func=_router_bench)
+    from megatron_zeppelin.megatron import bench as train_bench
+
+    train_bench.register(targets)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -27,11 +28,25 @@ def _entry(rank: int, world: int, port: int, env: dict, fn, args) -> None:
         dist.destroy_process_group()
 
 
-def run_world(fn, world: int, *args, env: dict | None = None) -> None:
-    """Fork ``world`` processes running ``fn(rank, world, *args)``; any failure fails the test.
+def run_world(fn, world: int, *args, env: dict | None = None, start_method: str = "fork",
+              timeout_s: float = 180.0) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; any failure fails the test, and a
+    world still running after ``timeout_s`` is killed (a deadlock must not hang CI).
 
-    Forked (not spawned) so the ranks share the parent's imports: starting 8 interpreters
-    that each import torch would dominate the test time on a 2-core machine.
+    Forked by default, so the ranks share the parent's imports (8 interpreters importing torch
+    would dominate the test time on a 2-core machine). Use ``start_method="spawn"`` for bodies
+    that initialise megatron-core's parallel state: a gloo group left alive in the parent by an
+    earlier test makes forked ranks hang in their first ``new_group``.
     """
-    mp.start_processes(_entry, args=(world, free_port(), dict(env or {}), fn, args),
-                       nprocs=world, join=True, start_method="fork")
+    context = mp.start_processes(_entry, args=(world, free_port(), dict(env or {}), fn, args),
+                                 nprocs=world, join=False, start_method=start_method)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a world of {world} ranks ran past {timeout_s:.0f} s "
+                                   "(deadlock?)")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()

@@ -74,18 +74,22 @@ def _lognormal_sampler(mu: float, sigma: float, lo: int, hi: int) -> Sampler:
 
 
 @lru_cache(maxsize=1)
-def stdlib_lengths() -> tuple[int, ...]:
-    """Token lengths (bytes / 4) of the Python standard library's .py files (site-packages excluded)."""
+def stdlib_files() -> tuple[str, ...]:
+    """The Python standard library's .py files (site-packages excluded), in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    lengths = []
+    files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__"))
-        for name in sorted(filenames):
-            if name.endswith(".py"):
-                lengths.append(max(1, os.path.getsize(os.path.join(dirpath, name)) // 4))
-    if not lengths:
+        files.extend(os.path.join(dirpath, n) for n in sorted(filenames) if n.endswith(".py"))
+    if not files:
         raise RuntimeError(f"no .py files found under the standard library folder {root}")
-    return tuple(lengths)
+    return tuple(files)
+
+
+@lru_cache(maxsize=1)
+def stdlib_lengths() -> tuple[int, ...]:
+    """Token lengths (bytes / 4) of the Python standard library's source files."""
+    return tuple(max(1, os.path.getsize(path) // 4) for path in stdlib_files())
 
 
 def _stdlib_sampler() -> Sampler:

@@ -1,0 +1,176 @@
+"""Zeppelin core attention for Megatron-Core's ``SelfAttention``.
+
+Megatron hands core attention q ``[tokens, 1, heads, head_dim]`` and k/v ``[tokens, 1,
+kv_heads, head_dim]`` (after RoPE) in the rank's *linear* layout and expects ``[tokens, 1,
+heads * head_dim]`` back. Zeppelin core attention:
+
+1. moves q, k, v to the attention layout (one all-to-all over the pool: ``runtime/remap.py``);
+2. runs the attention engine on the plan's rings (``runtime/engine.py``);
+3. moves the output back to the linear layout.
+
+Two classes with Megatron's core-attention constructor and forward signatures:
+``ZeppelinCoreAttention`` (a ``MegatronModule``, pure torch kernels or flash-attn) and, when
+Transformer Engine is importable, ``te_core_attention_class()`` -> a ``TEDotProductAttention``
+subclass that runs the same path on zeppelin-packed batches and TE's own otherwise. Both take a
+``ZeppelinAttentionState`` (process groups and options, shared by all layers of a model)
+through the layer spec's params.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_zeppelin.megatron.packing import ZeppelinPackedSeqParams
+from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.runtime.engine import AttentionEngine
+from megatron_zeppelin.runtime.remap import RemapIndex, build_remap_index, to_attention_layout, \
+    to_linear_layout
+
+
+@dataclasses.dataclass
+class _Runtime:
+    plan: Plan
+    remap: RemapIndex | None
+    engine: AttentionEngine
+
+
+class ZeppelinAttentionState:
+    """What every zeppelin core attention of one model shares.
+
+    pool_group: the process group of the pool (its ranks are the plan's ranks).
+    route_group: a second group over the same ranks for global inter-node steps (``None``:
+        inter-node rings use plain ring P2P). router_topology: for ``inter_mode='routed'``.
+    The runtime (remap index + engine) of a micro-batch is built once, by the first layer that
+    sees its plan, and replaced when the next plan arrives.
+    """
+
+    def __init__(self, pool_group: dist.ProcessGroup, *, backend: str | None = None,
+                 inter_mode: str = "ring", route_group: dist.ProcessGroup | None = None,
+                 router_topology=None, timeout_s: float | None = None) -> None:
+        self.pool_group, self.backend, self.inter_mode = pool_group, backend, inter_mode
+        self.route_group, self.router_topology, self.timeout_s = route_group, router_topology, \
+            timeout_s
+        self.rank = dist.get_rank(pool_group)
+        self._runtime: _Runtime | None = None
+
+    def runtime(self, plan: Plan, scale: Optional[float]) -> _Runtime:
+        if self._runtime is not None and self._runtime.plan is plan:
+            return self._runtime
+        self.close()
+        remapped = plan.linear != plan.attention
+        engine = AttentionEngine(plan, self.rank, self.pool_group, backend=self.backend,
+                                 timeout_s=self.timeout_s, scale=scale, inter_mode=self.inter_mode,
+                                 route_group=self.route_group,
+                                 router_topology=self.router_topology)
+        self._runtime = _Runtime(plan, build_remap_index(plan, self.rank) if remapped else None,
+                                 engine)
+        return self._runtime
+
+    def close(self) -> None:
+        if self._runtime is not None:
+            self._runtime.engine.close()
+            self._runtime = None
+
+
+def zeppelin_attention(state: ZeppelinAttentionState, query: Tensor, key: Tensor, value: Tensor,
+                       params: ZeppelinPackedSeqParams, scale: Optional[float]) -> Tensor:
+    """Remap q/k/v to the attention layout, run the plan's rings, remap the output back.
+
+    query ``[tokens, 1, heads, d]``, key/value ``[tokens, 1, kv_heads, d]`` in the rank's linear
+    layout; returns ``[tokens, 1, heads * d]`` in the linear layout.
+    """
+    if params.plan is None or params.rank != state.rank:
+        raise ValueError(f"zeppelin core attention needs packed params with the plan of this "
+                         f"rank ({state.rank}); got plan={params.plan is not None}, "
+                         f"rank={params.rank}")
+    runtime = state.runtime(params.plan, scale)
+    heads = query.shape[2]
+    q, k, v = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+    if runtime.remap is not None:
+        # one all-to-all for q, k and v: [tokens, heads + 2 * kv_heads, d]
+        qkv = to_attention_layout(torch.cat([q, k, v], dim=1), runtime.remap, state.pool_group)
+        q, k, v = qkv.split([heads, k.shape[1], v.shape[1]], dim=1)
+    out = runtime.engine.forward(q.contiguous(), k.contiguous(), v.contiguous())
+    if runtime.remap is not None:
+        out = to_linear_layout(out, runtime.remap, state.pool_group)
+    return out.reshape(out.shape[0], 1, -1)
+
+
+class ZeppelinCoreAttention(MegatronModule):
+    """Megatron core attention running Zeppelin's remap + attention engine (pure torch path).
+
+    Constructor and forward follow ``DotProductAttention`` (megatron-core 0.16.1); the extra
+    ``zeppelin_state`` comes from the layer spec's params.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int,
+                 attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None,
+                 zeppelin_state: ZeppelinAttentionState | None = None) -> None:
+        super().__init__(config=config)
+        if zeppelin_state is None:
+            raise ValueError("zeppelin_state=None: build the layer with "
+                             "get_gpt_layer_zeppelin_spec(state)")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"attention_dropout={dropout} is not supported by zeppelin core "
+                             "attention: expected 0.0")
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise ValueError(f"attn_mask_type={attn_mask_type} is invalid: zeppelin attention "
+                             "is causal")
+        self.state, self.softmax_scale = zeppelin_state, softmax_scale
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[Tensor] = None,
+                packed_seq_params: Optional[ZeppelinPackedSeqParams] = None) -> Tensor:
+        if not isinstance(packed_seq_params, ZeppelinPackedSeqParams):
+            raise ValueError("zeppelin core attention needs ZeppelinPackedSeqParams (from the "
+                             f"zeppelin data iterator); got {type(packed_seq_params).__name__}")
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by zeppelin core attention")
+        return zeppelin_attention(self.state, query, key, value, packed_seq_params,
+                                  self.softmax_scale)
+
+
+def te_core_attention_class() -> type:
+    """A ``TEDotProductAttention`` subclass that runs zeppelin on zeppelin-packed batches.
+
+    Raises ImportError naming the extra when Transformer Engine is not installed.
+    """
+    try:  # megatron-core's TE module imports without TE (it stubs it): ask for TE itself
+        import transformer_engine  # noqa: F401
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    except ImportError as exc:
+        raise ImportError("Transformer Engine is not installed: pip install "
+                          "'megatron-zeppelin[te]' (or use the NGC PyTorch image)") from exc
+
+    class ZeppelinTEDotProductAttention(TEDotProductAttention):
+        """TE core attention; zeppelin-packed batches go through remap + the zeppelin engine."""
+
+        def __init__(self, *args, zeppelin_state: ZeppelinAttentionState | None = None,
+                     **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            if zeppelin_state is None:
+                raise ValueError("zeppelin_state=None: build the layer with "
+                                 "get_gpt_layer_zeppelin_spec(state)")
+            self.zeppelin_state = zeppelin_state
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None, **kwargs):
+            if isinstance(packed_seq_params, ZeppelinPackedSeqParams):
+                return zeppelin_attention(self.zeppelin_state, query, key, value,
+                                          packed_seq_params, self.softmax_scale)
+            return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                   attention_bias, packed_seq_params, **kwargs)
+
+    return ZeppelinTEDotProductAttention

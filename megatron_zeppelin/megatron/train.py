@@ -1,0 +1,274 @@
+"""GPT pretraining on megatron-core with ``--context-parallel-mode static|zeppelin``.
+
+Process layout (Megatron's order, TP innermost): for each TP rank, the CP group of
+``--context-parallel-size`` ranks is the *pool* the planner places each micro-batch on (``static``: every document zigzag over the
+pool, as TE/Megatron CP; ``zeppelin``: the hierarchical partitioner with routing and
+remapping); every TP rank of a pool position holds the same tokens and its own heads.
+Megatron itself runs with its CP at 1, so its data-parallel group is DP x CP: DDP reduces
+gradients over all of it, and ``calculate_per_token_loss`` divides them by the tokens
+of the whole global batch. Model state is the same in both modes (core attention has no
+parameters), so checkpoints load across modes.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_zeppelin import env
+from megatron_zeppelin.config import ConfigError, ModelSpec, ZeppelinConfig, load_cluster, \
+    load_hardware
+from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.megatron import args as cli
+from megatron_zeppelin.megatron.core_attention import ZeppelinAttentionState
+from megatron_zeppelin.megatron.data import (DocumentStats, IndexedDocuments, StdlibCorpus,
+                                             ZeppelinDataIterator, sample_documents)
+from megatron_zeppelin.megatron.train_log import Logger, StepLog
+from megatron_zeppelin.megatron.model import build_gpt_model, make_transformer_config
+from megatron_zeppelin.megatron.spec import get_gpt_layer_zeppelin_spec
+from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.planner import make_plan
+from megatron_zeppelin.router import RouterTopology
+
+
+@dataclasses.dataclass
+class Pool:
+    """This rank's CP pool: its process groups, index among pools and rank inside it."""
+
+    group: dist.ProcessGroup
+    route_group: dist.ProcessGroup
+    index: int
+    rank: int
+    size: int
+
+
+def make_pools(world: int, tp: int, cp: int) -> Pool:
+    """The CP pools: for each data-parallel index and TP rank, ``cp`` ranks (Megatron's rank
+    order: TP innermost). Every rank creates every pool's groups (as torch.distributed
+    requires) and keeps its own; the TP ranks of a pool position see the same tokens."""
+    rank, mine = dist.get_rank(), None
+    for outer in range(world // (tp * cp)):
+        for tp_rank in range(tp):
+            ranks = [(outer * cp + i) * tp + tp_rank for i in range(cp)]
+            group, route = dist.new_group(ranks), dist.new_group(ranks)
+            if rank in ranks:
+                mine = Pool(group, route, outer, ranks.index(rank), cp)
+    return mine
+
+
+def model_spec(args: argparse.Namespace) -> ModelSpec:
+    return ModelSpec(name="pretrain_gpt", num_layers=args.num_layers,
+                     hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                     num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
+                     vocab_size=args.vocab_size or 256, swiglu=args.swiglu,
+                     bytes_per_element=4 if args.device == "cpu" else 2)
+
+
+def make_cost_model(args: argparse.Namespace, spec: ModelSpec) -> CostModel:
+    """The planner's cost model on the pool's topology: nodes x --zeppelin-gpus-per-node GPUs,
+    a pool rank per TP group."""
+    default = "cpu-2x2" if args.device == "cpu" else "h200-8nic"
+    cluster = load_cluster(args.zeppelin_cluster or default)
+    tp, gpn = args.tensor_model_parallel_size, args.zeppelin_gpus_per_node
+    cluster = cluster.with_topology(cli.pool_size(args) * tp // gpn, gpn)
+    hardware = load_hardware(args.zeppelin_hardware or cluster.hardware)
+    return CostModel(spec, cluster, hardware, tp)
+
+
+def make_planner(args: argparse.Namespace, cost: CostModel):
+    """lengths -> Plan for one micro-batch of the pool (deterministic: same on every rank)."""
+    config = ZeppelinConfig(max_seqlen=args.seq_length,
+                            capacity_tokens_per_gpu=args.zeppelin_capacity_tokens_per_gpu,
+                            capacity_factor=args.zeppelin_capacity_factor,
+                            overlong=args.zeppelin_overlong, routing=args.zeppelin_routing,
+                            remap=args.zeppelin_remap)
+    if args.context_parallel_mode == "zeppelin":
+        planner = partial(make_plan, "zeppelin", cost=cost, config=config)
+    else:
+        planner = partial(make_plan, "static-cp", cost=cost, config=config,
+                          cp_size=cli.pool_size(args))
+
+    def plan(lengths: list[int]) -> Plan:
+        result = planner(lengths)
+        return result.validate() if args.zeppelin_validate_plan else result
+
+    return plan
+
+
+def build_state(args: argparse.Namespace, pool: Pool, cost: CostModel) -> ZeppelinAttentionState:
+    routed = args.context_parallel_mode == "zeppelin" and args.zeppelin_routing and \
+        cost.cluster.nodes > 1
+    backend = None if args.zeppelin_attention_backend == "auto" else args.zeppelin_attention_backend
+    # routing works on pool ranks: with TP, a pool rank is a TP group of its node
+    cluster = cost.cluster.with_topology(cost.cluster.nodes, cost.cluster.gpus_per_node // cost.tp)
+    return ZeppelinAttentionState(
+        pool.group, backend=backend, inter_mode="routed" if routed else "ring",
+        route_group=pool.route_group if routed else None,
+        router_topology=RouterTopology.from_cluster(cluster) if routed else None)
+
+
+def build_training(args: argparse.Namespace, state: ZeppelinAttentionState, spec: ModelSpec):
+    """Model (Megatron DDP around a PackedGPTModel with zeppelin core attention) + optimizer."""
+    from megatron.core.distributed import (DistributedDataParallel,
+                                           DistributedDataParallelConfig, finalize_model_grads)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    config = make_transformer_config(spec, normalization=args.normalization,
+                                     calculate_per_token_loss=True,
+                                     use_cpu_initialization=args.device == "cpu",
+                                     tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                     params_dtype=torch.bfloat16 if args.bf16 else torch.float32)
+    layer_spec = get_gpt_layer_zeppelin_spec(state, normalization=args.normalization,
+                                             use_te=None if args.device == "cuda" else False)
+    module = build_gpt_model(spec, config, max_sequence_length=args.seq_length,
+                             layer_spec=layer_spec,
+                             pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    if args.device == "cuda":
+        module.cuda()
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), module)
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
+                        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+                        clip_grad=args.clip_grad, bf16=args.bf16), [model])
+    return model, optimizer
+
+
+def forward_step(data_iterator, model):
+    """Megatron forward_step_func: per-token loss sum and token count of this rank's share."""
+    batch = next(data_iterator)
+    losses = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
+                   packed_seq_params=batch.packed_seq_params)
+
+    def loss_func(output: torch.Tensor):
+        total = (output.float() * batch.loss_mask).sum()
+        count = batch.loss_mask.sum().to(torch.int)
+        return total, count, {"lm loss": torch.stack([total.detach(), count.float()])}
+
+    return losses, loss_func
+
+
+def make_data(args: argparse.Namespace, pool: Pool, planner, device, stats: DocumentStats
+              ) -> ZeppelinDataIterator:
+    """Micro-batches of MBS x seq-length tokens per pool (Megatron's meaning: a CP group runs
+    MBS samples of seq-length tokens; an iteration GBS x seq-length tokens); documents longer
+    than --seq-length follow --zeppelin-overlong (counted in ``stats``)."""
+    source = StdlibCorpus() if args.mock_data else IndexedDocuments(args.data_path)
+    tokens = args.micro_batch_size * args.seq_length
+    batches = sample_documents(source, tokens, seed=args.seed * 7919 + pool.index,
+                               max_len=args.seq_length, overlong=args.zeppelin_overlong,
+                               stats=stats)
+    return ZeppelinDataIterator(batches, planner, pool.rank, device=device)
+
+
+def init_process_group(args: argparse.Namespace) -> None:
+    if not env.launched_by_torchrun():
+        raise ConfigError("launch with torchrun (it sets RANK/WORLD_SIZE), e.g. torchrun "
+                          "--nproc-per-node 4 scripts/pretrain_gpt.py --yaml-cfg ...")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but no CUDA device is visible; use --device cpu")
+    backend = "gloo" if args.device == "cpu" else "nccl"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=env.p2p_timeout_s()))
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def setup_megatron(args: argparse.Namespace) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if args.device == "cpu":
+        from megatron_zeppelin.megatron.cpu import enable_cpu_mode
+
+        enable_cpu_mode()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+
+
+def train(args: argparse.Namespace) -> list[StepLog]:
+    """Run ``--train-iters`` iterations; returns the per-iteration logs (rank 0 prints them)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    world, tp = dist.get_world_size(), args.tensor_model_parallel_size
+    pool = make_pools(world, tp, cli.pool_size(args))
+    spec = model_spec(args)
+    cost = make_cost_model(args, spec)
+    state = build_state(args, pool, cost)
+    model, optimizer = build_training(args, state, spec)
+    start = checkpoint_load(args, model, optimizer)
+    device = "cuda" if args.device == "cuda" else "cpu"
+    stats = DocumentStats()
+    data = make_data(args, pool, make_planner(args, cost), device, stats)
+    logger = Logger(args, cost, dist.get_rank() == 0, stats)
+    micro = args.global_batch_size // (args.micro_batch_size * (world // (tp * pool.size)))
+    try:
+        for iteration in range(start + 1, args.train_iters + 1):
+            started = time.perf_counter()
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            batches = logger.watch(data)
+            stored = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=batches, model=[model],
+                num_microbatches=micro, seq_length=0, micro_batch_size=1, forward_only=False)
+            ok, grad_norm, _ = optimizer.step()
+            logger.step(iteration, stored, grad_norm, time.perf_counter() - started)
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                checkpoint_save(args, model, optimizer, iteration)
+        if args.save:
+            checkpoint_save(args, model, optimizer, args.train_iters)
+    finally:
+        data.close()
+        state.close()
+        logger.close()
+    return logger.history
+
+
+def checkpoint_save(args: argparse.Namespace, model, optimizer, iteration: int) -> None:
+    """Rank 0 writes ``{save}/iter_N/model_optim.pt`` (model + optimizer state, mode-free)."""
+    if dist.get_rank() == 0:
+        path = os.path.join(args.save, f"iter_{iteration:07d}")
+        os.makedirs(path, exist_ok=True)
+        torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                    "iteration": iteration, "mode": args.context_parallel_mode},
+                   os.path.join(path, "model_optim.pt"))
+        with open(os.path.join(args.save, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+    dist.barrier()
+
+
+def checkpoint_load(args: argparse.Namespace, model, optimizer) -> int:
+    """Load the latest checkpoint under ``--load`` (any mode); returns its iteration (or 0)."""
+    if not args.load:
+        return 0
+    marker = os.path.join(args.load, "latest_checkpointed_iteration.txt")
+    if not os.path.exists(marker):
+        raise ConfigError(f"--load {args.load!r}: no latest_checkpointed_iteration.txt there")
+    with open(marker) as f:
+        iteration = int(f.read().strip())
+    saved = torch.load(os.path.join(args.load, f"iter_{iteration:07d}", "model_optim.pt"),
+                       map_location="cpu", weights_only=False)
+    model.module.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    return iteration
+
+
+def main(argv=None) -> int:
+    args = cli.parse_args(argv)
+    init_process_group(args)
+    try:
+        cli.validate_args(args, dist.get_world_size(), env.local_world_size())
+        setup_megatron(args)
+        train(args)
+    finally:
+        dist.destroy_process_group()
+    return 0

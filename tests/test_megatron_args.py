@@ -1,0 +1,95 @@
+"""pretrain_gpt.py's command line and YAML: shipped recipes validate, bad input is refused
+before any process group or model exists."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_zeppelin.config import ConfigError
+from megatron_zeppelin.megatron import args as cli
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = sorted((ROOT / "configs" / "train").glob("*.yaml"))
+BASE = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "64",
+        "--num-attention-heads", "4", "--seq-length", "256", "--global-batch-size", "2",
+        "--train-iters", "1", "--mock-data", "--vocab-size", "256"]
+
+
+@pytest.mark.parametrize("path", TRAIN, ids=lambda p: p.stem)
+def test_every_shipped_training_recipe_validates_for_its_world(path):
+    args = cli.parse_args(["--yaml-cfg", str(path), "--data-path", "corpus_text_document"])
+    gpus = cli.pool_size(args) * args.tensor_model_parallel_size
+    cli.validate_args(args, world_size=gpus, local_world_size=min(gpus, 8))
+    assert args.context_parallel_mode in cli.MODES
+
+
+def test_flags_override_the_yaml(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("num_layers: 2\ncontext-parallel-mode: zeppelin\nlr: 0.5\n")
+    args = cli.parse_args(["--yaml-cfg", str(cfg), "--lr", "0.25"])
+    assert args.num_layers == 2 and args.context_parallel_mode == "zeppelin" and args.lr == 0.25
+
+
+@pytest.mark.parametrize("text,match", [
+    ("num_layer: 2\n", r"unknown key 'num_layer'; valid keys: \[.*'num_layers'"),
+    ("context_parallel_mode: ring\n", r"context_parallel_mode='ring' is invalid: expected one of "
+                                      r"\['static', 'zeppelin'\]"),
+])
+def test_bad_yaml_is_refused_with_the_key(tmp_path, text, match):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        cli.parse_args(["--yaml-cfg", str(cfg)])
+
+
+@pytest.mark.parametrize("extra,world,match", [
+    (["--context-parallel-size", "3"], 4, r"--context-parallel-size=3 is invalid: expected a "
+                                          r"divisor of world size / TP = 4"),
+    (["--context-parallel-size", "4", "--zeppelin-gpus-per-node", "3"], 4,
+     r"CP x TP = 4 GPUs must be whole nodes of --zeppelin-gpus-per-node=3"),
+    (["--tensor-model-parallel-size", "3"], 6, r"--tensor-model-parallel-size=3 is invalid"),
+    (["--bf16"], 1, "--bf16 with --device cpu"),
+    (["--global-batch-size", "3", "--context-parallel-size", "2"], 4,
+     r"--global-batch-size=3 must be a multiple of --micro-batch-size x data-parallel size"),
+])
+def test_bad_parallel_settings_are_refused(extra, world, match):
+    args = cli.parse_args(BASE + extra)
+    with pytest.raises(ConfigError, match=match):
+        cli.validate_args(args, world_size=world, local_world_size=None)
+
+
+def test_missing_data_and_required_flags():
+    with pytest.raises(ConfigError, match="no data: pass --mock-data"):
+        cli.validate_args(cli.parse_args([x for x in BASE if x != "--mock-data"]), 1, None)
+    without_iters = BASE[:BASE.index("--train-iters")] + BASE[BASE.index("--mock-data"):]
+    with pytest.raises(ConfigError, match="--train-iters is required"):
+        cli.validate_args(cli.parse_args(without_iters), 1, None)
+
+
+def test_unknown_mode_is_refused_by_the_script():
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "pretrain_gpt.py"),
+                             "--context-parallel-mode", "ring"], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "invalid choice: 'ring' (choose from 'static', 'zeppelin')" in result.stderr
+
+
+def test_the_script_asks_for_torchrun():
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "pretrain_gpt.py")] + BASE,
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "launch with torchrun" in result.stderr
+
+
+def test_transformer_engine_missing_names_the_extra():
+    from megatron_zeppelin.megatron.core_attention import te_core_attention_class
+
+    pytest.importorskip("megatron.core")
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r"pip install 'megatron-zeppelin\[te\]'"):
+            te_core_attention_class()
+    else:
+        assert te_core_attention_class().__name__ == "ZeppelinTEDotProductAttention"
