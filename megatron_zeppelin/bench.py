@@ -73,6 +73,13 @@ def bench_planner(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_bench(args: argparse.Namespace) -> int:
+    from megatron_zeppelin.runtime import bench as engine_bench
+
+    engine_bench.run(args.passthrough)
+    return 0
+
+
 def _router_bench(args: argparse.Namespace) -> int:
     from megatron_zeppelin.router import bench as router_bench
 
@@ -100,6 +107,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--nodes", type=int, nargs="+", default=[16, 128])
     r.add_argument("--seed", type=int, default=0)
     r.set_defaults(func=_router_bench)
+    e = targets.add_parser("engine", add_help=False,  # its own parser handles every flag
+                           help="attention engine vs the same work on one process (CPU, 2 ranks)")
+    e.set_defaults(func=_engine_bench, passthrough_flags=True)
     from megatron_zeppelin.megatron import bench as train_bench
 
     train_bench.register(targets)

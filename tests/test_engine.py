@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import make_cost
-from dist_utils import gather_rows, make_batch, max_errors, reference_grads, spawn_world
+from attention_reference import gather_rows, make_batch, max_errors, reference_grads
+from distributed import run_world
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.planner import make_plan
 from megatron_zeppelin.router import RouterTopology
@@ -250,7 +251,7 @@ def test_engine_world_of_2():
     assert all(t.tier.name == "LOCAL" for t in cases[1]["plan"].tasks)
     assert cases[3]["plan"].num_waves > 1
     check_tiers(cases, ("intra", "local"))
-    check_results(cases, spawn_world(2, _engine_worker, cases, False), 2)
+    check_results(cases, run_world(_engine_worker, 2, cases, False), 2)
 
 
 def test_engine_world_of_4_and_failing_peer():
@@ -266,7 +267,7 @@ def test_engine_world_of_4_and_failing_peer():
     ]
     check_tiers(cases)
     assert cases[3]["plan"].num_waves > 1
-    results = spawn_world(4, _engine_worker, cases, True)
+    results = run_world(_engine_worker, 4, cases, True)
     check_results(cases, results, 4)
     for rank, result in enumerate(results):
         check_overlap(rank, [tuple(e) for e in result["timeline"]])
@@ -309,7 +310,7 @@ def test_engine_world_of_8():
              kv_heads=4, modes=("routed",), seed=4),
     ]
     check_tiers(cases)
-    results = spawn_world(8, _engine_worker, cases, False, timeout_s=150)
+    results = run_world(_engine_worker, 8, cases, False, timeout_s=150)
     check_results(cases, results, 8)
     proxied = sum(r["cases"][0][1]["proxied"] for r in results)
     assert proxied > 0, "the routed 2x4 case never relayed a slice through a proxy"

@@ -28,7 +28,7 @@ from megatron_zeppelin.megatron.packing import (ZeppelinPackedSeqParams, gather_
                                                 packed_seq_params_from_segments)
 from megatron_zeppelin.plan import AttentionTask, Plan, Segment, Tier, Topology
 
-from distributed import _entry, free_port
+from distributed import free_port, run_world
 
 SPEC = ModelSpec(name="cpu-test", num_layers=2, hidden_size=32, num_attention_heads=4,
                  num_query_groups=2, ffn_hidden_size=48, vocab_size=64, swiglu=True,
@@ -375,9 +375,7 @@ def ddp_worker(rank: int, world: int, out_dir: str) -> None:
 def test_ddp_optimizer_schedule_on_two_ranks_match_one_process(tmp_path):
     # spawned, not forked: a gloo group still alive in this process (any earlier test's) makes
     # forked ranks hang when they create their own gloo groups
-    torch.multiprocessing.start_processes(
-        _entry, args=(2, free_port(), {}, ddp_worker, (str(tmp_path),)), nprocs=2, join=True,
-        start_method="spawn")
+    run_world(ddp_worker, 2, str(tmp_path), start_method="spawn", timeout_s=300)
     for rank in range(2):
         metrics = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for key in ("grad", "param", "loss"):

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import make_batch, reference_grads, spawn_world
+from attention_reference import make_batch, reference_grads
+from distributed import run_world
 from megatron_zeppelin.plan import zigzag_segments
 from megatron_zeppelin.runtime.attention import (RingGroupRun, ZigzagLayout, recv_like,
                                                  ring_attention)
@@ -177,7 +178,7 @@ def _ring_worker(rank: int, world: int) -> list:
 
 @pytest.mark.distributed
 def test_ring_attention_on_real_rings_is_exact():
-    results = spawn_world(3, _ring_worker, timeout_s=60)
+    results = run_world(_ring_worker, 3, timeout_s=60)
     for rank, errors in enumerate(results):
         for case, err in zip(RING_CASES, errors):
             if rank not in case[0]:

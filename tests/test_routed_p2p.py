@@ -1,14 +1,11 @@
 """Routed and direct exchanges over gloo deliver the exact bytes; a silent peer times out.
 
-Two pools of gloo ranks (2 nodes x 2 ranks, 2 nodes x 4 ranks) started with
-torch.multiprocessing (forkserver). Each rank writes a JSON report;
-the test asserts on the reports, so a failure names the rank and the flow.
+Two pools of gloo ranks (2 nodes x 2 ranks, 2 nodes x 4 ranks) started by ``run_world``.
+Each rank returns a report; the test asserts on the reports, so a failure names the rank and
+the flow.
 """
 from __future__ import annotations
 
-import json
-import multiprocessing
-import os
 import random
 import re
 import time
@@ -17,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_zeppelin.router import Flow, RouterTopology, route
 from megatron_zeppelin.runtime.routed_p2p import direct_exchange, routed_exchange
+
+from distributed import run_world
 
 pytestmark = pytest.mark.distributed
 
@@ -110,7 +108,7 @@ def time_out_silent_peer(me: int, world: int, out_dir: Path, report: dict) -> No
         report["relayed_via_rank2"] = any(s.src_proxy == 2 for s in schedule.slices)
     if me == silent:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and len(list(out_dir.glob("rank*.json"))) < silent:
+        while time.monotonic() < deadline and len(list(out_dir.glob("done*"))) < silent:
             time.sleep(0.05)
         return
     recv_like = {f: (flow.nbytes, torch.uint8) for f, flow in enumerate(flows) if flow.dst == me}
@@ -127,38 +125,27 @@ def time_out_silent_peer(me: int, world: int, out_dir: Path, report: dict) -> No
     report["seconds"] = time.monotonic() - start
 
 
-def worker(rank: int, world: int, init_file: str, gpus: int, gpu_to_nic: tuple[int, ...],
-           out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+def worker(rank: int, world: int, gpus: int, gpu_to_nic: tuple[int, ...], out_dir: str) -> dict:
     report: dict = {}
     topology = make_topology(world // gpus, gpus, gpu_to_nic)
     collect_input_errors(rank, topology, report)
     check_integrity(rank, topology, report)
     dist.barrier()
     time_out_silent_peer(rank, world, Path(out_dir), report)
-    path = Path(out_dir) / f"rank{rank}.json"
-    path.with_suffix(".tmp").write_text(json.dumps(report, default=str))
-    path.with_suffix(".tmp").rename(path)
-    os._exit(0)  # skip process-group teardown: the timeout test leaves receives pending
+    (Path(out_dir) / f"done{rank}").touch()  # lets the silent peer leave
+    return report
 
 
 def run_pool(tmp_path: Path, world: int, gpus: int, gpu_to_nic: tuple[int, ...]) -> list[dict]:
-    """Start ``world`` gloo ranks and return their reports. The forkserver imports torch once
-    and forks the ranks from it: on 2 cores, 8 fresh interpreters would take ~10 s to start."""
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", __name__])
-    mp.start_processes(worker, args=(world, str(tmp_path / "init"), gpus, gpu_to_nic,
-                                     str(tmp_path)), nprocs=world, join=True,
-                       start_method="forkserver")
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    """Start ``world`` gloo ranks and return their reports."""
+    return run_world(worker, world, gpus, gpu_to_nic, str(tmp_path), timeout_s=120)
 
 
-def expected_receivers(topology: RouterTopology, seed: int) -> dict[int, list[str]]:
+def expected_receivers(topology: RouterTopology, seed: int) -> dict[int, list[int]]:
     flows = make_flows(topology, seed, count=3 * topology.world_size)
-    mine: dict[int, list[str]] = {r: [] for r in range(topology.world_size)}
+    mine: dict[int, list[int]] = {r: [] for r in range(topology.world_size)}
     for f, flow in enumerate(flows):
-        mine[flow.dst].append(str(f))
+        mine[flow.dst].append(f)
     return mine
 
 
@@ -172,7 +159,7 @@ def assert_integrity(reports: list[dict], topology: RouterTopology) -> None:
         for rank, report in enumerate(reports):
             for kind in ("routed", "direct"):
                 got = report[f"{kind}{seed}"]
-                assert sorted(got, key=int) == receivers[rank], (kind, seed, rank)
+                assert sorted(got) == receivers[rank], (kind, seed, rank)
                 assert all(got.values()), (kind, seed, rank, got)
 
 

@@ -1,0 +1,61 @@
+"""The attention tests' reference: every sequence alone, causal attention in float64 with
+autograd, and helpers to compare a rank's attention buffer with it."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from megatron_zeppelin.plan import Plan
+
+
+# ----------------------------------------------------------------------------- reference
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """Causal attention of one sequence: q ``[s, h, d]``, k/v ``[s, g, d]`` -> ``[s, h, d]``."""
+    s, heads, _ = q.shape
+    group = heads // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def make_batch(seqlens: Sequence[int], heads: int, kv_heads: int, head_dim: int,
+               seed: int) -> dict[str, list[torch.Tensor]]:
+    """Per sequence float64 q, k, v, dout (the same on every rank for a seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"q": heads, "k": kv_heads, "v": kv_heads, "dout": heads}
+    return {name: [torch.randn(n, h, head_dim, generator=gen, dtype=torch.float64)
+                   for n in seqlens] for name, h in shapes.items()}
+
+
+def reference_grads(batch: dict[str, list[torch.Tensor]], seqs: Sequence[int],
+                    scale: float) -> dict[int, dict[str, torch.Tensor]]:
+    """out, dq, dk, dv of sequences ``seqs`` (float64), each alone."""
+    result = {}
+    for s in seqs:
+        q, k, v = (batch[n][s].clone().requires_grad_() for n in ("q", "k", "v"))
+        out = reference_attention(q, k, v, scale)
+        out.backward(batch["dout"][s])
+        result[s] = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+    return result
+
+
+def gather_rows(plan: Plan, rank: int, per_seq: dict) -> torch.Tensor:
+    """The rank's attention buffer ``[tokens, ...]`` built from per-sequence tensors."""
+    return torch.cat([per_seq[seq][start:end] for seq, start, end in plan.attention[rank]])
+
+
+def max_errors(plan: Plan, rank: int, got: dict[str, torch.Tensor],
+               ref: dict[int, dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Largest |got - reference| of out, dq, dk, dv on this rank's rows."""
+    if not plan.attention[rank]:
+        return {name: 0.0 if tensor.numel() == 0 else float("inf") for name, tensor in got.items()}
+    errors = {}
+    for name, tensor in got.items():
+        want = gather_rows(plan, rank, {s: r[name] for s, r in ref.items()})
+        errors[name] = (tensor.double() - want).abs().max().item()
+    return errors
