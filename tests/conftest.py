@@ -24,3 +24,14 @@ def make_cost(model: str = "llama-7b", cluster: str = "h200-8nic", nodes: int = 
 @pytest.fixture
 def cost_7b() -> CostModel:
     return make_cost()
+
+
+@pytest.fixture
+def one_intra_op_thread():
+    """Tiny tensors: one thread avoids OpenMP spin-waits when the CPU is oversubscribed."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -11,16 +11,9 @@ from hypothesis import strategies as st
 from megatron_zeppelin.runtime import kernels, kernels_ext
 from megatron_zeppelin.runtime.utils import merge_into_, merge_lse
 
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
-
-
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread():
-    """Tiny tensors: one thread avoids OpenMP spin-waits when the CPU is oversubscribed."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def reference_block(q, k, v, cu_q, cu_k, causal, scale):

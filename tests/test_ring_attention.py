@@ -18,14 +18,7 @@ from megatron_zeppelin.runtime.attention import (RingGroupRun, ZigzagLayout, rec
                                                  ring_attention)
 from megatron_zeppelin.runtime.utils import RingComm
 
-
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread():
-    """Tiny tensors: one thread avoids OpenMP spin-waits when the CPU is oversubscribed."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def held_tokens(lengths, ring_size, position):

@@ -157,17 +157,21 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
+def _pairs(cq, ck):
+    """(query rows, key rows) of every pair with work: pair i is cq[i]:cq[i+1] x ck[i]:ck[i+1]."""
+    for i in range(len(cq) - 1):
+        qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        if qs.stop > qs.start and ks.stop > ks.start:
+            yield qs, ks
+
+
 def _torch_forward(q, k, v, cq, ck, causal, scale):
     tq_all, heads, _ = q.shape
     out = torch.zeros_like(q)
     lse = torch.full((heads, tq_all), float("-inf"), dtype=_accum_dtype(q.dtype),
                      device=q.device)
-    for i in range(len(cq) - 1):
-        qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
-        tq, tk = qs.stop - qs.start, ks.stop - ks.start
-        if tq == 0 or tk == 0:
-            continue
-        if _use_aten_cpu(q, tq, tk, causal):
+    for qs, ks in _pairs(cq, ck):
+        if _use_aten_cpu(q, qs.stop - qs.start, ks.stop - ks.start, causal):
             o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 _bhsd(q[qs]), _bhsd(k[ks]), _bhsd(v[ks]), 0.0, causal, scale=scale)
             out[qs] = o[0].transpose(0, 1)
@@ -181,12 +185,8 @@ def _torch_backward(dout, q, k, v, out, lse, cq, ck, causal, scale):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     # a row that sees no key anywhere has lse -inf: +inf makes its probabilities exp(s - inf) = 0
     lse = lse.to(_accum_dtype(q.dtype)).masked_fill(torch.isneginf(lse), float("inf"))
-    for i in range(len(cq) - 1):
-        qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
-        tq, tk = qs.stop - qs.start, ks.stop - ks.start
-        if tq == 0 or tk == 0:
-            continue
-        if _use_aten_cpu(q, tq, tk, causal):
+    for qs, ks in _pairs(cq, ck):
+        if _use_aten_cpu(q, qs.stop - qs.start, ks.stop - ks.start, causal):
             gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 _bhsd(dout[qs]), _bhsd(q[qs]), _bhsd(k[ks]), _bhsd(v[ks]), _bhsd(out[qs]),
                 lse[:, qs].unsqueeze(0).contiguous(), 0.0, causal, scale=scale)

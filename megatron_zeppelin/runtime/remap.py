@@ -113,26 +113,18 @@ def _inverse(x: torch.Tensor, idx: RemapIndex, group) -> torch.Tensor:
                      idx.keep_dst, idx.keep_src, idx.linear_rows, group)
 
 
-class _ToAttention(torch.autograd.Function):
+class _Remap(torch.autograd.Function):
+    """One direction of the remap; its backward is the other direction."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, idx: RemapIndex, group) -> torch.Tensor:
-        ctx.idx, ctx.group = idx, group
-        return _forward(x, idx, group)
+    def forward(ctx, x: torch.Tensor, idx: RemapIndex, group, to_attention: bool) -> torch.Tensor:
+        ctx.idx, ctx.group, ctx.to_attention = idx, group, to_attention
+        return (_forward if to_attention else _inverse)(x, idx, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _inverse(grad.contiguous(), ctx.idx, ctx.group), None, None
-
-
-class _ToLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, idx: RemapIndex, group) -> torch.Tensor:
-        ctx.idx, ctx.group = idx, group
-        return _inverse(x, idx, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _forward(grad.contiguous(), ctx.idx, ctx.group), None, None
+        back = _inverse if ctx.to_attention else _forward
+        return back(grad.contiguous(), ctx.idx, ctx.group), None, None, None
 
 
 def _check_rows(x: torch.Tensor, rows: int, layout: str, rank: int) -> None:
@@ -145,11 +137,11 @@ def to_attention_layout(x: torch.Tensor, idx: RemapIndex,
                         group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``x`` [linear tokens, ...] -> [attention tokens, ...]; autograd-aware."""
     _check_rows(x, idx.linear_rows, "linear", idx.rank)
-    return _ToAttention.apply(x.contiguous(), idx, group)
+    return _Remap.apply(x.contiguous(), idx, group, True)
 
 
 def to_linear_layout(x: torch.Tensor, idx: RemapIndex,
                      group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``x`` [attention tokens, ...] -> [linear tokens, ...]; autograd-aware."""
     _check_rows(x, idx.attention_rows, "attention", idx.rank)
-    return _ToLinear.apply(x.contiguous(), idx, group)
+    return _Remap.apply(x.contiguous(), idx, group, False)
