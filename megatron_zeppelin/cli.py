@@ -118,13 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
 def _extra_commands():
     """Subcommands owned by other layers (bench, simulate, calibrate)."""
     from megatron_zeppelin import bench
+    from megatron_zeppelin.sim import cli as sim_cli
 
-    return [bench.register]
+    return [bench.register, sim_cli.register]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "passthrough_flags", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.passthrough = unknown
     try:
         return args.func(args)
     except (ValueError, ConfigError, FileNotFoundError) as exc:

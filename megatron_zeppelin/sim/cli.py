@@ -1,0 +1,211 @@
+"""``zeppelin simulate`` and ``zeppelin calibrate`` (registered by ``cli._extra_commands``).
+
+simulate   plan + simulate every strategy variant over node counts x workloads; print a table
+           per setting and a summary; ``--plot DIR`` writes speedup bars and per-rank loads;
+           ``--fidelity`` instead runs the real attention engine on gloo ranks and compares
+           measured with simulated times.
+calibrate  measure this machine (CPU, or CUDA when asked) and write a hardware profile and the
+           emulated CPU cluster YAML the simulator and the fidelity check take.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from megatron_zeppelin.config import ZeppelinConfig, configs_dir
+
+
+def _add_simulate_args(p: argparse.ArgumentParser) -> None:
+    """Flags of ``zeppelin simulate``."""
+    from megatron_zeppelin.sim.sweep import DEFAULT_VARIANTS, MAX_MEGATRON_SEQUENCES, VARIANTS
+
+    p.add_argument("--model", help="model YAML path or shipped name (llama-7b)")
+    p.add_argument("--cluster", help="cluster YAML path or shipped name (a800-4nic)")
+    p.add_argument("--nodes", type=int, nargs="+", default=None,
+                   help="node counts to sweep (default: the cluster YAML's)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per rank")
+    p.add_argument("--workload", nargs="+", default=["github"], help="built-in workloads")
+    p.add_argument("--lengths", default=None, help="file with one document length per line "
+                   "(one batch; replaces --workload)")
+    p.add_argument("--global-batch-tokens", default=None,
+                   help="tokens per global batch (2M, 512K; default: --tokens-per-gpu x GPUs)")
+    p.add_argument("--tokens-per-gpu", default="64K", help="tokens per GPU per global batch")
+    p.add_argument("--batches", type=int, default=2, help="global batches per setting (mean)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--strategies", nargs="+", default=list(DEFAULT_VARIANTS),
+                   help=f"variants to simulate: {list(VARIANTS)}")
+    p.add_argument("--baseline", default="static-cp", help="variant speedups are relative to")
+    p.add_argument("--capacity-factor", type=float, default=2.0)
+    p.add_argument("--max-seqlen", type=int, default=None)
+    p.add_argument("--overlong", default="error", help="error | split | drop")
+    p.add_argument("--max-megatron-sequences", type=int, default=MAX_MEGATRON_SEQUENCES,
+                   help="skip megatron-hybrid-cp above this many documents per batch")
+    p.add_argument("--plot", default=None, help="folder for speedup and per-rank load PNGs")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--fidelity", action="store_true", help="measure the real attention engine "
+                   "on 4 gloo ranks (2 nodes x 2) and compare with the simulator")
+    p.add_argument("--fidelity-batches", type=int, default=2)
+    p.add_argument("--fidelity-tokens", default="32K", help="tokens per fidelity batch")
+
+
+def _settings(args: argparse.Namespace):
+    """The sweep's settings from the flags; raises ValueError naming a bad flag."""
+    from megatron_zeppelin.config import load_cluster
+    from megatron_zeppelin.sim.sweep import settings_from_args
+    from megatron_zeppelin.sim.workloads import parse_tokens
+
+    if not args.model or not args.cluster:
+        raise ValueError("--model and --cluster are required (unless --fidelity)")
+    nodes = args.nodes or [load_cluster(args.cluster).nodes]
+    tokens = parse_tokens(args.global_batch_tokens) if args.global_batch_tokens else 0
+    if args.batches < 1:
+        raise ValueError(f"--batches {args.batches} is invalid: expected an integer >= 1")
+    return settings_from_args(args.model, args.cluster, nodes, args.workload, args.tp, tokens,
+                              parse_tokens(args.tokens_per_gpu), args.batches, args.seed,
+                              args.lengths)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Run the sweep (or the fidelity check) and print / plot the results."""
+    if args.fidelity:
+        return _run_fidelity(args)
+    from megatron_zeppelin.sim import report
+    from megatron_zeppelin.sim.sweep import resolve_variants, run_setting
+
+    variants = resolve_variants(args.strategies)
+    if args.baseline not in [v.label for v in variants]:
+        raise ValueError(f"--baseline {args.baseline!r} is not among --strategies "
+                         f"{args.strategies}")
+    settings = _settings(args)
+    config = ZeppelinConfig(max_seqlen=args.max_seqlen, capacity_factor=args.capacity_factor,
+                            overlong=args.overlong)
+    bar = _progress(len(settings) * len(variants) * args.batches, args.no_progress)
+    results = [run_setting(s, variants, config, args.max_megatron_sequences, bar.update)
+               for s in settings]
+    bar.close()
+    if args.json:
+        print(json.dumps([_to_json(r) for r in results], indent=2))
+    else:
+        for r in results:
+            print(report.format_setting(r, args.baseline) + "\n")
+        print(report.format_summary(results, args.baseline))
+    if args.plot:
+        _write_plots(results, Path(args.plot), args.baseline)
+    return 0
+
+
+def _progress(total: int, disabled: bool):
+    """A tqdm bar on stderr (off for tiny sweeps or with --no-progress)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="plan+simulate", unit="run", file=sys.stderr,
+                disable=disabled or total < 4, leave=False)
+
+
+def _to_json(result) -> dict:
+    """A setting's results as JSON-ready data (per-rank arrays left out)."""
+    out = {"setting": asdict(result.setting), "gpus": result.gpus,
+           "documents": result.documents, "tokens": result.tokens,
+           "lower_bound_s": result.lower_bound_s, "skipped": [list(s) for s in result.skipped],
+           "results": []}
+    out["setting"].pop("lengths")
+    for r in result.results:
+        first = asdict(r.first)
+        for key in ("rank_linear_s", "rank_attention_s", "rank_wait_s"):
+            first.pop(key)
+        out["results"].append({"label": r.label, "iteration_s": r.iteration_s,
+                               "plan_ms": r.plan_ms, "plan": r.note, "first_batch": first})
+    return out
+
+
+def _write_plots(results, folder: Path, baseline: str) -> None:
+    """Speedup bars per model x cluster, and one per-rank load chart."""
+    from megatron_zeppelin.sim import report
+
+    groups: dict[str, list] = {}
+    for r in results:
+        s = r.setting
+        tag = f"{s.model_name}-{s.cluster_name}" + (f"-tp{s.tp}" if s.tp > 1 else "")
+        groups.setdefault(tag, []).append(r)
+    for tag, mine in groups.items():
+        path = report.plot_speedups(mine, folder / f"speedup-{tag}.png", baseline)
+        print(f"wrote {path}")
+    path = report.plot_rank_loads(pick_load_setting(results, baseline), folder / "rank-load.png")
+    print(f"wrote {path}")
+
+
+def pick_load_setting(results, baseline: str):
+    """The setting whose per-rank loads are worth a chart: zeppelin's largest speedup."""
+    return max(results, key=lambda r: r.speedup("zeppelin", baseline) or 0.0)
+
+
+def _run_fidelity(args: argparse.Namespace) -> int:
+    """``zeppelin simulate --fidelity``: measured vs simulated on 4 gloo ranks."""
+    from megatron_zeppelin.sim import fidelity
+    from megatron_zeppelin.sim.workloads import parse_tokens
+
+    report = fidelity.run_fidelity(fidelity.FidelityOptions(
+        batches=args.fidelity_batches, tokens=parse_tokens(args.fidelity_tokens),
+        seed=args.seed))
+    print(fidelity.format_fidelity(report))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Measure this machine and write the profile (and, on CPU, the emulated cluster)."""
+    from megatron_zeppelin.sim.calibrate import (CalibrateOptions, calibrate, check_finite,
+                                                 format_calibration, write_yaml)
+
+    opts = CalibrateOptions(device=args.device, heads=args.heads, head_dim=args.head_dim,
+                            concurrency=args.concurrency if args.device == "cpu" else 1,
+                            threads=args.threads, min_time_s=args.min_time)
+    cal = calibrate(opts, name=args.name, measure_links=args.device == "cpu")
+    check_finite(cal)
+    print(format_calibration(cal))
+    path = write_yaml(cal.profile, args.hardware_out, f"Measured by `zeppelin calibrate` "
+                      f"(megatron_zeppelin/sim/calibrate.py).\n{cal.profile.source}")
+    print(f"wrote {path}")
+    if cal.cluster is not None:
+        path = write_yaml(cal.cluster, args.cluster_out, "Emulated CPU cluster: 2 nodes x 2 "
+                          "gloo ranks, 1 'NIC' per node; links at the measured gloo P2P "
+                          "bandwidth/latency (written by `zeppelin calibrate`).")
+        print(f"wrote {path}")
+    return 0
+
+
+def calibrate_defaults() -> argparse.Namespace:
+    """The arguments of a plain ``zeppelin calibrate`` (for scripts)."""
+    parser = argparse.ArgumentParser()
+    _add_calibrate_args(parser)
+    return parser.parse_args([])
+
+
+def _add_calibrate_args(c: argparse.ArgumentParser) -> None:
+    """Flags of ``zeppelin calibrate``."""
+    c.add_argument("--device", default="cpu", help="cpu | cuda")
+    c.add_argument("--name", default="cpu", help="profile name")
+    c.add_argument("--heads", type=int, default=4)
+    c.add_argument("--head-dim", type=int, default=64)
+    c.add_argument("--concurrency", type=int, default=4,
+                   help="CPU: processes measuring at once (the emulated ranks sharing the cores)")
+    c.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    c.add_argument("--min-time", type=float, default=0.3, help="seconds per measured point")
+    c.add_argument("--hardware-out", default=str(configs_dir() / "hardware" / "cpu.yaml"),
+                   help="where to write the hardware profile")
+    c.add_argument("--cluster-out", default=str(configs_dir() / "clusters" / "cpu-2x2.yaml"),
+                   help="where to write the emulated CPU cluster (CPU only)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``simulate`` and ``calibrate`` to the ``zeppelin`` command."""
+    p = sub.add_parser("simulate", help="simulate strategies over cluster sizes and workloads",
+                       description=__doc__)
+    _add_simulate_args(p)
+    p.set_defaults(func=cmd_simulate)
+    c = sub.add_parser("calibrate", help="measure this machine; write hardware/cluster YAMLs")
+    _add_calibrate_args(c)
+    c.set_defaults(func=cmd_calibrate)

@@ -1,0 +1,230 @@
+"""Fidelity check: the real attention engine on gloo ranks vs the simulator, same plans.
+
+``run_fidelity`` forks 4 CPU processes (the emulated ``cpu-2x2`` cluster: 2 nodes x 2 ranks,
+one thread each), plans the same batches with every strategy, and on every rank times
+``AttentionEngine`` forward + backward (``runtime/engine.py``; with the remap around it when the
+plan has one, ``runtime/remap.py``). The measured time of a plan is the slowest rank's, the
+fastest of ``repeats`` runs after one warm-up; runs go round-robin over the plans so that other
+jobs on the cores slow every plan alike. The simulated time is
+``simulator.attention_time`` with the calibrated profile (``configs/hardware/cpu.yaml``) and
+cluster (``configs/clusters/cpu-2x2.yaml``), both written by ``zeppelin calibrate``.
+
+The attention shape (heads, head dim, fp32) matches the calibration's; the model has one layer.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import random
+import socket
+import time
+from dataclasses import dataclass
+
+from megatron_zeppelin.config import ModelSpec, ZeppelinConfig, load_cluster, load_hardware
+from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.planner import make_plan
+from megatron_zeppelin.sim.calibrate import collect
+from megatron_zeppelin.sim.simulator import SimOptions, attention_time
+from megatron_zeppelin.sim.workloads import sample_batch
+
+STRATEGIES = (("zeppelin", "routed"), ("static-cp", "ring"), ("hybrid-dp", "ring"),
+              ("megatron-hybrid-cp", "ring"))
+TARGET_ERROR = 0.25
+
+
+@dataclass(frozen=True)
+class FidelityOptions:
+    """batches: global batches; tokens: tokens per batch; workload/max_len: how documents are
+    drawn (clipped to ``max_len`` tokens, CPU-sized); repeats: timed runs per plan."""
+
+    batches: int = 2
+    tokens: int = 32 * 1024
+    workload: str = "longtail"
+    max_len: int = 8192
+    seed: int = 0
+    repeats: int = 3
+    heads: int = 4
+    head_dim: int = 64
+    hardware: str = "cpu"
+    cluster: str = "cpu-2x2"
+
+    def __post_init__(self) -> None:
+        for key in ("batches", "tokens", "max_len", "repeats", "heads", "head_dim"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key}={value!r} is invalid: expected an integer >= 1")
+
+
+@dataclass(frozen=True)
+class FidelityRow:
+    """One plan: measured (fastest run) and simulated seconds of attention forward + backward
+    (one layer); ``spread``: slowest / fastest run - 1, the measurement noise."""
+
+    strategy: str
+    batch: int
+    measured_s: float
+    simulated_s: float
+    spread: float = 0.0
+
+    @property
+    def error(self) -> float:
+        """(simulated - measured) / measured."""
+        return (self.simulated_s - self.measured_s) / self.measured_s
+
+
+@dataclass(frozen=True)
+class FidelityReport:
+    """The rows, the run time (s), documents per batch, the 1-minute load average of the
+    machine before and after the measurement (other jobs on the cores)."""
+
+    rows: tuple[FidelityRow, ...]
+    seconds: float
+    documents: tuple[int, ...]
+    load: tuple[float, float] = (0.0, 0.0)
+
+    def mean_abs_error(self, strategy: str | None = None) -> float:
+        """Mean |error| over the rows of ``strategy`` (all rows when None)."""
+        errors = [abs(r.error) for r in self.rows if strategy in (None, r.strategy)]
+        return sum(errors) / len(errors)
+
+
+def fidelity_cost(opts: FidelityOptions) -> CostModel:
+    """One fp32 attention layer of the calibrated shape on the emulated CPU cluster."""
+    model = ModelSpec(name="fidelity", num_layers=1, hidden_size=opts.heads * opts.head_dim,
+                      num_attention_heads=opts.heads, ffn_hidden_size=opts.heads * opts.head_dim,
+                      vocab_size=1, bytes_per_element=4)
+    return CostModel(model, load_cluster(opts.cluster), load_hardware(opts.hardware))
+
+
+def fidelity_plans(opts: FidelityOptions, cost: CostModel) -> list[tuple[str, int, str, Plan]]:
+    """(strategy, batch, inter mode, plan) for every batch and strategy."""
+    rng = random.Random(opts.seed)
+    out = []
+    for batch in range(opts.batches):
+        lengths = sample_batch(opts.workload, opts.tokens, rng, max_len=opts.max_len)
+        for strategy, mode in STRATEGIES:
+            out.append((strategy, batch, mode, make_plan(strategy, lengths, cost,
+                                                         ZeppelinConfig())))
+    return out
+
+
+class _PlanRun:
+    """One plan on this rank: its engine, remap index and input tensors, built once."""
+
+    def __init__(self, plan: Plan, rank: int, mode: str, opts: FidelityOptions, groups) -> None:
+        import torch
+
+        from megatron_zeppelin.router import RouterTopology
+        from megatron_zeppelin.runtime.engine import AttentionEngine
+        from megatron_zeppelin.runtime.remap import build_remap_index
+
+        group, route_group, cluster = groups
+        self.group = group
+        self.engine = AttentionEngine(plan, rank, group, inter_mode=mode,
+                                      route_group=route_group if mode != "ring" else None,
+                                      router_topology=RouterTopology.from_cluster(cluster))
+        self.remapped = plan.linear != plan.attention
+        self.index = build_remap_index(plan, rank) if self.remapped else None
+        rows = plan.linear_tokens()[rank] if self.remapped else plan.attention_tokens()[rank]
+        gen = torch.Generator().manual_seed(rank)
+        self.qkv = [torch.randn(rows, opts.heads, opts.head_dim, generator=gen,
+                                requires_grad=True) for _ in range(3)]
+
+    def time_once(self) -> float:
+        """Seconds of the slowest rank's forward + backward (remap included), one run."""
+        import torch
+        import torch.distributed as dist
+
+        from megatron_zeppelin.runtime.remap import to_attention_layout, to_linear_layout
+
+        dist.barrier(self.group)
+        start = time.perf_counter()
+        ins = [to_attention_layout(x, self.index, self.group) for x in self.qkv] \
+            if self.remapped else self.qkv
+        out = self.engine(*ins)
+        out = to_linear_layout(out, self.index, self.group) if self.remapped else out
+        out.sum().backward()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=self.group)
+        return float(elapsed)
+
+
+def _rank_main(rank: int, world: int, port: int, plans, opts: FidelityOptions, queue) -> None:
+    """Process body of one gloo rank: time every plan, round-robin over the plans ``repeats``
+    times after a warm-up round (so that other load on the cores hits every plan alike); rank
+    0 reports every plan's run times."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    try:
+        groups = (dist.group.WORLD, dist.new_group(list(range(world))),
+                  load_cluster(opts.cluster))
+        runs = [_PlanRun(plan, rank, mode, opts, groups) for _, _, mode, plan in plans]
+        times: list[list[float]] = [[] for _ in runs]
+        for it in range(opts.repeats + 1):
+            for run, mine in zip(runs, times):
+                seconds = run.time_once()
+                if it:
+                    mine.append(seconds)
+        for run in runs:
+            run.engine.close()
+        if rank == 0:
+            queue.put(times)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(plans, opts: FidelityOptions, world: int) -> list[list[float]]:
+    """Per plan, the seconds of each timed run on ``world`` forked gloo processes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, plans, opts, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    return collect(queue, procs, 1, 1800.0, "fidelity rank")[0]
+
+
+def run_fidelity(opts: FidelityOptions = FidelityOptions()) -> FidelityReport:
+    """Plan, measure on gloo ranks, simulate; one row per (strategy, batch)."""
+    started = time.perf_counter()
+    cost = fidelity_cost(opts)
+    plans = fidelity_plans(opts, cost)
+    load_before = os.getloadavg()[0]
+    measured = measure(plans, opts, cost.cluster.world_size)
+    load_after = os.getloadavg()[0]
+    rows = []
+    for (strategy, batch, mode, plan), runs in zip(plans, measured):
+        simulated = attention_time(plan, cost, SimOptions(inter_mode=mode))
+        rows.append(FidelityRow(strategy, batch, min(runs), simulated, max(runs) / min(runs) - 1))
+    documents = tuple(len(p.seqlens) for s, _, _, p in plans if s == STRATEGIES[0][0])
+    return FidelityReport(tuple(rows), time.perf_counter() - started, documents,
+                          (load_before, load_after))
+
+
+def format_fidelity(report: FidelityReport) -> str:
+    """Per plan measured vs simulated, then the mean absolute error per strategy."""
+    lines = [f"fidelity: {len(report.rows)} plans, batches of {report.documents} documents, "
+             f"{report.seconds:.0f} s, load average {report.load[0]:.1f} -> "
+             f"{report.load[1]:.1f} on {os.cpu_count()} cores; error = (simulated - measured) "
+             "/ measured; spread = slowest / fastest run - 1",
+             f"{'strategy':<20} {'batch':>5} {'measured s':>11} {'simulated s':>12} "
+             f"{'error':>8} {'spread':>7}"]
+    for r in report.rows:
+        lines.append(f"{r.strategy:<20} {r.batch:>5} {r.measured_s:>11.3f} "
+                     f"{r.simulated_s:>12.3f} {r.error:>+8.1%} {r.spread:>7.0%}")
+    for strategy, _ in STRATEGIES:
+        err = report.mean_abs_error(strategy)
+        lines.append(f"mean |error| {strategy:<20} {err:6.1%}  "
+                     f"{'within' if err <= TARGET_ERROR else 'OUTSIDE'} the "
+                     f"{TARGET_ERROR:.0%} target")
+    lines.append(f"mean |error| over all plans {report.mean_abs_error():.1%}")
+    return "\n".join(lines)

@@ -1,0 +1,200 @@
+"""Communication models of the simulator: ring steps across nodes, the remap, the gradient sync.
+
+All functions return seconds and take bytes that one GPU sends (the cost model's per-rank
+bytes are per GPU: with tensor parallelism each of a rank's ``tp`` GPUs moves its own heads).
+
+* ``inter_step_time``: one pool-wide inter-node ring step (every inter-node ring of the wave
+  exchanges its KV block at once, as ``runtime/routed_p2p.py`` does). This is the one seam to the
+  routing layer: ``megatron_zeppelin.router.route`` when it imports (its schedule's routed and
+  direct times), else an analytic NIC-contention model built from the cluster's links.
+* ``remap_time``: one all-to-all of the remap (linear <-> attention layout) over the static
+  GPU->NIC affinity (an ``all_to_all_single``; NCCL sends through each GPU's own NIC).
+* ``grad_allreduce_time``: hierarchical ring all-reduce of the parameter gradients.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Mapping
+
+from megatron_zeppelin.config import ClusterSpec, ModelSpec
+from megatron_zeppelin.plan import Plan
+
+ROUTER_BACKENDS = ("auto", "analytic")
+
+# (source GPU, destination GPU) -> bytes of one ring step; GPUs are node * gpus_per_node + local
+FlowBytes = Mapping[tuple[int, int], float]
+
+
+@dataclass(frozen=True)
+class GpuMap:
+    """Where the GPUs of planner rank ``r`` (one tensor-parallel group of ``tp`` GPUs) sit."""
+
+    cluster: ClusterSpec
+    tp: int
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.cluster.gpus_per_node // self.tp
+
+    def gpus(self, rank: int) -> range:
+        """Global GPU indices of ``rank`` (node-major, as the router numbers them)."""
+        node, local = divmod(rank, self.ranks_per_node)
+        first = node * self.cluster.gpus_per_node + local * self.tp
+        return range(first, first + self.tp)
+
+    def nic(self, gpu: int) -> tuple[int, int]:
+        """(node, NIC index) a GPU sends through under the static affinity."""
+        node, local = divmod(gpu, self.cluster.gpus_per_node)
+        return node, self.cluster.gpu_to_nic[local]
+
+
+def router_available() -> bool:
+    """Whether ``megatron_zeppelin.router`` imports (it is the routing layer's seam)."""
+    try:
+        import megatron_zeppelin.router  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def inter_step_time(cluster: ClusterSpec, flows: FlowBytes, routed: bool,
+                    backend: str = "auto") -> float:
+    """Seconds until every cross-node flow of one ring step has arrived.
+
+    backend ``auto``: the router's schedule (``estimated_time_s`` routed, ``direct_time_s``
+    direct) when the router imports, else the analytic model; ``analytic``: always the
+    analytic model. Routed is never slower than direct in either model.
+    """
+    if backend not in ROUTER_BACKENDS:
+        raise ValueError(f"router backend {backend!r} is invalid: expected one of "
+                         f"{list(ROUTER_BACKENDS)}")
+    items = [(src, dst, nbytes) for (src, dst), nbytes in flows.items() if nbytes > 0]
+    if not items:
+        return 0.0
+    if backend == "auto" and router_available():
+        return _router_step_time(cluster, items, routed)
+    direct = _direct_step_time(cluster, items)
+    return min(direct, _routed_step_time(cluster, items)) if routed else direct
+
+
+def _router_step_time(cluster: ClusterSpec, items: list[tuple[int, int, float]],
+                      routed: bool) -> float:
+    """The router's schedule time of the step: routed, or the same flows sent direct."""
+    from megatron_zeppelin.router import Flow, RouterTopology, route
+
+    topology = _router_topology(cluster)
+    flows = [Flow(src, dst, max(1, math.ceil(nbytes))) for src, dst, nbytes in items]
+    schedule = route(topology, flows)
+    return schedule.estimated_time_s if routed else schedule.direct_time_s
+
+
+@lru_cache(maxsize=64)
+def _router_topology(cluster: ClusterSpec):
+    """The router's view of the cluster (cached per cluster)."""
+    from megatron_zeppelin.router import RouterTopology
+
+    return RouterTopology.from_cluster(cluster)
+
+
+def _direct_step_time(cluster: ClusterSpec, items: list[tuple[int, int, float]]) -> float:
+    """Each flow through its source GPU's NIC and its destination GPU's NIC; a NIC serves its
+    messages one after the other (bytes / bandwidth + latency each)."""
+    gpn, nic_bw, lat = cluster.gpus_per_node, cluster.nic_byte_per_s, cluster.nic_latency_us * 1e-6
+    egress: dict[tuple[int, int], float] = {}
+    ingress: dict[tuple[int, int], float] = {}
+    for src, dst, nbytes in items:
+        out_key = (src // gpn, cluster.gpu_to_nic[src % gpn])
+        in_key = (dst // gpn, cluster.gpu_to_nic[dst % gpn])
+        egress[out_key] = egress.get(out_key, 0.0) + nbytes / nic_bw + lat
+        ingress[in_key] = ingress.get(in_key, 0.0) + nbytes / nic_bw + lat
+    return max(max(egress.values()), max(ingress.values()))
+
+
+def _routed_step_time(cluster: ClusterSpec, items: list[tuple[int, int, float]]) -> float:
+    """Every flow spread evenly over the usable NICs of both nodes: dispatch over NVLink to the
+    proxies, the NICs in parallel, combine over NVLink (three sequential phases)."""
+    gpn = cluster.gpus_per_node
+    nics = len(set(cluster.gpu_to_nic))
+    nic_bw, nv_bw = cluster.nic_byte_per_s, cluster.nvlink_byte_per_s
+    nic_lat, nv_lat = cluster.nic_latency_us * 1e-6, cluster.nvlink_latency_us * 1e-6
+    node_out: dict[int, float] = {}
+    node_in: dict[int, float] = {}
+    gpu_out: dict[int, float] = {}
+    gpu_in: dict[int, float] = {}
+    for src, dst, nbytes in items:
+        node_out[src // gpn] = node_out.get(src // gpn, 0.0) + nbytes
+        node_in[dst // gpn] = node_in.get(dst // gpn, 0.0) + nbytes
+        gpu_out[src] = gpu_out.get(src, 0.0) + nbytes
+        gpu_in[dst] = gpu_in.get(dst, 0.0) + nbytes
+    spread = (nics - 1) / nics
+    dispatch = max(gpu_out.values()) * spread / nv_bw + nv_lat
+    combine = max(gpu_in.values()) * spread / nv_bw + nv_lat
+    per_node: dict[int, int] = {}
+    for src, _, _ in items:
+        per_node[src // gpn] = per_node.get(src // gpn, 0) + 1
+    # every NIC of a node carries one slice (one message) of each of the node's flows
+    nic = max(max(node_out.values()), max(node_in.values())) / (nics * nic_bw) + \
+        nic_lat * max(per_node.values())
+    return dispatch + nic + combine
+
+
+def remap_time(plan: Plan, gpus: GpuMap, bytes_per_token: float) -> float:
+    """Seconds of one remap all-to-all moving ``bytes_per_token`` per token per GPU.
+
+    Intra-node pieces go over NVLink (each GPU's send and receive side), inter-node pieces
+    through the static NIC of the sending and receiving GPU; the slowest of them sets the time.
+    """
+    cluster, node_of = gpus.cluster, plan.topology.node_of
+    nv_out: dict[int, int] = {}
+    nv_in: dict[int, int] = {}
+    nic_out: dict[tuple[int, int], int] = {}
+    nic_in: dict[tuple[int, int], int] = {}
+    for t in plan.transfers:
+        if t.src == t.dst:
+            continue
+        tokens = t.end - t.start
+        if node_of(t.src) == node_of(t.dst):
+            nv_out[t.src] = nv_out.get(t.src, 0) + tokens
+            nv_in[t.dst] = nv_in.get(t.dst, 0) + tokens
+            continue
+        for gpu_s, gpu_d in zip(gpus.gpus(t.src), gpus.gpus(t.dst)):
+            nic_out[gpus.nic(gpu_s)] = nic_out.get(gpus.nic(gpu_s), 0) + tokens
+            nic_in[gpus.nic(gpu_d)] = nic_in.get(gpus.nic(gpu_d), 0) + tokens
+    nvlink = max([0, *nv_out.values(), *nv_in.values()]) * bytes_per_token
+    nic = max([0, *nic_out.values(), *nic_in.values()]) * bytes_per_token
+    times = [0.0]
+    if nvlink:
+        times.append(nvlink / cluster.nvlink_byte_per_s + cluster.nvlink_latency_us * 1e-6)
+    if nic:
+        times.append(nic / cluster.nic_byte_per_s + cluster.nic_latency_us * 1e-6)
+    return max(times)
+
+
+def parameter_count(model: ModelSpec) -> int:
+    """Parameters of the model (all experts, untied embeddings, RMSNorm weights)."""
+    h, d, f = model.hidden_size, model.head_dim, model.ffn
+    a, g = model.num_attention_heads, model.kv_heads
+    experts = model.num_experts or 1
+    mlp = (3 if model.swiglu else 2) * h * f * experts + (h * experts if model.num_experts else 0)
+    layer = h * (a + 2 * g) * d + a * d * h + mlp + 2 * h
+    return model.num_layers * layer + 2 * model.vocab_size * h + h
+
+
+def grad_allreduce_time(model: ModelSpec, gpus: GpuMap, nodes: int) -> float:
+    """Seconds of the gradient all-reduce over the pool (bf16/fp32 grads as the model's dtype).
+
+    Hierarchical ring: reduce-scatter inside the node over NVLink, all-reduce across nodes of
+    each GPU's 1/g slice (all GPUs of a node share its NICs), all-gather inside the node:
+    2 (g-1)/g S / nvlink + 2 (n-1)/n S_node / (NICs x NIC bandwidth), S = bytes per GPU.
+    """
+    cluster = gpus.cluster
+    per_gpu = parameter_count(model) * model.bytes_per_element / gpus.tp
+    g = gpus.ranks_per_node
+    intra = 2.0 * (g - 1) / g * per_gpu / cluster.nvlink_byte_per_s if g > 1 else 0.0
+    nics = len(set(cluster.gpu_to_nic))
+    node_bytes = per_gpu * gpus.tp  # every TP shard of the node's ranks crosses the NICs
+    inter = 2.0 * (nodes - 1) / nodes * node_bytes / (nics * cluster.nic_byte_per_s) \
+        if nodes > 1 else 0.0
+    return intra + inter

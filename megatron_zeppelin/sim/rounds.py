@@ -1,0 +1,295 @@
+"""The attention engine's rounds, simulated for every rank at once (numpy over ranks).
+
+Mirrors ``runtime/engine.py``: a wave runs in rounds ``r = 0, 1, ...``; in round r a rank
+posts the step-r exchange of every ring it is in (INTER and INTRA, async), computes step r of
+every ring, then its round-r share of the LOCAL sequences (the LOCAL queue is cut into one
+consecutive, s^2-balanced run per round that has traffic in flight), then waits for the
+round's exchanges. Forward: a G-ring computes G steps and exchanges KV in rounds 0..G-2.
+Backward: G compute steps and G+1 exchanges (KV in rounds 0..G-2, the dKV accumulator in the
+accumulator dtype, fp32 for bf16, in rounds 1..G). Times are seconds of one layer.
+
+Exchanges: a ring hop p -> p+1 starts when both ranks have started the round and takes
+bytes / bandwidth + latency: NVLink inside a node; across nodes, per ``inter_mode``:
+
+* ``ring``: P2P through the static NICs of the two GPUs; all cross-node hops of the same round
+  share the NICs (each NIC serves its messages one after the other).
+* ``direct`` / ``routed``: the cross-node hops of every INTER ring form one global step per
+  round (``runtime/inter.py``). Rings that share no node share no NIC and no proxy, so each
+  group of node-connected inter-node rings is timed on its own by ``network.inter_step_time``
+  (the router's model); its step starts when every rank of its nodes (sources, destinations,
+  proxies) has started the round, and those ranks wait for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from megatron_zeppelin.config import ClusterSpec
+from megatron_zeppelin.plan import Tier
+from megatron_zeppelin.sim.network import GpuMap, inter_step_time
+
+INTER_MODES = ("ring", "direct", "routed")
+LOCAL_POLICIES = ("engine", "fill")
+
+
+class RingCosts(NamedTuple):
+    """A ring group of a wave: members in ring order, per-step forward compute (seconds, incl.
+    one kernel launch) and KV bytes each member sends per step; ``cross[p]``: hop p -> p+1
+    crosses nodes."""
+
+    index: int
+    members: np.ndarray
+    tier: Tier
+    step_s: float
+    kv_bytes: float
+    cross: np.ndarray
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    """One pass: ``backward`` or not, compute scale (1 or the bwd ratio), accumulator bytes
+    per KV byte (dKV travels in the accumulator dtype), seconds of one kernel launch."""
+
+    backward: bool
+    compute_scale: float
+    acc_per_kv_byte: float
+    launch_s: float
+
+
+@dataclass(frozen=True)
+class Links:
+    """What the rounds need of the cluster and the engine: GPU placement, link speeds, the
+    inter mode, the router backend, and the LOCAL policy (``engine``: one s^2-balanced run per
+    round, as ``runtime/engine.py``; ``fill``: LOCAL work only fills the waits for traffic and
+    the rest runs after the rings, an idealised engine)."""
+
+    gpus: GpuMap
+    inter_mode: str
+    router: str
+    local_policy: str = "engine"
+
+    @property
+    def cluster(self) -> ClusterSpec:
+        return self.gpus.cluster
+
+
+def exchange_rounds(size: int, spec: PassSpec) -> int:
+    """Rounds in which a ring of ``size`` ranks has an exchange in flight."""
+    if size < 2:
+        return 0
+    return size + 1 if spec.backward else size - 1
+
+
+def round_bytes(sizes: np.ndarray, kv_bytes: np.ndarray, r: int, spec: PassSpec) -> np.ndarray:
+    """Bytes each member of each ring sends in round ``r`` (KV, plus the dKV accumulator in
+    backward); ``sizes``/``kv_bytes`` per ring."""
+    out = np.where(r < sizes - 1, kv_bytes, 0.0)
+    if spec.backward:
+        out = out + np.where((1 <= r) & (r <= sizes), kv_bytes * spec.acc_per_kv_byte, 0.0)
+    return out
+
+
+def local_parts(work: list[tuple[float, float]], rounds: int, launch_s: float) -> list[float]:
+    """Seconds of each round's LOCAL run: ``work`` = (s^2, seconds) per sequence in queue
+    order, cut into at most ``rounds`` consecutive runs of similar s^2 (the engine's rule)."""
+    if not work:
+        return []
+    total = sum(sq for sq, _ in work)
+    parts, acc, current = [], 0.0, 0.0
+    for sq, seconds in work:
+        acc += sq
+        current += seconds
+        if len(parts) < rounds - 1 and acc * rounds >= total * (len(parts) + 1):
+            parts.append(current + launch_s)
+            current = 0.0
+    if current > 0.0 or len(parts) < 1:
+        parts.append(current + launch_s)
+    return parts
+
+
+class _Hops:
+    """Every ring hop of a wave, flat; rings ordered by size, longest first, so the hops of
+    the rings still exchanging in a round are a prefix. Hop h goes ``src[h] -> dst[h]``."""
+
+    def __init__(self, rings: list[RingCosts], gpus: GpuMap) -> None:
+        self.rings = sorted((g for g in rings if len(g.members) > 1),
+                            key=lambda g: -len(g.members))
+        self.sizes = np.asarray([len(g.members) for g in self.rings], dtype=np.int64)
+        self.kv = np.asarray([g.kv_bytes for g in self.rings])
+        members = [g.members for g in self.rings]
+        self.src = np.concatenate(members) if members else np.zeros(0, np.int64)
+        self.dst = np.concatenate([np.roll(m, -1) for m in members]) if members else self.src
+        self.ring = np.repeat(np.arange(len(self.rings)), self.sizes)
+        self.ends = np.cumsum(self.sizes)
+        self.cross = np.concatenate([g.cross for g in self.rings]) if members else \
+            np.zeros(0, bool)
+        self.src_nic = _nic_ids(self.src, gpus)
+        self.dst_nic = _nic_ids(self.dst, gpus)
+        self.nics = gpus.cluster.nodes * gpus.cluster.nics_per_node
+
+    def active(self, r: int, spec: PassSpec) -> int:
+        """Hops of the rings that still exchange in round ``r`` (a prefix)."""
+        rounds = self.sizes + 1 if spec.backward else self.sizes - 1
+        k = int(np.count_nonzero(rounds > r))
+        return int(self.ends[k - 1]) if k else 0
+
+
+def _nic_ids(ranks: np.ndarray, gpus: GpuMap) -> np.ndarray:
+    """[hops, tp]: global NIC index (node * nics + nic) of each GPU of each rank."""
+    cluster, tp = gpus.cluster, gpus.tp
+    affinity = np.asarray(cluster.gpu_to_nic, dtype=np.int64).reshape(gpus.ranks_per_node, tp)
+    node, local = np.divmod(ranks, gpus.ranks_per_node)
+    return affinity[local] + (node * cluster.nics_per_node)[:, None]
+
+
+class _RoundState:
+    """Per-round start/end times of every rank and the caches of one pass."""
+
+    def __init__(self, world: int) -> None:
+        self.start = np.zeros(world)
+        self.end = np.zeros(world)
+        self.step_cache: dict[tuple, float] = {}
+
+
+def simulate_pass(rings: list[RingCosts], local: list[list[tuple[float, float]]],
+                  world: int, spec: PassSpec, links: Links) -> tuple[np.ndarray, np.ndarray]:
+    """(end time, compute seconds) per rank of one attention pass of one wave, one layer."""
+    inter = [g for g in rings if g.tier == Tier.INTER]
+    global_mode = links.inter_mode != "ring" and bool(inter)
+    global_steps = 0
+    if global_mode:
+        longest = max(len(g.members) for g in inter)
+        global_steps = longest + 1 if spec.backward else longest - 1
+    fill = links.local_policy == "fill"
+    compute = _compute_matrix(rings, [[] for _ in local] if fill else local, world, spec,
+                              global_steps)
+    left = np.asarray([(sum(t for _, t in w) + spec.launch_s) * spec.compute_scale if w else 0.0
+                       for w in local]) if fill else np.zeros(world)
+    total = compute.sum(axis=0) + left
+    components = _node_components(inter, links.gpus) if global_mode else []
+    hops = _Hops(rings, links.gpus)
+    state = _RoundState(world)
+    for r in range(compute.shape[0]):
+        state.end = state.start + compute[r]
+        _ring_exchanges(hops, r, spec, links, state, skip_cross=global_mode)
+        for rings_c, ranks_c in (components if r < global_steps else ()):
+            seconds = _global_step(rings_c, r, spec, links, state)
+            if seconds > 0:
+                finish = state.start[ranks_c].max() + seconds
+                state.end[ranks_c] = np.maximum(state.end[ranks_c], finish)
+        if fill:  # LOCAL work fills the wait for the round's traffic
+            left -= np.minimum(left, state.end - state.start - compute[r])
+        state.start = state.end
+    return state.start + left, total
+
+
+def _compute_matrix(rings: list[RingCosts], local: list[list[tuple[float, float]]],
+                    world: int, spec: PassSpec, global_steps: int) -> np.ndarray:
+    """compute[r, rank]: seconds of ring steps and the LOCAL share each rank runs in round r."""
+    busy = np.full(world, global_steps, dtype=np.int64)
+    for ring in rings:
+        busy[ring.members] = np.maximum(busy[ring.members],
+                                        exchange_rounds(len(ring.members), spec))
+    parts = [local_parts(work, max(1, int(b)), spec.launch_s) if work else []
+             for work, b in zip(local, busy)]
+    rounds = max([global_steps, 1, *(len(p) for p in parts),
+                  *(exchange_rounds(len(g.members), spec) for g in rings),
+                  *(len(g.members) for g in rings)])
+    compute = np.zeros((rounds + 1, world))  # a ring adds its step to rows [0, G): diffs
+    if rings:
+        members = np.concatenate([g.members for g in rings])
+        sizes = np.repeat([len(g.members) for g in rings], [len(g.members) for g in rings])
+        steps = np.repeat([g.step_s * spec.compute_scale for g in rings],
+                          [len(g.members) for g in rings])
+        np.add.at(compute[0], members, steps)
+        np.add.at(compute, (sizes, members), -steps)
+    compute = np.cumsum(compute, axis=0)[:rounds]
+    for rank, seconds in enumerate(parts):
+        if seconds:
+            compute[:len(seconds), rank] += np.asarray(seconds) * spec.compute_scale
+    return compute
+
+
+def _node_components(inter: list[RingCosts], gpus: GpuMap
+                     ) -> list[tuple[list[RingCosts], np.ndarray]]:
+    """Inter-node rings grouped by shared nodes, with every rank of each group's nodes."""
+    per_node = gpus.ranks_per_node
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    ring_nodes = [sorted({int(r) // per_node for r in g.members}) for g in inter]
+    for nodes in ring_nodes:
+        for n in nodes[1:]:
+            parent[find(n)] = find(nodes[0])
+    groups: dict[int, tuple[list[RingCosts], set[int]]] = {}
+    for ring, nodes in zip(inter, ring_nodes):
+        rings, members = groups.setdefault(find(nodes[0]), ([], set()))
+        rings.append(ring)
+        members.update(nodes)
+    return [(rings, np.asarray([n * per_node + i for n in sorted(nodes)
+                                for i in range(per_node)], dtype=np.int64))
+            for rings, nodes in groups.values()]
+
+
+def _ring_exchanges(hops: _Hops, r: int, spec: PassSpec, links: Links, state: _RoundState,
+                    skip_cross: bool) -> None:
+    """Round ``r``'s ring P2P: a rank waits for its send to the next member and its receive
+    from the previous one; a hop starts when both ends have started the round. Cross-node
+    hops use the static NICs, shared by all of the round's cross-node hops (``ring`` mode),
+    or are skipped (they travel in the global step)."""
+    n = hops.active(r, spec)
+    if n == 0:
+        return
+    nbytes = round_bytes(hops.sizes, hops.kv, r, spec)[hops.ring[:n]]
+    cluster = links.cluster
+    times = nbytes / cluster.nvlink_byte_per_s + cluster.nvlink_latency_us * 1e-6
+    cross = hops.cross[:n] & (nbytes > 0)
+    if cross.any():
+        times[cross] = -np.inf if skip_cross else _nic_times(hops, n, cross, nbytes, cluster)
+    live = nbytes > 0
+    src, dst = hops.src[:n][live], hops.dst[:n][live]
+    done = np.maximum(state.start[src], state.start[dst]) + times[live]
+    np.maximum.at(state.end, src, done)
+    np.maximum.at(state.end, dst, done)
+
+
+def _nic_times(hops: _Hops, n: int, cross: np.ndarray, nbytes: np.ndarray,
+               cluster: ClusterSpec) -> np.ndarray:
+    """Times of the round's cross-node hops when they share the static NICs: each NIC serves
+    its messages one after another (bytes / bandwidth + latency each)."""
+    per_message = nbytes[cross] / cluster.nic_byte_per_s + cluster.nic_latency_us * 1e-6
+    out_nics, in_nics = hops.src_nic[:n][cross], hops.dst_nic[:n][cross]
+    weights = np.repeat(per_message, out_nics.shape[1])
+    egress = np.bincount(out_nics.ravel(), weights, hops.nics)
+    ingress = np.bincount(in_nics.ravel(), weights, hops.nics)
+    return np.maximum(egress[out_nics], ingress[in_nics]).max(axis=1)
+
+
+def _global_step(inter: list[RingCosts], r: int, spec: PassSpec, links: Links,
+                 state: _RoundState) -> float:
+    """Seconds of global inter-node step ``r`` of node-connected rings ``inter``."""
+    sizes = np.asarray([len(g.members) for g in inter])
+    per_ring = round_bytes(sizes, np.asarray([g.kv_bytes for g in inter]), r, spec)
+    key = tuple((g.index, float(b)) for g, b in zip(inter, per_ring) if b > 0)
+    if key in state.step_cache:
+        return state.step_cache[key]
+    flows: dict[tuple[int, int], float] = {}
+    gpus = links.gpus
+    for ring, nbytes in zip(inter, per_ring):
+        if nbytes <= 0:
+            continue
+        members = ring.members
+        for p in np.flatnonzero(ring.cross):
+            src, dst = int(members[p]), int(members[(p + 1) % len(members)])
+            for a, b in zip(gpus.gpus(src), gpus.gpus(dst)):
+                flows[(a, b)] = flows.get((a, b), 0.0) + nbytes
+    state.step_cache[key] = inter_step_time(links.cluster, flows, links.inter_mode == "routed",
+                                            links.router)
+    return state.step_cache[key]

@@ -1,0 +1,273 @@
+"""Sweeps: plan and simulate every strategy variant on sampled global batches.
+
+A ``Setting`` is one model on one cluster size with one workload; a ``Variant`` is a strategy
+with its routing/remapping switches. ``run_setting`` samples ``batches`` global batches (by
+token budget), plans each with every variant, simulates the plans with the same simulator,
+and averages. Megatron's ``BalancedCPScheduler`` is skipped (with the reason recorded) above
+``max_megatron_sequences`` documents per batch: its run time grows fast with the batch.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, NamedTuple, Sequence
+
+from megatron_zeppelin.config import ZeppelinConfig, load_setup
+from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.planner import STRATEGIES, make_plan
+from megatron_zeppelin.planner.common import CapacityError
+from megatron_zeppelin.sim.simulator import SimOptions, SimResult, lower_bound, simulate
+from megatron_zeppelin.sim.workloads import get_workload, read_lengths, sample_batch
+
+DEFAULT_TOKENS_PER_GPU = 64 * 1024
+MAX_MEGATRON_SEQUENCES = 20000
+# static-cp-best searches rings of up to 4 nodes: in a full report run searching up to 16
+# nodes, the best static CP size was always 1 or 2 nodes (and wider searches cost minutes)
+BEST_CP_MAX_NODES = 4
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A strategy as simulated: ``routing`` switches the routing layer in the planner and the
+    simulator; ``remap`` the remapping layer (zeppelin only); ``cp_size``: static CP group
+    size (0: the planner's default; -1: two nodes, TE CP across nodes as in the paper's
+    Fig. 12; -2: the best power-of-two multiple of a node up to ``BEST_CP_MAX_NODES`` nodes,
+    chosen by simulating each); ``local_policy``: the simulator's LOCAL policy."""
+
+    label: str
+    strategy: str
+    routing: bool = False
+    remap: bool = True
+    cp_size: int = 0
+    description: str = ""
+    local_policy: str = "engine"
+
+
+VARIANTS: dict[str, Variant] = {v.label: v for v in (
+    Variant("zeppelin", "zeppelin", True, True, description="all three techniques"),
+    Variant("zeppelin-fill", "zeppelin", True, True, local_policy="fill",
+            description="zeppelin on an idealised engine whose LOCAL work only fills the "
+            "waits for ring traffic (runtime/engine.py cuts it into one run per round)"),
+    Variant("zeppelin-no-routing", "zeppelin", False, True,
+            description="zeppelin with the routing layer off (static NIC affinity)"),
+    Variant("zeppelin-no-remap", "zeppelin", True, False,
+            description="zeppelin with the remapping layer off (linear on the attention layout)"),
+    Variant("static-cp", "static-cp", description="TE/Megatron CP, the planner's default CP "
+            "size (the smallest multiple of a node that holds the longest document)"),
+    Variant("static-cp-2node", "static-cp", cp_size=-1,
+            description="TE CP over groups of two nodes (inter-node rings, the paper's Fig. 12)"),
+    Variant("static-cp-best", "static-cp", cp_size=-2,
+            description="static CP at its best power-of-two multiple of a node (tuned per batch)"),
+    Variant("static-cp-routed", "static-cp", True, cp_size=-1,
+            description="TE CP over two nodes with the routing layer (routing alone)"),
+    Variant("hybrid-dp", "hybrid-dp", description="fewest ranks per document, greedy"),
+    Variant("megatron-hybrid-cp", "megatron-hybrid-cp",
+            description="megatron-core BalancedCPScheduler groups, one wave each"),
+)}
+DEFAULT_VARIANTS = ("zeppelin", "zeppelin-no-routing", "zeppelin-no-remap", "static-cp",
+                    "hybrid-dp", "megatron-hybrid-cp")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One simulated configuration. ``tokens``: global batch tokens (0: tokens_per_gpu x
+    GPUs); ``lengths``: a user's document lengths (replaces sampling from ``workload``)."""
+
+    model: str
+    cluster: str
+    nodes: int
+    workload: str
+    tp: int = 1
+    tokens: int = 0
+    tokens_per_gpu: int = DEFAULT_TOKENS_PER_GPU
+    batches: int = 1
+    seed: int = 0
+    lengths: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for key in ("nodes", "tp", "batches", "tokens_per_gpu"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{key}={value!r} is invalid: expected an integer >= 1")
+        if not isinstance(self.tokens, int) or self.tokens < 0:
+            raise ValueError(f"tokens={self.tokens!r} is invalid: expected a positive number "
+                             "of tokens per global batch (or 0 for tokens_per_gpu x GPUs)")
+        if not self.lengths:
+            get_workload(self.workload)  # raises naming the valid workloads
+
+    def label(self) -> str:
+        """``model cluster xNODES [TP=k] workload`` with config paths shortened to their names."""
+        tp = f" TP={self.tp}" if self.tp > 1 else ""
+        workload = Path(self.workload).name if self.lengths else self.workload
+        return f"{self.model_name} {self.cluster_name} x{self.nodes}{tp} {workload}"
+
+    @property
+    def model_name(self) -> str:
+        return Path(self.model).stem
+
+    @property
+    def cluster_name(self) -> str:
+        return Path(self.cluster).stem
+
+
+@dataclass(frozen=True)
+class VariantResult:
+    """Mean over the batches; ``first`` is the first batch's full result (per-rank loads);
+    ``note``: the first batch's plan name (e.g. the static CP size chosen)."""
+
+    label: str
+    iteration_s: float
+    lower_bound_s: float
+    plan_ms: float
+    first: SimResult
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class SettingResult:
+    setting: Setting
+    gpus: int
+    documents: float  # mean documents per batch
+    tokens: float  # mean tokens per batch
+    lower_bound_s: float
+    results: tuple[VariantResult, ...]
+    skipped: tuple[tuple[str, str], ...]  # (variant, reason)
+
+    def get(self, label: str) -> VariantResult | None:
+        """The result of variant ``label`` (None when it was skipped or not run)."""
+        return next((r for r in self.results if r.label == label), None)
+
+    def speedup(self, label: str, over: str) -> float | None:
+        """Iteration time of ``over`` / that of ``label`` (None when either is missing)."""
+        a, b = self.get(label), self.get(over)
+        return b.iteration_s / a.iteration_s if a and b else None
+
+
+def resolve_variants(names: Sequence[str]) -> list[Variant]:
+    """Variants by label; raises naming an unknown one and the valid labels."""
+    out = []
+    for name in names:
+        if name not in VARIANTS:
+            raise ValueError(f"unknown strategy {name!r}: expected one of {list(VARIANTS)} "
+                             f"(planner strategies: {list(STRATEGIES)})")
+        out.append(VARIANTS[name])
+    return out
+
+
+def setting_cost(setting: Setting) -> CostModel:
+    """The cost model of a setting (shipped names or YAML paths)."""
+    setup = load_setup(setting.model, setting.cluster, setting.nodes, tp=setting.tp)
+    return CostModel(setup.model, setup.cluster, setup.hardware, setting.tp)
+
+
+def sample_batches(setting: Setting, cost: CostModel) -> list[list[int]]:
+    """The setting's global batches: the user's lengths once, or sampled by token budget."""
+    if setting.lengths:
+        return [list(setting.lengths)]
+    budget = setting.tokens or setting.tokens_per_gpu * cost.cluster.world_size
+    rng = random.Random(setting.seed)
+    return [sample_batch(setting.workload, budget, rng) for _ in range(setting.batches)]
+
+
+class Run(NamedTuple):
+    """One variant on one batch: the simulated result, plan time (ms) and the plan's name."""
+
+    result: SimResult
+    plan_ms: float
+    plan_name: str
+
+
+def plan_and_simulate(variant: Variant, lengths: list[int], cost: CostModel,
+                      config: ZeppelinConfig) -> Run:
+    """Plan one batch with ``variant`` and simulate the plan."""
+    config = replace(config, routing=variant.routing, remap=variant.remap)
+    options = SimOptions(inter_mode="routed" if variant.routing else "ring",
+                         local_policy=variant.local_policy)
+    node = cost.cluster.gpus_per_node // cost.tp
+    if variant.cp_size == -2:
+        return _best_static_cp(variant, lengths, cost, config, options)
+    cp = min(2 * node, cost.cluster.world_size // cost.tp) if variant.cp_size == -1 \
+        else variant.cp_size
+    extra = {"cp_size": cp} if cp else {}
+    started = time.perf_counter()
+    plan = make_plan(variant.strategy, lengths, cost, config, **extra)
+    plan_ms = (time.perf_counter() - started) * 1e3
+    return Run(simulate(plan, cost, options, variant.label), plan_ms, plan.strategy)
+
+
+def _best_static_cp(variant: Variant, lengths: list[int], cost: CostModel,
+                    config: ZeppelinConfig, options: SimOptions) -> Run:
+    """Static CP at every power-of-two multiple of a node (up to ``BEST_CP_MAX_NODES`` nodes)
+    that holds the batch; the fastest."""
+    world = min(cost.cluster.world_size, BEST_CP_MAX_NODES * cost.cluster.gpus_per_node) \
+        // cost.tp
+    node = cost.cluster.gpus_per_node // cost.tp
+    best, best_cp, total_ms, cp = None, 0, 0.0, node
+    while cp <= world:
+        started = time.perf_counter()
+        try:
+            plan = make_plan("static-cp", lengths, cost, config, cp_size=cp)
+        except ValueError:  # this CP size cannot hold the longest document
+            plan = None
+        total_ms += (time.perf_counter() - started) * 1e3
+        if plan is not None:
+            result = simulate(plan, cost, options, variant.label)
+            if best is None or result.iteration_s < best.iteration_s:
+                best, best_cp = result, cp
+        cp *= 2
+    if best is None:
+        raise ValueError(f"no static CP size from {node} to {world} ranks holds the batch")
+    return Run(best, total_ms, f"static-cp(cp={best_cp})")
+
+
+def run_setting(setting: Setting, variants: Sequence[Variant],
+                config: ZeppelinConfig = ZeppelinConfig(),
+                max_megatron_sequences: int = MAX_MEGATRON_SEQUENCES,
+                tick: Callable[[], None] | None = None) -> SettingResult:
+    """Plan + simulate every variant on every batch of ``setting``; ``tick`` after each."""
+    cost = setting_cost(setting)
+    batches = sample_batches(setting, cost)
+    world = cost.cluster.world_size // cost.tp
+    bounds = [lower_bound(b, cost, world) for b in batches]
+    results, skipped = [], []
+    for variant in variants:
+        longest = max(len(b) for b in batches)
+        if variant.strategy == "megatron-hybrid-cp" and longest > max_megatron_sequences:
+            skipped.append((variant.label, f"{longest} documents per batch > "
+                            f"{max_megatron_sequences}: BalancedCPScheduler too slow"))
+            if tick:
+                tick()
+            continue
+        runs = []
+        try:
+            for lengths in batches:
+                runs.append(plan_and_simulate(variant, lengths, cost, config))
+                if tick:
+                    tick()
+        except CapacityError as exc:  # this strategy cannot place the batch: say so
+            skipped.append((variant.label, f"cannot place the batch: {exc}"))
+            continue
+        results.append(VariantResult(
+            variant.label, sum(r.result.iteration_s for r in runs) / len(runs),
+            sum(bounds) / len(bounds), sum(r.plan_ms for r in runs) / len(runs),
+            runs[0].result, runs[0].plan_name))
+    return SettingResult(setting, cost.cluster.world_size, sum(map(len, batches)) / len(batches),
+                         sum(map(sum, batches)) / len(batches), sum(bounds) / len(bounds),
+                         tuple(results), tuple(skipped))
+
+
+def settings_from_args(model: str, cluster: str, nodes: Sequence[int], workloads: Sequence[str],
+                       tp: int, tokens: int, tokens_per_gpu: int, batches: int, seed: int,
+                       lengths_file: str | None) -> list[Setting]:
+    """The cross product of nodes x workloads (``lengths_file``: one setting per node count)."""
+    for n in nodes:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"--nodes {n!r} is invalid: expected integers >= 1")
+    if lengths_file:
+        lengths = tuple(read_lengths(lengths_file))
+        return [Setting(model, cluster, n, f"file:{lengths_file}", tp, tokens, tokens_per_gpu,
+                        1, seed, lengths) for n in nodes]
+    return [Setting(model, cluster, n, w, tp, tokens, tokens_per_gpu, batches, seed)
+            for n in nodes for w in workloads]

@@ -1,0 +1,470 @@
+#!/usr/bin/env python
+"""Regenerate docs/benchmarks.md (and docs/img/*.png) from the simulator.
+
+    python scripts/make_benchmarks_report.py              # the full report, a few minutes
+    python scripts/make_benchmarks_report.py --fidelity   # + the CPU fidelity check (~2 min)
+    python scripts/make_benchmarks_report.py --quick      # a small sweep, to try the script
+
+Every number in the generated file comes from this run: the paper's settings (LLaMA 3B/7B/13B,
+13B with TP=2, on the three clusters, 16-128 GPUs, ArXiv/GitHub/ProLong64K), an ablation,
+1024-GPU runs, and (with --fidelity) measured vs simulated times of the real attention engine.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from megatron_zeppelin.sim import report  # noqa: E402
+from megatron_zeppelin.sim.sweep import (BEST_CP_MAX_NODES, DEFAULT_TOKENS_PER_GPU,  # noqa: E402
+                                         MAX_MEGATRON_SEQUENCES, VARIANTS, Setting,
+                                         SettingResult, resolve_variants, run_setting)
+
+MODELS = (("llama-3b", 1), ("llama-7b", 1), ("llama-13b", 2))
+CLUSTERS = ("a800-4nic", "h800-8nic", "h200-8nic")
+WORKLOADS = ("arxiv", "github", "prolong64k")
+MAIN = ("zeppelin", "zeppelin-fill", "static-cp", "static-cp-best", "static-cp-2node",
+        "hybrid-dp", "megatron-hybrid-cp")
+ABLATION = ("static-cp-2node", "static-cp-routed", "zeppelin-no-remap", "zeppelin-no-routing",
+            "zeppelin")
+BASELINES = ("static-cp", "static-cp-best", "static-cp-2node", "megatron-hybrid-cp", "hybrid-dp")
+
+
+def sweep(settings: list[Setting], labels, progress: str) -> list[SettingResult]:
+    """Run every setting, printing one line per setting to stderr."""
+    variants = resolve_variants(labels)
+    out = []
+    for i, setting in enumerate(settings, 1):
+        started = time.perf_counter()
+        out.append(run_setting(setting, variants))
+        print(f"[{progress} {i}/{len(settings)}] {setting.label()} "
+              f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def paper_settings(quick: bool, batches: int) -> list[Setting]:
+    """LLaMA 3B/7B/13B (13B with TP=2) x the three clusters x 16-128 GPUs x 3 workloads."""
+    nodes = (2, 16) if quick else (2, 4, 8, 16)
+    models = MODELS[1:2] if quick else MODELS
+    clusters = CLUSTERS[:1] if quick else CLUSTERS
+    return [Setting(m, c, n, w, tp, batches=batches, seed=7)
+            for m, tp in models for c in clusters for n in nodes for w in WORKLOADS]
+
+
+def scale_settings(quick: bool) -> list[Setting]:
+    """LLaMA-7B on 128 nodes of h200-8nic (1024 GPUs), the three workloads."""
+    nodes = 16 if quick else 128
+    return [Setting("llama-7b", c, nodes, w, batches=1, seed=11)
+            for c in ("h200-8nic",) for w in WORKLOADS]
+
+
+def ablation_settings(quick: bool, batches: int) -> list[Setting]:
+    """LLaMA-7B on a800-4nic (the paper's ablation cluster), ArXiv and GitHub."""
+    nodes = (2,) if quick else (2, 4, 8)
+    return [Setting("llama-7b", "a800-4nic", n, w, batches=batches, seed=3)
+            for n in nodes for w in ("arxiv", "github")]
+
+
+def _fmt(value) -> str:
+    """A speedup as ``1.23x`` (``-`` when missing)."""
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def headline(groups: dict[str, list[SettingResult]]) -> str:
+    """Mean speedups of zeppelin over every baseline and mean gap, per group of settings."""
+    rows = [["settings", "n", *[f"vs {b}" for b in BASELINES],
+             "engine loss (zeppelin / zeppelin-fill)", "gap to bound"]]
+    for name, results in groups.items():
+        rows.append([name, str(len(results)),
+                     *[_fmt(report.mean_speedup(results, b)) for b in BASELINES],
+                     _fmt(report.mean_speedup(results, "zeppelin", "zeppelin-fill")),
+                     _fmt(report.mean_gap(results))])
+    return report._table(rows, markdown=True)
+
+
+def per_group(results: list[SettingResult]) -> dict[str, list[SettingResult]]:
+    """The settings grouped for the headline: all, per model, per cluster, per workload."""
+    groups: dict[str, list[SettingResult]] = {"all paper settings": results}
+    for model, tp in MODELS:
+        groups[f"{model}" + (f" TP={tp}" if tp > 1 else "")] = \
+            [r for r in results if r.setting.model == model]
+    for cluster in CLUSTERS:
+        groups[cluster] = [r for r in results if r.setting.cluster == cluster]
+    for workload in WORKLOADS:
+        groups[workload] = [r for r in results if r.setting.workload == workload]
+    return {k: v for k, v in groups.items() if v}
+
+
+def losses(results: list[SettingResult], over: str) -> list[SettingResult]:
+    """Settings where zeppelin is slower than ``over``."""
+    return [r for r in results if (r.speedup("zeppelin", over) or 2.0) < 1.0]
+
+
+def loss_table(results: list[SettingResult], over: str, worst: int = 15) -> str:
+    """The ``worst`` settings where zeppelin is slower than ``over``, with the parts of its
+    time that explain it (every setting is in the per-setting tables at the end)."""
+    rows = [["setting", f"vs {over}", "zeppelin s", f"{over} s", "zeppelin ring wait s",
+             "zeppelin remap s", "zeppelin-fill s", "gap to bound"]]
+    ranked = sorted(losses(results, over), key=lambda r: r.speedup("zeppelin", over))
+    for r in ranked[:worst]:
+        z, b, f = r.get("zeppelin"), r.get(over), r.get("zeppelin-fill")
+        rows.append([r.setting.label(), _fmt(r.speedup("zeppelin", over)), f"{z.iteration_s:.2f}",
+                     f"{b.iteration_s:.2f}", f"{z.first.ring_exposed_s:.2f}",
+                     f"{z.first.remap_s:.2f}", f"{f.iteration_s:.2f}" if f else "-",
+                     _fmt(z.iteration_s / z.lower_bound_s)])
+    return report._table(rows, markdown=True) if len(rows) > 1 else "(none)"
+
+
+def ablation_table(results: list[SettingResult]) -> str:
+    """Each step's speedup over two-node TE CP, as the paper's ablation adds them."""
+    steps = (("routing alone", "static-cp-routed"),
+             ("+ partitioning and engine (no remap)", "zeppelin-no-remap"),
+             ("+ remapping (zeppelin)", "zeppelin"), ("zeppelin without routing",
+                                                     "zeppelin-no-routing"))
+    rows = [["setting", *[name for name, _ in steps], "gap to bound"]]
+    for r in results:
+        rows.append([r.setting.label(), *[_fmt(r.speedup(label, "static-cp-2node"))
+                                          for _, label in steps],
+                     _fmt(r.get("zeppelin").iteration_s / r.lower_bound_s)])
+    rows.append(["mean", *[_fmt(report.mean_speedup(results, "static-cp-2node", label))
+                           for _, label in steps], _fmt(report.mean_gap(results))])
+    return report._table(rows, markdown=True)
+
+
+def static_cp_gaps(paper: list[SettingResult]) -> str:
+    """Mean gap to the bound of static CP and of zeppelin, per workload."""
+    parts = []
+    for w in WORKLOADS:
+        mine = [r for r in paper if r.setting.workload == w]
+        parts.append(f"{w}: static CP {_fmt(report.mean_gap(mine, 'static-cp'))}, zeppelin "
+                     f"{_fmt(report.mean_gap(mine))}, zeppelin-fill "
+                     f"{_fmt(report.mean_gap(mine, 'zeppelin-fill'))}")
+    return "Mean gap to the lower bound by workload: " + "; ".join(parts) + "."
+
+
+def planner_evidence(setting: Setting) -> list[str]:
+    """Facts about zeppelin's plan of one batch of ``setting``: node token spread, cross-node
+    remap volume, ring sizes of the sharded documents (what the planner notes cite)."""
+    from collections import Counter
+
+    from megatron_zeppelin.cost_model import estimate_plan
+    from megatron_zeppelin.planner import make_plan
+    from megatron_zeppelin.sim.simulator import SimOptions, simulate
+    from megatron_zeppelin.sim.sweep import sample_batches, setting_cost
+
+    cost = setting_cost(setting)
+    lengths = sample_batches(setting, cost)[0]
+    plan = make_plan("zeppelin", lengths, cost)
+    gpn = plan.topology.gpus_per_node
+    att = plan.attention_tokens()
+    nodes = [sum(att[n * gpn:(n + 1) * gpn]) for n in range(plan.topology.nodes)]
+    est = estimate_plan(plan, cost)
+    sim = simulate(plan, cost, SimOptions(inter_mode="routed"))
+    rings = Counter(f"{len(t.ring)} ranks ({t.tier.name})" for t in plan.tasks if len(t.ring) > 1)
+    return [
+        f"- {setting.label()}, one batch: attention-layout tokens per node from "
+        f"{min(nodes)} to {max(nodes)} (max/min {max(nodes) / min(nodes):.2f}); the remap "
+        f"moves {est.remap_cross_node_bytes / 1e9:.0f} GB across nodes per iteration, "
+        f"{sim.remap_s:.2f} s of a {sim.iteration_s:.2f} s iteration; sharded documents by "
+        f"ring: {dict(rings.most_common(6))}.",
+    ]
+
+
+def routing_check() -> list[str]:
+    """The paper's Fig. 12 case in our link model: one 64K-token sequence zigzag over 16 GPUs
+    of 2 nodes (LLaMA-7B KV, one layer): a forward ring step direct vs routed per cluster."""
+    from megatron_zeppelin.config import load_setup
+    from megatron_zeppelin.sim.network import inter_step_time
+
+    rows = [["cluster", "KV bytes per hop", "direct ms", "routed ms", "direct / routed"]]
+    for cluster in CLUSTERS:
+        setup = load_setup("llama-7b", cluster, nodes=2)
+        gpn = setup.cluster.gpus_per_node
+        nbytes = 65536 / 16 * 2 * setup.model.kv_heads * setup.model.head_dim * 2
+        flows = {(gpn - 1, gpn): nbytes, (2 * gpn - 1, 0): nbytes}
+        direct = inter_step_time(setup.cluster, flows, routed=False)
+        routed = inter_step_time(setup.cluster, flows, routed=True)
+        rows.append([cluster, f"{nbytes / 1e6:.0f} MB", f"{direct * 1e3:.2f}",
+                     f"{routed * 1e3:.2f}", f"{direct / routed:.2f}x"])
+    return ["Paper Fig. 12: one 64K sequence, TE CP ~2.18 ms per inter-node ring round, "
+            "~0.41 ms with routing (5.3x; cluster not stated). Our model of the same step "
+            "(the router's schedule time):", "", report._table(rows, markdown=True)]
+
+
+def skipped_lines(results: list[SettingResult]) -> list[str]:
+    """One Markdown bullet per skipped variant, with its reason."""
+    return [f"- {r.setting.label()}: {label} skipped: {reason}"
+            for r in results for label, reason in r.skipped]
+
+
+def plots(paper, scale, ablation, img: Path) -> list[str]:
+    """Write the PNGs; return Markdown image lines (paths relative to docs/)."""
+    lines = []
+    for model, tp in MODELS:
+        for cluster in CLUSTERS:
+            mine = [r for r in paper if r.setting.model == model and r.setting.cluster == cluster]
+            if mine:
+                path = report.plot_speedups(mine, img / f"speedup-{model}-{cluster}.png")
+                lines.append(f"![{model} on {cluster}](img/{path.name})")
+    best = max(paper, key=lambda r: r.speedup("zeppelin", "static-cp") or 0)
+    path = report.plot_rank_loads(best, img / "rank-load.png",
+                                  ["zeppelin", "zeppelin-fill", "static-cp", "static-cp-best",
+                                   "hybrid-dp", "megatron-hybrid-cp"])
+    lines.append(f"![per-rank load]({'img/' + path.name})")
+    for name, results in (("scale-1024", scale), ("ablation", ablation)):
+        path = report.plot_speedups(results, img / f"speedup-{name}.png",
+                                    baseline="static-cp" if name != "ablation" else
+                                    "static-cp-2node")
+        lines.append(f"![{name}](img/{path.name})")
+    return lines
+
+
+def fidelity_section(run: bool) -> list[str]:
+    """Calibrate, run the fidelity check and format it (or say it was not run)."""
+    if not run:
+        return ["Not run in this generation (pass `--fidelity`; see `zeppelin simulate "
+                "--fidelity`)."]
+    from megatron_zeppelin.sim import fidelity
+    from megatron_zeppelin.sim.cli import cmd_calibrate, calibrate_defaults
+
+    cmd_calibrate(calibrate_defaults())  # fresh profile, measured in the same conditions
+    result = fidelity.run_fidelity(fidelity.FidelityOptions())
+    return [
+        "`zeppelin calibrate` (just before) measured `configs/hardware/cpu.yaml` and "
+        "`configs/clusters/cpu-2x2.yaml`; then the real attention engine ran every plan on 4 "
+        "gloo processes (one thread each) on this 2-core machine and the simulator predicted "
+        "the same plans with that profile. Both sides keep the fastest of their runs. The CPU "
+        "emulation shares 2 cores between 4 ranks (a rank that finishes early frees a core for "
+        "the others), and other jobs on the machine add noise; neither exists on a GPU "
+        "cluster.",
+        "", "```", fidelity.format_fidelity(result), "```", "", fidelity_bias(result)]
+
+
+def fidelity_bias(result) -> str:
+    """Whether the errors share a sign, and what the simulator leaves out that explains it."""
+    errors = [r.error for r in result.rows]
+    mean = sum(errors) / len(errors)
+    under = sum(e < 0 for e in errors)
+    return (f"Mean signed error {mean:+.1%}; the simulator is below the measurement in {under} "
+            f"of {len(errors)} plans. Not modelled (see the simulator's docstring): the "
+            "engine's host work per ring step and round (Python, row gathers, LSE merges, "
+            "about 0.1-0.5 ms per step on this CPU), gloo copying messages with the same "
+            "cores that compute, and the inter-node worker thread of routed mode; plans with "
+            "more ring steps (zeppelin, static CP) are under-predicted more than plans that "
+            "are mostly LOCAL (hybrid DP, Megatron hybrid CP).")
+
+
+def variant_list() -> list[str]:
+    """One Markdown bullet per strategy variant used in the report."""
+    return [f"- **{label}**: {VARIANTS[label].description}" for label in
+            dict.fromkeys(MAIN + ABLATION)]
+
+
+def loss_summary(paper: list[SettingResult]) -> list[str]:
+    """Computed facts about the settings where zeppelin loses to static CP."""
+    lost = losses(paper, "static-cp")
+    if not lost:
+        return ["Zeppelin is at least as fast as static CP in every paper setting."]
+    fill_wins = [r for r in lost if (r.speedup("zeppelin-fill", "static-cp") or 0) >= 1.0]
+    share_remap = sum(r.get("zeppelin").first.remap_s for r in lost) / \
+        sum(r.get("zeppelin").iteration_s for r in lost)
+    share_wait = sum(r.get("zeppelin").first.ring_exposed_s for r in lost) / \
+        sum(r.get("zeppelin").iteration_s for r in lost)
+    by_workload = {w: sum(r.setting.workload == w for r in lost) for w in WORKLOADS}
+    return [
+        f"Zeppelin is slower than the default static CP in {len(lost)} of {len(paper)} paper "
+        f"settings (by workload: {by_workload}). In those settings the remap takes "
+        f"{share_remap:.0%} of zeppelin's iteration and waits for ring traffic inside the "
+        f"attention phase {share_wait:.0%}; on the idealised engine (zeppelin-fill) "
+        f"{len(fill_wins)} of them are no longer slower.",
+    ]
+
+
+def intro_lines(seconds: float, args) -> list[str]:
+    """How the file was made and what the simulator models."""
+    return [
+        "# Benchmarks (simulated)",
+        "",
+        f"Generated by `python scripts/make_benchmarks_report.py"
+        f"{' --quick' if args.quick else ''}{' --fidelity' if args.fidelity else ''}` in "
+        f"{seconds:.0f} s on {platform.node()} ({platform.machine()}, Python "
+        f"{platform.python_version()}). Do not edit by hand: rerun the script.",
+        "",
+        "Every time below is a **simulated** iteration (forward + backward of every layer, the "
+        "gradient all-reduce) from `megatron_zeppelin/sim/simulator.py`, the same model for "
+        "every strategy; hardware figures come from the published profiles in "
+        "`configs/hardware/` (FlashAttention-2/3 figures and GEMM rates, not measured on these "
+        "clusters). No GPU was available to this run, so no number here is a measurement on a "
+        "GPU cluster. The one measured comparison is the CPU fidelity check.",
+        "",
+        "## What the simulator models",
+        "",
+        "- linear modules on the linear layout (token-balanced with the remapping layer, the "
+        "attention layout otherwise); attention per ring step at the profile's FLOP/s for "
+        "the chunk length; the attention engine's rounds (`runtime/engine.py`: INTER, INTRA, "
+        "LOCAL queues; each round posts every ring's exchange, computes every ring's step and "
+        "a share of the LOCAL sequences, then waits);",
+        "- NIC sharing by concurrent cross-node hops with static GPU->NIC affinity, or the "
+        "global inter-node steps through the routing layer (`megatron_zeppelin.router`'s "
+        "schedule and time model); backward rings carry the fp32 dKV accumulator as the "
+        "engine does;",
+        "- the remap all-to-all per layer forward and backward (NVLink inside a node, the "
+        "static NICs across nodes); Megatron hybrid CP waves back to back with a barrier; the "
+        "gradient all-reduce (hierarchical ring), overlapped with the last backward;",
+        "- not modelled: pipeline parallelism, tensor-parallel collectives, NVLink contention "
+        "of the routing legs, Python overheads of the engine, memory.",
+        "",
+        f"Global batches: {DEFAULT_TOKENS_PER_GPU // 1024}K tokens per GPU sampled from each "
+        "workload (`sim/workloads.py`); each paper setting averages "
+        f"{args.batches} batches, the 1024-GPU settings use 1. The lower bound is perfectly "
+        "balanced compute with no exposed communication.",
+        "",
+        "Strategies:",
+        "",
+        *variant_list(),
+    ]
+
+
+def headline_lines(paper: list[SettingResult]) -> list[str]:
+    """The headline table and the comparison with the paper and the project's goals."""
+    allp = per_group(paper)["all paper settings"]
+    return [
+        "## Headline",
+        "",
+        "Mean over settings of zeppelin's speedup (baseline time / zeppelin time); `engine "
+        "loss` is zeppelin's time over that of the same plans on the idealised engine "
+        "(zeppelin-fill): above 1 the engine as written loses time.",
+        "",
+        headline(per_group(paper)),
+        "",
+        f"The paper reports 2.80x on average over TE CP (up to 6.60x). Goal for this project: "
+        f"above 2.80x over static CP, above Megatron's hybrid CP, within 1.15x of the bound. "
+        f"Here: {_fmt(report.mean_speedup(allp, 'static-cp'))} over the default static CP, "
+        f"{_fmt(report.mean_speedup(allp, 'static-cp-2node'))} over two-node TE CP, "
+        f"{_fmt(report.mean_speedup(allp, 'megatron-hybrid-cp'))} over Megatron hybrid CP, "
+        f"gap {_fmt(report.mean_gap(allp))} to the bound.",
+        "",
+        "## Where zeppelin loses, and why",
+        "",
+        *loss_summary(allp),
+        "",
+        "The 15 largest losses:",
+        "",
+        loss_table(allp, "static-cp"),
+        "",
+        *NARRATIVE,
+        "",
+        static_cp_gaps(allp),
+        "",
+        "Evidence from zeppelin's plans (one batch each):",
+        "",
+        *planner_evidence(Setting("llama-7b", "a800-4nic", 8, "prolong64k", seed=7)),
+        *planner_evidence(Setting("llama-7b", "a800-4nic", 8, "arxiv", seed=7)),
+        *planner_evidence(Setting("llama-7b", "h200-8nic", 16, "github", seed=7)),
+    ]
+
+
+def result_lines(paper, scale, ablation) -> list[str]:
+    """Summary of the paper settings, the 1024-GPU runs, the ablation and the skips."""
+    return [
+        "## Paper settings (16-128 GPUs)",
+        "",
+        report.format_summary(paper, "static-cp", ("static-cp-best", "static-cp-2node",
+                                                   "megatron-hybrid-cp", "hybrid-dp"),
+                              markdown=True),
+        "",
+        "## 1024 GPUs",
+        "",
+        *[report.format_setting(r, markdown=True) + "\n" for r in scale],
+        "## Ablation (LLaMA-7B on a800-4nic)",
+        "",
+        "Paper (ArXiv): routing alone ~1.6x over TE CP, + engine/partitioning up to 3.2x, + "
+        "remapping 3.51-3.64x. Here the same steps against two-node TE CP:",
+        "",
+        ablation_table(ablation),
+        "",
+        *routing_check(),
+        "",
+        *[report.format_setting(r, "static-cp-2node", markdown=True) + "\n" for r in ablation],
+        "## Megatron hybrid CP runs and skips",
+        "",
+        f"megatron-core's `BalancedCPScheduler` is run as is; batches with more than "
+        f"{MAX_MEGATRON_SEQUENCES} documents skip it (its run time grows quickly with the "
+        f"document count). static-cp-best searches CP sizes up to {BEST_CP_MAX_NODES} nodes.",
+        "",
+        *(skipped_lines(paper + scale + ablation) or ["(nothing skipped)"]),
+    ]
+
+
+def write_document(out: Path, paper, scale, ablation, image_lines, fidelity_lines,
+                   seconds: float, args) -> None:
+    """Assemble docs/benchmarks.md from the sections."""
+    lines = [
+        *intro_lines(seconds, args), "",
+        *headline_lines(paper), "",
+        *result_lines(paper, scale, ablation), "",
+        "## Fidelity: simulated vs measured (CPU, gloo, 2 nodes x 2 ranks)", "",
+        *fidelity_lines, "",
+        "## Plots", "",
+        *image_lines, "",
+        "## Every paper setting", "",
+        *[report.format_setting(r, markdown=True) + "\n" for r in paper],
+    ]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+
+
+NARRATIVE = [
+    "Mechanisms (each visible in the per-setting breakdowns and the evidence below):",
+    "",
+    "- **Static CP inside one node is a strong baseline when every document fits a node.** "
+    "With NVLink at 200-450 GB/s an 8-rank zigzag ring hides its KV traffic for chunks of a "
+    "few hundred tokens, and the planner token-balances documents over replicas; on ArXiv "
+    "(median 12K tokens) and ProLong64K (64K documents) that is close to the bound (gaps "
+    "below). Zeppelin's large wins come where static CP must put a very long document on one "
+    "node's ranks (GitHub's 256K-1M tail) or runs rings across nodes (two-node TE CP, the "
+    "paper's baseline, is NIC-bound). The paper's 2.80x is against TE CP; we beat two-node "
+    "TE CP by more than that, the node-local static CP by much less.",
+    "- **The remap crosses nodes (planner).** The inter-node step balances attention time per "
+    "node, not tokens: nodes holding long documents hold far fewer tokens than nodes of short "
+    "ones, so the token-balanced linear layout moves q/k/v/o of many tokens across nodes "
+    "every layer, forward and backward, through the static NICs (`remap s`). The paper keeps "
+    "most remap traffic inside nodes. Sharded 64K documents also get rings of 6-7 of a "
+    "node's 8 GPUs, which leaves the other GPUs of the node unevenly loaded.",
+    "- **The engine's LOCAL share per round stalls rings (runtime).** `runtime/engine.py` "
+    "cuts each rank's LOCAL queue into one run per round; a long LOCAL sequence is one run, "
+    "and every ring member waits for the slowest member's round, so the lumps of all members "
+    "add up (`ring wait s`; `zeppelin-fill` runs the same plans with LOCAL work only filling "
+    "the waits for traffic).",
+]
+
+
+def main(argv=None) -> int:
+    """Run the sweeps, write the plots and the Markdown file."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
+    parser.add_argument("--img", default=str(ROOT / "docs" / "img"))
+    parser.add_argument("--quick", action="store_true", help="a small sweep (a minute)")
+    parser.add_argument("--fidelity", action="store_true", help="also run the CPU fidelity "
+                        "check (4 gloo processes, ~2 min)")
+    parser.add_argument("--batches", type=int, default=2, help="batches per paper setting")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    paper = sweep(paper_settings(args.quick, args.batches), MAIN, "paper")
+    ablation = sweep(ablation_settings(args.quick, args.batches), ABLATION, "ablation")
+    scale = sweep(scale_settings(args.quick), MAIN, "1024 GPUs")
+    images = plots(paper, scale, ablation, Path(args.img))
+    fidelity_lines = fidelity_section(args.fidelity)
+    write_document(Path(args.out), paper, scale, ablation, images, fidelity_lines,
+                   time.perf_counter() - started, args)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""Simulator invariants, the sweep and its reports, and bad input on ``zeppelin simulate``."""
+import random
+import time
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megatron_zeppelin import cli
+from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.plan import AttentionTask, Plan, Segment, Topology
+from megatron_zeppelin.planner import make_plan
+from megatron_zeppelin.sim import report
+from megatron_zeppelin.sim.network import GpuMap, grad_allreduce_time, inter_step_time
+from megatron_zeppelin.sim.rounds import local_parts
+from megatron_zeppelin.sim.simulator import SimOptions, attention_time, lower_bound, simulate
+from megatron_zeppelin.sim.sweep import (Setting, VARIANTS, resolve_variants, run_setting,
+                                         settings_from_args)
+from megatron_zeppelin.sim.workloads import sample_batch
+
+from conftest import make_cost
+
+
+def long_tailed(rng: random.Random, n: int) -> list[int]:
+    out = [max(16, int(rng.lognormvariate(7.0, 1.3))) for _ in range(n)]
+    out[rng.randrange(n)] = rng.randint(1 << 15, 1 << 17)
+    return out
+
+
+def manual_plan(topology: Topology, seqlens: list[int], rings: list[tuple[int, ...]],
+                waves: list[int]) -> Plan:
+    """A plan from explicit rings and waves; the linear layout is the attention layout."""
+    tasks = tuple(AttentionTask(i, ring, topology.tier_of(ring), wave)
+                  for i, (ring, wave) in enumerate(zip(rings, waves)))
+    sources = tuple(Segment(i, 0, n) for i, n in enumerate(seqlens))
+    draft = Plan("manual", topology, tuple(seqlens), sources, tasks, (), 1 << 30)
+    return Plan("manual", topology, tuple(seqlens), sources, tasks, draft.attention, 1 << 30)
+
+
+def test_time_grows_with_work():
+    cost = make_cost(nodes=2)
+    lengths = long_tailed(random.Random(3), 60)
+    for strategy in ("zeppelin", "static-cp", "hybrid-dp"):
+        small = simulate(make_plan(strategy, lengths, cost), cost).iteration_s
+        more = simulate(make_plan(strategy, lengths + [20000, 9000], cost), cost).iteration_s
+        longer = simulate(make_plan(strategy, [2 * n for n in lengths], cost), cost).iteration_s
+        assert small < more and small < longer, strategy
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10**6), st.sampled_from(["a800-4nic", "h200-8nic"]),
+       st.sampled_from(["auto", "analytic"]))
+def test_routing_is_never_slower_than_direct(seed, cluster, router):
+    cost = make_cost(cluster=cluster, nodes=3)
+    lengths = long_tailed(random.Random(seed), 30)
+    for plan in (make_plan("zeppelin", lengths, cost),
+                 make_plan("static-cp", lengths, cost, cp_size=24)):
+        direct = simulate(plan, cost, SimOptions(inter_mode="direct", router=router))
+        routed = simulate(plan, cost, SimOptions(inter_mode="routed", router=router))
+        assert routed.iteration_s <= direct.iteration_s * (1 + 1e-12)
+
+
+def test_cross_node_rings_are_slower_without_routing_on_shared_nics():
+    cost = make_cost(cluster="a800-4nic", nodes=2)
+    plan = make_plan("static-cp", [65536] * 4, cost, cp_size=16)
+    direct = simulate(plan, cost, SimOptions(inter_mode="ring"))
+    routed = simulate(plan, cost, SimOptions(inter_mode="routed"))
+    assert direct.ring_exposed_s > 0 and routed.iteration_s < direct.iteration_s
+
+
+def test_analytic_direct_matches_the_router_model():
+    cost = make_cost(cluster="a800-4nic", nodes=2)
+    flows = {(0, 8): 3e6, (1, 9): 1e6, (7, 15): 5e6, (9, 2): 2e6}
+    router = inter_step_time(cost.cluster, flows, routed=False, backend="auto")
+    analytic = inter_step_time(cost.cluster, flows, routed=False, backend="analytic")
+    assert analytic == pytest.approx(router, rel=1e-3)
+    assert inter_step_time(cost.cluster, {}, routed=True) == 0.0
+
+
+def test_single_gpu_plan_has_no_communication():
+    cost = make_cost(nodes=1, gpus_per_node=1)
+    lengths = [5000, 700, 12000, 64]
+    result = simulate(make_plan("zeppelin", lengths, cost), cost, SimOptions(inter_mode="routed"))
+    assert result.ring_exposed_s == result.remap_s == result.grad_sync_s == 0.0
+    assert result.rank_wait_s == (0.0,)
+    hw = cost.hardware
+    launches = hw.kernel_overhead_us * 1e-6 * (1 + hw.attention_bwd_ratio) * cost.model.num_layers
+    assert result.iteration_s == pytest.approx(result.lower_bound_s + launches, rel=1e-9)
+
+
+def test_remap_off_means_no_remap_time():
+    cost = make_cost(nodes=2)
+    lengths = long_tailed(random.Random(5), 80)
+    on = simulate(make_plan("zeppelin", lengths, cost, ZeppelinConfig(remap=True)), cost)
+    off = simulate(make_plan("zeppelin", lengths, cost, ZeppelinConfig(remap=False)), cost)
+    assert on.remap_s > 0 and off.remap_s == 0.0
+
+
+def test_waves_add_up():
+    cost = make_cost(nodes=2)
+    topo = cost.cluster.topology()
+    lengths = [30000, 4000, 16000, 900]
+    rings = [tuple(range(8)), (8,), (9, 10, 11, 12), (13,)]
+    options = SimOptions(overlap_grad_reduce=False)
+    both = simulate(manual_plan(topo, lengths, rings, [0, 0, 1, 1]), cost, options)
+    first = simulate(manual_plan(topo, lengths[:2], rings[:2], [0, 0]), cost, options)
+    second = simulate(manual_plan(topo, lengths[2:], rings[2:], [0, 0]), cost, options)
+    grad = grad_allreduce_time(cost.model, GpuMap(cost.cluster, 1), 2)
+    assert both.waves == 2 and both.grad_sync_s == pytest.approx(grad)
+    assert both.iteration_s - grad == pytest.approx(first.iteration_s + second.iteration_s
+                                                    - 2 * grad, rel=1e-12)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 10**6), st.sampled_from(["zeppelin", "static-cp", "hybrid-dp"]))
+def test_no_plan_beats_the_lower_bound(seed, strategy):
+    cost = make_cost(nodes=2)
+    lengths = long_tailed(random.Random(seed), 40)
+    result = simulate(make_plan(strategy, lengths, cost), cost)
+    assert result.iteration_s >= result.lower_bound_s
+    assert result.lower_bound_s == lower_bound(lengths, cost, 16)
+    parts = result.linear_s + result.attention_s + result.remap_s + result.grad_sync_s
+    assert parts == pytest.approx(result.iteration_s, rel=1e-12)
+
+
+def test_tensor_parallel_ranks_simulate():
+    cost = make_cost(model="llama-13b", cluster="a800-4nic", nodes=2, tp=2)
+    lengths = long_tailed(random.Random(9), 40)
+    result = simulate(make_plan("zeppelin", lengths, cost), cost, SimOptions(inter_mode="routed"))
+    assert len(result.rank_linear_s) == 8 and result.iteration_s > result.lower_bound_s
+
+
+def test_plan_of_another_cluster_is_rejected():
+    plan = make_plan("zeppelin", [1000, 2000], make_cost(nodes=2))
+    with pytest.raises(ValueError, match="does not match the cluster"):
+        simulate(plan, make_cost(nodes=4))
+
+
+def test_a_1024_gpu_plan_simulates_fast():
+    cost = make_cost(cluster="h200-8nic", nodes=128)
+    lengths = sample_batch("github", 16 << 20, random.Random(0))
+    plan = make_plan("zeppelin", lengths, cost)
+    _ = plan.transfers  # built once per plan (the runtime needs it too); not the simulator's
+    start = time.perf_counter()
+    simulate(plan, cost, SimOptions(inter_mode="routed"))
+    assert time.perf_counter() - start < 1.0
+
+
+def test_sweep_runs_every_variant_and_skips_megatron_on_request(tmp_path):
+    setting = Setting("llama-7b", "h200-8nic", 2, "github", tokens=1 << 19)
+    variants = resolve_variants(["zeppelin", "static-cp", "static-cp-best",
+                                 "megatron-hybrid-cp"])
+    ticks = []
+    result = run_setting(setting, variants, max_megatron_sequences=1,
+                         tick=lambda: ticks.append(1))
+    assert [r.label for r in result.results] == ["zeppelin", "static-cp", "static-cp-best"]
+    assert result.skipped[0][0] == "megatron-hybrid-cp" and len(ticks) == 4
+    assert result.get("static-cp-best").iteration_s <= result.get("static-cp").iteration_s
+    table = report.format_setting(result)
+    assert "zeppelin" in table and "skipped" in table
+    assert "| setting |" in report.format_summary([result], markdown=True)
+    png = report.plot_speedups([result], tmp_path / "s.png")
+    loads = report.plot_rank_loads(result, tmp_path / "l.png")
+    assert png.stat().st_size > 1000 and loads.stat().st_size > 1000
+
+
+def test_bad_inputs_name_the_value():
+    with pytest.raises(ValueError, match="unknown workload 'nope'"):
+        Setting("llama-7b", "h200-8nic", 2, "nope")
+    with pytest.raises(ValueError, match="unknown strategy 'fast'"):
+        resolve_variants(["fast"])
+    with pytest.raises(ValueError, match="--nodes 0 is invalid"):
+        settings_from_args("llama-7b", "h200-8nic", [0], ["github"], 1, 0, 1024, 1, 0, None)
+    with pytest.raises(ValueError, match="router='x' is invalid"):
+        SimOptions(router="x")
+    assert set(VARIANTS) >= {"zeppelin", "static-cp", "hybrid-dp", "megatron-hybrid-cp"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workload", "nope"], "unknown workload 'nope'"),
+    (["--global-batch-tokens", "0"], "expected a positive number of tokens"),
+    (["--global-batch-tokens", "-5"], "is invalid"),
+    (["--strategies", "zeppelin", "warp"], "unknown strategy 'warp'"),
+    (["--nodes", "0"], "--nodes 0 is invalid"),
+    (["--batches", "0"], "--batches 0 is invalid"),
+])
+def test_simulate_cli_rejects_bad_input(argv, message, capsys):
+    base = ["simulate", "--model", "llama-7b", "--cluster", "h200-8nic", "--no-progress"]
+    assert cli.main(base + argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_simulate_cli_prints_a_table(capsys):
+    argv = ["simulate", "--model", "llama-3b", "--cluster", "h200-8nic", "--nodes", "2",
+            "--workload", "arxiv", "--global-batch-tokens", "256K", "--batches", "1",
+            "--strategies", "zeppelin", "static-cp", "--no-progress"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "llama-3b h200-8nic x2 arxiv" in out and "vs static-cp" in out
+
+
+def test_local_queue_is_cut_into_at_most_one_run_per_round():
+    work = [(float(n * n), n * 1e-3) for n in (100, 3000, 50, 700, 700, 9000)]
+    for rounds in (1, 2, 3, 6, 20):
+        parts = local_parts(work, rounds, 1e-4)
+        assert 1 <= len(parts) <= rounds
+        assert sum(parts) == pytest.approx(sum(t for _, t in work) + 1e-4 * len(parts))
+    assert local_parts([], 4, 1e-4) == []
+
+
+def test_attention_only_time_of_one_gpu_is_its_compute():
+    cost = make_cost(nodes=1, gpus_per_node=1)
+    plan = make_plan("zeppelin", [3000, 5000], cost)
+    result = simulate(plan, cost)
+    assert result.rank_wait_s == (0.0,) and result.rank_attention_s[0] > 0
+    assert attention_time(plan, cost) == pytest.approx(result.rank_attention_s[0])
+
+
+def test_idealised_local_filling_removes_the_engines_round_stalls():
+    cost = make_cost(cluster="h200-8nic", nodes=2)
+    lengths = [40000] * 2 + [9000] * 6 + [300] * 200
+    plan = make_plan("zeppelin", lengths, cost)
+    engine = simulate(plan, cost, SimOptions(inter_mode="routed"))
+    fill = simulate(plan, cost, SimOptions(inter_mode="routed", local_policy="fill"))
+    assert fill.iteration_s <= engine.iteration_s
+    # same work; the engine launches one kernel per LOCAL run, fill one per rank
+    assert sum(fill.rank_attention_s) == pytest.approx(sum(engine.rank_attention_s), rel=2e-2)
+
+
+def test_simulate_cli_takes_a_lengths_file(tmp_path, capsys):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("# my corpus\n30000\n1200\n800\n\n5000\n")
+    argv = ["simulate", "--model", "llama-7b", "--cluster", "h200-8nic", "--nodes", "1",
+            "--lengths", str(lengths), "--strategies", "zeppelin", "static-cp", "--no-progress"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "lengths.txt" in out and "4 documents" in out
+    lengths.write_text("12\n-3\n")
+    assert cli.main(argv) == 2
+    assert "length -3 is invalid" in capsys.readouterr().err
