@@ -9,9 +9,10 @@ step of the sequence (forward + backward, all layers).
 * Linear forward FLOPs per token: 2*(h*(a+2g)*d + a*d*h + m*h*f) with m = 3 for SwiGLU (2
   otherwise); MoE multiplies the FFN part by top-k. Forward + backward = 3x forward.
 * A zigzag ring over G ranks runs G steps; per step each rank computes 2*a*d*(s/G)^2 forward
-  FLOPs and sends the KV of s/G tokens, (s/G)*2*g*d*B bytes per layer (backward sends KV and
-  dKV, so a step moves 3x the forward bytes in total). Communication is hidden when a step's
-  compute exceeds its transfer; that defines the crossover chunk length of each tier.
+  FLOPs and sends the KV of s/G tokens, (s/G)*2*g*d*B bytes per layer; backward sends KV again
+  and dK/dV as the fp32 accumulator, so a step moves (s/G)*2*g*d*(2B + 4) bytes in all.
+  Communication is hidden when a step's compute exceeds its transfer; that defines the
+  crossover chunk length of each tier.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from megatron_zeppelin.config import ClusterSpec, HardwareProfile, ModelSpec
 from megatron_zeppelin.plan import Plan, Tier
 
 FWD_BWD_LINEAR = 3.0  # backward of a GEMM is two GEMMs of the forward's size
-RING_BYTES_FWD_BWD = 3.0  # forward sends KV; backward sends KV and dKV
+DKV_BYTES = 4  # the engine accumulates dK/dV in fp32 and sends the accumulator
 
 
 @dataclass(frozen=True)
@@ -137,18 +138,30 @@ class CostModel:
         routed_link = Link(1.0 / per_byte, nic.latency_s + 2.0 * nvlink.latency_s)
         return routed_link if routed_link.byte_per_s > nic.byte_per_s else nic
 
+    def remap_seconds_per_token(self) -> float:
+        """Cross-node remap time of one token, all layers, forward + backward: q, k, v there
+        and the output back, over a node's NICs (all of them busy at once)."""
+        c = self.cluster
+        nbytes = 2.0 * self.qkvo_bytes(1) * self.model.num_layers
+        return nbytes / (c.nics_per_node * c.nic_byte_per_s)
+
+    def ring_step_bytes(self, seqlen: float, ring: int) -> float:
+        """Bytes one rank sends in one ring step, one layer, forward + backward: KV forward,
+        KV again and the fp32 dK/dV accumulator backward."""
+        b = self.model.bytes_per_element
+        return self.kv_bytes(seqlen / ring) * (2 * b + DKV_BYTES) / b
+
     def ring_step_comm_time(self, seqlen: float, ring: int, tier: Tier, routed: bool) -> float:
         """Forward + backward transfer time of one ring step, all layers."""
         link = self.link(tier, routed)
-        per_layer = RING_BYTES_FWD_BWD * self.kv_bytes(seqlen / ring) / link.byte_per_s
+        per_layer = self.ring_step_bytes(seqlen, ring) / link.byte_per_s
         return (per_layer + 2 * link.latency_s) * self.model.num_layers
 
     def ring_bytes(self, seqlen: float, ring: int) -> float:
         """Bytes one rank sends over a whole ring (forward + backward, all layers)."""
         if ring == 1:
             return 0.0
-        steps = ring - 1
-        return RING_BYTES_FWD_BWD * self.kv_bytes(seqlen / ring) * steps * self.model.num_layers
+        return self.ring_step_bytes(seqlen, ring) * (ring - 1) * self.model.num_layers
 
     def task_time(self, seqlen: float, ring: int, tier: Tier, routed: bool = True) -> float:
         """One rank's time for its share of a sequence, counting ring traffic not hidden.
@@ -163,10 +176,28 @@ class CostModel:
         step_comm = self.ring_step_comm_time(seqlen, ring, tier, routed)
         return compute + (ring - 1) * max(0.0, step_comm - step_compute)
 
+    def task_times(self, seqlen: int, rings: Sequence[int], tier: Tier,
+                   routed: bool = True) -> list[float]:
+        """``task_time(seqlen, G, tier, routed)`` for every G of ``rings`` at once (numpy; the
+        planner compares many spans of one sequence)."""
+        g = np.asarray(rings, dtype=np.float64)
+        hw, m = self.hardware, self.model
+        table = hw.attention_tflops
+        flops_per_s = np.interp(np.log(seqlen / g), np.log([n for n, _ in table]),
+                                [t * 1e12 for _, t in table])
+        compute = self.attention_flops(seqlen) / g / flops_per_s * (1.0 + hw.attention_bwd_ratio)
+        compute *= m.num_layers
+        link = self.link(tier, routed)
+        step_bytes = self.kv_bytes(1) * seqlen / g * (2 * m.bytes_per_element + DKV_BYTES) / \
+            m.bytes_per_element
+        comm = (step_bytes / link.byte_per_s + 2 * link.latency_s) * m.num_layers
+        exposed = np.where(g > 1, (g - 1) * np.maximum(0.0, comm - compute / g), 0.0)
+        return (compute + exposed).tolist()
+
     def crossover_chunk(self, tier: Tier, routed: bool = False) -> int:
         """Smallest per-rank chunk (tokens) whose ring-step compute hides its transfer.
 
-        Analytically c ~ g*B*F/(a*bw) (x 3/3.5 for forward + backward); solved numerically
+        Analytically c ~ g*(2B+4)*F/(3.5*a*bw) for forward + backward; solved numerically
         because the achieved attention FLOP/s F depends on the chunk length.
         """
         if tier == Tier.LOCAL:

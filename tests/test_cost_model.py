@@ -1,7 +1,7 @@
 """Cost model formulas, tier crossovers and plan estimates."""
 import pytest
 
-from megatron_zeppelin.cost_model import RING_BYTES_FWD_BWD, estimate_plan
+from megatron_zeppelin.cost_model import estimate_plan
 from megatron_zeppelin.plan import Tier
 from megatron_zeppelin.planner import make_plan
 
@@ -37,15 +37,24 @@ def test_vectorised_attention_times_match_scalar(cost_7b):
         assert t == pytest.approx(cost_7b.attention_time(length), rel=1e-12)
 
 
+def test_vectorised_task_times_match_scalar(cost_7b):
+    for tier in (Tier.INTRA, Tier.INTER):
+        for routed in (False, True):
+            rings = [1, 2, 3, 8, 16, 64]
+            got = cost_7b.task_times(50_000, rings, tier, routed)
+            for g, t in zip(rings, got):
+                assert t == pytest.approx(cost_7b.task_time(50_000, g, tier, routed), rel=1e-12)
+
+
 def test_crossovers_order_nvlink_below_routed_below_direct_nic(cost_7b):
     intra = cost_7b.crossover_chunk(Tier.INTRA)
     routed = cost_7b.crossover_chunk(Tier.INTER, routed=True)
     direct = cost_7b.crossover_chunk(Tier.INTER, routed=False)
     assert 0 < intra < routed < direct
     assert cost_7b.crossover_chunk(Tier.LOCAL) == 0
-    # the analytic estimate c ~ (3/3.5) * g * B * F / (a * bw) holds at the crossover
+    # the analytic estimate c ~ (2B + 4) / 3.5 * g * F / (a * bw) holds at the crossover
     f = cost_7b.hardware.attention_flops_per_s(direct)
-    analytic = 3 / 3.5 * 2 * f / cost_7b.cluster.nic_byte_per_s
+    analytic = (2 * 2 + 4) / 3.5 * f / cost_7b.cluster.nic_byte_per_s
     assert direct == pytest.approx(analytic, rel=0.05)
 
 
@@ -65,7 +74,8 @@ def test_task_time_counts_exposed_traffic_only(cost_7b):
 
 def test_ring_bytes(cost_7b):
     assert cost_7b.ring_bytes(4096, 1) == 0
-    expected = RING_BYTES_FWD_BWD * cost_7b.kv_bytes(1024) * 3 * 32
+    # bf16 KV forward and backward (2 + 2 bytes) plus the fp32 dKV (4 bytes): 8 per element
+    expected = cost_7b.kv_bytes(1024) / 2 * 8 * 3 * 32
     assert cost_7b.ring_bytes(4096, 4) == pytest.approx(expected)
 
 

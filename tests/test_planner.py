@@ -50,9 +50,11 @@ def test_zeppelin_plans_are_valid_for_any_derived_capacity(lengths, topo, factor
     config = ZeppelinConfig(capacity_factor=factor, remap=remap)
     plan = make_plan("zeppelin", lengths, make_cost(nodes=topo[0], gpus_per_node=topo[1]), config)
     plan.validate()
-    if remap:
+    if remap:  # balanced inside every node (across nodes the remap cost decides)
         tokens = plan.linear_tokens()
-        assert max(tokens) - min(tokens) <= 1
+        for node in range(plan.topology.nodes):
+            mine = [tokens[r] for r in plan.topology.node_ranks(node)]
+            assert max(mine) - min(mine) <= 1, (node, mine)
     else:
         assert plan.linear == plan.attention
 
@@ -93,10 +95,10 @@ def test_zeppelin_uses_all_three_tiers_on_a_long_tailed_batch():
     plan = make_plan("zeppelin", lengths, cost)
     plan.validate()
     counts = plan.tier_counts()
-    assert counts["inter"] >= 1 and counts["intra"] >= 1 and counts["local"] >= 600
+    assert counts["inter"] >= 1 and counts["intra"] >= 1 and counts["local"] >= 500
     assert plan.tasks[0].tier == Tier.INTER and plan.tasks[-1].tier == Tier.LOCAL
     att = estimate_plan(plan, cost).attention_s
-    assert max(att) / (sum(att) / len(att)) < 1.15
+    assert max(att) / (sum(att) / len(att)) < 1.10
 
 
 def test_capacity_is_respected_and_sharding_follows_it():

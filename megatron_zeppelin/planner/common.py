@@ -42,6 +42,8 @@ def check_lengths(seqlens: Sequence[int]) -> tuple[int, ...]:
     lengths = tuple(seqlens)
     if not lengths:
         raise ValueError("empty batch: expected at least one sequence length")
+    if all(type(x) is int for x in lengths) and min(lengths) >= 1:
+        return lengths  # the common case, checked in one pass
     for i, length in enumerate(lengths):
         if isinstance(length, bool) or not isinstance(length, int) and not (
                 hasattr(length, "__index__")):

@@ -1,28 +1,118 @@
-"""Token-balanced linear layout derived from an attention layout (the remapping layer's plan).
+"""Linear layout derived from an attention layout (the remapping layer's plan).
 
-Each rank targets T/N tokens (the first T mod N ranks one more). A rank keeps the first
-``target`` tokens of its attention buffer; the rest are surplus. Surpluses move to ranks short
-of their target, inside the node first and across nodes only for what the node cannot absorb,
-so the tokens crossing nodes are the minimum any balanced layout needs:
-sum over nodes of max(0, node surplus - node deficit).
+Attention is balanced by time, so nodes holding long documents hold fewer tokens. Moving
+tokens to a token-balanced layout shortens the slowest node's linear modules but sends q, k, v
+and the output across nodes every layer. ``node_token_targets`` weighs the two: node n runs
+the linear modules of L_n tokens at cost ``L_n * r + |A_n - L_n| * c`` (r: linear seconds per
+token on the node, c: remap seconds per token over the node's NICs, A_n: its attention tokens)
+and the targets minimise the slowest node's cost (convex per node: bisection on the cost).
+Inside a node, moving tokens is cheap (NVLink): every rank of node n targets L_n / GPUs.
 
-A rank's linear buffer is its kept segments followed by the segments it receives, in the
-order they are assigned. ``Plan.transfers`` turns the two layouts into the remap.
+A rank keeps the first ``target`` tokens of its attention buffer; the rest are surplus.
+Surpluses move to ranks short of their target inside the node first, and across nodes only
+for what the node's target sends away, so the tokens crossing nodes are exactly
+sum over nodes of max(0, A_n - L_n). A rank's linear buffer is its kept segments followed by
+the segments it receives. ``Plan.transfers`` turns the two layouts into the remap.
 """
 from __future__ import annotations
 
 from collections import deque
+from typing import Sequence
+
+import numpy as np
 
 from megatron_zeppelin.plan import Segment, Topology
 
 Layout = tuple[tuple[Segment, ...], ...]
 
 
-def balance_linear(attention: Layout, topology: Topology) -> Layout:
-    """The token-balanced linear layout for ``attention`` (per rank segments, buffer order)."""
+def _intervals(tokens: np.ndarray, r: float, c: float, budget: float
+               ) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Per node, the token counts L >= 0 with ``L * r + |A - L| * c <= budget`` as [lo, hi];
+    the bool says whether every node has one."""
+    right = (budget + tokens * c) / (r + c)  # the branch L >= A
+    if r > c:
+        left = (budget - tokens * c) / (r - c)  # only L < A is feasible when right < A
+        hi = np.where(right >= tokens, right, left)
+        ok = bool(np.all(hi >= 0))
+        lo = np.zeros_like(hi)
+    else:
+        hi = right
+        ok = bool(np.all(right >= tokens))
+        lo = np.maximum(0.0, (tokens * c - budget) / (c - r)) if c > r else np.zeros_like(hi)
+    return lo, hi, ok and bool(np.all(lo <= hi))
+
+
+def node_token_targets(node_tokens: Sequence[int], r: float, c: float) -> list[int]:
+    """Linear tokens per node minimising max_n (L_n * r + |A_n - L_n| * c), sum L = sum A.
+
+    r: linear seconds per token on a node (> 0); c: cross-node remap seconds per token (>= 0).
+    """
+    total, n = sum(node_tokens), len(node_tokens)
+    if n == 1 or total == 0:
+        return list(node_tokens)
+    tokens = np.asarray(node_tokens, dtype=np.float64)
+    lo_t, hi_t = total / n * r, max(node_tokens) * r  # balanced for free .. no move at all
+    for _ in range(50):
+        mid = (lo_t + hi_t) / 2
+        lo, hi, ok = _intervals(tokens, r, c, mid)
+        if ok and lo.sum() <= total <= hi.sum():
+            hi_t = mid
+        else:
+            lo_t = mid
+    lo, hi, _ = _intervals(tokens, r, c, hi_t)
+    return _closest_within(list(zip(lo.tolist(), hi.tolist())), node_tokens, total)
+
+
+def _closest_within(spans: list[tuple[float, float]], node_tokens: Sequence[int],
+                    total: int) -> list[int]:
+    """Integers summing to ``total`` inside (up to rounding) the intervals ``spans`` and as
+    close to ``node_tokens`` as possible: start from each node's own tokens clamped into its
+    interval, then move only in the one direction the sum needs (fewest tokens moved)."""
+    values = [min(max(a, lo), hi) for a, (lo, hi) in zip(node_tokens, spans)]
+    left = total - sum(values)
+    for i, (lo, hi) in enumerate(spans):  # the bisection made sum(lo) <= total <= sum(hi)
+        if left > 0:
+            step = min(hi - values[i], left)
+        elif left < 0:
+            step = max(lo - values[i], left)
+        else:
+            break
+        values[i] += step
+        left -= step
+    ints = [int(round(v)) for v in values]
+    order = sorted(range(len(values)), key=lambda i: ints[i] - values[i])
+    rest = total - sum(ints)
+    for i in (order * (abs(rest) // len(order) + 1))[:abs(rest)]:
+        ints[i] += 1 if rest > 0 else -1
+    return ints
+
+
+def rank_targets(attention: Layout, topology: Topology, r: float | None = None,
+                 c: float = 0.0) -> list[int]:
+    """Linear tokens per rank: node targets (``node_token_targets``) split evenly over the
+    node's ranks. ``r=None`` or ``c=0``: plain token balance over all ranks."""
+    world, gpn = topology.world_size, topology.gpus_per_node
+    per_rank = [sum(end - start for _, start, end in segs) for segs in attention]
+    total = sum(per_rank)
+    if r is None or c <= 0:
+        return [total // world + (1 if rank < total % world else 0) for rank in range(world)]
+    nodes = [sum(per_rank[q] for q in topology.node_ranks(n)) for n in range(topology.nodes)]
+    targets = []
+    for node_total in node_token_targets(nodes, r / gpn, c):
+        targets.extend(node_total // gpn + (1 if i < node_total % gpn else 0) for i in range(gpn))
+    return targets
+
+
+def balance_linear(attention: Layout, topology: Topology,
+                   targets: Sequence[int] | None = None) -> Layout:
+    """The linear layout for ``attention``: every rank ends with ``targets[rank]`` tokens
+    (default: token balance), inside the node first."""
     world = topology.world_size
-    total = sum(end - start for segs in attention for _, start, end in segs)
-    targets = [total // world + (1 if r < total % world else 0) for r in range(world)]
+    targets = list(targets) if targets is not None else rank_targets(attention, topology)
+    if sum(targets) != sum(e - s for segs in attention for _, s, e in segs):
+        raise ValueError(f"linear targets hold {sum(targets)} tokens, the attention layout "
+                         f"{sum(e - s for segs in attention for _, s, e in segs)}")
     kept: list[list[Segment]] = []
     surplus: list[deque[Segment]] = []
     deficit = []

@@ -26,7 +26,7 @@ from megatron_zeppelin.plan import (AttentionTask, Plan, Tier, zigzag_share,
                                     zigzag_share_bound)
 from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble,
                                               grow_derived_capacity, prepare)
-from megatron_zeppelin.planner.linear_layout import balance_linear
+from megatron_zeppelin.planner.linear_layout import balance_linear, rank_targets
 
 
 @dataclass
@@ -76,7 +76,18 @@ def plan_zeppelin(seqlens: Sequence[int], cost: CostModel,
             tasks[task.seq] = task
     for task in place_leftovers(state, leftovers, nodes):
         tasks[task.seq] = task
-    return assemble("zeppelin", batch, tasks, balance_linear if config.remap else None)
+    return assemble("zeppelin", batch, tasks, linear_balancer(cost) if config.remap else None)
+
+
+def linear_balancer(cost: CostModel):
+    """The remap's linear layout: token balance inside nodes, across nodes only where the
+    linear time saved outweighs the remap traffic (``linear_layout.node_token_targets``)."""
+    r, c = cost.linear_time(1), cost.remap_seconds_per_token()
+
+    def balance(attention, topology):
+        return balance_linear(attention, topology, rank_targets(attention, topology, r, c))
+
+    return balance
 
 
 # ---------------------------------------------------------------------------- inter-node step
@@ -88,9 +99,10 @@ def assign_nodes(state: _Placement, order: list[int]
     room, target, capacity = state.gpn * state.batch.capacity, state.target, state.batch.capacity
     heap = [(0.0, node) for node in range(topo.nodes)]
     tokens = [0] * topo.nodes
+    best_times: dict[int, float] = {}  # per sequence: its best per-rank time on one node
     inter: dict[int, tuple[int, ...]] = {}
     per_node: list[list[int]] = [[] for _ in range(topo.nodes)]
-    for seq in order:
+    for position, seq in enumerate(order):
         seqlen, seconds = seqlens[seq], local_time[seq]
         load, node = heap[0]
         if seconds <= target and seqlen <= capacity and tokens[node] + seqlen <= room:
@@ -98,7 +110,9 @@ def assign_nodes(state: _Placement, order: list[int]
             tokens[node] += seqlen
             heapq.heapreplace(heap, (load + seconds, node))
             continue
-        span = choose_node_span(state, sorted(load for load, _ in heap), seqlen, seconds)
+        upcoming = order[position + 1] if position + 1 < len(order) else None
+        span = choose_node_span(state, sorted(load for load, _ in heap), seq, upcoming,
+                                best_times)
         share = -(-seqlen // span)
         chosen = _pop_nodes(heap, tokens, share, room, span, seq, state.gpn)
         if span == 1:
@@ -114,31 +128,41 @@ def assign_nodes(state: _Placement, order: list[int]
     return inter, per_node
 
 
-def choose_node_span(state: _Placement, node_loads: list[float], seqlen: int, seconds: float
-                     ) -> int:
+def choose_node_span(state: _Placement, node_loads: list[float], seq: int,
+                     upcoming: int | None = None, best_times: dict | None = None) -> int:
     """How many nodes a sequence spans: the fewest whose projected makespan stays under the
     target, else the fewest within the slack of the lowest one (spans on a geometric grid).
 
-    Projected makespan of m nodes = max(peak, mean): the peak is (load of the m-th
+    Projected makespan of m nodes = max(peak, mean, next): the peak is (load of the m-th
     least-loaded node + the sequence's work per node) per GPU, on one node at least the
     sequence's best per-rank time there; the mean is the whole batch's work plus the ring
-    traffic left exposed so far and by this span, per rank. Exposed inter-node traffic is
-    wasted time that raises every rank's load, so a wider span must earn it.
+    traffic left exposed so far and by this span, per rank; ``next`` places the ``upcoming``
+    (next longest) sequence on the least-loaded node left, at its best per-rank time there,
+    since it cannot spread over the whole pool either. Exposed inter-node traffic is wasted
+    time that raises every rank's load, so a wider span must earn it.
     """
     gpn, nodes, world = state.gpn, state.batch.topology.nodes, state.batch.topology.world_size
+    seqlen, seconds = state.batch.seqlens[seq], state.local_time[seq]
+    best_times = {} if best_times is None else best_times
     floor = (state.total_work + state.overhead) / world
+    after = _best_node_time(state, upcoming, best_times) if upcoming is not None else 0.0
     peaks: list[tuple[float, int]] = []
-    one = _best_node_time(state, seqlen, seconds)
+    one = _best_node_time(state, seq, best_times)
     if one < float("inf"):
-        peaks.append((max((node_loads[0] + seconds) / gpn, one, floor), 1))
-    for span in _span_grid(nodes):
-        if state.fits(seqlen, span * gpn):
-            per_rank = state.span_time(seqlen, span * gpn, Tier.INTER)
-            wasted = max(0.0, per_rank * span * gpn - seconds) / world
-            peaks.append((max(node_loads[span - 1] / gpn + per_rank, floor + wasted), span))
+        rest = node_loads[1] if nodes > 1 else node_loads[0] + seconds
+        nxt = min(rest, node_loads[0] + seconds) / gpn + after
+        peaks.append((max((node_loads[0] + seconds) / gpn, one, floor, nxt), 1))
+    grid = [span for span in _span_grid(nodes) if state.fits(seqlen, span * gpn)]
+    times = state.cost.task_times(seqlen, [span * gpn for span in grid], Tier.INTER,
+                                  state.routed) if grid else []
+    for span, per_rank in zip(grid, times):
+        wasted = max(0.0, per_rank * span * gpn - seconds) / world
+        rest = node_loads[span] if span < nodes else float("inf")
+        nxt = min(rest, node_loads[0] + per_rank * gpn) / gpn + after
+        peaks.append((max(node_loads[span - 1] / gpn + per_rank, floor + wasted, nxt), span))
     if not peaks:
         raise CapacityError(f"a sequence of {seqlen} tokens cannot be placed: no span of ranks keeps "
-                         f"every rank within the capacity {state.batch.capacity} tokens")
+                            f"every rank within the capacity {state.batch.capacity} tokens")
     under = [span for peak, span in peaks if peak <= state.target]
     return min(under) if under else _smallest_near_best(peaks, state.slack)
 
@@ -160,16 +184,12 @@ def _smallest_near_best(peaks: list[tuple[float, int]], slack: float) -> int:
     return min(span for peak, span in peaks if peak <= best * (1.0 + slack))
 
 
-def _best_node_time(state: _Placement, seqlen: int, local_time: float) -> float:
-    """Per-rank time of the sequence on the fewest GPUs of one node that bring it under the
-    target, else the lowest over all spans of the node (inf if it cannot fit one node)."""
-    best = local_time if seqlen <= state.batch.capacity else float("inf")
-    for k in range(2, state.gpn + 1):
-        if state.fits(seqlen, k):
-            best = min(best, state.span_time(seqlen, k, Tier.INTRA))
-            if best <= state.target:
-                break
-    return best
+def _best_node_time(state: _Placement, seq: int, cache: dict) -> float:
+    """Lowest per-rank time of sequence ``seq`` on the GPUs of one node (inf if it cannot fit),
+    remembered in ``cache``."""
+    if seq not in cache:
+        cache[seq] = min((t for _, t in _span_times(state, seq, {})), default=float("inf"))
+    return cache[seq]
 
 
 def _pop_nodes(heap: list[tuple[float, int]], tokens: list[int], share: int, room: int,
@@ -198,6 +218,7 @@ class _NodeGpus:
     loads: list[float]
     tokens: list[int]
     heap: list[tuple[float, int]]
+    total: float = 0.0  # sum of loads
 
     @classmethod
     def empty(cls, gpn: int) -> "_NodeGpus":
@@ -208,17 +229,22 @@ class _NodeGpus:
         for p, g in enumerate(gpus):
             self.loads[g] += per_rank
             self.tokens[g] += zigzag_share(seqlen, len(gpus), p)
+        self.total = sum(self.loads)
         self.heap = [(load, g) for g, load in enumerate(self.loads)]
         heapq.heapify(self.heap)
 
-    def place_local(self, seqlen: int, seconds: float, capacity: int) -> int | None:
-        """LPT: the least-loaded GPU with room takes the whole sequence; None if none has room."""
+    def place_local(self, seqlen: int, seconds: float, capacity: int,
+                    limit: float = float("inf")) -> int | None:
+        """LPT: the least-loaded GPU with room takes the whole sequence if that keeps it
+        within ``limit`` seconds; None (nothing placed) otherwise."""
         load, g = self.heap[0]
         if self.tokens[g] + seqlen <= capacity:
+            if load + seconds > limit:
+                return None
             heapq.heapreplace(self.heap, (load + seconds, g))
         else:
             with_room = [(lo, h) for lo, h in self.heap if self.tokens[h] + seqlen <= capacity]
-            if not with_room:
+            if not with_room or min(with_room)[0] + seconds > limit:
                 return None
             load, g = min(with_room)
             self.heap.remove((load, g))
@@ -226,6 +252,7 @@ class _NodeGpus:
             heapq.heapify(self.heap)
         self.loads[g] = load + seconds
         self.tokens[g] += seqlen
+        self.total += seconds
         return g
 
 
@@ -242,14 +269,19 @@ def assign_gpus(state: _Placement, node: int, inter: dict[int, tuple[int, ...]],
     leftovers = []
     capacity, target = state.batch.capacity, state.target
     seqlens, local_time = state.batch.seqlens, state.local_time
-    for seq in seqs:
+    remaining = sum(local_time[seq] for seq in seqs)
+    spans: dict[int, list[tuple[int, float]]] = {}  # per sequence: (k, per-rank time)
+    for i, seq in enumerate(seqs):
         seqlen, seconds = seqlens[seq], local_time[seq]
-        load, g = gpus.heap[0]
-        if load + seconds <= target and gpus.tokens[g] + seqlen <= capacity:
-            gpus.place_local(seqlen, seconds, capacity)  # fast path: LPT on the lightest GPU
+        floor = (gpus.total + remaining) / state.gpn * (1.0 + state.slack)
+        g = gpus.place_local(seqlen, seconds, capacity, limit=max(target, floor))
+        if g is not None:  # fast path: LPT on the lightest GPU with room, within the limit
             tasks.append(AttentionTask(seq=seq, ring=(ranks[g],), tier=Tier.LOCAL))
+            remaining -= seconds
             continue
-        picked = choose_gpus(state, gpus, seqlen, seconds)
+        upcoming = seqs[i + 1] if i + 1 < len(seqs) else None
+        picked = choose_gpus(state, gpus, seq, remaining, upcoming, spans)
+        remaining -= seconds
         if picked is None:
             leftovers.append(seq)
         elif len(picked) == 1:
@@ -286,29 +318,53 @@ def _place_inter_shares(state: _Placement, node: int, inter: dict[int, tuple[int
     return tasks
 
 
-def choose_gpus(state: _Placement, gpus: _NodeGpus, seqlen: int, seconds: float
-                ) -> list[int] | None:
-    """The GPUs of the node a sequence runs on: the fewest (least loaded, with room) whose
-    resulting peak load is within the slack of the lowest peak any span reaches; None if no
-    span has room. Peak of k GPUs = load of the k-th least-loaded one + the per-rank time at
-    k (compute plus ring traffic not hidden), so sharding pays only when it lowers the peak.
+def choose_gpus(state: _Placement, gpus: _NodeGpus, seq: int, remaining: float = 0.0,
+                upcoming: int | None = None, spans: dict | None = None) -> list[int] | None:
+    """The GPUs of the node sequence ``seq`` runs on: the span (least-loaded GPUs with room)
+    with the lowest projected node makespan, the fewest GPUs on a tie; None if no span has room.
+
+    Projected makespan of k GPUs = max(peak, floor, next): peak = load of the k-th
+    least-loaded GPU + the per-rank time at k (compute plus ring traffic not hidden); floor =
+    the node's work (placed plus ``remaining``, this sequence's included) per GPU, plus the
+    traffic this span leaves exposed (wasted time every GPU of the node ends up sharing);
+    next = the best placement of the ``upcoming`` sequence of the node on the loads that
+    follow. Sharding pays only when it lowers the makespan, not just this sequence's peak.
+    ``spans`` caches each sequence's (k, per-rank time) list across calls.
     """
-    order = sorted(range(state.gpn), key=gpus.loads.__getitem__)
+    gpn, seqlen, seconds = state.gpn, state.batch.seqlens[seq], state.local_time[seq]
+    spans = {} if spans is None else spans
+    order = sorted(range(gpn), key=gpus.loads.__getitem__)
+    floor = (gpus.total + remaining) / gpn
+    ahead = _span_times(state, upcoming, spans) if upcoming is not None else None
     options: dict[int, list[int]] = {}
     peaks: list[tuple[float, int]] = []
-    for k in range(1, state.gpn + 1):
-        if k > 1 and seqlen < 2 * k:
-            break
+    for k, per_rank in _span_times(state, seq, spans):
         share = zigzag_share_bound(seqlen, k)
         room = [g for g in order if gpus.tokens[g] + share <= state.batch.capacity][:k]
         if len(room) < k:
             continue
-        per_rank = seconds if k == 1 else state.span_time(seqlen, k, Tier.INTRA)
-        peaks.append((gpus.loads[room[-1]] + per_rank, k))
+        wasted = max(0.0, per_rank * k - seconds) / gpn
+        projected = max(gpus.loads[room[-1]] + per_rank, floor + wasted)
+        if ahead:
+            after = sorted(gpus.loads[g] + (per_rank if g in room else 0.0) for g in range(gpn))
+            projected = max(projected, min(after[j - 1] + t for j, t in ahead))
+        peaks.append((projected, k))
         options[k] = sorted(room)
     if not peaks:
         return None
-    return options[_smallest_near_best(peaks, state.slack)]
+    return options[_smallest_near_best(peaks, 1e-9)]
+
+
+def _span_times(state: _Placement, seq: int, cache: dict) -> list[tuple[int, float]]:
+    """(k, per-rank time) of sequence ``seq`` for every legal span of k GPUs of one node."""
+    if seq not in cache:
+        seqlen, seconds = state.batch.seqlens[seq], state.local_time[seq]
+        spans = [(1, seconds)] if seqlen <= state.batch.capacity else []
+        ks = [k for k in range(2, state.gpn + 1) if state.fits(seqlen, k)]
+        if ks:
+            spans += zip(ks, state.cost.task_times(seqlen, ks, Tier.INTRA, state.routed))
+        cache[seq] = spans
+    return cache[seq]
 
 
 def place_leftovers(state: _Placement, seqs: list[int], nodes: list[_NodeGpus]
@@ -328,7 +384,7 @@ def place_leftovers(state: _Placement, seqs: list[int], nodes: list[_NodeGpus]
             continue
         options = [(max(gpus.loads[g] for g in picked), n, picked)
                    for n, gpus in enumerate(nodes)
-                   if (picked := choose_gpus(state, gpus, seqlen, seconds)) is not None]
+                   if (picked := choose_gpus(state, gpus, seq)) is not None]
         if not options:
             raise CapacityError(f"sequence {seq} ({seqlen} tokens) fits nowhere: no GPU, and no "
                              f"GPUs of one node, have room for it within the capacity {capacity} "
