@@ -1,7 +1,10 @@
 // C++17 twin of megatron_zeppelin/router/reference.py (read that module's docstring for the
-// cost model and the algorithm). Every function mirrors the Python function of the same name;
-// all arithmetic is on 64-bit integers, so both produce the same schedule bit for bit.
+// algorithm; the cost model is router_model.h, the twin of model.py). Every function mirrors the
+// Python function of the same name; all arithmetic is on 64-bit integers, so both produce the
+// same schedule bit for bit.
 #include "router.h"
+
+#include "router_model.h"
 
 #include <algorithm>
 #include <stdexcept>
@@ -10,15 +13,16 @@
 namespace zeppelin_router {
 namespace {
 
+using model::kMaxChunksLimit;
+using model::Loads;
+using model::Part;
+using model::Plan;
+using model::Problem;
+using model::apply_plan;
+using model::score_plan;
+
 constexpr int kMaxSweeps = 3;
 constexpr int kHysteresisShift = 6;  // later sweeps: a plan must win by > 1/64 of its score
-
-// One part of a plan: egress NIC, ingress NIC, src proxy, dst proxy, bytes.
-struct Part {
-  i64 e, i, p, q, nb;
-  bool operator<(const Part& o) const { return e < o.e; }  // parts of a plan have distinct e
-};
-using Plan = std::vector<Part>;
 
 // A rail of a flow: NIC level (ticks), NVLink legs, NIC k, src proxy p, dst proxy q.
 struct Rail {
@@ -31,77 +35,6 @@ struct Rail {
     return k < o.k;
   }
 };
-
-struct Problem {
-  i64 nodes, g, k;
-  std::vector<i64> nic;
-  std::vector<std::vector<i64>> gpus_of_nic;
-  std::vector<i64> usable;
-  i64 cv, lv, cn, ln;
-  const std::vector<i64>& src;
-  const std::vector<i64>& dst;
-  const std::vector<i64>& nbytes;
-  i64 align;
-  // Per flow: source / destination node, and their first GPU and first NIC index.
-  std::vector<i64> x, y, xg, yg, xo, yo;
-};
-
-struct Loads {
-  std::vector<i64> d_out, d_in, c_out, c_in, n_out, n_in, b_out, b_in;
-  Loads(i64 nodes, i64 gpus, i64 nics)
-      : d_out(nodes * gpus), d_in(nodes * gpus), c_out(nodes * gpus), c_in(nodes * gpus),
-        n_out(nodes * nics), n_in(nodes * nics), b_out(nodes * nics), b_in(nodes * nics) {}
-
-  static i64 max_of(const std::vector<i64>& a, const std::vector<i64>& b) {
-    return std::max(*std::max_element(a.begin(), a.end()), *std::max_element(b.begin(), b.end()));
-  }
-  std::array<i64, 3> phase_ticks() const {
-    return {max_of(d_out, d_in), max_of(n_out, n_in), max_of(c_out, c_in)};
-  }
-};
-
-void apply_plan(const Problem& pb, Loads& loads, i64 f, const Plan& plan, i64 sign) {
-  const i64 s = pb.src[f], d = pb.dst[f], xo = pb.xo[f], yo = pb.yo[f];
-  for (const Part& part : plan) {
-    if (part.p != s) {
-      const i64 t = sign * (part.nb * pb.cv + pb.lv);
-      loads.d_out[s] += t;
-      loads.d_in[part.p] += t;
-    }
-    const i64 t = sign * (part.nb * pb.cn + pb.ln);
-    loads.n_out[xo + part.e] += t;
-    loads.n_in[yo + part.i] += t;
-    loads.b_out[xo + part.e] += sign * part.nb;
-    loads.b_in[yo + part.i] += sign * part.nb;
-    if (part.q != d) {
-      const i64 c = sign * (part.nb * pb.cv + pb.lv);
-      loads.c_out[part.q] += c;
-      loads.c_in[d] += c;
-    }
-  }
-}
-
-i64 score_plan(const Problem& pb, const Loads& loads, i64 f, const Plan& plan) {
-  const i64 s = pb.src[f], d = pb.dst[f], xo = pb.xo[f], yo = pb.yo[f];
-  i64 dsum = 0, dmax = 0, csum = 0, cmax = 0, mmax = 0;
-  for (const Part& part : plan) {
-    if (part.p != s) {
-      const i64 t = part.nb * pb.cv + pb.lv;
-      dsum += t;
-      dmax = std::max(dmax, loads.d_in[part.p] + t);
-    }
-    const i64 t = part.nb * pb.cn + pb.ln;
-    mmax = std::max({mmax, loads.n_out[xo + part.e] + t, loads.n_in[yo + part.i] + t});
-    if (part.q != d) {
-      const i64 c = part.nb * pb.cv + pb.lv;
-      csum += c;
-      cmax = std::max(cmax, loads.c_out[part.q] + c);
-    }
-  }
-  if (dsum) dmax = std::max(dmax, loads.d_out[s] + dsum);
-  if (csum) cmax = std::max(cmax, loads.c_in[d] + csum);
-  return dmax + mmax + cmax;
-}
 
 Plan make_direct_plan(const Problem& pb, i64 f) {
   const i64 s = pb.src[f], d = pb.dst[f];
@@ -155,7 +88,7 @@ bool water_fill(const Problem& pb, const std::vector<Rail>& rails, i64 m, i64 un
   const i64 total = units * r;
   std::vector<i64>& base = *base_buf;
   base.resize(m);
-  for (i64 j = 0; j < m; ++j) base[j] = rails[j].level + pb.ln;
+  for (i64 j = 0; j < m; ++j) base[j] = rails[j].level + pb.cs * pb.ln;
   i64 used = 1, acc = base[0];
   while (used < m && base[used] * used < total + acc) {
     acc += base[used];
@@ -287,7 +220,13 @@ class Sweeper {
   std::vector<i64> order_, version_, stamp_x_, stamp_y_;
 };
 
-i64 sum3(const std::array<i64, 3>& a) { return a[0] + a[1] + a[2]; }
+i64 largest_part(const std::vector<Plan>& plans) {
+  i64 largest = 0;
+  for (const Plan& plan : plans) {
+    for (const Part& part : plan) largest = std::max(largest, part.nb);
+  }
+  return largest;
+}
 
 std::vector<Plan> search_plans(const Problem& pb, Loads& loads, i64* direct_ticks) {
   const i64 n = static_cast<i64>(pb.src.size());
@@ -296,13 +235,13 @@ std::vector<Plan> search_plans(const Problem& pb, Loads& loads, i64* direct_tick
     plans[f] = make_direct_plan(pb, f);
     apply_plan(pb, loads, f, plans[f], +1);
   }
-  *direct_ticks = sum3(loads.phase_ticks());
+  *direct_ticks = model::step_ticks(pb, loads, 1);
   std::vector<Plan> best = plans;
   i64 best_ticks = *direct_ticks;
   Sweeper sweeper(pb);
   for (int it = 0; it < kMaxSweeps; ++it) {
     if (!sweeper.sweep(loads, plans, it > 0)) break;
-    const i64 ticks = sum3(loads.phase_ticks());
+    const i64 ticks = model::best_chunks(pb, loads, largest_part(plans)).second;
     if (ticks < best_ticks) {
       best = plans;
       best_ticks = ticks;
@@ -315,11 +254,13 @@ void require(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("_router_cpp.route_raw: " + what);
 }
 
-// Mirrors schedule.check_tick_range: every resource time must stay below 2^53 ticks, so that
-// no intermediate product overflows (the Python side checks first; this is a backstop).
+// Mirrors schedule.check_tick_range: every resource time scaled by up to max_chunks chunks
+// must stay below 2^53 ticks, so that no intermediate product overflows (the Python side
+// checks first; this is a backstop).
 void check_tick_range(i64 nodes, i64 g, i64 k, const std::vector<i64>& gpu_to_nic,
                       const std::vector<i64>& costs, const std::vector<i64>& src,
-                      const std::vector<i64>& dst, const std::vector<i64>& nbytes) {
+                      const std::vector<i64>& dst, const std::vector<i64>& nbytes,
+                      i64 max_chunks) {
   constexpr i64 kMaxTicks = i64{1} << 53;
   std::vector<i64> per_node(nodes, 0);
   for (size_t f = 0; f < src.size(); ++f) {
@@ -330,7 +271,7 @@ void check_tick_range(i64 nodes, i64 g, i64 k, const std::vector<i64>& gpu_to_ni
   std::vector<bool> used(k, false);
   for (i64 nic : gpu_to_nic) used[nic] = true;
   const i64 messages = static_cast<i64>(src.size()) *
-                       (std::count(used.begin(), used.end(), true) + 1);
+                       (std::count(used.begin(), used.end(), true) + 1) * max_chunks;
   const i64 cost = std::max(costs[0], costs[2]), latency = std::max(costs[1], costs[3]);
   const i64 busiest = *std::max_element(per_node.begin(), per_node.end());
   const bool fits = busiest <= kMaxTicks / cost &&
@@ -341,7 +282,8 @@ void check_tick_range(i64 nodes, i64 g, i64 k, const std::vector<i64>& gpu_to_ni
 
 void check_inputs(i64 nodes, i64 g, i64 k, const std::vector<i64>& gpu_to_nic,
                   const std::vector<i64>& costs, const std::vector<i64>& src,
-                  const std::vector<i64>& dst, const std::vector<i64>& nbytes, i64 align) {
+                  const std::vector<i64>& dst, const std::vector<i64>& nbytes, i64 align,
+                  i64 max_chunks, i64 min_chunk_bytes) {
   require(nodes >= 1 && g >= 1 && k >= 1, "nodes, gpus_per_node, nics_per_node must be >= 1");
   require(static_cast<i64>(gpu_to_nic.size()) == g, "gpu_to_nic needs gpus_per_node entries");
   for (i64 nic : gpu_to_nic) require(nic >= 0 && nic < k, "gpu_to_nic entry out of range");
@@ -349,6 +291,9 @@ void check_inputs(i64 nodes, i64 g, i64 k, const std::vector<i64>& gpu_to_nic,
   for (i64 c : costs) require(c >= 0, "costs must be >= 0");
   require(costs[0] >= 1 && costs[2] >= 1, "per-byte costs must be >= 1 tick");
   require(align >= 1, "align must be >= 1");
+  require(max_chunks >= 1 && max_chunks <= kMaxChunksLimit,
+          "max_chunks must be in [1, " + std::to_string(kMaxChunksLimit) + "]");
+  require(min_chunk_bytes >= 1, "min_chunk_bytes must be >= 1");
   require(src.size() == dst.size() && src.size() == nbytes.size(),
           "src, dst and nbytes need the same length");
   for (size_t f = 0; f < src.size(); ++f) {
@@ -359,7 +304,32 @@ void check_inputs(i64 nodes, i64 g, i64 k, const std::vector<i64>& gpu_to_nic,
     require(nbytes[f] > 0 && nbytes[f] % align == 0, name + "nbytes not a positive multiple "
             "of align");
   }
-  check_tick_range(nodes, g, k, gpu_to_nic, costs, src, dst, nbytes);
+  check_tick_range(nodes, g, k, gpu_to_nic, costs, src, dst, nbytes, max_chunks);
+}
+
+Problem make_problem(i64 nodes, i64 g, i64 k, const std::vector<i64>& gpu_to_nic,
+                     const std::vector<i64>& costs, const std::vector<i64>& src,
+                     const std::vector<i64>& dst, const std::vector<i64>& nbytes, i64 align,
+                     i64 max_chunks, i64 min_chunk_bytes) {
+  Problem pb{nodes, g, k, gpu_to_nic, {}, {}, costs[0], costs[1], costs[2], costs[3], src, dst,
+             nbytes, align, max_chunks, min_chunk_bytes, 1, {}, {}, {}, {}, {}, {}};
+  pb.gpus_of_nic.resize(k);
+  for (i64 l = 0; l < g; ++l) pb.gpus_of_nic[gpu_to_nic[l]].push_back(l);
+  for (i64 nic = 0; nic < k; ++nic) {
+    if (!pb.gpus_of_nic[nic].empty()) pb.usable.push_back(nic);
+  }
+  const i64 largest = nbytes.empty() ? 0 : *std::max_element(nbytes.begin(), nbytes.end());
+  pb.cs = model::chunk_cap(largest / static_cast<i64>(pb.usable.size()), max_chunks,
+                           min_chunk_bytes);
+  for (size_t f = 0; f < src.size(); ++f) {
+    pb.x.push_back(src[f] / g);
+    pb.y.push_back(dst[f] / g);
+    pb.xg.push_back(pb.x[f] * g);
+    pb.yg.push_back(pb.y[f] * g);
+    pb.xo.push_back(pb.x[f] * k);
+    pb.yo.push_back(pb.y[f] * k);
+  }
+  return pb;
 }
 
 }  // namespace
@@ -367,27 +337,16 @@ void check_inputs(i64 nodes, i64 g, i64 k, const std::vector<i64>& gpu_to_nic,
 RawResult route_raw(i64 nodes, i64 gpus_per_node, i64 nics_per_node,
                     const std::vector<i64>& gpu_to_nic, const std::vector<i64>& costs,
                     const std::vector<i64>& src, const std::vector<i64>& dst,
-                    const std::vector<i64>& nbytes, i64 align) {
-  check_inputs(nodes, gpus_per_node, nics_per_node, gpu_to_nic, costs, src, dst, nbytes, align);
-  Problem pb{nodes, gpus_per_node, nics_per_node, gpu_to_nic, {}, {}, costs[0], costs[1],
-             costs[2], costs[3], src, dst, nbytes, align, {}, {}, {}, {}, {}, {}};
-  pb.gpus_of_nic.resize(nics_per_node);
-  for (i64 l = 0; l < gpus_per_node; ++l) pb.gpus_of_nic[gpu_to_nic[l]].push_back(l);
-  for (i64 k = 0; k < nics_per_node; ++k) {
-    if (!pb.gpus_of_nic[k].empty()) pb.usable.push_back(k);
-  }
-  for (size_t f = 0; f < src.size(); ++f) {
-    pb.x.push_back(src[f] / gpus_per_node);
-    pb.y.push_back(dst[f] / gpus_per_node);
-    pb.xg.push_back(pb.x[f] * gpus_per_node);
-    pb.yg.push_back(pb.y[f] * gpus_per_node);
-    pb.xo.push_back(pb.x[f] * nics_per_node);
-    pb.yo.push_back(pb.y[f] * nics_per_node);
-  }
+                    const std::vector<i64>& nbytes, i64 align, i64 max_chunks,
+                    i64 min_chunk_bytes) {
+  check_inputs(nodes, gpus_per_node, nics_per_node, gpu_to_nic, costs, src, dst, nbytes, align,
+               max_chunks, min_chunk_bytes);
+  const Problem pb = make_problem(nodes, gpus_per_node, nics_per_node, gpu_to_nic, costs, src,
+                                  dst, nbytes, align, max_chunks, min_chunk_bytes);
   RawResult out;
-  Loads search(nodes, gpus_per_node, nics_per_node);
+  Loads search(nodes, gpus_per_node, nics_per_node, pb.cs);
   const std::vector<Plan> plans = search_plans(pb, search, &out.direct_ticks);
-  Loads loads(nodes, gpus_per_node, nics_per_node);
+  Loads loads(nodes, gpus_per_node, nics_per_node, 1);
   for (size_t f = 0; f < plans.size(); ++f) {
     apply_plan(pb, loads, static_cast<i64>(f), plans[f], +1);
     i64 offset = 0;
@@ -396,7 +355,10 @@ RawResult route_raw(i64 nodes, i64 gpus_per_node, i64 nics_per_node,
       offset += part.nb;
     }
   }
-  out.phases = loads.phase_ticks();
+  out.phases = model::phase_ticks(pb, loads);
+  const std::pair<i64, i64> best = model::best_chunks(pb, loads, largest_part(plans));
+  out.chunks = best.first;
+  out.ticks = best.second;
   out.nic_out = std::move(loads.b_out);
   out.nic_in = std::move(loads.b_in);
   return out;

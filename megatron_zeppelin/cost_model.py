@@ -116,27 +116,37 @@ class CostModel:
         return FWD_BWD_LINEAR * flops / (self.hardware.gemm_tflops * 1e12)
 
     # ------------------------------------------------------------------ communication
-    def link(self, tier: Tier, routed: bool = False) -> Link:
-        """The path a ring step of ``tier`` uses; routed inter-node steps use every NIC."""
-        key = (int(tier), routed)
-        cache = self.__dict__.setdefault("_links", {})
-        if key not in cache:
-            cache[key] = self._make_link(tier, routed)
-        return cache[key]
-
-    def _make_link(self, tier: Tier, routed: bool) -> Link:
+    def link(self, tier: Tier) -> Link:
+        """The direct path of a ring step: NVLink inside a node, the GPU's own NIC across."""
         c = self.cluster
-        nvlink = Link(c.nvlink_byte_per_s, c.nvlink_latency_us * 1e-6)
         if tier == Tier.INTRA:
-            return nvlink
-        nic = Link(c.nic_byte_per_s, c.nic_latency_us * 1e-6)
-        if not routed or c.nics_per_node == 1:
-            return nic
-        # dispatch (P-1)/P over NVLink, all P NICs in parallel, combine (P-1)/P over NVLink
-        p = c.nics_per_node
-        per_byte = 1.0 / (p * c.nic_byte_per_s) + 2.0 * (p - 1) / p / c.nvlink_byte_per_s
-        routed_link = Link(1.0 / per_byte, nic.latency_s + 2.0 * nvlink.latency_s)
-        return routed_link if routed_link.byte_per_s > nic.byte_per_s else nic
+            return Link(c.nvlink_byte_per_s, c.nvlink_latency_us * 1e-6)
+        return Link(c.nic_byte_per_s, c.nic_latency_us * 1e-6)
+
+    def routed_seconds(self, nbytes):
+        """Time of one routed inter-node message of ``nbytes`` (a number or numpy array):
+        the router's pipelined model for a single flow (``routed_message_seconds``),
+        tabulated once on a log grid of sizes and interpolated."""
+        if "_routed_table" not in self.__dict__:
+            sizes = np.logspace(10, 33, 93, base=2.0)
+            times = [routed_message_seconds(self.cluster, float(b)) for b in sizes]
+            self.__dict__["_routed_table"] = (np.log(sizes), np.log(times))
+        log_sizes, log_times = self.__dict__["_routed_table"]
+        return np.exp(np.interp(np.log(nbytes), log_sizes, log_times))
+
+    def step_comm_seconds(self, chunk_tokens, tier: Tier, routed: bool):
+        """Transfer time of one ring step, all layers, forward (KV) + backward (KV and the
+        fp32 dK/dV accumulator), for chunks of ``chunk_tokens`` tokens per rank (a number or
+        a numpy array). Routed inter-node messages use every NIC of the node."""
+        m = self.model
+        fwd = self.kv_bytes(1) * np.asarray(chunk_tokens, dtype=np.float64)
+        bwd = fwd * (m.bytes_per_element + DKV_BYTES) / m.bytes_per_element
+        if tier == Tier.INTER and routed and len(set(self.cluster.gpu_to_nic)) > 1:
+            per_layer = self.routed_seconds(fwd) + self.routed_seconds(bwd)
+        else:
+            link = self.link(tier)
+            per_layer = (fwd + bwd) / link.byte_per_s + 2 * link.latency_s
+        return per_layer * m.num_layers
 
     def remap_seconds_per_token(self) -> float:
         """Cross-node remap time of one token, all layers, forward + backward: q, k, v there
@@ -153,9 +163,7 @@ class CostModel:
 
     def ring_step_comm_time(self, seqlen: float, ring: int, tier: Tier, routed: bool) -> float:
         """Forward + backward transfer time of one ring step, all layers."""
-        link = self.link(tier, routed)
-        per_layer = self.ring_step_bytes(seqlen, ring) / link.byte_per_s
-        return (per_layer + 2 * link.latency_s) * self.model.num_layers
+        return float(self.step_comm_seconds(seqlen / ring, tier, routed))
 
     def ring_bytes(self, seqlen: float, ring: int) -> float:
         """Bytes one rank sends over a whole ring (forward + backward, all layers)."""
@@ -187,10 +195,7 @@ class CostModel:
                                 [t * 1e12 for _, t in table])
         compute = self.attention_flops(seqlen) / g / flops_per_s * (1.0 + hw.attention_bwd_ratio)
         compute *= m.num_layers
-        link = self.link(tier, routed)
-        step_bytes = self.kv_bytes(1) * seqlen / g * (2 * m.bytes_per_element + DKV_BYTES) / \
-            m.bytes_per_element
-        comm = (step_bytes / link.byte_per_s + 2 * link.latency_s) * m.num_layers
+        comm = self.step_comm_seconds(seqlen / g, tier, routed)
         exposed = np.where(g > 1, (g - 1) * np.maximum(0.0, comm - compute / g), 0.0)
         return (compute + exposed).tolist()
 
@@ -281,3 +286,22 @@ def ring_cross_node_bytes(plan: Plan, cost: CostModel) -> float:
         hops = sum(node(a) != node(b) for a, b in zip(ring, ring[1:] + ring[:1]))
         total += hops * cost.ring_bytes(plan.seqlens[task.seq], len(ring))
     return total
+
+
+def routed_message_seconds(cluster: ClusterSpec, nbytes: float) -> float:
+    """One inter-node message of ``nbytes`` through the routing layer, as the router models it
+    (``router/model.py``): split over r NIC rails (r-1 relayed through proxy GPUs over NVLink)
+    and cut into C pipelined chunks (chunks of at least 1 MiB, at most 8):
+    dispatch = combine = (r-1) B / (r C nvlink) + (r-1) lat_nvlink per chunk, NIC = B / (r C nic)
+    + lat_nic per chunk; T = 2 d + n for C = 1, else 2 d + C max(d, n); the best r and C.
+    r = 1, C = 1 is the direct NIC, so the result never exceeds a direct send."""
+    rails = len(set(cluster.gpu_to_nic))
+    nv, nic = cluster.nvlink_byte_per_s, cluster.nic_byte_per_s
+    lv, ln = cluster.nvlink_latency_us * 1e-6, cluster.nic_latency_us * 1e-6
+    best = nbytes / nic + ln
+    for r in range(2, rails + 1):
+        for c in range(1, min(8, max(1, int(nbytes // (r * 2 ** 20)))) + 1):
+            d = (r - 1) * nbytes / (r * c * nv) + (r - 1) * lv
+            n = nbytes / (r * c * nic) + ln
+            best = min(best, 2 * d + n if c == 1 else 2 * d + c * max(d, n))
+    return best

@@ -1,4 +1,5 @@
 """Cost model formulas, tier crossovers and plan estimates."""
+import numpy as np
 import pytest
 
 from megatron_zeppelin.cost_model import estimate_plan
@@ -87,3 +88,23 @@ def test_estimate_counts_cross_node_ring_hops():
     assert est.ring_cross_node_bytes == pytest.approx(2 * 2 * cost.ring_bytes(4096, 4))
     assert est.remap_cross_node_bytes == 0
     assert len(est.attention_s) == 4 and est.step_s > 0
+
+
+@pytest.mark.parametrize("cluster", ["a800-4nic", "h800-8nic", "h200-8nic"])
+def test_routed_messages_follow_the_router_and_never_lose_to_direct(cluster):
+    from megatron_zeppelin.config import load_cluster
+    from megatron_zeppelin.cost_model import routed_message_seconds
+    from megatron_zeppelin.router import Flow, RouterTopology, route
+
+    spec = load_cluster(cluster, nodes=2)
+    topology = RouterTopology.from_cluster(spec)
+    for mib in (1, 8, 64, 256):
+        nbytes = mib << 20
+        model = routed_message_seconds(spec, nbytes)
+        assert model <= nbytes / spec.nic_byte_per_s + spec.nic_latency_us * 1e-6
+        router = route(topology, [Flow(0, spec.gpus_per_node, nbytes)], align=2)
+        assert model == pytest.approx(router.estimated_time_s, rel=0.15), (cluster, mib)
+    cost = make_cost(cluster=cluster)
+    sizes = np.array([1e4, 1e6, 1e8])
+    assert np.allclose(cost.routed_seconds(sizes), [routed_message_seconds(spec, b) for b in sizes],
+                       rtol=0.02)

@@ -13,12 +13,15 @@ from typing import Callable, Sequence
 
 from megatron_zeppelin import env
 from megatron_zeppelin.router import reference
+from megatron_zeppelin.router.model import (DEFAULT_MAX_CHUNKS, DEFAULT_MIN_CHUNK_BYTES,
+                                            chunk_span)
 from megatron_zeppelin.router.reference import RouteCost, direct, evaluate
 from megatron_zeppelin.router.schedule import (Flow, RouterTopology, RouteSchedule, Slice,
-                                               build_schedule, validate_flows)
+                                               build_schedule, validate_chunking,
+                                               validate_flows)
 
 __all__ = ["Flow", "RouteCost", "RouteSchedule", "RouterTopology", "Slice", "backend_name",
-           "direct", "evaluate", "route", "get_route_raw"]
+           "chunk_span", "direct", "evaluate", "route", "get_route_raw"]
 
 
 def load_cpp() -> ModuleType | None:
@@ -60,13 +63,18 @@ def get_route_raw(backend: str | None = None) -> Callable[..., tuple]:
 
 
 def route(topology: RouterTopology, flows: Sequence[Flow], align: int = 1,
-          backend: str | None = None) -> RouteSchedule:
+          backend: str | None = None, *, max_chunks: int = DEFAULT_MAX_CHUNKS,
+          min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES) -> RouteSchedule:
     """Route one ring step's inter-node ``flows`` (see ``reference`` for the algorithm).
 
     align: byte granularity of every slice (e.g. the element size in bytes); every flow's
     nbytes must be a multiple of it. backend: None follows ``ZEPPELIN_ROUTER_BACKEND``.
-    Raises ValueError naming a bad flow; ImportError when the C++ twin is required but absent.
+    max_chunks / min_chunk_bytes: the pipeline's chunk rule (``model``): the schedule's chunk
+    count is at most ``max_chunks`` (<= 16) and keeps the largest slice's chunks at least
+    ``min_chunk_bytes`` bytes. Raises ValueError naming a bad flow or chunk setting;
+    ImportError when the C++ twin is required but absent.
     """
-    validate_flows(topology, flows, align)
-    raw = get_route_raw(backend)(*reference.make_raw_arguments(topology, flows, align))
-    return build_schedule(topology, flows, align, raw)
+    validate_chunking(max_chunks, min_chunk_bytes)
+    validate_flows(topology, flows, align, max_chunks)
+    args = reference.make_raw_arguments(topology, flows, align, max_chunks, min_chunk_bytes)
+    return build_schedule(topology, flows, align, get_route_raw(backend)(*args))

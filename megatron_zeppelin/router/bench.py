@@ -8,7 +8,9 @@
     ``route()`` (validation and Python ``RouteSchedule`` objects included).
 (b) Modelled time of one inter-node ring step, direct (TE CP) vs routed, for the paper's three
     clusters (configs/clusters/*.yaml) and one 64K-token LLaMA-7B sequence ringed over
-    2 nodes x 8 GPUs, next to the paper's figures (TE CP ~2.18 ms, routed ~0.41 ms).
+    2 nodes x 8 GPUs, next to the paper's figures (TE CP ~2.18 ms, routed ~0.41 ms). ``routed``
+    is the pipelined step at the schedule's ``chunks``; ``1-chunk`` the same slices sent in
+    three sequential phases; dispatch / nic / combine: each phase's time over all chunks.
 """
 from __future__ import annotations
 
@@ -117,7 +119,8 @@ def model_paper_step(cluster: str) -> str:
     nbytes = compute_kv_chunk_bytes(65536, len(ring), **_llama_kv_kwargs())
     schedule = route(topo, make_ring_flows(ring, topo.gpus_per_node, nbytes), align=2)
     return (f"{cluster:10s} {nbytes / MIB:6.1f} {schedule.direct_time_s * 1e3:9.3f} "
-            f"{schedule.estimated_time_s * 1e3:9.3f} {schedule.dispatch_time_s * 1e3:8.3f} "
+            f"{schedule.estimated_time_s * 1e3:9.3f} {schedule.chunks:6d} "
+            f"{schedule.sequential_time_s * 1e3:9.3f} {schedule.dispatch_time_s * 1e3:8.3f} "
             f"{schedule.nic_time_s * 1e3:8.3f} {schedule.combine_time_s * 1e3:8.3f} "
             f"{schedule.speedup:6.2f}x {PAPER_DIRECT_MS:6.2f} {PAPER_ROUTED_MS:6.2f}")
 
@@ -143,9 +146,10 @@ def run(argv: Sequence[str] | None = None) -> None:
             for scenario in ("rings", "all-send"):
                 print(time_router(cluster, nodes, scenario, args.repeats, args.seed))
     print("\n(b) one inter-node ring step, 64K-token LLaMA-7B sequence over 2 nodes x 8 GPUs "
-          "(KV chunk per layer), modelled ms (phases sequential)")
-    print(f"{'cluster':10s} {'MiB':>6s} {'direct':>9s} {'routed':>9s} {'dispatch':>8s} "
-          f"{'nic':>8s} {'combine':>8s} {'speedup':>7s} {'paper TE CP':>6s} {'paper routed':>6s}")
+          "(KV chunk per layer), modelled ms (routed: pipelined in `chunks`)")
+    print(f"{'cluster':10s} {'MiB':>6s} {'direct':>9s} {'routed':>9s} {'chunks':>6s} "
+          f"{'1-chunk':>9s} {'dispatch':>8s} {'nic':>8s} {'combine':>8s} {'speedup':>7s} "
+          f"{'paper TE CP':>6s} {'paper routed':>6s}")
     for cluster in PAPER_CLUSTERS:
         print(model_paper_step(cluster))
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Iterable, Sequence
 
+from megatron_zeppelin.router.model import MAX_CHUNKS_LIMIT
+
 if TYPE_CHECKING:
     from megatron_zeppelin.config import ClusterSpec
 
@@ -142,11 +144,15 @@ class RouteSchedule:
     slice_table: the slices flat, ``(flow, src_proxy, dst_proxy, offset, nbytes)`` repeated,
     ordered by flow then offset (``slices`` gives them as ``Slice`` objects).
     nic_egress_bytes / nic_ingress_bytes: bytes through each NIC, index
-    ``node * nics_per_node + nic``. *_time_s: modelled seconds (phases are sequential:
-    estimated = dispatch + nic + combine). direct_time_s: the same flows all sent direct.
+    ``node * nics_per_node + nic``. dispatch_time_s / nic_time_s / combine_time_s: modelled
+    seconds of each phase over the whole step (its busiest resource, all chunks).
+    chunks: how many chunks the runtime pipelines every slice in (``model.chunk_span``).
+    estimated_time_s: the modelled step time, the pipeline of ``chunks`` chunks (``model``);
+    sequential_time_s: the same slices in one chunk (dispatch + nic + combine).
+    direct_time_s: the same flows all sent direct (one chunk); estimated <= direct.
     nic_load_ratio: max / mean NIC load over the usable NICs of nodes that send (egress) or
     receive (ingress) inter-node traffic; 1.0 is perfect balance (and the value without flows).
-    align: the byte granularity every slice offset and size is a multiple of.
+    align: the byte granularity every slice offset and size (and chunk) is a multiple of.
     """
 
     slice_table: tuple[int, ...]
@@ -155,7 +161,9 @@ class RouteSchedule:
     dispatch_time_s: float
     nic_time_s: float
     combine_time_s: float
+    chunks: int
     estimated_time_s: float
+    sequential_time_s: float
     direct_time_s: float
     nic_load_ratio: float
     align: int
@@ -176,8 +184,10 @@ class RouteSchedule:
         return self.direct_time_s / self.estimated_time_s if self.estimated_time_s else 1.0
 
 
-def validate_flows(topology: RouterTopology, flows: Sequence[Flow], align: int) -> None:
-    """Raise ValueError naming the first bad flow (or ``align``) and what is allowed."""
+def validate_flows(topology: RouterTopology, flows: Sequence[Flow], align: int,
+                   max_chunks: int = 1) -> None:
+    """Raise ValueError naming the first bad flow (or ``align``) and what is allowed; the
+    flows' modelled times must fit the router's range at up to ``max_chunks`` chunks."""
     if not (_is_int(align) and align >= 1):
         raise ValueError(f"align={align!r} is invalid: expected an integer >= 1 (bytes)")
     world, gpus = topology.world_size, topology.gpus_per_node
@@ -190,7 +200,21 @@ def validate_flows(topology: RouterTopology, flows: Sequence[Flow], align: int) 
             per_node[d // gpus] += nb
         else:
             raise_flow_error(topology, index, flow, align)
-    check_tick_range(topology, max(per_node), len(flows))
+    check_tick_range(topology, max(per_node), len(flows), max_chunks)
+
+
+def validate_chunking(max_chunks: object, min_chunk_bytes: object,
+                      chunks: object = None) -> None:
+    """Raise ValueError naming a bad chunk setting: ``max_chunks`` (and ``chunks`` unless None)
+    an integer in ``[1, MAX_CHUNKS_LIMIT]``, ``min_chunk_bytes`` a positive integer (bytes)."""
+    for key, value in (("max_chunks", max_chunks), ("chunks", chunks)):
+        if (key == "max_chunks" or value is not None) and not (
+                _is_int(value) and 1 <= value <= MAX_CHUNKS_LIMIT):
+            raise ValueError(f"{key}={value!r} is invalid: expected an integer in "
+                             f"[1, {MAX_CHUNKS_LIMIT}] (chunks per slice)")
+    if not (_is_int(min_chunk_bytes) and min_chunk_bytes >= 1):
+        raise ValueError(f"min_chunk_bytes={min_chunk_bytes!r} is invalid: expected an "
+                         "integer >= 1 (bytes)")
 
 
 def raise_flow_error(topology: RouterTopology, index: int, flow: Flow, align: int) -> None:
@@ -210,18 +234,22 @@ def raise_flow_error(topology: RouterTopology, index: int, flow: Flow, align: in
                      f"a positive multiple of align={align}")
 
 
-def check_tick_range(topology: RouterTopology, busiest: int, num_flows: int) -> None:
-    """Raise unless every modelled resource time stays below ``MAX_TICKS`` (exact integers).
+def check_tick_range(topology: RouterTopology, busiest: int, num_flows: int,
+                     max_chunks: int = 1) -> None:
+    """Raise unless every modelled resource time, in ticks times the chunk count (``model``:
+    every message pays its latency once per chunk), stays below ``MAX_TICKS`` for up to
+    ``max_chunks`` chunks (exact integers in both backends).
 
     busiest: the most bytes any node sends plus receives; num_flows: flows in the step.
     """
     cv, lv, cn, ln = topology.cost_ticks()
     messages = num_flows * (len(topology.usable_nics()) + 1)
-    worst = busiest * max(cv, cn) + messages * max(lv, ln)
+    worst = busiest * max(cv, cn) + max_chunks * messages * max(lv, ln)
     if worst >= MAX_TICKS:
         raise ValueError(f"flows move {busiest} bytes through one node: the modelled time "
-                         f"{worst / TICKS_PER_S:.3g} s exceeds the router's range "
-                         f"{MAX_TICKS / TICKS_PER_S:.3g} s; route fewer bytes per step")
+                         f"{worst / TICKS_PER_S:.3g} s (at {max_chunks} chunks) exceeds the "
+                         f"router's range {MAX_TICKS / TICKS_PER_S:.3g} s; route fewer bytes "
+                         "per step")
 
 
 def compute_nic_load_ratio(topology: RouterTopology, egress: Sequence[int],
@@ -247,19 +275,21 @@ def unflatten_slices(flat: Sequence[int]) -> tuple[Slice, ...]:
 
 
 def build_schedule(topology: RouterTopology, flows: Sequence[Flow], align: int,
-                      raw: tuple) -> RouteSchedule:
+                   raw: tuple) -> RouteSchedule:
     """Build a ``RouteSchedule`` from a backend's raw result (shared by both backends).
 
     raw = (flat slices, NIC egress bytes, NIC ingress bytes, (dispatch, nic, combine) ticks,
-    direct ticks), as returned by ``reference.route_raw`` and ``_router_cpp.route_raw``.
+    direct ticks, chunks, pipelined ticks), as returned by ``reference.route_raw`` and
+    ``_router_cpp.route_raw``.
     """
-    flat, egress, ingress, phases, direct_ticks = raw
+    flat, egress, ingress, phases, direct_ticks, chunks, ticks = raw
     dispatch, nic, combine = phases
     return RouteSchedule(
         slice_table=tuple(flat), nic_egress_bytes=tuple(egress),
         nic_ingress_bytes=tuple(ingress), dispatch_time_s=dispatch / TICKS_PER_S,
-        nic_time_s=nic / TICKS_PER_S, combine_time_s=combine / TICKS_PER_S,
-        estimated_time_s=(dispatch + nic + combine) / TICKS_PER_S,
+        nic_time_s=nic / TICKS_PER_S, combine_time_s=combine / TICKS_PER_S, chunks=chunks,
+        estimated_time_s=ticks / TICKS_PER_S,
+        sequential_time_s=(dispatch + nic + combine) / TICKS_PER_S,
         direct_time_s=direct_ticks / TICKS_PER_S,
         nic_load_ratio=compute_nic_load_ratio(topology, egress, ingress), align=align)
 

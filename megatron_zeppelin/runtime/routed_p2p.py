@@ -1,14 +1,23 @@
-"""Inter-node exchange of one ring step over torch.distributed: routed (three phases) or direct.
+"""Inter-node exchange of one ring step over torch.distributed: routed (pipelined) or direct.
 
 Every rank of the routing pool calls ``routed_exchange`` (or ``direct_exchange``) for every
 inter-node ring step, with the same global ``flows`` list and the same ``RouteSchedule``
 (``megatron_zeppelin.router.route`` is deterministic: each rank computes it itself). A rank acts
 as source, proxy and/or destination as the schedule says; ranks with nothing to do return at
-once. The three phases of a routed step are each one ``batch_isend_irecv``:
+once. A routed slice has three legs:
 
 1. dispatch: source -> source proxy over NVLink (slices whose src_proxy != src);
 2. NIC: source proxy -> destination proxy, through the proxies' NICs;
 3. combine: destination proxy -> destination over NVLink (slices whose dst_proxy != dst).
+
+Pipeline. Every slice is cut into ``chunks`` byte ranges (``router.chunk_span``: whole
+``align`` units, as even as possible; a slice shorter than ``chunks`` units leaves some chunks
+empty, and empty chunks send nothing). The step runs ``chunks + 2`` batches, each one
+``batch_isend_irecv``: batch t carries the dispatch legs of chunk t, the NIC legs of chunk t-1
+and the combine legs of chunk t-2, so NVLink and NIC transfers overlap. A proxy forwards a
+chunk only in the batch after the one that received it. Within a batch the ops of one rank
+pair follow slice order on both sides (NCCL matches them by order); tags are
+``slice * chunks + chunk`` (gloo matches by tag). ``chunks = 1`` is three sequential phases.
 
 Tensor layouts. ``sends[f]``: the payload of flow ``f`` on its source rank, a 1-D contiguous
 tensor of ``flows[f].nbytes`` bytes (any dtype). ``recv_like[f] = (numel, dtype)`` on the
@@ -20,8 +29,9 @@ slices in ``uint8`` buffers on ``device``. These functions do not record autogra
 Ranks in ``flows`` and the schedule are ranks of ``group`` (the routing pool: node-major,
 ``node * gpus_per_node + local``); P2P ops address their global ranks. With NCCL, ``group`` must
 have run a collective (e.g. a barrier) before its first exchange, as ``batch_isend_irecv``
-requires. Each phase waits at most ``timeout_s`` (default ``env.p2p_timeout_s()``) and then
-raises RuntimeError naming the step, the phase and the peer, instead of hanging.
+requires. Each batch waits at most ``timeout_s`` (default ``env.p2p_timeout_s()``) and then
+raises RuntimeError naming the step, the batch, the leg, the chunk and the peer, instead of
+hanging.
 """
 from __future__ import annotations
 
@@ -33,43 +43,88 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin import env
+from megatron_zeppelin.router.model import MAX_CHUNKS_LIMIT, chunk_span
 from megatron_zeppelin.router.schedule import Flow, RouteSchedule
+
+PHASES = ("dispatch", "NIC", "combine")  # a leg of phase i runs chunk c in batch c + i
 
 
 class _Op(NamedTuple):
-    """One point-to-point op of this rank: ``peer`` is a group rank, ``what`` names it."""
+    """One point-to-point op of this rank: ``peer`` is a group rank; ``what`` names it, as a
+    string or as ``(leg name, chunk, chunks, lo, hi)`` formatted only for an error."""
 
     send: bool
     tensor: torch.Tensor
     peer: int
     tag: int
+    what: str | tuple
+
+
+def describe(op: _Op) -> str:
+    """The op's name for error messages."""
+    if isinstance(op.what, str):
+        return op.what
+    return "{}, chunk {} of {} (slice bytes {}:{})".format(*op.what)
+
+
+class _Leg(NamedTuple):
+    """This rank's side of one leg of a slice: the whole slice's bytes, before chunking.
+
+    phase: index in ``PHASES``; index: the slice's index in the schedule."""
+
+    phase: int
+    send: bool
+    tensor: torch.Tensor
+    peer: int
+    index: int
     what: str
 
 
 def routed_exchange(sends: Mapping[int, torch.Tensor],
                     recv_like: Mapping[int, tuple[int, torch.dtype]], flows: Sequence[Flow],
                     schedule: RouteSchedule, group: dist.ProcessGroup, *, step: int = 0,
-                    timeout_s: float | None = None,
-                    device: torch.device | str | None = None) -> dict[int, torch.Tensor]:
+                    timeout_s: float | None = None, device: torch.device | str | None = None,
+                    chunks: int | None = None) -> dict[int, torch.Tensor]:
     """Deliver every flow of one ring step along ``schedule`` (see the module docstring).
 
     sends: flow index -> payload on its source rank; recv_like: flow index -> (numel, dtype)
     on its destination rank; step: names the ring step in errors; device: where proxies stage
-    slices (None: the device of this rank's first payload, else the group's default device).
+    slices (None: the device of this rank's first payload, else the group's default device);
+    chunks: pipeline depth, the same on every rank (None: ``schedule.chunks``, the count the
+    router modelled; any in ``[1, 16]`` delivers the same bytes).
     Returns flow index -> received tensor for the flows this rank is the destination of.
     """
     me = _my_rank(group)
     _check_schedule(flows, schedule)
+    depth = _resolve_chunks(chunks, schedule)
     dev = _staging_device(device, sends, group)
     src_bytes = _payload_bytes(me, flows, sends)
     out = _allocate_outputs(me, flows, recv_like, dev)
     plan = _RankPlan(me, flows, src_bytes, {f: t.view(torch.uint8) for f, t in out.items()}, dev)
     plan.add_slices(schedule.slice_table)
     timeout, peers = _resolve_timeout(timeout_s), _global_ranks(group, flows)
-    for phase, ops in (("dispatch", plan.dispatch), ("NIC", plan.nic),
-                       ("combine", plan.combine)):
-        _run_phase(ops, peers, group, timeout, f"step {step}, {phase} phase, rank {me}")
+    batches = make_batches(plan.legs, depth, schedule.align)
+    for t, ops in enumerate(batches):
+        _run_batch(ops, peers, group, timeout,
+                   f"step {step}, batch {t} of {len(batches)} (chunks {depth}), rank {me}")
     return out
+
+
+def make_batches(legs: Sequence[_Leg], chunks: int, align: int) -> list[list[_Op]]:
+    """The ``chunks + 2`` batches of a pipelined step: chunk c of a leg of phase i goes to
+    batch ``c + i``; legs keep their (slice, phase) order inside a batch; empty chunks are
+    skipped (the peer computes the same spans, so both skip them)."""
+    batches: list[list[_Op]] = [[] for _ in range(chunks + 2)]
+    for leg in legs:
+        nbytes = leg.tensor.numel()
+        for c in range(chunks):
+            lo, hi = chunk_span(nbytes, align, chunks, c)
+            if lo == hi:
+                continue
+            batches[c + leg.phase].append(_Op(leg.send, leg.tensor[lo:hi], leg.peer,
+                                              leg.index * chunks + c,
+                                              (leg.what, c, chunks, lo, hi)))
+    return batches
 
 
 def direct_exchange(sends: Mapping[int, torch.Tensor],
@@ -91,24 +146,23 @@ def direct_exchange(sends: Mapping[int, torch.Tensor],
         if me == flow.dst:
             ops.append(_Op(False, out[f].view(torch.uint8), flow.src, f,
                            f"receive of flow {f} from rank {flow.src}"))
-    _run_phase(ops, _global_ranks(group, flows), group, _resolve_timeout(timeout_s),
+    _run_batch(ops, _global_ranks(group, flows), group, _resolve_timeout(timeout_s),
                f"step {step}, direct phase, rank {me}")
     return out
 
 
 class _RankPlan:
-    """This rank's ops of the three phases of a routed step, built from the slice table."""
+    """This rank's legs of a routed step (whole slices), built from the slice table in
+    (slice, phase) order."""
 
     def __init__(self, me: int, flows: Sequence[Flow], src_bytes: dict[int, torch.Tensor],
                  out_bytes: dict[int, torch.Tensor], device: torch.device) -> None:
         self.me, self.flows, self.device = me, flows, device
         self.src_bytes, self.out_bytes = src_bytes, out_bytes
-        self.dispatch: list[_Op] = []
-        self.nic: list[_Op] = []
-        self.combine: list[_Op] = []
+        self.legs: list[_Leg] = []
 
     def add_slices(self, table: Sequence[int]) -> None:
-        """Add this rank's ops for every slice it is src, src proxy, dst proxy or dst of."""
+        """Add this rank's legs for every slice it is src, src proxy, dst proxy or dst of."""
         me = self.me
         for index in range(len(table) // 5):
             f, sp, dp, offset, nbytes = table[5 * index:5 * index + 5]
@@ -117,33 +171,35 @@ class _RankPlan:
                 self.add_slice(index, f, flow, sp, dp, slice(offset, offset + nbytes))
 
     def add_slice(self, index: int, f: int, flow: Flow, sp: int, dp: int, span: slice) -> None:
-        """Add this rank's ops for slice ``index``: bytes ``span`` of flow ``f`` relayed
+        """Add this rank's legs for slice ``index``: bytes ``span`` of flow ``f`` relayed
         src -> ``sp`` -> ``dp`` -> dst (a rank is never both proxies of one slice)."""
         me, name = self.me, f"slice {index} (flow {f}, bytes {span.start}:{span.stop})"
-        staged = None
+        size, staged = span.stop - span.start, None
+
+        def leg(phase: int, send: bool, tensor: torch.Tensor, peer: int) -> None:
+            verb = "send of" if send else "receive of"
+            where = f"to rank {peer}" if send else f"from rank {peer}"
+            self.legs.append(_Leg(phase, send, tensor, peer, index,
+                                  f"{PHASES[phase]} {verb} {name} {where}"))
+
         if sp != flow.src and me == flow.src:
-            self.dispatch.append(_Op(True, self.src_bytes[f][span], sp, index,
-                                     f"dispatch send of {name} to rank {sp}"))
+            leg(0, True, self.src_bytes[f][span], sp)
         if sp != flow.src and me == sp:
-            staged = torch.empty(span.stop - span.start, dtype=torch.uint8, device=self.device)
-            self.dispatch.append(_Op(False, staged, flow.src, index,
-                                     f"dispatch receive of {name} from rank {flow.src}"))
+            staged = torch.empty(size, dtype=torch.uint8, device=self.device)
+            leg(0, False, staged, flow.src)
         if me == sp:
-            payload = self.src_bytes[f][span] if sp == flow.src else staged
-            self.nic.append(_Op(True, payload, dp, index, f"NIC send of {name} to rank {dp}"))
+            leg(1, True, self.src_bytes[f][span] if sp == flow.src else staged, dp)
         if me == dp:
             staged = (self.out_bytes[f][span] if dp == flow.dst else
-                      torch.empty(span.stop - span.start, dtype=torch.uint8, device=self.device))
-            self.nic.append(_Op(False, staged, sp, index, f"NIC receive of {name} from rank {sp}"))
+                      torch.empty(size, dtype=torch.uint8, device=self.device))
+            leg(1, False, staged, sp)
         if dp != flow.dst and me == dp:
-            self.combine.append(_Op(True, staged, flow.dst, index,
-                                    f"combine send of {name} to rank {flow.dst}"))
+            leg(2, True, staged, flow.dst)
         if dp != flow.dst and me == flow.dst:
-            self.combine.append(_Op(False, self.out_bytes[f][span], dp, index,
-                                    f"combine receive of {name} from rank {dp}"))
+            leg(2, False, self.out_bytes[f][span], dp)
 
 
-def _run_phase(ops: Sequence[_Op], global_ranks: Sequence[int], group: dist.ProcessGroup,
+def _run_batch(ops: Sequence[_Op], global_ranks: Sequence[int], group: dist.ProcessGroup,
                timeout_s: float, where: str) -> None:
     """Post ``ops`` as one ``batch_isend_irecv`` and wait for all of them, at most timeout_s."""
     if not ops:
@@ -158,7 +214,7 @@ def _run_phase(ops: Sequence[_Op], global_ranks: Sequence[int], group: dist.Proc
                            f"{exc}") from exc
     deadline = time.monotonic() + timeout_s
     for index, work in enumerate(works):
-        what = (ops[index].what if len(works) == len(ops)
+        what = (describe(ops[index]) if len(works) == len(ops)
                 else "ops with ranks " + str(sorted({op.peer for op in ops})))
         remaining = deadline - time.monotonic()
         try:
@@ -177,6 +233,18 @@ def _my_rank(group: dist.ProcessGroup) -> int:
     if me < 0:
         raise ValueError("this process is not a member of the process group passed as `group`")
     return me
+
+
+def _resolve_chunks(chunks: int | None, schedule: RouteSchedule) -> int:
+    """The pipeline depth: ``chunks``, or the schedule's when None; ValueError when invalid."""
+    if chunks is None:
+        return schedule.chunks
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or not (
+            1 <= chunks <= MAX_CHUNKS_LIMIT):
+        raise ValueError(f"chunks={chunks!r} is invalid: expected an integer in "
+                         f"[1, {MAX_CHUNKS_LIMIT}] (or None for the schedule's "
+                         f"{schedule.chunks})")
+    return chunks
 
 
 def _resolve_timeout(timeout_s: float | None) -> float:

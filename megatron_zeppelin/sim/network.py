@@ -5,8 +5,9 @@ bytes are per GPU: with tensor parallelism each of a rank's ``tp`` GPUs moves it
 
 * ``inter_step_time``: one pool-wide inter-node ring step (every inter-node ring of the wave
   exchanges its KV block at once, as ``runtime/routed_p2p.py`` does). This is the one seam to the
-  routing layer: ``megatron_zeppelin.router.route`` when it imports (its schedule's routed and
-  direct times), else an analytic NIC-contention model built from the cluster's links.
+  routing layer: ``megatron_zeppelin.router.route`` when it imports (its schedule's routed time,
+  pipelined in the schedule's chunks, and its direct time), else an analytic NIC-contention
+  model built from the cluster's links (routed: the same pipeline over an even spread).
 * ``remap_time``: one all-to-all of the remap (linear <-> attention layout) over the static
   GPU->NIC affinity (an ``all_to_all_single``; NCCL sends through each GPU's own NIC).
 * ``grad_allreduce_time``: hierarchical ring all-reduce of the parameter gradients.
@@ -63,9 +64,10 @@ def inter_step_time(cluster: ClusterSpec, flows: FlowBytes, routed: bool,
                     backend: str = "auto") -> float:
     """Seconds until every cross-node flow of one ring step has arrived.
 
-    backend ``auto``: the router's schedule (``estimated_time_s`` routed, ``direct_time_s``
-    direct) when the router imports, else the analytic model; ``analytic``: always the
-    analytic model. Routed is never slower than direct in either model.
+    backend ``auto``: the router's schedule (``estimated_time_s`` routed: the chunked,
+    pipelined step of ``runtime/routed_p2p.py``; ``direct_time_s`` direct) when the router
+    imports, else the analytic model; ``analytic``: always the analytic model. Routed is never
+    slower than direct in either model.
     """
     if backend not in ROUTER_BACKENDS:
         raise ValueError(f"router backend {backend!r} is invalid: expected one of "
@@ -113,8 +115,14 @@ def _direct_step_time(cluster: ClusterSpec, items: list[tuple[int, int, float]])
 
 
 def _routed_step_time(cluster: ClusterSpec, items: list[tuple[int, int, float]]) -> float:
-    """Every flow spread evenly over the usable NICs of both nodes: dispatch over NVLink to the
-    proxies, the NICs in parallel, combine over NVLink (three sequential phases)."""
+    """Every flow spread evenly over the usable NICs of both nodes and pipelined in chunks as
+    the router's model does (``router/model.py``): per chunk, dispatch over NVLink to the
+    proxies, the NICs in parallel, combine over NVLink; in full batches a GPU's NVLink egress
+    carries its dispatch and its share of the node's relayed combine (and ingress the
+    reverse). Returns the best chunk count's time, up to the router's chunk rule."""
+    from megatron_zeppelin.router.model import (DEFAULT_MAX_CHUNKS, DEFAULT_MIN_CHUNK_BYTES,
+                                                pipeline_scaled)
+
     gpn = cluster.gpus_per_node
     nics = len(set(cluster.gpu_to_nic))
     nic_bw, nv_bw = cluster.nic_byte_per_s, cluster.nvlink_byte_per_s
@@ -123,21 +131,29 @@ def _routed_step_time(cluster: ClusterSpec, items: list[tuple[int, int, float]])
     node_in: dict[int, float] = {}
     gpu_out: dict[int, float] = {}
     gpu_in: dict[int, float] = {}
+    per_node: dict[int, int] = {}
     for src, dst, nbytes in items:
         node_out[src // gpn] = node_out.get(src // gpn, 0.0) + nbytes
         node_in[dst // gpn] = node_in.get(dst // gpn, 0.0) + nbytes
         gpu_out[src] = gpu_out.get(src, 0.0) + nbytes
         gpu_in[dst] = gpu_in.get(dst, 0.0) + nbytes
-    spread = (nics - 1) / nics
-    dispatch = max(gpu_out.values()) * spread / nv_bw + nv_lat
-    combine = max(gpu_in.values()) * spread / nv_bw + nv_lat
-    per_node: dict[int, int] = {}
-    for src, _, _ in items:
         per_node[src // gpn] = per_node.get(src // gpn, 0) + 1
-    # every NIC of a node carries one slice (one message) of each of the node's flows
-    nic = max(max(node_out.values()), max(node_in.values())) / (nics * nic_bw) + \
-        nic_lat * max(per_node.values())
-    return dispatch + nic + combine
+    spread = (nics - 1) / nics
+    g_out, g_in = max(gpu_out.values()) * spread, max(gpu_in.values()) * spread
+    n_out, n_in = max(node_out.values()), max(node_in.values())
+    # (seconds of the whole step's bytes, seconds of latency per chunk) of each phase; every
+    # NIC of a node carries one slice (one message) of each of the node's flows
+    dispatch, combine = (g_out / nv_bw, nv_lat), (g_in / nv_bw, nv_lat)
+    nic = (max(n_out, n_in) / (nics * nic_bw), nic_lat * max(per_node.values()))
+    shared = max(g_out + n_in / gpn, g_in + n_out / gpn) / nv_bw
+    largest = max(nbytes for _, _, nbytes in items) / nics
+    cap = min(DEFAULT_MAX_CHUNKS, max(1, int(largest // DEFAULT_MIN_CHUNK_BYTES)))
+    times = []
+    for c in range(1, cap + 1):
+        d, n, m = (t / c + lat for t, lat in (dispatch, nic, combine))
+        f = max(n, shared / c + 2 * nv_lat)
+        times.append(pipeline_scaled(d, n, m, f, c))
+    return min(times)
 
 
 def remap_time(plan: Plan, gpus: GpuMap, bytes_per_token: float) -> float:
