@@ -4,14 +4,23 @@ Worlds of 2, 4 and 8 processes run several cases each (1x2; 2x2; 2x4 and 4x2 pla
 ranks): long-tailed batches with length-1 sequences and lengths not divisible by 2G, a batch
 with only local work, one sequence spanning every rank, multi-wave Megatron hybrid-CP plans,
 static CP, MHA/GQA/MQA, and the inter-node queue as direct ring P2P, as direct global steps
-and as routed global steps. Output and dq, dk, dv must match every sequence run alone in
-float64 within 1e-5 (fp32). The 4-rank world ends with a peer that fails mid-ring.
+and as routed global steps; some cases cut the LOCAL queue into many calls (small
+``local_call_tokens``: single and batched calls, rows gathered out of buffer order). Output and
+dq, dk, dv must match every sequence run alone in float64 within 1e-5 (fp32). The 4-rank world
+also records the order of posts, ring steps, polls, LOCAL calls and waits (LOCAL work fills
+the waits for traffic) and ends with a peer that fails mid-ring while the others wait on the
+helper thread.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import random
+import re
 import time
+from collections import deque
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,9 +31,12 @@ from distributed import run_world
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.planner import make_plan
 from megatron_zeppelin.router import RouterTopology
+from megatron_zeppelin.runtime import engine as engine_module
 from megatron_zeppelin.runtime.attention import RingGroupRun
-from megatron_zeppelin.runtime.engine import AttentionEngine
+from megatron_zeppelin.runtime.engine import (LOCAL_CALL_TOKENS, AttentionEngine, fill,
+                                              local_calls)
 from megatron_zeppelin.runtime.utils import RingComm
+from megatron_zeppelin.sim import rounds
 
 pytestmark = pytest.mark.distributed
 HEAD_DIM = 8
@@ -61,9 +73,10 @@ def plan_of(strategy: str, nodes: int, gpus: int, lengths, **options):
     return make_plan(strategy, lengths, cost, **options)
 
 
-def case(label, plan, heads=4, kv_heads=2, dtype="float32", modes=("ring",), seed=0):
+def case(label, plan, heads=4, kv_heads=2, dtype="float32", modes=("ring",), seed=0,
+         local_call_tokens=LOCAL_CALL_TOKENS):
     return dict(label=label, plan=plan, heads=heads, kv_heads=kv_heads, dtype=dtype,
-                modes=modes, seed=seed)
+                modes=modes, seed=seed, local_call_tokens=local_call_tokens)
 
 
 def router_topology(plan) -> RouterTopology:
@@ -72,6 +85,49 @@ def router_topology(plan) -> RouterTopology:
     return RouterTopology(nodes=plan.topology.nodes, gpus_per_node=gpus, nics_per_node=gpus,
                           gpu_to_nic=tuple(range(gpus)), nvlink_byte_per_s=200e9,
                           nvlink_latency_s=0.0, nic_byte_per_s=25e9, nic_latency_s=0.0)
+
+
+# ----------------------------------------------------------------------------- LOCAL queue
+
+def test_local_calls_batch_short_sequences_and_run_by_ascending_work():
+    rng = random.Random(5)
+    for _ in range(60):
+        lengths = [rng.choice([0, 1, 7, 30, 64, 65, 200, 1000]) for _ in range(rng.randint(0, 30))]
+        min_tokens = rng.choice([1, 16, 64, 300])
+        calls = local_calls(lengths, min_tokens)
+        assert sorted(i for call in calls for i in call) == list(range(len(lengths)))
+        works = [sum(lengths[i] ** 2 for i in call) for call in calls]
+        assert works == sorted(works), (lengths, min_tokens, calls)
+        batches = [w for call, w in zip(calls, works) if lengths[call[0]] < min_tokens]
+        assert all(len(call) == 1 for call in calls if lengths[call[0]] >= min_tokens)
+        assert all(lengths[i] < min_tokens for call in calls if len(call) > 1 for i in call)
+        assert sum(w < min_tokens ** 2 for w in batches) <= 1, (lengths, min_tokens, calls)
+        assert all(w < 2 * min_tokens ** 2 for w in batches), (lengths, min_tokens, calls)
+        # the simulator models the same calls
+        assert calls == rounds.local_call_groups([n * n for n in lengths], min_tokens)
+    assert LOCAL_CALL_TOKENS == rounds.LOCAL_CALL_TOKENS
+    assert local_calls([1, 3, 17, 5, 40, 2, 9], 8) == [(0, 5, 1, 3), (6,), (2,), (4,)]
+
+
+def test_fill_runs_local_calls_only_while_exchanges_are_in_flight():
+    cpu = torch.device("cpu")
+    for answers, ran in (([True, True, False], 2), ([False], 0), ([True] * 9, 5)):
+        queue, done, polls = deque(range(5)), [], iter(answers)
+        assert fill(queue, lambda: next(polls), done.append, cpu) == ran
+        assert done == list(range(ran)) and list(queue) == list(range(ran, 5))
+
+
+def test_simulator_runs_local_calls_while_the_exchanges_are_in_flight():
+    """sim/rounds.py's model of ``fill``: calls start while the round's exchanges fly (the
+    last one may overrun them), the rest waits for a later round or the end."""
+    spec = rounds.PassSpec(backward=False, compute_scale=1.0, acc_per_kv_byte=1.0, launch_s=0.0)
+    work = [[(float(n * n), seconds) for n, seconds in ((5000, 4.0), (3000, 1.0), (4000, 2.0))]]
+    queue = rounds._LocalQueue(work, spec, "engine", np.array([False]))
+    assert queue.fill(np.array([0.0]), np.array([2.5])).tolist() == [3.0]  # calls 1 s, 2 s
+    assert queue.fill(np.array([5.0]), np.array([-np.inf])).tolist() == [5.0]  # no traffic
+    assert queue.rest().tolist() == [4.0] and queue.total.tolist() == [7.0]
+    quiet = rounds._LocalQueue(work, spec, "engine", np.array([True]))
+    assert quiet.count.tolist() == [1] and quiet.rest().tolist() == [7.0]  # one fused call
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -98,7 +154,8 @@ def run_case(rank, c, mode, route_group):
     q, k, v, dout = rank_inputs(plan, rank, batch, dtype)
     engine = AttentionEngine(plan, rank, dist.group.WORLD, timeout_s=30, inter_mode=mode,
                              route_group=route_group,
-                             router_topology=router_topology(plan) if mode == "routed" else None)
+                             router_topology=router_topology(plan) if mode == "routed" else None,
+                             local_call_tokens=c["local_call_tokens"])
     start = time.perf_counter()
     out = engine.forward(q, k, v)
     out.backward(dout)
@@ -123,54 +180,95 @@ def _engine_worker(rank: int, world: int, cases: list, failure: bool) -> dict:
     return results
 
 
-def timeline(rank: int, plan) -> list:
-    """The order of P2P posts, waits and kernel calls of one forward + backward:
-    ``(event, queue, phase, step)`` with queue the ring's name or ``LOCAL``."""
+WATCH_DELAY_S = 0.2  # timeline: the helper starts waiting this late, exchanges stay in flight
+
+
+@contextlib.contextmanager
+def patched(*wrappers):
+    """Replace ``owner.name`` by ``make(original)`` for each ``(owner, name, make)``."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in wrappers]
+    for owner, name, make in wrappers:
+        setattr(owner, name, make(getattr(owner, name)))
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def timeline(rank: int, plan) -> dict:
+    """The main thread's events of one forward + backward, with every exchange kept in flight
+    for at least WATCH_DELAY_S: ``(post|compute, phase, ring name, step)``, ``(poll, None, in
+    flight)``, ``(local, phase, lengths, work)`` per LOCAL call, ``(wait, phase, round)``; and
+    the lengths of the rank's LOCAL sequences (``local``)."""
     events = []
     batch = make_batch(plan.seqlens, 4, 2, HEAD_DIM, seed=0)
     q, k, v, dout = rank_inputs(plan, rank, batch, torch.float32)
-    engine = AttentionEngine(plan, rank, dist.group.WORLD, timeout_s=30)
+    engine = AttentionEngine(plan, rank, dist.group.WORLD, timeout_s=30, local_call_tokens=4)
     names = {id(ring.layout): ring.comm.name for wave in engine.waves for ring in wave.rings}
-    saved = (RingComm.exchange, RingGroupRun.forward_compute, RingGroupRun.backward_compute,
-             AttentionEngine._local)
+    with patched(*recorders(events, names)):
+        engine.forward(q, k, v).backward(dout)
+    engine.close()
+    lengths = sorted(n for wave in engine.waves for call in wave.local for n in call.lengths)
+    return dict(events=events, local=lengths)
 
-    def exchange(self, sends, like, step, **kwargs):
-        request = saved[0](self, sends, like, step, **kwargs)
-        events.append(("post", self.name, kwargs["phase"], step))
-        wait = request.wait
 
-        def logged_wait():
-            events.append(("wait", self.name, kwargs["phase"], step))
-            return wait()
-        request.wait = logged_wait
-        return request
+def recorders(events: list, names: dict) -> list:
+    """``patched`` arguments that append ``timeline``'s events (``names``: ring layout id ->
+    ring name) and start the helper's waits WATCH_DELAY_S late."""
 
-    def compute(phase, original):
-        def wrapped(self, step):
-            events.append(("compute", names[id(self.layout)], phase, step))
-            return original(self, step)
+    def exchange(original):
+        def wrapped(self, sends, like, step, **kwargs):
+            request = original(self, sends, like, step, **kwargs)
+            events.append(("post", kwargs["phase"], self.name, step))
+            return request
         return wrapped
 
-    def local(self, phase, part, *args):
-        events.append(("compute", "LOCAL", phase, None))
-        return saved[3](self, phase, part, *args)
+    def compute(phase):
+        def make(original):
+            def wrapped(self, step):
+                events.append(("compute", phase, names[id(self.layout)], step))
+                return original(self, step)
+            return wrapped
+        return make
 
-    RingComm.exchange, AttentionEngine._local = exchange, local
-    RingGroupRun.forward_compute = compute("forward", saved[1])
-    RingGroupRun.backward_compute = compute("backward", saved[2])
-    try:
-        engine.forward(q, k, v).backward(dout)
-    finally:
-        (RingComm.exchange, RingGroupRun.forward_compute, RingGroupRun.backward_compute,
-         AttentionEngine._local) = saved
-    return events
+    def local(original):
+        def wrapped(self, phase, call, *args):
+            events.append(("local", phase, call.lengths, call.work))
+            return original(self, phase, call, *args)
+        return wrapped
+
+    def poll(original):
+        def wrapped(self):
+            in_flight = original(self)
+            events.append(("poll", None, in_flight))
+            return in_flight
+        return wrapped
+
+    def wait(original):
+        def wrapped(self, phase, wave, runs, r, *args):
+            events.append(("wait", phase, r))
+            return original(self, phase, wave, runs, r, *args)
+        return wrapped
+
+    def delayed(original):
+        def wrapped(*args):
+            time.sleep(WATCH_DELAY_S)
+            return original(*args)
+        return wrapped
+
+    return [(RingComm, "exchange", exchange), (AttentionEngine, "_local", local),
+            (RingGroupRun, "forward_compute", compute("forward")),
+            (RingGroupRun, "backward_compute", compute("backward")),
+            (engine_module._Posted, "in_flight", poll), (AttentionEngine, "_complete", wait),
+            (engine_module, "_wait_all", delayed)]
 
 
 def argument_errors(rank, plan) -> list[str]:
     """Messages of the engine's argument checks."""
     messages = []
     for kwargs in (dict(rank=(rank + 1) % plan.topology.world_size), dict(inter_mode="nic"),
-                   dict(inter_mode="routed"), dict(timeout_s=0)):
+                   dict(inter_mode="routed"), dict(timeout_s=0), dict(local_call_tokens=0)):
         try:
             AttentionEngine(plan, kwargs.pop("rank", rank), dist.group.WORLD, **kwargs)
         except ValueError as exc:
@@ -186,13 +284,26 @@ def argument_errors(rank, plan) -> list[str]:
 FAILING_RANK, FAILURE_TIMEOUT_S = 0, 1.0
 
 
+def failing_plan(world: int):
+    """One sequence on a ring over every rank and LOCAL sequences on every rank."""
+    plan = make_plan("zeppelin", [100 * world + 3, 3, 5, 2, 7, 4, 6, 1, 9],
+                     make_cost("gpt-tiny", "h200-8nic", nodes=2, gpus_per_node=world // 2),
+                     ZeppelinConfig(capacity_tokens_per_gpu=30 * world + 10))
+    shape = sorted((g.tier.name, len(g.ring)) for g in plan.ring_groups)
+    assert shape.count(("LOCAL", 1)) == world and len(shape) == world + 1 and \
+        max(n for _, n in shape) == world, f"the failing-peer plan changed: {shape}"
+    return plan
+
+
 def failing_peer(rank: int, world: int) -> dict:
-    """One sequence over every rank; FAILING_RANK raises before posting forward step 1 and
-    stays alive (silent); the others must fail with the timeout error, not hang."""
-    plan = plan_of("static-cp", 2, world // 2, [8 * world + 3], cp_size=world)
+    """A ring over every rank plus LOCAL work, kept queued (no fill) so that every wait runs
+    on the helper thread; FAILING_RANK raises before posting forward step 1 and stays alive
+    (silent); the others must fail with the timeout error, not hang."""
+    plan = failing_plan(world)
     batch = make_batch(plan.seqlens, 4, 2, HEAD_DIM, seed=9)
     q, k, v, dout = rank_inputs(plan, rank, batch, torch.float32)
     engine = AttentionEngine(plan, rank, dist.group.WORLD, timeout_s=FAILURE_TIMEOUT_S)
+    engine_module.fill = lambda queue, in_flight, run, device: 0  # LOCAL work waits to the end
     if rank == FAILING_RANK:
         original = RingComm.exchange
 
@@ -211,7 +322,9 @@ def failing_peer(rank: int, world: int) -> dict:
     elapsed = time.perf_counter() - start
     if rank == FAILING_RANK:
         time.sleep(4 * FAILURE_TIMEOUT_S)  # stay silent while the others time out
-    return dict(outcome=outcome, seconds=elapsed, ring=str(plan.ring_groups[0].ring))
+    ring = next(g.ring for g in plan.ring_groups if len(g.ring) == world)
+    return dict(outcome=outcome, seconds=elapsed, ring=str(ring),
+                helper=engine._helper is not None)
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -227,7 +340,7 @@ def check_results(cases, results, world) -> None:
         messages = " | ".join(result["errors"])
         for expected in ("is not this process's rank", "inter_mode='nic' is invalid",
                          "inter_mode='routed' needs route_group", "timeout_s=0 is invalid",
-                         "the rank's attention tokens"):
+                         "local_call_tokens=0 is invalid", "the rank's attention tokens"):
             assert expected in messages, f"rank {rank}: no error '{expected}' in {messages}"
 
 
@@ -239,14 +352,16 @@ def check_tiers(cases, want=("inter", "intra", "local")) -> None:
 def test_engine_world_of_2():
     only_local = [1, 3, 17, 5, 40, 2, 9]
     cases = [
-        case("zeppelin 1x2 long tail", zeppelin_plan(1, 2, 0), kv_heads=2),
+        case("zeppelin 1x2 long tail", zeppelin_plan(1, 2, 0), kv_heads=2,
+             local_call_tokens=6),
         case("zeppelin 1x2 only local", plan_of("zeppelin", 1, 2, only_local), kv_heads=1),
         case("static-cp 1x2 one sequence", plan_of("static-cp", 1, 2, [101], cp_size=2),
              kv_heads=4, seed=1),
         case("megatron hybrid-cp 1x2 waves",
              plan_of("megatron-hybrid-cp", 1, 2, [400, 150, 90, 33, 17, 8, 5, 1, 1, 60, 23]),
              seed=2),
-        case("zeppelin 1x2 bf16", zeppelin_plan(1, 2, 1), dtype="bfloat16", seed=3),
+        case("zeppelin 1x2 bf16", zeppelin_plan(1, 2, 1), dtype="bfloat16", seed=3,
+             local_call_tokens=3),
     ]
     assert all(t.tier.name == "LOCAL" for t in cases[1]["plan"].tasks)
     assert cases[3]["plan"].num_waves > 1
@@ -258,7 +373,7 @@ def test_engine_world_of_4_and_failing_peer():
     cases = [
         case("zeppelin 2x2 seed 0", zeppelin_plan(2, 2, 0), modes=("ring", "direct", "routed")),
         case("zeppelin 2x2 seed 3 MQA", zeppelin_plan(2, 2, 3), kv_heads=1,
-             modes=("ring", "routed"), seed=1),
+             modes=("ring", "routed"), seed=1, local_call_tokens=5),
         case("static-cp 2x2 one sequence over all", plan_of("static-cp", 2, 2, [203],
                                                             cp_size=4),
              modes=("ring", "routed"), seed=2),
@@ -266,42 +381,60 @@ def test_engine_world_of_4_and_failing_peer():
              kv_heads=4, seed=3),
     ]
     check_tiers(cases)
-    assert cases[3]["plan"].num_waves > 1
+    assert cases[3]["plan"].num_waves > 1 and cases[0]["plan"].num_waves == 1  # timeline: one
     results = run_world(_engine_worker, 4, cases, True)
     check_results(cases, results, 4)
     for rank, result in enumerate(results):
-        check_overlap(rank, [tuple(e) for e in result["timeline"]])
+        check_timeline(rank, result["timeline"])
         failure = result["failure"]
         if rank == FAILING_RANK:
             assert "injected failure" in failure["outcome"]
             continue
         assert "did not complete within 1 s" in failure["outcome"], failure
+        assert failure["helper"], f"rank {rank} waited inline: the helper's failure is untested"
         assert failure["ring"] in failure["outcome"] and "step" in failure["outcome"]
         assert failure["seconds"] < 10 * FAILURE_TIMEOUT_S, failure
 
 
-def check_overlap(rank: int, events: list) -> None:
-    """Every exchange is waited only after compute ran while it was in flight; the INTER
-    ring's traffic flies while the INTRA ring and the LOCAL queue compute (in that order)."""
-    posts = [i for i, e in enumerate(events) if e[0] == "post"]
-    assert posts, f"rank {rank} posted no P2P"
-    for i in posts:
-        _, name, phase, step = events[i]
-        j = events.index(("wait", name, phase, step), i)
-        window = [e for e in events[i:j] if e[0] == "compute"]
-        assert window, f"rank {rank}: {name} {phase} step {step} waited with nothing computed"
-        if "INTER" in name and phase == "forward" and step == 0:
-            queues = [e[1].split()[0] for e in window]
-            have = {e[1].split()[0] for e in events if e[0] == "compute"}
-            want = [tier for tier in ("INTER", "INTRA", "LOCAL") if tier in have]
-            assert sorted(set(queues), key=queues.index) == want, (rank, queues)
+def phases(events: list) -> dict[str, list]:
+    """The timeline cut into forward and backward (polls carry no phase)."""
+    cut = next(i for i, e in enumerate(events) if e[1] == "backward")
+    return {"forward": events[:cut], "backward": events[cut:]}
+
+
+def check_timeline(rank: int, timeline: dict) -> None:
+    """Per phase and round: posts, ring steps (INTER before INTRA), then LOCAL calls each
+    right after a poll that found the round's exchanges in flight, and the wait right after
+    a poll that found them done (or once the LOCAL queue is empty); the LOCAL calls left run
+    after the last wait. Every LOCAL sequence runs once per phase, calls by ascending work;
+    with exchanges kept in flight, LOCAL work fills the first round that has traffic."""
+    code = {"post": "P", "compute": "C", "local": "L", "wait": "W"}
+    for phase, events in phases([tuple(e) for e in timeline["events"]]).items():
+        kinds = "".join("T" if e == ("poll", None, True) else "F" if e[0] == "poll"
+                        else code[e[0]] for e in events)
+        *rounds_, tail = kinds.split("W")
+        for r, text in enumerate(rounds_):
+            assert re.fullmatch(r"P*C*(TL)*F?", text), (rank, phase, r, kinds)
+            assert "P" not in text or "C" in text, (rank, phase, r, kinds)  # traffic overlaps
+        assert re.fullmatch(r"L*", tail), (rank, phase, kinds)
+        calls = [e for e in events if e[0] == "local"]
+        assert sorted(n for e in calls for n in e[2]) == timeline["local"], (rank, phase)
+        assert [e[3] for e in calls] == sorted(e[3] for e in calls), (rank, phase, calls)
+        tiers = [e[2].split()[0] for e in events if e[0] == "compute"]
+        for text, start in zip(rounds_, itertools.accumulate([0] + [len(t) + 1
+                                                                   for t in rounds_])):
+            steps = [e[2].split()[0] for e in events[start:start + len(text)]
+                     if e[0] == "compute"]
+            assert steps == sorted(steps), (rank, phase, steps)  # INTER before INTRA
+        if timeline["local"] and tiers and "P" in rounds_[0]:
+            assert "TL" in rounds_[0], f"rank {rank} {phase}: no LOCAL call filled round 0"
 
 
 def test_engine_world_of_8():
     cases = [
         case("zeppelin 2x4 seed 0", zeppelin_plan(2, 4, 0), modes=("ring", "routed")),
         case("zeppelin 4x2 seed 2", zeppelin_plan(4, 2, 2), kv_heads=1,
-             modes=("ring", "direct", "routed"), seed=1),
+             modes=("ring", "direct", "routed"), seed=1, local_call_tokens=4),
         case("static-cp 4x2", plan_of("static-cp", 4, 2, long_tail(4, 12, 90)), seed=2),
         case("megatron hybrid-cp 2x4", plan_of("megatron-hybrid-cp", 2, 4, long_tail(2, 16, 300)),
              seed=3),

@@ -10,33 +10,58 @@ INTER rings, then INTRA rings, then LOCAL sequences. A wave runs in rounds ``r =
 1. post the round's exchanges, in global group order: every INTER and INTRA ring's step-``r``
    P2P (``RingComm``, async) and, with ``inter_mode`` ``direct``/``routed``, the wave's global
    inter-node step ``r`` on the worker thread (``inter.InterQueue``);
-2. compute step ``r`` of every ring (INTER first, then INTRA), then this round's share of the
-   LOCAL sequences (spread over the rounds that have traffic in flight, balanced by s^2);
-3. wait for the exchanges (at most the timeout) and hand the received blocks to the rings.
+2. compute step ``r`` of every ring (INTER first, then INTRA);
+3. fill the wait with LOCAL work: while some exchange of the round is still in flight, run the
+   next LOCAL call (``local_calls``: LOCAL sequences, shortest first, short ones batched into
+   calls of at least the work of one ``local_call_tokens``-token sequence); on CUDA at most one
+   LOCAL call is queued on the stream ahead of the host. (In a wave where the rank has no
+   traffic at all, its LOCAL sequences are one fused call: there is no wait to fill.)
+4. wait for the exchanges (at most the timeout) and hand the received blocks to the rings.
 
-So each ring's traffic flies while the later queues (and the other rings) compute. Backward
-runs the same rounds with the backward rings (KV forward, dKV back to the owner) and the LOCAL
+The LOCAL calls left after the last round run back to back. So each ring's traffic flies while
+the later queues (and the other rings) compute, and a ring step waits for at most one LOCAL
+call once its data has arrived. Shortest first: a call started just before the exchanges
+complete delays the next ring step by its own length, so the short calls fill the waits and
+the long sequences that fit no wait run at the end, where they stall no ring. Backward runs the
+same rounds with the backward rings (KV forward, dKV back to the owner) and the LOCAL
 gradients. Waves run one after another.
+
+Polling. While LOCAL work is left, a round's ring requests are waited on a helper thread from
+the post on (``P2PRequest.wait``: gloo works complete only inside it; with CUDA, on a side
+stream that the compute stream joins afterwards); the round is in flight until that wait and
+the global inter-node step (a future) are done. A failed peer makes the helper's wait time out
+with the error naming the ring, the step and the peer, raised by the rank at step 4.
+
+Exactness does not depend on timing: which round runs a LOCAL call varies with the traffic, but
+the calls themselves (their sequences and order) are fixed by the plan, each LOCAL sequence is
+attended alone, and every call writes its own rows of the output (forward) or of dq, dk, dv
+(backward), disjoint from each other and from the rings' rows.
 
 Deadlock freedom. Each exchange is a set of P2P ops between ring neighbours of one group,
 tagged with the group's global index. Every rank posts its exchanges in one global total order,
 ``(phase, wave, round, group key)``, the same order on every rank, and a rank waits for its
-round-``r`` exchanges before it posts round ``r+1``. Take the smallest exchange in that order
-that has not completed: every member of its group has completed all smaller exchanges (by
-minimality), so each member gets past its earlier waits and posts it; its ops then match
-(same peers, same tag, same sizes: both sides derive them from the plan) and it completes. So
-every exchange completes: no deadlock, also on NCCL, where the P2P of one communicator runs
-in issue order. Global inter-node steps run on ``route_group`` in the same (wave, round)
-order on every rank of the pool (all of them take part, with or without inter-node rings),
-waited within the same round, so the argument holds for them as well. A peer that fails makes
-its neighbours' waits time out with an error naming the ring, the step and the peer. With
-NCCL, the first ``run`` issues a barrier on each NCCL group (a collective must precede a
+round-``r`` exchanges before it posts round ``r+1``; between a post and its wait it only
+computes (ring steps and LOCAL calls: finite work, no communication, and a helper thread that
+only waits for ops already posted). Take the smallest exchange in that order that has not
+completed: every member of its group has completed all smaller exchanges (by minimality), so
+each member gets past its earlier waits, computes finitely long and posts it; its ops then
+match (same peers, same tag, same sizes: both sides derive them from the plan) and it
+completes. So every exchange completes: no deadlock, also on NCCL, where the P2P of one
+communicator runs in issue order. Global inter-node steps run on ``route_group`` in the same
+(wave, round) order on every rank of the pool (all of them take part, with or without
+inter-node rings), waited within the same round, so the argument holds for them as well.
+With NCCL, the first ``run`` issues a barrier on each NCCL group (a collective must precede a
 communicator's first P2P batch), so every rank must make its first call together.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Callable, NamedTuple, Sequence
+import itertools
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,10 +72,12 @@ from megatron_zeppelin.router import RouterTopology
 from megatron_zeppelin.runtime import kernels
 from megatron_zeppelin.runtime.attention import RingGroupRun, ZigzagLayout, accum_dtype
 from megatron_zeppelin.runtime.inter import InterQueue
-from megatron_zeppelin.runtime.utils import RingComm
+from megatron_zeppelin.runtime.utils import P2PRequest, RingComm
 
 INTER_MODES = ("ring", "direct", "routed")
 WORKS = ("all", "compute", "comm")
+LOCAL_CALL_TOKENS = 2048  # sim/rounds.py's LOCAL_CALL_TOKENS twins this default
+POLL_S = 50e-6  # CUDA: host sleep between polls while a LOCAL call runs
 
 
 @dataclasses.dataclass
@@ -66,24 +93,115 @@ class _Ring:
     routed_recv: bool = False  # incoming hop likewise
 
 
+class LocalCall(NamedTuple):
+    """One causal varlen call of LOCAL sequences.
+
+    key: unique per engine (caches the rows per device); lengths: tokens of its sequences in
+    call order; rows: their rows of the rank's buffer in that order (a slice when contiguous,
+    else int64 indices on CPU); cu: ``(0, n_1, n_1 + n_2, ...)``; work: sum of s^2.
+    """
+
+    key: int
+    lengths: tuple[int, ...]
+    rows: slice | torch.Tensor
+    cu: tuple[int, ...]
+    work: int
+
+
 @dataclasses.dataclass
 class _Wave:
     rings: list[_Ring]
-    local: tuple[int, int, tuple[int, ...]] | None  # rows [start, end) and sequence lengths
+    local: list[LocalCall]  # in run order
 
 
-def split_balanced(lengths: Sequence[int], parts: int) -> list[tuple[int, int]]:
-    """Cut sequences into at most ``parts`` consecutive runs ``[i, j)`` of similar s^2 work."""
-    total = sum(n * n for n in lengths)
-    cuts, acc, start = [], 0, 0
-    for i, n in enumerate(lengths):
-        acc += n * n
-        if len(cuts) < parts - 1 and acc * parts >= total * (len(cuts) + 1):
-            cuts.append((start, i + 1))
-            start = i + 1
-    if start < len(lengths):
-        cuts.append((start, len(lengths)))
-    return cuts
+def local_calls(lengths: Sequence[int], min_tokens: int) -> list[tuple[int, ...]]:
+    """The LOCAL sequences (indices into ``lengths``) of each call, in run order.
+
+    A sequence of at least ``min_tokens`` tokens is a call of its own; shorter ones, shortest
+    first, are packed into calls that close once they hold the work (sum of s^2) of one
+    ``min_tokens``-token sequence. Calls run by ascending work (ties: lowest first index).
+    """
+    floor = min_tokens * min_tokens
+    calls, batch, work = [], [], 0
+    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+        if lengths[i] >= min_tokens:
+            calls.append((i,))
+            continue
+        batch.append(i)
+        work += lengths[i] * lengths[i]
+        if work >= floor:
+            calls.append(tuple(batch))
+            batch, work = [], 0
+    if batch:
+        calls.append(tuple(batch))
+    return sorted(calls, key=lambda call: (sum(lengths[i] ** 2 for i in call), call[0]))
+
+
+def fill(queue: deque, in_flight: Callable[[], bool], run: Callable[[LocalCall], None],
+         device: torch.device) -> int:
+    """Run calls from the front of ``queue`` while ``in_flight()``; the number run.
+
+    ``in_flight`` is asked before every call, so the wait that follows is delayed by at most
+    one call after the round's exchanges complete. On CUDA the host waits (polling) until the
+    call it queued has run or the exchanges are done before it queues the next one.
+    """
+    ran = 0
+    while queue and in_flight():
+        run(queue.popleft())
+        ran += 1
+        if device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(device))
+            while not done.query() and in_flight():
+                time.sleep(POLL_S)
+    return ran
+
+
+def _wait_all(requests: list[P2PRequest | None], stream) -> list[list[torch.Tensor]]:
+    """Helper thread: wait for a round's ring requests in order (CUDA: on ``stream``)."""
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        return [request.wait() if request is not None else [] for request in requests]
+
+
+class _Posted:
+    """A posted round: per ring ``(request, recv_like)``, the global step's future, and the
+    requests' wait on the helper thread (``watch``; None: waited inline by ``received``)."""
+
+    def __init__(self, requests: list, inter: Future | None) -> None:
+        self.requests, self.inter = requests, inter
+        self.watch: Future | None = None
+        self.stream = None  # CUDA: the side stream of the helper's waits
+
+    def in_flight(self) -> bool:
+        return any(f is not None and not f.done() for f in (self.watch, self.inter))
+
+    def received(self) -> list[list[torch.Tensor]]:
+        """Per ring, what its request received (raises the request's timeout error)."""
+        if self.watch is None:
+            return [request.wait() if request is not None else []
+                    for request, _ in self.requests]
+        got = self.watch.result()
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        return got
+
+
+def _take(x: torch.Tensor, rows, dim: int = 0) -> torch.Tensor:
+    """Rows ``rows`` (slice or int64 indices) of ``x`` along ``dim``."""
+    if isinstance(rows, slice):
+        return x[rows] if dim == 0 else x[:, rows]
+    return x.index_select(dim, rows)
+
+
+def _put(x: torch.Tensor, rows, value: torch.Tensor, dim: int = 0) -> None:
+    """Write ``value`` into rows ``rows`` (slice or int64 indices) of ``x`` along ``dim``."""
+    if isinstance(rows, slice):
+        if dim == 0:
+            x[rows] = value
+        else:
+            x[:, rows] = value
+    else:
+        x.index_copy_(dim, rows, value.to(x.dtype))
 
 
 class AttentionEngine:
@@ -95,16 +213,18 @@ class AttentionEngine:
     head_dim ** -0.5); inter_mode: ``ring`` (inter-node rings use direct ring P2P like intra
     ones), ``direct`` or ``routed`` (global inter-node steps through ``inter.exchange`` on
     ``route_group``, a second process group over the same ranks; ``routed`` needs
-    ``router_topology``); work: ``all``, or a measurement switch for overlap benchmarks:
-    ``compute`` (no P2P: received blocks are zeros) or ``comm`` (no kernels); the results of
-    both are wrong.
+    ``router_topology``); local_call_tokens: LOCAL sequences shorter than this are batched
+    into calls of at least the work of one sequence of this length (``local_calls``); work:
+    ``all``, or a measurement switch for overlap benchmarks: ``compute`` (no P2P: received
+    blocks are zeros) or ``comm`` (no kernels); the results of both are wrong.
     """
 
     def __init__(self, plan: Plan, rank: int, group: dist.ProcessGroup, *,
                  backend: str | None = None, timeout_s: float | None = None,
                  scale: float | None = None, inter_mode: str = "ring",
                  route_group: dist.ProcessGroup | None = None,
-                 router_topology: RouterTopology | None = None, work: str = "all") -> None:
+                 router_topology: RouterTopology | None = None,
+                 local_call_tokens: int = LOCAL_CALL_TOKENS, work: str = "all") -> None:
         plan.topology.check_world_size(dist.get_world_size(group))
         if dist.get_rank(group) != rank:
             raise ValueError(f"rank={rank} is not this process's rank in the group "
@@ -117,8 +237,12 @@ class AttentionEngine:
         if inter_mode != "ring" and route_group is None:
             raise ValueError(f"inter_mode={inter_mode!r} needs route_group: a second process "
                              "group over the pool's ranks (dist.new_group)")
+        if not (isinstance(local_call_tokens, int) and local_call_tokens >= 1):
+            raise ValueError(f"local_call_tokens={local_call_tokens!r} is invalid: expected an "
+                             "integer >= 1")
         self.plan, self.rank, self.group = plan, rank, group
         self.backend, self.scale, self.inter_mode, self.work = backend, scale, inter_mode, work
+        self.local_call_tokens = local_call_tokens
         self.timeout_s = env.p2p_timeout_s() if timeout_s is None else float(timeout_s)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s!r} is invalid: expected seconds > 0")
@@ -129,18 +253,21 @@ class AttentionEngine:
             plan, rank, route_group, routing=inter_mode == "routed",
             router_topology=router_topology, timeout_s=self.timeout_s)
         self.waves = self._build_waves()
+        self._helper: ThreadPoolExecutor | None = None  # waits of rounds that LOCAL work fills
+        self._streams: dict[str, torch.cuda.Stream] = {}
+        self._rows: dict[tuple[int, str], torch.Tensor] = {}  # (call key, device) -> rows
 
     def _build_waves(self) -> list[_Wave]:
-        waves = [_Wave([], None) for _ in range(self.plan.num_waves)]
+        waves = [_Wave([], []) for _ in range(self.plan.num_waves)]
         index = {g.key: i for i, g in enumerate(self.plan.ring_groups)}
-        offset = 0
+        offset, local = 0, []
         for group in self.plan.rank_groups[self.rank]:
             lengths = [self.plan.seqlens[s] for s in group.seqs]
             position = group.ring.index(self.rank)
             layout = ZigzagLayout(lengths, len(group.ring), position)
             start, offset = offset, offset + layout.tokens()
             if group.tier == Tier.LOCAL:
-                waves[group.wave].local = (start, offset, tuple(lengths))
+                local.append((group.wave, lengths, start))
                 continue
             comm = RingComm(group.ring, self.rank, self.group, tag=index[group.key],
                             name=f"{group.tier.name} group {group.key}", timeout_s=self.timeout_s)
@@ -152,7 +279,35 @@ class AttentionEngine:
         if offset != self.tokens:
             raise RuntimeError(f"rank {self.rank}: ring groups hold {offset} tokens, the plan's "
                                f"attention layout {self.tokens}")
+        keys = itertools.count()
+        for wave, lengths, start in local:
+            quiet = not waves[wave].rings and not (self.inter and self.inter.num_steps(wave,
+                                                                                   "forward"))
+            waves[wave].local.extend(self._local_calls(lengths, start, quiet, keys))
         return waves
+
+    def _local_calls(self, lengths: list[int], start: int, fused: bool,
+                     keys: Iterator[int]) -> list[LocalCall]:
+        """The calls of a LOCAL group whose buffer rows begin at ``start`` (run order):
+        ``local_calls``, or one call of the whole group (``fused``: a wave in which this rank
+        has no traffic, so no wait to fill); ``keys`` gives each call its key."""
+        if not lengths:
+            return []
+        starts = list(itertools.accumulate(lengths, initial=start))
+        groups = [tuple(range(len(lengths)))] if fused else local_calls(lengths,
+                                                                         self.local_call_tokens)
+        calls = []
+        for seqs in groups:
+            ranges = [(starts[i], starts[i + 1]) for i in seqs]
+            if all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])):
+                rows = slice(ranges[0][0], ranges[-1][1])
+            else:
+                rows = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in ranges])
+            sizes = tuple(lengths[i] for i in seqs)
+            calls.append(LocalCall(next(keys), sizes, rows,
+                                   tuple(itertools.accumulate(sizes, initial=0)),
+                                   sum(n * n for n in sizes)))
+        return calls
 
     # ------------------------------------------------------------------ public API
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -167,9 +322,12 @@ class AttentionEngine:
     __call__ = forward
 
     def close(self) -> None:
-        """Stop the inter-node worker thread, if any."""
+        """Stop the inter-node worker thread and the wait helper thread, if any."""
         if self.inter is not None:
             self.inter.close()
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
+            self._helper = None
 
     # ------------------------------------------------------------------ one phase
     def run(self, phase: str, q, k, v, out=None, lse=None, dout=None):
@@ -209,47 +367,53 @@ class AttentionEngine:
         return result
 
     def _rounds(self, phase, wave_index, wave, runs, tensors, result, scale) -> None:
+        """The wave's rounds (post, ring steps, LOCAL fill, wait), then the LOCAL rest."""
         steps = [run.forward_steps if phase == "forward" else run.backward_steps for run in runs]
-        exchanges = [s - 1 if phase == "forward" else (s if s > 1 else 0) for s in steps]
         global_steps = self.inter.num_steps(wave_index, phase) if self.inter else 0
-        busy = max(exchanges + [global_steps, 0])
-        parts = self._local_parts(wave, max(busy, 1))
-        for r in range(max(steps + [global_steps, len(parts)])):
-            pending = self._post(phase, wave_index, wave, runs, r, global_steps, tensors[1])
+        device = tensors[0].device
+        queue = deque(wave.local if self.work != "comm" else ())
+
+        def run_local(call: LocalCall) -> None:
+            self._local(phase, call, tensors, result, scale)
+
+        for r in range(max(steps + [global_steps])):
+            posted = self._post(phase, wave_index, wave, runs, r, global_steps, tensors[1])
+            if queue:
+                self._watch(posted, device)
             for run, n in zip(runs, steps):
                 if r < n:
                     _calls(run, phase).compute(r)
-            if r < len(parts) and self.work != "comm":
-                self._local(phase, parts[r], tensors, result, scale)
-            self._complete(phase, wave, runs, r, pending, tensors[0].device)
+            if queue:
+                fill(queue, posted.in_flight, run_local, device)
+            self._complete(phase, wave, runs, r, posted, device)
+        while queue:
+            run_local(queue.popleft())
 
-    def _local_parts(self, wave: _Wave, rounds: int) -> list[tuple[int, int, tuple[int, ...]]]:
-        """The LOCAL sequences cut into one consecutive run per round (rows and lengths)."""
-        if wave.local is None:
-            return []
-        start, _, lengths = wave.local
-        parts, offset = [], start
-        for i, j in split_balanced(lengths, rounds):
-            size = sum(lengths[i:j])
-            parts.append((offset, offset + size, lengths[i:j]))
-            offset += size
-        return parts
-
-    def _local(self, phase, part, tensors, result, scale) -> None:
-        """One round's share of the LOCAL queue: one causal varlen call."""
-        start, end, lengths = part
-        rows = slice(start, end)
-        cu = tuple([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))])
+    def _local(self, phase: str, call: LocalCall, tensors, result, scale) -> None:
+        """One LOCAL call: its rows of the output and lse, or of dq, dk, dv."""
+        rows = call.rows
+        if not isinstance(rows, slice):
+            device = tensors[0].device
+            key = (call.key, str(device))
+            if key not in self._rows:
+                self._rows[key] = rows.to(device)
+            rows = self._rows[key]
         q, k, v, out, lse, dout = tensors
         if phase == "forward":
-            result[0][rows], result[1][:, rows] = kernels.block_forward(
-                q[rows], k[rows], v[rows], cu, cu, True, scale, self.backend)
+            part_out, part_lse = kernels.block_forward(_take(q, rows), _take(k, rows),
+                                                       _take(v, rows), call.cu, call.cu, True,
+                                                       scale, self.backend)
+            _put(result[0], rows, part_out)
+            _put(result[1], rows, part_lse, dim=1)
         else:
-            result[0][rows], result[1][rows], result[2][rows] = kernels.block_backward(
-                dout[rows], q[rows], k[rows], v[rows], out[rows], lse[:, rows], cu, cu, True,
-                scale, self.backend)
+            grads = kernels.block_backward(
+                _take(dout, rows), _take(q, rows), _take(k, rows), _take(v, rows),
+                _take(out, rows), _take(lse, rows, 1), call.cu, call.cu, True, scale,
+                self.backend)
+            for target, grad in zip(result, grads):
+                _put(target, rows, grad)
 
-    def _post(self, phase, wave_index, wave, runs, r, global_steps, k):
+    def _post(self, phase, wave_index, wave, runs, r, global_steps, k) -> _Posted:
         """Post round ``r``: ring P2P in global group order, then the global inter step."""
         pending, routed_sends = [], {}
         for ring, run in zip(wave.rings, runs):
@@ -268,14 +432,27 @@ class AttentionEngine:
         if r < global_steps and self.work != "compute":  # every rank of the pool takes part
             meta = ((k.shape[1], k.shape[2]), k.dtype)
             future = self.inter.post(wave_index, r, phase, routed_sends, meta, k.device)
-        return pending, future
+        return _Posted(pending, future)
 
-    def _complete(self, phase, wave, runs, r, pending, device) -> None:
+    def _watch(self, posted: _Posted, device: torch.device) -> None:
+        """Wait for the round's ring requests on the helper thread, so that ``fill`` can poll."""
+        requests = [request for request, _ in posted.requests]
+        if all(request is None for request in requests):
+            return
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(max_workers=1,
+                                              thread_name_prefix="zeppelin-p2p-wait")
+        if device.type == "cuda":
+            if str(device) not in self._streams:
+                self._streams[str(device)] = torch.cuda.Stream(device)
+            posted.stream = self._streams[str(device)]
+        posted.watch = self._helper.submit(_wait_all, requests, posted.stream)
+
+    def _complete(self, phase, wave, runs, r, posted: _Posted, device) -> None:
         """Wait for round ``r``'s exchanges and hand each ring what it received."""
-        requests, future = pending
-        routed = future.result() if future is not None else {}
-        for ring, run, (request, like) in zip(wave.rings, runs, requests):
-            received = request.wait() if request is not None else []
+        routed = posted.inter.result() if posted.inter is not None else {}
+        for ring, run, (_, like), received in zip(wave.rings, runs, posted.requests,
+                                                  posted.received()):
             if like and (ring.routed_recv or self.work == "compute"):
                 received = routed.get(ring.group.key) or [
                     torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in like]

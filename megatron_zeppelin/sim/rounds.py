@@ -2,11 +2,16 @@
 
 Mirrors ``runtime/engine.py``: a wave runs in rounds ``r = 0, 1, ...``; in round r a rank
 posts the step-r exchange of every ring it is in (INTER and INTRA, async), computes step r of
-every ring, then its round-r share of the LOCAL sequences (the LOCAL queue is cut into one
-consecutive, s^2-balanced run per round that has traffic in flight), then waits for the
-round's exchanges. Forward: a G-ring computes G steps and exchanges KV in rounds 0..G-2.
+every ring, then runs LOCAL calls while the round's exchanges are in flight (a call starts only
+before they complete, so it may overrun them by one call), then waits for the exchanges; the
+LOCAL calls left after the last round run at the end. LOCAL calls are the engine's
+(``local_call_groups``: shortest first, short sequences batched), each its sequences' seconds
+plus one launch. Forward: a G-ring computes G steps and exchanges KV in rounds 0..G-2.
 Backward: G compute steps and G+1 exchanges (KV in rounds 0..G-2, the dKV accumulator in the
 accumulator dtype, fp32 for bf16, in rounds 1..G). Times are seconds of one layer.
+``Links.local_policy`` ``fill`` (LOCAL work, infinitely divisible, fills exactly the waits: an
+idealised engine) and ``share`` (the previous engine: one s^2-balanced LOCAL run per round with
+traffic in flight) are there for comparison.
 
 Exchanges: a ring hop p -> p+1 starts when both ranks have started the round and takes
 bytes / bandwidth + latency: NVLink inside a node; across nodes, per ``inter_mode``:
@@ -22,7 +27,7 @@ bytes / bandwidth + latency: NVLink inside a node; across nodes, per ``inter_mod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -31,7 +36,8 @@ from megatron_zeppelin.plan import Tier
 from megatron_zeppelin.sim.network import GpuMap, inter_step_time
 
 INTER_MODES = ("ring", "direct", "routed")
-LOCAL_POLICIES = ("engine", "fill")
+LOCAL_POLICIES = ("engine", "fill", "share")
+LOCAL_CALL_TOKENS = 2048  # runtime/engine.py's LOCAL_CALL_TOKENS (the engine's default)
 
 
 class RingCosts(NamedTuple):
@@ -61,9 +67,10 @@ class PassSpec:
 @dataclass(frozen=True)
 class Links:
     """What the rounds need of the cluster and the engine: GPU placement, link speeds, the
-    inter mode, the router backend, and the LOCAL policy (``engine``: one s^2-balanced run per
-    round, as ``runtime/engine.py``; ``fill``: LOCAL work only fills the waits for traffic and
-    the rest runs after the rings, an idealised engine)."""
+    inter mode, the router backend, and the LOCAL policy (``engine``: LOCAL calls while the
+    round's traffic is in flight, as ``runtime/engine.py``; ``fill``: LOCAL work fills exactly
+    the waits for traffic, an idealised engine; ``share``: the previous engine, one
+    s^2-balanced LOCAL run per round); see the module docstring."""
 
     gpus: GpuMap
     inter_mode: str
@@ -91,9 +98,38 @@ def round_bytes(sizes: np.ndarray, kv_bytes: np.ndarray, r: int, spec: PassSpec)
     return out
 
 
+def local_call_groups(squares: Sequence[float], min_tokens: int) -> list[tuple[int, ...]]:
+    """The engine's LOCAL calls (``runtime/engine.local_calls``) from the sequences' s^2:
+    sequence indices per call, in run order. A sequence of at least ``min_tokens`` tokens is a
+    call of its own; shorter ones, shortest first, are packed into calls that close at the work
+    of one ``min_tokens``-token sequence; calls run by ascending work (ties: first index)."""
+    floor = float(min_tokens) ** 2
+    calls, batch, work = [], [], 0.0
+    for i in sorted(range(len(squares)), key=lambda i: (squares[i], i)):
+        if squares[i] >= floor:
+            calls.append((i,))
+            continue
+        batch.append(i)
+        work += squares[i]
+        if work >= floor:
+            calls.append(tuple(batch))
+            batch, work = [], 0.0
+    if batch:
+        calls.append(tuple(batch))
+    return sorted(calls, key=lambda call: (sum(squares[i] for i in call), call[0]))
+
+
+def local_call_seconds(work: list[tuple[float, float]], launch_s: float,
+                       min_tokens: int = LOCAL_CALL_TOKENS) -> list[float]:
+    """Seconds of each of the engine's LOCAL calls in run order: ``work`` = (s^2, seconds) per
+    sequence in queue order; a call costs its sequences' seconds plus one launch."""
+    calls = local_call_groups([sq for sq, _ in work], min_tokens)
+    return [sum(work[i][1] for i in call) + launch_s for call in calls]
+
+
 def local_parts(work: list[tuple[float, float]], rounds: int, launch_s: float) -> list[float]:
-    """Seconds of each round's LOCAL run: ``work`` = (s^2, seconds) per sequence in queue
-    order, cut into at most ``rounds`` consecutive runs of similar s^2 (the engine's rule)."""
+    """Seconds of each round's LOCAL run of the ``share`` policy: ``work`` = (s^2, seconds)
+    per sequence in queue order, cut into at most ``rounds`` consecutive runs of similar s^2."""
     if not work:
         return []
     total = sum(sq for sq, _ in work)
@@ -145,12 +181,60 @@ def _nic_ids(ranks: np.ndarray, gpus: GpuMap) -> np.ndarray:
 
 
 class _RoundState:
-    """Per-round start/end times of every rank and the caches of one pass."""
+    """Per-round start times and exchange completions of every rank; the caches of a pass."""
 
     def __init__(self, world: int) -> None:
         self.start = np.zeros(world)
-        self.end = np.zeros(world)
+        self.arrive = np.full(world, -np.inf)  # the round's last exchange completes
         self.step_cache: dict[tuple, float] = {}
+
+
+class _LocalQueue:
+    """Every rank's LOCAL work under a policy (``share``'s is in the compute matrix).
+
+    ``engine``: the calls as padded prefix sums, ``prefix[rank, j]`` = seconds of the rank's
+    first j calls (+inf past its last call; a rank with no traffic in the wave, ``quiet``, runs
+    one fused call); ``done[rank]``: calls run so far. ``fill``: ``left[rank]`` seconds,
+    infinitely divisible, one launch per rank.
+    """
+
+    def __init__(self, local: list[list[tuple[float, float]]], spec: PassSpec, policy: str,
+                 quiet: np.ndarray) -> None:
+        self.policy, world = policy, len(local)
+        calls = [([] if policy != "engine" or not w else
+                  [sum(t for _, t in w) + spec.launch_s] if quiet[rank] else
+                  local_call_seconds(w, spec.launch_s)) for rank, w in enumerate(local)]
+        self.count = np.asarray([len(c) for c in calls], dtype=np.int64)
+        self.prefix = np.full((world, int(self.count.max(initial=0)) + 2), np.inf)
+        self.prefix[:, 0] = 0.0
+        for rank, seconds in enumerate(calls):
+            self.prefix[rank, 1:len(seconds) + 1] = np.cumsum(seconds) * spec.compute_scale
+        self.done = np.zeros(world, dtype=np.int64)
+        self.rows = np.arange(world)
+        self.left = np.asarray([(sum(t for _, t in w) + spec.launch_s) * spec.compute_scale
+                                if w and policy == "fill" else 0.0 for w in local])
+        self.total = self.prefix[self.rows, self.count] + self.left
+
+    def fill(self, ready: np.ndarray, arrive: np.ndarray) -> np.ndarray:
+        """Per rank, when its LOCAL work of the round ends: from ``ready`` (its ring steps
+        done) while the round's exchanges are in flight (until ``arrive``)."""
+        if self.policy == "fill":
+            used = np.minimum(self.left, np.maximum(arrive - ready, 0.0))
+            self.left -= used
+            return ready + used
+        if self.policy == "share":
+            return ready
+        # a call starts while ready + (its predecessors of the round) < arrive
+        base = ready - self.prefix[self.rows, self.done]
+        cols = np.arange(self.prefix.shape[1])
+        stop = (base[:, None] + self.prefix >= arrive[:, None]) & \
+            (cols[None, :] >= self.done[:, None])
+        self.done = np.minimum(stop.argmax(axis=1), self.count)
+        return base + self.prefix[self.rows, self.done]
+
+    def rest(self) -> np.ndarray:
+        """Seconds of the LOCAL work left after the last round."""
+        return self.prefix[self.rows, self.count] - self.prefix[self.rows, self.done] + self.left
 
 
 def simulate_pass(rings: list[RingCosts], local: list[list[tuple[float, float]]],
@@ -162,27 +246,27 @@ def simulate_pass(rings: list[RingCosts], local: list[list[tuple[float, float]]]
     if global_mode:
         longest = max(len(g.members) for g in inter)
         global_steps = longest + 1 if spec.backward else longest - 1
-    fill = links.local_policy == "fill"
-    compute = _compute_matrix(rings, [[] for _ in local] if fill else local, world, spec,
+    share = links.local_policy == "share"
+    compute = _compute_matrix(rings, local if share else [[] for _ in local], world, spec,
                               global_steps)
-    left = np.asarray([(sum(t for _, t in w) + spec.launch_s) * spec.compute_scale if w else 0.0
-                       for w in local]) if fill else np.zeros(world)
-    total = compute.sum(axis=0) + left
+    quiet = np.full(world, global_steps == 0)
+    for ring in rings:
+        quiet[ring.members] = False
+    queue = _LocalQueue(local, spec, links.local_policy, quiet)
     components = _node_components(inter, links.gpus) if global_mode else []
     hops = _Hops(rings, links.gpus)
     state = _RoundState(world)
     for r in range(compute.shape[0]):
-        state.end = state.start + compute[r]
+        state.arrive = np.full(world, -np.inf)
         _ring_exchanges(hops, r, spec, links, state, skip_cross=global_mode)
         for rings_c, ranks_c in (components if r < global_steps else ()):
             seconds = _global_step(rings_c, r, spec, links, state)
             if seconds > 0:
                 finish = state.start[ranks_c].max() + seconds
-                state.end[ranks_c] = np.maximum(state.end[ranks_c], finish)
-        if fill:  # LOCAL work fills the wait for the round's traffic
-            left -= np.minimum(left, state.end - state.start - compute[r])
-        state.start = state.end
-    return state.start + left, total
+                state.arrive[ranks_c] = np.maximum(state.arrive[ranks_c], finish)
+        state.start = np.maximum(queue.fill(state.start + compute[r], state.arrive),
+                                 state.arrive)
+    return state.start + queue.rest(), compute.sum(axis=0) + queue.total
 
 
 def _compute_matrix(rings: list[RingCosts], local: list[list[tuple[float, float]]],
@@ -256,8 +340,8 @@ def _ring_exchanges(hops: _Hops, r: int, spec: PassSpec, links: Links, state: _R
     live = nbytes > 0
     src, dst = hops.src[:n][live], hops.dst[:n][live]
     done = np.maximum(state.start[src], state.start[dst]) + times[live]
-    np.maximum.at(state.end, src, done)
-    np.maximum.at(state.end, dst, done)
+    np.maximum.at(state.arrive, src, done)
+    np.maximum.at(state.arrive, dst, done)
 
 
 def _nic_times(hops: _Hops, n: int, cross: np.ndarray, nbytes: np.ndarray,

@@ -13,7 +13,7 @@ What it models (times in seconds, bytes per GPU; ``network.py`` holds the links)
   the hardware profile's FLOP/s for the chunk length s/G (+ one kernel launch); the backward
   costs ``attention_bwd_ratio`` x the forward. The rounds of the attention engine
   (``runtime/engine.py``: INTER, INTRA, LOCAL queues, every ring's step-r exchange in flight
-  while the rank computes step r of every ring and a share of its LOCAL sequences) are
+  while the rank computes step r of every ring, then LOCAL calls while it waits) are
   simulated in ``rounds.py``, with NIC sharing between concurrent cross-node hops (``ring``
   mode: static GPU->NIC affinity) or the pool-wide global steps of ``direct``/``routed`` mode
   (timed by the router when it imports, else by ``network.py``'s analytic model).
@@ -48,9 +48,10 @@ class SimOptions:
     (P2P through the static NICs), ``direct`` (global steps, static NICs) or ``routed``
     (global steps through the routing layer). overlap_grad_reduce: the gradient all-reduce
     overlaps the last backward (see the module doc). router: ``auto`` (the router when
-    importable) or ``analytic`` (network.py's model). local_policy: ``engine`` (the LOCAL
-    queue cut into one run per round, as ``runtime/engine.py``) or ``fill`` (LOCAL work only
-    fills the waits for ring traffic: an idealised engine, for comparison)."""
+    importable) or ``analytic`` (network.py's model). local_policy: ``engine`` (as
+    ``runtime/engine.py``: LOCAL calls start only while a round's exchanges are in flight,
+    the rest after the last round), ``share`` (the earlier engine: a fixed LOCAL share per
+    round) or ``fill`` (LOCAL work fills the waits exactly: an idealised engine)."""
 
     inter_mode: str = "ring"
     overlap_grad_reduce: bool = True

@@ -48,8 +48,8 @@ class Variant:
 VARIANTS: dict[str, Variant] = {v.label: v for v in (
     Variant("zeppelin", "zeppelin", True, True, description="all three techniques"),
     Variant("zeppelin-fill", "zeppelin", True, True, local_policy="fill",
-            description="zeppelin on an idealised engine whose LOCAL work only fills the "
-            "waits for ring traffic (runtime/engine.py cuts it into one run per round)"),
+            description="zeppelin on an idealised engine whose LOCAL work fills the waits "
+            "for ring traffic exactly (runtime/engine.py runs whole LOCAL calls)"),
     Variant("zeppelin-no-routing", "zeppelin", False, True,
             description="zeppelin with the routing layer off (static NIC affinity)"),
     Variant("zeppelin-no-remap", "zeppelin", True, False,
