@@ -307,8 +307,8 @@ def intro_lines(seconds: float, args) -> list[str]:
         "- linear modules on the linear layout (token-balanced with the remapping layer, the "
         "attention layout otherwise); attention per ring step at the profile's FLOP/s for "
         "the chunk length; the attention engine's rounds (`runtime/engine.py`: INTER, INTRA, "
-        "LOCAL queues; each round posts every ring's exchange, computes every ring's step and "
-        "a share of the LOCAL sequences, then waits);",
+        "LOCAL queues; each round posts every ring's exchange, computes every ring's step, "
+        "runs LOCAL calls while the exchanges are in flight, then waits);",
         "- NIC sharing by concurrent cross-node hops with static GPU->NIC affinity, or the "
         "global inter-node steps through the routing layer (`megatron_zeppelin.router`'s "
         "schedule and time model); backward rings carry the fp32 dKV accumulator as the "
@@ -430,17 +430,16 @@ NARRATIVE = [
     "node's ranks (GitHub's 256K-1M tail) or runs rings across nodes (two-node TE CP, the "
     "paper's baseline, is NIC-bound). The paper's 2.80x is against TE CP; we beat two-node "
     "TE CP by more than that, the node-local static CP by much less.",
-    "- **The remap crosses nodes (planner).** The inter-node step balances attention time per "
-    "node, not tokens: nodes holding long documents hold far fewer tokens than nodes of short "
-    "ones, so the token-balanced linear layout moves q/k/v/o of many tokens across nodes "
-    "every layer, forward and backward, through the static NICs (`remap s`). The paper keeps "
-    "most remap traffic inside nodes. Sharded 64K documents also get rings of 6-7 of a "
-    "node's 8 GPUs, which leaves the other GPUs of the node unevenly loaded.",
-    "- **The engine's LOCAL share per round stalls rings (runtime).** `runtime/engine.py` "
-    "cuts each rank's LOCAL queue into one run per round; a long LOCAL sequence is one run, "
-    "and every ring member waits for the slowest member's round, so the lumps of all members "
-    "add up (`ring wait s`; `zeppelin-fill` runs the same plans with LOCAL work only filling "
-    "the waits for traffic).",
+    "- **The remap trades linear balance against cross-node traffic (planner).** The "
+    "inter-node step balances attention time per node, so nodes holding long documents hold "
+    "fewer tokens. The linear layout balances tokens inside each node and moves tokens "
+    "across nodes only where the linear time saved outweighs the q/k/v/o traffic through "
+    "the NICs (`planner/linear_layout.py`: node targets from the cost model); `remap s` is "
+    "what that traffic still costs.",
+    "- **The engine fills ring waits with LOCAL work (runtime).** `runtime/engine.py` runs "
+    "LOCAL calls only while a round's exchanges are in flight and the rest after the last "
+    "round; `zeppelin-fill` is the idealised engine, and the `engine loss` column is what "
+    "the real one still loses to it.",
 ]
 
 

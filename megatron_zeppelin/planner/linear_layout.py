@@ -88,12 +88,16 @@ def _closest_within(spans: list[tuple[float, float]], node_tokens: Sequence[int]
     return ints
 
 
-def rank_targets(attention: Layout, topology: Topology, r: float | None = None,
+def rank_tokens(attention: Layout) -> list[int]:
+    return [sum(end - start for _, start, end in segs) for segs in attention]
+
+
+def rank_targets(per_rank: Sequence[int], topology: Topology, r: float | None = None,
                  c: float = 0.0) -> list[int]:
-    """Linear tokens per rank: node targets (``node_token_targets``) split evenly over the
-    node's ranks. ``r=None`` or ``c=0``: plain token balance over all ranks."""
+    """Linear tokens per rank from each rank's attention tokens: node targets
+    (``node_token_targets``) split evenly over the node's ranks. ``r=None`` or ``c=0``: plain
+    token balance over all ranks."""
     world, gpn = topology.world_size, topology.gpus_per_node
-    per_rank = [sum(end - start for _, start, end in segs) for segs in attention]
     total = sum(per_rank)
     if r is None or c <= 0:
         return [total // world + (1 if rank < total % world else 0) for rank in range(world)]
@@ -105,19 +109,22 @@ def rank_targets(attention: Layout, topology: Topology, r: float | None = None,
 
 
 def balance_linear(attention: Layout, topology: Topology,
-                   targets: Sequence[int] | None = None) -> Layout:
+                   targets: Sequence[int] | None = None,
+                   per_rank: Sequence[int] | None = None) -> Layout:
     """The linear layout for ``attention``: every rank ends with ``targets[rank]`` tokens
-    (default: token balance), inside the node first."""
+    (default: token balance), inside the node first. ``per_rank``: the ranks' attention
+    tokens, when the caller has them."""
     world = topology.world_size
-    targets = list(targets) if targets is not None else rank_targets(attention, topology)
-    if sum(targets) != sum(e - s for segs in attention for _, s, e in segs):
+    per_rank = rank_tokens(attention) if per_rank is None else per_rank
+    targets = list(targets) if targets is not None else rank_targets(per_rank, topology)
+    if sum(targets) != sum(per_rank):
         raise ValueError(f"linear targets hold {sum(targets)} tokens, the attention layout "
-                         f"{sum(e - s for segs in attention for _, s, e in segs)}")
+                         f"{sum(per_rank)}")
     kept: list[list[Segment]] = []
     surplus: list[deque[Segment]] = []
     deficit = []
     for rank in range(world):
-        have = sum(end - start for _, start, end in attention[rank])
+        have = per_rank[rank]
         if have <= targets[rank]:
             keep, rest = list(attention[rank]), []
         else:

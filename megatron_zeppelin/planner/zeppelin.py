@@ -26,7 +26,7 @@ from megatron_zeppelin.plan import (AttentionTask, Plan, Tier, zigzag_share,
                                     zigzag_share_bound)
 from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble,
                                               grow_derived_capacity, prepare)
-from megatron_zeppelin.planner.linear_layout import balance_linear, rank_targets
+from megatron_zeppelin.planner.linear_layout import balance_linear, rank_targets, rank_tokens
 
 
 @dataclass
@@ -85,7 +85,9 @@ def linear_balancer(cost: CostModel):
     r, c = cost.linear_time(1), cost.remap_seconds_per_token()
 
     def balance(attention, topology):
-        return balance_linear(attention, topology, rank_targets(attention, topology, r, c))
+        per_rank = rank_tokens(attention)
+        return balance_linear(attention, topology, rank_targets(per_rank, topology, r, c),
+                              per_rank)
 
     return balance
 
@@ -104,11 +106,15 @@ def assign_nodes(state: _Placement, order: list[int]
     per_node: list[list[int]] = [[] for _ in range(topo.nodes)]
     for position, seq in enumerate(order):
         seqlen, seconds = seqlens[seq], local_time[seq]
-        load, node = heap[0]
-        if seconds <= target and seqlen <= capacity and tokens[node] + seqlen <= room:
-            per_node[node].append(seq)  # fast path: a short sequence to the least-loaded node
+        if seconds <= target and seqlen <= capacity:  # fast path: a light sequence, whole to
+            load, node = heap[0]                      # the least-loaded node with room
+            if tokens[node] + seqlen <= room:
+                heapq.heapreplace(heap, (load + seconds, node))
+            else:
+                load, node = _pop_nodes(heap, tokens, seqlen, room, 1, seq, state.gpn)[0]
+                heapq.heappush(heap, (load + seconds, node))
+            per_node[node].append(seq)
             tokens[node] += seqlen
-            heapq.heapreplace(heap, (load + seconds, node))
             continue
         upcoming = order[position + 1] if position + 1 < len(order) else None
         span = choose_node_span(state, sorted(load for load, _ in heap), seq, upcoming,
@@ -138,7 +144,7 @@ def choose_node_span(state: _Placement, node_loads: list[float], seq: int,
     sequence's best per-rank time there; the mean is the whole batch's work plus the ring
     traffic left exposed so far and by this span, per rank; ``next`` places the ``upcoming``
     (next longest) sequence on the least-loaded node left, at its best per-rank time there,
-    since it cannot spread over the whole pool either. Exposed inter-node traffic is wasted
+    when one node can take it under the target (it cannot spread over the whole pool then). Exposed inter-node traffic is wasted
     time that raises every rank's load, so a wider span must earn it.
     """
     gpn, nodes, world = state.gpn, state.batch.topology.nodes, state.batch.topology.world_size
@@ -146,6 +152,8 @@ def choose_node_span(state: _Placement, node_loads: list[float], seq: int,
     best_times = {} if best_times is None else best_times
     floor = (state.total_work + state.overhead) / world
     after = _best_node_time(state, upcoming, best_times) if upcoming is not None else 0.0
+    if after > state.target:
+        after = 0.0  # the next sequence will span nodes itself: no node-bound lookahead
     peaks: list[tuple[float, int]] = []
     one = _best_node_time(state, seq, best_times)
     if one < float("inf"):
@@ -213,16 +221,15 @@ def _pop_nodes(heap: list[tuple[float, int]], tokens: list[int], share: int, roo
 
 @dataclass
 class _NodeGpus:
-    """Per-GPU load (seconds) and attention tokens of one node, with a heap for LPT."""
+    """Per-GPU load (seconds) and attention tokens of one node (a handful of GPUs: scans)."""
 
     loads: list[float]
     tokens: list[int]
-    heap: list[tuple[float, int]]
     total: float = 0.0  # sum of loads
 
     @classmethod
     def empty(cls, gpn: int) -> "_NodeGpus":
-        return cls([0.0] * gpn, [0] * gpn, [(0.0, g) for g in range(gpn)])
+        return cls([0.0] * gpn, [0] * gpn)
 
     def charge(self, gpus: list[int], seqlen: int, per_rank: float) -> None:
         """Add a task's per-rank time and zigzag share to ``gpus`` (ring order)."""
@@ -230,30 +237,22 @@ class _NodeGpus:
             self.loads[g] += per_rank
             self.tokens[g] += zigzag_share(seqlen, len(gpus), p)
         self.total = sum(self.loads)
-        self.heap = [(load, g) for g, load in enumerate(self.loads)]
-        heapq.heapify(self.heap)
 
     def place_local(self, seqlen: int, seconds: float, capacity: int,
                     limit: float = float("inf")) -> int | None:
         """LPT: the least-loaded GPU with room takes the whole sequence if that keeps it
         within ``limit`` seconds; None (nothing placed) otherwise."""
-        load, g = self.heap[0]
-        if self.tokens[g] + seqlen <= capacity:
-            if load + seconds > limit:
-                return None
-            heapq.heapreplace(self.heap, (load + seconds, g))
-        else:
-            with_room = [(lo, h) for lo, h in self.heap if self.tokens[h] + seqlen <= capacity]
-            if not with_room or min(with_room)[0] + seconds > limit:
-                return None
-            load, g = min(with_room)
-            self.heap.remove((load, g))
-            self.heap.append((load + seconds, g))
-            heapq.heapify(self.heap)
-        self.loads[g] = load + seconds
-        self.tokens[g] += seqlen
+        loads, tokens, best = self.loads, self.tokens, -1
+        room = capacity - seqlen
+        for g in range(len(loads)):
+            if tokens[g] <= room and (best < 0 or loads[g] < loads[best]):
+                best = g
+        if best < 0 or loads[best] + seconds > limit:
+            return None
+        loads[best] += seconds
+        tokens[best] += seqlen
         self.total += seconds
-        return g
+        return best
 
 
 def assign_gpus(state: _Placement, node: int, inter: dict[int, tuple[int, ...]],
@@ -314,7 +313,7 @@ def _place_inter_shares(state: _Placement, node: int, inter: dict[int, tuple[int
         if nodes[0] == node:
             ring = tuple(r for n in nodes for r in topo.node_ranks(n))
             tasks.append(AttentionTask(seq=seq, ring=ring, tier=Tier.INTER))
-    gpus.charge([], 0, 0.0)  # rebuild the heap from the charged loads
+    gpus.total = sum(gpus.loads)
     return tasks
 
 
