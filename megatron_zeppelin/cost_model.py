@@ -150,10 +150,11 @@ class CostModel:
 
     def remap_seconds_per_token(self) -> float:
         """Cross-node remap time of one token, all layers, forward + backward: q, k, v there
-        and the output back, over a node's NICs (all of them busy at once)."""
+        and the output back. The remap's all-to-all is not routed, so a token leaves through
+        the sending rank's own NIC (static affinity): one GPU's share of the node's NICs."""
         c = self.cluster
         nbytes = 2.0 * self.qkvo_bytes(1) * self.model.num_layers
-        return nbytes / (c.nics_per_node * c.nic_byte_per_s)
+        return nbytes / (c.nic_byte_per_s * c.nics_per_node / c.gpus_per_node * self.tp)
 
     def ring_step_bytes(self, seqlen: float, ring: int) -> float:
         """Bytes one rank sends in one ring step, one layer, forward + backward: KV forward,

@@ -20,6 +20,8 @@ import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.plan import (AttentionTask, Plan, Tier, zigzag_share,
@@ -96,18 +98,41 @@ def linear_balancer(cost: CostModel):
 
 def assign_nodes(state: _Placement, order: list[int]
                  ) -> tuple[dict[int, tuple[int, ...]], list[list[int]]]:
-    """Sequences to nodes. Returns (inter-node seq -> its nodes, per node its whole sequences)."""
-    topo, seqlens, local_time = state.batch.topology, state.batch.seqlens, state.local_time
-    room, target, capacity = state.gpn * state.batch.capacity, state.target, state.batch.capacity
+    """Sequences to nodes, balancing attention time and tokens (linear time) across nodes.
+
+    Attention-heavy sequences (more attention time per token than the batch's mean: the long
+    ones, and any that one GPU cannot take whole) go first, by attention time (LPT, spans
+    over nodes when needed); the light rest go where they keep max attention + max linear
+    over nodes lowest, so the linear layout, which the remap balances inside nodes, is
+    balanced across nodes too.
+    Returns (inter-node seq -> its nodes, per node its whole sequences, longest first).
+    """
+    topo = state.batch.topology
     heap = [(0.0, node) for node in range(topo.nodes)]
     tokens = [0] * topo.nodes
-    best_times: dict[int, float] = {}  # per sequence: its best per-rank time on one node
     inter: dict[int, tuple[int, ...]] = {}
     per_node: list[list[int]] = [[] for _ in range(topo.nodes)]
+    density = state.total_work / state.batch.total_tokens  # mean attention seconds per token
+    split = next((i for i, seq in enumerate(order)
+                  if state.local_time[seq] <= density * state.batch.seqlens[seq] and
+                  state.local_time[seq] <= state.target and
+                  state.batch.seqlens[seq] <= state.batch.capacity), len(order))
+    _place_heavy(state, order[:split], heap, tokens, inter, per_node)
+    _place_light(state, order[split:], heap, tokens, per_node)
+    return inter, per_node
+
+
+def _place_heavy(state: _Placement, order: list[int], heap: list, tokens: list[int],
+                 inter: dict, per_node: list[list[int]]) -> None:
+    """Attention-heavy sequences: LPT on node attention load; a sequence spans several nodes
+    when one node cannot take it (``choose_node_span``)."""
+    seqlens, local_time = state.batch.seqlens, state.local_time
+    room, target, capacity = state.gpn * state.batch.capacity, state.target, state.batch.capacity
+    best_times: dict[int, float] = {}  # per sequence: its best per-rank time on one node
     for position, seq in enumerate(order):
         seqlen, seconds = seqlens[seq], local_time[seq]
-        if seconds <= target and seqlen <= capacity:  # fast path: a light sequence, whole to
-            load, node = heap[0]                      # the least-loaded node with room
+        if seconds <= target and seqlen <= capacity:  # fast path: whole, to the least-loaded
+            load, node = heap[0]                      # node with room
             if tokens[node] + seqlen <= room:
                 heapq.heapreplace(heap, (load + seconds, node))
             else:
@@ -131,7 +156,78 @@ def assign_nodes(state: _Placement, order: list[int]
         for load, node in chosen:
             tokens[node] += share
             heapq.heappush(heap, (load + work, node))
-    return inter, per_node
+
+
+def _place_light(state: _Placement, order: list[int], heap: list, tokens: list[int],
+                 per_node: list[list[int]]) -> None:
+    """Light sequences (the short ones), longest first: each to the node that keeps the step
+    shortest, max attention + max linear over nodes (the remap balances the linear layout
+    inside nodes, so a node's linear time follows its tokens), the fewest tokens on a tie."""
+    att = [0.0] * state.batch.topology.nodes
+    for load, node in heap:
+        att[node] = load
+    light = _LightNodes(att, tokens, state.gpn * state.batch.capacity,
+                        state.cost.linear_time(1))
+    for seq in order:
+        node = light.place(state.local_time[seq], state.batch.seqlens[seq])
+        if node is None:
+            raise CapacityError(f"sequence {seq} ({state.batch.seqlens[seq]} tokens) fits on no "
+                                f"node: every node is within {state.batch.seqlens[seq]} tokens "
+                                f"of its {light.room} (capacity {state.batch.capacity} tokens "
+                                "per GPU)")
+        per_node[node].append(seq)
+
+
+class _LightNodes:
+    """Node attention load and tokens while light sequences are added (``_place_light``)."""
+
+    SCAN = 16  # nodes at the attention max skipped before evaluating every node
+
+    def __init__(self, att: list[float], tokens: list[int], room: int, per_token: float):
+        self.att, self.tokens, self.room, self.per_token = att, tokens, room, per_token
+        self.att_max, self.tok_max = max(att), max(tokens)
+        self.heap = [(t, n) for n, t in enumerate(tokens)]
+        heapq.heapify(self.heap)
+
+    def place(self, seconds: float, seqlen: int) -> int | None:
+        node = self._easy(seconds, seqlen)
+        if node is None:
+            node = self._best(seconds, seqlen)
+            if node is None:
+                return None
+        self.att[node] += seconds
+        self.tokens[node] += seqlen
+        self.att_max = max(self.att_max, self.att[node])
+        self.tok_max = max(self.tok_max, self.tokens[node])
+        heapq.heappush(self.heap, (self.tokens[node], node))  # older entries of node: stale
+        return node
+
+    def _easy(self, seconds: float, seqlen: int) -> int | None:
+        """The fewest-tokens node if adding there raises neither maximum (then optimal)."""
+        skipped, found = [], None
+        while self.heap and len(skipped) < self.SCAN:
+            count, n = heapq.heappop(self.heap)
+            if count != self.tokens[n]:
+                continue  # stale: the node has gained tokens since
+            if count + seqlen <= self.room and self.att[n] + seconds <= self.att_max:
+                if count + seqlen <= self.tok_max:
+                    found = n
+                else:
+                    skipped.append((count, n))
+                break
+            skipped.append((count, n))
+        for item in skipped:
+            heapq.heappush(self.heap, item)
+        return found
+
+    def _best(self, seconds: float, seqlen: int) -> int | None:
+        """Every node evaluated: max attention + max linear after adding there."""
+        att, tok = np.asarray(self.att), np.asarray(self.tokens, dtype=np.float64)
+        step = np.maximum(self.att_max, att + seconds) + \
+            np.maximum(self.tok_max, tok + seqlen) * self.per_token
+        step = np.where(tok + seqlen > self.room, np.inf, step + tok * 1e-15)
+        node = int(np.argmin(step))
+        return None if step[node] == np.inf else node
 
 
 def choose_node_span(state: _Placement, node_loads: list[float], seq: int,
