@@ -14,8 +14,6 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import torch.multiprocessing as mp
-
 ROOT = Path(__file__).resolve().parents[2]
 YAML = ROOT / "configs" / "train" / "gpt-tiny-cpu.yaml"
 
@@ -34,6 +32,8 @@ def _rank(rank: int, world: int, port: int, argv: list[str]) -> None:
 
 def run_mode(mode: str, iterations: int, extra: list[str], port: int) -> list[dict]:
     """Train ``iterations`` steps in ``mode`` on 4 spawned ranks; rank 0's per-step logs."""
+    import torch.multiprocessing as mp
+
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
         argv = ["--yaml-cfg", str(YAML), "--context-parallel-mode", mode, "--train-iters",
