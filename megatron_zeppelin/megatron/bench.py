@@ -25,6 +25,9 @@ def _rank(rank: int, world: int, port: int, argv: list[str]) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+
+    torch.set_num_threads(1)  # as torchrun does: 4 ranks share this machine's cores
     from megatron_zeppelin.megatron.train import main
 
     main(argv)
