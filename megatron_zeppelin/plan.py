@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 
 class Tier(enum.IntEnum):
@@ -274,6 +274,28 @@ class Plan:
 
         plan_checks.check_plan(self)
         return self
+
+
+def local_call_groups(squares: Sequence[float], min_tokens: int) -> list[tuple[int, ...]]:
+    """How a rank runs its LOCAL sequences (the engine does it, the simulator models it): the
+    sequence indices of each kernel call, in run order, from each sequence's s^2. A sequence
+    of at least ``min_tokens`` tokens is a call of its own; shorter ones, shortest first, are
+    packed into calls that close once they hold the work (sum of s^2) of one
+    ``min_tokens``-token sequence; calls run by ascending work (ties: lowest first index)."""
+    floor = min_tokens * min_tokens
+    calls, batch, work = [], [], 0
+    for i in sorted(range(len(squares)), key=lambda i: (squares[i], i)):
+        if squares[i] >= floor:
+            calls.append((i,))
+            continue
+        batch.append(i)
+        work += squares[i]
+        if work >= floor:
+            calls.append(tuple(batch))
+            batch, work = [], 0
+    if batch:
+        calls.append(tuple(batch))
+    return sorted(calls, key=lambda call: (sum(squares[i] for i in call), call[0]))
 
 
 def _pieces_by_seq(layout: tuple[tuple[Segment, ...], ...], num_seqs: int

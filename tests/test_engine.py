@@ -103,8 +103,9 @@ def test_local_calls_batch_short_sequences_and_run_by_ascending_work():
         assert all(lengths[i] < min_tokens for call in calls if len(call) > 1 for i in call)
         assert sum(w < min_tokens ** 2 for w in batches) <= 1, (lengths, min_tokens, calls)
         assert all(w < 2 * min_tokens ** 2 for w in batches), (lengths, min_tokens, calls)
-        # the simulator models the same calls
-        assert calls == rounds.local_call_groups([n * n for n in lengths], min_tokens)
+        # the simulator prices exactly these calls (1 s per sequence, no launch cost)
+        seconds = rounds.local_call_seconds([(n * n, 1.0) for n in lengths], 0.0, min_tokens)
+        assert seconds == [float(len(call)) for call in calls]
     assert LOCAL_CALL_TOKENS == rounds.LOCAL_CALL_TOKENS
     assert local_calls([1, 3, 17, 5, 40, 2, 9], 8) == [(0, 5, 1, 3), (6,), (2,), (4,)]
 

@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin import env
-from megatron_zeppelin.plan import Plan, RingGroup, Tier
+from megatron_zeppelin.plan import Plan, RingGroup, Tier, local_call_groups
 from megatron_zeppelin.router import RouterTopology
 from megatron_zeppelin.runtime import kernels
 from megatron_zeppelin.runtime.attention import RingGroupRun, ZigzagLayout, accum_dtype
@@ -115,26 +115,9 @@ class _Wave:
 
 
 def local_calls(lengths: Sequence[int], min_tokens: int) -> list[tuple[int, ...]]:
-    """The LOCAL sequences (indices into ``lengths``) of each call, in run order.
-
-    A sequence of at least ``min_tokens`` tokens is a call of its own; shorter ones, shortest
-    first, are packed into calls that close once they hold the work (sum of s^2) of one
-    ``min_tokens``-token sequence. Calls run by ascending work (ties: lowest first index).
-    """
-    floor = min_tokens * min_tokens
-    calls, batch, work = [], [], 0
-    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
-        if lengths[i] >= min_tokens:
-            calls.append((i,))
-            continue
-        batch.append(i)
-        work += lengths[i] * lengths[i]
-        if work >= floor:
-            calls.append(tuple(batch))
-            batch, work = [], 0
-    if batch:
-        calls.append(tuple(batch))
-    return sorted(calls, key=lambda call: (sum(lengths[i] ** 2 for i in call), call[0]))
+    """The LOCAL sequences (indices into ``lengths``) of each call, in run order
+    (``plan.local_call_groups``: the rule the simulator models too)."""
+    return local_call_groups([n * n for n in lengths], min_tokens)
 
 
 def fill(queue: deque, in_flight: Callable[[], bool], run: Callable[[LocalCall], None],

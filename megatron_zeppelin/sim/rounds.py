@@ -32,7 +32,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from megatron_zeppelin.config import ClusterSpec
-from megatron_zeppelin.plan import Tier
+from megatron_zeppelin.plan import Tier, local_call_groups
 from megatron_zeppelin.sim.network import GpuMap, inter_step_time
 
 INTER_MODES = ("ring", "direct", "routed")
@@ -96,27 +96,6 @@ def round_bytes(sizes: np.ndarray, kv_bytes: np.ndarray, r: int, spec: PassSpec)
     if spec.backward:
         out = out + np.where((1 <= r) & (r <= sizes), kv_bytes * spec.acc_per_kv_byte, 0.0)
     return out
-
-
-def local_call_groups(squares: Sequence[float], min_tokens: int) -> list[tuple[int, ...]]:
-    """The engine's LOCAL calls (``runtime/engine.local_calls``) from the sequences' s^2:
-    sequence indices per call, in run order. A sequence of at least ``min_tokens`` tokens is a
-    call of its own; shorter ones, shortest first, are packed into calls that close at the work
-    of one ``min_tokens``-token sequence; calls run by ascending work (ties: first index)."""
-    floor = float(min_tokens) ** 2
-    calls, batch, work = [], [], 0.0
-    for i in sorted(range(len(squares)), key=lambda i: (squares[i], i)):
-        if squares[i] >= floor:
-            calls.append((i,))
-            continue
-        batch.append(i)
-        work += squares[i]
-        if work >= floor:
-            calls.append(tuple(batch))
-            batch, work = [], 0.0
-    if batch:
-        calls.append(tuple(batch))
-    return sorted(calls, key=lambda call: (sum(squares[i] for i in call), call[0]))
 
 
 def local_call_seconds(work: list[tuple[float, float]], launch_s: float,
