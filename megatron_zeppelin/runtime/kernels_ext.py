@@ -11,7 +11,7 @@ that see no key). Both need CUDA fp16/bf16 tensors; ``kernels.resolve_backend`` 
 * Transformer Engine: ``cpp_extensions.fused_attn_fwd`` / ``fused_attn_bwd`` with layout
   ``thd_thd_thd``, mask ``padding_causal_bottom_right`` or ``padding``; its softmax stats are
   ``[total_q, heads, 1]`` (cuDNN >= 9.6) or ``[batch, heads, max_q, 1]`` before, converted to
-  and from ``[heads, tq]``. No dropout is used, so the RNG state passed back is a placeholder.
+  and from ``[heads, tq]``. No dropout is used, so the RNG state passed back is unused (zeros).
 """
 from __future__ import annotations
 
@@ -165,11 +165,11 @@ def _te_backward(dout, q, k, v, out, lse, cq, ck, causal, scale):
 
     kwargs, cu_q, cu_k = _te_common(q, cq, ck, causal, scale)
     stats = _lse_to_te(lse.float().masked_fill(torch.isneginf(lse), float("inf")), cq)
-    rng_placeholder = torch.zeros(2, dtype=torch.int64, device=q.device)
+    unused_rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
     grads = te.fused_attn_bwd(_max_len(cq), _max_len(ck), cu_q, cu_k, q.contiguous(),
                               k.contiguous(), v.contiguous(), out.contiguous(),
                               dout.contiguous(), q.dtype, TE_DType[dout.dtype],
-                              [stats, rng_placeholder],
+                              [stats, unused_rng_state],
                               te.FusedAttnBackend["F16_arbitrary_seqlen"],
                               deterministic=False, **kwargs)
     return grads[0], grads[1], grads[2]
