@@ -120,24 +120,24 @@ def apply_plan(pb: Problem, loads: Loads, f: int, plan: Plan, sign: int) -> None
     lv, ln = loads.cs * pb.lv, loads.cs * pb.ln
     for e, i, p, q, nb in plan:
         if p != s:
-            t = sign * (nb * pb.cv + lv)
-            loads.d_out[s] += t
-            loads.d_in[p] += t
-            loads.d_m_out[s] += sign
-            loads.d_m_in[p] += sign
-        t = sign * (nb * pb.cn + ln)
-        loads.n_out[xo + e] += t
-        loads.n_in[yo + i] += t
-        loads.n_m_out[xo + e] += sign
-        loads.n_m_in[yo + i] += sign
+            _add_leg(loads.d_out, loads.d_in, loads.d_m_out, loads.d_m_in, s, p,
+                     sign * (nb * pb.cv + lv), sign)
+        _add_leg(loads.n_out, loads.n_in, loads.n_m_out, loads.n_m_in, xo + e, yo + i,
+                 sign * (nb * pb.cn + ln), sign)
         loads.b_out[xo + e] += sign * nb
         loads.b_in[yo + i] += sign * nb
         if q != d:
-            t = sign * (nb * pb.cv + lv)
-            loads.c_out[q] += t
-            loads.c_in[d] += t
-            loads.c_m_out[q] += sign
-            loads.c_m_in[d] += sign
+            _add_leg(loads.c_out, loads.c_in, loads.c_m_out, loads.c_m_in, q, d,
+                     sign * (nb * pb.cv + lv), sign)
+
+
+def _add_leg(t_out: list[int], t_in: list[int], m_out: list[int], m_in: list[int],
+             a: int, b: int, ticks: int, sign: int) -> None:
+    """One leg a -> b: ``ticks`` busy time on a's egress and b's ingress, one message each."""
+    t_out[a] += ticks
+    t_in[b] += ticks
+    m_out[a] += sign
+    m_in[b] += sign
 
 
 def score_plan(pb: Problem, loads: Loads, f: int, plan: Plan) -> int:
