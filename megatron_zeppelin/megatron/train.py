@@ -196,7 +196,8 @@ def setup_megatron(args: argparse.Namespace) -> None:
 
 
 def train(args: argparse.Namespace) -> list[StepLog]:
-    """Run ``--train-iters`` iterations; returns the per-iteration logs (rank 0 prints them)."""
+    """Run ``--train-iters`` iterations; returns the per-iteration logs on rank 0 (which prints
+    them), an empty list elsewhere."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     world, tp = dist.get_world_size(), args.tensor_model_parallel_size

@@ -65,20 +65,21 @@ class Logger:
         """The data iterator, remembering the plan of every micro-batch it hands out."""
         self.plans = []
 
-        class _Watched:
-            def __iter__(inner):
-                return inner
-
-            def __next__(inner):
-                batch = next(data)
+        def batches():
+            for batch in data:
                 self.plans.append(batch.plan)
-                return batch
+                yield batch
 
-        return _Watched()
+        return batches()
 
-    def step(self, iteration: int, stored: list[dict], grad_norm, seconds: float) -> StepLog:
+    def step(self, iteration: int, stored: list[dict], grad_norm, seconds: float
+             ) -> StepLog | None:
+        """Every rank joins the loss all-reduce; only the printing rank estimates the plans
+        and records the ``StepLog`` (None elsewhere)."""
         sums = torch.stack([d["lm loss"] for d in stored]).sum(0) if stored else torch.zeros(2)
         dist.all_reduce(sums)
+        if not self.printing:
+            return None
         estimates = [estimate_plan(p, self.cost) for p in self.plans]
         imbalance = max((max(e.attention_s) / (sum(e.attention_s) / len(e.attention_s))
                          for e in estimates), default=1.0)
@@ -88,9 +89,9 @@ class Logger:
                       sum(p.plan_time_s for p in self.plans) * 1e3,
                       float(grad_norm or 0.0), seconds)
         self.history.append(log)
-        if self.printing and iteration % self.args.log_interval == 0:
+        if iteration % self.args.log_interval == 0:
             print(log.line(self.args.train_iters), flush=True)
-        if self.printing and self.args.log_json:
+        if self.args.log_json:
             with open(self.args.log_json, "a") as f:
                 f.write(json.dumps(dataclasses.asdict(log)) + "\n")
         if self.writer is not None:
