@@ -343,10 +343,6 @@ def load_cluster(name_or_path: str | os.PathLike, nodes: int | None = None) -> C
     return cluster.with_nodes(nodes) if nodes is not None else cluster
 
 
-def load_zeppelin(data: Mapping[str, Any] | None, where: str = "zeppelin") -> ZeppelinConfig:
-    return from_dict(ZeppelinConfig, data or {}, where=where)
-
-
 @dataclass(frozen=True)
 class Setup:
     """What the planner, cost model and simulator need, loaded together."""

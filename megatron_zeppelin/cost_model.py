@@ -35,9 +35,6 @@ class Link:
     byte_per_s: float
     latency_s: float
 
-    def time(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / self.byte_per_s
-
 
 @dataclass(frozen=True)
 class CostModel:
@@ -240,11 +237,6 @@ class PlanEstimate:
     ring_cross_node_bytes: float
     remap_cross_node_bytes: float
     remap_bytes: float
-
-    @staticmethod
-    def imbalance(values: tuple[float, ...]) -> float:
-        mean = sum(values) / len(values)
-        return max(values) / mean if mean > 0 else 1.0
 
 
 def estimate_plan(plan: Plan, cost: CostModel, routed: bool = True) -> PlanEstimate:

@@ -147,7 +147,7 @@ def te_core_attention_class() -> type:
 
     Raises ImportError naming the extra when Transformer Engine is not installed.
     """
-    try:  # megatron-core's TE module imports without TE (it stubs it): ask for TE itself
+    try:  # megatron-core's TE module imports even without TE installed: ask for TE itself
         import transformer_engine  # noqa: F401
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
     except ImportError as exc:

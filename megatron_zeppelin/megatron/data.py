@@ -138,7 +138,6 @@ class MicroBatch:
     """One rank's share of a planned micro-batch, Megatron's layout with batch 1.
 
     tokens / labels / position_ids: ``[1, tokens]`` int64; loss_mask ``[1, tokens]`` float32.
-    loss_tokens: tokens with a target in the whole micro-batch (all ranks).
     """
 
     tokens: torch.Tensor
@@ -147,7 +146,6 @@ class MicroBatch:
     position_ids: torch.Tensor
     packed_seq_params: ZeppelinPackedSeqParams
     plan: Plan
-    loss_tokens: int
 
 
 def slice_rank(plan: Plan, rank: int, documents: Sequence[torch.Tensor],
@@ -169,8 +167,7 @@ def slice_rank(plan: Plan, rank: int, documents: Sequence[torch.Tensor],
         tokens=torch.cat(tokens).unsqueeze(0).to(device),
         labels=torch.cat(labels).unsqueeze(0).to(device),
         loss_mask=torch.cat(mask).unsqueeze(0).to(device),
-        position_ids=params.position_ids(device), packed_seq_params=params, plan=plan,
-        loss_tokens=sum(length - 1 for length in plan.seqlens))
+        position_ids=params.position_ids(device), packed_seq_params=params, plan=plan)
 
 
 class ZeppelinDataIterator:

@@ -84,7 +84,7 @@ def inter_step_time(cluster: ClusterSpec, flows: FlowBytes, routed: bool,
 def _router_step_time(cluster: ClusterSpec, items: list[tuple[int, int, float]],
                       routed: bool) -> float:
     """The router's schedule time of the step: routed, or the same flows sent direct."""
-    from megatron_zeppelin.router import Flow, RouterTopology, route
+    from megatron_zeppelin.router import Flow, route
 
     topology = _router_topology(cluster)
     flows = [Flow(src, dst, max(1, math.ceil(nbytes))) for src, dst, nbytes in items]

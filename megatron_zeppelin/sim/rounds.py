@@ -27,7 +27,7 @@ bytes / bandwidth + latency: NVLink inside a node; across nodes, per ``inter_mod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
