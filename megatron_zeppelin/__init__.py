@@ -6,9 +6,10 @@ Layers, imported one way only (a layer may import the ones above it, never below
     cost_model                          FLOPs, bytes, times, crossover lengths
     planner/                            zeppelin partitioner, baselines, linear layout
     router/                             NIC-aware routing schedule (Python + C++ twin)
-    sim/                                cluster simulator, workloads, reports
+    sim/                                cluster simulator, workloads, reports (no torch)
     runtime/                            torch.distributed: rings, attention engine, remap
     megatron/                           Megatron-Core integration (spec, data hook, args)
+    bench/                              all measurement: benchmarks, calibration, fidelity
     cli                                 the ``zeppelin`` command
 """
 __version__ = "0.1.0"

@@ -227,10 +227,10 @@ def plots(paper, scale, ablation, img: Path) -> list[str]:
 def fidelity_section(run: bool) -> list[str]:
     """Calibrate, run the fidelity check and format it (or say it was not run)."""
     if not run:
-        return ["Not run in this generation (pass `--fidelity`; see `zeppelin simulate "
-                "--fidelity`)."]
-    from megatron_zeppelin.sim import fidelity
-    from megatron_zeppelin.sim.cli import cmd_calibrate, calibrate_defaults
+        return ["Not run in this generation (pass `--fidelity`; see `zeppelin bench "
+                "fidelity`)."]
+    from megatron_zeppelin.bench import fidelity
+    from megatron_zeppelin.bench.calibrate import cmd_calibrate, calibrate_defaults
 
     cmd_calibrate(calibrate_defaults())  # fresh profile, measured in the same conditions
     result = fidelity.run_fidelity(fidelity.FidelityOptions())

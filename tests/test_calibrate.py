@@ -3,10 +3,10 @@ import pytest
 
 from megatron_zeppelin import cli
 from megatron_zeppelin.config import ConfigError, load_cluster, load_hardware
-from megatron_zeppelin.sim.calibrate import (CalibrateOptions, ComputeSample, P2PSample,
+from megatron_zeppelin.bench.calibrate import (CalibrateOptions, ComputeSample, P2PSample,
                                              build_cluster, build_profile, fit_line, measure_p2p,
                                              time_attention, write_yaml)
-from megatron_zeppelin.sim.fidelity import FidelityOptions, FidelityRow, fidelity_cost
+from megatron_zeppelin.bench.fidelity import FidelityOptions, FidelityRow, fidelity_cost
 
 
 def test_fit_line_recovers_latency_and_bandwidth():

@@ -11,7 +11,7 @@ from megatron_zeppelin import router
 from megatron_zeppelin.config import load_cluster
 from megatron_zeppelin.router import (Flow, RouterTopology, Slice, backend_name, direct,
                                       evaluate, route, get_route_raw)
-from megatron_zeppelin.router import bench
+from megatron_zeppelin.bench import router as bench
 from megatron_zeppelin.router.model import MAX_CHUNKS_LIMIT, chunk_cap, chunk_span
 from megatron_zeppelin.router.reference import make_raw_arguments
 from megatron_zeppelin.router.schedule import TICKS_PER_S

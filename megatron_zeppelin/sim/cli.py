@@ -1,11 +1,8 @@
-"""``zeppelin simulate`` and ``zeppelin calibrate`` (registered by ``cli._extra_commands``).
+"""``zeppelin simulate`` (registered by ``cli._extra_commands``).
 
-simulate   plan + simulate every strategy variant over node counts x workloads; print a table
-           per setting and a summary; ``--plot DIR`` writes speedup bars and per-rank loads;
-           ``--fidelity`` instead runs the real attention engine on gloo ranks and compares
-           measured with simulated times.
-calibrate  measure this machine (CPU, or CUDA when asked) and write a hardware profile and the
-           emulated CPU cluster YAML the simulator and the fidelity check take.
+Plan + simulate every strategy variant over node counts x workloads; print a table per setting
+and a summary; ``--plot DIR`` writes speedup bars and per-rank loads. (Measured figures, the
+fidelity check and calibration, live in ``megatron_zeppelin.bench``.)
 """
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from megatron_zeppelin.config import ZeppelinConfig, configs_dir
+from megatron_zeppelin.config import ZeppelinConfig
 
 
 def _add_simulate_args(p: argparse.ArgumentParser) -> None:
@@ -46,10 +43,6 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="folder for speedup and per-rank load PNGs")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--fidelity", action="store_true", help="measure the real attention engine "
-                   "on 4 gloo ranks (2 nodes x 2) and compare with the simulator")
-    p.add_argument("--fidelity-batches", type=int, default=2)
-    p.add_argument("--fidelity-tokens", default="32K", help="tokens per fidelity batch")
 
 
 def _settings(args: argparse.Namespace):
@@ -59,7 +52,7 @@ def _settings(args: argparse.Namespace):
     from megatron_zeppelin.sim.workloads import parse_tokens
 
     if not args.model or not args.cluster:
-        raise ValueError("--model and --cluster are required (unless --fidelity)")
+        raise ValueError("--model and --cluster are required")
     nodes = args.nodes or [load_cluster(args.cluster).nodes]
     tokens = parse_tokens(args.global_batch_tokens) if args.global_batch_tokens else 0
     if args.batches < 1:
@@ -70,9 +63,7 @@ def _settings(args: argparse.Namespace):
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    """Run the sweep (or the fidelity check) and print / plot the results."""
-    if args.fidelity:
-        return _run_fidelity(args)
+    """Run the sweep and print / plot the results."""
     from megatron_zeppelin.sim import report
     from megatron_zeppelin.sim.sweep import resolve_variants, run_setting
 
@@ -143,69 +134,9 @@ def pick_load_setting(results, baseline: str):
     return max(results, key=lambda r: r.speedup("zeppelin", baseline) or 0.0)
 
 
-def _run_fidelity(args: argparse.Namespace) -> int:
-    """``zeppelin simulate --fidelity``: measured vs simulated on 4 gloo ranks."""
-    from megatron_zeppelin.sim import fidelity
-    from megatron_zeppelin.sim.workloads import parse_tokens
-
-    report = fidelity.run_fidelity(fidelity.FidelityOptions(
-        batches=args.fidelity_batches, tokens=parse_tokens(args.fidelity_tokens),
-        seed=args.seed))
-    print(fidelity.format_fidelity(report))
-    return 0
-
-
-def cmd_calibrate(args: argparse.Namespace) -> int:
-    """Measure this machine and write the profile (and, on CPU, the emulated cluster)."""
-    from megatron_zeppelin.sim.calibrate import (CalibrateOptions, calibrate, check_finite,
-                                                 format_calibration, write_yaml)
-
-    opts = CalibrateOptions(device=args.device, heads=args.heads, head_dim=args.head_dim,
-                            concurrency=args.concurrency if args.device == "cpu" else 1,
-                            threads=args.threads, min_time_s=args.min_time)
-    cal = calibrate(opts, name=args.name, measure_links=args.device == "cpu")
-    check_finite(cal)
-    print(format_calibration(cal))
-    path = write_yaml(cal.profile, args.hardware_out, f"Measured by `zeppelin calibrate` "
-                      f"(megatron_zeppelin/sim/calibrate.py).\n{cal.profile.source}")
-    print(f"wrote {path}")
-    if cal.cluster is not None:
-        path = write_yaml(cal.cluster, args.cluster_out, "Emulated CPU cluster: 2 nodes x 2 "
-                          "gloo ranks, 1 'NIC' per node; links at the measured gloo P2P "
-                          "bandwidth/latency (written by `zeppelin calibrate`).")
-        print(f"wrote {path}")
-    return 0
-
-
-def calibrate_defaults() -> argparse.Namespace:
-    """The arguments of a plain ``zeppelin calibrate`` (for scripts)."""
-    parser = argparse.ArgumentParser()
-    _add_calibrate_args(parser)
-    return parser.parse_args([])
-
-
-def _add_calibrate_args(c: argparse.ArgumentParser) -> None:
-    """Flags of ``zeppelin calibrate``."""
-    c.add_argument("--device", default="cpu", help="cpu | cuda")
-    c.add_argument("--name", default="cpu", help="profile name")
-    c.add_argument("--heads", type=int, default=4)
-    c.add_argument("--head-dim", type=int, default=64)
-    c.add_argument("--concurrency", type=int, default=4,
-                   help="CPU: processes measuring at once (the emulated ranks sharing the cores)")
-    c.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    c.add_argument("--min-time", type=float, default=0.3, help="seconds per measured point")
-    c.add_argument("--hardware-out", default=str(configs_dir() / "hardware" / "cpu.yaml"),
-                   help="where to write the hardware profile")
-    c.add_argument("--cluster-out", default=str(configs_dir() / "clusters" / "cpu-2x2.yaml"),
-                   help="where to write the emulated CPU cluster (CPU only)")
-
-
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``simulate`` and ``calibrate`` to the ``zeppelin`` command."""
+    """Add ``simulate`` to the ``zeppelin`` command."""
     p = sub.add_parser("simulate", help="simulate strategies over cluster sizes and workloads",
                        description=__doc__)
     _add_simulate_args(p)
     p.set_defaults(func=cmd_simulate)
-    c = sub.add_parser("calibrate", help="measure this machine; write hardware/cluster YAMLs")
-    _add_calibrate_args(c)
-    c.set_defaults(func=cmd_calibrate)

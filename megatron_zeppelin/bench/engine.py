@@ -200,3 +200,15 @@ def _print(figures: dict, args: argparse.Namespace) -> None:
     print(f"  engine, communication only   {figures['comm'] * 1e3:9.2f} ms")
     print(f"  communication hidden         {figures['hidden_fraction'] * 100:9.1f} %   "
           "(compute + comm - engine) / comm")
+
+
+def register(targets) -> None:
+    """``zeppelin bench engine``: this module's own parser handles every flag (``run``)."""
+    p = targets.add_parser("engine", add_help=False,
+                           help="attention engine vs the same work on one process (CPU, 2 ranks)")
+    p.set_defaults(func=_command, passthrough_flags=True)
+
+
+def _command(args) -> int:
+    run(args.passthrough)
+    return 0

@@ -25,7 +25,7 @@ from megatron_zeppelin.config import ModelSpec, ZeppelinConfig, load_cluster, lo
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner import make_plan
-from megatron_zeppelin.sim.calibrate import collect
+from megatron_zeppelin.bench.calibrate import collect
 from megatron_zeppelin.sim.simulator import SimOptions, attention_time
 from megatron_zeppelin.sim.workloads import sample_batch
 
@@ -228,3 +228,22 @@ def format_fidelity(report: FidelityReport) -> str:
                      f"{TARGET_ERROR:.0%} target")
     lines.append(f"mean |error| over all plans {report.mean_abs_error():.1%}")
     return "\n".join(lines)
+
+
+def _cmd_fidelity(args) -> int:
+    """``zeppelin bench fidelity``: measured vs simulated on 4 gloo ranks."""
+    from megatron_zeppelin.sim.workloads import parse_tokens
+
+    report = run_fidelity(FidelityOptions(batches=args.batches, tokens=parse_tokens(args.tokens),
+                                          seed=args.seed))
+    print(format_fidelity(report))
+    return 0
+
+
+def register(targets) -> None:
+    p = targets.add_parser("fidelity", help="the real attention engine on 4 gloo ranks (2 nodes "
+                           "x 2) vs the simulator, same plans")
+    p.add_argument("--batches", type=int, default=2)
+    p.add_argument("--tokens", default="32K", help="tokens per batch")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_fidelity)

@@ -387,3 +387,58 @@ def check_finite(cal: Calibration) -> None:
     values = [cal.profile.gemm_tflops, *(t for _, t in cal.profile.attention_tflops)]
     if any(not (math.isfinite(v) and v > 0) for v in values):
         raise RuntimeError(f"calibration produced a non-positive or non-finite value: {values}")
+
+
+# ----------------------------------------------------------------------------- command line
+
+def cmd_calibrate(args) -> int:
+    """Measure this machine and write the profile (and, on CPU, the emulated cluster)."""
+    opts = CalibrateOptions(device=args.device, heads=args.heads, head_dim=args.head_dim,
+                            concurrency=args.concurrency if args.device == "cpu" else 1,
+                            threads=args.threads, min_time_s=args.min_time)
+    cal = calibrate(opts, name=args.name, measure_links=args.device == "cpu")
+    check_finite(cal)
+    print(format_calibration(cal))
+    path = write_yaml(cal.profile, args.hardware_out, f"Measured by `zeppelin calibrate` "
+                      f"(megatron_zeppelin/bench/calibrate.py).\n{cal.profile.source}")
+    print(f"wrote {path}")
+    if cal.cluster is not None:
+        path = write_yaml(cal.cluster, args.cluster_out, "Emulated CPU cluster: 2 nodes x 2 "
+                          "gloo ranks, 1 'NIC' per node; links at the measured gloo P2P "
+                          "bandwidth/latency (written by `zeppelin calibrate`).")
+        print(f"wrote {path}")
+    return 0
+
+
+def calibrate_defaults():
+    """The arguments of a plain ``zeppelin calibrate`` (for scripts)."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    _add_calibrate_args(parser)
+    return parser.parse_args([])
+
+
+def _add_calibrate_args(c) -> None:
+    """Flags of ``zeppelin calibrate``."""
+    from megatron_zeppelin.config import configs_dir
+
+    c.add_argument("--device", default="cpu", help="cpu | cuda")
+    c.add_argument("--name", default="cpu", help="profile name")
+    c.add_argument("--heads", type=int, default=4)
+    c.add_argument("--head-dim", type=int, default=64)
+    c.add_argument("--concurrency", type=int, default=4,
+                   help="CPU: processes measuring at once (the emulated ranks sharing the cores)")
+    c.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    c.add_argument("--min-time", type=float, default=0.3, help="seconds per measured point")
+    c.add_argument("--hardware-out", default=str(configs_dir() / "hardware" / "cpu.yaml"),
+                   help="where to write the hardware profile")
+    c.add_argument("--cluster-out", default=str(configs_dir() / "clusters" / "cpu-2x2.yaml"),
+                   help="where to write the emulated CPU cluster (CPU only)")
+
+
+def register(sub) -> None:
+    """Add ``calibrate`` to the ``zeppelin`` command."""
+    c = sub.add_parser("calibrate", help="measure this machine; write hardware/cluster YAMLs")
+    _add_calibrate_args(c)
+    c.set_defaults(func=cmd_calibrate)

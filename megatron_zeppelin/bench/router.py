@@ -154,5 +154,13 @@ def run(argv: Sequence[str] | None = None) -> None:
         print(model_paper_step(cluster))
 
 
-if __name__ == "__main__":
-    run()
+def register(targets) -> None:
+    """``zeppelin bench router``: this module's own parser handles every flag (``run``)."""
+    p = targets.add_parser("router", add_help=False,
+                           help="router time (C++ vs Python) and routed ring-step model")
+    p.set_defaults(func=_command, passthrough_flags=True)
+
+
+def _command(args) -> int:
+    run(args.passthrough)
+    return 0

@@ -1,0 +1,48 @@
+"""All measurement: ``zeppelin bench TARGET`` and ``zeppelin calibrate`` (figures, side by side).
+
+Speed claims live here, never in timed tests. One module per target, each with a
+``register(targets)`` that adds its subcommand:
+
+planner    median plan time of zeppelin vs megatron-core's BalancedCPScheduler   (planner.py)
+router     C++ vs Python router time; modelled ring step with and without routing (router.py)
+engine     attention engine vs the same work done locally (CPU, gloo ranks)     (engine.py)
+train      per-step time of zeppelin vs static mode for the tiny GPT            (train.py)
+fidelity   the real attention engine on gloo ranks vs the simulator             (fidelity.py)
+
+``zeppelin calibrate`` (calibrate.py) measures this machine and writes a hardware profile.
+This package is the top of the layer order: it may import every other layer.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import time
+from typing import Callable
+
+TARGETS = ("planner", "router", "engine", "train", "fidelity")
+
+
+def median_ms(fn: Callable[[], object], repeats: int, budget_s: float) -> tuple[float, int]:
+    """Median wall time of ``fn`` in ms over ``repeats`` runs, fewer if ``budget_s`` runs out."""
+    times = []
+    start = time.perf_counter()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if time.perf_counter() - start > budget_s:
+            break
+    return statistics.median(times) * 1e3, len(times)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``bench TARGET`` (every module of ``TARGETS``) and ``calibrate`` to ``zeppelin``."""
+    p = sub.add_parser("bench", help="benchmarks (figures, side by side)", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    targets = p.add_subparsers(dest="target", required=True)
+    for name in TARGETS:
+        importlib.import_module(f"megatron_zeppelin.bench.{name}").register(targets)
+    from megatron_zeppelin.bench import calibrate
+
+    calibrate.register(sub)
