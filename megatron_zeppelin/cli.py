@@ -13,6 +13,7 @@ from typing import Sequence
 
 from megatron_zeppelin.config import ConfigError, ZeppelinConfig, load_setup
 from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.options import Parser, add_flags, from_flags
 
 
 def add_setup_args(p: argparse.ArgumentParser, nodes_nargs: str | None = None) -> None:
@@ -24,15 +25,7 @@ def add_setup_args(p: argparse.ArgumentParser, nodes_nargs: str | None = None) -
     p.add_argument("--hardware", default=None, help="hardware profile YAML (default: the "
                    "cluster's `hardware:` entry)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per rank")
-    p.add_argument("--capacity", type=int, default=None,
-                   help="attention-layout tokens per rank (default: capacity-factor x mean)")
-    p.add_argument("--capacity-factor", type=float, default=2.0)
-    p.add_argument("--max-seqlen", type=int, default=None,
-                   help="longest document accepted (Megatron's --seq-length)")
-    p.add_argument("--overlong", default="error", help="error | split | drop: documents longer "
-                   "than --max-seqlen")
-    p.add_argument("--no-routing", action="store_true", help="switch the routing layer off")
-    p.add_argument("--no-remap", action="store_true", help="switch the remapping layer off")
+    add_flags(p.add_argument_group("planner options"), ZeppelinConfig)
 
 
 def add_workload_args(p: argparse.ArgumentParser, nargs: str | None = None) -> None:
@@ -45,9 +38,7 @@ def add_workload_args(p: argparse.ArgumentParser, nargs: str | None = None) -> N
 
 
 def zeppelin_config(args: argparse.Namespace) -> ZeppelinConfig:
-    return ZeppelinConfig(max_seqlen=args.max_seqlen, capacity_tokens_per_gpu=args.capacity,
-                          capacity_factor=args.capacity_factor, overlong=args.overlong,
-                          routing=not args.no_routing, remap=not args.no_remap)
+    return from_flags(ZeppelinConfig, args)
 
 
 def batch_lengths(args: argparse.Namespace, workload: str) -> list[int]:
@@ -97,7 +88,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from megatron_zeppelin.planner import STRATEGIES
 
-    parser = argparse.ArgumentParser(prog="zeppelin", description=__doc__.splitlines()[0])
+    parser = Parser(prog="zeppelin", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="plan one global batch with several strategies")
     add_setup_args(p)
@@ -124,15 +115,16 @@ def _extra_commands():
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and not getattr(args, "passthrough_flags", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.passthrough = unknown
+    """The ``zeppelin`` command: bad input is one line on stderr and exit status 2."""
     try:
+        parser = build_parser()
+        args, unknown = parser.parse_known_args(argv)
+        if unknown and not getattr(args, "passthrough_flags", False):
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.passthrough = unknown
         return args.func(args)
     except (ValueError, ConfigError, FileNotFoundError) as exc:
-        print(f"zeppelin {args.command}: error: {exc}", file=sys.stderr)
+        print(f"zeppelin: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -18,14 +18,11 @@ from typing import Any, Mapping
 import yaml
 
 from megatron_zeppelin import env
+from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.options import setting
 from megatron_zeppelin.plan import Topology
 
 OVERLONG_POLICIES = ("error", "split", "drop")
-
-
-class ConfigError(ValueError):
-    """A configuration value or file is invalid; the message names the key and the valid range."""
-
 
 def _require(cond: bool, what: str, value: Any, allowed: str) -> None:
     if not cond:
@@ -209,26 +206,35 @@ class HardwareProfile:
 
 @dataclass(frozen=True)
 class ZeppelinConfig:
-    """Planner options (``zeppelin:`` section of a training YAML, ``--zeppelin-*`` flags).
+    """Planner options: one declaration for every place they are set.
 
-    max_seqlen: longest document accepted (Megatron's ``--seq-length``); None: what the pool
-        can hold.
-    capacity_tokens_per_gpu: attention-layout tokens a rank may hold; None derives it as
-        ``capacity_factor`` x (batch tokens / ranks), at least the longest sequence's share.
-    overlong: what to do with a document longer than ``max_seqlen`` (or the pool): ``error``
-        (default), ``split`` into documents of at most that length, ``drop``. What ``split``
-        and ``drop`` did is counted in the plan's ``OverlongReport``.
-    routing / remap: switch the routing and remapping layers (ablations, comparisons).
-    balance_slack: relative overload accepted before a sequence is sharded further.
+    The ``zeppelin plan`` / ``zeppelin simulate`` flags (``--capacity-factor``...), the
+    training flags (``--zeppelin-capacity-factor``... on ``scripts/pretrain_gpt.py`` and on
+    Megatron-LM's parser through the patch) and the training YAML keys
+    (``zeppelin_capacity_factor: 2.0``) are generated from these fields (``options.py``).
+    In training, ``max_seqlen`` is Megatron's ``--seq-length``. What ``split`` and ``drop`` did
+    is counted in the plan's ``OverlongReport``.
     """
 
-    max_seqlen: int | None = None
-    capacity_tokens_per_gpu: int | None = None
-    capacity_factor: float = 2.0
-    overlong: str = "error"
-    routing: bool = True
-    remap: bool = True
-    balance_slack: float = 0.05
+    SECTION = "zeppelin"  # validation errors say zeppelin.<field>=...; flags reword them
+
+    max_seqlen: int | None = setting(
+        None, "longest document accepted (Megatron's --seq-length); longer ones follow "
+        "--overlong; default: what the pool holds")
+    capacity_tokens_per_gpu: int | None = setting(
+        None, "attention-layout tokens a rank may hold (default: capacity factor x the mean "
+        "tokens per rank, at least the longest document's smallest share)")
+    capacity_factor: float = setting(2.0, "capacity = factor x mean tokens per rank when no "
+                                     "capacity is given (>= 1)")
+    overlong: str = setting("error", "a document longer than the limit: refuse it (error), "
+                            "split it into pieces of at most the limit, or drop it (counted)",
+                            choices=OVERLONG_POLICIES)
+    routing: bool = setting(True, "route inter-node ring steps over every NIC of a node "
+                            "through proxy GPUs (routing layer)")
+    remap: bool = setting(True, "run linear modules on a token-balanced layout (remapping "
+                          "layer)")
+    balance_slack: float = setting(0.05, "relative overload of a rank accepted before a "
+                                   "sequence is sharded over more ranks, in [0, 1]")
 
     def __post_init__(self) -> None:
         for key in ("max_seqlen", "capacity_tokens_per_gpu"):
@@ -238,7 +244,8 @@ class ZeppelinConfig:
                  "zeppelin.capacity_factor", self.capacity_factor, "a number >= 1.0")
         _require(self.overlong in OVERLONG_POLICIES, "zeppelin.overlong", self.overlong,
                  f"one of {list(OVERLONG_POLICIES)}")
-        _require(0.0 <= self.balance_slack <= 1.0, "zeppelin.balance_slack", self.balance_slack,
+        _require(isinstance(self.balance_slack, (int, float)) and
+                 0.0 <= self.balance_slack <= 1.0, "zeppelin.balance_slack", self.balance_slack,
                  "a number in [0, 1]")
 
 

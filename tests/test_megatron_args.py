@@ -21,7 +21,7 @@ BASE = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "64",
 @pytest.mark.parametrize("path", TRAIN, ids=lambda p: p.stem)
 def test_every_shipped_training_recipe_validates_for_its_world(path):
     args = cli.parse_args(["--yaml-cfg", str(path), "--data-path", "corpus_text_document"])
-    gpus = cli.pool_size(args) * args.tensor_model_parallel_size
+    gpus = args.context_parallel_size * args.tensor_model_parallel_size
     cli.validate_args(args, world_size=gpus, local_world_size=min(gpus, 8))
     assert args.context_parallel_mode in cli.MODES
 

@@ -18,6 +18,7 @@ import torch
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError
 from megatron_zeppelin.megatron import lm
+from megatron_zeppelin.parallel import PoolLayout
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "apply_megatron_patch.sh"
@@ -53,7 +54,7 @@ def test_apply_script_refuses_a_folder_that_is_not_megatron_lm(tmp_path):
 
 def megatron_lm_args(**overrides) -> argparse.Namespace:
     """The fields of Megatron-LM's args that the glue reads."""
-    base = dict(context_parallel_mode="zeppelin", context_parallel_size=16,
+    base = dict(context_parallel_mode="zeppelin", context_parallel_size=16, world_size=64,
                 tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
                 calculate_per_token_loss=True, hybrid_context_parallel=False,
                 zeppelin_gpus_per_node=8)
@@ -63,17 +64,21 @@ def megatron_lm_args(**overrides) -> argparse.Namespace:
 def test_zeppelin_mode_turns_the_cp_ranks_into_the_pool():
     args = megatron_lm_args()
     lm.adjust_megatron_args(args)
-    assert args.zeppelin_pool_size == 16 and args.context_parallel_size == 1
+    assert args.zeppelin_layout == PoolLayout(world_size=64, tp=2, cp=16, gpus_per_node=8)
+    assert args.context_parallel_size == 1 and args.zeppelin_layout.dp == 2
     static = megatron_lm_args(context_parallel_mode="static")
     lm.adjust_megatron_args(static)
-    assert static.context_parallel_size == 16 and not hasattr(static, "zeppelin_pool_size")
+    assert static.context_parallel_size == 16 and not hasattr(static, "zeppelin_layout")
 
 
 @pytest.mark.parametrize("overrides,match", [
     (dict(calculate_per_token_loss=False), "needs --calculate-per-token-loss"),
     (dict(pipeline_model_parallel_size=2), "without pipeline parallelism"),
     (dict(hybrid_context_parallel=True), "alternatives: pick one"),
-    (dict(context_parallel_size=3), r"CP x TP = 6 GPUs must be whole nodes of 8"),
+    (dict(context_parallel_size=4, zeppelin_gpus_per_node=16),
+     r"CP x TP = 8 GPUs must be whole nodes of --zeppelin-gpus-per-node=16"),
+    (dict(context_parallel_size=3), r"--context-parallel-size=3 is invalid: expected a divisor "
+                                    r"of world size / TP = 32"),
 ])
 def test_bad_megatron_lm_settings_are_refused(overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -48,19 +48,20 @@ def run_mode(mode: str, rank: int, save: str | None = None, load: str | None = N
 
     from megatron_zeppelin.megatron import args as cli, train
     from megatron_zeppelin.megatron.data import slice_rank
+    from megatron_zeppelin.megatron.groups import new_pool_groups
 
     args = cli.parse_args(FLAGS + ["--context-parallel-mode", mode, *extra] +
                           (["--load", load] if load else []))
-    cli.validate_args(args, 4, None)
-    pool = train.make_pools(4, args.tensor_model_parallel_size, args.context_parallel_size)
+    layout = cli.validate_args(args, 4, None)
+    pool = new_pool_groups(layout)
     spec = train.model_spec(args)
-    cost = train.make_cost_model(args, spec)
+    cost = train.make_cost_model(args, spec, layout)
     state = train.build_state(args, pool, cost)
     torch.manual_seed(1 if mode == "zeppelin" else 2)  # different inits: --load must win
     model, optimizer = train.build_training(args, state, spec)
     train.checkpoint_load(args, model, optimizer)
     docs = documents()
-    plan = train.make_planner(args, cost)([d.numel() for d in docs])
+    plan = train.make_planner(args, cost, layout)([d.numel() for d in docs])
     batch = slice_rank(plan, pool.rank, docs)
     stored = get_forward_backward_func()(
         forward_step_func=train.forward_step, data_iterator=iter([batch]), model=[model],

@@ -1,90 +1,220 @@
-"""Command line and YAML for ``scripts/pretrain_gpt.py``, with Megatron-LM's flag names.
+"""Command line and YAML of ``scripts/pretrain_gpt.py``: one typed tree, Megatron-LM's names.
+
+``TrainConfig`` is a tree of sections (frozen dataclasses: model, parallel, optim, training,
+data, checkpoint, logging, zeppelin planner options, zeppelin runtime). Every field is declared
+once with ``options.setting``; the argparse flags, the YAML keys of ``--yaml-cfg`` and the
+validation messages are generated from it (``options.py``). Megatron's flags keep Megatron's
+names (``--num-layers``); the planner options are ``ZeppelinConfig``'s fields as
+``--zeppelin-<field>`` (the same fields ``zeppelin plan`` takes as ``--<field>``), and
+Megatron-LM's own parser gets the zeppelin flags from ``add_zeppelin_args`` through the patch.
 
 ``--yaml-cfg FILE`` supplies values for any flag (keys are flag names with ``_`` or ``-``;
-unknown keys are refused with the list of valid ones); flags given on the command line win.
-``validate_args`` rejects bad settings before any process group or model is built.
+unknown keys and values of the wrong type are refused naming the file); flags given on the
+command line win. ``validate_args`` builds the tree and the ``PoolLayout`` before any process
+group or model exists, refusing bad settings with the flag, the value and what is allowed.
 """
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Sequence
 
 import yaml
 
-from megatron_zeppelin.config import OVERLONG_POLICIES, ConfigError
+from megatron_zeppelin.config import ConfigError, ZeppelinConfig
 from megatron_zeppelin.env import ATTENTION_BACKENDS
+from megatron_zeppelin.options import Parser, add_flags, from_flags, setting, yaml_defaults
+from megatron_zeppelin.parallel import PoolLayout
 
 MODES = ("static", "zeppelin")
 DEVICES = ("cpu", "cuda")
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+ZEPPELIN_PREFIX = "zeppelin-"
+
+
+def _check(cond: bool, flag: str, value, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"{flag}={value!r} is invalid: expected {allowed}")
+
+
+def _at_least(section, minimum, *names: str) -> None:
+    """Each set field of ``names`` is >= ``minimum`` (errors say ``<section>.<field>=``)."""
+    for name in names:
+        value = getattr(section, name)
+        if value is not None:
+            _check(value >= minimum, f"{section.SECTION}.{name}", value, f">= {minimum}")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    SECTION = "model"
+    num_layers: int | None = setting(None, "transformer layers (required)")
+    hidden_size: int | None = setting(None, "hidden size (required)")
+    num_attention_heads: int | None = setting(None, "attention heads (required)")
+    num_query_groups: int | None = setting(None, "KV heads (GQA); default: one per head")
+    ffn_hidden_size: int | None = setting(None, "FFN hidden size; default: 4 x hidden")
+    vocab_size: int | None = setting(None, "vocabulary size (the built-in byte corpus needs "
+                                     ">= 256)")
+    normalization: str = setting("RMSNorm", "normalization layer", choices=NORMALIZATIONS)
+    swiglu: bool = setting(True, "SwiGLU MLP (else GELU)")
+    seq_length: int | None = setting(None, "tokens of a sample (Megatron's meaning: a CP group "
+                                     "runs micro-batch x seq-length tokens); also the longest "
+                                     "document, longer ones follow --zeppelin-overlong")
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "num_layers", "hidden_size", "num_attention_heads",
+                  "num_query_groups", "ffn_hidden_size", "vocab_size", "seq_length")
+
+
+@dataclass(frozen=True)
+class ParallelArgs:
+    SECTION = "parallel"
+    tensor_model_parallel_size: int = setting(1, "tensor-parallel size")
+    context_parallel_size: int = setting(1, "context-parallel size: the ranks of a pool")
+    context_parallel_mode: str = setting(
+        "static", "static: every document zigzag over the CP group (TE/Megatron CP); zeppelin: "
+        "hierarchical partitioning, routing and remapping", choices=MODES)
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "tensor_model_parallel_size", "context_parallel_size")
+
+
+@dataclass(frozen=True)
+class OptimArgs:
+    SECTION = "optim"
+    lr: float = setting(1e-3, "learning rate")
+    min_lr: float = setting(0.0, "minimum learning rate")
+    weight_decay: float = setting(0.01, "weight decay")
+    clip_grad: float = setting(1.0, "gradient clipping norm (0: off)")
+    adam_beta1: float = setting(0.9, "Adam beta1")
+    adam_beta2: float = setting(0.95, "Adam beta2")
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0.0, "lr", "min_lr", "weight_decay", "clip_grad")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            _check(0.0 <= value < 1.0, f"optim.{name}", value, "a number in [0, 1)")
+
+
+@dataclass(frozen=True)
+class TrainingArgs:
+    SECTION = "training"
+    micro_batch_size: int = setting(1, "samples of --seq-length tokens per micro-batch and pool")
+    global_batch_size: int | None = setting(None, "samples per iteration (required)")
+    train_iters: int | None = setting(None, "iterations to train (required)")
+    seed: int = setting(1234, "random seed")
+    device: str = setting("cuda", "where to train", choices=DEVICES)
+    bf16: bool = setting(False, "bf16 parameters (GPU only)")
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "micro_batch_size", "global_batch_size", "train_iters")
+        _at_least(self, 0, "seed")
+
+
+@dataclass(frozen=True)
+class DataArgs:
+    SECTION = "data"
+    mock_data: bool = setting(False, "train on the built-in corpus (Python stdlib sources as "
+                              "bytes)")
+    data_path: str | None = setting(None, "Megatron indexed dataset prefix (PREFIX.bin/.idx)")
+
+
+@dataclass(frozen=True)
+class CheckpointArgs:
+    SECTION = "checkpoint"
+    save: str | None = setting(None, "folder to save checkpoints to")
+    load: str | None = setting(None, "folder to load the latest checkpoint from")
+    save_interval: int | None = setting(None, "iterations between checkpoints")
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "save_interval")
+
+
+@dataclass(frozen=True)
+class LoggingArgs:
+    SECTION = "logging"
+    log_interval: int = setting(1, "iterations between log lines")
+    tensorboard_dir: str | None = setting(None, "TensorBoard folder")
+    log_json: str | None = setting(None, "rank 0 appends one JSON object per iteration here")
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "log_interval")
+
+
+@dataclass(frozen=True)
+class ZeppelinRuntimeArgs:
+    """Zeppelin options that are not planner options (flags ``--zeppelin-<field>``)."""
+
+    SECTION = "zeppelin"
+    cluster: str | None = setting(None, "cluster YAML (path or shipped name) for the planner's "
+                                  "cost model")
+    hardware: str | None = setting(None, "hardware profile YAML (default: the cluster's)")
+    gpus_per_node: int | None = setting(
+        None, "GPUs per node (default: torchrun's local world size); on CPU this groups ranks "
+        "into emulated nodes; CP x TP must be whole nodes")
+    attention_backend: str = setting("auto", "attention kernel backend",
+                                     choices=ATTENTION_BACKENDS)
+    validate_plan: bool = setting(False, "check every plan's contract (Plan.validate) before "
+                                  "using it")
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "gpus_per_node")
+
+
+MEGATRON_SECTIONS = {"model": ModelArgs, "parallel": ParallelArgs, "optim": OptimArgs,
+                     "training": TrainingArgs, "data": DataArgs, "checkpoint": CheckpointArgs,
+                     "logging": LoggingArgs}  # flags with Megatron-LM's names
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The whole tree, built from parsed flags (``from_args``): every section validated."""
+
+    model: ModelArgs
+    parallel: ParallelArgs
+    optim: OptimArgs
+    training: TrainingArgs
+    data: DataArgs
+    checkpoint: CheckpointArgs
+    logging: LoggingArgs
+    zeppelin: ZeppelinConfig
+    runtime: ZeppelinRuntimeArgs
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
+        sections = {name: from_flags(section, args)
+                    for name, section in MEGATRON_SECTIONS.items()}
+        return cls(**sections, zeppelin=zeppelin_config(args),
+                   runtime=from_flags(ZeppelinRuntimeArgs, args, ZEPPELIN_PREFIX))
+
+
+def zeppelin_config(args: argparse.Namespace) -> ZeppelinConfig:
+    """The planner options of a training run (ours or Megatron-LM's): ``--zeppelin-*`` flags,
+    documents up to ``--seq-length``."""
+    return from_flags(ZeppelinConfig, args, ZEPPELIN_PREFIX, max_seqlen=args.seq_length)
 
 
 def add_megatron_args(p: argparse.ArgumentParser) -> None:
     """The Megatron-LM flags the script understands (same names and meanings)."""
     g = p.add_argument_group("megatron")
-    for name in ("num-layers", "hidden-size", "num-attention-heads"):
-        g.add_argument(f"--{name}", type=int, default=None)
-    g.add_argument("--num-query-groups", type=int, default=None, help="KV heads (GQA)")
-    g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="vocabulary size (the built-in byte corpus needs >= 256)")
-    g.add_argument("--normalization", default="RMSNorm", choices=("RMSNorm", "LayerNorm"))
-    g.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--seq-length", type=int, default=None,
-                   help="longest document (tokens); longer ones follow --zeppelin-overlong")
-    g.add_argument("--micro-batch-size", type=int, default=1)
-    g.add_argument("--global-batch-size", type=int, default=None)
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
-    g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--mock-data", action="store_true",
-                   help="train on the built-in corpus (Python stdlib sources as bytes)")
-    g.add_argument("--data-path", default=None, help="Megatron indexed dataset prefix")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--log-json", default=None,
-                   help="rank 0 appends one JSON object per iteration to this file")
-    g.add_argument("--device", default="cuda", choices=DEVICES)
-    g.add_argument("--bf16", action="store_true", help="bf16 parameters (GPU only)")
+    for section in MEGATRON_SECTIONS.values():
+        add_flags(g, section)
     g.add_argument("--yaml-cfg", default=None, help="YAML file with values for these flags")
 
 
-def add_zeppelin_args(p: argparse.ArgumentParser) -> None:
-    """``--context-parallel-mode`` and the zeppelin options."""
+def add_zeppelin_args(p: argparse.ArgumentParser, with_mode: bool = False) -> None:
+    """``--zeppelin-*``: the planner options and the zeppelin runtime options; ``with_mode``
+    also ``--context-parallel-mode`` (for Megatron-LM's parser, through the patch)."""
     g = p.add_argument_group("zeppelin")
-    g.add_argument("--context-parallel-mode", default="static", choices=MODES,
-                   help="static: every document zigzag over the CP group (TE/Megatron CP); "
-                   "zeppelin: hierarchical partitioning, routing and remapping")
-    g.add_argument("--zeppelin-cluster", default=None,
-                   help="cluster YAML (path or shipped name) for the planner's cost model")
-    g.add_argument("--zeppelin-hardware", default=None, help="hardware profile YAML")
-    g.add_argument("--zeppelin-gpus-per-node", type=int, default=None,
-                   help="GPUs per node (default: torchrun's local world size); on CPU this "
-                   "groups ranks into emulated nodes; CP x TP must be whole nodes")
-    g.add_argument("--zeppelin-capacity-tokens-per-gpu", type=int, default=None)
-    g.add_argument("--zeppelin-capacity-factor", type=float, default=2.0)
-    g.add_argument("--zeppelin-overlong", default="error", choices=OVERLONG_POLICIES)
-    g.add_argument("--zeppelin-routing", action=argparse.BooleanOptionalAction, default=True,
-                   help="route inter-node ring steps over every NIC (proxy GPUs)")
-    g.add_argument("--zeppelin-remap", action=argparse.BooleanOptionalAction, default=True,
-                   help="run linear modules on a token-balanced layout")
-    g.add_argument("--zeppelin-attention-backend", default="auto", choices=ATTENTION_BACKENDS)
-    g.add_argument("--zeppelin-validate-plan", action="store_true",
-                   help="check every plan's contract (Plan.validate) before using it")
+    if with_mode:
+        add_flags(g, ParallelArgs, only=("context_parallel_mode",))
+    add_flags(g, ZeppelinConfig, ZEPPELIN_PREFIX, skip=("max_seqlen",))
+    add_flags(g, ZeppelinRuntimeArgs, ZEPPELIN_PREFIX)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pretrain_gpt.py",
-                                description="GPT pretraining on megatron-core with zeppelin CP")
+    p = Parser(prog="pretrain_gpt.py",
+               description="GPT pretraining on megatron-core with zeppelin CP")
     add_megatron_args(p)
     add_zeppelin_args(p)
     return p
@@ -94,23 +224,12 @@ def apply_yaml(parser: argparse.ArgumentParser, path: str) -> None:
     """Make the YAML file's values the parser's defaults (command-line flags still win)."""
     try:
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml.safe_load(f)
     except FileNotFoundError:
         raise ConfigError(f"--yaml-cfg {path!r} does not exist") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of flag names to values")
-    valid = {a.dest: a for a in parser._actions if a.dest not in ("help", "yaml_cfg")}
-    values = {}
-    for key, value in data.items():
-        dest = str(key).replace("-", "_")
-        if dest not in valid:
-            raise ConfigError(f"{path}: unknown key {key!r}; valid keys: {sorted(valid)}")
-        choices = valid[dest].choices
-        if choices is not None and value not in choices:
-            raise ConfigError(f"{path}: {key}={value!r} is invalid: expected one of "
-                              f"{list(choices)}")
-        values[dest] = value
-    parser.set_defaults(**values)
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--yaml-cfg {path!r} cannot be read: {exc}") from None
+    parser.set_defaults(**yaml_defaults(parser, data, path, ignore=("yaml_cfg",)))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -122,42 +241,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def validate_args(args: argparse.Namespace, world_size: int, local_world_size: int | None
-                  ) -> None:
-    """Refuse bad settings with the flag, the value and what is allowed (before training)."""
+                  ) -> PoolLayout:
+    """Refuse bad settings with the flag, the value and what is allowed (before training);
+    returns the pool layout (``args.zeppelin_gpus_per_node`` is set to its node size)."""
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "global_batch_size", "train_iters"):
         if getattr(args, flag) is None:
             raise ConfigError(f"--{flag.replace('_', '-')} is required (flag or --yaml-cfg key)")
+    config = TrainConfig.from_args(args)
     if not args.mock_data and not args.data_path:
         raise ConfigError("no data: pass --mock-data (built-in corpus) or --data-path PREFIX")
-    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
-    if tp < 1 or world_size % tp or args.num_attention_heads % tp:
+    tp = config.parallel.tensor_model_parallel_size
+    if config.model.num_attention_heads % tp:
         raise ConfigError(f"--tensor-model-parallel-size={tp} is invalid: expected a divisor of "
-                          f"the world size {world_size} and of --num-attention-heads "
-                          f"{args.num_attention_heads}")
-    if cp < 1 or world_size % (tp * cp):
-        raise ConfigError(f"--context-parallel-size={cp} is invalid: expected a divisor of "
-                          f"world size / TP = {world_size // tp}")
-    gpn = args.zeppelin_gpus_per_node or min(cp * tp, local_world_size or cp * tp)
-    if gpn % tp or (cp * tp) % gpn:
-        raise ConfigError(f"--context-parallel-size={cp} does not match the topology: CP x TP "
-                          f"= {cp * tp} GPUs must be whole nodes of --zeppelin-gpus-per-node="
-                          f"{gpn} GPUs (a multiple of TP={tp})")
-    args.zeppelin_gpus_per_node = gpn
-    dp = world_size // (tp * cp)
-    if args.global_batch_size % (args.micro_batch_size * dp):
-        raise ConfigError(f"--global-batch-size={args.global_batch_size} must be a multiple of "
-                          f"--micro-batch-size x data-parallel size = "
-                          f"{args.micro_batch_size} x {dp}")
+                          f"--num-attention-heads {args.num_attention_heads}")
+    layout = PoolLayout.resolve(world_size, tp, config.parallel.context_parallel_size,
+                                config.runtime.gpus_per_node, local_world_size)
+    args.zeppelin_gpus_per_node = layout.gpus_per_node
+    layout.micro_batches(args.global_batch_size, args.micro_batch_size)
     if args.bf16 and args.device == "cpu":
         raise ConfigError("--bf16 with --device cpu: megatron-core's bf16 optimizer needs CUDA; "
                           "train in fp32 on CPU")
     if args.mock_data and (args.vocab_size or 0) < 256:
         raise ConfigError(f"--vocab-size={args.vocab_size}: the built-in byte corpus needs "
                           ">= 256")
-
-
-def pool_size(args: argparse.Namespace) -> int:
-    """Ranks of a zeppelin pool: the CP size the user asked for (Megatron-LM's argument hook
-    moves it to ``zeppelin_pool_size`` and runs Megatron's own CP at 1)."""
-    return getattr(args, "zeppelin_pool_size", None) or args.context_parallel_size
+    return layout

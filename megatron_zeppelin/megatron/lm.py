@@ -24,8 +24,11 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError, ModelSpec
 from megatron_zeppelin.megatron import args as cli, train
+from megatron_zeppelin.megatron.groups import new_pool_groups
+from megatron_zeppelin.parallel import PoolLayout
 from megatron_zeppelin.megatron.data import ZeppelinDataIterator
 
 _STATE: dict = {}  # Megatron-LM runs one model per process: its pool, attention state, data
@@ -34,7 +37,7 @@ _STATE: dict = {}  # Megatron-LM runs one model per process: its pool, attention
 def extra_args_provider(other: Callable | None = None) -> Callable:
     """Megatron-LM's ``extra_args_provider``: zeppelin's flags, then ``other``'s."""
     def provide(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        cli.add_zeppelin_args(parser)
+        cli.add_zeppelin_args(parser, with_mode=True)
         return other(parser) if other is not None else parser
 
     return provide
@@ -54,15 +57,12 @@ def adjust_megatron_args(args: argparse.Namespace) -> None:
     if getattr(args, "hybrid_context_parallel", False):
         raise ConfigError("--hybrid-context-parallel and --context-parallel-mode zeppelin "
                           "are alternatives: pick one")
-    gpn = args.zeppelin_gpus_per_node or torch.cuda.device_count()
-    tp = args.tensor_model_parallel_size
-    if gpn % tp or (args.context_parallel_size * tp) % gpn:
-        raise ConfigError(f"--context-parallel-size={args.context_parallel_size} does not match "
-                          f"the topology: CP x TP = {args.context_parallel_size * tp} GPUs must be "
-                          f"whole nodes of {gpn} GPUs (--zeppelin-gpus-per-node)")
-    args.zeppelin_pool_size = args.context_parallel_size
+    layout = PoolLayout.resolve(args.world_size, args.tensor_model_parallel_size,
+                                args.context_parallel_size, args.zeppelin_gpus_per_node,
+                                env.local_world_size())
+    args.zeppelin_layout = layout
     args.context_parallel_size = 1
-    args.zeppelin_gpus_per_node = gpn
+    args.zeppelin_gpus_per_node = layout.gpus_per_node
     args.device, args.bf16 = "cuda", getattr(args, "bf16", False)
 
 
@@ -78,11 +78,11 @@ def _model_spec(args: argparse.Namespace) -> ModelSpec:
 def _state(args: argparse.Namespace) -> dict:
     """Pool groups, cost model and attention state, built once after Megatron's init."""
     if not _STATE:
-        world, tp = dist.get_world_size(), args.tensor_model_parallel_size
-        pool = train.make_pools(world, tp, cli.pool_size(args))
-        cost = train.make_cost_model(args, _model_spec(args))
+        layout = args.zeppelin_layout
+        pool = new_pool_groups(layout)
+        cost = train.make_cost_model(args, _model_spec(args), layout)
         _STATE.update(pool=pool, cost=cost, attention=train.build_state(args, pool, cost),
-                      planner=train.make_planner(args, cost), iterators={})
+                      planner=train.make_planner(args, cost, layout), iterators={})
     return _STATE
 
 

@@ -1,9 +1,10 @@
 """GPT pretraining on megatron-core with ``--context-parallel-mode static|zeppelin``.
 
-Process layout (Megatron's order, TP innermost): for each TP rank, the CP group of
-``--context-parallel-size`` ranks is the *pool* the planner places each micro-batch on (``static``: every document zigzag over the
-pool, as TE/Megatron CP; ``zeppelin``: the hierarchical partitioner with routing and
-remapping); every TP rank of a pool position holds the same tokens and its own heads.
+Process layout (``parallel.PoolLayout``: Megatron's order, TP innermost): for each TP rank,
+the CP group of ``--context-parallel-size`` ranks is the *pool* the planner places each
+micro-batch on (``static``: every document zigzag over the pool, as TE/Megatron CP;
+``zeppelin``: the hierarchical partitioner with routing and remapping); every TP rank of a
+pool position holds the same tokens and its own heads.
 Megatron itself runs with its CP at 1, so its data-parallel group is DP x CP: DDP reduces
 gradients over all of it, and ``calculate_per_token_loss`` divides them by the tokens
 of the whole global batch. Model state is the same in both modes (core attention has no
@@ -12,7 +13,6 @@ parameters), so checkpoints load across modes.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import os
 import time
@@ -22,44 +22,20 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin import env
-from megatron_zeppelin.config import ConfigError, ModelSpec, ZeppelinConfig, load_cluster, \
-    load_hardware
+from megatron_zeppelin.config import ConfigError, ModelSpec, load_cluster, load_hardware
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.megatron import args as cli
 from megatron_zeppelin.megatron.core_attention import ZeppelinAttentionState
 from megatron_zeppelin.megatron.data import (DocumentStats, IndexedDocuments, StdlibCorpus,
                                              ZeppelinDataIterator, sample_documents)
+from megatron_zeppelin.megatron.groups import Pool, new_pool_groups
 from megatron_zeppelin.megatron.train_log import Logger, StepLog
 from megatron_zeppelin.megatron.model import build_gpt_model, make_transformer_config
 from megatron_zeppelin.megatron.spec import get_gpt_layer_zeppelin_spec
+from megatron_zeppelin.parallel import PoolLayout
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner import make_plan
 from megatron_zeppelin.router import RouterTopology
-
-
-@dataclasses.dataclass
-class Pool:
-    """This rank's CP pool: its process groups, index among pools and rank inside it."""
-
-    group: dist.ProcessGroup
-    route_group: dist.ProcessGroup
-    index: int
-    rank: int
-    size: int
-
-
-def make_pools(world: int, tp: int, cp: int) -> Pool:
-    """The CP pools: for each data-parallel index and TP rank, ``cp`` ranks (Megatron's rank
-    order: TP innermost). Every rank creates every pool's groups (as torch.distributed
-    requires) and keeps its own; the TP ranks of a pool position see the same tokens."""
-    rank, mine = dist.get_rank(), None
-    for outer in range(world // (tp * cp)):
-        for tp_rank in range(tp):
-            ranks = [(outer * cp + i) * tp + tp_rank for i in range(cp)]
-            group, route = dist.new_group(ranks), dist.new_group(ranks)
-            if rank in ranks:
-                mine = Pool(group, route, outer, ranks.index(rank), cp)
-    return mine
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
@@ -70,29 +46,23 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
                      bytes_per_element=4 if args.device == "cpu" else 2)
 
 
-def make_cost_model(args: argparse.Namespace, spec: ModelSpec) -> CostModel:
-    """The planner's cost model on the pool's topology: nodes x --zeppelin-gpus-per-node GPUs,
-    a pool rank per TP group."""
+def make_cost_model(args: argparse.Namespace, spec: ModelSpec, layout: PoolLayout) -> CostModel:
+    """The planner's cost model on one pool: ``layout.nodes`` nodes of
+    ``layout.gpus_per_node`` GPUs (a pool rank per TP group) of ``--zeppelin-cluster``."""
     default = "cpu-2x2" if args.device == "cpu" else "h200-8nic"
     cluster = load_cluster(args.zeppelin_cluster or default)
-    tp, gpn = args.tensor_model_parallel_size, args.zeppelin_gpus_per_node
-    cluster = cluster.with_topology(cli.pool_size(args) * tp // gpn, gpn)
+    cluster = cluster.with_topology(layout.nodes, layout.gpus_per_node)
     hardware = load_hardware(args.zeppelin_hardware or cluster.hardware)
-    return CostModel(spec, cluster, hardware, tp)
+    return CostModel(spec, cluster, hardware, layout.tp)
 
 
-def make_planner(args: argparse.Namespace, cost: CostModel):
+def make_planner(args: argparse.Namespace, cost: CostModel, layout: PoolLayout):
     """lengths -> Plan for one micro-batch of the pool (deterministic: same on every rank)."""
-    config = ZeppelinConfig(max_seqlen=args.seq_length,
-                            capacity_tokens_per_gpu=args.zeppelin_capacity_tokens_per_gpu,
-                            capacity_factor=args.zeppelin_capacity_factor,
-                            overlong=args.zeppelin_overlong, routing=args.zeppelin_routing,
-                            remap=args.zeppelin_remap)
+    config = cli.zeppelin_config(args)
     if args.context_parallel_mode == "zeppelin":
         planner = partial(make_plan, "zeppelin", cost=cost, config=config)
     else:
-        planner = partial(make_plan, "static-cp", cost=cost, config=config,
-                          cp_size=cli.pool_size(args))
+        planner = partial(make_plan, "static-cp", cost=cost, config=config, cp_size=layout.cp)
 
     def plan(lengths: list[int]) -> Plan:
         result = planner(lengths)
@@ -195,23 +165,22 @@ def setup_megatron(args: argparse.Namespace) -> None:
     model_parallel_cuda_manual_seed(args.seed)
 
 
-def train(args: argparse.Namespace) -> list[StepLog]:
+def train(args: argparse.Namespace, layout: PoolLayout) -> list[StepLog]:
     """Run ``--train-iters`` iterations; returns the per-iteration logs on rank 0 (which prints
     them), an empty list elsewhere."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    world, tp = dist.get_world_size(), args.tensor_model_parallel_size
-    pool = make_pools(world, tp, cli.pool_size(args))
+    pool = new_pool_groups(layout)
     spec = model_spec(args)
-    cost = make_cost_model(args, spec)
+    cost = make_cost_model(args, spec, layout)
     state = build_state(args, pool, cost)
     model, optimizer = build_training(args, state, spec)
     start = checkpoint_load(args, model, optimizer)
     device = "cuda" if args.device == "cuda" else "cpu"
     stats = DocumentStats()
-    data = make_data(args, pool, make_planner(args, cost), device, stats)
-    logger = Logger(args, cost, dist.get_rank() == 0, stats)
-    micro = args.global_batch_size // (args.micro_batch_size * (world // (tp * pool.size)))
+    data = make_data(args, pool, make_planner(args, cost, layout), device, stats)
+    logger = Logger(args, cost, dist.get_rank() == 0, stats, layout.dp)
+    micro = layout.micro_batches(args.global_batch_size, args.micro_batch_size)
     try:
         for iteration in range(start + 1, args.train_iters + 1):
             started = time.perf_counter()
@@ -267,9 +236,9 @@ def main(argv=None) -> int:
     args = cli.parse_args(argv)
     init_process_group(args)
     try:
-        cli.validate_args(args, dist.get_world_size(), env.local_world_size())
+        layout = cli.validate_args(args, dist.get_world_size(), env.local_world_size())
         setup_megatron(args)
-        train(args)
+        train(args, layout)
     finally:
         dist.destroy_process_group()
     return 0

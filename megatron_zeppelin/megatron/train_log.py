@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from megatron_zeppelin.config import ConfigError
 from megatron_zeppelin.cost_model import CostModel, estimate_plan
-from megatron_zeppelin.megatron.args import pool_size
 from megatron_zeppelin.megatron.data import DocumentStats
 
 
@@ -46,9 +45,10 @@ class Logger:
     """Collects the plans of an iteration and prints/records one ``StepLog`` per iteration."""
 
     def __init__(self, args: argparse.Namespace, cost: CostModel, printing: bool,
-                 documents: DocumentStats) -> None:
+                 documents: DocumentStats, pools: int) -> None:
+        """pools: pools per TP rank (``PoolLayout.dp``): each plans its own micro-batches."""
         self.args, self.cost, self.printing, self.documents = args, cost, printing, documents
-        self.pools = dist.get_world_size() // (args.tensor_model_parallel_size * pool_size(args))
+        self.pools = pools
         self.plans = []
         self.history: list[StepLog] = []
         self.writer = self._writer() if printing and args.tensorboard_dir else None

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.options import add_flags, from_flags
 
 
 def _add_simulate_args(p: argparse.ArgumentParser) -> None:
@@ -35,9 +36,8 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategies", nargs="+", default=list(DEFAULT_VARIANTS),
                    help=f"variants to simulate: {list(VARIANTS)}")
     p.add_argument("--baseline", default="static-cp", help="variant speedups are relative to")
-    p.add_argument("--capacity-factor", type=float, default=2.0)
-    p.add_argument("--max-seqlen", type=int, default=None)
-    p.add_argument("--overlong", default="error", help="error | split | drop")
+    add_flags(p.add_argument_group("planner options"), ZeppelinConfig,
+              skip=("routing", "remap"))  # switched per variant
     p.add_argument("--max-megatron-sequences", type=int, default=MAX_MEGATRON_SEQUENCES,
                    help="skip megatron-hybrid-cp above this many documents per batch")
     p.add_argument("--plot", default=None, help="folder for speedup and per-rank load PNGs")
@@ -72,8 +72,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ValueError(f"--baseline {args.baseline!r} is not among --strategies "
                          f"{args.strategies}")
     settings = _settings(args)
-    config = ZeppelinConfig(max_seqlen=args.max_seqlen, capacity_factor=args.capacity_factor,
-                            overlong=args.overlong)
+    config = from_flags(ZeppelinConfig, args, routing=True, remap=True)
     bar = _progress(len(settings) * len(variants) * args.batches, args.no_progress)
     results = [run_setting(s, variants, config, args.max_megatron_sequences, bar.update)
                for s in settings]

@@ -1,0 +1,40 @@
+"""Process groups of the zeppelin pools, derived from one ``PoolLayout`` (``parallel.py``)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+
+from megatron_zeppelin.parallel import PoolLayout
+
+
+@dataclasses.dataclass
+class Pool:
+    """This rank's pool: its process groups, data-parallel replica and rank inside the pool.
+
+    group: the pool's ranks in plan order (ring P2P, remap all-to-all); route_group: a second
+    group over the same ranks for the engine's global inter-node steps."""
+
+    layout: PoolLayout
+    group: dist.ProcessGroup
+    route_group: dist.ProcessGroup
+    index: int
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return self.layout.cp
+
+
+def new_pool_groups(layout: PoolLayout) -> Pool:
+    """Create every pool's groups (torch.distributed needs every rank to create every group, in
+    the same order) and return this rank's pool."""
+    if dist.get_world_size() != layout.world_size:
+        raise ValueError(f"the process group has {dist.get_world_size()} ranks, the pool layout "
+                         f"{layout.world_size}")
+    me, mine = dist.get_rank(), None
+    for replica, _, ranks in layout.pools():
+        group, route = dist.new_group(ranks), dist.new_group(ranks)
+        if me in ranks:
+            mine = Pool(layout, group, route, replica, ranks.index(me))
+    return mine

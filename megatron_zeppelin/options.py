@@ -1,0 +1,169 @@
+"""Settings declared once, as typed dataclass fields; flags and YAML keys are generated from them.
+
+A *section* is a frozen dataclass whose fields are declared with ``setting(default, help)``
+(the type comes from the annotation: ``int``, ``float``, ``str``, ``bool``, optionally
+``| None``; ``choices`` where the value is one of a list). Its ``__post_init__`` validates
+ranges and raises ``ConfigError`` as ``"<section>.<field>=<value> is invalid: expected ..."``.
+
+From a section this module generates:
+
+* argparse flags (``add_flags``): ``--<prefix><field-with-dashes>`` unless the field names its
+  own ``flag`` (Megatron-LM's names); booleans are ``--x/--no-x``;
+* the section from parsed flags (``from_flags``), with validation errors re-worded to name the
+  flag the user typed (``--zeppelin-capacity-factor=0.5 is invalid: ...``);
+* YAML values for those flags (``yaml_defaults``): keys are flag names (``-`` or ``_``),
+  values type-checked against the flag, errors naming the file, the key and what is allowed.
+
+So the ``zeppelin plan`` flags, the ``--zeppelin-*`` training flags (ours and Megatron-LM's
+parser through the patch) and the training YAML keys all come from one declaration.
+Standard library only.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any, Iterable, Mapping
+
+from megatron_zeppelin.errors import ConfigError
+
+
+def setting(default: Any, help: str, *, flag: str | None = None,
+            choices: Iterable[Any] | None = None, metavar: str | None = None) -> Any:
+    """A dataclass field that is also a command-line flag and a YAML key."""
+    meta = {"help": help, "flag": flag, "choices": tuple(choices) if choices else None,
+            "metavar": metavar}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def settings(section: type) -> list[dataclasses.Field]:
+    """The fields of ``section`` declared with ``setting`` (others are not flags)."""
+    return [f for f in dataclasses.fields(section) if "help" in f.metadata]
+
+
+def flag_of(f: dataclasses.Field, prefix: str = "") -> str:
+    return f.metadata["flag"] or "--" + prefix + f.name.replace("_", "-")
+
+
+def dest_of(f: dataclasses.Field, prefix: str = "") -> str:
+    return flag_of(f, prefix).lstrip("-").replace("-", "_")
+
+
+def base_type(section: type, name: str) -> tuple[type, bool]:
+    """(the annotated scalar type of field ``name``, whether None is allowed)."""
+    hint = typing.get_type_hints(section)[name]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0], len(args) != len(typing.get_args(hint))
+    return hint, False
+
+
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, section: type,
+              prefix: str = "", skip: Iterable[str] = (), only: Iterable[str] | None = None,
+              defaults: Mapping[str, Any] = {}) -> None:
+    """One flag per setting of ``section`` (all, or ``only`` these, minus ``skip``);
+    ``defaults`` overrides the declared default of a field for this parser."""
+    skip, only = set(skip), None if only is None else set(only)
+    for f in settings(section):
+        if f.name in skip or (only is not None and f.name not in only):
+            continue
+        kind, _ = base_type(section, f.name)
+        default = defaults.get(f.name, f.default)
+        meta = f.metadata
+        extra = {"help": _help(meta["help"], default, kind), "dest": dest_of(f, prefix)}
+        if kind is bool:
+            parser.add_argument(flag_of(f, prefix), action=argparse.BooleanOptionalAction,
+                                default=default, **extra)
+            continue
+        if meta["choices"]:
+            extra["choices"] = meta["choices"]
+        if meta["metavar"]:
+            extra["metavar"] = meta["metavar"]
+        parser.add_argument(flag_of(f, prefix), type=kind, default=default, **extra)
+
+
+def _help(text: str, default: Any, kind: type) -> str:
+    if default is None or default is dataclasses.MISSING:
+        return text
+    if kind is bool:
+        return f"{text} (default: {'on' if default else 'off'})"
+    return f"{text} (default: {default})"
+
+
+def from_flags(section: type, args: argparse.Namespace, prefix: str = "", **fixed: Any) -> Any:
+    """Build ``section`` from parsed flags; ``fixed`` supplies fields that have no flag on this
+    parser. A validation error names the flag instead of the field."""
+    kwargs = {f.name: getattr(args, dest_of(f, prefix)) for f in settings(section)
+              if f.name not in fixed}
+    try:
+        return section(**kwargs, **fixed)
+    except ConfigError as exc:
+        raise ConfigError(reword(str(exc), section, prefix, skip=fixed)) from None
+
+
+def reword(message: str, section: type, prefix: str = "", skip: Iterable[str] = ()) -> str:
+    """``<section>.<field>=`` in ``message`` -> ``--<flag>=`` (the name the user typed)."""
+    label = getattr(section, "SECTION", section.__name__)
+    for f in settings(section):
+        if f.name not in skip:
+            message = message.replace(f"{label}.{f.name}=", f"{flag_of(f, prefix)}=")
+    return message
+
+
+# ----------------------------------------------------------------------------- YAML
+
+def yaml_defaults(parser: argparse.ArgumentParser, data: Any, where: str,
+                  ignore: Iterable[str] = ()) -> dict[str, Any]:
+    """Type-checked parser defaults from a YAML mapping of flag names to values.
+
+    Keys may use ``-`` or ``_``; an unknown key, a value of the wrong type or outside the
+    flag's choices raises ``ConfigError`` naming ``where`` (the file), the key and what is
+    allowed. Returns ``{dest: value}`` for ``parser.set_defaults``.
+    """
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of flag names to values, got "
+                          f"{type(data).__name__}")
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help",) and a.option_strings}
+    ignore = set(ignore)
+    values = {}
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest not in actions or dest in ignore:
+            valid = sorted(set(actions) - ignore)
+            raise ConfigError(f"{where}: unknown key {key!r}; valid keys: {valid}")
+        values[dest] = check_value(actions[dest], value, f"{where}: {key}")
+    return values
+
+
+def check_value(action: argparse.Action, value: Any, what: str) -> Any:
+    """``value`` as the flag of ``action`` would take it, or ConfigError naming ``what``."""
+    if value is None:
+        return None
+    if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction,
+                           argparse._StoreFalseAction)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{what}={value!r} is invalid: expected true or false")
+        return value
+    kind = action.type
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{what}={value!r} is invalid: expected an integer")
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{what}={value!r} is invalid: expected a number")
+        value = float(value)
+    if kind in (None, str) and not isinstance(value, str):
+        raise ConfigError(f"{what}={value!r} is invalid: expected a string")
+    if action.choices is not None and value not in action.choices:
+        raise ConfigError(f"{what}={value!r} is invalid: expected one of {list(action.choices)}")
+    return value
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one ``ConfigError`` line (no usage dump), so that
+    the entry point prints it once and exits with status 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(f"{message} (see {self.prog} --help)")

@@ -1,0 +1,145 @@
+"""One typed config tree: the planner options reach every command line and YAML from one
+declaration, errors name the flag the user typed, and ``PoolLayout`` derives every rank."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from megatron_zeppelin import cli
+from megatron_zeppelin.config import ConfigError, ZeppelinConfig
+from megatron_zeppelin.megatron import args as train_args, lm
+from megatron_zeppelin.options import settings
+from megatron_zeppelin.parallel import PoolLayout
+from megatron_zeppelin.sim import cli as sim_cli
+
+PLAN = ["plan", "--model", "llama-7b", "--cluster", "h200-8nic"]
+TRAIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "256", "--global-batch-size", "2", "--train-iters", "1", "--mock-data",
+         "--vocab-size", "256", "--device", "cpu"]
+
+
+def _dests(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {a.dest: a for a in parser._actions}
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def test_every_planner_option_is_a_flag_of_every_command_with_the_declared_default():
+    megatron_lm = argparse.ArgumentParser()
+    lm.extra_args_provider()(megatron_lm)
+    parsers = {"zeppelin plan": (_subparser("plan"), ""),
+               "pretrain_gpt.py": (train_args.build_parser(), "zeppelin_"),
+               "Megatron-LM": (megatron_lm, "zeppelin_")}
+    for field in settings(ZeppelinConfig):
+        for where, (parser, prefix) in parsers.items():
+            if prefix and field.name == "max_seqlen":  # training: Megatron's --seq-length
+                continue
+            action = _dests(parser).get(prefix + field.name)
+            assert action is not None, f"{where} has no flag for ZeppelinConfig.{field.name}"
+            assert action.default == field.default, (where, field.name)
+    simulate = _subparser("simulate")
+    assert {"capacity_factor", "overlong", "balance_slack"} <= set(_dests(simulate))
+
+
+def test_the_plan_command_and_training_build_the_same_config():
+    plan_args = _subparser("plan").parse_args(PLAN[1:] + ["--capacity-factor", "3",
+                                                          "--no-remap", "--balance-slack", "0.1"])
+    train = train_args.parse_args(TRAIN + ["--zeppelin-capacity-factor", "3",
+                                           "--no-zeppelin-remap", "--zeppelin-balance-slack",
+                                           "0.1"])
+    ours = dataclasses.replace(cli.zeppelin_config(plan_args), max_seqlen=256)
+    assert ours == train_args.zeppelin_config(train)
+    assert ours.capacity_factor == 3.0 and ours.remap is False and ours.balance_slack == 0.1
+
+
+def test_a_validation_error_names_the_flag_of_the_command_it_came_from(capsys):
+    assert cli.main(PLAN + ["--capacity-factor", "0.5"]) == 2
+    assert "--capacity-factor=0.5 is invalid: expected a number >= 1.0" in capsys.readouterr().err
+    train = train_args.parse_args(TRAIN + ["--zeppelin-capacity-factor", "0.5"])
+    with pytest.raises(ConfigError, match=r"^--zeppelin-capacity-factor=0.5 is invalid"):
+        train_args.validate_args(train, 1, None)
+
+
+def test_a_bad_flag_value_is_one_line_not_a_usage_dump(capsys):
+    assert cli.main(PLAN + ["--capacity-factor", "fast"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "invalid float value: 'fast'" in err
+    with pytest.raises(ConfigError, match="invalid int value: 'x'"):
+        train_args.parse_args(TRAIN + ["--num-layers", "x"])
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--tensor-model-parallel-size", "0"], r"^--tensor-model-parallel-size=0 is invalid"),
+    (["--micro-batch-size", "0"], r"^--micro-batch-size=0 is invalid: expected >= 1"),
+    (["--lr=-1"], r"^--lr=-1.0 is invalid: expected >= 0.0"),
+    (["--seq-length", "0"], r"^--seq-length=0 is invalid: expected >= 1"),
+    (["--adam-beta2", "1.5"], r"^--adam-beta2=1.5 is invalid: expected a number in \[0, 1\)"),
+    (["--zeppelin-gpus-per-node", "0"], r"^--zeppelin-gpus-per-node=0 is invalid"),
+    (["--global-batch-size", "0"], r"^--global-batch-size=0 is invalid: expected >= 1"),
+])
+def test_out_of_range_training_flags_are_refused_by_name(flags, match):
+    with pytest.raises(ConfigError, match=match):
+        train_args.validate_args(train_args.parse_args(TRAIN + flags), 1, None)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("lr: fast\n", r"c\.yaml: lr='fast' is invalid: expected a number"),
+    ("num-layers: 2.5\n", r"c\.yaml: num-layers=2\.5 is invalid: expected an integer"),
+    ("mock_data: yes please\n", r"c\.yaml: mock_data='yes please' is invalid: expected true"),
+    ("zeppelin_overlong: trim\n", r"c\.yaml: zeppelin_overlong='trim' is invalid: expected one "
+                                  r"of \['error', 'split', 'drop'\]"),
+    ("- a list\n", r"c\.yaml: expected a mapping of flag names to values, got list"),
+    ("yaml_cfg: other.yaml\n", r"unknown key 'yaml_cfg'"),
+])
+def test_yaml_values_are_type_checked_naming_the_file_and_key(tmp_path, text, match):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        train_args.parse_args(["--yaml-cfg", str(cfg)])
+
+
+def test_yaml_sets_planner_options_by_their_training_flag_names(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("zeppelin_balance_slack: 0.2\nzeppelin-routing: false\n")
+    args = train_args.parse_args(TRAIN + ["--yaml-cfg", str(cfg)])
+    config = train_args.zeppelin_config(args)
+    assert config.balance_slack == 0.2 and config.routing is False and config.max_seqlen == 256
+
+
+def test_pool_layout_derives_ranks_topology_and_micro_batches():
+    layout = PoolLayout(world_size=16, tp=2, cp=4, gpus_per_node=4)
+    assert (layout.dp, layout.nodes, layout.ranks_per_node) == (2, 2, 2)
+    assert layout.topology.world_size == layout.cp
+    assert layout.pool_ranks(1, 1) == [9, 11, 13, 15]
+    every = sorted(r for _, _, ranks in layout.pools() for r in ranks)
+    assert every == list(range(16))
+    for replica, tp_rank, ranks in layout.pools():
+        for position, rank in enumerate(ranks):
+            assert layout.position(rank) == (replica, position, tp_rank)
+    assert layout.micro_batches(global_batch_size=8, micro_batch_size=2) == 2
+    with pytest.raises(ConfigError, match="must be a multiple of --micro-batch-size x "
+                                          "data-parallel size = 2 x 2"):
+        layout.micro_batches(global_batch_size=6, micro_batch_size=2)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(world_size=8, tp=3, cp=1, gpus_per_node=3), "--tensor-model-parallel-size=3"),
+    (dict(world_size=8, tp=1, cp=3, gpus_per_node=1), "--context-parallel-size=3"),
+    (dict(world_size=8, tp=1, cp=2, gpus_per_node=4), r"CP x TP = 2 GPUs must be whole nodes"),
+    (dict(world_size=8, tp=2, cp=2, gpus_per_node=3), r"a multiple of TP=2"),
+    (dict(world_size=8, tp=1, cp=0, gpus_per_node=1), r"--context-parallel-size=0 is invalid"),
+])
+def test_pool_layout_refuses_what_does_not_tile_the_world(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        PoolLayout(**kwargs)
+
+
+def test_gpus_per_node_defaults_to_torchruns_local_world_size():
+    assert PoolLayout.resolve(16, 1, 16, None, local_world_size=8).gpus_per_node == 8
+    assert PoolLayout.resolve(16, 1, 4, None, local_world_size=8).gpus_per_node == 4
+    assert PoolLayout.resolve(4, 1, 4, None, local_world_size=None).gpus_per_node == 4
