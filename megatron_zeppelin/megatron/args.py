@@ -12,7 +12,7 @@ from typing import Sequence
 import yaml
 
 from megatron_zeppelin.config import OVERLONG_POLICIES, ConfigError
-from megatron_zeppelin.env import ATTENTION_BACKENDS
+from megatron_zeppelin.runtime.kernels import choices as attention_backends
 
 MODES = ("static", "zeppelin")
 DEVICES = ("cpu", "cuda")
@@ -77,7 +77,8 @@ def add_zeppelin_args(p: argparse.ArgumentParser) -> None:
                    help="route inter-node ring steps over every NIC (proxy GPUs)")
     g.add_argument("--zeppelin-remap", action=argparse.BooleanOptionalAction, default=True,
                    help="run linear modules on a token-balanced layout")
-    g.add_argument("--zeppelin-attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    g.add_argument("--zeppelin-attention-backend", default="auto", choices=attention_backends(),
+                   help="attention kernel (auto: native on CUDA fp16/bf16, torch otherwise)")
     g.add_argument("--zeppelin-validate-plan", action="store_true",
                    help="check every plan's contract (Plan.validate) before using it")
 
