@@ -68,11 +68,10 @@ def sends_dkv(size, r):
     return (1 <= r) & (r <= size) & (size > 1)
 
 
-def exchange_rounds(size: int, phase: Phase) -> int:
-    """Rounds in which a ring of ``size`` ranks has an exchange in flight."""
-    if size < 2:
-        return 0
-    return size - 1 if phase is Phase.FORWARD else size + 1
+def exchange_rounds(size, phase: Phase):
+    """Rounds in which a ring of ``size`` ranks has an exchange in flight (forward ``G - 1``,
+    backward ``G + 1``, none for a ring of one); elementwise for numpy arrays."""
+    return (size + (-1 if phase is Phase.FORWARD else 1)) * (size > 1)
 
 
 def global_steps(longest: int, phase: Phase) -> int:
