@@ -97,10 +97,10 @@ class _HostPending(Pending):
     def _wait_works(self) -> None:
         deadline = time.monotonic() + self._timeout_s
         for index, work in enumerate(self._works):
-            remaining = deadline - time.monotonic()
-            try:
-                ok = work.is_completed() or (remaining > 0 and work.wait(
-                    timeout=timedelta(seconds=remaining)) is not False)
+            remaining = max(deadline - time.monotonic(), 0.0)
+            try:  # a completed work returns at once, or raises the error it completed with
+                ok = (work.is_completed() or remaining > 0) and work.wait(
+                    timeout=timedelta(seconds=remaining)) is not False
             except RuntimeError as exc:  # gloo and NCCL raise on timeout or a closed peer
                 raise RuntimeError(self._failure(index) + f": {exc}") from exc
             if not ok:
