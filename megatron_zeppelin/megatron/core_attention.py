@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Optional
+import warnings
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,10 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_zeppelin.config import ClusterSpec, ConfigError, HardwareProfile, hardware_for
 from megatron_zeppelin.megatron.packing import ZeppelinPackedSeqParams
 from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.runtime import kernels
 from megatron_zeppelin.runtime.engine import AttentionEngine
 from megatron_zeppelin.runtime.remap import RemapIndex, build_remap_index, to_attention_layout, \
     to_linear_layout
@@ -66,7 +69,11 @@ class ZeppelinAttentionState:
         self.pool_group, self.backend, self.inter_mode = pool_group, backend, inter_mode
         self.route_group, self.router_topology, self.timeout_s = route_group, router_topology, \
             timeout_s
-        self.transport, self.device = get_transport(transport), device
+        self.transport = get_transport(transport)
+        if device is not None and torch.device(device).type == "cuda" and \
+                torch.device(device).index is None:  # this thread's GPU, not the planner's
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.rank = dist.get_rank(pool_group)
         self._runtime: _Runtime | None = None
         self._ahead: dict[int, _Runtime] = {}  # id(plan) -> runtime prepared ahead
@@ -77,6 +84,15 @@ class ZeppelinAttentionState:
         runtime = self._build(plan, scale, self.device)
         with self._lock:
             self._ahead[id(plan)] = runtime
+
+    def preparing(self, planner: Callable[[list[int]], Plan]) -> Callable[[list[int]], Plan]:
+        """``planner`` that also prepares each plan's runtime (``prepare``), for the data
+        iterator, which plans the next micro-batch on its own thread while one trains."""
+        def plan_and_prepare(lengths: list[int]) -> Plan:
+            plan = planner(lengths)
+            self.prepare(plan)
+            return plan
+        return plan_and_prepare
 
     def _build(self, plan: Plan, scale: Optional[float], device) -> _Runtime:
         remapped = plan.linear != plan.attention
@@ -115,6 +131,21 @@ class ZeppelinAttentionState:
         if self._runtime is not None:
             self._runtime.engine.close()
             self._runtime = None
+
+
+def planning_hardware(cluster: ClusterSpec, backend: str | None, device: torch.device | str,
+                      dtype: torch.dtype, head_dim: int) -> HardwareProfile:
+    """The hardware profile the planner's cost model should use: the one of the attention
+    kernel that will run (``config.hardware_for``) for ``backend`` (None/``auto``: what the
+    engine picks) on ``device``/``dtype``/``head_dim``. When no profile describes that kernel
+    (e.g. the math path on CUDA), the cluster's own profile, with a warning saying so."""
+    kernel = kernels.backend_for(backend, device, dtype, head_dim).kernel
+    try:
+        return hardware_for(cluster, kernel)
+    except ConfigError as exc:
+        warnings.warn(f"{exc}; planning with the cluster's profile {cluster.hardware!r} instead",
+                      RuntimeWarning, stacklevel=2)
+        return hardware_for(cluster)
 
 
 def zeppelin_attention(state: ZeppelinAttentionState, query: Tensor, key: Tensor, value: Tensor,

@@ -26,7 +26,7 @@ from megatron_zeppelin.config import ConfigError, ModelSpec, ZeppelinConfig, loa
     load_hardware
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.megatron import args as cli
-from megatron_zeppelin.megatron.core_attention import ZeppelinAttentionState
+from megatron_zeppelin.megatron.core_attention import ZeppelinAttentionState, planning_hardware
 from megatron_zeppelin.megatron.data import (DocumentStats, IndexedDocuments, StdlibCorpus,
                                              ZeppelinDataIterator, sample_documents)
 from megatron_zeppelin.megatron.train_log import Logger, StepLog
@@ -77,7 +77,9 @@ def make_cost_model(args: argparse.Namespace, spec: ModelSpec) -> CostModel:
     cluster = load_cluster(args.zeppelin_cluster or default)
     tp, gpn = args.tensor_model_parallel_size, args.zeppelin_gpus_per_node
     cluster = cluster.with_topology(cli.pool_size(args) * tp // gpn, gpn)
-    hardware = load_hardware(args.zeppelin_hardware or cluster.hardware)
+    hardware = load_hardware(args.zeppelin_hardware) if args.zeppelin_hardware else \
+        planning_hardware(cluster, args.zeppelin_attention_backend, args.device,
+                          torch.bfloat16 if args.bf16 else torch.float32, spec.head_dim)
     return CostModel(spec, cluster, hardware, tp)
 
 
@@ -110,7 +112,8 @@ def build_state(args: argparse.Namespace, pool: Pool, cost: CostModel) -> Zeppel
     return ZeppelinAttentionState(
         pool.group, backend=backend, inter_mode="routed" if routed else "ring",
         route_group=pool.route_group if routed else None,
-        router_topology=RouterTopology.from_cluster(cluster) if routed else None)
+        router_topology=RouterTopology.from_cluster(cluster) if routed else None,
+        device=args.device)
 
 
 def build_training(args: argparse.Namespace, state: ZeppelinAttentionState, spec: ModelSpec):
@@ -209,7 +212,7 @@ def train(args: argparse.Namespace) -> list[StepLog]:
     start = checkpoint_load(args, model, optimizer)
     device = "cuda" if args.device == "cuda" else "cpu"
     stats = DocumentStats()
-    data = make_data(args, pool, make_planner(args, cost), device, stats)
+    data = make_data(args, pool, state.preparing(make_planner(args, cost)), device, stats)
     logger = Logger(args, cost, dist.get_rank() == 0, stats)
     micro = args.global_batch_size // (args.micro_batch_size * (world // (tp * pool.size)))
     try:

@@ -34,7 +34,8 @@ BACKEND_MODULES = ("native", "torch_math", "flash_attn", "te")
 for _module in BACKEND_MODULES:
     importlib.import_module(f"{__name__}.{_module}")
 
-__all__ = ["AUTO", "KernelBackend", "Pieces", "accum_dtype", "block_backward", "block_forward",
+__all__ = ["AUTO", "KernelBackend", "Pieces", "accum_dtype", "backend_for", "block_backward",
+           "block_forward",
            "check_block", "choices", "configured", "get", "make_pieces", "names", "register",
            "resolve_backend", "select"]
 
@@ -76,6 +77,13 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                          f"{tuple(q.shape)} and lse {tuple(lse.shape)} must be "
                          f"{(q.shape[1], q.shape[0])} ([heads, tq])")
     return select(backend, q).backward(dout, q, k, v, out, lse, pieces, causal, scale)
+
+
+def backend_for(choice: str | None, device: torch.device | str, dtype: torch.dtype,
+                head_dim: int) -> KernelBackend:
+    """The backend ``select`` picks for blocks of this device, dtype and head dim (e.g. to
+    choose the hardware profile the planner uses: ``backend.kernel``)."""
+    return select(choice, torch.empty((0, 1, head_dim), dtype=dtype, device=device))
 
 
 def resolve_backend(backend: str | None, q: torch.Tensor) -> str:
