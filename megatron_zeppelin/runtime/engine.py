@@ -174,6 +174,16 @@ def fill(queue: deque, in_flight: Callable[[], bool], run: Callable[[LocalCall],
     return ran
 
 
+def _whole_buffer_call(waves: list[_Wave], tokens: int, inter) -> LocalCall | None:
+    """The rank's only work when it is one LOCAL call over its whole buffer (one wave, no
+    ring, no global step), else None."""
+    if len(waves) != 1 or waves[0].rings or len(waves[0].local) != 1 or (
+            inter is not None and inter.num_steps(0, Phase.FORWARD)):
+        return None
+    call = waves[0].local[0]
+    return call if isinstance(call.rows, slice) and call.rows == slice(0, tokens) else None
+
+
 def _canonical(device: torch.device | str) -> torch.device:
     """``device`` with its index (CUDA without one: the current device)."""
     device = torch.device(device)
@@ -364,6 +374,11 @@ class AttentionEngine:
         self.prepare(q.device)
         waves, lanes = self._prepared[_canonical(q.device)]
         scale = q.shape[-1] ** -0.5 if self.scale is None else self.scale
+        whole = _whole_buffer_call(waves, self.tokens, self.inter)
+        if whole is not None:  # one fused call over the whole buffer: its outputs, no copies
+            if phase is Phase.FORWARD:
+                return self._kernel(q).forward(q, k, v, whole.pieces, True, scale)
+            return self._kernel(q).backward(dout, q, k, v, out, lse, whole.pieces, True, scale)
         if phase is Phase.FORWARD:
             result = (torch.empty_like(q), torch.empty((q.shape[1], self.tokens),
                                                        dtype=accum_dtype(q.dtype),
