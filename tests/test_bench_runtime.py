@@ -60,3 +60,46 @@ def test_benchmark_variants_are_injected_not_switched():
     for report in run_world(_injected, 2):
         assert report["rings"] >= 1 and report["compute"] and report["comm"]
         assert report["comm_zero"] and not report["compute_zero"]
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_refuses_a_machine_without_cuda(tmp_path):
+    """scripts/gpu_check.sh is valid bash and, without CUDA, stops at once with one clear
+    line (exit 2) after recording the environment."""
+    import subprocess
+    import sys
+
+    script = ROOT / "scripts" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    if torch.cuda.is_available():
+        return
+    result = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True,
+                            env={**__import__("os").environ, "PYTHON": sys.executable})
+    assert result.returncode == 2
+    assert "gpu_check: no usable CUDA torch; nothing checked" in result.stderr
+    assert "torch.cuda.is_available() is False" in (tmp_path / "environment.log").read_text()
+
+
+def test_gpu_check_training_summary(tmp_path):
+    """The training targets are read from the training logs: tokens/s of the native run
+    (iterations > 2) and its losses against the reference path."""
+    import subprocess
+    import sys
+
+    def log(name, rows):
+        (tmp_path / f"{name}.log").write_text("noise\n" + "".join(
+            f"iteration {i:5d}/9 | loss {loss:.4f} | tokens/s {tps:,} | plan 1 ms\n"
+            for i, loss, tps in rows))
+
+    log("train-native", [(1, 5.5, 100_000), (2, 5.2, 200_000), (3, 5.0, 300_000),
+                         (4, 4.9, 320_000)])
+    log("train-reference", [(1, 5.51, 9_000), (2, 5.19, 9_500), (3, 5.01, 9_400)])
+    script = str(ROOT / "scripts" / "gpu_check_training.py")
+    ok = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout
+    assert "310,000 tokens/s" in ok.stdout and "worst difference 0.0100" in ok.stdout
+    log("train-reference", [(1, 5.6, 9_000)])
+    far = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True)
+    assert far.returncode == 1 and "worst difference 0.1000" in far.stdout

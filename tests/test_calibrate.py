@@ -163,3 +163,6 @@ def test_training_plans_with_the_profile_of_the_kernel_that_runs():
                                             "'cpu'.*planning with the cluster's profile 'h200'"):
         assert planning_hardware(load_cluster("h200-8nic"), "torch", "cpu", torch.float32,
                                  64).name == "h200"
+    with pytest.raises(ConfigError, match="--zeppelin-attention-backend=native: attention "
+                                          "backend 'native' cannot run this block: needs CUDA"):
+        planning_hardware(load_cluster("cpu-2x2"), "native", "cpu", torch.bfloat16, 64)

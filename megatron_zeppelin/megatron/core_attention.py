@@ -138,8 +138,12 @@ def planning_hardware(cluster: ClusterSpec, backend: str | None, device: torch.d
     """The hardware profile the planner's cost model should use: the one of the attention
     kernel that will run (``config.hardware_for``) for ``backend`` (None/``auto``: what the
     engine picks) on ``device``/``dtype``/``head_dim``. When no profile describes that kernel
-    (e.g. the math path on CUDA), the cluster's own profile, with a warning saying so."""
-    kernel = kernels.backend_for(backend, device, dtype, head_dim).kernel
+    (e.g. the math path on CUDA), the cluster's own profile, with a warning saying so.
+    ConfigError when the backend cannot run there (not installed, or refuses the tensors)."""
+    try:
+        kernel = kernels.backend_for(backend, device, dtype, head_dim).kernel
+    except (ValueError, ImportError) as exc:  # a backend that cannot run here: say so now
+        raise ConfigError(f"--zeppelin-attention-backend={backend}: {exc}") from None
     try:
         return hardware_for(cluster, kernel)
     except ConfigError as exc:
