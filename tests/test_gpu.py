@@ -19,7 +19,8 @@ import torch
 
 from attention_reference import make_batch
 from distributed import run_world
-from test_kernels import EQUAL, UNEQUAL, random_block, reference_block, reference_block_autograd
+from test_kernels import (EQUAL, UNEQUAL, assert_backward_matches, random_block,
+                          reference_block)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -65,15 +66,8 @@ def test_backend_matches_float64_reference(name, dtype, case):
     torch.testing.assert_close(lse.cpu().double()[finite], want_lse[finite], atol=tol["lse"],
                                rtol=0)
     torch.testing.assert_close(out.cpu().double(), want_out, atol=tol["out"], rtol=0)
-    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(dtype).cuda()
-    grads = kernels.block_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale,
-                                   backend=name)
-    leaves = [t.cpu().double().requires_grad_() for t in (q, k, v)]
-    ref, _ = reference_block_autograd(*leaves, cu_q, cu_k, causal, scale)
-    ref.backward(dout.cpu().double())
-    for got, leaf in zip(grads, leaves):
-        assert torch.isfinite(got).all()
-        torch.testing.assert_close(got.cpu().double(), leaf.grad, atol=tol["grad"], rtol=0)
+    assert_backward_matches(q, k, v, out, lse, cu_q, cu_k, causal, scale, name, tol["grad"],
+                            seed=4)
 
 
 def test_cpu_stand_in_matches_the_real_kernel():

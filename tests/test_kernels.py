@@ -72,16 +72,22 @@ def test_block_forward_backward_exact(heads, kv_heads, causal, pieces, force_mat
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
     torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=0)
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=0)
-    # backward of the whole block (its out/lse are final): against float64 autograd
-    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2))
-    dq, dk, dv = kernels.block_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale,
-                                        backend="torch")
-    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    assert_backward_matches(q, k, v, out, lse, cu_q, cu_k, causal, scale, "torch", 1e-5, seed=2)
+
+
+def assert_backward_matches(q, k, v, out, lse, cu_q, cu_k, causal, scale, backend, atol, seed):
+    """``block_backward`` of a whole block (its out/lse are final) against float64 autograd of
+    ``reference_block_autograd`` (tensors on any device); returns the gradients."""
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q)
+    grads = kernels.block_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale,
+                                   backend=backend)
+    leaves = [t.cpu().double().requires_grad_() for t in (q, k, v)]
     ref_out, _ = reference_block_autograd(*leaves, cu_q, cu_k, causal, scale)
-    ref_out.backward(dout.double())
-    for got, leaf in zip((dq, dk, dv), leaves):
-        assert torch.isfinite(got).all()
-        torch.testing.assert_close(got.double(), leaf.grad, atol=1e-5, rtol=0)
+    ref_out.backward(dout.cpu().double())
+    for got, leaf in zip(grads, leaves):
+        assert got.dtype == q.dtype and torch.isfinite(got).all()
+        torch.testing.assert_close(got.cpu().double(), leaf.grad, atol=atol, rtol=0)
+    return grads
 
 
 def reference_block_autograd(q, k, v, cu_q, cu_k, causal, scale):

@@ -17,7 +17,8 @@ from flash_standin import install
 from megatron_zeppelin.runtime import kernels
 from megatron_zeppelin.runtime.kernels import base, native
 from megatron_zeppelin.runtime.merge import merge_into_
-from test_kernels import EQUAL, UNEQUAL, random_block, reference_block, reference_block_autograd
+from test_kernels import (EQUAL, UNEQUAL, assert_backward_matches, random_block,
+                          reference_block)
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -38,15 +39,8 @@ def test_native_backend_matches_float64(dtype, heads, kv_heads, causal, pieces, 
     assert not torch.isposinf(lse).any(), "the kernel's +inf must become the engine's -inf"
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=0)
     torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=0)
-    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
-    dq, dk, dv = kernels.block_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale,
-                                        backend="native")
-    leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_out, _ = reference_block_autograd(*leaves, cu_q, cu_k, causal, scale)
-    ref_out.backward(dout.double())
-    for got, leaf in zip((dq, dk, dv), leaves):
-        assert got.dtype == dtype and torch.isfinite(got).all()
-        torch.testing.assert_close(got.double(), leaf.grad, atol=tol * 2, rtol=0)
+    assert_backward_matches(q, k, v, out, lse, cu_q, cu_k, causal, scale, "native", tol * 2,
+                            seed=3)
     assert standin.calls == {"forward": 1, "backward": 1}
 
 

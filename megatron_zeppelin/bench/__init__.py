@@ -37,6 +37,17 @@ def median_ms(fn: Callable[[], object], repeats: int, budget_s: float) -> tuple[
     return statistics.median(times) * 1e3, len(times)
 
 
+def register_passthrough(targets, name: str, help_text: str,
+                         run: Callable[[list[str]], object]) -> None:
+    """Add target ``name`` whose module parses every flag itself: ``run(argv)``."""
+    def command(args) -> int:
+        run(args.passthrough)
+        return 0
+
+    p = targets.add_parser(name, add_help=False, help=help_text)
+    p.set_defaults(func=command, passthrough_flags=True)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``bench TARGET`` (every module of ``TARGETS``) and ``calibrate`` to ``zeppelin``."""
     p = sub.add_parser("bench", help="benchmarks (figures, side by side)", description=__doc__,

@@ -33,7 +33,6 @@ import math
 import os
 import statistics
 import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Sequence
@@ -41,9 +40,11 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_zeppelin.bench.engine_local import alternating, slowest_rank_seconds
 from megatron_zeppelin.runtime.kernels import accum_dtype
 from megatron_zeppelin.runtime.transport import Pending, Transport
 
+CPU = torch.device("cpu")
 DEFAULTS = {"cpu": dict(lengths="3072,512,384,256,200,128,100,64,33,17,5,1", heads=8,
                         kv_heads=8, head_dim=64),
             "cuda": dict(lengths="16384,4096,4096,4096,4096" + ",1024" * 8, heads=32, kv_heads=8,
@@ -136,26 +137,10 @@ def make_bench_plan(args: argparse.Namespace, nodes: int = 1, gpus_per_node: int
                      ZeppelinConfig(capacity_tokens_per_gpu=capacity))
 
 
-def _timed_once(fn: Callable[[], None]) -> float:
-    """Seconds of ``fn`` on the slowest rank (all ranks start together)."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return took.item()
-
-
 def _medians(variants: dict[str, Callable[[], None]], iters: int, warmup: int) -> dict:
-    """Median seconds of each variant; variants alternate within every iteration, so that
-    load from elsewhere on the machine hits them alike."""
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for index in range(warmup + iters):
-        for name, fn in variants.items():
-            took = _timed_once(fn)
-            if index >= warmup:
-                times[name].append(took)
-    return {name: statistics.median(values) for name, values in times.items()}
+    """Median seconds of each variant on the slowest rank (``engine_local.alternating``)."""
+    return alternating(variants, iters, warmup, lambda fn: slowest_rank_seconds(fn, CPU),
+                       statistics.median)
 
 
 def _inputs(plan, rank: int, args) -> list[torch.Tensor]:
@@ -164,17 +149,6 @@ def _inputs(plan, rank: int, args) -> list[torch.Tensor]:
     shapes = [(tokens, args.heads, args.head_dim), (tokens, args.kv_heads, args.head_dim),
               (tokens, args.kv_heads, args.head_dim), (tokens, args.heads, args.head_dim)]
     return [torch.randn(shape, generator=gen) for shape in shapes]
-
-
-def _step(engine, tensors, forward_only: bool) -> Callable[[], None]:
-    q, k, v, dout = tensors
-
-    def step() -> None:
-        leaves = [t.clone().requires_grad_(not forward_only) for t in (q, k, v)]
-        out = engine.forward(*leaves)
-        if not forward_only:
-            out.backward(dout)
-    return step
 
 
 def _single(plan, args) -> Callable[[], None]:
@@ -197,6 +171,7 @@ def _single(plan, args) -> Callable[[], None]:
 
 
 def _worker(rank: int, store: str, out_path: str, args: argparse.Namespace, plan) -> None:
+    from megatron_zeppelin.bench.engine_local import engine_step
     from megatron_zeppelin.runtime.engine import AttentionEngine
 
     torch.set_num_threads(1)
@@ -208,9 +183,9 @@ def _worker(rank: int, store: str, out_path: str, args: argparse.Namespace, plan
                                           transport=NullTransport()),
                "comm": AttentionEngine(plan, rank, dist.group.WORLD, backend=NoKernel())}
     idle = (lambda: None)
-    variants = {"engine": _step(engines["all"], tensors, args.forward_only),
-                "compute": _step(engines["compute"], tensors, args.forward_only),
-                "comm": _step(engines["comm"], tensors, args.forward_only),
+    variants = {"engine": engine_step(engines["all"], tensors, args.forward_only),
+                "compute": engine_step(engines["compute"], tensors, args.forward_only),
+                "comm": engine_step(engines["comm"], tensors, args.forward_only),
                 "single": _single(plan, args) if rank == 0 else idle}
     for active in range(2):  # each rank's kernels alone: no CPU sharing
         variants[f"solo{active}"] = variants["compute"] if rank == active else idle
@@ -289,12 +264,7 @@ def _print(figures: dict, args: argparse.Namespace) -> None:
 
 def register(targets) -> None:
     """``zeppelin bench engine``: this module's own parser handles every flag (``run``)."""
-    p = targets.add_parser("engine", add_help=False,
-                           help="attention engine vs the same work on one process; local-only "
-                                "plan vs raw kernels")
-    p.set_defaults(func=_command, passthrough_flags=True)
+    from megatron_zeppelin.bench import register_passthrough
 
-
-def _command(args) -> int:
-    run(args.passthrough)
-    return 0
+    register_passthrough(targets, "engine", "attention engine vs the same work on one "
+                         "process; local-only plan vs raw kernels", run)

@@ -41,17 +41,33 @@ def _seconds(fn: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def fastest(variants: dict[str, Callable[[], None]], iters: int, warmup: int,
-            device: torch.device) -> dict[str, float]:
-    """Fastest seconds of each variant; the variants alternate within every iteration, so that
-    load from elsewhere on the machine hits them alike."""
+def slowest_rank_seconds(fn: Callable[[], None], device: torch.device) -> float:
+    """Seconds of ``fn`` on the slowest rank of the world (all ranks start together)."""
+    dist.barrier()
+    took = torch.tensor([_seconds(fn, device)], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return took.item()
+
+
+def alternating(variants: dict[str, Callable[[], None]], iters: int, warmup: int,
+                timer: Callable[[Callable[[], None]], float],
+                reduce: Callable[[list[float]], float] = min) -> dict[str, float]:
+    """``reduce`` (default: the fastest) of ``timer(fn)`` seconds per variant; the variants
+    alternate within every iteration, so that load from elsewhere on the machine hits them
+    alike."""
     times: dict[str, list[float]] = {name: [] for name in variants}
     for index in range(warmup + iters):
         for name, fn in variants.items():
-            took = _seconds(fn, device)
+            took = timer(fn)
             if index >= warmup:
                 times[name].append(took)
-    return {name: min(values) for name, values in times.items()}
+    return {name: reduce(values) for name, values in times.items()}
+
+
+def fastest(variants: dict[str, Callable[[], None]], iters: int, warmup: int,
+            device: torch.device) -> dict[str, float]:
+    """Fastest seconds of each variant in this process (``alternating``)."""
+    return alternating(variants, iters, warmup, lambda fn: _seconds(fn, device))
 
 
 def tensors_of(tokens: int, args: argparse.Namespace, device: torch.device, seed: int):
@@ -154,14 +170,8 @@ def _ranks_worker(rank: int, world: int, store: str, out_path: str, args, plan) 
     tensors, _ = rank_batch(plan, rank, args, device)
     engine = AttentionEngine(plan, rank, dist.group.WORLD, transport="staged", device=device)
     step = engine_step(engine, tensors, args.forward_only)
-    times = []
-    for index in range(args.warmup + args.iters):
-        dist.barrier()
-        took = torch.tensor([_seconds(step, device)], dtype=torch.float64)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        if index >= args.warmup:
-            times.append(took.item())
-    figures = {"engine": statistics.median(times)}
+    times = [slowest_rank_seconds(step, device) for _ in range(args.warmup + args.iters)]
+    figures = {"engine": statistics.median(times[args.warmup:])}
     if rank == 0:
         whole = tensors_of(sum(plan.seqlens), args, device, world)
         figures["single"] = fastest({"single": raw_step(whole, list(plan.seqlens), device,

@@ -226,13 +226,9 @@ def _print(figures: dict, args: argparse.Namespace) -> None:
               f"{'met' if t['extra_ok'] else 'MISSED'})")
 
 
-def register(targets_parser) -> None:
+def register(targets) -> None:
     """``zeppelin bench kernels``: this module's own parser handles every flag (``run``)."""
-    p = targets_parser.add_parser("kernels", add_help=False,
-                                  help="our block call vs the raw kernel (ratio, us per call)")
-    p.set_defaults(func=_command, passthrough_flags=True)
+    from megatron_zeppelin.bench import register_passthrough
 
-
-def _command(args) -> int:
-    run(args.passthrough)
-    return 0
+    register_passthrough(targets, "kernels", "our block call vs the raw kernel (ratio, us per "
+                         "call)", run)

@@ -28,6 +28,7 @@ A backend is an object with the ``KernelBackend`` protocol, registered once by i
 from __future__ import annotations
 
 import functools
+import importlib
 import warnings
 from typing import NamedTuple, Protocol, Sequence, Union, runtime_checkable
 
@@ -117,6 +118,23 @@ def check_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: Piece
                              f"from 0 to {total} (the packed length)")
 
 
+def lse_from_kernel(lse: torch.Tensor, pieces: Pieces, causal: bool) -> torch.Tensor:
+    """A flash-convention lse (``+inf`` for rows without keys) in the engine's (``-inf``);
+    untouched (no kernel launched) when the plan says every row sees a key."""
+    if pieces.keyless_rows(causal):
+        return lse.masked_fill(torch.isposinf(lse), float("-inf"))
+    return lse
+
+
+def lse_to_kernel(lse: torch.Tensor, pieces: Pieces, causal: bool) -> torch.Tensor:
+    """The engine's lse as flash kernels take it: float32, contiguous, ``+inf`` for rows
+    without keys."""
+    lse = lse.float()
+    if pieces.keyless_rows(causal):
+        lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
+    return lse.contiguous()
+
+
 # ----------------------------------------------------------------------------- protocol
 
 @runtime_checkable
@@ -148,6 +166,37 @@ class KernelBackend(Protocol):
                  out: torch.Tensor, lse: torch.Tensor, pieces: Pieces, causal: bool,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` in the input dtype, given the rows' FINAL ``out`` and ``lse``."""
+
+
+class OptionalCudaBackend:
+    """Shared parts of the optional packaged backends (flash_attn, te): importable only with
+    their pip extra (``module``, ``package``, ``extra``), CUDA fp16/bf16 tensors only, never
+    picked by ``auto``. ``load()`` returns the module or None."""
+
+    module = package = extra = ""
+    auto = False
+
+    def load(self):
+        return _import_once(self.module)
+
+    def unavailable(self) -> str | None:
+        if self.load() is None:
+            return (f"needs {self.package}, which is not installed: pip install "
+                    f"\"megatron-zeppelin[{self.extra}]\" (or use backend 'native')")
+        return None
+
+    def refuses(self, q: torch.Tensor) -> str | None:
+        if not q.is_cuda or q.dtype not in HALF:
+            return f"needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}"
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _import_once(module: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
 
 
 _REGISTRY: dict[str, KernelBackend] = {}

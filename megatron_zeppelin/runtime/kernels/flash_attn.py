@@ -9,23 +9,12 @@ explicitly (``auto`` picks ``native``, the same FlashAttention-2 code that every
 """
 from __future__ import annotations
 
-import importlib
 import inspect
-from functools import lru_cache
 
 import torch
 
-from megatron_zeppelin.runtime.kernels.base import HALF, Pieces, register
-
-MODULE = "flash_attn.flash_attn_interface"
-
-
-@lru_cache(maxsize=None)
-def _load():
-    try:
-        return importlib.import_module(MODULE)
-    except ImportError:
-        return None
+from megatron_zeppelin.runtime.kernels.base import (OptionalCudaBackend, Pieces, lse_from_kernel,
+                                                    lse_to_kernel, register)
 
 
 def _pad8(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -55,47 +44,31 @@ def flash_kwargs(fn, positional: int, **kwargs) -> dict:
     return kwargs
 
 
-class FlashAttn:
+class FlashAttn(OptionalCudaBackend):
     """The ``flash_attn`` backend (see the module docstring)."""
 
     name = "flash_attn"
     kernel = "fa2"
-    auto = False
     description = "flash-attn 2.6+ varlen kernels (CUDA, fp16/bf16; pip extra flash-attn)"
-
-    def unavailable(self) -> str | None:
-        if _load() is None:
-            return ("needs flash_attn, which is not installed: pip install "
-                    "\"megatron-zeppelin[flash-attn]\" (or use backend 'native')")
-        return None
-
-    def refuses(self, q: torch.Tensor) -> str | None:
-        if not q.is_cuda or q.dtype not in HALF:
-            return f"needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}"
-        return None
+    module, package, extra = "flash_attn.flash_attn_interface", "flash_attn", "flash-attn"
 
     def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float):
         d = q.shape[-1]
         qp, kp, vp = _pad8(q, k, v)
-        fn = _load()._flash_attn_varlen_forward
+        fn = self.load()._flash_attn_varlen_forward
         out, lse, *_ = fn(qp, kp, vp, pieces.cu_q_dev, pieces.cu_k_dev, pieces.max_q,
                           pieces.max_k,
                           **flash_kwargs(fn, 7, dropout_p=0.0, softmax_scale=scale,
                                          causal=causal, alibi_slopes=None,
                                          return_softmax=False))
-        if pieces.keyless_rows(causal):
-            lse = lse.masked_fill(torch.isposinf(lse), float("-inf"))
-        return out[..., :d].contiguous(), lse
+        return out[..., :d].contiguous(), lse_from_kernel(lse, pieces, causal)
 
     def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float):
         d = q.shape[-1]
         dop, qp, kp, vp, op = _pad8(dout, q, k, v, out)
         dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
-        lse = lse.float()
-        if pieces.keyless_rows(causal):
-            lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
-        fn = _load()._flash_attn_varlen_backward
-        fn(dop, qp, kp, vp, op, lse.contiguous(), dq, dk, dv, pieces.cu_q_dev, pieces.cu_k_dev,
+        fn = self.load()._flash_attn_varlen_backward
+        fn(dop, qp, kp, vp, op, lse_to_kernel(lse, pieces, causal), dq, dk, dv, pieces.cu_q_dev, pieces.cu_k_dev,
            pieces.max_q, pieces.max_k,
            **flash_kwargs(fn, 13, dropout_p=0.0, softmax_scale=scale, causal=causal,
                           alibi_slopes=None, deterministic=False, rng_state=None))

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_zeppelin.runtime.kernels.base import HALF, Pieces, register
+from megatron_zeppelin.runtime.kernels.base import (HALF, Pieces, lse_from_kernel, lse_to_kernel,
+                                                    register)
 
 MAX_HEAD_DIM = 256
 
@@ -97,20 +98,15 @@ class NativeFlash:
                                f"{lse.dtype}: the native backend expects [{heads}, "
                                f"{pieces.total_q}] float32 (torch {torch.__version__}); use "
                                "backend 'flash_attn' or 'torch'")
-        if pieces.keyless_rows(causal):
-            lse = lse.masked_fill(torch.isposinf(lse), float("-inf"))
-        return out, lse
+        return out, lse_from_kernel(lse, pieces, causal)
 
     def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float):
         if pieces.total_q == 0 or pieces.total_k == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        lse = lse.float()
-        if pieces.keyless_rows(causal):
-            lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
         rng_state, unused = self._unused_rng(q.device)
         dq, dk, dv = self.ops.backward(
             dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
-            lse.contiguous(), pieces.cu_q_dev, pieces.cu_k_dev, pieces.max_q, pieces.max_k, 0.0,
+            lse_to_kernel(lse, pieces, causal), pieces.cu_q_dev, pieces.cu_k_dev, pieces.max_q, pieces.max_k, 0.0,
             causal, rng_state, unused, scale=scale)
         return dq, dk, dv
 

@@ -9,22 +9,10 @@ used, so the RNG state passed back is unused (zeros). Only ever chosen explicitl
 """
 from __future__ import annotations
 
-import importlib
-from functools import lru_cache
-
 import torch
 
-from megatron_zeppelin.runtime.kernels.base import HALF, Pieces, register
-
-MODULE = "transformer_engine.pytorch.cpp_extensions.fused_attn"
-
-
-@lru_cache(maxsize=None)
-def _load():
-    try:
-        return importlib.import_module(MODULE)
-    except ImportError:
-        return None
+from megatron_zeppelin.runtime.kernels.base import (OptionalCudaBackend, Pieces, lse_from_kernel,
+                                                    lse_to_kernel, register)
 
 
 def stats_packed() -> bool:
@@ -72,42 +60,29 @@ def _common(pieces: Pieces, causal: bool, scale: float) -> dict:
                 window_size=(-1, 0) if causal else (-1, -1))
 
 
-class TransformerEngine:
+class TransformerEngine(OptionalCudaBackend):
     """The ``te`` backend (see the module docstring)."""
 
     name = "te"
     kernel = "cudnn"
-    auto = False
     description = "Transformer Engine fused attention, THD (CUDA, fp16/bf16; pip extra te)"
-
-    def unavailable(self) -> str | None:
-        if _load() is None:
-            return ("needs transformer_engine, which is not installed: pip install "
-                    "\"megatron-zeppelin[te]\" (or use backend 'native')")
-        return None
-
-    def refuses(self, q: torch.Tensor) -> str | None:
-        if not q.is_cuda or q.dtype not in HALF:
-            return f"needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}"
-        return None
+    module = "transformer_engine.pytorch.cpp_extensions.fused_attn"
+    package, extra = "transformer_engine", "te"
 
     def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float):
-        te = _load()
+        te = self.load()
         out, aux = te.fused_attn_fwd(True, pieces.max_q, pieces.max_k, pieces.cu_q_dev,
                                      pieces.cu_k_dev, q.contiguous(), k.contiguous(),
                                      v.contiguous(), q.dtype,
                                      te.FusedAttnBackend["F16_arbitrary_seqlen"],
                                      **_common(pieces, causal, scale))
-        lse = lse_from_te(aux[0], pieces, q.shape[1])
-        if pieces.keyless_rows(causal):
-            lse = lse.masked_fill(torch.isposinf(lse), float("-inf"))
-        return out, lse
+        return out, lse_from_kernel(lse_from_te(aux[0], pieces, q.shape[1]), pieces, causal)
 
     def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float):
-        te = _load()
+        te = self.load()
         from transformer_engine.pytorch.constants import TE_DType
 
-        stats = lse_to_te(lse.float().masked_fill(torch.isneginf(lse), float("inf")), pieces)
+        stats = lse_to_te(lse_to_kernel(lse, pieces, causal), pieces)
         unused_rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
         grads = te.fused_attn_bwd(pieces.max_q, pieces.max_k, pieces.cu_q_dev, pieces.cu_k_dev,
                                   q.contiguous(), k.contiguous(), v.contiguous(),
