@@ -23,6 +23,16 @@ from megatron_zeppelin.options import setting
 from megatron_zeppelin.plan import Topology
 
 OVERLONG_POLICIES = ("error", "split", "drop")
+# The attention kernel a hardware profile describes (``HardwareProfile.kernel``); each runtime
+# kernel backend names the one it runs (``runtime.kernels``: native/flash_attn -> fa2, te ->
+# cudnn, torch on CPU -> cpu).
+ATTENTION_KERNELS = {
+    "fa2": "FlashAttention-2 code: torch's built-in varlen flash attention (backend native) "
+           "and the flash-attn 2.x package (backend flash_attn)",
+    "fa3": "FlashAttention-3 (Hopper): published figures; no shipped backend runs it",
+    "cudnn": "cuDNN fused attention through Transformer Engine (backend te)",
+    "cpu": "torch's CPU kernels (backend torch on CPU)",
+}
 
 def _require(cond: bool, what: str, value: Any, allowed: str) -> None:
     if not cond:
@@ -161,6 +171,8 @@ class HardwareProfile:
 
     ``attention_tflops`` maps a per-call query length to achieved causal attention forward
     TFLOP/s; lengths in between interpolate on log(length), outside clamp to the ends.
+    ``kernel`` (required, keyword): the attention kernel the figures describe
+    (``ATTENTION_KERNELS``); ``hardware_for`` picks the profile of the kernel that will run.
     """
 
     name: str
@@ -171,8 +183,11 @@ class HardwareProfile:
     p2p_gbyte_per_s: float | None = None
     p2p_latency_us: float | None = None
     source: str = ""
+    kernel: str = field(kw_only=True)
 
     def __post_init__(self) -> None:
+        _require(self.kernel in ATTENTION_KERNELS, "hardware.kernel", self.kernel,
+                 f"one of {list(ATTENTION_KERNELS)}")
         _positive("hardware.gemm_tflops", self.gemm_tflops)
         _positive("hardware.attention_bwd_ratio", self.attention_bwd_ratio)
         _require(self.kernel_overhead_us >= 0, "hardware.kernel_overhead_us",
@@ -342,6 +357,33 @@ def load_model(name_or_path: str | os.PathLike) -> ModelSpec:
 def load_hardware(name_or_path: str | os.PathLike) -> HardwareProfile:
     path = resolve_config_path(name_or_path, "hardware")
     return from_dict(HardwareProfile, read_yaml(path), where=str(path))
+
+
+def hardware_for(cluster: ClusterSpec, kernel: str | None = None) -> HardwareProfile:
+    """The hardware profile of ``cluster`` for the attention ``kernel`` that will run.
+
+    The cluster's ``hardware:`` names the profile of its default kernel (the native backend's
+    ``fa2`` on GPUs); the profile of another kernel for the same GPU is ``<hardware>-<kernel>``
+    (``h100-fa3``). None: the cluster's own. ConfigError when no profile describes ``kernel``,
+    naming what to measure (``zeppelin calibrate --backend ... --output ...``).
+    """
+    default = load_hardware(cluster.hardware)
+    if kernel is None or default.kernel == kernel:
+        return default
+    _require(kernel in ATTENTION_KERNELS, "attention kernel", kernel,
+             f"one of {list(ATTENTION_KERNELS)}")
+    name = f"{cluster.hardware}-{kernel}"
+    try:
+        profile = load_hardware(name)
+    except ConfigError:
+        raise ConfigError(f"cluster {cluster.name!r}: no hardware profile describes attention "
+                          f"kernel {kernel!r} ({cluster.hardware!r} describes "
+                          f"{default.kernel!r}); measure one with `zeppelin calibrate --device "
+                          f"cuda --backend ... --output {name}.yaml` and pass it as the hardware "
+                          "profile") from None
+    _require(profile.kernel == kernel, f"hardware profile {name!r} kernel", profile.kernel,
+             f"{kernel!r} (its file name says so)")
+    return profile
 
 
 def load_cluster(name_or_path: str | os.PathLike, nodes: int | None = None) -> ClusterSpec:

@@ -2,7 +2,11 @@
 
 ZEPPELIN_CONFIGS           folder to resolve bare config names against (default: repo configs/)
 ZEPPELIN_ROUTER_BACKEND    ``auto`` (default), ``cpp`` or ``python``: which router implementation
-ZEPPELIN_ATTENTION_BACKEND ``auto`` (default), ``torch``, ``flash_attn`` or ``te``
+ZEPPELIN_ATTENTION_BACKEND ``auto`` (default) or a registered kernel backend
+                           (``runtime.kernels.choices()``: native, torch, flash_attn, te)
+ZEPPELIN_TRANSPORT         ``direct`` (default: tensors go to torch.distributed as they are) or
+                           ``staged`` (CUDA tensors through host buffers over gloo: several
+                           ranks sharing one GPU, for tests and debugging)
 ZEPPELIN_P2P_TIMEOUT_S     seconds a ring/remap exchange may wait on a peer (default 300)
 MEGATRON_LM_PATH           a Megatron-LM checkout, for the patch test and apply script
 LOCAL_WORLD_SIZE           set by torchrun: processes on this node (default GPUs per node)
@@ -13,7 +17,7 @@ from __future__ import annotations
 import os
 
 ROUTER_BACKENDS = ("auto", "cpp", "python")
-ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "te")
+TRANSPORTS = ("direct", "staged")
 
 
 def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -32,8 +36,14 @@ def router_backend() -> str:
     return _choice("ZEPPELIN_ROUTER_BACKEND", "auto", ROUTER_BACKENDS)
 
 
-def attention_backend() -> str:
-    return _choice("ZEPPELIN_ATTENTION_BACKEND", "auto", ATTENTION_BACKENDS)
+def attention_backend(choices: tuple[str, ...]) -> str:
+    """``ZEPPELIN_ATTENTION_BACKEND``, one of ``choices`` (the kernel registry's)."""
+    return _choice("ZEPPELIN_ATTENTION_BACKEND", "auto", choices)
+
+
+def transport() -> str:
+    """``ZEPPELIN_TRANSPORT``: how tensors reach torch.distributed (``TRANSPORTS``)."""
+    return _choice("ZEPPELIN_TRANSPORT", "direct", TRANSPORTS)
 
 
 def p2p_timeout_s() -> float:

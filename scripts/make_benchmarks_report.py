@@ -229,14 +229,19 @@ def fidelity_section(run: bool) -> list[str]:
     if not run:
         return ["Not run in this generation (pass `--fidelity`; see `zeppelin bench "
                 "fidelity`)."]
+    import tempfile
+
     from megatron_zeppelin.bench import fidelity
     from megatron_zeppelin.bench.calibrate import cmd_calibrate, calibrate_defaults
 
-    cmd_calibrate(calibrate_defaults())  # fresh profile, measured in the same conditions
-    result = fidelity.run_fidelity(fidelity.FidelityOptions())
+    with tempfile.TemporaryDirectory() as tmp:  # a fresh profile, in the same conditions
+        cmd_calibrate(calibrate_defaults(tmp))
+        result = fidelity.run_fidelity(fidelity.FidelityOptions(
+            hardware=f"{tmp}/cpu.yaml", cluster=f"{tmp}/cpu-cluster.yaml"))
     return [
-        "`zeppelin calibrate` (just before) measured `configs/hardware/cpu.yaml` and "
-        "`configs/clusters/cpu-2x2.yaml`; then the real attention engine ran every plan on 4 "
+        "`zeppelin calibrate` (just before) measured a fresh CPU profile and emulated cluster "
+        "(like the shipped `configs/hardware/cpu.yaml`, `configs/clusters/cpu-2x2.yaml`); "
+        "then the real attention engine ran every plan on 4 "
         "gloo processes (one thread each) on this 2-core machine and the simulator predicted "
         "the same plans with that profile. Both sides keep the fastest of their runs. The CPU "
         "emulation shares 2 cores between 4 ranks (a rank that finishes early frees a core for "

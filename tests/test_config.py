@@ -89,12 +89,12 @@ def test_zeppelin_config_validation():
 
 
 def test_hardware_interpolates_on_log_length_and_clamps():
-    hw = HardwareProfile("h", 100, {1024: 100.0, 4096: 300.0})
+    hw = HardwareProfile("h", 100, {1024: 100.0, 4096: 300.0}, kernel="fa2")
     assert hw.attention_flops_per_s(10) == 100e12
     assert hw.attention_flops_per_s(1 << 20) == 300e12
     assert hw.attention_flops_per_s(2048) == pytest.approx(200e12)
     with pytest.raises(ConfigError, match="attention_tflops"):
-        HardwareProfile("h", 100, {})
+        HardwareProfile("h", 100, {}, kernel="fa2")
 
 
 def test_setup_rejects_tp_not_dividing_node():

@@ -53,9 +53,10 @@ def test_crossovers_order_nvlink_below_routed_below_direct_nic(cost_7b):
     direct = cost_7b.crossover_chunk(Tier.INTER, routed=False)
     assert 0 < intra < routed < direct
     assert cost_7b.crossover_chunk(Tier.LOCAL) == 0
-    # the analytic estimate c ~ (2B + 4) / 3.5 * g * F / (a * bw) holds at the crossover
+    # the analytic estimate c ~ (2B + 4) / (1 + bwd ratio) * g * F / (a * bw) holds there
     f = cost_7b.hardware.attention_flops_per_s(direct)
-    analytic = (2 * 2 + 4) / 3.5 * f / cost_7b.cluster.nic_byte_per_s
+    fwd_bwd = 1 + cost_7b.hardware.attention_bwd_ratio
+    analytic = (2 * 2 + 4) / fwd_bwd * f / cost_7b.cluster.nic_byte_per_s
     assert direct == pytest.approx(analytic, rel=0.05)
 
 

@@ -8,15 +8,20 @@ and as routed global steps; some cases cut the LOCAL queue into many calls (smal
 ``local_call_tokens``: single and batched calls, rows gathered out of buffer order). Output and
 dq, dk, dv must match every sequence run alone in float64 within 1e-5 (fp32). The 4-rank world
 also records the order of posts, ring steps, polls, LOCAL calls and waits (LOCAL work fills
-the waits for traffic) and ends with a peer that fails mid-ring while the others wait on the
-helper thread.
+the waits for traffic), counts host syncs inside the per-round loop (none allowed), and ends
+with a peer that fails mid-ring while the others wait on the helper thread. Some cases run the
+native backend's code path in bf16 through the kernel stand-in (``flash_standin``) and some
+the staged transport (host buffers, the path of several ranks sharing one GPU).
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import random
 import re
+import sys
+import threading
 import time
 from collections import deque
 
@@ -31,11 +36,13 @@ from distributed import run_world
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.planner import make_plan
 from megatron_zeppelin.router import RouterTopology
+import megatron_zeppelin
 from megatron_zeppelin.runtime import engine as engine_module
+from megatron_zeppelin.runtime import transport as transport_module
 from megatron_zeppelin.runtime.attention import RingGroupRun
-from megatron_zeppelin.runtime.engine import (LOCAL_CALL_TOKENS, AttentionEngine, fill,
-                                              local_calls)
-from megatron_zeppelin.runtime.utils import RingComm
+from megatron_zeppelin.runtime.engine import AttentionEngine, fill
+from megatron_zeppelin.runtime.ring_comm import RingComm
+from megatron_zeppelin.schedule import LOCAL_CALL_TOKENS, Phase, local_calls
 from megatron_zeppelin.sim import rounds
 
 pytestmark = pytest.mark.distributed
@@ -74,9 +81,12 @@ def plan_of(strategy: str, nodes: int, gpus: int, lengths, **options):
 
 
 def case(label, plan, heads=4, kv_heads=2, dtype="float32", modes=("ring",), seed=0,
-         local_call_tokens=LOCAL_CALL_TOKENS):
+         local_call_tokens=LOCAL_CALL_TOKENS, backend=None, transport="direct"):
+    """backend ``native`` runs the native backend's code path through the kernel stand-in
+    (bf16); transport ``staged`` stages every exchange through host buffers."""
     return dict(label=label, plan=plan, heads=heads, kv_heads=kv_heads, dtype=dtype,
-                modes=modes, seed=seed, local_call_tokens=local_call_tokens)
+                modes=modes, seed=seed, local_call_tokens=local_call_tokens, backend=backend,
+                transport=transport)
 
 
 def router_topology(plan) -> RouterTopology:
@@ -106,15 +116,14 @@ def test_local_calls_batch_short_sequences_and_run_by_ascending_work():
         # the simulator prices exactly these calls (1 s per sequence, no launch cost)
         seconds = rounds.local_call_seconds([(n * n, 1.0) for n in lengths], 0.0, min_tokens)
         assert seconds == [float(len(call)) for call in calls]
-    assert LOCAL_CALL_TOKENS == rounds.LOCAL_CALL_TOKENS
+    assert rounds.LOCAL_CALL_TOKENS == LOCAL_CALL_TOKENS  # the simulator's default: the engine's
     assert local_calls([1, 3, 17, 5, 40, 2, 9], 8) == [(0, 5, 1, 3), (6,), (2,), (4,)]
 
 
 def test_fill_runs_local_calls_only_while_exchanges_are_in_flight():
-    cpu = torch.device("cpu")
     for answers, ran in (([True, True, False], 2), ([False], 0), ([True] * 9, 5)):
         queue, done, polls = deque(range(5)), [], iter(answers)
-        assert fill(queue, lambda: next(polls), done.append, cpu) == ran
+        assert fill(queue, lambda: next(polls), done.append) == ran
         assert done == list(range(ran)) and list(queue) == list(range(ran, 5))
 
 
@@ -153,10 +162,15 @@ def run_case(rank, c, mode, route_group):
     batch = make_batch(plan.seqlens, c["heads"], c["kv_heads"], HEAD_DIM, c["seed"])
     batch = {n: [t.to(dtype).double() for t in ts] for n, ts in batch.items()}  # as computed
     q, k, v, dout = rank_inputs(plan, rank, batch, dtype)
+    if c["backend"] == "native":
+        from flash_standin import install_in_process
+
+        install_in_process()
     engine = AttentionEngine(plan, rank, dist.group.WORLD, timeout_s=30, inter_mode=mode,
                              route_group=route_group,
                              router_topology=router_topology(plan) if mode == "routed" else None,
-                             local_call_tokens=c["local_call_tokens"])
+                             local_call_tokens=c["local_call_tokens"], backend=c["backend"],
+                             transport=c["transport"])
     start = time.perf_counter()
     out = engine.forward(q, k, v)
     out.backward(dout)
@@ -177,6 +191,7 @@ def _engine_worker(rank: int, world: int, cases: list, failure: bool) -> dict:
     results["errors"] = argument_errors(rank, cases[0]["plan"])
     if failure:
         results["timeline"] = timeline(rank, cases[0]["plan"])
+        results["syncs"] = host_syncs(rank, cases[0]["plan"], route_group)
         results["failure"] = failing_peer(rank, world)
     return results
 
@@ -221,22 +236,20 @@ def recorders(events: list, names: dict) -> list:
     def exchange(original):
         def wrapped(self, sends, like, step, **kwargs):
             request = original(self, sends, like, step, **kwargs)
-            events.append(("post", kwargs["phase"], self.name, step))
+            events.append(("post", Phase(kwargs["phase"]).value, self.name, step))
             return request
         return wrapped
 
-    def compute(phase):
-        def make(original):
-            def wrapped(self, step):
-                events.append(("compute", phase, names[id(self.layout)], step))
-                return original(self, step)
-            return wrapped
-        return make
+    def compute(original):
+        def wrapped(self, phase, step):
+            events.append(("compute", phase.value, names[id(self.layout)], step))
+            return original(self, phase, step)
+        return wrapped
 
     def local(original):
-        def wrapped(self, phase, call, *args):
-            events.append(("local", phase, call.lengths, call.work))
-            return original(self, phase, call, *args)
+        def wrapped(self, p, call):
+            events.append(("local", p.phase.value, call.lengths, call.work))
+            return original(self, p, call)
         return wrapped
 
     def poll(original):
@@ -247,22 +260,61 @@ def recorders(events: list, names: dict) -> list:
         return wrapped
 
     def wait(original):
-        def wrapped(self, phase, wave, runs, r, *args):
-            events.append(("wait", phase, r))
-            return original(self, phase, wave, runs, r, *args)
+        def wrapped(self, p, r, posted):
+            events.append(("wait", p.phase.value, r))
+            return original(self, p, r, posted)
         return wrapped
 
     def delayed(original):
-        def wrapped(*args):
-            time.sleep(WATCH_DELAY_S)
-            return original(*args)
+        def wrapped(self):
+            if threading.current_thread().name.startswith("zeppelin-p2p-wait"):
+                time.sleep(WATCH_DELAY_S)
+            return original(self)
         return wrapped
 
     return [(RingComm, "exchange", exchange), (AttentionEngine, "_local", local),
-            (RingGroupRun, "forward_compute", compute("forward")),
-            (RingGroupRun, "backward_compute", compute("backward")),
-            (engine_module._Posted, "in_flight", poll), (AttentionEngine, "_complete", wait),
-            (engine_module, "_wait_all", delayed)]
+            (RingGroupRun, "compute", compute), (engine_module._Posted, "in_flight", poll),
+            (AttentionEngine, "_complete", wait),
+            (transport_module._HostPending, "_wait_works", delayed)]
+
+
+SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+PACKAGE = os.path.dirname(megatron_zeppelin.__file__)
+
+
+def host_syncs(rank: int, plan, route_group) -> dict:
+    """Forward + backward on prepared engines (rings, LOCAL calls; torch fp32 and the native
+    path in bf16; ring and routed inter-node steps) with every tensor method that reads values
+    back to the host patched: the calls made from the package's code, per case."""
+    from flash_standin import install_in_process
+
+    install_in_process()
+    hits: list[str] = []
+
+    def counting(name, original):
+        def wrapped(self, *args, **kwargs):
+            frame = sys._getframe(1)
+            if frame.f_code.co_filename.startswith(PACKAGE):
+                hits.append(f"{name} at {frame.f_code.co_filename}:{frame.f_lineno}")
+            return original(self, *args, **kwargs)
+        return wrapped
+
+    report = {}
+    for mode, dtype, backend in (("ring", torch.float32, "torch"),
+                                 ("routed", torch.bfloat16, "native")):
+        batch = make_batch(plan.seqlens, 4, 2, HEAD_DIM, seed=4)
+        q, k, v, dout = rank_inputs(plan, rank, batch, dtype)
+        engine = AttentionEngine(plan, rank, dist.group.WORLD, timeout_s=30, inter_mode=mode,
+                                 route_group=route_group, backend=backend, device="cpu",
+                                 router_topology=router_topology(plan) if mode == "routed"
+                                 else None, local_call_tokens=8)
+        with patched(*[(torch.Tensor, name, lambda original, name=name: counting(name, original))
+                       for name in SYNCS]):
+            engine.forward(q, k, v).backward(dout)
+        engine.close()
+        report[f"{mode}/{backend}"] = list(hits)
+        hits.clear()
+    return report
 
 
 def argument_errors(rank, plan) -> list[str]:
@@ -304,12 +356,13 @@ def failing_peer(rank: int, world: int) -> dict:
     batch = make_batch(plan.seqlens, 4, 2, HEAD_DIM, seed=9)
     q, k, v, dout = rank_inputs(plan, rank, batch, torch.float32)
     engine = AttentionEngine(plan, rank, dist.group.WORLD, timeout_s=FAILURE_TIMEOUT_S)
-    engine_module.fill = lambda queue, in_flight, run, device: 0  # LOCAL work waits to the end
+    # LOCAL work waits to the end; the one poll starts the waits on the helper thread
+    engine_module.fill = lambda queue, in_flight, run: in_flight() and 0
     if rank == FAILING_RANK:
         original = RingComm.exchange
 
         def exchange(self, sends, like, step, **kwargs):
-            if step == 1 and kwargs.get("phase") == "forward":
+            if step == 1 and kwargs.get("phase") is Phase.FORWARD:
                 raise RuntimeError("injected failure before sending step 1")
             return original(self, sends, like, step, **kwargs)
 
@@ -324,8 +377,8 @@ def failing_peer(rank: int, world: int) -> dict:
     if rank == FAILING_RANK:
         time.sleep(4 * FAILURE_TIMEOUT_S)  # stay silent while the others time out
     ring = next(g.ring for g in plan.ring_groups if len(g.ring) == world)
-    return dict(outcome=outcome, seconds=elapsed, ring=str(ring),
-                helper=engine._helper is not None)
+    helper = any(t.name.startswith("zeppelin-p2p-wait") for t in threading.enumerate())
+    return dict(outcome=outcome, seconds=elapsed, ring=str(ring), helper=helper)
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -363,6 +416,8 @@ def test_engine_world_of_2():
              seed=2),
         case("zeppelin 1x2 bf16", zeppelin_plan(1, 2, 1), dtype="bfloat16", seed=3,
              local_call_tokens=3),
+        case("zeppelin 1x2 native bf16, staged", zeppelin_plan(1, 2, 0), dtype="bfloat16",
+             seed=4, local_call_tokens=6, backend="native", transport="staged"),
     ]
     assert all(t.tier.name == "LOCAL" for t in cases[1]["plan"].tasks)
     assert cases[3]["plan"].num_waves > 1
@@ -380,6 +435,8 @@ def test_engine_world_of_4_and_failing_peer():
              modes=("ring", "routed"), seed=2),
         case("megatron hybrid-cp 2x2", plan_of("megatron-hybrid-cp", 2, 2, long_tail(1, 12, 32)),
              kv_heads=4, seed=3),
+        case("zeppelin 2x2 native bf16, staged", zeppelin_plan(2, 2, 0), dtype="bfloat16",
+             modes=("ring", "routed"), seed=5, backend="native", transport="staged"),
     ]
     check_tiers(cases)
     assert cases[3]["plan"].num_waves > 1 and cases[0]["plan"].num_waves == 1  # timeline: one
@@ -387,6 +444,9 @@ def test_engine_world_of_4_and_failing_peer():
     check_results(cases, results, 4)
     for rank, result in enumerate(results):
         check_timeline(rank, result["timeline"])
+        assert result["syncs"].keys() == {"ring/torch", "routed/native"}
+        for what, hits in result["syncs"].items():
+            assert not hits, f"rank {rank} {what}: host syncs in the per-round loop: {hits}"
         failure = result["failure"]
         if rank == FAILING_RANK:
             assert "injected failure" in failure["outcome"]

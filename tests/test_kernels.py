@@ -8,8 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.runtime import kernels, kernels_ext
-from megatron_zeppelin.runtime.utils import merge_into_, merge_lse
+from megatron_zeppelin.runtime import kernels
+from megatron_zeppelin.runtime.kernels import flash_attn as flash_backend
+from megatron_zeppelin.runtime.kernels import te as te_backend
+from megatron_zeppelin.runtime.kernels import torch_math
+from megatron_zeppelin.runtime.merge import merge_into_, merge_lse
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -60,8 +63,8 @@ UNEQUAL = [(5, 9), (7, 3), (1, 12), (4, 0), (0, 6), (16, 16), (2, 1)]
 @pytest.mark.parametrize("force_math", [False, True])
 def test_block_forward_backward_exact(heads, kv_heads, causal, pieces, force_math, monkeypatch):
     if force_math:  # the exact math path (GPU's torch path) on every pair, in row chunks
-        monkeypatch.setattr(kernels, "_use_aten_cpu", lambda *args: False)
-        monkeypatch.setattr(kernels, "MATH_SCORE_ELEMENTS", 150)
+        monkeypatch.setattr(torch_math, "_use_aten_cpu", lambda *args: False)
+        monkeypatch.setattr(torch_math, "MATH_SCORE_ELEMENTS", 150)
     q, k, v, cu_q, cu_k = random_block(1, heads, kv_heads, pieces)
     scale = 0.37
     out, lse = kernels.block_forward(q, k, v, cu_q, cu_k, causal, scale, backend="torch")
@@ -69,16 +72,22 @@ def test_block_forward_backward_exact(heads, kv_heads, causal, pieces, force_mat
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
     torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=0)
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=0)
-    # backward of the whole block (its out/lse are final): against float64 autograd
-    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2))
-    dq, dk, dv = kernels.block_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale,
-                                        backend="torch")
-    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    assert_backward_matches(q, k, v, out, lse, cu_q, cu_k, causal, scale, "torch", 1e-5, seed=2)
+
+
+def assert_backward_matches(q, k, v, out, lse, cu_q, cu_k, causal, scale, backend, atol, seed):
+    """``block_backward`` of a whole block (its out/lse are final) against float64 autograd of
+    ``reference_block_autograd`` (tensors on any device); returns the gradients."""
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q)
+    grads = kernels.block_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale,
+                                   backend=backend)
+    leaves = [t.cpu().double().requires_grad_() for t in (q, k, v)]
     ref_out, _ = reference_block_autograd(*leaves, cu_q, cu_k, causal, scale)
-    ref_out.backward(dout.double())
-    for got, leaf in zip((dq, dk, dv), leaves):
-        assert torch.isfinite(got).all()
-        torch.testing.assert_close(got.double(), leaf.grad, atol=1e-5, rtol=0)
+    ref_out.backward(dout.cpu().double())
+    for got, leaf in zip(grads, leaves):
+        assert got.dtype == q.dtype and torch.isfinite(got).all()
+        torch.testing.assert_close(got.cpu().double(), leaf.grad, atol=atol, rtol=0)
+    return grads
 
 
 def reference_block_autograd(q, k, v, cu_q, cu_k, causal, scale):
@@ -202,27 +211,36 @@ def test_merge_into_rows():
 
 def test_backend_selection(monkeypatch):
     q = torch.zeros(2, 4, 8)
-    monkeypatch.setenv("ZEPPELIN_ATTENTION_BACKEND", "auto")
-    assert kernels.resolve_backend(None, q) == "torch"  # CPU tensors: always torch
-    monkeypatch.setenv("ZEPPELIN_ATTENTION_BACKEND", "torch")
-    assert kernels.resolve_backend(None, q) == "torch"
+    for value, want in (("auto", "torch"), ("torch", "torch")):  # CPU tensors: always torch
+        monkeypatch.setenv("ZEPPELIN_ATTENTION_BACKEND", value)
+        kernels.configured.cache_clear()
+        assert kernels.resolve_backend(None, q) == want
     with pytest.raises(ValueError, match="attention backend='cuda'.*expected one of"):
         kernels.resolve_backend("cuda", q)
     monkeypatch.setenv("ZEPPELIN_ATTENTION_BACKEND", "tensorrt")
-    with pytest.raises(ValueError, match="ZEPPELIN_ATTENTION_BACKEND='tensorrt'"):
+    kernels.configured.cache_clear()
+    with pytest.raises(ValueError, match="ZEPPELIN_ATTENTION_BACKEND='tensorrt'.*'native'"):
         kernels.resolve_backend(None, q)
+    kernels.configured.cache_clear()
+    with pytest.raises(ValueError, match="backend 'native' cannot run this block: needs "
+                                         "fp16/bf16 tensors, got torch.float32"):
+        kernels.resolve_backend("native", q)
+    with pytest.raises(ValueError, match="backend 'native' cannot run this block: needs CUDA"):
+        kernels.resolve_backend("native", q.bfloat16())
 
 
 @pytest.mark.parametrize("name,extra", [("flash_attn", "flash-attn"), ("te", "te")])
 def test_missing_optional_backend_names_the_extra(name, extra, monkeypatch):
-    if kernels_ext.available(name):
+    if kernels.get(name).unavailable() is None:
         with pytest.raises(ValueError, match="needs CUDA fp16/bf16"):  # CPU fp32 tensors
             kernels.resolve_backend(name, torch.zeros(2, 4, 8))
         return
     monkeypatch.setenv("ZEPPELIN_ATTENTION_BACKEND", name)
+    kernels.configured.cache_clear()
     q, k, v, cu_q, cu_k = random_block(7, 4, 2, [(3, 3)])
     with pytest.raises(ImportError, match=rf'pip install "megatron-zeppelin\[{extra}\]"'):
         kernels.block_forward(q, k, v, cu_q, cu_k, True, 0.5)
+    kernels.configured.cache_clear()
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -253,7 +271,7 @@ def test_flash_adapter_fits_old_and_new_signatures():
         return dict(locals())
 
     for fn, window in ((new, (-1, -1)), (old, (-1, -1))):
-        got = fn(*range(7), **kernels_ext._flash_kwargs(
+        got = fn(*range(7), **flash_backend.flash_kwargs(
             fn, 7, dropout_p=0.0, softmax_scale=0.5, causal=True, alibi_slopes=None,
             return_softmax=False))
         assert got["causal"] is True and got["softmax_scale"] == 0.5
@@ -265,11 +283,11 @@ def test_flash_adapter_fits_old_and_new_signatures():
 @pytest.mark.parametrize("packed", [True, False])
 def test_te_softmax_stats_round_trip(packed, monkeypatch):
     """[heads, tq] lse <-> TE's softmax stats ([tq, h, 1] packed, or [b, h, max_q, 1])."""
-    monkeypatch.setattr(kernels_ext, "_te_stats_packed", lambda: packed)
-    cu_q = (0, 3, 3, 7)
+    monkeypatch.setattr(te_backend, "stats_packed", lambda: packed)
+    pieces = kernels.make_pieces((0, 3, 3, 7), (0, 3, 3, 7))
     lse = torch.randn(4, 7)
-    stats = kernels_ext._lse_to_te(lse, cu_q)
+    stats = te_backend.lse_to_te(lse, pieces)
     assert stats.shape == ((7, 4, 1) if packed else (3, 4, 4, 1))
     if not packed:
         assert stats[2, 1, 3, 0] == lse[1, 6] and torch.isposinf(stats[0, :, 3]).all()
-    torch.testing.assert_close(kernels_ext._lse_from_te(stats, cu_q, 4), lse)
+    torch.testing.assert_close(te_backend.lse_from_te(stats, pieces, 4), lse)

@@ -41,7 +41,7 @@ def reference(module, docs):
 
 
 def run_mode(mode: str, rank: int, save: str | None = None, load: str | None = None,
-             extra: tuple[str, ...] = ()):
+             extra: tuple[str, ...] = (), device: str = "cpu"):
     """One step of ``mode`` on the fixed documents; returns (plan, loss, grads, module)."""
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -62,7 +62,7 @@ def run_mode(mode: str, rank: int, save: str | None = None, load: str | None = N
     train.checkpoint_load(args, model, optimizer)
     docs = documents()
     plan = train.make_planner(args, cost, layout)([d.numel() for d in docs])
-    batch = slice_rank(plan, pool.rank, docs)
+    batch = slice_rank(plan, pool.rank, docs, device)
     stored = get_forward_backward_func()(
         forward_step_func=train.forward_step, data_iterator=iter([batch]), model=[model],
         num_microbatches=1, seq_length=0, micro_batch_size=1, forward_only=False)

@@ -34,9 +34,10 @@ def make_plans(nodes: int, gpn: int):
     yield make_plan("zeppelin", [900, 5, 5, 5], cost)  # one long document: big node imbalance
 
 
-def check_plans(rank: int, world: int, nodes: int, gpn: int) -> None:
+def check_plans(rank: int, world: int, nodes: int, gpn: int, transport: str) -> None:
     for plan in make_plans(nodes, gpn):
-        idx = build_remap_index(plan, rank)
+        idx = build_remap_index(plan, rank, transport=transport)
+        assert idx.transport.name == transport
         lin = token_values(plan, plan.linear[rank]).requires_grad_(True)
         att = to_attention_layout(lin, idx)
         assert torch.equal(att, token_values(plan, plan.attention[rank]))
@@ -51,9 +52,10 @@ def check_plans(rank: int, world: int, nodes: int, gpn: int) -> None:
         assert crossing.item() == plan.remap_cross_node_tokens()
 
 
-@pytest.mark.parametrize("nodes,gpn", [(2, 2), (2, 4)])
-def test_remap_moves_rows_exactly_and_inverts_gradients(nodes, gpn):
-    run_world(check_plans, nodes * gpn, nodes, gpn)
+@pytest.mark.parametrize("nodes,gpn,transport", [(2, 2, "direct"), (2, 4, "direct"),
+                                                  (2, 2, "staged")])
+def test_remap_moves_rows_exactly_and_inverts_gradients(nodes, gpn, transport):
+    run_world(check_plans, nodes * gpn, nodes, gpn, transport)
 
 
 def lose_one_rank(rank: int, world: int, how: str) -> None:

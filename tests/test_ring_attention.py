@@ -16,7 +16,8 @@ from distributed import run_world
 from megatron_zeppelin.plan import zigzag_segments
 from megatron_zeppelin.runtime.attention import (RingGroupRun, ZigzagLayout, recv_like,
                                                  ring_attention)
-from megatron_zeppelin.runtime.utils import RingComm
+from megatron_zeppelin.runtime.ring_comm import RingComm
+from megatron_zeppelin.schedule import Phase
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -37,9 +38,10 @@ def attended_pairs(layout: ZigzagLayout):
             q_rows = block.q_rows.tolist() if block.q_rows is not None else range(len(q_tokens))
             k_rows = block.k_rows.tolist() if block.k_rows is not None else range(len(k_tokens))
             q_rows, k_rows = list(q_rows), list(k_rows)
-            for i in range(len(block.cu_q) - 1):
-                qs = [q_tokens[r] for r in q_rows[block.cu_q[i]:block.cu_q[i + 1]]]
-                ks = [k_tokens[r] for r in k_rows[block.cu_k[i]:block.cu_k[i + 1]]]
+            cu_q, cu_k = block.pieces.cu_q, block.pieces.cu_k
+            for i in range(len(cu_q) - 1):
+                qs = [q_tokens[r] for r in q_rows[cu_q[i]:cu_q[i + 1]]]
+                ks = [k_tokens[r] for r in k_rows[cu_k[i]:cu_k[i + 1]]]
                 offset = len(ks) - len(qs)
                 pairs += [(a, b) for x, a in enumerate(qs) for y, b in enumerate(ks)
                           if not block.causal or y <= x + offset]
@@ -58,27 +60,30 @@ def test_blocks_cover_exactly_the_causal_pairs(ring_size, lengths):
         assert sorted(got) == sorted(want), f"position {position}: wrong causal pairs"
         for step in range(ring_size):  # causal blocks: only the diagonal chunks of step 0
             for block in layout.blocks(step):
-                assert not block.causal or (step == 0 and block.cu_q == block.cu_k)
+                assert not block.causal or (step == 0 and block.pieces.cu_q == block.pieces.cu_k)
 
 
-def simulate_ring(lengths, ring_size, heads, kv_heads, head_dim=8, seed=0):
-    """Forward and backward of every position of a group in one process (fp32)."""
+def simulate_ring(lengths, ring_size, heads, kv_heads, head_dim=8, seed=0,
+                  dtype=torch.float32, backend=None):
+    """Forward and backward of every position of a group in one process."""
     batch = make_batch(lengths, heads, kv_heads, head_dim, seed)
     scale = head_dim ** -0.5
 
     def local(name, p):
         return torch.cat([batch[name][s][a:b] for s, n in enumerate(lengths)
-                          for _, a, b in zigzag_segments(s, n, ring_size, p)]).float()
+                          for _, a, b in zigzag_segments(s, n, ring_size, p)]).to(dtype)
 
-    runs = [RingGroupRun(ZigzagLayout(lengths, ring_size, p), scale) for p in range(ring_size)]
+    batch = {name: [t.to(dtype).double() for t in ts] for name, ts in batch.items()}
+    runs = [RingGroupRun(ZigzagLayout(lengths, ring_size, p), scale, backend)
+            for p in range(ring_size)]
     for p, run in enumerate(runs):
         run.begin_forward(local("q", p), local("k", p), local("v", p))
-    drive(runs, "forward")
+    drive(runs, Phase.FORWARD)
     results = [run.end_forward() for run in runs]
     for p, run in enumerate(runs):
         run.begin_backward(local("dout", p), local("q", p), local("k", p), local("v", p),
                            *results[p])
-    drive(runs, "backward")
+    drive(runs, Phase.BACKWARD)
     grads = [run.end_backward() for run in runs]
     ref = reference_grads(batch, range(len(lengths)), scale)
     errors = []
@@ -93,23 +98,20 @@ def simulate_ring(lengths, ring_size, heads, kv_heads, head_dim=8, seed=0):
 
 
 def drive(runs, phase):
-    """Run the steps of every position; position p receives what p-1 sent, checked against
+    """Run the rounds of every position; position p receives what p-1 sent, checked against
     what p expects (``recv_like``)."""
     size = len(runs)
-    steps = runs[0].forward_steps if phase == "forward" else runs[0].backward_steps
-    for step in range(steps):
-        sends = [[t.clone() for t in (run.forward_sends(step) if phase == "forward"
-                                      else run.backward_sends(step))] for run in runs]
+    for step in range(runs[0].steps(phase)):
+        sends = [[t.clone() for t in run.sends(phase, step)] for run in runs]
         for p, run in enumerate(runs):
             like = recv_like(run.layout, step, phase, (run.kv.shape[2], run.kv.shape[3]),
                              run.kv.dtype)
             got = [(tuple(t.shape), t.dtype) for t in sends[(p - 1) % size]]
             assert got == [(tuple(s), d) for s, d in like], f"{phase} step {step} position {p}"
         for run in runs:
-            (run.forward_compute if phase == "forward" else run.backward_compute)(step)
+            run.compute(phase, step)
         for p, run in enumerate(runs):
-            (run.forward_receive if phase == "forward" else run.backward_receive)(
-                step, sends[(p - 1) % size] if size > 1 else [])
+            run.receive(phase, step, sends[(p - 1) % size] if size > 1 else [])
 
 
 @pytest.mark.parametrize("ring_size", [1, 2, 3, 4, 6])
@@ -117,6 +119,18 @@ def drive(runs, phase):
 def test_simulated_ring_is_exact(ring_size, heads, kv_heads):
     lengths = [1, 5, 2 * ring_size + 3, 64, 13, 4 * ring_size]  # most not divisible by 2G
     assert simulate_ring(lengths, ring_size, heads, kv_heads) < 1e-5
+
+
+@pytest.mark.parametrize("ring_size", [1, 3, 4])
+def test_simulated_ring_through_the_native_backend(ring_size, monkeypatch):
+    """bf16 rings through the native backend's code path (kernel stand-in): within bf16
+    rounding of float64."""
+    from flash_standin import install
+
+    standin = install(monkeypatch)
+    lengths = [1, 5, 2 * ring_size + 3, 64, 13, 4 * ring_size]
+    assert simulate_ring(lengths, ring_size, 4, 2, dtype=torch.bfloat16, backend="native") < 5e-2
+    assert standin.calls["forward"] > 0 and standin.calls["backward"] > 0
 
 
 def test_layout_and_ring_argument_errors():

@@ -5,7 +5,8 @@ Speed claims live here, never in timed tests. One module per target, each with a
 
 planner    median plan time of zeppelin vs megatron-core's BalancedCPScheduler   (planner.py)
 router     C++ vs Python router time; modelled ring step with and without routing (router.py)
-engine     attention engine vs the same work done locally (CPU, gloo ranks)     (engine.py)
+engine     attention engine vs the same work done locally; local-only vs raw kernels (engine.py)
+kernels    our block call vs the raw kernel, same inputs (ratio, us per call)    (kernels.py)
 train      per-step time of zeppelin vs static mode for the tiny GPT            (train.py)
 fidelity   the real attention engine on gloo ranks vs the simulator             (fidelity.py)
 
@@ -20,7 +21,7 @@ import statistics
 import time
 from typing import Callable
 
-TARGETS = ("planner", "router", "engine", "train", "fidelity")
+TARGETS = ("planner", "router", "engine", "kernels", "train", "fidelity")
 
 
 def median_ms(fn: Callable[[], object], repeats: int, budget_s: float) -> tuple[float, int]:
@@ -34,6 +35,17 @@ def median_ms(fn: Callable[[], object], repeats: int, budget_s: float) -> tuple[
         if time.perf_counter() - start > budget_s:
             break
     return statistics.median(times) * 1e3, len(times)
+
+
+def register_passthrough(targets, name: str, help_text: str,
+                         run: Callable[[list[str]], object]) -> None:
+    """Add target ``name`` whose module parses every flag itself: ``run(argv)``."""
+    def command(args) -> int:
+        run(args.passthrough)
+        return 0
+
+    p = targets.add_parser(name, add_help=False, help=help_text)
+    p.set_defaults(func=command, passthrough_flags=True)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -1,22 +1,30 @@
-"""``zeppelin calibrate``: measure this machine and write a hardware profile + a cluster YAML.
+"""``zeppelin calibrate``: measure what runs on this machine and write a hardware profile.
 
-Measured (the simulator's inputs, ``HardwareProfile`` fields):
+Measured (the simulator's and the planner's inputs, ``HardwareProfile`` fields):
 
-* causal attention forward and backward time vs length (128..8K tokens) with torch SDPA (on CPU
-  it dispatches to ``aten._scaled_dot_product_flash_attention_for_cpu``, the kernel the
-  attention engine's torch backend calls) -> ``attention_tflops`` per length (forward FLOPs
-  2*heads*head_dim*s^2, the cost model's count) and ``attention_bwd_ratio``;
-* GEMM throughput (square matmuls) -> ``gemm_tflops``;
-* the time of a tiny attention call -> ``kernel_overhead_us``;
-* point-to-point bandwidth and latency between 2 gloo processes on this host (ping-pong, least
-  squares t = latency + bytes / bandwidth) -> ``p2p_gbyte_per_s`` / ``p2p_latency_us``.
+* causal attention forward and backward time by document length through the engine's own
+  block call (``kernels.select(backend)`` then ``backend.forward``/``backward`` on precomputed
+  ``Pieces``, what a LOCAL call of the engine runs) with the selected backend -> the profile's
+  ``kernel``, ``attention_tflops`` per length (forward FLOPs 2*heads*head_dim*s^2 per document,
+  the cost model's count) and ``attention_bwd_ratio`` (median over lengths >= 1K). A call
+  packs ``tokens_per_call // length`` documents of one length (at least one), as GPU-FACTS
+  measured (64K tokens per call on CUDA); defaults: 128..128K tokens on CUDA (bf16),
+  128..8K on CPU (fp32, one document per call);
+* GEMM throughput -> ``gemm_tflops``: with ``--model``, the layer's own GEMMs (QKV, output
+  projection, MLP in and out; forward, data and weight gradients) on ``gemm_tokens`` tokens;
+  without, square ``gemm_size`` matmuls;
+* one 64-token attention call -> ``kernel_overhead_us``;
+* on CPU, point-to-point bandwidth and latency between 2 gloo processes (``p2p_link``) ->
+  ``p2p_gbyte_per_s`` / ``p2p_latency_us`` and an emulated cluster YAML.
 
-Every point is the fastest of its runs (robust to other processes sharing the cores).
+Every point is the fastest of its runs (robust to other processes sharing the cores). On CPU,
+compute is measured in ``concurrency`` processes at once with ``threads`` threads each, the
+way the emulated ranks of ``cpu-2x2`` (4 gloo ranks of 1 thread) share the machine's cores;
+the per-process medians are the profile.
 
-On CPU, compute is measured in ``concurrency`` processes at once with ``threads`` threads each,
-the way the emulated ranks of ``cpu-2x2`` (4 gloo ranks of 1 thread) share the machine's cores;
-the per-process medians are the profile. The cluster YAML emulates nodes of 2 "GPUs" with one
-"NIC", both links at the measured gloo bandwidth and latency.
+The profile goes to the path the user names (``--output``; default ``zeppelin-calibration/
+<name>.yaml`` under the current folder), never into the shipped ``configs/`` and never over an
+existing file without ``--force``.
 """
 from __future__ import annotations
 
@@ -33,24 +41,40 @@ from pathlib import Path
 import torch
 import yaml
 
-from megatron_zeppelin.config import ClusterSpec, HardwareProfile
+from megatron_zeppelin.bench.p2p_link import (DEFAULT_P2P_BYTES, P2PSample, collect, fit_line,
+                                              measure_p2p)
+from megatron_zeppelin.config import ClusterSpec, HardwareProfile, ModelSpec
 
-DEFAULT_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192)
-DEFAULT_P2P_BYTES = tuple(1 << p for p in range(10, 25, 2))  # 1 KiB .. 16 MiB
+__all__ = ["CalibrateOptions", "ComputeSample", "P2PSample", "build_cluster", "build_profile",
+           "calibrate", "collect", "fit_line", "measure_p2p", "time_attention", "time_gemm",
+           "write_yaml"]
+
+DEFAULT_LENGTHS = {"cpu": (128, 256, 512, 1024, 2048, 4096, 8192),
+                   "cuda": tuple(1 << p for p in range(7, 18))}  # 128 .. 128K
+DEFAULT_TOKENS_PER_CALL = {"cpu": 0, "cuda": 64 * 1024}  # 0: one document per call
+OVERHEAD_TOKENS = 64
 
 
 @dataclass(frozen=True)
 class CalibrateOptions:
-    """What to measure. heads/head_dim: the attention shape (the fidelity check uses the same);
-    concurrency: CPU processes measuring at once (in step: each point ``max_repeats`` runs);
-    threads: torch threads per process; min_time_s: alone, measure each point for at least
-    this long (at most ``max_repeats`` runs)."""
+    """What to measure. backend: attention kernel backend (``auto``: what the engine picks);
+    model: take heads, KV heads, head dim and GEMM shapes from it (else heads/kv_heads/
+    head_dim and square ``gemm_size`` GEMMs); lengths (None: the device's default) and
+    tokens_per_call (None: the device's default; 0: one document per call); gemm_tokens: the
+    token dimension of the model's GEMMs; concurrency: CPU processes measuring at once (in
+    step: each point ``max_repeats`` runs); threads: torch threads per process; min_time_s:
+    alone, measure each point for at least this long (at most ``max_repeats`` runs)."""
 
     device: str = "cpu"
+    backend: str = "auto"
+    model: ModelSpec | None = None
     heads: int = 4
+    kv_heads: int | None = None
     head_dim: int = 64
-    lengths: tuple[int, ...] = DEFAULT_LENGTHS
+    lengths: tuple[int, ...] | None = None
+    tokens_per_call: int | None = None
     gemm_size: int = 1024
+    gemm_tokens: int = 4096
     concurrency: int = 4
     threads: int = 1
     min_time_s: float = 0.3
@@ -62,33 +86,52 @@ class CalibrateOptions:
             raise ValueError(f"device={self.device!r} is invalid: expected 'cpu' or 'cuda'")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch.cuda.is_available() is False")
-        for key in ("heads", "head_dim", "gemm_size", "concurrency", "threads", "max_repeats"):
+        if self.model is not None:
+            object.__setattr__(self, "heads", self.model.num_attention_heads)
+            object.__setattr__(self, "kv_heads", self.model.kv_heads)
+            object.__setattr__(self, "head_dim", self.model.head_dim)
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.lengths is None:
+            object.__setattr__(self, "lengths", DEFAULT_LENGTHS[self.device])
+        if self.tokens_per_call is None:
+            object.__setattr__(self, "tokens_per_call", DEFAULT_TOKENS_PER_CALL[self.device])
+        for key in ("heads", "kv_heads", "head_dim", "gemm_size", "gemm_tokens", "concurrency",
+                    "threads", "max_repeats"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key}={value!r} is invalid: expected an integer >= 1")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads={self.kv_heads} is invalid: expected a divisor of "
+                             f"heads={self.heads}")
         if not self.lengths or min(self.lengths) < 16:
             raise ValueError(f"lengths={self.lengths!r} are invalid: expected lengths >= 16")
+        if not isinstance(self.tokens_per_call, int) or self.tokens_per_call < 0:
+            raise ValueError(f"tokens_per_call={self.tokens_per_call!r} is invalid: expected "
+                             "an integer >= 0")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.device == "cuda" else torch.float32
+
+    def documents(self, length: int) -> int:
+        """Documents of ``length`` tokens packed into one measured call."""
+        return max(1, self.tokens_per_call // length)
 
 
 @dataclass(frozen=True)
 class ComputeSample:
-    """Per length: seconds of one causal attention forward and backward call."""
+    """Per length: seconds of one causal attention forward and backward call (of
+    ``opts.documents(length)`` documents); the GEMM throughput; one tiny call's seconds;
+    the kernel the attention ran (``config.ATTENTION_KERNELS``) and the backend's name."""
 
     lengths: tuple[int, ...]
     fwd_s: tuple[float, ...]
     bwd_s: tuple[float, ...]
     gemm_tflops: float
     overhead_s: float
-
-
-@dataclass(frozen=True)
-class P2PSample:
-    """Ping-pong one-way times (seconds) per message size (bytes) and the fitted link."""
-
-    nbytes: tuple[int, ...]
-    one_way_s: tuple[float, ...]
-    gbyte_per_s: float
-    latency_us: float
+    kernel: str = "cpu"
+    backend: str = "torch"
 
 
 def _sync(device: str) -> None:
@@ -116,28 +159,60 @@ def _timed(fn, opts: CalibrateOptions, setup=None) -> float:
     return min(times)
 
 
+def attention_block(length: int, docs: int, opts: CalibrateOptions):
+    """q, k, v, dout and the ``Pieces`` of a call of ``docs`` causal documents of ``length``
+    tokens (built once, as the engine does per plan), and the backend that runs it."""
+    from megatron_zeppelin.runtime import kernels
+
+    gen = torch.Generator(device=opts.device).manual_seed(length)
+    total = length * docs
+
+    def rand(heads: int) -> torch.Tensor:
+        return torch.randn(total, heads, opts.head_dim, generator=gen, device=opts.device,
+                           dtype=opts.dtype)
+
+    q, k, v, dout = rand(opts.heads), rand(opts.kv_heads), rand(opts.kv_heads), rand(opts.heads)
+    cu = [length * i for i in range(docs + 1)]
+    pieces = kernels.make_pieces(cu, cu, opts.device)
+    return (q, k, v, dout), pieces, kernels.select(opts.backend, q)
+
+
 def time_attention(length: int, opts: CalibrateOptions) -> tuple[float, float]:
-    """(forward, backward) seconds of one causal SDPA call on ``length`` tokens, each timed
-    on its own (the backward after an untimed forward)."""
-    dtype = torch.bfloat16 if opts.device == "cuda" else torch.float32
-    shape = (1, opts.heads, length, opts.head_dim)
-    q, k, v = (torch.randn(shape, dtype=dtype, device=opts.device, requires_grad=True)
-               for _ in range(3))
-    grad = torch.randn(shape, dtype=dtype, device=opts.device)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    fwd = _timed(lambda _: sdpa(q, k, v, is_causal=True), opts)
-    bwd = _timed(lambda out: out.backward(grad), opts,
-                 setup=lambda: sdpa(q, k, v, is_causal=True))
+    """(forward, backward) seconds of one block call of ``opts.documents(length)`` causal
+    documents through the selected backend, each timed on its own (the backward given the
+    forward's output and lse, as the engine calls it)."""
+    (q, k, v, dout), pieces, backend = attention_block(length, opts.documents(length), opts)
+    scale = opts.head_dim ** -0.5
+    fwd = _timed(lambda _: backend.forward(q, k, v, pieces, True, scale), opts)
+    out, lse = backend.forward(q, k, v, pieces, True, scale)
+    bwd = _timed(lambda _: backend.backward(dout, q, k, v, out, lse, pieces, True, scale), opts)
     return fwd, bwd
 
 
+def model_gemms(model: ModelSpec, tokens: int) -> list[tuple[int, int, int]]:
+    """(m, k, n) of one layer's GEMMs on ``tokens`` tokens: QKV, output projection, MLP in
+    (doubled for SwiGLU) and out, each forward, data gradient and weight gradient."""
+    h, d = model.hidden_size, model.head_dim
+    ffn_in = model.ffn * (2 if model.swiglu else 1)
+    linears = [(h, (model.num_attention_heads + 2 * model.kv_heads) * d),
+               (model.num_attention_heads * d, h), (h, ffn_in), (model.ffn, h)]
+    shapes = []
+    for k, n in linears:
+        shapes += [(tokens, k, n), (tokens, n, k), (k, tokens, n)]
+    return shapes
+
+
 def time_gemm(opts: CalibrateOptions) -> float:
-    """Achieved TFLOP/s of an n x n x n matmul (fp32 on CPU, bf16 on CUDA)."""
-    n = opts.gemm_size
-    dtype = torch.bfloat16 if opts.device == "cuda" else torch.float32
-    a = torch.randn(n, n, dtype=dtype, device=opts.device)
-    b = torch.randn(n, n, dtype=dtype, device=opts.device)
-    return 2.0 * n ** 3 / _timed(lambda _: a @ b, opts) / 1e12
+    """Achieved TFLOP/s of the model's GEMMs (or of an n^3 matmul), bf16 on CUDA, fp32 on CPU."""
+    shapes = (model_gemms(opts.model, opts.gemm_tokens) if opts.model is not None
+              else [(opts.gemm_size,) * 3])
+    flops = seconds = 0.0
+    for m, k, n in shapes:
+        a = torch.randn(m, k, dtype=opts.dtype, device=opts.device)
+        b = torch.randn(k, n, dtype=opts.dtype, device=opts.device)
+        seconds += _timed(lambda _: a @ b, opts)
+        flops += 2.0 * m * k * n
+    return flops / seconds / 1e12
 
 
 def measure_compute(opts: CalibrateOptions, barrier=None) -> ComputeSample:
@@ -154,34 +229,13 @@ def measure_compute(opts: CalibrateOptions, barrier=None) -> ComputeSample:
         f, b = time_attention(length, opts)
         fwd.append(f)
         bwd.append(b)
-    overhead = time_attention(16, replace(opts, min_time_s=0.05))[0]
+    tiny = replace(opts, min_time_s=0.05, tokens_per_call=0)
+    overhead = time_attention(OVERHEAD_TOKENS, tiny)[0]
     if barrier is not None:
         barrier.wait()
-    return ComputeSample(tuple(opts.lengths), tuple(fwd), tuple(bwd), time_gemm(opts), overhead)
-
-
-def collect(queue, procs, count: int, timeout_s: float, what: str) -> list:
-    """``count`` results from ``queue``, failing fast (RuntimeError naming the exit status) if
-    a process dies first, or after ``timeout_s`` seconds; joins the processes."""
-    import queue as queue_module
-
-    results, deadline = [], time.monotonic() + timeout_s
-    try:
-        while len(results) < count:
-            try:
-                results.append(queue.get(timeout=1.0))
-            except queue_module.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"{what}: a process exited with status {dead} before "
-                                       f"reporting" if dead else f"{what}: no result within "
-                                       f"{timeout_s:.0f} s") from None
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
-    return results
+    _, _, backend = attention_block(OVERHEAD_TOKENS, 1, tiny)
+    return ComputeSample(tuple(opts.lengths), tuple(fwd), tuple(bwd), time_gemm(opts), overhead,
+                         backend.kernel, backend.name)
 
 
 def _compute_worker(opts: CalibrateOptions, barrier, queue) -> None:
@@ -202,71 +256,10 @@ def measure_compute_concurrent(opts: CalibrateOptions) -> ComputeSample:
     samples = collect(queue, procs, len(procs), 600.0, "calibration worker")
     med = statistics.median
     points = range(len(opts.lengths))
-    return ComputeSample(samples[0].lengths,
-                         tuple(med([s.fwd_s[i] for s in samples]) for i in points),
-                         tuple(med([s.bwd_s[i] for s in samples]) for i in points),
-                         med([s.gemm_tflops for s in samples]),
-                         med([s.overhead_s for s in samples]))
-
-
-def _p2p_worker(rank: int, port: int, sizes: tuple[int, ...], repeats: int, queue) -> None:
-    """Process body: ping-pong every size ``repeats`` times; rank 0 reports one-way seconds."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=120))
-    try:
-        times = []
-        for nbytes in sizes:
-            buf = torch.zeros(nbytes, dtype=torch.uint8)
-            runs = []
-            for it in range(repeats + 1):
-                dist.barrier()
-                start = time.perf_counter()
-                if rank == 0:
-                    dist.send(buf, 1)
-                    dist.recv(buf, 1)
-                else:
-                    dist.recv(buf, 0)
-                    dist.send(buf, 0)
-                if it:
-                    runs.append((time.perf_counter() - start) / 2)
-            times.append(min(runs))
-        if rank == 0:
-            queue.put(tuple(times))
-    finally:
-        dist.destroy_process_group()
-
-
-def measure_p2p(sizes: tuple[int, ...] = DEFAULT_P2P_BYTES, repeats: int = 5) -> P2PSample:
-    """One-way gloo send/recv time between 2 processes on this host; fitted bandwidth/latency."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_p2p_worker, args=(r, port, sizes, repeats, queue))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    times = collect(queue, procs, 1, 300.0, "P2P measurement")[0]
-    latency, per_byte = fit_line([float(n) for n in sizes], list(times))
-    return P2PSample(tuple(sizes), times, 1e-9 / per_byte, max(0.0, latency) * 1e6)
-
-
-def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of y = a + b x; raises if the slope is not positive."""
-    n = len(x)
-    mx, my = sum(x) / n, sum(y) / n
-    sxx = sum((xi - mx) ** 2 for xi in x)
-    slope = sum((xi - mx) * (yi - my) for xi, yi in zip(x, y)) / sxx
-    if not slope > 0:
-        raise RuntimeError(f"P2P times {y} do not grow with message size {x}: cannot fit a "
-                           "bandwidth (is the machine overloaded?)")
-    return my - slope * mx, slope
+    return replace(samples[0], fwd_s=tuple(med([s.fwd_s[i] for s in samples]) for i in points),
+                   bwd_s=tuple(med([s.bwd_s[i] for s in samples]) for i in points),
+                   gemm_tflops=med([s.gemm_tflops for s in samples]),
+                   overhead_s=med([s.overhead_s for s in samples]))
 
 
 def running_max(values: list[float]) -> list[float]:
@@ -287,7 +280,7 @@ def build_profile(name: str, sample: ComputeSample, p2p: P2PSample | None,
     each raised to their running maximum over lengths before the table and the backward
     ratio (median over lengths >= 1K) are taken.
     """
-    flops = [2.0 * opts.heads * opts.head_dim * n * n for n in sample.lengths]
+    flops = [opts.documents(n) * 2.0 * opts.heads * opts.head_dim * n * n for n in sample.lengths]
     fwd = running_max([f / t for f, t in zip(flops, sample.fwd_s)])
     bwd = running_max([f / t for f, t in zip(flops, sample.bwd_s)])
     table = tuple((n, round(f / 1e12, 6)) for n, f in zip(sample.lengths, fwd))
@@ -295,17 +288,26 @@ def build_profile(name: str, sample: ComputeSample, p2p: P2PSample | None,
         [f / b for f, b in zip(fwd, bwd)]
     where = torch.cuda.get_device_name() if opts.device == "cuda" else platform.processor() \
         or platform.machine()
+    processes = opts.concurrency if opts.device == "cpu" else 1
+    per_call = (f"{opts.tokens_per_call} tokens per call" if opts.tokens_per_call
+                else "one document per call")
+    gemm = (f"GEMM {opts.model.name} layer shapes on {opts.gemm_tokens} tokens"
+            if opts.model is not None else f"GEMM {opts.gemm_size}^3")
     source = (f"zeppelin calibrate on {platform.node()} ({where}, {os.cpu_count()} cores), "
-              f"torch {torch.__version__}, {datetime.date.today().isoformat()}: SDPA causal "
-              f"heads={opts.heads} head_dim={opts.head_dim}, {opts.concurrency} process(es) x "
-              f"{opts.threads} thread(s), fastest runs, running max over lengths; GEMM "
-              f"{opts.gemm_size}^3; gloo ping-pong P2P")
+              f"torch {torch.__version__}, {datetime.date.today().isoformat()}: attention "
+              f"backend {sample.backend} (kernel {sample.kernel}) causal {opts.dtype} "
+              f"heads={opts.heads}/{opts.kv_heads} head_dim={opts.head_dim}, "
+              f"{per_call}, {processes} "
+              f"process(es) x {opts.threads} thread(s), fastest runs, running max over "
+              f"lengths; {gemm}"
+              + ("; gloo ping-pong P2P" if p2p else ""))
     return HardwareProfile(
         name=name, gemm_tflops=round(sample.gemm_tflops, 6), attention_tflops=table,
         attention_bwd_ratio=round(statistics.median(ratios), 3),
         kernel_overhead_us=round(sample.overhead_s * 1e6, 1),
         p2p_gbyte_per_s=round(p2p.gbyte_per_s, 4) if p2p else None,
-        p2p_latency_us=round(p2p.latency_us, 1) if p2p else None, source=source)
+        p2p_latency_us=round(p2p.latency_us, 1) if p2p else None, source=source,
+        kernel=sample.kernel)
 
 
 def build_cluster(name: str, hardware: str, p2p: P2PSample, gpus_per_node: int = 2,
@@ -356,25 +358,29 @@ class Calibration:
 
 
 def calibrate(opts: CalibrateOptions, name: str = "cpu", cluster_name: str = "cpu-2x2",
-              measure_links: bool = True) -> Calibration:
-    """Measure compute (and gloo P2P on CPU); return the profile and the emulated cluster."""
+              measure_links: bool = True, profile_ref: str | None = None) -> Calibration:
+    """Measure compute (and gloo P2P on CPU); return the profile and the emulated cluster,
+    whose ``hardware`` is ``profile_ref`` (where the profile will be written; default
+    ``name``)."""
     started = time.perf_counter()
     compute = measure_compute_concurrent(opts)
     p2p = measure_p2p(opts.p2p_bytes) if measure_links else None
     profile = build_profile(name, compute, p2p, opts)
-    cluster = build_cluster(cluster_name, name, p2p) if p2p and opts.device == "cpu" else None
+    cluster = (build_cluster(cluster_name, profile_ref or name, p2p)
+               if p2p and opts.device == "cpu" else None)
     return Calibration(profile, cluster, compute, p2p, time.perf_counter() - started)
 
 
 def format_calibration(cal: Calibration) -> str:
     """A short report of what was measured."""
-    lines = [f"calibrated in {cal.seconds:.1f} s: GEMM {cal.profile.gemm_tflops * 1e3:.1f} "
-             f"GFLOP/s, kernel overhead {cal.profile.kernel_overhead_us:.0f} us, attention "
-             f"bwd/fwd {cal.profile.attention_bwd_ratio:.2f}",
-             f"{'length':>8} {'fwd ms':>10} {'bwd ms':>10} {'profile GFLOP/s':>16}"]
+    lines = [f"calibrated in {cal.seconds:.1f} s: backend {cal.compute.backend} (kernel "
+             f"{cal.compute.kernel}), GEMM {cal.profile.gemm_tflops:.4g} TFLOP/s, kernel "
+             f"overhead {cal.profile.kernel_overhead_us:.0f} us, attention bwd/fwd "
+             f"{cal.profile.attention_bwd_ratio:.2f}",
+             f"{'length':>8} {'fwd ms':>10} {'bwd ms':>10} {'profile TFLOP/s':>16}"]
     for (length, tflops), f, b in zip(cal.profile.attention_tflops, cal.compute.fwd_s,
                                       cal.compute.bwd_s):
-        lines.append(f"{length:>8} {f * 1e3:>10.2f} {b * 1e3:>10.2f} {tflops * 1e3:>16.1f}")
+        lines.append(f"{length:>8} {f * 1e3:>10.3f} {b * 1e3:>10.3f} {tflops:>16.4g}")
     if cal.p2p:
         lines.append(f"gloo P2P: {cal.p2p.gbyte_per_s:.2f} GB/s, latency "
                      f"{cal.p2p.latency_us:.0f} us (sizes {min(cal.p2p.nbytes)}.."
@@ -391,54 +397,100 @@ def check_finite(cal: Calibration) -> None:
 
 # ----------------------------------------------------------------------------- command line
 
+def output_path(path: str | Path, force: bool, what: str) -> Path:
+    """``path`` if calibration may write there: never inside the shipped ``configs/``, never
+    over an existing file without ``force`` (ValueError naming the flag otherwise)."""
+    from megatron_zeppelin.config import configs_dir
+
+    path = Path(path)
+    shipped = (Path(__file__).resolve().parents[2] / "configs").resolve()
+    if path.resolve().is_relative_to(shipped) or path.resolve().is_relative_to(
+            configs_dir().resolve()):
+        raise ValueError(f"{what}={str(path)!r} is inside the shipped configs folder "
+                         f"({shipped}): name a path of your own (the shipped profiles are "
+                         "documented measurements)")
+    if path.exists() and not force:
+        raise ValueError(f"{what}={str(path)!r} exists: pass --force to replace it")
+    return path
+
+
 def cmd_calibrate(args) -> int:
     """Measure this machine and write the profile (and, on CPU, the emulated cluster)."""
-    opts = CalibrateOptions(device=args.device, heads=args.heads, head_dim=args.head_dim,
+    from megatron_zeppelin.config import load_model
+
+    name = args.name or f"{args.device}-{args.backend}"
+    out = output_path(args.output or Path("zeppelin-calibration") / f"{name}.yaml",
+                      args.force, "--output")
+    cluster_out = None
+    if args.device == "cpu":
+        cluster_out = output_path(args.cluster_output or out.with_name(f"{out.stem}-cluster.yaml"),
+                                  args.force, "--cluster-output")
+    lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else None
+    opts = CalibrateOptions(device=args.device, backend=args.backend,
+                            model=load_model(args.model) if args.model else None,
+                            heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                            lengths=lengths, tokens_per_call=args.tokens_per_call,
                             concurrency=args.concurrency if args.device == "cpu" else 1,
                             threads=args.threads, min_time_s=args.min_time)
-    cal = calibrate(opts, name=args.name, measure_links=args.device == "cpu")
+    cal = calibrate(opts, name=name, cluster_name=f"{name}-cluster",
+                    measure_links=args.device == "cpu", profile_ref=str(out.resolve()))
     check_finite(cal)
     print(format_calibration(cal))
-    path = write_yaml(cal.profile, args.hardware_out, f"Measured by `zeppelin calibrate` "
+    path = write_yaml(cal.profile, out, f"Measured by `zeppelin calibrate` "
                       f"(megatron_zeppelin/bench/calibrate.py).\n{cal.profile.source}")
     print(f"wrote {path}")
     if cal.cluster is not None:
-        path = write_yaml(cal.cluster, args.cluster_out, "Emulated CPU cluster: 2 nodes x 2 "
-                          "gloo ranks, 1 'NIC' per node; links at the measured gloo P2P "
+        path = write_yaml(cal.cluster, cluster_out, "Emulated CPU cluster: 2 nodes x 2 gloo "
+                          "ranks, 1 'NIC' per node; links at the measured gloo P2P "
                           "bandwidth/latency (written by `zeppelin calibrate`).")
         print(f"wrote {path}")
     return 0
 
 
-def calibrate_defaults():
-    """The arguments of a plain ``zeppelin calibrate`` (for scripts)."""
+def calibrate_defaults(output_dir: str | Path):
+    """The arguments of a plain ``zeppelin calibrate`` writing ``cpu.yaml`` and
+    ``cpu-cluster.yaml`` into ``output_dir`` (for scripts)."""
     import argparse
 
     parser = argparse.ArgumentParser()
     _add_calibrate_args(parser)
-    return parser.parse_args([])
+    return parser.parse_args(["--name", "cpu", "--output", str(Path(output_dir) / "cpu.yaml"),
+                              "--force"])
 
 
 def _add_calibrate_args(c) -> None:
     """Flags of ``zeppelin calibrate``."""
-    from megatron_zeppelin.config import configs_dir
+    from megatron_zeppelin.runtime.kernels import choices
 
     c.add_argument("--device", default="cpu", help="cpu | cuda")
-    c.add_argument("--name", default="cpu", help="profile name")
+    c.add_argument("--backend", default="auto", choices=choices(),
+                   help="attention kernel backend to measure (auto: what the engine picks)")
+    c.add_argument("--model", default=None, help="model YAML path or shipped name: attention "
+                   "heads/head dim and GEMM shapes (else --heads/--kv-heads/--head-dim and "
+                   "square GEMMs)")
+    c.add_argument("--name", default=None, help="profile name (default DEVICE-BACKEND)")
+    c.add_argument("--output", default=None, help="where to write the profile (default "
+                   "zeppelin-calibration/NAME.yaml; never the shipped configs/)")
+    c.add_argument("--cluster-output", default=None, help="CPU: where to write the emulated "
+                   "cluster (default next to --output, NAME-cluster.yaml)")
+    c.add_argument("--force", action="store_true", help="replace existing output files")
     c.add_argument("--heads", type=int, default=4)
+    c.add_argument("--kv-heads", type=int, default=None)
     c.add_argument("--head-dim", type=int, default=64)
+    c.add_argument("--lengths", default=None, help="comma-separated document lengths (default "
+                   "128..128K on CUDA, 128..8K on CPU)")
+    c.add_argument("--tokens-per-call", type=int, default=None, help="tokens per measured "
+                   "attention call, documents of one length (default 64K on CUDA; 0: one "
+                   "document per call, the CPU default)")
     c.add_argument("--concurrency", type=int, default=4,
                    help="CPU: processes measuring at once (the emulated ranks sharing the cores)")
     c.add_argument("--threads", type=int, default=1, help="torch threads per process")
     c.add_argument("--min-time", type=float, default=0.3, help="seconds per measured point")
-    c.add_argument("--hardware-out", default=str(configs_dir() / "hardware" / "cpu.yaml"),
-                   help="where to write the hardware profile")
-    c.add_argument("--cluster-out", default=str(configs_dir() / "clusters" / "cpu-2x2.yaml"),
-                   help="where to write the emulated CPU cluster (CPU only)")
 
 
 def register(sub) -> None:
     """Add ``calibrate`` to the ``zeppelin`` command."""
-    c = sub.add_parser("calibrate", help="measure this machine; write hardware/cluster YAMLs")
+    c = sub.add_parser("calibrate", help="measure this machine; write a hardware profile (and "
+                       "on CPU an emulated cluster) to --output")
     _add_calibrate_args(c)
     c.set_defaults(func=cmd_calibrate)

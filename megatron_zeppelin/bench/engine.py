@@ -1,18 +1,28 @@
-"""Benchmark of the attention engine on CPU: 2 gloo ranks against one process, and overlap.
+"""Benchmark of the attention engine: against the same work done locally, and its overlap.
 
-``run(argv)`` plans one batch on a 1 node x 2 ranks pool (gpt-tiny cost model, the real
-planner), spawns 2 gloo processes (one intra-op thread each) and times forward + backward of
+``zeppelin bench engine`` (``--device cpu``, the default) plans one batch on a 1 node x 2 ranks
+pool (gpt-tiny cost model, the real planner), spawns 2 gloo processes (one intra-op thread
+each) and times forward + backward of
 
 * the engine on the plan (``engine``),
-* the same engine with P2P switched off (``compute``: same kernel calls, received blocks are
-  zeros) and with kernels switched off (``comm``: same P2P, no compute),
+* the same engine with a transport that sends nothing (``compute``: ``NullTransport``, the
+  received blocks are zeros) and with a kernel that computes nothing (``comm``: ``NoKernel``,
+  same P2P; the merges and index gathers still run) -- both injected, the engine has no
+  benchmark switch,
 * the whole batch on one process: one causal varlen call over all sequences (``single``),
 * the compute-only engine of each rank while the other rank idles (``compute_solo``: the
   slower rank), which shows the split of the work when the ranks do not share CPU cores.
 
 Each figure is the median over iterations of the slowest rank's time. Communication hidden
 behind compute: ``(compute + comm - engine) / comm`` (1 = fully hidden, 0 = fully exposed;
-noise can push it outside [0, 1] when comm is small). Returns the figures as a dict.
+noise can push it outside [0, 1] when comm is small). Then, in this process, the engine on
+the batch's local-only plan (one rank: every sequence LOCAL, one fused call) against the
+backend's block call on the same batch (``engine_local``).
+
+``--device cuda``: the local-only engine against the raw kernels (aten flash forward and
+backward) on the same batch, bf16 (target: <= 1.10x), and the engine on a ``--ranks``-rank plan
+with every rank on the one GPU (gloo, staged transport) against one process. Returns the
+figures as a dict.
 """
 from __future__ import annotations
 
@@ -23,7 +33,6 @@ import math
 import os
 import statistics
 import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Sequence
@@ -31,26 +40,75 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-DEFAULT_LENGTHS = "3072,512,384,256,200,128,100,64,33,17,5,1"
+from megatron_zeppelin.bench.engine_local import alternating, slowest_rank_seconds
+from megatron_zeppelin.runtime.kernels import accum_dtype
+from megatron_zeppelin.runtime.transport import Pending, Transport
+
+CPU = torch.device("cpu")
+DEFAULTS = {"cpu": dict(lengths="3072,512,384,256,200,128,100,64,33,17,5,1", heads=8,
+                        kv_heads=8, head_dim=64),
+            "cuda": dict(lengths="16384,4096,4096,4096,4096" + ",1024" * 8, heads=32, kv_heads=8,
+                         head_dim=128)}
+
+
+class NullTransport(Transport):
+    """Sends nothing; every receive is zeros at once (the ``compute`` variant)."""
+
+    name = "null"
+
+    def post(self, ops, group, where, timeout_s) -> Pending:
+        for op in ops:
+            if not op.send:
+                op.tensor.zero_()
+        return Pending()
+
+
+class NoKernel:
+    """A kernel backend that computes nothing: zero outputs, ``-inf`` lse (``comm``)."""
+
+    name, kernel, auto, description = "none", "cpu", False, "benchmark: no compute"
+
+    def unavailable(self):
+        return None
+
+    def refuses(self, q):
+        return None
+
+    def forward(self, q, k, v, pieces, causal, scale):
+        return torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), float("-inf"),
+                                               dtype=accum_dtype(q.dtype), device=q.device)
+
+    def backward(self, dout, q, k, v, out, lse, pieces, causal, scale):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="zeppelin bench engine", description=__doc__.split(
         "\n\n")[0])
-    parser.add_argument("--lengths", default=DEFAULT_LENGTHS,
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--lengths", default=None,
                         help="comma-separated sequence lengths (tokens) of the batch")
     parser.add_argument("--strategy", default="zeppelin",
                         help="planner strategy (zeppelin, static-cp, hybrid-dp, ...)")
     parser.add_argument("--capacity-factor", type=float, default=1.05,
                         help="capacity_tokens_per_gpu = factor x mean tokens per rank (small "
                              "values force rings); 0 lets the planner derive it")
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=None)
+    parser.add_argument("--kv-heads", type=int, default=None)
+    parser.add_argument("--head-dim", type=int, default=None)
+    parser.add_argument("--ranks", type=int, default=4,
+                        help="CUDA: ranks sharing the one GPU (2 nodes x ranks/2)")
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--forward-only", action="store_true", help="time the forward only")
     args = parser.parse_args(argv)
+    for key, value in DEFAULTS[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False")
+    if args.ranks < 2 or args.ranks % 2:
+        parser.error(f"--ranks={args.ranks} must be an even number >= 2")
     for key in ("heads", "kv_heads", "head_dim", "iters"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')}={getattr(args, key)} must be >= 1")
@@ -59,8 +117,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def make_bench_plan(args: argparse.Namespace):
-    """The plan of the benchmark batch on 1 node x 2 ranks."""
+def make_bench_plan(args: argparse.Namespace, nodes: int = 1, gpus_per_node: int = 2):
+    """The plan of the benchmark batch on ``nodes`` x ``gpus_per_node`` ranks."""
     from megatron_zeppelin.config import ZeppelinConfig, load_setup
     from megatron_zeppelin.cost_model import CostModel
     from megatron_zeppelin.planner import make_plan
@@ -68,36 +126,21 @@ def make_bench_plan(args: argparse.Namespace):
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     if not lengths or min(lengths) < 1:
         raise ValueError(f"--lengths={args.lengths!r} is invalid: expected positive integers")
-    setup = load_setup("gpt-tiny", "h200-8nic", nodes=1)
-    cluster = dataclasses.replace(setup.cluster, gpus_per_node=2, nics_per_node=2,
-                                  gpu_to_nic=None)
+    setup = load_setup("gpt-tiny", "h200-8nic", nodes=nodes)
+    cluster = dataclasses.replace(setup.cluster, gpus_per_node=gpus_per_node,
+                                  nics_per_node=gpus_per_node, gpu_to_nic=None)
     cost = CostModel(setup.model, cluster, setup.hardware, 1)
-    capacity = (max(math.ceil(sum(lengths) / 2 * args.capacity_factor), 1)
+    world = nodes * gpus_per_node
+    capacity = (max(math.ceil(sum(lengths) / world * args.capacity_factor), 1)
                 if args.capacity_factor > 0 else None)
     return make_plan(args.strategy, lengths, cost,
                      ZeppelinConfig(capacity_tokens_per_gpu=capacity))
 
 
-def _timed_once(fn: Callable[[], None]) -> float:
-    """Seconds of ``fn`` on the slowest rank (all ranks start together)."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return took.item()
-
-
 def _medians(variants: dict[str, Callable[[], None]], iters: int, warmup: int) -> dict:
-    """Median seconds of each variant; variants alternate within every iteration, so that
-    load from elsewhere on the machine hits them alike."""
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for index in range(warmup + iters):
-        for name, fn in variants.items():
-            took = _timed_once(fn)
-            if index >= warmup:
-                times[name].append(took)
-    return {name: statistics.median(values) for name, values in times.items()}
+    """Median seconds of each variant on the slowest rank (``engine_local.alternating``)."""
+    return alternating(variants, iters, warmup, lambda fn: slowest_rank_seconds(fn, CPU),
+                       statistics.median)
 
 
 def _inputs(plan, rank: int, args) -> list[torch.Tensor]:
@@ -106,17 +149,6 @@ def _inputs(plan, rank: int, args) -> list[torch.Tensor]:
     shapes = [(tokens, args.heads, args.head_dim), (tokens, args.kv_heads, args.head_dim),
               (tokens, args.kv_heads, args.head_dim), (tokens, args.heads, args.head_dim)]
     return [torch.randn(shape, generator=gen) for shape in shapes]
-
-
-def _step(engine, tensors, forward_only: bool) -> Callable[[], None]:
-    q, k, v, dout = tensors
-
-    def step() -> None:
-        leaves = [t.clone().requires_grad_(not forward_only) for t in (q, k, v)]
-        out = engine.forward(*leaves)
-        if not forward_only:
-            out.backward(dout)
-    return step
 
 
 def _single(plan, args) -> Callable[[], None]:
@@ -139,18 +171,21 @@ def _single(plan, args) -> Callable[[], None]:
 
 
 def _worker(rank: int, store: str, out_path: str, args: argparse.Namespace, plan) -> None:
+    from megatron_zeppelin.bench.engine_local import engine_step
     from megatron_zeppelin.runtime.engine import AttentionEngine
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=600))
     tensors = _inputs(plan, rank, args)
-    engines = {work: AttentionEngine(plan, rank, dist.group.WORLD, work=work)
-               for work in ("all", "compute", "comm")}
+    engines = {"all": AttentionEngine(plan, rank, dist.group.WORLD),
+               "compute": AttentionEngine(plan, rank, dist.group.WORLD,
+                                          transport=NullTransport()),
+               "comm": AttentionEngine(plan, rank, dist.group.WORLD, backend=NoKernel())}
     idle = (lambda: None)
-    variants = {"engine": _step(engines["all"], tensors, args.forward_only),
-                "compute": _step(engines["compute"], tensors, args.forward_only),
-                "comm": _step(engines["comm"], tensors, args.forward_only),
+    variants = {"engine": engine_step(engines["all"], tensors, args.forward_only),
+                "compute": engine_step(engines["compute"], tensors, args.forward_only),
+                "comm": engine_step(engines["comm"], tensors, args.forward_only),
                 "single": _single(plan, args) if rank == 0 else idle}
     for active in range(2):  # each rank's kernels alone: no CPU sharing
         variants[f"solo{active}"] = variants["compute"] if rank == active else idle
@@ -164,9 +199,21 @@ def _worker(rank: int, store: str, out_path: str, args: argparse.Namespace, plan
 
 def run(argv: Sequence[str] | None = None) -> dict:
     """Run the benchmark (see the module docstring); print and return the figures."""
-    import torch.multiprocessing as mp
+    from megatron_zeppelin.bench import engine_local
 
     args = parse_args(argv)
+    figures = two_cpu_ranks(args) if args.device == "cpu" else {}
+    figures["local_only"] = engine_local.local_only(args, make_bench_plan)
+    if args.device == "cuda":
+        figures["one_gpu"] = engine_local.one_gpu_ranks(args, make_bench_plan)
+    _print(figures, args)
+    return figures
+
+
+def two_cpu_ranks(args: argparse.Namespace) -> dict:
+    """The 2-rank gloo measurement on CPU (see the module docstring)."""
+    import torch.multiprocessing as mp
+
     plan = make_bench_plan(args)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "figures.json")
@@ -180,35 +227,44 @@ def run(argv: Sequence[str] | None = None) -> dict:
     figures["plan"] = {"strategy": plan.strategy, "tiers": plan.tier_counts(),
                        "rings": [list(g.ring) for g in plan.ring_groups if len(g.ring) > 1],
                        "tokens_per_rank": plan.attention_tokens()}
-    _print(figures, args)
     return figures
 
 
 def _print(figures: dict, args: argparse.Namespace) -> None:
     what = "forward" if args.forward_only else "forward + backward"
-    plan = figures["plan"]
-    print(f"attention engine bench: 2 gloo ranks (1 node x 2) on CPU, {what}, fp32, heads "
+    dtype = "bf16" if args.device == "cuda" else "fp32"
+    print(f"attention engine bench on {args.device}, {what}, {dtype}, heads "
           f"{args.heads}/{args.kv_heads} kv, head_dim {args.head_dim}, median of {args.iters}")
-    print(f"  plan {plan['strategy']}: tiers {plan['tiers']}, rings {plan['rings']}, tokens "
-          f"per rank {plan['tokens_per_rank']}")
-    print(f"  single process, whole batch  {figures['single'] * 1e3:9.2f} ms")
-    print(f"  engine, 2 ranks              {figures['engine'] * 1e3:9.2f} ms   "
-          f"speedup {figures['speedup']:.2f}x")
-    print(f"  engine, compute only         {figures['compute'] * 1e3:9.2f} ms")
-    print(f"  engine, compute only, each rank alone {figures['compute_solo'] * 1e3:9.2f} ms   "
-          f"speedup {figures['speedup_solo']:.2f}x (what free cores would allow)")
-    print(f"  engine, communication only   {figures['comm'] * 1e3:9.2f} ms")
-    print(f"  communication hidden         {figures['hidden_fraction'] * 100:9.1f} %   "
-          "(compute + comm - engine) / comm")
+    if "plan" in figures:
+        plan = figures["plan"]
+        print(f"  2 gloo ranks (1 node x 2), plan {plan['strategy']}: tiers {plan['tiers']}, "
+              f"rings {plan['rings']}, tokens per rank {plan['tokens_per_rank']}")
+        print(f"  single process, whole batch  {figures['single'] * 1e3:9.2f} ms")
+        print(f"  engine, 2 ranks              {figures['engine'] * 1e3:9.2f} ms   "
+              f"speedup {figures['speedup']:.2f}x")
+        print(f"  engine, compute only         {figures['compute'] * 1e3:9.2f} ms")
+        print(f"  engine, compute only, each rank alone {figures['compute_solo'] * 1e3:9.2f} ms"
+              f"   speedup {figures['speedup_solo']:.2f}x (what free cores would allow)")
+        print(f"  engine, communication only   {figures['comm'] * 1e3:9.2f} ms")
+        print(f"  communication hidden         {figures['hidden_fraction'] * 100:9.1f} %   "
+              "(compute + comm - engine) / comm")
+    local = figures["local_only"]
+    raw = "raw aten flash kernels" if args.device == "cuda" else "the torch backend's call"
+    print(f"  local-only plan (1 rank, {local['calls']} call(s)): engine "
+          f"{local['engine'] * 1e3:.2f} ms vs {raw} {local['raw'] * 1e3:.2f} ms: "
+          f"{local['ratio']:.3f}x" + (f" (target <= 1.10x: "
+                                       f"{'met' if local['ratio'] <= 1.10 else 'MISSED'})"
+                                       if args.device == "cuda" else ""))
+    if "one_gpu" in figures:
+        one = figures["one_gpu"]
+        print(f"  {args.ranks} ranks on one GPU (gloo, staged transport), tiers {one['tiers']}: "
+              f"engine {one['engine'] * 1e3:.2f} ms (slowest rank) vs one process, raw kernels "
+              f"{one['single'] * 1e3:.2f} ms: {one['ratio']:.2f}x (shared GPU: not a speedup)")
 
 
 def register(targets) -> None:
     """``zeppelin bench engine``: this module's own parser handles every flag (``run``)."""
-    p = targets.add_parser("engine", add_help=False,
-                           help="attention engine vs the same work on one process (CPU, 2 ranks)")
-    p.set_defaults(func=_command, passthrough_flags=True)
+    from megatron_zeppelin.bench import register_passthrough
 
-
-def _command(args) -> int:
-    run(args.passthrough)
-    return 0
+    register_passthrough(targets, "engine", "attention engine vs the same work on one "
+                         "process; local-only plan vs raw kernels", run)

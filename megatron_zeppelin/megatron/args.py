@@ -22,9 +22,9 @@ from typing import Sequence
 import yaml
 
 from megatron_zeppelin.config import ConfigError, ZeppelinConfig
-from megatron_zeppelin.env import ATTENTION_BACKENDS
 from megatron_zeppelin.options import Parser, add_flags, from_flags, setting, yaml_defaults
 from megatron_zeppelin.parallel import PoolLayout
+from megatron_zeppelin.runtime.kernels import choices as attention_backends
 
 MODES = ("static", "zeppelin")
 DEVICES = ("cpu", "cuda")
@@ -152,8 +152,8 @@ class ZeppelinRuntimeArgs:
     gpus_per_node: int | None = setting(
         None, "GPUs per node (default: torchrun's local world size); on CPU this groups ranks "
         "into emulated nodes; CP x TP must be whole nodes")
-    attention_backend: str = setting("auto", "attention kernel backend",
-                                     choices=ATTENTION_BACKENDS)
+    attention_backend: str = setting("auto", "attention kernel (auto: native on CUDA fp16/bf16, "
+                                     "torch otherwise)", choices=attention_backends())
     validate_plan: bool = setting(False, "check every plan's contract (Plan.validate) before "
                                   "using it")
 

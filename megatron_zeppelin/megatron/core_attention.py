@@ -9,7 +9,7 @@ heads * head_dim]`` back. Zeppelin core attention:
 3. moves the output back to the linear layout.
 
 Two classes with Megatron's core-attention constructor and forward signatures:
-``ZeppelinCoreAttention`` (a ``MegatronModule``, pure torch kernels or flash-attn) and, when
+``ZeppelinCoreAttention`` (a ``MegatronModule``, any registered kernel backend) and, when
 Transformer Engine is importable, ``te_core_attention_class()`` -> a ``TEDotProductAttention``
 subclass that runs the same path on zeppelin-packed batches and TE's own otherwise. Both take a
 ``ZeppelinAttentionState`` (process groups and options, shared by all layers of a model)
@@ -18,7 +18,9 @@ through the layer spec's params.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import threading
+import warnings
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,11 +30,14 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_zeppelin.config import ClusterSpec, ConfigError, HardwareProfile, hardware_for
 from megatron_zeppelin.megatron.packing import ZeppelinPackedSeqParams
 from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.runtime import kernels
 from megatron_zeppelin.runtime.engine import AttentionEngine
 from megatron_zeppelin.runtime.remap import RemapIndex, build_remap_index, to_attention_layout, \
     to_linear_layout
+from megatron_zeppelin.runtime.transport import get_transport
 
 
 @dataclasses.dataclass
@@ -48,36 +53,103 @@ class ZeppelinAttentionState:
     pool_group: the process group of the pool (its ranks are the plan's ranks).
     route_group: a second group over the same ranks for global inter-node steps (``None``:
         inter-node rings use plain ring P2P). router_topology: for ``inter_mode='routed'``.
-    The runtime (remap index + engine) of a micro-batch is built once, by the first layer that
-    sees its plan, and replaced when the next plan arrives.
+    backend: attention kernel backend (None: ``ZEPPELIN_ATTENTION_BACKEND``); transport:
+        ``direct``/``staged`` (None: ``ZEPPELIN_TRANSPORT``); device: where the runtime's
+        index tensors live (None: the inputs' device at the first layer).
+    The runtime (remap index + engine, every index tensor on the device) of a micro-batch is
+    built once per plan: by ``prepare(plan)`` ahead of the step (the data iterator calls it
+    when it has planned the next micro-batch, on its own thread), else by the first layer that
+    sees the plan. The runtime of the previous plan is closed when the next one is used.
     """
 
     def __init__(self, pool_group: dist.ProcessGroup, *, backend: str | None = None,
                  inter_mode: str = "ring", route_group: dist.ProcessGroup | None = None,
-                 router_topology=None, timeout_s: float | None = None) -> None:
+                 router_topology=None, timeout_s: float | None = None,
+                 transport: str | None = None, device: torch.device | str | None = None) -> None:
         self.pool_group, self.backend, self.inter_mode = pool_group, backend, inter_mode
         self.route_group, self.router_topology, self.timeout_s = route_group, router_topology, \
             timeout_s
+        self.transport = get_transport(transport)
+        if device is not None and torch.device(device).type == "cuda" and \
+                torch.device(device).index is None:  # this thread's GPU, not the planner's
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.rank = dist.get_rank(pool_group)
         self._runtime: _Runtime | None = None
+        self._ahead: dict[int, _Runtime] = {}  # id(plan) -> runtime prepared ahead
+        self._lock = threading.Lock()
 
-    def runtime(self, plan: Plan, scale: Optional[float]) -> _Runtime:
-        if self._runtime is not None and self._runtime.plan is plan:
-            return self._runtime
-        self.close()
+    def prepare(self, plan: Plan, scale: Optional[float] = None) -> None:
+        """Build the runtime of ``plan`` now (thread-safe), so that its first layer finds it."""
+        runtime = self._build(plan, scale, self.device)
+        with self._lock:
+            self._ahead[id(plan)] = runtime
+
+    def preparing(self, planner: Callable[[list[int]], Plan]) -> Callable[[list[int]], Plan]:
+        """``planner`` that also prepares each plan's runtime (``prepare``), for the data
+        iterator, which plans the next micro-batch on its own thread while one trains."""
+        def plan_and_prepare(lengths: list[int]) -> Plan:
+            plan = planner(lengths)
+            self.prepare(plan)
+            return plan
+        return plan_and_prepare
+
+    def _build(self, plan: Plan, scale: Optional[float], device) -> _Runtime:
         remapped = plan.linear != plan.attention
         engine = AttentionEngine(plan, self.rank, self.pool_group, backend=self.backend,
                                  timeout_s=self.timeout_s, scale=scale, inter_mode=self.inter_mode,
                                  route_group=self.route_group,
-                                 router_topology=self.router_topology)
-        self._runtime = _Runtime(plan, build_remap_index(plan, self.rank) if remapped else None,
-                                 engine)
+                                 router_topology=self.router_topology, transport=self.transport,
+                                 device=device)
+        remap = None
+        if remapped:
+            remap = build_remap_index(plan, self.rank, transport=self.transport,
+                                      timeout_s=self.timeout_s)
+            remap = remap.to(device) if device is not None else remap
+        return _Runtime(plan, remap, engine)
+
+    def runtime(self, plan: Plan, scale: Optional[float], device: torch.device) -> _Runtime:
+        if self._runtime is not None and self._runtime.plan is plan:
+            return self._runtime
+        with self._lock:
+            ahead = self._ahead.pop(id(plan), None)
+            stale = list(self._ahead.values())
+            self._ahead.clear()
+        for old in stale:
+            old.engine.close()
+        self.close()
+        if ahead is None or ahead.plan is not plan or ahead.engine.scale != scale:
+            if ahead is not None:
+                ahead.engine.close()
+            ahead = self._build(plan, scale, device)
+        if ahead.remap is not None:
+            ahead = dataclasses.replace(ahead, remap=ahead.remap.to(device))
+        self._runtime = ahead
         return self._runtime
 
     def close(self) -> None:
         if self._runtime is not None:
             self._runtime.engine.close()
             self._runtime = None
+
+
+def planning_hardware(cluster: ClusterSpec, backend: str | None, device: torch.device | str,
+                      dtype: torch.dtype, head_dim: int) -> HardwareProfile:
+    """The hardware profile the planner's cost model should use: the one of the attention
+    kernel that will run (``config.hardware_for``) for ``backend`` (None/``auto``: what the
+    engine picks) on ``device``/``dtype``/``head_dim``. When no profile describes that kernel
+    (e.g. the math path on CUDA), the cluster's own profile, with a warning saying so.
+    ConfigError when the backend cannot run there (not installed, or refuses the tensors)."""
+    try:
+        kernel = kernels.backend_for(backend, device, dtype, head_dim).kernel
+    except (ValueError, ImportError) as exc:  # a backend that cannot run here: say so now
+        raise ConfigError(f"--zeppelin-attention-backend={backend}: {exc}") from None
+    try:
+        return hardware_for(cluster, kernel)
+    except ConfigError as exc:
+        warnings.warn(f"{exc}; planning with the cluster's profile {cluster.hardware!r} instead",
+                      RuntimeWarning, stacklevel=2)
+        return hardware_for(cluster)
 
 
 def zeppelin_attention(state: ZeppelinAttentionState, query: Tensor, key: Tensor, value: Tensor,
@@ -91,7 +163,7 @@ def zeppelin_attention(state: ZeppelinAttentionState, query: Tensor, key: Tensor
         raise ValueError(f"zeppelin core attention needs packed params with the plan of this "
                          f"rank ({state.rank}); got plan={params.plan is not None}, "
                          f"rank={params.rank}")
-    runtime = state.runtime(params.plan, scale)
+    runtime = state.runtime(params.plan, scale, query.device)
     heads = query.shape[2]
     q, k, v = query.squeeze(1), key.squeeze(1), value.squeeze(1)
     if runtime.remap is not None:

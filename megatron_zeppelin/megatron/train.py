@@ -25,7 +25,7 @@ from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError, ModelSpec, load_cluster, load_hardware
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.megatron import args as cli
-from megatron_zeppelin.megatron.core_attention import ZeppelinAttentionState
+from megatron_zeppelin.megatron.core_attention import ZeppelinAttentionState, planning_hardware
 from megatron_zeppelin.megatron.data import (DocumentStats, IndexedDocuments, StdlibCorpus,
                                              ZeppelinDataIterator, sample_documents)
 from megatron_zeppelin.megatron.groups import Pool, new_pool_groups
@@ -52,7 +52,9 @@ def make_cost_model(args: argparse.Namespace, spec: ModelSpec, layout: PoolLayou
     default = "cpu-2x2" if args.device == "cpu" else "h200-8nic"
     cluster = load_cluster(args.zeppelin_cluster or default)
     cluster = cluster.with_topology(layout.nodes, layout.gpus_per_node)
-    hardware = load_hardware(args.zeppelin_hardware or cluster.hardware)
+    hardware = load_hardware(args.zeppelin_hardware) if args.zeppelin_hardware else \
+        planning_hardware(cluster, args.zeppelin_attention_backend, args.device,
+                          torch.bfloat16 if args.bf16 else torch.float32, spec.head_dim)
     return CostModel(spec, cluster, hardware, layout.tp)
 
 
@@ -80,7 +82,8 @@ def build_state(args: argparse.Namespace, pool: Pool, cost: CostModel) -> Zeppel
     return ZeppelinAttentionState(
         pool.group, backend=backend, inter_mode="routed" if routed else "ring",
         route_group=pool.route_group if routed else None,
-        router_topology=RouterTopology.from_cluster(cluster) if routed else None)
+        router_topology=RouterTopology.from_cluster(cluster) if routed else None,
+        device=args.device)
 
 
 def build_training(args: argparse.Namespace, state: ZeppelinAttentionState, spec: ModelSpec):
@@ -178,7 +181,8 @@ def train(args: argparse.Namespace, layout: PoolLayout) -> list[StepLog]:
     start = checkpoint_load(args, model, optimizer)
     device = "cuda" if args.device == "cuda" else "cpu"
     stats = DocumentStats()
-    data = make_data(args, pool, make_planner(args, cost, layout), device, stats)
+    data = make_data(args, pool, state.preparing(make_planner(args, cost, layout)), device,
+                     stats)
     logger = Logger(args, cost, dist.get_rank() == 0, stats, layout.dp)
     micro = layout.micro_batches(args.global_batch_size, args.micro_batch_size)
     try:

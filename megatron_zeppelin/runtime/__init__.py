@@ -1,9 +1,17 @@
-"""Runtime over torch.distributed: ring attention engine, remapping layer, routed P2P."""
+"""Runtime over torch.distributed: ring attention engine, remapping layer, routed P2P.
+
+One module per piece: ``kernels/`` (kernel backends behind one protocol), ``attention``
+(zigzag ring of one group), ``engine`` (three queues, overlapped), ``lanes`` (CPU order vs CUDA
+streams), ``ring_comm`` (the P2P ring helper), ``transport`` (direct or host-staged
+communication), ``inter`` and ``routed_p2p`` (global inter-node steps), ``remap`` (linear <->
+attention layout), ``merge`` (the LSE merge), ``device_index`` (plan indices moved once).
+"""
 
 from megatron_zeppelin.runtime.attention import ZigzagLayout, ring_attention
 from megatron_zeppelin.runtime.engine import AttentionEngine
 from megatron_zeppelin.runtime.kernels import block_backward, block_forward
-from megatron_zeppelin.runtime.utils import RingComm, merge_lse
+from megatron_zeppelin.runtime.merge import merge_lse
+from megatron_zeppelin.runtime.ring_comm import RingComm
 
 __all__ = ["AttentionEngine", "RingComm", "ZigzagLayout", "block_backward", "block_forward",
            "merge_lse", "ring_attention"]

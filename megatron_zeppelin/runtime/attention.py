@@ -17,13 +17,17 @@ zigzag chunks, per sequence (``m = 2G-1-p``):
 * ``j > p``: q chunk m vs both kv chunks, full (q chunk p lies before both).
 
 All sequences of the group go into one varlen call per block (``kernels``), and the partial
-outputs merge with the LSE merge (``utils.merge_into_``) in float32 (float64 for float64).
+outputs merge with the LSE merge (``merge.merge_into_``) in float32 (float64 for float64).
+The blocks of every step (row indices, ``kernels.Pieces``) are built once per layout and moved
+to the device once (``device_blocks``); a step only indexes, calls the kernel and merges.
 
 Backward ring. The KV travels again; ``dq`` accumulates locally and the ``dK/dV``
 accumulator of a source travels with it, one step behind the KV, and after ``G`` hops arrives
 back at its owner. Exchange ``t`` (posted at the start of step ``t``) carries the KV held at
 ``t`` (for ``t < G-1``) and the dKV accumulated at step ``t-1`` (for ``t >= 1``); exchange
 ``G`` returns the last accumulator to its owner. Block gradients use the FINAL out and lse.
+Which round sends what is ``schedule`` (``sends_kv``, ``sends_dkv``, ``phase_steps``), the
+facts the simulator prices too.
 
 ``RingGroupRun`` exposes the steps so that a scheduler (``engine``) can interleave many groups;
 ``ZigzagRingAttention``/``ring_attention`` run one group alone.
@@ -36,22 +40,31 @@ import torch
 
 from megatron_zeppelin.plan import zigzag_bounds
 from megatron_zeppelin.runtime import kernels
-from megatron_zeppelin.runtime.utils import RingComm, merge_into_
+from megatron_zeppelin.runtime.device_index import to_device
+from megatron_zeppelin.runtime.kernels import KernelBackend, Pieces, accum_dtype, make_pieces
+from megatron_zeppelin.runtime.merge import merge_into_
+from megatron_zeppelin.runtime.ring_comm import RingComm
+from megatron_zeppelin.schedule import Phase, compute_steps, phase_steps, sends_dkv, sends_kv
+
+Like = list[tuple[tuple[int, ...], torch.dtype]]
 
 
 class Block(NamedTuple):
     """One fused varlen call of a ring step.
 
     q_rows: int64 rows of the group's q buffer, in call order (None: every row, in order);
-    k_rows: rows of the KV block held at this step (None: every row); cu_q/cu_k: offsets of the
-    pieces (``kernels`` pair convention); causal: diagonal blocks (END-aligned, tq == tk).
+    k_rows: rows of the KV block held at this step (None: every row); pieces: the call's
+    ``kernels.Pieces`` (``kernels`` pair convention); causal: diagonal blocks (END-aligned,
+    tq == tk).
     """
 
     q_rows: torch.Tensor | None
     k_rows: torch.Tensor | None
-    cu_q: tuple[int, ...]
-    cu_k: tuple[int, ...]
+    pieces: Pieces
     causal: bool
+
+
+StepBlocks = tuple[tuple[Block, ...], ...]  # per ring step, its blocks
 
 
 class ZigzagLayout:
@@ -71,7 +84,7 @@ class ZigzagLayout:
             raise ValueError(f"sequence lengths {bad} are invalid: expected integers >= 0")
         self.lengths, self.ring_size, self.position = tuple(lengths), ring_size, position
         self._bounds = [zigzag_bounds(n, ring_size) for n in self.lengths]
-        self._blocks: dict[tuple[int, str], tuple[Block, ...]] = {}
+        self._blocks: dict[int, tuple[Block, ...]] = {}
 
     def held(self, source: int) -> list[tuple[int, int]]:
         """Per sequence, the sizes of (chunk source, chunk 2G-1-source) position ``source``
@@ -89,21 +102,15 @@ class ZigzagLayout:
         """Ring position whose KV block this rank holds at ``step``."""
         return (self.position - step) % self.ring_size
 
-    def blocks(self, step: int, device: torch.device | str = "cpu") -> tuple[Block, ...]:
-        """The fused calls of ``step`` (row indices on ``device``)."""
+    def blocks(self, step: int) -> tuple[Block, ...]:
+        """The fused calls of ``step`` (see the module docstring), indices on the host."""
         if not 0 <= step < self.ring_size:
             raise ValueError(f"step={step} is invalid: expected in [0, {self.ring_size})")
-        key = (step, str(device))
-        if key not in self._blocks:
-            cpu = self._blocks.get((step, "cpu")) or self.build_blocks(step)
-            self._blocks[(step, "cpu")] = cpu
-            self._blocks[key] = tuple(b._replace(
-                q_rows=None if b.q_rows is None else b.q_rows.to(device),
-                k_rows=None if b.k_rows is None else b.k_rows.to(device)) for b in cpu)
-        return self._blocks[key]
+        if step not in self._blocks:
+            self._blocks[step] = self._build_blocks(step)
+        return self._blocks[step]
 
-    def build_blocks(self, step: int) -> tuple[Block, ...]:
-        """The fused calls of ``step`` (see the module docstring), row indices on CPU."""
+    def _build_blocks(self, step: int) -> tuple[Block, ...]:
         p, j = self.position, self.source(step)
         mine, theirs = self.held(p), self.held(j)
         q_off, k_off = _offsets(mine), _offsets(theirs)
@@ -124,6 +131,17 @@ class ZigzagLayout:
         return tuple(b for b in blocks if b is not None)
 
 
+def device_blocks(layout: ZigzagLayout, device: torch.device | str) -> StepBlocks:
+    """Every step's blocks with their indices and offsets on ``device`` (one move)."""
+    host = [layout.blocks(step) for step in range(layout.ring_size)]
+    flat = [b for step in host for b in step]
+    moved = to_device([t for b in flat for t in (b.q_rows, b.k_rows, b.pieces.cu_q_dev,
+                                                 b.pieces.cu_k_dev)], device)
+    placed = iter([Block(q, k, b.pieces._replace(cu_q_dev=cq, cu_k_dev=ck), b.causal)
+                   for b, (q, k, cq, ck) in zip(flat, zip(*[iter(moved)] * 4))])
+    return tuple(tuple(next(placed) for _ in step) for step in host)
+
+
 def _offsets(held: list[tuple[int, int]]) -> list[int]:
     out = [0]
     for a, b in held:
@@ -142,7 +160,7 @@ def _block(pairs: list[tuple[int, int, int, int]], causal: bool, q_total: int,
         cu_q.append(cu_q[-1] + tq)
         cu_k.append(cu_k[-1] + tk)
     return Block(_rows([(s, n) for s, n, _, _ in pairs], q_total),
-                 _rows([(s, n) for _, _, s, n in pairs], k_total), tuple(cu_q), tuple(cu_k),
+                 _rows([(s, n) for _, _, s, n in pairs], k_total), make_pieces(cu_q, cu_k),
                  causal)
 
 
@@ -159,8 +177,13 @@ def _rows(ranges: list[tuple[int, int]], total: int) -> torch.Tensor | None:
     return torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in ranges])
 
 
-def _take(x: torch.Tensor, rows: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
-    return x if rows is None else x.index_select(dim, rows)
+def take(x: torch.Tensor, rows: torch.Tensor | slice | None, dim: int = 0) -> torch.Tensor:
+    """Rows ``rows`` of ``x`` along ``dim``: None (all), a slice or int64 indices."""
+    if rows is None:
+        return x
+    if isinstance(rows, slice):
+        return x[rows] if dim == 0 else x[:, rows]
+    return x.index_select(dim, rows)
 
 
 def _add_rows(acc: torch.Tensor, rows: torch.Tensor | None, value: torch.Tensor) -> None:
@@ -170,47 +193,69 @@ def _add_rows(acc: torch.Tensor, rows: torch.Tensor | None, value: torch.Tensor)
         acc.index_add_(0, rows, value.to(acc.dtype))
 
 
-def accum_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulator dtype of outputs, lse and gradients: float64 for float64, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def recv_like(layout: ZigzagLayout, step: int, phase: str, tail: tuple[int, ...],
-              dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def recv_like(layout: ZigzagLayout, step: int, phase: Phase, tail: tuple[int, ...],
+              dtype: torch.dtype) -> Like:
     """(shape, dtype) of what ring position ``layout.position`` receives at ``step``.
 
-    phase ``forward``: the next KV block ``[2, tokens, *tail]`` (steps < G-1). ``backward``: the
-    next KV block (steps < G-1), then the dKV accumulator of the block held at ``step`` in the
-    accumulator dtype (steps 1..G). ``tail`` is ``(kv_heads, head_dim)``, dtype the KV dtype.
-    What position p+1 receives is exactly what position p sends.
+    Both phases: the next KV block ``[2, tokens, *tail]`` (``schedule.sends_kv``); backward
+    also the dKV accumulator of the block held at ``step`` in the accumulator dtype
+    (``schedule.sends_dkv``). ``tail`` is ``(kv_heads, head_dim)``, dtype the KV dtype. What
+    position p+1 receives is exactly what position p sends.
     """
-    size, like = layout.ring_size, []
-    if step < size - 1:
+    phase, size, like = Phase(phase), layout.ring_size, []
+    if sends_kv(size, step):
         like.append(((2, layout.tokens(layout.source(step + 1)), *tail), dtype))
-    if phase == "backward" and step >= 1 and size > 1:
+    if phase is Phase.BACKWARD and sends_dkv(size, step):
         like.append(((2, layout.tokens(layout.source(step)), *tail), accum_dtype(dtype)))
-    elif phase not in ("forward", "backward"):
-        raise ValueError(f"phase={phase!r} is invalid: expected 'forward' or 'backward'")
     return like
 
 
 class RingGroupRun:
-    """One ring group on this rank, driven one step at a time.
+    """One ring group on this rank, driven one round at a time.
 
-    Forward: ``begin_forward``, then for each step ``s < forward_steps``: post
-    ``forward_sends(s)`` / ``forward_recv_like(s)``, ``forward_compute(s)``,
-    ``forward_receive(s, received)``; ``end_forward`` returns ``(out, lse)``. Backward likewise
-    with ``backward_steps`` (``backward_compute`` is a no-op at the final return step).
-    Sends go to the next ring position, receives come from the previous one.
-    ``compute=False`` skips the kernels (a measurement switch: the results are then wrong).
+    Per phase: ``begin_forward`` (or ``begin_backward``), then for each round
+    ``r < steps(phase)``: post ``sends(phase, r)`` / ``recv_like(phase, r)``,
+    ``compute(phase, r)``, ``receive(phase, r, received)``; ``end_forward`` returns
+    ``(out, lse)``, ``end_backward`` ``(dq, dk, dv)``. Sends go to the next ring position,
+    receives come from the previous one. backend: a kernel backend object, name or None
+    (resolved once per phase); blocks: ``device_blocks`` of the layout on the tensors' device
+    (None: built at ``begin_*``).
     """
 
-    def __init__(self, layout: ZigzagLayout, scale: float, backend: str | None = None,
-                 compute: bool = True) -> None:
-        self.layout, self.scale, self.backend, self.compute = layout, scale, backend, compute
-        size = layout.ring_size
-        self.forward_steps = size
-        self.backward_steps = size + 1 if size > 1 else 1
+    def __init__(self, layout: ZigzagLayout, scale: float,
+                 backend: KernelBackend | str | None = None,
+                 blocks: StepBlocks | None = None) -> None:
+        self.layout, self.scale, self.backend, self.blocks = layout, scale, backend, blocks
+
+    def steps(self, phase: Phase) -> int:
+        return phase_steps(self.layout.ring_size, Phase(phase))
+
+    def _begin(self, q: torch.Tensor) -> None:
+        self._kernel = kernels.select(self.backend, q)
+        if self.blocks is None:
+            self.blocks = device_blocks(self.layout, q.device)
+
+    # ------------------------------------------------------------------ both phases
+    def sends(self, phase: Phase, step: int) -> list[torch.Tensor]:
+        size = self.layout.ring_size
+        kv = [self.kv] if sends_kv(size, step) else []
+        return kv + ([self.dkv] if phase is Phase.BACKWARD and sends_dkv(size, step) else [])
+
+    def recv_like(self, phase: Phase, step: int) -> Like:
+        return recv_like(self.layout, step, phase, tuple(self.kv.shape[2:]), self.kv.dtype)
+
+    def compute(self, phase: Phase, step: int) -> None:
+        if phase is Phase.FORWARD:
+            self._forward_compute(step)
+        else:
+            self._backward_compute(step)
+
+    def receive(self, phase: Phase, step: int, received: Sequence[torch.Tensor]) -> None:
+        if phase is Phase.FORWARD:
+            if received:
+                self.kv = received[0]
+        else:
+            self._backward_receive(step, received)
 
     # ------------------------------------------------------------------ forward
     def begin_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -219,28 +264,18 @@ class RingGroupRun:
         if q.shape[0] != n or k.shape[0] != n or v.shape[0] != n:
             raise ValueError(f"group buffers have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens "
                              f"(q/k/v): expected {n} for ring position {self.layout.position}")
+        self._begin(q)
         acc = accum_dtype(q.dtype)
         self.q, self.kv = q, torch.stack((k, v))
         self.out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         self.lse_acc = torch.full((q.shape[1], n), float("-inf"), dtype=acc, device=q.device)
 
-    def forward_sends(self, step: int) -> list[torch.Tensor]:
-        return [self.kv] if step < self.layout.ring_size - 1 else []
-
-    def forward_recv_like(self, step: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        return recv_like(self.layout, step, "forward", tuple(self.kv.shape[2:]), self.kv.dtype)
-
-    def forward_compute(self, step: int) -> None:
-        for block in self.layout.blocks(step, self.q.device) if self.compute else ():
-            out, lse = kernels.block_forward(
-                _take(self.q, block.q_rows), _take(self.kv[0], block.k_rows),
-                _take(self.kv[1], block.k_rows), block.cu_q, block.cu_k, block.causal,
-                self.scale, self.backend)
+    def _forward_compute(self, step: int) -> None:
+        for block in self.blocks[step]:
+            out, lse = self._kernel.forward(
+                take(self.q, block.q_rows), take(self.kv[0], block.k_rows),
+                take(self.kv[1], block.k_rows), block.pieces, block.causal, self.scale)
             merge_into_(self.out_acc, self.lse_acc, out, lse, block.q_rows)
-
-    def forward_receive(self, step: int, received: Sequence[torch.Tensor]) -> None:
-        if received:
-            self.kv = received[0]
 
     def end_forward(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out [n, h, d] in q's dtype, lse [h, n] accumulator dtype)``; frees the state."""
@@ -252,41 +287,34 @@ class RingGroupRun:
     def begin_backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
         """dout/q/out ``[n, h, d]``, k/v ``[n, g, d]``, lse ``[h, n]`` (the forward's)."""
+        self._begin(q)
         acc = accum_dtype(q.dtype)
         self.dout, self.q, self.out, self.lse = dout.contiguous(), q, out, lse
         self.kv = torch.stack((k, v))
         self.dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         self.dkv = torch.zeros(self.kv.shape, dtype=acc, device=q.device)
 
-    def backward_sends(self, step: int) -> list[torch.Tensor]:
-        size = self.layout.ring_size
-        return ([self.kv] if step < size - 1 else []) + ([self.dkv] if step >= 1 and size > 1
-                                                          else [])
-
-    def backward_recv_like(self, step: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        return recv_like(self.layout, step, "backward", tuple(self.kv.shape[2:]), self.kv.dtype)
-
-    def backward_compute(self, step: int) -> None:
-        if step >= self.layout.ring_size:
+    def _backward_compute(self, step: int) -> None:
+        if step >= compute_steps(self.layout.ring_size):
             return
         fresh = torch.zeros((2, *self.kv.shape[1:]), dtype=self.dq.dtype, device=self.dq.device)
-        for block in self.layout.blocks(step, self.q.device) if self.compute else ():
+        for block in self.blocks[step]:
             rows = block.q_rows
-            dq, dk, dv = kernels.block_backward(
-                _take(self.dout, rows), _take(self.q, rows), _take(self.kv[0], block.k_rows),
-                _take(self.kv[1], block.k_rows), _take(self.out, rows), _take(self.lse, rows, 1),
-                block.cu_q, block.cu_k, block.causal, self.scale, self.backend)
+            dq, dk, dv = self._kernel.backward(
+                take(self.dout, rows), take(self.q, rows), take(self.kv[0], block.k_rows),
+                take(self.kv[1], block.k_rows), take(self.out, rows), take(self.lse, rows, 1),
+                block.pieces, block.causal, self.scale)
             _add_rows(self.dq, rows, dq)
             _add_rows(fresh[0], block.k_rows, dk)
             _add_rows(fresh[1], block.k_rows, dv)
         self.fresh_dkv = fresh
 
-    def backward_receive(self, step: int, received: Sequence[torch.Tensor]) -> None:
+    def _backward_receive(self, step: int, received: Sequence[torch.Tensor]) -> None:
         size = self.layout.ring_size
         received = list(received)
-        kv_next = received.pop(0) if step < size - 1 else None
-        dkv_in = received.pop(0) if step >= 1 and size > 1 else None
-        if step < size:
+        kv_next = received.pop(0) if sends_kv(size, step) else None
+        dkv_in = received.pop(0) if sends_dkv(size, step) else None
+        if step < compute_steps(size):
             self.dkv = self.fresh_dkv if dkv_in is None else self.fresh_dkv.add_(dkv_in)
         else:
             self.dkv = dkv_in  # the final accumulator of this rank's own KV
@@ -302,30 +330,16 @@ class RingGroupRun:
         return grads
 
 
-def run_forward(run: RingGroupRun, comm: RingComm | None, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One group's forward alone: each step's exchange overlaps that step's compute."""
-    run.begin_forward(q, k, v)
-    for step in range(run.forward_steps):
-        sends, like = run.forward_sends(step), run.forward_recv_like(step)
-        request = comm.exchange(sends, like, step, device=q.device) if sends or like else None
-        run.forward_compute(step)
-        run.forward_receive(step, request.wait() if request else [])
-    return run.end_forward()
-
-
-def run_backward(run: RingGroupRun, comm: RingComm | None, dout: torch.Tensor, q: torch.Tensor,
-                 k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One group's backward alone (same overlap as ``run_forward``)."""
-    run.begin_backward(dout, q, k, v, out, lse)
-    for step in range(run.backward_steps):
-        sends, like = run.backward_sends(step), run.backward_recv_like(step)
-        request = (comm.exchange(sends, like, step, phase="backward", device=q.device)
+def run_phase(run: RingGroupRun, comm: RingComm | None, phase: Phase,
+              device: torch.device) -> None:
+    """One group's rounds alone (after ``begin_*``): each round's exchange overlaps that
+    round's compute."""
+    for step in range(run.steps(phase)):
+        sends, like = run.sends(phase, step), run.recv_like(phase, step)
+        request = (comm.exchange(sends, like, step, phase=phase, device=device)
                    if sends or like else None)
-        run.backward_compute(step)
-        run.backward_receive(step, request.wait() if request else [])
-    return run.end_backward()
+        run.compute(phase, step)
+        run.receive(phase, step, request.wait() if request else [])
 
 
 class ZigzagRingAttention(torch.autograd.Function):
@@ -334,7 +348,9 @@ class ZigzagRingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout, comm, scale, backend):
         run = RingGroupRun(layout, scale, backend)
-        out, lse = run_forward(run, comm, q.detach(), k.detach(), v.detach())
+        run.begin_forward(q.detach(), k.detach(), v.detach())
+        run_phase(run, comm, Phase.FORWARD, q.device)
+        out, lse = run.end_forward()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.run, ctx.comm = run, comm
         return out
@@ -342,19 +358,21 @@ class ZigzagRingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = run_backward(ctx.run, ctx.comm, dout, q, k, v, out, lse)
+        ctx.run.begin_backward(dout, q, k, v, out, lse)
+        run_phase(ctx.run, ctx.comm, Phase.BACKWARD, q.device)
+        dq, dk, dv = ctx.run.end_backward()
         # one entry per forward input: q, k, v, layout, comm, scale, backend
         return dq, dk, dv, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ZigzagLayout,
                    comm: RingComm | None = None, scale: float | None = None,
-                   backend: str | None = None) -> torch.Tensor:
+                   backend: KernelBackend | str | None = None) -> torch.Tensor:
     """Causal attention of one ring group's sequences: ``out [n, heads, head_dim]``.
 
     q ``[n, heads, head_dim]``, k/v ``[n, kv_heads, head_dim]`` in the group layout of
     ``layout`` (this rank's position); ``comm`` the group's ring (None only for a ring of one);
-    scale defaults to ``head_dim ** -0.5``; backend as in ``kernels``.
+    scale defaults to ``head_dim ** -0.5``; backend as in ``kernels.select``.
     """
     if comm is None and layout.ring_size > 1:
         raise ValueError(f"a ring of {layout.ring_size} ranks needs a RingComm (comm=None)")

@@ -18,11 +18,13 @@ dKV accumulator), sent as a 1-D ``uint8`` tensor and cut back into tensors on ar
 schedule, ``routing=False`` -> ``direct_exchange`` (same global step, no proxies). Steps run on
 one worker thread (``InterQueue``), so the engine computes while a step is in flight; the
 thread drives only ``route_group``, a process group of its own (one communicator must not be
-driven from two threads with NCCL).
+driven from two threads with NCCL). On CUDA the worker queues the step on a stream of its own
+that first waits for an event recorded on the caller's stream at the post (the payloads are
+packed there), and ``complete`` makes the caller's stream wait for the step's end by event;
+with NCCL neither thread waits for the device.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +37,8 @@ from megatron_zeppelin.plan import Plan, RingGroup, Tier
 from megatron_zeppelin.router import Flow, RouterTopology, RouteSchedule, route
 from megatron_zeppelin.runtime.attention import ZigzagLayout, recv_like
 from megatron_zeppelin.runtime.routed_p2p import direct_exchange, routed_exchange
+from megatron_zeppelin.runtime.transport import Transport
+from megatron_zeppelin.schedule import Phase, global_steps
 
 Like = list[tuple[tuple[int, ...], torch.dtype]]
 
@@ -42,7 +46,8 @@ Like = list[tuple[tuple[int, ...], torch.dtype]]
 def exchange(sends: Mapping[int, torch.Tensor], recv_like: Mapping[int, tuple[int, torch.dtype]],
              flows: Sequence[Flow], group: dist.ProcessGroup, *, routing: bool,
              schedule: RouteSchedule | None = None, step: int = 0,
-             timeout_s: float | None = None) -> dict[int, torch.Tensor]:
+             timeout_s: float | None = None,
+             transport: Transport | str | None = None) -> dict[int, torch.Tensor]:
     """Deliver one global step's flows: routed (``schedule`` required) or direct.
 
     sends / recv_like / result: as ``routed_p2p.routed_exchange`` (flow index -> 1-D payload on
@@ -53,8 +58,9 @@ def exchange(sends: Mapping[int, torch.Tensor], recv_like: Mapping[int, tuple[in
             raise ValueError("exchange(routing=True) needs the step's RouteSchedule "
                              "(router.route(topology, flows))")
         return routed_exchange(sends, recv_like, flows, schedule, group, step=step,
-                               timeout_s=timeout_s)
-    return direct_exchange(sends, recv_like, flows, group, step=step, timeout_s=timeout_s)
+                               timeout_s=timeout_s, transport=transport)
+    return direct_exchange(sends, recv_like, flows, group, step=step, timeout_s=timeout_s,
+                           transport=transport)
 
 
 def nbytes(like: Like) -> int:
@@ -95,11 +101,12 @@ class InterQueue:
 
     plan/rank: the plan and this rank (a rank of ``route_group``); routing: routed or direct
     exchanges; router_topology: the cluster's NICs (required when routing); timeout_s: per
-    exchange phase.
+    exchange phase; transport: as ``transport.get_transport``.
     """
 
     def __init__(self, plan: Plan, rank: int, route_group: dist.ProcessGroup, *, routing: bool,
-                 router_topology: RouterTopology | None, timeout_s: float) -> None:
+                 router_topology: RouterTopology | None, timeout_s: float,
+                 transport: Transport | str | None = None) -> None:
         if routing and router_topology is None:
             raise ValueError("routing=True needs router_topology "
                              "(RouterTopology.from_cluster(cluster_spec))")
@@ -111,32 +118,34 @@ class InterQueue:
                              f"{plan.topology.nodes} x {plan.topology.gpus_per_node}")
         self.plan, self.rank, self.group = plan, rank, route_group
         self.routing, self.topology, self.timeout_s = routing, router_topology, timeout_s
+        self.transport = transport
         self.groups = [g for g in plan.ring_groups if g.tier == Tier.INTER]
         self._layouts = {g.key: [ZigzagLayout([plan.seqlens[s] for s in g.seqs], len(g.ring), p)
                                  for p in range(len(g.ring))] for g in self.groups}
         self._steps: dict[tuple, _Step] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def num_steps(self, wave: int, phase: str) -> int:
+    def num_steps(self, wave: int, phase: Phase) -> int:
         """Global steps of ``wave``'s inter-node queue in ``phase`` (0 without such rings)."""
-        sizes = [len(g.ring) for g in self.groups if g.wave == wave]
-        if not sizes:
-            return 0
-        return max(sizes) - 1 if phase == "forward" else max(sizes) + 1
+        return global_steps(max((len(g.ring) for g in self.groups if g.wave == wave), default=0),
+                            Phase(phase))
 
     def crosses(self, group: RingGroup, position: int) -> bool:
         """Whether hop ``ring[position] -> ring[position + 1]`` crosses nodes."""
         node, ring = self.plan.topology.node_of, group.ring
         return node(ring[position]) != node(ring[(position + 1) % len(ring)])
 
-    def post(self, wave: int, step: int, phase: str, sends: dict[tuple, list[torch.Tensor]],
+    def post(self, wave: int, step: int, phase: Phase, sends: dict[tuple, list[torch.Tensor]],
              meta: tuple[tuple[int, ...], torch.dtype], device: torch.device) -> Future:
         """Start global step ``step`` on the worker thread; the future gives ``{group key:
-        received tensors}`` for this rank's groups whose incoming hop crosses nodes.
+        received tensors}`` for this rank's groups whose incoming hop crosses nodes, once
+        ``complete`` has been called with it.
 
         sends: group key -> the tensors this rank sends at this step, for its groups whose
         outgoing hop crosses nodes; meta: ``((kv_heads, head_dim), KV dtype)``.
         """
+        phase = Phase(phase)
         plan = self._step(wave, step, phase, meta)
         payloads, likes = {}, {}
         for f, flow in enumerate(plan.flows):
@@ -146,29 +155,59 @@ class InterQueue:
                 likes[f] = (flow.nbytes, torch.uint8)
         call = functools.partial(exchange, payloads, likes, plan.flows, self.group,
                                  routing=self.routing, schedule=plan.schedule, step=step,
-                                 timeout_s=self.timeout_s)
-        # CUDA: the worker issues its P2P on the caller's stream, after the packing above
-        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+                                 timeout_s=self.timeout_s, transport=self.transport)
+        ready = None
+        if device.type == "cuda":  # the worker's stream waits for the packing above
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeppelin-inter")
-        return self._pool.submit(self._run, call, plan, (wave, step, phase), meta, device, stream)
+        return self._pool.submit(self._run, call, plan, (wave, step, phase), meta, device, ready)
 
-    def _run(self, call, plan: _Step, where: tuple[int, int, str], meta, device, stream):
-        """Worker thread: run one global step, cut what arrived into the rings' tensors."""
+    def _run(self, call, plan: _Step, where: tuple[int, int, Phase], meta, device, ready):
+        """Worker thread: run one global step, cut what arrived into the rings' tensors;
+        returns them and, on CUDA, the event that marks the step's end on the worker's
+        stream."""
         wave, step, phase = where
         if not plan.flows:
-            return {}
+            return {}, None, device
+        done = None
         try:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if ready is None:
                 got = call()
+            else:
+                stream = self._stream(device)
+                with torch.cuda.stream(stream):
+                    stream.wait_event(ready)
+                    got = call()
+                    done = torch.cuda.Event()
+                    done.record(stream)
         except RuntimeError as exc:
-            raise RuntimeError(f"wave {wave} {phase} inter-node step {step} "
+            raise RuntimeError(f"wave {wave} {phase.value} inter-node step {step} "
                                f"({'routed' if self.routing else 'direct'}): {exc}") from exc
         out = {}
         for f, buffer in got.items():
             key, position = plan.index[f]
             layout = self._layouts[key][(position + 1) % len(self._layouts[key])]
             out[key] = unpack(buffer, recv_like(layout, step, phase, *meta), device)
+        return out, done, device
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    @staticmethod
+    def complete(future: Future) -> dict[tuple, list[torch.Tensor]]:
+        """What ``post``'s step delivered, usable on the caller's current stream (CUDA: the
+        stream waits for the step by event; no host wait for the device with NCCL)."""
+        out, done, device = future.result()
+        if done is not None:
+            stream = torch.cuda.current_stream(device)
+            stream.wait_event(done)
+            for tensors in out.values():
+                for tensor in tensors:
+                    tensor.record_stream(stream)
         return out
 
     def _step(self, wave, step, phase, meta) -> _Step:

@@ -9,10 +9,14 @@ direction is the other direction: gradients are exact.
 Buffers are ``[tokens, ...]`` (e.g. q ``[tokens, heads, head_dim]``); row i of a rank's
 linear buffer is the i-th token of its ``Plan.linear[rank]`` segments, likewise for attention.
 Ranks of the plan are ranks of ``group`` (the Zeppelin pool: data x context parallel).
+
+The all-to-all goes through a ``transport.Transport`` (``ZEPPELIN_TRANSPORT``; ``staged`` for
+several ranks on one GPU); the kept rows are copied while it is in flight. ``RemapIndex.to``
+moves the index tensors to the device once per plan (``device_index``), ahead of the step.
 """
 from __future__ import annotations
 
-import datetime
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +24,8 @@ import torch.distributed as dist
 
 from megatron_zeppelin import env
 from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.runtime.device_index import to_device
+from megatron_zeppelin.runtime.transport import Transport, get_transport
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,7 @@ class RemapIndex:
     send_splits / recv_splits: rows per peer rank (0 for this rank: kept rows are copied).
     recv_rows: where received rows land in the attention buffer, grouped by source rank.
     keep_src / keep_dst: kept rows, linear buffer -> attention buffer.
+    transport / timeout_s: how the all-to-all travels and the most it may wait (read once).
     """
 
     rank: int
@@ -41,6 +48,14 @@ class RemapIndex:
     recv_splits: tuple[int, ...]
     keep_src: torch.Tensor
     keep_dst: torch.Tensor
+    transport: Transport
+    timeout_s: float
+
+    def to(self, device: torch.device | str) -> "RemapIndex":
+        """The same index with its row tensors on ``device`` (one copy per dtype)."""
+        fields = ("send_rows", "recv_rows", "keep_src", "keep_dst")
+        moved = to_device([getattr(self, name) for name in fields], device)
+        return dataclasses.replace(self, **dict(zip(fields, moved)))
 
     def cross_node_rows(self, plan: Plan) -> int:
         """Rows this rank sends to ranks of other nodes (linear -> attention)."""
@@ -48,8 +63,10 @@ class RemapIndex:
         return sum(n for peer, n in enumerate(self.send_splits) if node(peer) != node(self.rank))
 
 
-def build_remap_index(plan: Plan, rank: int) -> RemapIndex:
-    """The remap of ``rank`` from ``Plan.transfers`` (sorted by (src, dst, dst_offset))."""
+def build_remap_index(plan: Plan, rank: int, *, transport: Transport | str | None = None,
+                      timeout_s: float | None = None) -> RemapIndex:
+    """The remap of ``rank`` from ``Plan.transfers`` (sorted by (src, dst, dst_offset));
+    transport / timeout_s: None reads ``ZEPPELIN_TRANSPORT`` / ``ZEPPELIN_P2P_TIMEOUT_S``."""
     world = plan.topology.world_size
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is invalid: the plan has ranks [0, {world})")
@@ -68,7 +85,8 @@ def build_remap_index(plan: Plan, rank: int) -> RemapIndex:
             recv_splits[t.src] += rows
     return RemapIndex(rank, plan.linear_tokens()[rank], plan.attention_tokens()[rank],
                       _cat(send), tuple(send_splits), _cat(recv), tuple(recv_splits),
-                      _cat(keep_src), _cat(keep_dst))
+                      _cat(keep_src), _cat(keep_dst), get_transport(transport),
+                      env.p2p_timeout_s() if timeout_s is None else float(timeout_s))
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -77,25 +95,25 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def _exchange(x: torch.Tensor, gather: torch.Tensor, send_splits: tuple[int, ...],
               recv_splits: tuple[int, ...], scatter: torch.Tensor, keep_src: torch.Tensor,
-              keep_dst: torch.Tensor, out_rows: int, group: dist.ProcessGroup | None
-              ) -> torch.Tensor:
+              keep_dst: torch.Tensor, out_rows: int, group: dist.ProcessGroup | None,
+              idx: RemapIndex) -> torch.Tensor:
     """out[scatter] = all_to_all(x[gather]); out[keep_dst] = x[keep_src]."""
     out = x.new_empty((out_rows, *x.shape[1:]))
     received = x.new_empty((sum(recv_splits), *x.shape[1:]))
-    work = dist.all_to_all_single(received, x.index_select(0, gather.to(x.device)),
-                                  output_split_sizes=list(recv_splits),
-                                  input_split_sizes=list(send_splits), group=group,
-                                  async_op=True)
+    timeout = idx.timeout_s
+    where = f"remap all-to-all on rank {idx.rank}"
+    pending = idx.transport.all_to_all(received, x.index_select(0, gather.to(x.device)),
+                                         list(recv_splits), list(send_splits), group, where,
+                                         timeout)
     if keep_src.numel():
         out.index_copy_(0, keep_dst.to(x.device), x.index_select(0, keep_src.to(x.device)))
-    timeout = env.p2p_timeout_s()
     try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout))
+        pending.wait()
     except RuntimeError as exc:
-        raise RuntimeError(f"remap all-to-all on rank {dist.get_rank(group)} failed: a peer of "
-                           f"the pool stopped or stalled (timeout {timeout:.0f} s, "
-                           f"ZEPPELIN_P2P_TIMEOUT_S); rows were expected from ranks "
-                           f"{[r for r, n in enumerate(recv_splits) if n]}: {exc}") from exc
+        raise RuntimeError(f"{where} failed: a peer of the pool stopped or stalled (timeout "
+                           f"{timeout:.0f} s, ZEPPELIN_P2P_TIMEOUT_S); rows were expected from "
+                           f"ranks {[r for r, n in enumerate(recv_splits) if n]}: {exc}"
+                           ) from exc
     if received.shape[0]:
         out.index_copy_(0, scatter.to(x.device), received)
     return out
@@ -104,13 +122,13 @@ def _exchange(x: torch.Tensor, gather: torch.Tensor, send_splits: tuple[int, ...
 def _forward(x: torch.Tensor, idx: RemapIndex, group) -> torch.Tensor:
     """Linear layout -> attention layout."""
     return _exchange(x, idx.send_rows, idx.send_splits, idx.recv_splits, idx.recv_rows,
-                     idx.keep_src, idx.keep_dst, idx.attention_rows, group)
+                     idx.keep_src, idx.keep_dst, idx.attention_rows, group, idx)
 
 
 def _inverse(x: torch.Tensor, idx: RemapIndex, group) -> torch.Tensor:
     """Attention layout -> linear layout (every arrow of ``_forward`` reversed)."""
     return _exchange(x, idx.recv_rows, idx.recv_splits, idx.send_splits, idx.send_rows,
-                     idx.keep_dst, idx.keep_src, idx.linear_rows, group)
+                     idx.keep_dst, idx.keep_src, idx.linear_rows, group, idx)
 
 
 class _Remap(torch.autograd.Function):

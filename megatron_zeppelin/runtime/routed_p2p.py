@@ -29,14 +29,15 @@ slices in ``uint8`` buffers on ``device``. These functions do not record autogra
 Ranks in ``flows`` and the schedule are ranks of ``group`` (the routing pool: node-major,
 ``node * gpus_per_node + local``); P2P ops address their global ranks. With NCCL, ``group`` must
 have run a collective (e.g. a barrier) before its first exchange, as ``batch_isend_irecv``
-requires. Each batch waits at most ``timeout_s`` (default ``env.p2p_timeout_s()``) and then
-raises RuntimeError naming the step, the batch, the leg, the chunk and the peer, instead of
-hanging.
+requires. Batches go through a ``transport.Transport`` (``transport=``; None:
+``ZEPPELIN_TRANSPORT``). On gloo each batch waits on the host at most ``timeout_s`` (default
+``env.p2p_timeout_s()``) and then raises RuntimeError naming the step, the batch, the leg, the
+chunk and the peer, instead of hanging. With NCCL a batch's completion is a join of the current
+stream (all batches of a step run in order on NCCL's stream, so a proxy forwards a chunk only
+after receiving it) and the host does not wait for the device.
 """
 from __future__ import annotations
 
-import time
-from datetime import timedelta
 from typing import Mapping, NamedTuple, Sequence
 
 import torch
@@ -45,26 +46,18 @@ import torch.distributed as dist
 from megatron_zeppelin import env
 from megatron_zeppelin.router.model import MAX_CHUNKS_LIMIT, chunk_span
 from megatron_zeppelin.router.schedule import Flow, RouteSchedule
+from megatron_zeppelin.runtime import transport as transports
+from megatron_zeppelin.runtime.transport import P2P, Transport
 
 PHASES = ("dispatch", "NIC", "combine")  # a leg of phase i runs chunk c in batch c + i
 
 
-class _Op(NamedTuple):
-    """One point-to-point op of this rank: ``peer`` is a group rank; ``what`` names it, as a
-    string or as ``(leg name, chunk, chunks, lo, hi)`` formatted only for an error."""
-
-    send: bool
-    tensor: torch.Tensor
-    peer: int
-    tag: int
-    what: str | tuple
+CHUNK_WHAT = "{}, chunk {} of {} (slice bytes {}:{})"  # a chunk's name in errors
 
 
-def describe(op: _Op) -> str:
+def describe(op: P2P) -> str:
     """The op's name for error messages."""
-    if isinstance(op.what, str):
-        return op.what
-    return "{}, chunk {} of {} (slice bytes {}:{})".format(*op.what)
+    return transports.describe(op.what)
 
 
 class _Leg(NamedTuple):
@@ -84,15 +77,16 @@ def routed_exchange(sends: Mapping[int, torch.Tensor],
                     recv_like: Mapping[int, tuple[int, torch.dtype]], flows: Sequence[Flow],
                     schedule: RouteSchedule, group: dist.ProcessGroup, *, step: int = 0,
                     timeout_s: float | None = None, device: torch.device | str | None = None,
-                    chunks: int | None = None) -> dict[int, torch.Tensor]:
+                    chunks: int | None = None,
+                    transport: Transport | str | None = None) -> dict[int, torch.Tensor]:
     """Deliver every flow of one ring step along ``schedule`` (see the module docstring).
 
     sends: flow index -> payload on its source rank; recv_like: flow index -> (numel, dtype)
     on its destination rank; step: names the ring step in errors; device: where proxies stage
     slices (None: the device of this rank's first payload, else the group's default device);
     chunks: pipeline depth, the same on every rank (None: ``schedule.chunks``, the count the
-    router modelled; any in ``[1, 16]`` delivers the same bytes).
-    Returns flow index -> received tensor for the flows this rank is the destination of.
+    router modelled; any in ``[1, 16]`` delivers the same bytes); transport: see the module
+    docstring. Returns flow index -> received tensor for the flows this rank is the destination of.
     """
     me = _my_rank(group)
     _check_schedule(flows, schedule)
@@ -102,35 +96,37 @@ def routed_exchange(sends: Mapping[int, torch.Tensor],
     out = _allocate_outputs(me, flows, recv_like, dev)
     plan = _RankPlan(me, flows, src_bytes, {f: t.view(torch.uint8) for f, t in out.items()}, dev)
     plan.add_slices(schedule.slice_table)
-    timeout, peers = _resolve_timeout(timeout_s), _global_ranks(group, flows)
+    timeout, via = _resolve_timeout(timeout_s), transports.get_transport(transport)
+    _global_ranks(group, flows)
     batches = make_batches(plan.legs, depth, schedule.align)
     for t, ops in enumerate(batches):
-        _run_batch(ops, peers, group, timeout,
-                   f"step {step}, batch {t} of {len(batches)} (chunks {depth}), rank {me}")
+        via.post(ops, group, f"routed P2P step {step}, batch {t} of {len(batches)} (chunks "
+                 f"{depth}), rank {me}", timeout).wait()
     return out
 
 
-def make_batches(legs: Sequence[_Leg], chunks: int, align: int) -> list[list[_Op]]:
+def make_batches(legs: Sequence[_Leg], chunks: int, align: int) -> list[list[P2P]]:
     """The ``chunks + 2`` batches of a pipelined step: chunk c of a leg of phase i goes to
     batch ``c + i``; legs keep their (slice, phase) order inside a batch; empty chunks are
     skipped (the peer computes the same spans, so both skip them)."""
-    batches: list[list[_Op]] = [[] for _ in range(chunks + 2)]
+    batches: list[list[P2P]] = [[] for _ in range(chunks + 2)]
     for leg in legs:
         nbytes = leg.tensor.numel()
         for c in range(chunks):
             lo, hi = chunk_span(nbytes, align, chunks, c)
             if lo == hi:
                 continue
-            batches[c + leg.phase].append(_Op(leg.send, leg.tensor[lo:hi], leg.peer,
+            batches[c + leg.phase].append(P2P(leg.send, leg.tensor[lo:hi], leg.peer,
                                               leg.index * chunks + c,
-                                              (leg.what, c, chunks, lo, hi)))
+                                              (CHUNK_WHAT, leg.what, c, chunks, lo, hi)))
     return batches
 
 
 def direct_exchange(sends: Mapping[int, torch.Tensor],
                     recv_like: Mapping[int, tuple[int, torch.dtype]], flows: Sequence[Flow],
                     group: dist.ProcessGroup, *, step: int = 0, timeout_s: float | None = None,
-                    device: torch.device | str | None = None) -> dict[int, torch.Tensor]:
+                    device: torch.device | str | None = None,
+                    transport: Transport | str | None = None) -> dict[int, torch.Tensor]:
     """Deliver every flow of one ring step src -> dst in one phase (no routing).
 
     Same arguments, layouts and result as ``routed_exchange`` without the schedule.
@@ -142,12 +138,14 @@ def direct_exchange(sends: Mapping[int, torch.Tensor],
     ops = []
     for f, flow in enumerate(flows):
         if me == flow.src:
-            ops.append(_Op(True, src_bytes[f], flow.dst, f, f"send of flow {f} to rank {flow.dst}"))
+            ops.append(P2P(True, src_bytes[f], flow.dst, f, f"send of flow {f} to rank {flow.dst}"))
         if me == flow.dst:
-            ops.append(_Op(False, out[f].view(torch.uint8), flow.src, f,
+            ops.append(P2P(False, out[f].view(torch.uint8), flow.src, f,
                            f"receive of flow {f} from rank {flow.src}"))
-    _run_batch(ops, _global_ranks(group, flows), group, _resolve_timeout(timeout_s),
-               f"step {step}, direct phase, rank {me}")
+    timeout = _resolve_timeout(timeout_s)
+    _global_ranks(group, flows)
+    transports.get_transport(transport).post(
+        ops, group, f"routed P2P step {step}, direct phase, rank {me}", timeout).wait()
     return out
 
 
@@ -197,34 +195,6 @@ class _RankPlan:
             leg(2, True, staged, flow.dst)
         if dp != flow.dst and me == flow.dst:
             leg(2, False, self.out_bytes[f][span], dp)
-
-
-def _run_batch(ops: Sequence[_Op], global_ranks: Sequence[int], group: dist.ProcessGroup,
-               timeout_s: float, where: str) -> None:
-    """Post ``ops`` as one ``batch_isend_irecv`` and wait for all of them, at most timeout_s."""
-    if not ops:
-        return
-    p2p = [dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, global_ranks[op.peer],
-                      group, op.tag) for op in ops]
-    try:
-        works = dist.batch_isend_irecv(p2p)
-    except RuntimeError as exc:  # e.g. gloo closed the pair after an earlier timeout
-        peers = sorted({op.peer for op in ops})
-        raise RuntimeError(f"routed P2P {where}: posting ops with ranks {peers} failed: "
-                           f"{exc}") from exc
-    deadline = time.monotonic() + timeout_s
-    for index, work in enumerate(works):
-        what = (describe(ops[index]) if len(works) == len(ops)
-                else "ops with ranks " + str(sorted({op.peer for op in ops})))
-        remaining = deadline - time.monotonic()
-        try:
-            done = remaining > 0 and work.wait(timeout=timedelta(seconds=remaining)) is not False
-        except RuntimeError as exc:  # gloo and NCCL raise on timeout (DistBackendError)
-            raise RuntimeError(f"routed P2P {where}: {what} did not complete within "
-                               f"{timeout_s:g} s (peer not participating?): {exc}") from exc
-        if not done:
-            raise RuntimeError(f"routed P2P {where}: {what} did not complete within "
-                               f"{timeout_s:g} s (peer not participating?)")
 
 
 def _my_rank(group: dist.ProcessGroup) -> int:

@@ -1,6 +1,8 @@
 """The attention engine's rounds, simulated for every rank at once (numpy over ranks).
 
-Mirrors ``runtime/engine.py``: a wave runs in rounds ``r = 0, 1, ...``; in round r a rank
+Mirrors ``runtime/engine.py`` through ``schedule`` (the engine's round structure, stated once:
+which round sends KV or dK/dV, how many rounds and global steps, the LOCAL calls and their
+default size): a wave runs in rounds ``r = 0, 1, ...``; in round r a rank
 posts the step-r exchange of every ring it is in (INTER and INTRA, async), computes step r of
 every ring, then runs LOCAL calls while the round's exchanges are in flight (a call starts only
 before they complete, so it may overrun them by one call), then waits for the exchanges; the
@@ -32,12 +34,13 @@ from typing import NamedTuple
 import numpy as np
 
 from megatron_zeppelin.config import ClusterSpec
+from megatron_zeppelin import schedule
 from megatron_zeppelin.plan import Tier, local_call_groups
+from megatron_zeppelin.schedule import LOCAL_CALL_TOKENS, Phase, sends_dkv, sends_kv
 from megatron_zeppelin.sim.network import GpuMap, inter_step_time
 
 INTER_MODES = ("ring", "direct", "routed")
 LOCAL_POLICIES = ("engine", "fill", "share")
-LOCAL_CALL_TOKENS = 2048  # runtime/engine.py's LOCAL_CALL_TOKENS (the engine's default)
 
 
 class RingCosts(NamedTuple):
@@ -82,19 +85,21 @@ class Links:
         return self.gpus.cluster
 
 
+def _phase(spec: PassSpec) -> Phase:
+    return Phase.BACKWARD if spec.backward else Phase.FORWARD
+
+
 def exchange_rounds(size: int, spec: PassSpec) -> int:
     """Rounds in which a ring of ``size`` ranks has an exchange in flight."""
-    if size < 2:
-        return 0
-    return size + 1 if spec.backward else size - 1
+    return schedule.exchange_rounds(size, _phase(spec))
 
 
 def round_bytes(sizes: np.ndarray, kv_bytes: np.ndarray, r: int, spec: PassSpec) -> np.ndarray:
     """Bytes each member of each ring sends in round ``r`` (KV, plus the dKV accumulator in
     backward); ``sizes``/``kv_bytes`` per ring."""
-    out = np.where(r < sizes - 1, kv_bytes, 0.0)
+    out = np.where(sends_kv(sizes, r), kv_bytes, 0.0)
     if spec.backward:
-        out = out + np.where((1 <= r) & (r <= sizes), kv_bytes * spec.acc_per_kv_byte, 0.0)
+        out = out + np.where(sends_dkv(sizes, r), kv_bytes * spec.acc_per_kv_byte, 0.0)
     return out
 
 
@@ -146,7 +151,7 @@ class _Hops:
 
     def active(self, r: int, spec: PassSpec) -> int:
         """Hops of the rings that still exchange in round ``r`` (a prefix)."""
-        rounds = self.sizes + 1 if spec.backward else self.sizes - 1
+        rounds = schedule.exchange_rounds(self.sizes, _phase(spec))
         k = int(np.count_nonzero(rounds > r))
         return int(self.ends[k - 1]) if k else 0
 
@@ -223,8 +228,7 @@ def simulate_pass(rings: list[RingCosts], local: list[list[tuple[float, float]]]
     global_mode = links.inter_mode != "ring" and bool(inter)
     global_steps = 0
     if global_mode:
-        longest = max(len(g.members) for g in inter)
-        global_steps = longest + 1 if spec.backward else longest - 1
+        global_steps = schedule.global_steps(max(len(g.members) for g in inter), _phase(spec))
     share = links.local_policy == "share"
     compute = _compute_matrix(rings, local if share else [[] for _ in local], world, spec,
                               global_steps)

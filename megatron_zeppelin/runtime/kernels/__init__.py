@@ -1,0 +1,91 @@
+"""Attention kernels for one varlen block, behind one protocol (``base.KernelBackend``).
+
+Conventions (pieces, END-aligned causal, layouts, lse) are in ``base``. Backends, one module
+each, registered in this order (``auto`` takes the first with ``auto`` set that accepts the
+tensors, else ``torch``):
+
+* ``native`` (native.py): torch's built-in varlen flash attention, CUDA sm80+ fp16/bf16. The
+  default on GPUs.
+* ``torch`` (torch_math.py): exact on any device and dtype; CPU flash per pair on CPU, a math
+  path on CUDA (fp32/fp64, head dims the native kernel refuses; warns once).
+* ``flash_attn`` (flash_attn.py): the flash-attn 2.6+ package (pip extra ``flash-attn``).
+* ``te`` (te.py): Transformer Engine fused attention, THD (pip extra ``te``).
+
+Adding a backend: one module with a class implementing the protocol, ending in
+``BACKEND = register(MyBackend())``, and its name in ``BACKEND_MODULES``. The choices of
+``ZEPPELIN_ATTENTION_BACKEND`` and ``--zeppelin-attention-backend`` come from the registry.
+
+``block_forward``/``block_backward`` validate and run one block from host offsets (tests,
+benchmarks); the engine builds ``Pieces`` once per plan, resolves its backend once per phase
+(``select``) and calls the backend's ``forward``/``backward`` directly.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Sequence
+
+import torch
+
+from megatron_zeppelin.runtime.kernels.base import (AUTO, KernelBackend, Pieces, accum_dtype,
+                                                    check_block, choices, configured, get,
+                                                    make_pieces, names, register, select)
+
+BACKEND_MODULES = ("native", "torch_math", "flash_attn", "te")
+for _module in BACKEND_MODULES:
+    importlib.import_module(f"{__name__}.{_module}")
+
+__all__ = ["AUTO", "KernelBackend", "Pieces", "accum_dtype", "backend_for", "block_backward",
+           "block_forward",
+           "check_block", "choices", "configured", "get", "make_pieces", "names", "register",
+           "resolve_backend", "select"]
+
+
+def _pieces(q: torch.Tensor, cu_q: Sequence[int] | Pieces, cu_k: Sequence[int] | None
+            ) -> Pieces:
+    return cu_q if isinstance(cu_q, Pieces) else make_pieces(cu_q, cu_k, q.device)
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  cu_q: Sequence[int] | Pieces, cu_k: Sequence[int] | None, causal: bool,
+                  scale: float, backend: str | KernelBackend | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one varlen block: ``(out [tq, h, d] q.dtype, lse [h, tq])``.
+
+    ``cu_q``/``cu_k``: host offsets (or ``cu_q`` a ``Pieces`` and ``cu_k`` None); ``scale``
+    multiplies the scores (usually ``head_dim ** -0.5``); ``backend``: a name, ``auto``, a
+    backend object, or None for the environment's choice.
+    """
+    pieces = _pieces(q, cu_q, cu_k)
+    check_block(q, k, v, pieces)
+    return select(backend, q).forward(q, k, v, pieces, causal, scale)
+
+
+def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, cu_q: Sequence[int] | Pieces,
+                   cu_k: Sequence[int] | None, causal: bool, scale: float,
+                   backend: str | KernelBackend | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block ``(dq [tq, h, d], dk [tk, g, d], dv [tk, g, d])``, input dtype.
+
+    ``out [tq, h, d]`` and ``lse [h, tq]`` are the rows' FINAL output and logsumexp (merged over
+    every block the rows attend), ``dout`` the gradient of that final output.
+    """
+    pieces = _pieces(q, cu_q, cu_k)
+    check_block(q, k, v, pieces)
+    if dout.shape != q.shape or out.shape != q.shape or lse.shape != (q.shape[1], q.shape[0]):
+        raise ValueError(f"dout {tuple(dout.shape)}, out {tuple(out.shape)} must have q's shape "
+                         f"{tuple(q.shape)} and lse {tuple(lse.shape)} must be "
+                         f"{(q.shape[1], q.shape[0])} ([heads, tq])")
+    return select(backend, q).backward(dout, q, k, v, out, lse, pieces, causal, scale)
+
+
+def backend_for(choice: str | None, device: torch.device | str, dtype: torch.dtype,
+                head_dim: int) -> KernelBackend:
+    """The backend ``select`` picks for blocks of this device, dtype and head dim (e.g. to
+    choose the hardware profile the planner uses: ``backend.kernel``)."""
+    return select(choice, torch.empty((0, 1, head_dim), dtype=dtype, device=device))
+
+
+def resolve_backend(backend: str | None, q: torch.Tensor) -> str:
+    """The name of the backend a call on ``q`` uses (see ``base.select``)."""
+    return select(backend, q).name

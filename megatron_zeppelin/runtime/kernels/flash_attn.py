@@ -1,0 +1,78 @@
+"""Backend ``flash_attn``: the flash-attn 2.6+ package's varlen kernels (CUDA, fp16/bf16).
+
+``pip install "megatron-zeppelin[flash-attn]"``. Calls the lower-level
+``flash_attn.flash_attn_interface._flash_attn_varlen_forward`` / ``_flash_attn_varlen_backward``,
+which return and take ``softmax_lse`` ``[heads, total_q]``. flash-attn marks a row without keys
+with lse ``+inf``; it is mapped to ``-inf`` here and back (only for blocks whose pieces leave
+such rows). Head dims are padded to a multiple of 8 as flash-attn requires. Only ever chosen
+explicitly (``auto`` picks ``native``, the same FlashAttention-2 code that every CUDA torch has).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from megatron_zeppelin.runtime.kernels.base import (OptionalCudaBackend, Pieces, lse_from_kernel,
+                                                    lse_to_kernel, register)
+
+
+def _pad8(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    d = tensors[0].shape[-1]
+    if d % 8 == 0:
+        return [t.contiguous() for t in tensors]
+    return [torch.nn.functional.pad(t, (0, 8 - d % 8)).contiguous() for t in tensors]
+
+
+def flash_kwargs(fn, positional: int, **kwargs) -> dict:
+    """Keyword arguments that fit this flash-attn version of ``fn``: 2.6+ takes
+    window_size_left/right (and softcap), older ones a window_size pair; parameters without a
+    default that the caller does not set (block_table, ...) get None."""
+    try:
+        params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters  # custom_op wraps
+    except (TypeError, ValueError):
+        params = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, -1)
+    else:
+        kwargs.update(window_size_left=-1, window_size_right=-1)
+    if "softcap" in params or not params:
+        kwargs["softcap"] = 0.0
+    for name, param in list(params.items())[positional:]:
+        if name not in kwargs and param.default is inspect.Parameter.empty:
+            kwargs[name] = None
+    return kwargs
+
+
+class FlashAttn(OptionalCudaBackend):
+    """The ``flash_attn`` backend (see the module docstring)."""
+
+    name = "flash_attn"
+    kernel = "fa2"
+    description = "flash-attn 2.6+ varlen kernels (CUDA, fp16/bf16; pip extra flash-attn)"
+    module, package, extra = "flash_attn.flash_attn_interface", "flash_attn", "flash-attn"
+
+    def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float):
+        d = q.shape[-1]
+        qp, kp, vp = _pad8(q, k, v)
+        fn = self.load()._flash_attn_varlen_forward
+        out, lse, *_ = fn(qp, kp, vp, pieces.cu_q_dev, pieces.cu_k_dev, pieces.max_q,
+                          pieces.max_k,
+                          **flash_kwargs(fn, 7, dropout_p=0.0, softmax_scale=scale,
+                                         causal=causal, alibi_slopes=None,
+                                         return_softmax=False))
+        return out[..., :d].contiguous(), lse_from_kernel(lse, pieces, causal)
+
+    def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float):
+        d = q.shape[-1]
+        dop, qp, kp, vp, op = _pad8(dout, q, k, v, out)
+        dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
+        fn = self.load()._flash_attn_varlen_backward
+        fn(dop, qp, kp, vp, op, lse_to_kernel(lse, pieces, causal), dq, dk, dv, pieces.cu_q_dev, pieces.cu_k_dev,
+           pieces.max_q, pieces.max_k,
+           **flash_kwargs(fn, 13, dropout_p=0.0, softmax_scale=scale, causal=causal,
+                          alibi_slopes=None, deterministic=False, rng_state=None))
+        return dq[..., :d], dk[..., :d], dv[..., :d]
+
+
+BACKEND = register(FlashAttn())

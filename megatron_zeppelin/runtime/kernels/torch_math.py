@@ -1,0 +1,138 @@
+"""Backend ``torch``: exact, any device and dtype; the fallback for what no fused kernel takes.
+
+Per pair of pieces: on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ backward),
+which returns and accepts the logsumexp; elsewhere, and for causal pairs with ``tq != tk``, an
+exact math path (scores materialised per pair in row chunks, accumulated in float32, float64
+for float64). On CUDA this is the slow path (``base.select`` warns once when ``auto`` lands
+here): fp32/fp64 tensors and head dims the native kernel refuses.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_zeppelin.runtime.kernels.base import Pieces, accum_dtype, register
+
+MATH_SCORE_ELEMENTS = 1 << 26  # scores the math path materialises at once (fp32: 256 MiB)
+
+
+def _use_aten_cpu(q: torch.Tensor, tq: int, tk: int, causal: bool) -> bool:
+    return q.device.type == "cpu" and (not causal or tq == tk)
+
+
+def _bhsd(x: torch.Tensor) -> torch.Tensor:
+    """``[t, heads, d]`` -> ``[1, heads, t, d]`` (a view)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _pairs(pieces: Pieces):
+    """(query rows, key rows) of every pair with work."""
+    cq, ck = pieces.cu_q, pieces.cu_k
+    for i in range(len(cq) - 1):
+        qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        if qs.stop > qs.start and ks.stop > ks.start:
+            yield qs, ks
+
+
+class TorchMath:
+    """The ``torch`` backend (see the module docstring)."""
+
+    name = "torch"
+    kernel = "cpu"
+    auto = False  # ``auto`` lands here only when no fused backend takes the block
+    description = "exact reference: CPU flash per pair, math path elsewhere (slow on CUDA)"
+
+    def unavailable(self) -> str | None:
+        return None
+
+    def refuses(self, q: torch.Tensor) -> str | None:
+        return None
+
+    def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float):
+        tq_all, heads, _ = q.shape
+        out = torch.zeros_like(q)
+        lse = torch.full((heads, tq_all), float("-inf"), dtype=accum_dtype(q.dtype),
+                         device=q.device)
+        for qs, ks in _pairs(pieces):
+            if _use_aten_cpu(q, qs.stop - qs.start, ks.stop - ks.start, causal):
+                o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    _bhsd(q[qs]), _bhsd(k[ks]), _bhsd(v[ks]), 0.0, causal, scale=scale)
+                out[qs] = o[0].transpose(0, 1)
+                lse[:, qs] = l[0]
+            else:
+                out[qs], lse[:, qs] = _math_forward(q[qs], k[ks], v[ks], causal, scale)
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float):
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        # a row that sees no key anywhere has lse -inf: +inf makes its probabilities 0
+        lse = lse.to(accum_dtype(q.dtype)).masked_fill(torch.isneginf(lse), float("inf"))
+        for qs, ks in _pairs(pieces):
+            if _use_aten_cpu(q, qs.stop - qs.start, ks.stop - ks.start, causal):
+                gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    _bhsd(dout[qs]), _bhsd(q[qs]), _bhsd(k[ks]), _bhsd(v[ks]), _bhsd(out[qs]),
+                    lse[:, qs].unsqueeze(0).contiguous(), 0.0, causal, scale=scale)
+                dq[qs], dk[ks], dv[ks] = (g[0].transpose(0, 1) for g in (gq, gk, gv))
+            else:
+                dq[qs], dk[ks], dv[ks] = _math_backward(dout[qs], q[qs], k[ks], v[ks], out[qs],
+                                                        lse[:, qs], causal, scale)
+        return dq, dk, dv
+
+
+def _row_chunks(tq: int, tk: int, heads: int) -> list[tuple[int, int]]:
+    """Query row ranges whose scores ``[heads, rows, tk]`` fit ``MATH_SCORE_ELEMENTS``."""
+    rows = max(1, MATH_SCORE_ELEMENTS // max(1, heads * tk))
+    return [(a, min(tq, a + rows)) for a in range(0, tq, rows)]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, row0: int,
+            tq: int) -> torch.Tensor:
+    """Scores ``[kv_heads, group, rows, tk]`` of query rows ``row0..`` of a ``tq``-row piece,
+    in the accumulation dtype, causal (END-aligned) mask applied."""
+    rows, heads, d = q.shape
+    tk, kv_heads, _ = k.shape
+    acc = accum_dtype(q.dtype)
+    qg = q.to(acc).reshape(rows, kv_heads, heads // kv_heads, d)
+    s = torch.einsum("qgrd,kgd->grqk", qg, k.to(acc)) * scale
+    if causal:
+        r = torch.arange(row0, row0 + rows, device=q.device).unsqueeze(1)
+        c = torch.arange(tk, device=q.device).unsqueeze(0)
+        s = s.masked_fill(c > r + (tk - tq), float("-inf"))
+    return s
+
+
+def _math_forward(q, k, v, causal, scale):
+    """Exact attention of one pair: ``(out [tq, h, d], lse [h, tq])``, row chunk by chunk."""
+    tq, heads, d = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((heads, tq), dtype=accum_dtype(q.dtype), device=q.device)
+    for a, b in _row_chunks(tq, k.shape[0], heads):
+        s = _scores(q[a:b], k, causal, scale, a, tq)
+        chunk_lse = torch.logsumexp(s, dim=-1)  # [g, r, rows]; -inf for rows without keys
+        p = torch.exp(s - chunk_lse.masked_fill(torch.isneginf(chunk_lse), 0.0).unsqueeze(-1))
+        out[a:b] = torch.einsum("grqk,kgd->qgrd", p, v.to(s.dtype)).reshape(b - a, heads, d)
+        lse[:, a:b] = chunk_lse.reshape(heads, b - a)
+    return out, lse
+
+
+def _math_backward(dout, q, k, v, out, lse, causal, scale):
+    """Exact gradients of one pair given the rows' final ``out`` and ``lse`` (+inf: no keys)."""
+    tq, heads, d = q.shape
+    kv_heads, acc = k.shape[1], accum_dtype(q.dtype)
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    kf, vf = k.to(acc), v.to(acc)
+    for a, b in _row_chunks(tq, k.shape[0], heads):
+        s = _scores(q[a:b], k, causal, scale, a, tq)
+        rows = (b - a, kv_heads, heads // kv_heads, d)
+        p = torch.exp(s - lse[:, a:b].to(acc).reshape(kv_heads, -1, b - a).unsqueeze(-1))
+        do = dout[a:b].to(acc).reshape(rows)
+        delta = (do * out[a:b].to(acc).reshape(rows)).sum(-1).permute(1, 2, 0)  # [g, r, rows]
+        dv += torch.einsum("grqk,qgrd->kgd", p, do)
+        ds = p * (torch.einsum("qgrd,kgd->grqk", do, vf) - delta.unsqueeze(-1)) * scale
+        dq[a:b] = torch.einsum("grqk,kgd->qgrd", ds, kf).reshape(b - a, heads, d)
+        dk += torch.einsum("grqk,qgrd->kgd", ds, q[a:b].to(acc).reshape(rows))
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+BACKEND = register(TorchMath())

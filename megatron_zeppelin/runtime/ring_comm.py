@@ -1,0 +1,84 @@
+"""The P2P ring helper: one ring of ranks of an explicitly passed process group.
+
+A ring is an ordered tuple of ranks of a group (Plan rings; for the world group these are
+global ranks). ``RingComm.exchange`` posts one ring step (send to the next rank, receive from
+the previous one) as one P2P batch through the ring's ``Transport`` and returns at once; the
+returned ``RingRequest.wait`` gives the received tensors. On gloo the wait is bounded by
+``timeout_s`` (``env.p2p_timeout_s()`` by default) and raises a RuntimeError naming the ring,
+the phase, the step and the peer, so a failed peer never hangs the others forever; on NCCL it
+joins the current stream to NCCL's (see ``transport``). No process group is created here.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_zeppelin import env
+from megatron_zeppelin.runtime.transport import P2P, Pending, Transport, get_transport
+from megatron_zeppelin.schedule import Phase
+
+Like = Sequence[tuple[tuple[int, ...], torch.dtype]]
+
+
+class RingRequest:
+    """One posted ring step: ``done()`` never blocks; ``wait()`` -> the received tensors."""
+
+    def __init__(self, pending: Pending, received: list[torch.Tensor]) -> None:
+        self._pending, self.received = pending, received
+
+    def done(self) -> bool:
+        return self._pending.done()
+
+    def wait(self) -> list[torch.Tensor]:
+        self._pending.wait()
+        return self.received
+
+
+class RingComm:
+    """One ring of ranks of ``group``; posts ring steps for the rank ``rank`` of that ring.
+
+    ring: ranks of ``group`` in ring order (position p sends to p+1, receives from p-1);
+    rank: this process's rank in ``group``; tag: P2P tag of this ring's messages (distinct per
+    ring, so rings that share a pair of ranks never match each other's messages); name: what
+    errors call the ring (e.g. its tier and group key); transport: a ``Transport`` or its name
+    (None: ``ZEPPELIN_TRANSPORT``).
+    """
+
+    def __init__(self, ring: Sequence[int], rank: int, group: dist.ProcessGroup, *,
+                 tag: int = 0, name: str = "ring", timeout_s: float | None = None,
+                 transport: Transport | str | None = None) -> None:
+        self.ring = tuple(ring)
+        if rank not in self.ring:
+            raise ValueError(f"rank {rank} is not in ring {self.ring}")
+        if len(set(self.ring)) != len(self.ring):
+            raise ValueError(f"ring {self.ring} lists a rank twice")
+        self.group, self.tag, self.name = group, tag, name
+        self.timeout_s = env.p2p_timeout_s() if timeout_s is None else timeout_s
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s={self.timeout_s!r} is invalid: expected seconds > 0")
+        self.transport = get_transport(transport)
+        self.position = self.ring.index(rank)
+        size = len(self.ring)
+        self.next = self.ring[(self.position + 1) % size]
+        self.prev = self.ring[(self.position - 1) % size]
+
+    def exchange(self, sends: Sequence[torch.Tensor], recv_like: Like, step: int, *,
+                 send: bool = True, recv: bool = True, phase: Phase = Phase.FORWARD,
+                 device: torch.device | None = None) -> RingRequest:
+        """Post one step: ``sends`` to the next rank, receive ``recv_like`` (shape, dtype) from
+        the previous one into new tensors on ``device`` (default: that of ``sends``, else CPU);
+        ``send``/``recv`` False skips that side. Returns at once."""
+        if device is None:
+            device = sends[0].device if sends else torch.device("cpu")
+        received = [torch.empty(shape, dtype=dtype, device=device)
+                    for shape, dtype in (recv_like if recv else ())]
+        # empty tensors are not sent: both sides derive the shapes from the plan
+        ops = [P2P(True, t.contiguous(), self.next, self.tag, ("send of {} {} to rank {}", tuple(
+            t.shape), t.dtype, self.next)) for t in (sends if send else ()) if t.numel()]
+        ops += [P2P(False, t, self.prev, self.tag, ("receive of {} {} from rank {}", tuple(
+            t.shape), t.dtype, self.prev)) for t in received if t.numel()]
+        where = (f"{self.name} ring {self.ring}, {Phase(phase).value} step {step}, "
+                 f"rank {self.ring[self.position]}")
+        return RingRequest(self.transport.post(ops, self.group, where, self.timeout_s), received)

@@ -1,0 +1,86 @@
+"""The attention engine's schedule, stated once: what the engine runs and the simulator prices.
+
+The runtime (``runtime/engine.py``, ``runtime/attention.py``, ``runtime/inter.py``) executes
+these facts and the simulator (``sim/rounds.py``) models them; neither restates them. Pure
+Python (no torch), so the plan layer and the simulator can import it.
+
+A wave of a plan runs in *rounds* ``r = 0, 1, ...`` per phase (forward, backward). A ring of
+``G`` ranks (zigzag, ``runtime/attention.py``):
+
+* computes ``compute_steps(G)`` = ``G`` steps (one per KV block it sees), step ``r`` in round r;
+* sends its KV block to the next position in rounds ``r < G - 1`` (``sends_kv``), and in the
+  backward also the dK/dV accumulator, one step behind the KV, in rounds ``1 <= r <= G``
+  (``sends_dkv``: the last one returns the accumulator to its owner);
+* so it exchanges in ``exchange_rounds(G)`` rounds and runs ``phase_steps(G)`` rounds.
+
+INTER rings whose hops cross nodes travel as *global* steps (``inter_mode`` direct/routed): a
+wave with such rings runs ``global_steps(longest ring)`` global steps, every rank of the pool
+taking part.
+
+LOCAL sequences run as calls of ``local_calls`` (``plan.local_call_groups``: shortest first,
+short ones batched into calls of at least the work of one ``LOCAL_CALL_TOKENS``-token sequence).
+Where they run: on CPU (host-driven, ``LOCAL_POLICY['cpu']``) a call starts only while a round's
+exchanges are in flight and the rest run after the last round (the simulator's ``engine``
+policy); on CUDA (``LOCAL_POLICY['cuda']``) every LOCAL call is queued at the start of the wave
+on a low-priority stream, so the GPU fills every wait of the ring streams with LOCAL work (the
+simulator's ``fill`` policy).
+"""
+from __future__ import annotations
+
+import enum
+from typing import Sequence
+
+from megatron_zeppelin.plan import local_call_groups
+
+LOCAL_CALL_TOKENS = 2048  # the engine's default LOCAL call size (work of one such sequence)
+LOCAL_POLICY = {"cpu": "engine", "cuda": "fill"}  # the simulator policy the engine follows
+
+
+class Phase(enum.Enum):
+    """A pass of the engine: ``FORWARD`` (KV travels) or ``BACKWARD`` (KV, then dK/dV back)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+def compute_steps(size: int) -> int:
+    """Ring steps with compute of a ring of ``size`` ranks (one per KV block it sees)."""
+    return size
+
+
+def phase_steps(size: int, phase: Phase) -> int:
+    """Rounds a ring of ``size`` ranks takes part in: forward ``G``; backward ``G + 1`` (the
+    last one only returns the dK/dV accumulator to its owner), 1 for a ring of one."""
+    if phase is Phase.FORWARD or size < 2:
+        return size
+    return size + 1
+
+
+def sends_kv(size, r):
+    """Whether a member of a ring of ``size`` sends its KV block in round ``r`` (both phases);
+    elementwise for numpy arrays."""
+    return r < size - 1
+
+
+def sends_dkv(size, r):
+    """Whether a member of a ring of ``size`` sends the dK/dV accumulator in backward round
+    ``r``; elementwise for numpy arrays (never for a ring of one)."""
+    return (1 <= r) & (r <= size) & (size > 1)
+
+
+def exchange_rounds(size, phase: Phase):
+    """Rounds in which a ring of ``size`` ranks has an exchange in flight (forward ``G - 1``,
+    backward ``G + 1``, none for a ring of one); elementwise for numpy arrays."""
+    return (size + (-1 if phase is Phase.FORWARD else 1)) * (size > 1)
+
+
+def global_steps(longest: int, phase: Phase) -> int:
+    """Global inter-node steps of a wave whose longest INTER ring has ``longest`` ranks (0: no
+    such ring): the exchange rounds of that ring."""
+    return exchange_rounds(longest, phase) if longest > 0 else 0
+
+
+def local_calls(lengths: Sequence[int], min_tokens: int = LOCAL_CALL_TOKENS
+                ) -> list[tuple[int, ...]]:
+    """The LOCAL sequences (indices into ``lengths``) of each call, in run order."""
+    return local_call_groups([n * n for n in lengths], min_tokens)

@@ -1,0 +1,158 @@
+"""A CPU stand-in of torch's varlen flash kernel, with exactly its contract (tests only).
+
+``StandInFlashOps`` has the signatures and return values of ``aten._flash_attention_forward``
+and ``aten._flash_attention_backward`` as measured on an H100 (``shared/design/GPU-FACTS.md``):
+packed ``[total, heads, head_dim]`` q and ``[total, kv_heads, head_dim]`` k/v (GQA), int32
+``cum_seq`` offsets on the inputs' device, ``max_q``/``max_k`` the longest pieces, causal
+aligned bottom-right, fp16/bf16 only, lse ``[heads, total_q]`` float32 with ``+inf`` for a row
+that sees no key, ``rng_state`` ``(2,)`` uint64 and ``unused`` a 0-d uint64. It computes in
+float64 and checks every argument the way the real kernel's contract demands, so a test that
+injects it (``install``) runs the native backend's whole code path: argument building, the
++inf/-inf LSE conversion, the merge and the backward plumbing. It is never used at run time.
+
+``calls`` counts the kernel calls, so a test can show that the native path really ran.
+"""
+from __future__ import annotations
+
+import torch
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _fail(message: str) -> None:
+    raise RuntimeError(f"flash stand-in: {message}")
+
+
+def _offsets(cu: torch.Tensor, total: int, device: torch.device, name: str,
+             longest: int) -> list[int]:
+    """Host offsets of ``cu`` after checking the kernel's contract for them (the stand-in may
+    read device values; the backend under test may not)."""
+    if cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != device:
+        _fail(f"{name} must be a 1-D int32 tensor on {device}, got {cu.dtype} "
+              f"{tuple(cu.shape)} on {cu.device}")
+    host = cu.tolist()
+    if host[0] != 0 or host[-1] != total or any(b < a for a, b in zip(host, host[1:])):
+        _fail(f"{name}={host} must rise from 0 to {total}")
+    if max((b - a for a, b in zip(host, host[1:])), default=0) != longest:
+        _fail(f"max length {longest} given for {name}={host}")
+    return host
+
+
+def _check_inputs(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p) -> tuple[list[int], list[int]]:
+    if q.dtype not in HALF or k.dtype != q.dtype or v.dtype != q.dtype:
+        _fail(f"q/k/v must be one of fp16/bf16, got {q.dtype}/{k.dtype}/{v.dtype}")
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[1] % k.shape[1]:
+        _fail(f"packed shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        _fail("the last dimension of q/k/v must be contiguous")
+    if dropout_p != 0.0:
+        _fail(f"dropout_p={dropout_p}: the engine never uses dropout")
+    return (_offsets(cu_q, q.shape[0], q.device, "cum_seq_q", max_q),
+            _offsets(cu_k, k.shape[0], q.device, "cum_seq_k", max_k))
+
+
+def _scores(q, k, a, b, c, d, causal, scale):
+    """float64 scores ``[heads, tq, tk]`` of one piece, bottom-right causal mask applied."""
+    group = q.shape[1] // k.shape[1]
+    s = torch.einsum("qhd,khd->hqk", q[a:b].double(),
+                     k[c:d].double().repeat_interleave(group, 1)) * scale
+    if causal:
+        tq, tk = b - a, d - c
+        visible = torch.arange(tk)[None, :] <= torch.arange(tq)[:, None] + (tk - tq)
+        s = s.masked_fill(~visible.to(s.device), float("-inf"))
+    return s
+
+
+class StandInFlashOps:
+    """Drop-in for ``native.AtenFlashOps`` on CPU (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.calls = {"forward": 0, "backward": 0}
+
+    def refuses(self, q: torch.Tensor) -> str | None:
+        return None
+
+    def forward(self, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                is_causal, return_debug_mask, *, scale=None, window_size_left=None,
+                window_size_right=None, seqused_k=None, alibi_slopes=None):
+        self.calls["forward"] += 1
+        cq, ck = _check_inputs(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p)
+        if return_debug_mask or window_size_left is not None or seqused_k is not None:
+            _fail("debug mask, windows and seqused_k are not part of the engine's contract")
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        heads, group = query.shape[1], query.shape[1] // key.shape[1]
+        out = torch.zeros(query.shape, dtype=torch.float64)
+        lse = torch.full((heads, query.shape[0]), float("inf"), dtype=torch.float64)
+        for i in range(len(cq) - 1):
+            a, b, c, d = cq[i], cq[i + 1], ck[i], ck[i + 1]
+            if b == a or d == c:
+                continue
+            s = _scores(query, key, a, b, c, d, is_causal, scale)
+            piece = torch.logsumexp(s, -1)  # [h, tq]; -inf for rows without keys
+            seen = torch.isfinite(piece)
+            p = torch.exp(s - piece.masked_fill(~seen, 0.0).unsqueeze(-1))
+            vv = value[c:d].double().repeat_interleave(group, 1)
+            out[a:b] = torch.einsum("hqk,khd->qhd", p, vv)
+            lse[:, a:b] = piece.masked_fill(~seen, float("inf"))
+        return (out.to(query.dtype), lse.float(), torch.zeros(2, dtype=torch.uint64),
+                torch.zeros((), dtype=torch.uint64), torch.empty(0, dtype=query.dtype))
+
+    def backward(self, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
+                 max_k, dropout_p, is_causal, rng_state, unused, *, scale=None,
+                 window_size_left=None, window_size_right=None):
+        self.calls["backward"] += 1
+        cq, ck = _check_inputs(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p)
+        heads = query.shape[1]
+        if grad_out.shape != query.shape or out.shape != query.shape or \
+                grad_out.dtype != query.dtype or out.dtype != query.dtype:
+            _fail(f"grad_out {grad_out.dtype} {tuple(grad_out.shape)} and out {out.dtype} "
+                  f"{tuple(out.shape)} must match q {query.dtype} {tuple(query.shape)}")
+        if logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != (heads, query.shape[0]):
+            _fail(f"logsumexp must be [{heads}, {query.shape[0]}] float32, got "
+                  f"{tuple(logsumexp.shape)} {logsumexp.dtype}")
+        if torch.isneginf(logsumexp).any() or torch.isnan(logsumexp).any():
+            _fail("logsumexp holds -inf/NaN: the kernel marks rows without keys with +inf")
+        if rng_state.dtype != torch.uint64 or tuple(rng_state.shape) != (2,) or \
+                unused.dtype != torch.uint64 or unused.dim() != 0:
+            _fail(f"rng_state {rng_state.dtype} {tuple(rng_state.shape)} / unused {unused.dtype} "
+                  f"{tuple(unused.shape)}: expected (2,) uint64 and 0-d uint64")
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        group = heads // key.shape[1]
+        dq = torch.zeros(query.shape, dtype=torch.float64)
+        dk = torch.zeros(key.shape, dtype=torch.float64)
+        dv = torch.zeros(key.shape, dtype=torch.float64)
+        for i in range(len(cq) - 1):
+            a, b, c, d = cq[i], cq[i + 1], ck[i], ck[i + 1]
+            if b == a or d == c:
+                continue
+            s = _scores(query, key, a, b, c, d, is_causal, scale)
+            p = torch.exp(s - logsumexp[:, a:b].double().unsqueeze(-1))  # +inf rows: 0
+            do, o = grad_out[a:b].double(), out[a:b].double()
+            delta = (do * o).sum(-1).t()  # [h, tq]
+            vv = value[c:d].double().repeat_interleave(group, 1)
+            kk = key[c:d].double().repeat_interleave(group, 1)
+            ds = p * (torch.einsum("qhd,khd->hqk", do, vv) - delta.unsqueeze(-1)) * scale
+            dq[a:b] = torch.einsum("hqk,khd->qhd", ds, kk)
+            grouped = (d - c, key.shape[1], group, query.shape[2])
+            dk[c:d] = torch.einsum("hqk,qhd->khd", ds, query[a:b].double()).reshape(
+                grouped).sum(2)
+            dv[c:d] = torch.einsum("hqk,qhd->khd", p, do).reshape(grouped).sum(2)
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+
+
+def install(monkeypatch) -> StandInFlashOps:
+    """Inject the stand-in where the native backend calls the kernel (undone by the
+    monkeypatch fixture); returns it."""
+    from megatron_zeppelin.runtime.kernels import native
+
+    standin = StandInFlashOps()
+    monkeypatch.setattr(native.BACKEND, "ops", standin)
+    return standin
+
+
+def install_in_process() -> StandInFlashOps:
+    """``install`` for a worker process (run_world ranks): nothing to undo there."""
+    from megatron_zeppelin.runtime.kernels import native
+
+    native.BACKEND.ops = StandInFlashOps()
+    return native.BACKEND.ops

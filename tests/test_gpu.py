@@ -1,0 +1,248 @@
+"""GPU checks (pytest marker ``gpu``; skipped without CUDA): ``scripts/gpu_check.sh`` runs them.
+
+* every backend (native; torch's math path; flash_attn and te when installed) against a
+  float64 reference at per-dtype tolerances (GQA, empty pieces, rows that see no key,
+  tq != tk causal), forward and backward;
+* the CPU stand-in of the native kernel against the real kernel on the same random inputs
+  (output, lse, gradients): the contract the CPU tests run on is the GPU's;
+* the engine forward + backward of 4 ranks on one GPU (gloo, staged transport) against every
+  sequence alone in float64;
+* a tiny GPT's loss and gradients in zeppelin mode, 4 ranks on one GPU, against one process;
+* the hot path under ``torch.cuda.set_sync_debug_mode("error")``.
+Tolerances follow GPU-FACTS (bf16 vs float64: output 7.7e-3, lse 1.7e-6, dq/dk/dv 1.7e-2 /
+1.9e-2 / 3.2e-2 at d=128), with headroom.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_reference import make_batch
+from distributed import run_world
+from test_kernels import (EQUAL, UNEQUAL, assert_backward_matches, random_block,
+                          reference_block)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TOL = {torch.bfloat16: dict(out=2e-2, lse=1e-3, grad=6e-2),
+       torch.float16: dict(out=4e-3, lse=1e-3, grad=1e-2),
+       torch.float32: dict(out=1e-4, lse=1e-4, grad=1e-4)}
+CASES = {"causal equal": (True, EQUAL), "full unequal (empty pieces)": (False, UNEQUAL),
+         "causal tq != tk (rows without keys)": (True, UNEQUAL)}
+HEAD_DIM = 64
+
+
+def _block(dtype, causal_pieces, heads=8, kv_heads=2):
+    q, k, v, cu_q, cu_k = random_block(21, heads, kv_heads, causal_pieces, dtype=dtype,
+                                       d=HEAD_DIM)
+    return [t.cuda() for t in (q, k, v)], cu_q, cu_k
+
+
+def _usable(name: str) -> None:
+    from megatron_zeppelin.runtime import kernels
+
+    missing = kernels.get(name).unavailable()
+    if missing:
+        pytest.skip(f"backend {name}: {missing}")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("name,dtype", [("native", torch.bfloat16), ("native", torch.float16),
+                                        ("torch", torch.float32), ("torch", torch.bfloat16),
+                                        ("flash_attn", torch.bfloat16), ("te", torch.bfloat16)])
+def test_backend_matches_float64_reference(name, dtype, case):
+    from megatron_zeppelin.runtime import kernels
+
+    _usable(name)
+    causal, pieces = CASES[case]
+    (q, k, v), cu_q, cu_k = _block(dtype, pieces)
+    tol, scale = TOL[dtype], HEAD_DIM ** -0.5
+    out, lse = kernels.block_forward(q, k, v, cu_q, cu_k, causal, scale, backend=name)
+    want_out, want_lse = reference_block(q.cpu(), k.cpu(), v.cpu(), cu_q, cu_k, causal, scale)
+    assert out.dtype == dtype and out.is_cuda
+    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(want_lse)), "rows without keys"
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse.cpu().double()[finite], want_lse[finite], atol=tol["lse"],
+                               rtol=0)
+    torch.testing.assert_close(out.cpu().double(), want_out, atol=tol["out"], rtol=0)
+    assert_backward_matches(q, k, v, out, lse, cu_q, cu_k, causal, scale, name, tol["grad"],
+                            seed=4)
+
+
+def test_cpu_stand_in_matches_the_real_kernel():
+    """Same random inputs through the stand-in (CPU) and the real aten kernel (GPU): equal
+    +inf positions, outputs/lse/gradients within bf16 rounding (GPU-FACTS)."""
+    from flash_standin import StandInFlashOps
+    from megatron_zeppelin.runtime import kernels
+    from megatron_zeppelin.runtime.kernels.native import AtenFlashOps
+
+    real, standin = AtenFlashOps(), StandInFlashOps()
+    for causal, pieces in CASES.values():
+        (q, k, v), cu_q, cu_k = _block(torch.bfloat16, pieces)
+        meta = kernels.make_pieces(cu_q, cu_k, "cuda")
+        host = kernels.make_pieces(cu_q, cu_k, "cpu")
+        scale = HEAD_DIM ** -0.5
+        got = real.forward(q, k, v, meta.cu_q_dev, meta.cu_k_dev, meta.max_q, meta.max_k, 0.0,
+                           causal, False, scale=scale)
+        want = standin.forward(q.cpu(), k.cpu(), v.cpu(), host.cu_q_dev, host.cu_k_dev,
+                               host.max_q, host.max_k, 0.0, causal, False, scale=scale)
+        assert got[1].shape == want[1].shape and got[1].dtype == want[1].dtype == torch.float32
+        assert got[2].dtype == want[2].dtype and got[2].shape == want[2].shape
+        assert got[3].dtype == want[3].dtype and got[3].dim() == want[3].dim()
+        inf = torch.isposinf(want[1])
+        assert torch.equal(torch.isposinf(got[1].cpu()), inf), "+inf rows differ"
+        torch.testing.assert_close(got[1].cpu()[~inf], want[1][~inf], atol=1e-3, rtol=0)
+        torch.testing.assert_close(got[0].cpu().float(), want[0].float(), atol=2e-2, rtol=0)
+        dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(6)).bfloat16()
+        zeros = (torch.zeros(2, dtype=torch.uint64), torch.zeros((), dtype=torch.uint64))
+        real_grads = real.backward(dout.cuda(), q, k, v, got[0], got[1], meta.cu_q_dev,
+                                   meta.cu_k_dev, meta.max_q, meta.max_k, 0.0, causal,
+                                   zeros[0].cuda(), zeros[1].cuda(), scale=scale)
+        stand_grads = standin.backward(dout, q.cpu(), k.cpu(), v.cpu(), got[0].cpu(),
+                                       got[1].cpu(), host.cu_q_dev, host.cu_k_dev, host.max_q,
+                                       host.max_k, 0.0, causal, *zeros, scale=scale)
+        for a, b in zip(real_grads, stand_grads):
+            torch.testing.assert_close(a.cpu().float(), b.float(), atol=6e-2, rtol=0)
+
+
+def test_hot_path_does_not_sync_the_host():
+    """Engine forward + backward (LOCAL calls and a simulated ring's blocks) with every
+    synchronising CUDA call an error; the plan's indices are prepared before."""
+    import torch.distributed as dist
+
+    from megatron_zeppelin.runtime.attention import RingGroupRun, ZigzagLayout
+    from megatron_zeppelin.schedule import Phase
+
+    run_world(_sync_free_engine, 1, start_method="spawn", timeout_s=300)
+    runs = [RingGroupRun(ZigzagLayout([300, 77, 5], 3, p), HEAD_DIM ** -0.5, "native")
+            for p in range(3)]
+    tensors = [[torch.randn(run.layout.tokens(), h, HEAD_DIM, device="cuda",
+                            dtype=torch.bfloat16) for h in (8, 2, 2)] for run in runs]
+    for run, t in zip(runs, tensors):
+        run.begin_forward(*t)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:  # every block of every step (values do not matter: no exchange between steps)
+        for step in range(3):
+            for run in runs:
+                run.compute(Phase.FORWARD, step)
+        for run, (q, k, v) in zip(runs, tensors):
+            out, lse = run.end_forward()
+            run.begin_backward(torch.ones_like(out), q, k, v, out, lse)
+            for step in range(3):
+                run.compute(Phase.BACKWARD, step)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not dist.is_initialized()
+
+
+def _sync_free_engine(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from conftest import make_cost
+    from megatron_zeppelin.planner import make_plan
+    from megatron_zeppelin.runtime.engine import AttentionEngine
+
+    plan = make_plan("zeppelin", [700, 300, 64, 5, 1], make_cost("gpt-tiny", nodes=1,
+                                                                 gpus_per_node=1))
+    engine = AttentionEngine(plan, 0, dist.group.WORLD, device="cuda:0", local_call_tokens=64)
+    q = torch.randn(plan.attention_tokens()[0], 8, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
+    kv = torch.randn(plan.attention_tokens()[0], 2, HEAD_DIM, device="cuda",
+                     dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn_like(q)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.forward(q, kv, kv).backward(dout)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(q.grad).all()
+
+
+def _engine_on_one_gpu(rank: int, world: int) -> dict:
+    """4 ranks on cuda:0: the test_engine cases in bf16 through the native kernel."""
+    import torch.distributed as dist
+
+    from attention_reference import gather_rows, max_errors, reference_grads
+    from megatron_zeppelin.runtime.engine import AttentionEngine
+    from test_engine import router_topology, zeppelin_plan
+
+    torch.cuda.set_device(0)
+    route_group = dist.new_group(list(range(world)))
+    plan = zeppelin_plan(2, 2, 0)
+    batch = make_batch(plan.seqlens, 8, 2, HEAD_DIM, seed=1)
+    batch = {n: [t.bfloat16().double() for t in ts] for n, ts in batch.items()}
+    errors = {}
+    for mode in ("ring", "routed"):
+        tensors = [gather_rows(plan, rank, dict(enumerate(batch[n]))).bfloat16().cuda()
+                   for n in ("q", "k", "v", "dout")]
+        q, k, v = (t.requires_grad_() for t in tensors[:3])
+        engine = AttentionEngine(plan, rank, dist.group.WORLD, timeout_s=120, inter_mode=mode,
+                                 route_group=route_group if mode != "ring" else None,
+                                 router_topology=router_topology(plan) if mode == "routed"
+                                 else None, transport="staged", device="cuda:0")
+        out = engine.forward(q, k, v)
+        out.backward(tensors[3])
+        engine.close()
+        ref = reference_grads(batch, sorted({s for s, _, _ in plan.attention[rank]}),
+                              HEAD_DIM ** -0.5)
+        got = {"out": out.detach().cpu(), "q": q.grad.cpu(), "k": k.grad.cpu(),
+               "v": v.grad.cpu()}
+        errors[mode] = max_errors(plan, rank, got, ref)
+        errors["tiers"] = plan.tier_counts()
+    return errors
+
+
+def test_engine_four_ranks_on_one_gpu_match_float64():
+    results = run_world(_engine_on_one_gpu, 4, env={"ZEPPELIN_TRANSPORT": "staged"},
+                        start_method="spawn", timeout_s=600)
+    assert results[0]["tiers"]["inter"] >= 1 and results[0]["tiers"]["local"] >= 1
+    for rank, errors in enumerate(results):
+        for mode in ("ring", "routed"):
+            assert max(errors[mode].values()) < 6e-2, (rank, mode, errors[mode])
+
+
+def _gpt_on_one_gpu(rank: int, world: int) -> dict:
+    """test_megatron_zeppelin's zeppelin step with --device cuda on one GPU (fp32: the engine
+    runs the exact math path on CUDA; ranks exchange through the staged transport)."""
+    import test_megatron_zeppelin as cpu_test
+    from megatron_zeppelin.megatron import train
+
+    torch.cuda.set_device(0)
+    cpu_test.FLAGS = [("cuda" if f == "cpu" else f) for f in cpu_test.FLAGS]
+    args = train.cli.parse_args(cpu_test.FLAGS)
+    train.setup_megatron(args)
+    plan, loss, grads, module = cpu_test.run_mode("zeppelin", rank, device="cuda")
+    ref_loss, ref_grads = _gpu_reference(module, cpu_test.documents())
+    worst = max((grads[n] - g).abs().max().item() for n, g in ref_grads.items())
+    return {"loss": loss, "ref_loss": ref_loss, "worst_grad": worst, "tiers": plan.tier_counts()}
+
+
+def _gpu_reference(module, docs):
+    """One process on the GPU: every document whole; mean per-token loss and grads."""
+    from megatron_zeppelin.megatron.model import build_gpt_model
+    from megatron_zeppelin.megatron.packing import packed_seq_params_for_documents
+
+    ref = build_gpt_model(module.spec, module.config, max_sequence_length=1024).cuda()
+    ref.load_state_dict(module.state_dict())
+    params = packed_seq_params_for_documents([d.numel() for d in docs], device="cuda")
+    tokens = torch.cat(docs)[None].cuda()
+    labels = torch.cat([torch.cat([d[1:], d.new_zeros(1)]) for d in docs])[None].cuda()
+    mask = torch.cat([torch.cat([torch.ones(d.numel() - 1), torch.zeros(1)])
+                      for d in docs]).cuda()
+    losses = ref(tokens, params.position_ids("cuda"), None, labels=labels,
+                 packed_seq_params=params)
+    loss = (losses[0] * mask).sum() / mask.sum()
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in ref.named_parameters()}
+
+
+def test_tiny_gpt_zeppelin_four_ranks_on_one_gpu_matches_one_process():
+    results = run_world(_gpt_on_one_gpu, 4, env={"ZEPPELIN_TRANSPORT": "staged"},
+                        start_method="spawn", timeout_s=900)
+    assert results[0]["tiers"]["inter"] >= 1
+    for rank, r in enumerate(results):
+        assert abs(r["loss"] - r["ref_loss"]) < 1e-4, (rank, r)
+        assert r["worst_grad"] < 1e-4, (rank, r)

@@ -1,0 +1,141 @@
+"""The native backend's whole code path on CPU, through the kernel stand-in (flash_standin).
+
+The stand-in has the contract of torch's varlen flash kernel (int32 offsets on the device,
++inf lse for rows without keys, fp16/bf16 only, uint64 rng state); the backend must build its
+arguments, convert the LSE both ways and pass the final out/lse to the backward. Results are
+compared with a float64 reference at the dtype's rounding.
+"""
+from __future__ import annotations
+
+import types
+import warnings
+
+import pytest
+import torch
+
+from flash_standin import install
+from megatron_zeppelin.runtime import kernels
+from megatron_zeppelin.runtime.kernels import base, native
+from megatron_zeppelin.runtime.merge import merge_into_
+from test_kernels import (EQUAL, UNEQUAL, assert_backward_matches, random_block,
+                          reference_block)
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-3}  # output/gradient rounding
+HEADS = [(4, 4), (4, 2), (4, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+@pytest.mark.parametrize("causal,pieces", [(True, EQUAL), (False, UNEQUAL), (True, UNEQUAL)])
+def test_native_backend_matches_float64(dtype, heads, kv_heads, causal, pieces, monkeypatch):
+    standin = install(monkeypatch)
+    q, k, v, cu_q, cu_k = random_block(11, heads, kv_heads, pieces, dtype=dtype)
+    scale, tol = 0.37, TOLERANCE[dtype]
+    out, lse = kernels.block_forward(q, k, v, cu_q, cu_k, causal, scale, backend="native")
+    want_out, want_lse = reference_block(q, k, v, cu_q, cu_k, causal, scale)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == want_lse.shape
+    assert not torch.isposinf(lse).any(), "the kernel's +inf must become the engine's -inf"
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=0)
+    assert_backward_matches(q, k, v, out, lse, cu_q, cu_k, causal, scale, "native", tol * 2,
+                            seed=3)
+    assert standin.calls == {"forward": 1, "backward": 1}
+
+
+def test_native_merge_and_backward_with_rows_that_see_no_key_in_a_block(monkeypatch):
+    """Two blocks over 6 query rows (pieces A = rows 0..2, B = rows 3..5): a full block where
+    A sees 6 keys and B none (+inf from the kernel, -inf after), and a causal block where each
+    piece sees its own 3 keys. The merge is exact and the backward of each block with the FINAL
+    out/lse sums to the float64 gradients of the union."""
+    install(monkeypatch)
+    gen = torch.Generator().manual_seed(8)
+    q, k1, v1, k2, v2, dout = (torch.randn(6, 4, 8, generator=gen).to(torch.bfloat16)
+                               for _ in range(6))
+    scale = 0.4
+    full = kernels.make_pieces([0, 3, 6], [0, 6, 6])
+    diag = kernels.make_pieces([0, 3, 6], [0, 3, 6])
+    acc_out, acc_lse = torch.zeros(6, 4, 8), torch.full((4, 6), float("-inf"))
+    for pieces, k, v, causal in ((full, k1, v1, False), (diag, k2, v2, True)):
+        out, lse = kernels.block_forward(q, k, v, pieces, None, causal, scale, backend="native")
+        merge_into_(acc_out, acc_lse, out, lse)
+    leaves = [t.double().requires_grad_() for t in (q, k1, v1, k2, v2)]
+    qd, k1d, v1d, k2d, v2d = leaves
+    keys, values = torch.cat([k1d, k2d]), torch.cat([v1d, v2d])
+    visible = torch.zeros(6, 12, dtype=torch.bool)
+    visible[:3, :6] = True
+    for a in (0, 3):
+        visible[a:a + 3, 6 + a:9 + a] = torch.ones(3, 3, dtype=torch.bool).tril()
+    s = torch.einsum("qhd,khd->hqk", qd, keys).masked_fill(~visible, float("-inf")) * scale
+    want = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), values)
+    torch.testing.assert_close(acc_out.double(), want.detach(), atol=2e-2, rtol=0)
+    torch.testing.assert_close(acc_lse.double(), torch.logsumexp(s, -1).detach(), atol=1e-5,
+                               rtol=0)
+    final_out = acc_out.to(torch.bfloat16)
+    dq = torch.zeros(6, 4, 8, dtype=torch.float64)
+    grads = []
+    for pieces, k, v, causal in ((full, k1, v1, False), (diag, k2, v2, True)):
+        gq, gk, gv = kernels.block_backward(dout, q, k, v, final_out, acc_lse, pieces, None,
+                                            causal, scale, backend="native")
+        dq += gq.double()
+        grads += [gk, gv]
+    want.backward(dout.double())
+    torch.testing.assert_close(dq, qd.grad, atol=5e-2, rtol=0)
+    for got, leaf in zip(grads, leaves[1:]):
+        torch.testing.assert_close(got.double(), leaf.grad, atol=5e-2, rtol=0)
+
+
+def test_auto_picks_native_for_half_tensors_it_accepts(monkeypatch):
+    install(monkeypatch)
+    half = torch.zeros(4, 4, 64, dtype=torch.bfloat16)
+    assert kernels.resolve_backend("auto", half) == "native"
+    assert kernels.resolve_backend("auto", half.float()) == "torch"  # fp32: the math path
+    assert kernels.resolve_backend("auto", torch.zeros(4, 4, 12, dtype=torch.float16)) == "torch"
+    with pytest.raises(ValueError, match="head dim that is a multiple of 8 and <= 256, got 12"):
+        kernels.resolve_backend("native", torch.zeros(4, 4, 12, dtype=torch.float16))
+
+
+def test_real_kernel_refuses_cpu_tensors_at_run_time():
+    """Without the stand-in the native backend never falls back: it calls the real kernel or
+    refuses, naming why."""
+    assert isinstance(native.BACKEND.ops, native.AtenFlashOps)
+    q = torch.zeros(4, 4, 64, dtype=torch.bfloat16)
+    assert native.BACKEND.refuses(q) == "needs CUDA tensors, got cpu"
+    with pytest.raises(ValueError, match="'native' cannot run this block: needs CUDA"):
+        kernels.block_forward(q, q, q, [0, 4], [0, 4], True, 0.1, backend="native")
+
+
+def test_math_path_on_cuda_warns_once_with_the_reason(monkeypatch):
+    monkeypatch.setattr(base, "_WARNED", set())
+    fake = types.SimpleNamespace(is_cuda=True, dtype=torch.float32, shape=(8, 4, 64),
+                                 device=torch.device("cpu"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert kernels.select("auto", fake).name == "torch"
+    assert len(caught) == 1
+    assert "native: needs fp16/bf16 tensors, got torch.float32" in str(caught[0].message)
+    assert "tens of times slower" in str(caught[0].message)
+
+
+def test_backends_are_registered_objects_behind_one_protocol():
+    assert kernels.choices()[0] == "auto" and set(kernels.names()) >= {"native", "torch",
+                                                                        "flash_attn", "te"}
+    for name in kernels.names():
+        backend = kernels.get(name)
+        assert isinstance(backend, kernels.KernelBackend) and backend.name == name
+        assert backend.kernel in {"fa2", "cudnn", "cpu"}
+    with pytest.raises(ValueError, match="already taken"):
+        kernels.register(kernels.get("torch"))
+
+
+def test_pieces_record_rows_without_keys():
+    equal = kernels.make_pieces([0, 3, 5], [0, 3, 5])
+    assert (equal.max_q, equal.max_k) == (3, 3)
+    assert not equal.keyless_rows(True) and not equal.keyless_rows(False)
+    longer_q = kernels.make_pieces([0, 4], [0, 2])
+    assert longer_q.keyless_rows(True) and not longer_q.keyless_rows(False)
+    empty_k = kernels.make_pieces([0, 2, 4], [0, 2, 2])
+    assert empty_k.keyless_rows(False)
+    assert empty_k.cu_q_dev.dtype == torch.int32 and empty_k.cu_k_dev.tolist() == [0, 2, 2]
