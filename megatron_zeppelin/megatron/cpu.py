@@ -67,7 +67,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-SUPPORTED_MEGATRON_VERSION = "0.16.1"
+from megatron_zeppelin.megatron.compat import CPU_BRIDGE_SERIES, check_cpu_bridge
+
 _CPU = torch.device("cpu")
 
 
@@ -330,7 +331,7 @@ def _resolve(module_name: str, path: str) -> tuple[Any, str]:
         owner = getattr(owner, parent)
     if name not in vars(owner):
         raise RuntimeError(f"{module_name}.{path} not found: this bridge targets megatron-core "
-                           f"{SUPPORTED_MEGATRON_VERSION}")
+                           f"{'.'.join(map(str, CPU_BRIDGE_SERIES))}.x")
     return owner, name
 
 
@@ -359,11 +360,7 @@ def enable_cpu_mode() -> None:
     """Apply every CPU bridge (module docstring). Idempotent; ``disable_cpu_mode`` undoes it."""
     if _APPLIED:
         return
-    from megatron.core import package_info
-
-    if not package_info.__version__.startswith("0.16."):
-        raise RuntimeError(f"megatron-core {package_info.__version__} is installed; the CPU bridge "
-                           f"targets {SUPPORTED_MEGATRON_VERSION}")
+    check_cpu_bridge()
     for module_name in _MEGATRON_MODULES:
         importlib.import_module(module_name)
     try:
