@@ -1,8 +1,9 @@
 """Drive Megatron-LM's own (patched) ``pretrain_gpt.py`` training step on CPU/gloo.
 
 Test scaffolding, not project code: run from a patched Megatron-LM core_v0.16.1 tree with
-``torchrun --nproc-per-node N tests/megatron_lm_driver.py --harness-out OUT.json <Megatron-LM
-flags>``. It mirrors ``megatron.training.pretrain()``: Megatron's ``parse_args`` (with
+``torchrun --nproc-per-node N tests/megatron_lm_driver.py --harness-out OUT.json
+[--harness-stop N] <Megatron-LM flags>`` (``--harness-stop``: the last iteration to run, default
+``--train-iters``). It mirrors ``megatron.training.pretrain()``: Megatron's ``parse_args`` (with
 ``pretrain_gpt``'s extra-args provider) and ``validate_args`` (which runs zeppelin's checks),
 ``setup_model_and_optimizer`` (Megatron's builder, which loads ``--load``), Megatron's data
 iterators and ``train_step(forward_step)``; ``--save`` saves with Megatron's
@@ -12,8 +13,11 @@ norms, the tokens each rank's batches held and what the checkpoint step did.
 What replaces Megatron-LM's CUDA-only start-up on CPU (each is a CPU-only stand-in, listed in
 ``docs/megatron-lm.md``): ``initialize_megatron`` (gloo instead of NCCL, no fused-kernel build),
 megatron-core's CPU bridge (``megatron_zeppelin.megatron.cpu``), no-op CUDA streams/events and
-memory statistics, CPU RNG for ``torch.cuda.get_rng_state``, and ``get_device_arch_version``
-(asked by ``validate_args`` for its CUDA_DEVICE_MAX_CONNECTIONS check).
+memory statistics, CPU RNG for ``torch.cuda.get_rng_state``, ``get_device_arch_version``
+(asked by ``validate_args`` for its CUDA_DEVICE_MAX_CONNECTIONS check) and
+``moe_utils.te_general_gemm = None`` (megatron-core 0.16.1's MoE router reads that name
+unguarded when Transformer Engine is not installed), and split sizes made numpy for the
+alltoall token dispatcher (it converts them only when they were on a GPU).
 """
 from __future__ import annotations
 
@@ -25,9 +29,6 @@ import warnings
 
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.getcwd())
-out_path = sys.argv[sys.argv.index("--harness-out") + 1]
-del sys.argv[sys.argv.index("--harness-out"):sys.argv.index("--harness-out") + 2]
-sys.argv[0] = "pretrain_gpt.py"
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -54,8 +55,10 @@ from megatron_zeppelin.megatron.cpu import enable_cpu_mode, run_on_cpu  # noqa: 
 
 
 class _NoOp:
+    """A CUDA stream or event on CPU: every method does nothing and returns another one."""
+
     def __getattr__(self, name):
-        return lambda *a, **k: None
+        return lambda *a, **k: _NoOp()
 
 
 def cpu_stand_ins() -> None:
@@ -69,6 +72,21 @@ def cpu_stand_ins() -> None:
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                  "max_memory_reserved"):
         setattr(torch.cuda, name, lambda *a, **k: 0)
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 reads it unguarded when TE is absent
+        moe_utils.te_general_gemm = None
+    import megatron.core.transformer.moe.token_dispatcher as dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def to_cpu(tensor, as_numpy=False, record_stream=False):
+        """The alltoall dispatcher's split sizes become numpy only when they were on CUDA."""
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = dispatcher.maybe_move_tensor_to_cpu = to_cpu
 
 
 def initialize() -> None:
@@ -113,7 +131,19 @@ def count_tokens(record: list):
     P.get_batch = get_batch
 
 
+def _harness_option(flag: str) -> str | None:
+    """Take ``flag VALUE`` out of ``sys.argv`` (Megatron parses the rest)."""
+    if flag not in sys.argv:
+        return None
+    at = sys.argv.index(flag)
+    value = sys.argv[at + 1]
+    del sys.argv[at:at + 2]
+    return value
+
+
 def main() -> None:
+    out_path, stop = _harness_option("--harness-out"), _harness_option("--harness-stop")
+    sys.argv[0] = "pretrain_gpt.py"
     initialize()
     args = get_args()
     rank = dist.get_rank()
@@ -137,7 +167,8 @@ def main() -> None:
               "model": type(inner).__name__, "start": start, "losses": [], "grad_norms": [],
               "tokens_per_iteration": [], "rank_tokens": [], "pad_tokens": 0,
               "core_attention": type(inner.decoder.layers[0].self_attention.core_attention).__name__}
-    for iteration in range(start + 1, args.train_iters + 1):
+    last = int(stop) if stop else args.train_iters
+    for iteration in range(start + 1, last + 1):
         before = len(records)
         out = step(P.forward_step, train_it, model, optimizer, scheduler, config,
                    get_forward_backward_func(), iteration=iteration)
@@ -154,7 +185,7 @@ def main() -> None:
         result["rank_tokens"].append(per_rank)
         result["pad_tokens"] += int(total[1])
     if args.save:
-        run_on_cpu(save_checkpoint)(args.train_iters, model, optimizer, scheduler, 0)
+        run_on_cpu(save_checkpoint)(last, model, optimizer, scheduler, 0)
     params = torch.cat([p.detach().float().reshape(-1) for p in inner.parameters()])
     result["param_sum"] = float(params.double().sum())
     result["param_abs_sum"] = float(params.double().abs().sum())

@@ -49,7 +49,9 @@ def _zeppelin_defaults() -> dict[str, object]:
 
 def check_megatron_lm_args(args: argparse.Namespace) -> None:
     """Refuse what the mode cannot honour (ConfigError naming the flag and the alternative);
-    in zeppelin mode set ``args.zeppelin_layout`` and ``args.zeppelin_gpus_per_node``."""
+    in zeppelin mode set ``args.zeppelin_gpus_per_node`` (the pool layout is valid). ``args``
+    holds plain values only: Megatron saves it in every checkpoint and loads it with
+    ``weights_only=True``."""
     mode = getattr(args, "context_parallel_mode", "static")
     if mode != "zeppelin":
         given = [dest for dest, default in _zeppelin_defaults().items()
@@ -62,11 +64,14 @@ def check_megatron_lm_args(args: argparse.Namespace) -> None:
     refused = refusals(args)
     if refused:
         raise ConfigError(refused[0])
-    layout = PoolLayout.resolve(args.world_size, args.tensor_model_parallel_size,
-                                args.context_parallel_size, args.zeppelin_gpus_per_node,
-                                env.local_world_size())
-    args.zeppelin_layout = layout
-    args.zeppelin_gpus_per_node = layout.gpus_per_node
+    args.zeppelin_gpus_per_node = pool_layout(args, env.local_world_size()).gpus_per_node
+
+
+def pool_layout(args: argparse.Namespace, local_world_size: int | None = None) -> PoolLayout:
+    """The pools of Megatron-LM's ``args``: its CP groups (``--context-parallel-size``)."""
+    return PoolLayout.resolve(args.world_size, args.tensor_model_parallel_size,
+                              args.context_parallel_size, args.zeppelin_gpus_per_node,
+                              local_world_size)
 
 
 def validate_megatron_lm_args(args: argparse.Namespace) -> None:
@@ -101,7 +106,7 @@ def _state(args: argparse.Namespace) -> dict:
     from megatron_zeppelin.megatron.groups import new_pool_groups
     from megatron_zeppelin.megatron.lm_batch import PoolStats
 
-    layout = args.zeppelin_layout
+    layout = pool_layout(args)
     pool = new_pool_groups(layout)
     megatron_cp = parallel_state.get_context_parallel_global_ranks()
     mine = layout.pool_ranks(*layout.position(torch.distributed.get_rank())[::2])

@@ -213,10 +213,12 @@ class PackedGPTModel(GPTModel):
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
                 *args: Any, packed_seq_params: PackedSeqParams = None,
                 padding_mask: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
-        """GPTModel's forward; on a zeppelin-packed batch with pad tokens, MoE routing gets
-        ``padding_mask`` ``[1, tokens]`` (True on the pads) unless the caller passed one."""
+        """GPTModel's forward. On a zeppelin-packed batch MoE routing gets ``padding_mask``
+        ``[1, tokens]`` (True on the pad tokens) unless the caller passed one: with a mask,
+        Megatron's router counts the pool's tokens by all-reducing them instead of assuming
+        every rank holds as many as this one, which the linear layout does not promise."""
         if (padding_mask is None and isinstance(packed_seq_params, ZeppelinPackedSeqParams)
-                and packed_seq_params.pad_tokens and self.config.num_moe_experts):
+                and self.config.num_moe_experts):
             padding_mask = torch.zeros_like(input_ids, dtype=torch.bool)
             padding_mask[:, padding_mask.shape[1] - packed_seq_params.pad_tokens:] = True
         return super().forward(input_ids, position_ids, attention_mask, *args,
