@@ -58,7 +58,8 @@ def check_megatron_lm_args(args: argparse.Namespace) -> None:
                  if getattr(args, dest, default) != default]
         if given:
             flags = ", ".join("--" + d.replace("_", "-") for d in given)
-            raise ConfigError(f"{flags} only apply to --context-parallel-mode zeppelin (the mode "
+            verb = "applies" if len(given) == 1 else "apply"
+            raise ConfigError(f"{flags} only {verb} to --context-parallel-mode zeppelin (the mode "
                               f"is {mode}): drop them or pass --context-parallel-mode zeppelin")
         return
     refused = refusals(args)

@@ -129,6 +129,9 @@ RULES: tuple[Rule, ...] = (
          and _get(a, "micro_batch_size", 1) > 1,
          "the sequence-level loss needs one sample per micro-batch once samples are packed",
          "use --micro-batch-size 1 or another load-balancing type"),
+    Rule("--use-tp-pp-dp-mapping", "use_tp_pp_dp_mapping", False, _set,
+         "pools are Megatron's CP groups in its default rank order (TP, CP, DP)",
+         "drop the flag"),
     Rule("--recompute-granularity", "recompute_granularity", None, _set,
          "recomputation would re-run core attention's pool communication in the backward pass "
          "(not implemented)", "drop the flag"),
