@@ -136,8 +136,10 @@ def test_supported_megatron_core_range():
     with pytest.raises(ConfigError, match=r"megatron-core 0.15.3 is installed; megatron-zeppelin"
                                           r" supports >= 0.16.1, < 0.20.0"):
         check_megatron_core((0, 15, 3))
-    with pytest.raises(RuntimeError, match=r"the CPU bridge \(--device cpu\) targets 0.16.x"):
-        check_cpu_bridge((0, 19, 2))
+    check_cpu_bridge((0, 19, 2))
+    with pytest.raises(RuntimeError, match=r"the CPU bridge \(--device cpu\) targets 0.16.x and "
+                                           r"0.19.x"):
+        check_cpu_bridge((0, 17, 1))
     setup = (ROOT / "setup.py").read_text()
     low, high = re.search(r'"megatron-core>=([\d.]+),<([\d.]+)"', setup).groups()
     assert parse_version(low) == MEGATRON_CORE_MIN and parse_version(high) == MEGATRON_CORE_BELOW

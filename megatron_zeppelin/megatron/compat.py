@@ -4,9 +4,12 @@ Supported: megatron-core ``>= 0.16.1, < 0.20`` (``setup.py`` pins this range; CI
 0.16.1, the newest release for Python 3.11). What differs across that range and where it is
 handled:
 
-* The CPU bridge (``cpu.py``) replaces megatron-core functions by name; its targets are those
-  of 0.16.x (``CPU_BRIDGE_SERIES``). Other versions run on GPUs only: ``check_cpu_bridge``
-  refuses them by version instead of failing inside megatron-core.
+* The CPU bridge (``cpu.py``) replaces megatron-core functions by name; its targets exist in
+  0.16.x and 0.19.x (``CPU_BRIDGE_SERIES``; 0.19's DDP also asks for
+  ``torch.cuda.current_stream``, which the bridge stands in for, and
+  ``MegatronOptimizer.has_grad_norm_group`` makes a tensor on "cuda": ``CPU_BRIDGE_REDIRECTS``).
+  Other versions run on GPUs
+  only: ``check_cpu_bridge`` refuses them by version instead of failing inside megatron-core.
 * Megatron-LM's ``get_batch_on_this_tp_rank``: at core_v0.16.1 it lives in
   ``megatron.training.utils`` and reads the data iterator itself; later tags moved it to
   ``megatron.core.utils`` with a different signature. ``batch_on_this_tp_rank`` is the one call
@@ -25,8 +28,12 @@ from megatron_zeppelin.errors import ConfigError
 
 MEGATRON_CORE_MIN = (0, 16, 1)
 MEGATRON_CORE_BELOW = (0, 20, 0)
-CPU_BRIDGE_SERIES = (0, 16)
-MEGATRON_LM_PATCHED = ("0.16.1",)  # versions of Megatron-LM with a patch in patches/
+CPU_BRIDGE_SERIES = ((0, 16), (0, 19))  # release series the CPU bridge is tested on
+MEGATRON_LM_PATCHED = ("0.16.1",)
+# functions with literal CUDA devices that exist only in some series: (series, module, path)
+CPU_BRIDGE_REDIRECTS = (
+    ((0, 19), "megatron.core.optimizer.optimizer", "MegatronOptimizer.has_grad_norm_group"),
+)  # versions of Megatron-LM with a patch in patches/
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -65,10 +72,18 @@ def check_megatron_core(version: tuple[int, int, int] | None = None) -> tuple[in
 def check_cpu_bridge(version: tuple[int, int, int] | None = None) -> None:
     """RuntimeError unless the CPU bridge's targets exist in this megatron-core."""
     version = check_megatron_core(version)
-    if version[:2] != CPU_BRIDGE_SERIES:
+    if version[:2] not in CPU_BRIDGE_SERIES:
+        series = " and ".join(f"{_show(s)}.x" for s in CPU_BRIDGE_SERIES)
         raise RuntimeError(f"megatron-core {_show(version)} is installed; the CPU bridge "
-                           f"(--device cpu) targets {_show(CPU_BRIDGE_SERIES)}.x: train on a GPU "
-                           "or install megatron-core 0.16.1")
+                           f"(--device cpu) targets {series}: train on a GPU or install "
+                           "megatron-core 0.16.1")
+
+
+def cpu_bridge_redirects(version: tuple[int, int, int] | None = None) -> list[tuple[str, str]]:
+    """(module, attribute path) of this version's extra functions to run under the bridge's
+    CUDA-to-CPU device redirect."""
+    series = (version or megatron_core_version())[:2]
+    return [(module, path) for s, module, path in CPU_BRIDGE_REDIRECTS if s == series]
 
 
 def batch_on_this_tp_rank(data_iterator: Any) -> dict:

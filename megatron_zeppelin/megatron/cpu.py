@@ -6,8 +6,10 @@ makes on the paths a GPT training step takes: model build, forward/backward, RoP
 schedules and the fp32 ``get_megatron_optimizer`` (Adam), gradient clipping included.
 ``disable_cpu_mode()`` restores every original object. Patches, by kind:
 
-1. Global torch patches (the only two): ``torch.cuda.current_device`` -> ``torch.device("cpu")``
-   and ``torch.cuda.synchronize`` -> no-op (CPU kernels are synchronous). About forty
+1. Global torch patches (the only three): ``torch.cuda.current_device`` -> ``torch.device("cpu")``,
+   ``torch.cuda.synchronize`` -> no-op (CPU kernels are synchronous) and
+   ``torch.cuda.current_stream`` -> a stream whose waits are no-ops (megatron-core 0.19's DDP
+   asks for it before every gradient reduction). About forty
    megatron-core call sites pass ``current_device()`` inline as ``device=`` inside large
    functions, e.g. ``RotaryEmbedding.get_emb`` (moves ``inv_freq`` "to the GPU" on first use),
    the DDP grad buffer (``_ParamAndGradBuffer.__init__``), ``GlobalMemoryBuffer.get_tensor``
@@ -67,7 +69,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_zeppelin.megatron.compat import CPU_BRIDGE_SERIES, check_cpu_bridge
+from megatron_zeppelin.megatron.compat import (CPU_BRIDGE_SERIES, check_cpu_bridge,
+                                               cpu_bridge_redirects)
 
 _CPU = torch.device("cpu")
 
@@ -152,6 +155,31 @@ def _cpu_current_device() -> torch.device:
 
 def _cpu_synchronize(device: Any = None) -> None:
     """``torch.cuda.synchronize()`` in CPU mode: nothing runs asynchronously."""
+
+
+class _CpuStream:
+    """``torch.cuda.current_stream()`` in CPU mode: CPU kernels are synchronous, so waiting on
+    and recording events are no-ops (megatron-core 0.19's DDP asks for the stream before every
+    gradient reduction)."""
+
+    def wait_event(self, event: Any = None) -> None:
+        """Nothing to wait for."""
+
+    def wait_stream(self, stream: Any = None) -> None:
+        """Nothing to wait for."""
+
+    def synchronize(self) -> None:
+        """Nothing runs asynchronously."""
+
+    def record_event(self, event: Any = None) -> None:
+        """No event is needed."""
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _cpu_current_stream(device: Any = None) -> _CpuStream:
+    return _CPU_STREAM
 
 
 def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False,
@@ -288,6 +316,7 @@ def _patch_specs() -> list[tuple[str, str, Callable[[Any], Any]]]:
     return [
         ("torch.cuda", "current_device", lambda _: _cpu_current_device),
         ("torch.cuda", "synchronize", lambda _: _cpu_synchronize),
+        ("torch.cuda", "current_stream", lambda _: _cpu_current_stream),
         (random_mod, "_get_cuda_rng_state", lambda _: _cpu_get_rng_state),
         (random_mod, "_set_cuda_rng_state", lambda _: _cpu_set_rng_state),
         (random_mod, "CudaRNGStatesTracker.add", lambda _: _cpu_tracker_add),
@@ -307,7 +336,7 @@ def _patch_specs() -> list[tuple[str, str, Callable[[Any], Any]]]:
         ("megatron.core.utils", "local_multi_tensor_l2_norm", run_on_cpu),
         ("megatron.core.dist_checkpointing.serialization", "save", run_on_cpu),
         ("megatron.core.dist_checkpointing.serialization", "load", run_on_cpu),
-    ]
+    ] + [(module, path, run_on_cpu) for module, path in cpu_bridge_redirects()]
 
 
 # Imported before patching so that name bindings made at import time are found and swapped.
@@ -331,7 +360,7 @@ def _resolve(module_name: str, path: str) -> tuple[Any, str]:
         owner = getattr(owner, parent)
     if name not in vars(owner):
         raise RuntimeError(f"{module_name}.{path} not found: this bridge targets megatron-core "
-                           f"{'.'.join(map(str, CPU_BRIDGE_SERIES))}.x")
+                           f"{' and '.join('.'.join(map(str, s)) + '.x' for s in CPU_BRIDGE_SERIES)}")
     return owner, name
 
 
