@@ -14,10 +14,8 @@ What replaces Megatron-LM's CUDA-only start-up on CPU (each is a CPU-only stand-
 ``docs/megatron-lm.md``): ``initialize_megatron`` (gloo instead of NCCL, no fused-kernel build),
 megatron-core's CPU bridge (``megatron_zeppelin.megatron.cpu``), no-op CUDA streams/events and
 memory statistics, CPU RNG for ``torch.cuda.get_rng_state``, ``get_device_arch_version``
-(asked by ``validate_args`` for its CUDA_DEVICE_MAX_CONNECTIONS check) and
-``moe_utils.te_general_gemm = None`` (megatron-core 0.16.1's MoE router reads that name
-unguarded when Transformer Engine is not installed), and split sizes made numpy for the
-alltoall token dispatcher (it converts them only when they were on a GPU).
+(asked by ``validate_args`` for its CUDA_DEVICE_MAX_CONNECTIONS check) and split sizes made
+numpy for the alltoall token dispatcher (it converts them only when they were on a GPU).
 """
 from __future__ import annotations
 
@@ -73,9 +71,6 @@ def cpu_stand_ins() -> None:
                  "max_memory_reserved"):
         setattr(torch.cuda, name, lambda *a, **k: 0)
     import megatron.core.transformer.moe.moe_utils as moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 reads it unguarded when TE is absent
-        moe_utils.te_general_gemm = None
     import megatron.core.transformer.moe.token_dispatcher as dispatcher
 
     original = moe_utils.maybe_move_tensor_to_cpu

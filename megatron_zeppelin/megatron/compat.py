@@ -30,6 +30,11 @@ MEGATRON_CORE_MIN = (0, 16, 1)
 MEGATRON_CORE_BELOW = (0, 20, 0)
 CPU_BRIDGE_SERIES = ((0, 16), (0, 19))  # release series the CPU bridge is tested on
 MEGATRON_LM_PATCHED = ("0.16.1",)
+# 0.16.x's MoE router reads te_general_gemm, imported only with TE (0.19 sets it to None): an
+# MoE model without TE fails with NameError in 0.16.x on GPUs too (use TE or 0.19)
+CPU_BRIDGE_MISSING_NAMES = (
+    ((0, 16), "megatron.core.transformer.moe.moe_utils", "te_general_gemm", None),
+)
 # functions with literal CUDA devices that exist only in some series: (series, module, path)
 CPU_BRIDGE_REDIRECTS = (
     ((0, 19), "megatron.core.optimizer.optimizer", "MegatronOptimizer.has_grad_norm_group"),
@@ -84,6 +89,14 @@ def cpu_bridge_redirects(version: tuple[int, int, int] | None = None) -> list[tu
     CUDA-to-CPU device redirect."""
     series = (version or megatron_core_version())[:2]
     return [(module, path) for s, module, path in CPU_BRIDGE_REDIRECTS if s == series]
+
+
+def cpu_bridge_missing_names(version: tuple[int, int, int] | None = None
+                             ) -> list[tuple[str, str, Any]]:
+    """(module, name, value) that this version reads but leaves undefined without TE."""
+    series = (version or megatron_core_version())[:2]
+    return [(module, name, value) for s, module, name, value in CPU_BRIDGE_MISSING_NAMES
+            if s == series]
 
 
 def batch_on_this_tp_rank(data_iterator: Any) -> dict:

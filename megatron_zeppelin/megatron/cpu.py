@@ -45,6 +45,10 @@ schedules and the fp32 ``get_megatron_optimizer`` (Adam), gradient clipping incl
    The schedule being wrapped, a training step's forward/backward runs under the mode too: each
    torch call pays a Python dispatch (~10-25% on a tiny GPT), CPU runs only.
 
+4. Names a megatron-core version reads but never defines without Transformer Engine
+   (``compat.CPU_BRIDGE_MISSING_NAMES``: 0.16.x's MoE router reads ``te_general_gemm``)
+   are defined as ``None`` while the bridge is on.
+
 A replaced function is swapped in its defining module and in every loaded ``megatron.core``
 module that bound it by name (``from .clip_grads import clip_grad_by_total_norm_fp32``,
 ``l2_norm_impl = local_multi_tensor_l2_norm``), found by identity.
@@ -70,7 +74,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron_zeppelin.megatron.compat import (CPU_BRIDGE_SERIES, check_cpu_bridge,
-                                               cpu_bridge_redirects)
+                                               cpu_bridge_missing_names, cpu_bridge_redirects)
 
 _CPU = torch.device("cpu")
 
@@ -307,6 +311,7 @@ class _Patch:
 
 
 _APPLIED: list[_Patch] = []
+_DEFINED: list[tuple[Any, str]] = []  # names the bridge defined because the version lacks them
 
 
 def _patch_specs() -> list[tuple[str, str, Callable[[Any], Any]]]:
@@ -401,6 +406,11 @@ def enable_cpu_mode() -> None:
             _APPLIED.append(_Patch(owner, name, original, replacement))
             if not isinstance(owner, type) and module_name != "torch.cuda":
                 _APPLIED.extend(_rebind_everywhere(original, replacement))
+        for module_name, name, value in cpu_bridge_missing_names():
+            module = importlib.import_module(module_name)
+            if name not in vars(module):
+                setattr(module, name, value)
+                _DEFINED.append((module, name))
     except Exception:
         disable_cpu_mode()
         raise
@@ -408,6 +418,9 @@ def enable_cpu_mode() -> None:
 
 def disable_cpu_mode() -> None:
     """Restore every object ``enable_cpu_mode`` replaced, including later name bindings."""
+    while _DEFINED:
+        module, name = _DEFINED.pop()
+        delattr(module, name)
     while _APPLIED:
         patch = _APPLIED.pop()
         if getattr(patch.owner, patch.name, None) is patch.replacement:
