@@ -76,7 +76,7 @@ def trigger(rule) -> dict:
               "fp8": "hybrid", "fp4": "e2m1", "cuda_graph_impl": "local",
               "moe_token_dispatcher_type": "allgather",
               "moe_router_load_balancing_type": "seq_aux_loss",
-              "recompute_granularity": "full", "zeppelin_overlong": "split",
+              "zeppelin_overlong": "split",
               "hierarchical_context_parallel_sizes": [2, 8], "window_size": (128, 0),
               "experimental_attention_variant": "dsa", "mtp_num_layers": 1}
     extra = {"moe_token_dispatcher_type": {"expert_model_parallel_size": 2},

@@ -105,7 +105,8 @@ def assert_same_training(zeppelin: dict, static: dict, rel: float = 2e-6) -> Non
 @pytest.mark.parametrize("pool,extra,nodes", [
     (2, [], []),  # Megatron-LM's defaults: learned_absolute positions, whole samples
     (4, ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
-         "--position-embedding-type", "rope"], ["--zeppelin-gpus-per-node", "2"]),  # documents
+         "--position-embedding-type", "rope", "--recompute-granularity", "selective"],
+     ["--zeppelin-gpus-per-node", "2"]),  # documents, two nodes, core attention recomputed
 ])
 def test_zeppelin_trains_like_static_with_the_same_batch_and_memory(tree, tmp_path, pool, extra,
                                                                      nodes):

@@ -132,9 +132,6 @@ RULES: tuple[Rule, ...] = (
     Rule("--use-tp-pp-dp-mapping", "use_tp_pp_dp_mapping", False, _set,
          "pools are Megatron's CP groups in its default rank order (TP, CP, DP)",
          "drop the flag"),
-    Rule("--recompute-granularity", "recompute_granularity", None, _set,
-         "recomputation would re-run core attention's pool communication in the backward pass "
-         "(not implemented)", "drop the flag"),
     Rule("--zeppelin-overlong", "zeppelin_overlong", "error", lambda v, a: v != "error",
          "Megatron-LM's samples hold at most --seq-length tokens, so no sequence is ever longer "
          "than the planner's limit", "drop the flag"),
