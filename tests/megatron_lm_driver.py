@@ -7,8 +7,9 @@ Test scaffolding, not project code: run from a patched Megatron-LM core_v0.16.1 
 ``pretrain_gpt``'s extra-args provider) and ``validate_args`` (which runs zeppelin's checks),
 ``setup_model_and_optimizer`` (Megatron's builder, which loads ``--load``), Megatron's data
 iterators and ``train_step(forward_step)``; ``--save`` saves with Megatron's
-``save_checkpoint`` after the last iteration. Rank 0 writes per-iteration losses and grad
-norms, the tokens each rank's batches held and what the checkpoint step did.
+``save_checkpoint`` after the last iteration, after one ``evaluate`` pass on the validation
+iterator. Rank 0 writes per-iteration losses and grad norms, the validation loss, the tokens
+each rank's batches held and what the checkpoint step did.
 
 What replaces Megatron-LM's CUDA-only start-up on CPU (each is a CPU-only stand-in, listed in
 ``docs/megatron-lm.md``): ``initialize_megatron`` (gloo instead of NCCL, no fused-kernel build),
@@ -152,7 +153,7 @@ def main() -> None:
 
     config.finalize_model_grads_func = finalize_model_grads
     P.train_valid_test_datasets_provider.is_distributed = True
-    train_it, _, _ = run_on_cpu(T.build_train_valid_test_data_iterators)(
+    train_it, valid_it, _ = run_on_cpu(T.build_train_valid_test_data_iterators)(
         P.train_valid_test_datasets_provider)
     records: list = []
     count_tokens(records)
@@ -179,6 +180,9 @@ def main() -> None:
         result["tokens_per_iteration"].append(int(total[0]) // args.tensor_model_parallel_size)
         result["rank_tokens"].append(per_rank)
         result["pad_tokens"] += int(total[1])
+    if valid_it is not None and args.eval_iters:
+        evaluated = run_on_cpu(T.evaluate)(P.forward_step, valid_it, model, None, config)
+        result["valid_loss"] = float(evaluated[0]["lm loss"])
     if args.save:
         run_on_cpu(save_checkpoint)(last, model, optimizer, scheduler, 0)
     params = torch.cat([p.detach().float().reshape(-1) for p in inner.parameters()])

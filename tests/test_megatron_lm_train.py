@@ -100,12 +100,14 @@ def assert_same_training(zeppelin: dict, static: dict, rel: float = 2e-6) -> Non
     assert zeppelin["losses"] == pytest.approx(static["losses"], rel=rel)
     assert zeppelin["grad_norms"] == pytest.approx(static["grad_norms"], rel=20 * rel)
     assert zeppelin["tokens_per_iteration"] == static["tokens_per_iteration"]
+    assert zeppelin["valid_loss"] == pytest.approx(static["valid_loss"], rel=rel)  # evaluate()
 
 
 @pytest.mark.parametrize("pool,extra,nodes", [
     (2, [], []),  # Megatron-LM's defaults: learned_absolute positions, whole samples
     (4, ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
-         "--position-embedding-type", "rope", "--recompute-granularity", "selective"],
+         "--position-embedding-type", "rope", "--use-rope-scaling",
+         "--recompute-granularity", "selective"],
      ["--zeppelin-gpus-per-node", "2"]),  # documents, two nodes, core attention recomputed
 ])
 def test_zeppelin_trains_like_static_with_the_same_batch_and_memory(tree, tmp_path, pool, extra,
