@@ -180,7 +180,7 @@ def main() -> None:
         result["tokens_per_iteration"].append(int(total[0]) // args.tensor_model_parallel_size)
         result["rank_tokens"].append(per_rank)
         result["pad_tokens"] += int(total[1])
-    if valid_it is not None and args.eval_iters:
+    if args.do_valid and args.eval_iters:  # every rank: TP ranks > 0 have no iterator
         evaluated = run_on_cpu(T.evaluate)(P.forward_step, valid_it, model, None, config)
         result["valid_loss"] = float(evaluated[0]["lm loss"])
     if args.save:
