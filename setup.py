@@ -41,7 +41,7 @@ setup(
     cmdclass={"build_ext": build_ext},
     install_requires=[
         "torch>=2.6",
-        "megatron-core==0.16.1",
+        "megatron-core>=0.16.1,<0.20",  # range: megatron/compat.py; CI tests 0.16.1
         "numpy",
         "pyyaml>=6",
         "tqdm",

@@ -1,50 +1,148 @@
-"""The Megatron-LM patch and its glue (``megatron_zeppelin/megatron/lm.py``).
+"""The Megatron-LM patch, its apply script and the glue's checks (``megatron/lm.py``).
 
-Applying the patch needs a Megatron-LM checkout at tag core_v0.16.1: set MEGATRON_LM_PATH
-(read through ``megatron_zeppelin.env``); that test is skipped otherwise. The checkout itself is
-never modified: the two patched files are copied to a temporary folder first.
+Tests that need a Megatron-LM checkout (tag core_v0.16.1) read MEGATRON_LM_PATH (through
+``megatron_zeppelin.env``) and are skipped without it; the checkout itself is never modified.
 """
 from __future__ import annotations
 
 import argparse
 import py_compile
-import shutil
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError
-from megatron_zeppelin.megatron import lm
-from megatron_zeppelin.parallel import PoolLayout
+from megatron_zeppelin.megatron import args as cli, lm
+from megatron_zeppelin.megatron.compat import (MEGATRON_CORE_BELOW, MEGATRON_CORE_MIN,
+                                               check_cpu_bridge, check_megatron_core,
+                                               megatron_core_version, parse_version)
+from megatron_zeppelin.megatron.lm_features import RULES
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "apply_megatron_patch.sh"
-FILES = ("pretrain_gpt.py", "megatron/training/arguments.py")
+PATCHED = ("pretrain_gpt.py", "gpt_builders.py", "megatron/training/arguments.py",
+           "megatron/training/yaml_arguments.py")
+needs_megatron_lm = pytest.mark.skipif(env.megatron_lm_path() is None,
+                                       reason="MEGATRON_LM_PATH is not set")
 
 
-def copy_checkout(src: Path, dst: Path) -> None:
-    for name in FILES:
-        (dst / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(src / name, dst / name)
-    subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
+def megatron_lm_args(**overrides) -> argparse.Namespace:
+    """Megatron-LM's parsed args as the glue reads them: Megatron's defaults for the fields
+    the rules read, plus the zeppelin flags' defaults."""
+    parser = argparse.ArgumentParser()
+    cli.add_zeppelin_args(parser)
+    base = {rule.name: rule.default for rule in RULES}
+    base.update(vars(parser.parse_args([])))
+    base.update(context_parallel_mode="zeppelin", context_parallel_size=16, world_size=64,
+                tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+                calculate_per_token_loss=True, attention_dropout=0.0, rank=0)
+    return argparse.Namespace(**{**base, **overrides})
 
 
-@pytest.mark.skipif(env.megatron_lm_path() is None, reason="MEGATRON_LM_PATH is not set")
-def test_patch_applies_to_megatron_lm_once(tmp_path):
-    copy_checkout(Path(env.megatron_lm_path()), tmp_path)
-    first = subprocess.run(["bash", str(SCRIPT), str(tmp_path)], capture_output=True, text=True)
-    assert first.returncode == 0, first.stderr
-    again = subprocess.run(["bash", str(SCRIPT), str(tmp_path)], capture_output=True, text=True)
-    assert again.returncode == 0 and "already applied" in again.stdout
-    text = (tmp_path / "pretrain_gpt.py").read_text()
-    assert "zeppelin_lm.get_batch(data_iterator, vp_stage)" in text
-    assert "zeppelin_lm.select_builder(gpt_builder)" in text
-    assert "adjust_megatron_args(args)" in (tmp_path / FILES[1]).read_text()
-    for name in FILES:
-        py_compile.compile(str(tmp_path / name), doraise=True)
+def test_zeppelin_mode_keeps_megatron_cp_and_takes_gpus_per_node_from_torchrun(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    args = megatron_lm_args()
+    lm.check_megatron_lm_args(args)
+    assert args.context_parallel_size == 16 and args.zeppelin_gpus_per_node == 8
+    assert lm.pool_layout(args).nodes == 4 and lm.pool_layout(args).dp == 2
+    assert all(isinstance(v, (int, float, str, bool, list, tuple, type(None)))
+               for v in vars(args).values())  # Megatron pickles args into checkpoints
+
+
+def test_gpus_per_node_without_torchrun_is_one_pool(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    args = megatron_lm_args(context_parallel_size=4, world_size=8)
+    lm.check_megatron_lm_args(args)
+    assert args.zeppelin_gpus_per_node == 8  # CP x TP: no device count, no division by zero
+
+
+def test_explicit_gpus_per_node_must_tile_the_pool(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match=r"CP x TP = 8 GPUs must be whole nodes of "
+                                          r"--zeppelin-gpus-per-node=16"):
+        lm.check_megatron_lm_args(megatron_lm_args(context_parallel_size=4,
+                                                   zeppelin_gpus_per_node=16))
+
+
+def trigger(rule) -> dict:
+    """Settings under which ``rule`` refuses."""
+    values = {"pipeline_model_parallel_size": 2, "calculate_per_token_loss": False,
+              "attention_dropout": 0.1, "position_embedding_type": "mrope",
+              "cp_comm_type": ["a2a"], "softmax_type": "off-by-one",
+              "transformer_impl": "inference_optimized", "attention_backend": "flash",
+              "fp8": "hybrid", "fp4": "e2m1", "cuda_graph_impl": "local",
+              "moe_token_dispatcher_type": "allgather",
+              "moe_router_load_balancing_type": "seq_aux_loss",
+              "zeppelin_overlong": "split",
+              "hierarchical_context_parallel_sizes": [2, 8], "window_size": (128, 0),
+              "experimental_attention_variant": "dsa", "mtp_num_layers": 1}
+    extra = {"moe_token_dispatcher_type": {"expert_model_parallel_size": 2},
+             "moe_router_load_balancing_type": {"micro_batch_size": 2}}
+    return {rule.name: values.get(rule.name, True), **extra.get(rule.name, {})}
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.flag)
+def test_every_refused_feature_is_named_with_its_alternative(rule):
+    with pytest.raises(ConfigError) as info:
+        lm.check_megatron_lm_args(megatron_lm_args(**trigger(rule)))
+    message = str(info.value)
+    assert message.startswith(f"{rule.flag}=") and rule.alternative in message
+
+
+def test_upstream_defaults_that_zeppelin_supports_pass():
+    args = megatron_lm_args(position_embedding_type="learned_absolute", num_experts=8,
+                            sequence_parallel=True, reset_position_ids=True,
+                            reset_attention_mask=True, eod_mask_loss=True,
+                            moe_token_dispatcher_type="alltoall",
+                            expert_model_parallel_size=4, use_rope_scaling=True)
+    lm.check_megatron_lm_args(args)
+
+
+def test_the_upstream_attention_dropout_default_is_refused_once_with_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        lm.validate_megatron_lm_args(megatron_lm_args(attention_dropout=0.1))
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["megatron-zeppelin: --attention-dropout=0.1 is not supported with "
+                   "--context-parallel-mode zeppelin: zeppelin attention has no dropout "
+                   "(Megatron-LM's default is 0.1); pass --attention-dropout 0.0"]
+    with pytest.raises(SystemExit):  # other ranks exit too, silently
+        lm.validate_megatron_lm_args(megatron_lm_args(attention_dropout=0.1, rank=3))
+    assert capsys.readouterr().err == ""
+
+
+def test_static_mode_refuses_zeppelin_flags_that_would_do_nothing():
+    lm.check_megatron_lm_args(megatron_lm_args(context_parallel_mode="static"))
+    with pytest.raises(ConfigError, match=r"--zeppelin-routing, --zeppelin-gpus-per-node only "
+                                          r"apply to --context-parallel-mode zeppelin"):
+        lm.check_megatron_lm_args(megatron_lm_args(context_parallel_mode="static",
+                                                   zeppelin_routing=False,
+                                                   zeppelin_gpus_per_node=8))
+
+
+def test_docs_name_every_refused_flag():
+    text = (ROOT / "docs" / "megatron-lm.md").read_text()
+    missing = [rule.flag for rule in RULES if f"`{rule.flag}" not in text]
+    assert not missing, missing
+
+
+def test_supported_megatron_core_range():
+    assert parse_version("0.16.0rc0.dev100085") == (0, 16, 0)
+    assert MEGATRON_CORE_MIN <= megatron_core_version() < MEGATRON_CORE_BELOW
+    check_megatron_core((0, 19, 2))
+    with pytest.raises(ConfigError, match=r"megatron-core 0.15.3 is installed; megatron-zeppelin"
+                                          r" supports >= 0.16.1, < 0.20.0"):
+        check_megatron_core((0, 15, 3))
+    check_cpu_bridge((0, 19, 2))
+    with pytest.raises(RuntimeError, match=r"the CPU bridge \(--device cpu\) targets 0.16.x and "
+                                           r"0.19.x"):
+        check_cpu_bridge((0, 17, 1))
+    setup = (ROOT / "setup.py").read_text()
+    low, high = re.search(r'"megatron-core>=([\d.]+),<([\d.]+)"', setup).groups()
+    assert parse_version(low) == MEGATRON_CORE_MIN and parse_version(high) == MEGATRON_CORE_BELOW
 
 
 def test_apply_script_refuses_a_folder_that_is_not_megatron_lm(tmp_path):
@@ -52,55 +150,28 @@ def test_apply_script_refuses_a_folder_that_is_not_megatron_lm(tmp_path):
     assert result.returncode == 2 and "is not a Megatron-LM checkout" in result.stderr
 
 
-def megatron_lm_args(**overrides) -> argparse.Namespace:
-    """The fields of Megatron-LM's args that the glue reads."""
-    base = dict(context_parallel_mode="zeppelin", context_parallel_size=16, world_size=64,
-                tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
-                calculate_per_token_loss=True, hybrid_context_parallel=False,
-                zeppelin_gpus_per_node=8)
-    return argparse.Namespace(**{**base, **overrides})
+def copy_checkout(src: Path, dst: Path) -> None:
+    """The files the patch touches (and the version file) as plain copies."""
+    for name in PATCHED + ("megatron/core/package_info.py",):
+        (dst / name).parent.mkdir(parents=True, exist_ok=True)
+        (dst / name).write_bytes((src / name).read_bytes())
 
 
-def test_zeppelin_mode_turns_the_cp_ranks_into_the_pool():
-    args = megatron_lm_args()
-    lm.adjust_megatron_args(args)
-    assert args.zeppelin_layout == PoolLayout(world_size=64, tp=2, cp=16, gpus_per_node=8)
-    assert args.context_parallel_size == 1 and args.zeppelin_layout.dp == 2
-    static = megatron_lm_args(context_parallel_mode="static")
-    lm.adjust_megatron_args(static)
-    assert static.context_parallel_size == 16 and not hasattr(static, "zeppelin_layout")
-
-
-@pytest.mark.parametrize("overrides,match", [
-    (dict(calculate_per_token_loss=False), "needs --calculate-per-token-loss"),
-    (dict(pipeline_model_parallel_size=2), "without pipeline parallelism"),
-    (dict(hybrid_context_parallel=True), "alternatives: pick one"),
-    (dict(context_parallel_size=4, zeppelin_gpus_per_node=16),
-     r"CP x TP = 8 GPUs must be whole nodes of --zeppelin-gpus-per-node=16"),
-    (dict(context_parallel_size=3), r"--context-parallel-size=3 is invalid: expected a divisor "
-                                    r"of world size / TP = 32"),
-])
-def test_bad_megatron_lm_settings_are_refused(overrides, match):
-    with pytest.raises(ConfigError, match=match):
-        lm.adjust_megatron_args(megatron_lm_args(**overrides))
-
-
-def test_extra_args_provider_adds_the_mode_and_keeps_other_providers():
-    parser = argparse.ArgumentParser()
-    seen = []
-    provide = lm.extra_args_provider(lambda p: seen.append(p) or p)
-    provide(parser)
-    args = parser.parse_args(["--context-parallel-mode", "zeppelin", "--no-zeppelin-routing"])
-    assert args.context_parallel_mode == "zeppelin" and args.zeppelin_routing is False
-    assert seen == [parser]
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--context-parallel-mode", "ring"])
-
-
-def test_samples_split_into_documents_after_each_eod():
-    eod = 0
-    text = torch.tensor([[5, 6, 0, 7, 0, 8, 9], [0, 1, 2, 3, 4, 0, 0]])
-    docs = lm.documents_of_samples(text, eod)
-    assert [d.tolist() for d in docs] == [[5, 6, 0], [7, 0], [8, 9], [0], [1, 2, 3, 4, 0], [0]]
-    assert sum(d.numel() for d in docs) == text.numel()
-
+@needs_megatron_lm
+@pytest.mark.parametrize("where", ["own-repository", "inside-another-repository", "plain"])
+def test_patch_applies_once_wherever_the_checkout_lives(tmp_path, where):
+    target = tmp_path / "outer" / "Megatron-LM" if where == "inside-another-repository" \
+        else tmp_path / "Megatron-LM"
+    copy_checkout(Path(env.megatron_lm_path()), target)
+    if where != "plain":
+        repo = tmp_path / "outer" if where == "inside-another-repository" else target
+        subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    first = subprocess.run(["bash", str(SCRIPT), str(target)], capture_output=True, text=True)
+    assert first.returncode == 0 and "patched" in first.stdout, first.stderr
+    again = subprocess.run(["bash", str(SCRIPT), str(target)], capture_output=True, text=True)
+    assert again.returncode == 0 and "already applied" in again.stdout
+    for name in PATCHED:
+        assert "megatron-zeppelin" in (target / name).read_text(), name
+        py_compile.compile(str(target / name), doraise=True)
+    pretrain = (target / "pretrain_gpt.py").read_text()
+    assert "import megatron_zeppelin" not in pretrain.split("def get_batch")[0]  # lazy only

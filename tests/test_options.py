@@ -9,7 +9,7 @@ import pytest
 
 from megatron_zeppelin import cli
 from megatron_zeppelin.config import ConfigError, ZeppelinConfig
-from megatron_zeppelin.megatron import args as train_args, lm
+from megatron_zeppelin.megatron import args as train_args
 from megatron_zeppelin.options import settings
 from megatron_zeppelin.parallel import PoolLayout
 from megatron_zeppelin.sim import cli as sim_cli
@@ -31,7 +31,7 @@ def _subparser(name: str) -> argparse.ArgumentParser:
 
 def test_every_planner_option_is_a_flag_of_every_command_with_the_declared_default():
     megatron_lm = argparse.ArgumentParser()
-    lm.extra_args_provider()(megatron_lm)
+    train_args.add_zeppelin_args(megatron_lm)  # what the patch adds to Megatron-LM
     parsers = {"zeppelin plan": (_subparser("plan"), ""),
                "pretrain_gpt.py": (train_args.build_parser(), "zeppelin_"),
                "Megatron-LM": (megatron_lm, "zeppelin_")}

@@ -157,15 +157,21 @@ def zeppelin_attention(state: ZeppelinAttentionState, query: Tensor, key: Tensor
     """Remap q/k/v to the attention layout, run the plan's rings, remap the output back.
 
     query ``[tokens, 1, heads, d]``, key/value ``[tokens, 1, kv_heads, d]`` in the rank's linear
-    layout; returns ``[tokens, 1, heads * d]`` in the linear layout.
+    layout; returns ``[tokens, 1, heads * d]`` in the linear layout. The last
+    ``params.pad_tokens`` tokens (sequence-parallel padding) belong to no sequence: they skip
+    the remap and the engine, and their output is zero.
     """
     if params.plan is None or params.rank != state.rank:
         raise ValueError(f"zeppelin core attention needs packed params with the plan of this "
                          f"rank ({state.rank}); got plan={params.plan is not None}, "
                          f"rank={params.rank}")
+    real = params.num_tokens
+    if query.shape[0] != real + params.pad_tokens:
+        raise ValueError(f"q holds {query.shape[0]} tokens but the packed params describe "
+                         f"{real} + {params.pad_tokens} pad tokens")
     runtime = state.runtime(params.plan, scale, query.device)
     heads = query.shape[2]
-    q, k, v = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+    q, k, v = query[:real, 0], key[:real, 0], value[:real, 0]
     if runtime.remap is not None:
         # one all-to-all for q, k and v: [tokens, heads + 2 * kv_heads, d]
         qkv = to_attention_layout(torch.cat([q, k, v], dim=1), runtime.remap, state.pool_group)
@@ -173,7 +179,10 @@ def zeppelin_attention(state: ZeppelinAttentionState, query: Tensor, key: Tensor
     out = runtime.engine.forward(q.contiguous(), k.contiguous(), v.contiguous())
     if runtime.remap is not None:
         out = to_linear_layout(out, runtime.remap, state.pool_group)
-    return out.reshape(out.shape[0], 1, -1)
+    out = out.reshape(out.shape[0], 1, -1)
+    if params.pad_tokens:
+        out = torch.cat([out, out.new_zeros(params.pad_tokens, 1, out.shape[2])])
+    return out
 
 
 class ZeppelinCoreAttention(MegatronModule):
@@ -192,10 +201,7 @@ class ZeppelinCoreAttention(MegatronModule):
         if zeppelin_state is None:
             raise ValueError("zeppelin_state=None: build the layer with "
                              "get_gpt_layer_zeppelin_spec(state)")
-        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        if dropout:
-            raise ValueError(f"attention_dropout={dropout} is not supported by zeppelin core "
-                             "attention: expected 0.0")
+        _refuse_dropout(config, attention_dropout)
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise ValueError(f"attn_mask_type={attn_mask_type} is invalid: zeppelin attention "
                              "is causal")
@@ -214,6 +220,13 @@ class ZeppelinCoreAttention(MegatronModule):
                                   self.softmax_scale)
 
 
+def _refuse_dropout(config: TransformerConfig, attention_dropout: Optional[float]) -> None:
+    dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+    if dropout:
+        raise ValueError(f"attention_dropout={dropout} is not supported by zeppelin core "
+                         "attention (Megatron-LM: --attention-dropout 0.0)")
+
+
 def te_core_attention_class() -> type:
     """A ``TEDotProductAttention`` subclass that runs zeppelin on zeppelin-packed batches.
 
@@ -229,9 +242,10 @@ def te_core_attention_class() -> type:
     class ZeppelinTEDotProductAttention(TEDotProductAttention):
         """TE core attention; zeppelin-packed batches go through remap + the zeppelin engine."""
 
-        def __init__(self, *args, zeppelin_state: ZeppelinAttentionState | None = None,
-                     **kwargs) -> None:
-            super().__init__(*args, **kwargs)
+        def __init__(self, config: TransformerConfig, *args,
+                     zeppelin_state: ZeppelinAttentionState | None = None, **kwargs) -> None:
+            _refuse_dropout(config, kwargs.get("attention_dropout"))
+            super().__init__(config, *args, **kwargs)
             if zeppelin_state is None:
                 raise ValueError("zeppelin_state=None: build the layer with "
                                  "get_gpt_layer_zeppelin_spec(state)")

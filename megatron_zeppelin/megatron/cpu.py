@@ -6,8 +6,10 @@ makes on the paths a GPT training step takes: model build, forward/backward, RoP
 schedules and the fp32 ``get_megatron_optimizer`` (Adam), gradient clipping included.
 ``disable_cpu_mode()`` restores every original object. Patches, by kind:
 
-1. Global torch patches (the only two): ``torch.cuda.current_device`` -> ``torch.device("cpu")``
-   and ``torch.cuda.synchronize`` -> no-op (CPU kernels are synchronous). About forty
+1. Global torch patches (the only three): ``torch.cuda.current_device`` -> ``torch.device("cpu")``,
+   ``torch.cuda.synchronize`` -> no-op (CPU kernels are synchronous) and
+   ``torch.cuda.current_stream`` -> a stream whose waits are no-ops (megatron-core 0.19's DDP
+   asks for it before every gradient reduction). About forty
    megatron-core call sites pass ``current_device()`` inline as ``device=`` inside large
    functions, e.g. ``RotaryEmbedding.get_emb`` (moves ``inv_freq`` "to the GPU" on first use),
    the DDP grad buffer (``_ParamAndGradBuffer.__init__``), ``GlobalMemoryBuffer.get_tensor``
@@ -43,6 +45,10 @@ schedules and the fp32 ``get_megatron_optimizer`` (Adam), gradient clipping incl
    The schedule being wrapped, a training step's forward/backward runs under the mode too: each
    torch call pays a Python dispatch (~10-25% on a tiny GPT), CPU runs only.
 
+4. Names a megatron-core version reads but never defines without Transformer Engine
+   (``compat.CPU_BRIDGE_MISSING_NAMES``: 0.16.x's MoE router reads ``te_general_gemm``)
+   are defined as ``None`` while the bridge is on.
+
 A replaced function is swapped in its defining module and in every loaded ``megatron.core``
 module that bound it by name (``from .clip_grads import clip_grad_by_total_norm_fp32``,
 ``l2_norm_impl = local_multi_tensor_l2_norm``), found by identity.
@@ -67,7 +73,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-SUPPORTED_MEGATRON_VERSION = "0.16.1"
+from megatron_zeppelin.megatron.compat import (CPU_BRIDGE_SERIES, check_cpu_bridge,
+                                               cpu_bridge_missing_names, cpu_bridge_redirects)
+
 _CPU = torch.device("cpu")
 
 
@@ -151,6 +159,31 @@ def _cpu_current_device() -> torch.device:
 
 def _cpu_synchronize(device: Any = None) -> None:
     """``torch.cuda.synchronize()`` in CPU mode: nothing runs asynchronously."""
+
+
+class _CpuStream:
+    """``torch.cuda.current_stream()`` in CPU mode: CPU kernels are synchronous, so waiting on
+    and recording events are no-ops (megatron-core 0.19's DDP asks for the stream before every
+    gradient reduction)."""
+
+    def wait_event(self, event: Any = None) -> None:
+        """Nothing to wait for."""
+
+    def wait_stream(self, stream: Any = None) -> None:
+        """Nothing to wait for."""
+
+    def synchronize(self) -> None:
+        """Nothing runs asynchronously."""
+
+    def record_event(self, event: Any = None) -> None:
+        """No event is needed."""
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _cpu_current_stream(device: Any = None) -> _CpuStream:
+    return _CPU_STREAM
 
 
 def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False,
@@ -278,6 +311,7 @@ class _Patch:
 
 
 _APPLIED: list[_Patch] = []
+_DEFINED: list[tuple[Any, str]] = []  # names the bridge defined because the version lacks them
 
 
 def _patch_specs() -> list[tuple[str, str, Callable[[Any], Any]]]:
@@ -287,6 +321,7 @@ def _patch_specs() -> list[tuple[str, str, Callable[[Any], Any]]]:
     return [
         ("torch.cuda", "current_device", lambda _: _cpu_current_device),
         ("torch.cuda", "synchronize", lambda _: _cpu_synchronize),
+        ("torch.cuda", "current_stream", lambda _: _cpu_current_stream),
         (random_mod, "_get_cuda_rng_state", lambda _: _cpu_get_rng_state),
         (random_mod, "_set_cuda_rng_state", lambda _: _cpu_set_rng_state),
         (random_mod, "CudaRNGStatesTracker.add", lambda _: _cpu_tracker_add),
@@ -306,7 +341,7 @@ def _patch_specs() -> list[tuple[str, str, Callable[[Any], Any]]]:
         ("megatron.core.utils", "local_multi_tensor_l2_norm", run_on_cpu),
         ("megatron.core.dist_checkpointing.serialization", "save", run_on_cpu),
         ("megatron.core.dist_checkpointing.serialization", "load", run_on_cpu),
-    ]
+    ] + [(module, path, run_on_cpu) for module, path in cpu_bridge_redirects()]
 
 
 # Imported before patching so that name bindings made at import time are found and swapped.
@@ -330,7 +365,7 @@ def _resolve(module_name: str, path: str) -> tuple[Any, str]:
         owner = getattr(owner, parent)
     if name not in vars(owner):
         raise RuntimeError(f"{module_name}.{path} not found: this bridge targets megatron-core "
-                           f"{SUPPORTED_MEGATRON_VERSION}")
+                           f"{' and '.join('.'.join(map(str, s)) + '.x' for s in CPU_BRIDGE_SERIES)}")
     return owner, name
 
 
@@ -359,11 +394,7 @@ def enable_cpu_mode() -> None:
     """Apply every CPU bridge (module docstring). Idempotent; ``disable_cpu_mode`` undoes it."""
     if _APPLIED:
         return
-    from megatron.core import package_info
-
-    if not package_info.__version__.startswith("0.16."):
-        raise RuntimeError(f"megatron-core {package_info.__version__} is installed; the CPU bridge "
-                           f"targets {SUPPORTED_MEGATRON_VERSION}")
+    check_cpu_bridge()
     for module_name in _MEGATRON_MODULES:
         importlib.import_module(module_name)
     try:
@@ -375,6 +406,11 @@ def enable_cpu_mode() -> None:
             _APPLIED.append(_Patch(owner, name, original, replacement))
             if not isinstance(owner, type) and module_name != "torch.cuda":
                 _APPLIED.extend(_rebind_everywhere(original, replacement))
+        for module_name, name, value in cpu_bridge_missing_names():
+            module = importlib.import_module(module_name)
+            if name not in vars(module):
+                setattr(module, name, value)
+                _DEFINED.append((module, name))
     except Exception:
         disable_cpu_mode()
         raise
@@ -382,6 +418,9 @@ def enable_cpu_mode() -> None:
 
 def disable_cpu_mode() -> None:
     """Restore every object ``enable_cpu_mode`` replaced, including later name bindings."""
+    while _DEFINED:
+        module, name = _DEFINED.pop()
+        delattr(module, name)
     while _APPLIED:
         patch = _APPLIED.pop()
         if getattr(patch.owner, patch.name, None) is patch.replacement:

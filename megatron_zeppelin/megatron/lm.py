@@ -1,69 +1,89 @@
-"""Glue for Megatron-LM's own ``pretrain_gpt.py`` (core_v0.16.1), called by ``patches/``.
+"""Glue for Megatron-LM's own ``pretrain_gpt.py`` (tag core_v0.16.1), called by ``patches/``.
 
-The patch adds four calls to Megatron-LM and nothing else:
+The patch adds four hooks to Megatron-LM, each importing this package only in zeppelin mode
+(or when ``--zeppelin-*`` flags are given), so static mode and other entry points never need it:
 
-* ``extra_args_provider(other)``: ``--context-parallel-mode {static,zeppelin}`` and the
-  ``--zeppelin-*`` options join Megatron-LM's parser;
-* ``adjust_megatron_args(args)`` (first thing in ``validate_args``): in zeppelin mode the
-  ``--context-parallel-size`` ranks become the zeppelin pool and Megatron's own CP runs at 1,
-  so Megatron's data-parallel group is DP x CP and its DDP reduces over all of it;
-* ``select_builder(gpt_builder)``: in zeppelin mode the model is a ``PackedGPTModel`` whose
-  layer spec swaps ``core_attention`` for zeppelin's (a ``TEDotProductAttention`` subclass with
-  ``--transformer-impl transformer_engine``);
-* ``get_batch(data_iterator)``: Megatron's fixed-length samples of the pool's ranks are
-  all-gathered, split at EOD into documents, planned, and each rank gets its linear layout.
+* ``pretrain_gpt.py``'s extra-args provider adds ``--context-parallel-mode {static,zeppelin}``
+  and, when this package is installed, the ``--zeppelin-*`` flags (``args.add_zeppelin_args``);
+  with ``--yaml-cfg`` they are carried into Megatron's YAML namespace;
+* ``validate_args`` / ``validate_yaml`` call ``validate_megatron_lm_args(args)``: every refused
+  feature is named with its alternative (``lm_features.RULES``), the ``PoolLayout`` is built
+  (GPUs per node: ``--zeppelin-gpus-per-node``, else torchrun's local world size); in static
+  mode a ``--zeppelin-*`` flag that would do nothing is refused;
+* ``gpt_builder`` builds whatever model Megatron's own builder chose (MoE, heterogeneous,
+  ``--spec``, RoPE scaling, TE or local layers) as a ``PackedGPTModel`` whose self-attention
+  layers run zeppelin core attention (``zeppelin_gpt_model``);
+* ``get_batch`` returns this rank's share of the micro-batch in the linear layout
+  (``get_batch``, ``lm_batch.py``).
 
-Static mode leaves Megatron-LM untouched (TE / Megatron CP). Megatron-LM keeps its state in
-globals (``get_args``); this glue does the same for the one object it builds, in ``_STATE``.
+Megatron keeps its own CP groups: ``--context-parallel-size`` ranks form a pool, exactly the
+ranks a static CP group would be. So Megatron's data loader, micro-batch count, DDP gradient
+reduction (DP x CP), per-token loss normalisation and checkpoint layout are those of static CP
+with the same flags: the pool loads ``micro-batch-size x seq-length`` tokens per micro-batch and
+each rank holds about ``1/CP`` of them. Only core attention and the batch layout change.
 """
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Iterator
+import sys
+import time
 
 import torch
-import torch.distributed as dist
 
 from megatron_zeppelin import env
-from megatron_zeppelin.config import ConfigError, ModelSpec
-from megatron_zeppelin.megatron import args as cli, train
-from megatron_zeppelin.megatron.groups import new_pool_groups
+from megatron_zeppelin.config import ConfigError, ModelSpec, ZeppelinConfig
+from megatron_zeppelin.megatron import args as cli
+from megatron_zeppelin.megatron.lm_features import refusals
+from megatron_zeppelin.options import dest_of, settings
 from megatron_zeppelin.parallel import PoolLayout
-from megatron_zeppelin.megatron.data import ZeppelinDataIterator
 
-_STATE: dict = {}  # Megatron-LM runs one model per process: its pool, attention state, data
-
-
-def extra_args_provider(other: Callable | None = None) -> Callable:
-    """Megatron-LM's ``extra_args_provider``: zeppelin's flags, then ``other``'s."""
-    def provide(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        cli.add_zeppelin_args(parser, with_mode=True)
-        return other(parser) if other is not None else parser
-
-    return provide
+_STATE: dict = {}  # Megatron-LM runs one model per process: its pool, attention state, planner
 
 
-def adjust_megatron_args(args: argparse.Namespace) -> None:
-    """Zeppelin mode: the CP ranks form the pool; Megatron's own CP runs at 1."""
-    if getattr(args, "context_parallel_mode", "static") != "zeppelin":
+def _zeppelin_defaults() -> dict[str, object]:
+    """``{dest: default}`` of every ``--zeppelin-*`` flag."""
+    return {dest_of(f, cli.ZEPPELIN_PREFIX): f.default
+            for section in (ZeppelinConfig, cli.ZeppelinRuntimeArgs) for f in settings(section)
+            if f.name != "max_seqlen"}
+
+
+def check_megatron_lm_args(args: argparse.Namespace) -> None:
+    """Refuse what the mode cannot honour (ConfigError naming the flag and the alternative);
+    in zeppelin mode set ``args.zeppelin_gpus_per_node`` (the pool layout is valid). ``args``
+    holds plain values only: Megatron saves it in every checkpoint and loads it with
+    ``weights_only=True``."""
+    mode = getattr(args, "context_parallel_mode", "static")
+    if mode != "zeppelin":
+        given = [dest for dest, default in _zeppelin_defaults().items()
+                 if getattr(args, dest, default) != default]
+        if given:
+            flags = ", ".join("--" + d.replace("_", "-") for d in given)
+            verb = "applies" if len(given) == 1 else "apply"
+            raise ConfigError(f"{flags} only {verb} to --context-parallel-mode zeppelin (the mode "
+                              f"is {mode}): drop them or pass --context-parallel-mode zeppelin")
         return
-    if args.pipeline_model_parallel_size != 1:
-        raise ConfigError(f"--pipeline-model-parallel-size={args.pipeline_model_parallel_size}:"
-                          " zeppelin mode runs without pipeline parallelism (expected 1)")
-    if not args.calculate_per_token_loss:
-        raise ConfigError("--context-parallel-mode zeppelin needs --calculate-per-token-loss: "
-                          "ranks hold different token counts, so the loss must be normalised "
-                          "over the tokens of the whole global batch")
-    if getattr(args, "hybrid_context_parallel", False):
-        raise ConfigError("--hybrid-context-parallel and --context-parallel-mode zeppelin "
-                          "are alternatives: pick one")
-    layout = PoolLayout.resolve(args.world_size, args.tensor_model_parallel_size,
-                                args.context_parallel_size, args.zeppelin_gpus_per_node,
-                                env.local_world_size())
-    args.zeppelin_layout = layout
-    args.context_parallel_size = 1
-    args.zeppelin_gpus_per_node = layout.gpus_per_node
-    args.device, args.bf16 = "cuda", getattr(args, "bf16", False)
+    refused = refusals(args)
+    if refused:
+        raise ConfigError(refused[0])
+    args.zeppelin_gpus_per_node = pool_layout(args, env.local_world_size()).gpus_per_node
+
+
+def pool_layout(args: argparse.Namespace, local_world_size: int | None = None) -> PoolLayout:
+    """The pools of Megatron-LM's ``args``: its CP groups (``--context-parallel-size``)."""
+    return PoolLayout.resolve(args.world_size, args.tensor_model_parallel_size,
+                              args.context_parallel_size, args.zeppelin_gpus_per_node,
+                              local_world_size)
+
+
+def validate_megatron_lm_args(args: argparse.Namespace) -> None:
+    """``check_megatron_lm_args`` for Megatron-LM's ``validate_args``: a refused setting is one
+    line on rank 0 and exit status 2 on every rank (no traceback)."""
+    try:
+        check_megatron_lm_args(args)
+    except ConfigError as exc:
+        if getattr(args, "rank", 0) == 0:
+            print(f"megatron-zeppelin: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def _model_spec(args: argparse.Namespace) -> ModelSpec:
@@ -72,97 +92,90 @@ def _model_spec(args: argparse.Namespace) -> ModelSpec:
                      num_query_groups=args.num_query_groups if args.group_query_attention
                      else None, ffn_hidden_size=args.ffn_hidden_size,
                      kv_channels=args.kv_channels, vocab_size=args.padded_vocab_size,
-                     swiglu=args.swiglu)
+                     swiglu=args.swiglu, bytes_per_element=2 if args.bf16 or args.fp16 else 4,
+                     num_experts=args.num_experts, moe_router_topk=args.moe_router_topk)
 
 
 def _state(args: argparse.Namespace) -> dict:
-    """Pool groups, cost model and attention state, built once after Megatron's init."""
-    if not _STATE:
-        layout = args.zeppelin_layout
-        pool = new_pool_groups(layout)
-        cost = train.make_cost_model(args, _model_spec(args), layout)
-        _STATE.update(pool=pool, cost=cost, attention=train.build_state(args, pool, cost),
-                      planner=train.make_planner(args, cost, layout), iterators={})
+    """Pool groups, cost model, attention state and planner, built once after Megatron's init
+    (every rank creates every pool's groups, in the same order)."""
+    if _STATE:
+        return _STATE
+    from megatron.core import parallel_state
+
+    from megatron_zeppelin.megatron import train
+    from megatron_zeppelin.megatron.groups import new_pool_groups
+    from megatron_zeppelin.megatron.lm_batch import PoolStats
+
+    layout = pool_layout(args)
+    pool = new_pool_groups(layout)
+    megatron_cp = parallel_state.get_context_parallel_global_ranks()
+    mine = layout.pool_ranks(*layout.position(torch.distributed.get_rank())[::2])
+    if list(megatron_cp) != mine:
+        raise ConfigError(f"Megatron's CP group of this rank is {list(megatron_cp)}, the zeppelin "
+                          f"pool {mine}: zeppelin needs Megatron's default rank order (TP, CP, "
+                          "DP innermost first; drop --use-tp-pp-dp-mapping)")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    options = argparse.Namespace(**{**vars(args), "device": device})  # Megatron has no --device
+    cost = train.make_cost_model(options, _model_spec(args), layout)
+    _STATE.update(pool=pool, attention=train.build_state(options, pool, cost),
+                  planner=train.make_planner(args, cost, layout), stats=PoolStats(), device=device)
     return _STATE
 
 
-def select_builder(default_builder: Callable) -> Callable:
-    """The model builder for Megatron-LM's ``model_provider``: zeppelin's in zeppelin mode."""
-    def build(args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
-        if getattr(args, "context_parallel_mode", "static") != "zeppelin":
-            return default_builder(args, pre_process, post_process, vp_stage, config=config,
-                                   pg_collection=pg_collection)
-        return zeppelin_gpt_builder(args, config, pg_collection)
-
-    return build
-
-
-def zeppelin_gpt_builder(args, config=None, pg_collection=None):
-    """A ``PackedGPTModel`` (RoPE by in-document position) with zeppelin core attention."""
-    from megatron.training.arguments import core_transformer_config_from_args
-
+def zeppelin_gpt_model(args: argparse.Namespace, transformer_layer_spec):
+    """``(model class, layer spec)`` for Megatron-LM's ``gpt_builder`` in zeppelin mode: the
+    spec Megatron chose with every core attention swapped, built as a ``PackedGPTModel`` (same
+    constructor as ``GPTModel``, RoPE by position id on packed batches)."""
     from megatron_zeppelin.megatron.packing import PackedGPTModel
-    from megatron_zeppelin.megatron.spec import get_gpt_layer_zeppelin_spec
+    from megatron_zeppelin.megatron.spec import swap_core_attention
 
-    if args.position_embedding_type not in ("rope", "yarn"):
-        raise ConfigError(f"--position-embedding-type {args.position_embedding_type}: zeppelin "
-                          "mode needs rope (positions restart in every document)")
-    config = config or core_transformer_config_from_args(args)
-    spec = get_gpt_layer_zeppelin_spec(_state(args)["attention"],
-                                       use_te=args.transformer_impl == "transformer_engine",
-                                       normalization=args.normalization,
-                                       qk_layernorm=args.qk_layernorm)
-    return PackedGPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
-        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
-        pg_collection=pg_collection)
+    where = f"--spec {' '.join(args.spec)}" if getattr(args, "spec", None) else \
+        "Megatron's GPT layer spec"
+    spec = swap_core_attention(transformer_layer_spec, _state(args)["attention"], where)
+    return PackedGPTModel, spec
 
 
-def documents_of_samples(text: torch.Tensor, eod: int) -> list[torch.Tensor]:
-    """Samples ``[n, seq + 1]`` -> documents: each sample split after every EOD token."""
-    docs = []
-    for sample in text:
-        ends = (sample == eod).nonzero().flatten().tolist()
-        start = 0
-        for end in [e + 1 for e in ends] + [sample.numel()]:
-            if end > start:
-                docs.append(sample[start:end])
-                start = end
-    return docs
+def _log_every(args: argparse.Namespace) -> int:
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-
-def _pool_documents(data_iterator, pool, eod: int) -> Iterator[list[torch.Tensor]]:
-    """The pool's micro-batch: every rank's Megatron samples, all-gathered, as documents."""
-    from megatron.training.utils import get_batch_on_this_tp_rank
-
-    while True:
-        batch = get_batch_on_this_tp_rank(data_iterator)
-        text = torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1).contiguous()
-        parts = [torch.empty_like(text) for _ in range(pool.size)]
-        dist.all_gather(parts, text, group=pool.group)
-        yield documents_of_samples(torch.cat(parts).cpu(), eod)
+    return max(1, getattr(args, "log_interval", 1) * get_num_microbatches())
 
 
 def get_batch(data_iterator, vp_stage=None):
     """Megatron-LM's ``get_batch`` in zeppelin mode: (tokens, labels, loss_mask,
-    attention_mask=None, position_ids, packed_seq_params) of this rank's linear layout."""
+    attention_mask=None, position_ids, packed_seq_params) of this rank's linear layout.
+
+    Every rank of the pool reads the same micro-batch (Megatron's data loader, as for static
+    CP), splits it into the sequences Megatron's attention mask describes, plans them (the same
+    plan on every rank) and keeps its own pieces. One host copy of the token ids per
+    micro-batch finds the sequence boundaries.
+    """
     from megatron.training import get_args, get_tokenizer
+
+    from megatron_zeppelin.megatron.compat import batch_on_this_tp_rank
+    from megatron_zeppelin.megatron.lm_batch import linear_batch, sample_sequences
 
     args = get_args()
     state = _state(args)
-    key = id(data_iterator)
-    if key not in state["iterators"]:
-        docs = _pool_documents(data_iterator, state["pool"], get_tokenizer().eod)
-        state["iterators"][key] = ZeppelinDataIterator(docs, state["planner"],
-                                                       state["pool"].rank, device="cuda")
-    batch = next(state["iterators"][key])
+    fields = batch_on_this_tp_rank(data_iterator)
+    cu_seqlens = fields.get("cu_seqlens")
+    lengths = sample_sequences(fields["tokens"].cpu(), get_tokenizer().eod,
+                               args.reset_attention_mask,
+                               None if cu_seqlens is None else cu_seqlens.cpu())
+    started = time.perf_counter()
+    plan = state["planner"](lengths)
+    seconds = time.perf_counter() - started
+    pad = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    batch = linear_batch(fields, plan, state["pool"].rank, lengths, pad_multiple=pad,
+                         max_position=args.seq_length)
+    stats = state["stats"]
+    stats.add(batch, seconds)
+    if args.rank == 0 and stats.micro_batches % _log_every(args) == 0:
+        print(stats.summary(), flush=True)
     return (batch.tokens, batch.labels, batch.loss_mask, None, batch.position_ids,
             batch.packed_seq_params)
 
 
-__all__ = ["extra_args_provider", "adjust_megatron_args", "select_builder", "get_batch",
-           "documents_of_samples"]
+__all__ = ["check_megatron_lm_args", "validate_megatron_lm_args", "zeppelin_gpt_model",
+           "get_batch"]

@@ -43,6 +43,25 @@ from megatron_zeppelin.plan import Plan, Segment
 QKV_FORMAT = "sbhd"
 
 
+class OneRankGroup:
+    """What RoPE reads of a context-parallel group (``size()``, ``rank()``): one rank.
+
+    ``RotaryEmbedding.forward`` slices its table for Megatron's CP when the group it is given
+    has more than one rank; zeppelin-packed batches carry this group so that the table stays
+    whole (each rank gathers its tokens' rows by position id). It is not a process group:
+    a collective on it fails loudly.
+    """
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+ONE_RANK_GROUP = OneRankGroup()
+
+
 @dataclass
 class ZeppelinPackedSeqParams(PackedSeqParams):
     """Packed pieces of documents on one rank, in buffer order (Megatron's ``PackedSeqParams``).
@@ -53,12 +72,17 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
         bound on every piece length and the RoPE table length.
     plan / rank: the zeppelin plan and the rank whose linear layout this is (None for a local
         packed batch of whole documents).
+    pad_tokens: tokens appended after the last piece (sequence parallelism needs a multiple of
+        TP); they belong to no sequence, carry no loss and skip core attention.
+    cp_group: a one-rank group, so that RoPE is never sliced for Megatron's own CP (in
+        Megatron-LM's zeppelin mode Megatron keeps its CP groups: they are the pools).
     qkv_format is always ``'sbhd'``: q/k/v stay ``[tokens, 1, heads, head_dim]``.
     """
 
     segments: tuple[Segment, ...] = ()
     plan: Optional[Plan] = None
     rank: Optional[int] = None
+    pad_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.qkv_format != QKV_FORMAT:
@@ -66,9 +90,14 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
                              f"Megatron's {QKV_FORMAT!r} layout with batch 1")
         if not self.segments:
             raise ValueError("segments=() is invalid: a packed buffer needs at least one piece")
+        if self.pad_tokens < 0:
+            raise ValueError(f"pad_tokens={self.pad_tokens} is invalid: expected >= 0")
+        if self.cp_group is None:
+            self.cp_group = ONE_RANK_GROUP
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of the pieces (padding excluded)."""
         return sum(s.length for s in self.segments)
 
     @property
@@ -98,19 +127,24 @@ def position_ids_from_segments(segments: Sequence[Segment],
 def packed_seq_params_from_segments(segments: Sequence[Segment], *,
                                     device: torch.device | str = "cpu",
                                     plan: Optional[Plan] = None,
-                                    rank: Optional[int] = None) -> ZeppelinPackedSeqParams:
-    """Build the packed params of a buffer made of ``segments`` (pieces in buffer order)."""
+                                    rank: Optional[int] = None, pad_tokens: int = 0,
+                                    max_position: Optional[int] = None
+                                    ) -> ZeppelinPackedSeqParams:
+    """Build the packed params of a buffer made of ``segments`` (pieces in buffer order) and
+    ``pad_tokens`` trailing pad tokens. ``max_position``: the RoPE table length, at least the
+    largest ``end`` (pass a larger one when position ids are not in-piece offsets, e.g.
+    Megatron-LM's position ids without ``--reset-position-ids``)."""
     segments = tuple(segments)
     _check_segments(segments)
     bounds = [0]
     for seg in segments:
         bounds.append(bounds[-1] + seg.length)
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
-    max_position = max(s.end for s in segments)
+    max_position = max([s.end for s in segments] + [max_position or 0])
     return ZeppelinPackedSeqParams(
         qkv_format=QKV_FORMAT, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
         max_seqlen_q=max_position, max_seqlen_kv=max_position,
-        segments=segments, plan=plan, rank=rank)
+        segments=segments, plan=plan, rank=rank, pad_tokens=pad_tokens)
 
 
 def packed_seq_params_for_documents(lengths: Sequence[int], *,
@@ -123,12 +157,15 @@ def packed_seq_params_for_documents(lengths: Sequence[int], *,
         [Segment(i, 0, length) for i, length in enumerate(lengths)], device=device)
 
 
-def packed_seq_params_for_rank(plan: Plan, rank: int, *,
-                               device: torch.device | str = "cpu") -> ZeppelinPackedSeqParams:
+def packed_seq_params_for_rank(plan: Plan, rank: int, *, device: torch.device | str = "cpu",
+                               pad_tokens: int = 0, max_position: Optional[int] = None
+                               ) -> ZeppelinPackedSeqParams:
     """Packed params of ``plan.linear[rank]``: the rank's token-balanced linear layout."""
     if not 0 <= rank < len(plan.linear):
         raise ValueError(f"rank={rank} is invalid: the plan has {len(plan.linear)} ranks")
-    return packed_seq_params_from_segments(plan.linear[rank], device=device, plan=plan, rank=rank)
+    return packed_seq_params_from_segments(plan.linear[rank], device=device, plan=plan,
+                                           rank=rank, pad_tokens=pad_tokens,
+                                           max_position=max_position)
 
 
 def gather_rotary_pos_emb(table: Tensor, position_ids: Tensor) -> Tensor:
@@ -158,21 +195,35 @@ class PackedGPTModel(GPTModel):
 
     With ``packed_seq_params`` a ``ZeppelinPackedSeqParams``, ``forward(input_ids [1, tokens],
     position_ids [1, tokens], attention_mask=None, ..., packed_seq_params=params)`` rotates token
-    ``i`` by ``position_ids[0, i]`` (see the module docstring). Any other call is plain
-    ``GPTModel``. Multi-latent attention and mRoPE build their rotary inputs elsewhere and are
-    refused.
+    ``i`` by ``position_ids[0, i]`` (see the module docstring); learned absolute position
+    embeddings read the same ``position_ids``. Any other call is plain ``GPTModel``.
+    Multi-latent attention and mRoPE build their rotary inputs elsewhere and are refused.
+    Megatron's own CP size may be > 1 (Megatron-LM keeps its CP groups as the zeppelin pools):
+    zeppelin-packed params carry a one-rank ``cp_group`` so RoPE is not sliced for it.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.config.multi_latent_attention or self.position_embedding_type == "mrope":
-            raise ValueError("PackedGPTModel supports position_embedding_type 'rope'/'yarn' "
-                             f"without MLA; got {self.position_embedding_type!r}, "
+            raise ValueError("PackedGPTModel supports position_embedding_type 'rope'/'yarn'/"
+                             "'learned_absolute'/'none' without MLA; got "
+                             f"{self.position_embedding_type!r}, "
                              f"multi_latent_attention={self.config.multi_latent_attention}")
-        cp_size = self.pg_collection.cp.size() if self.pg_collection.cp is not None else 1
-        if cp_size != 1:
-            raise ValueError(f"Megatron context_parallel_size={cp_size}: zeppelin packing runs "
-                             "with Megatron CP 1 (the zeppelin group is the data-parallel group)")
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
+                *args: Any, packed_seq_params: PackedSeqParams = None,
+                padding_mask: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
+        """GPTModel's forward. On a zeppelin-packed batch MoE routing gets ``padding_mask``
+        ``[1, tokens]`` (True on the pad tokens) unless the caller passed one: with a mask,
+        Megatron's router counts the pool's tokens by all-reducing them instead of assuming
+        every rank holds as many as this one, which the linear layout does not promise."""
+        if (padding_mask is None and isinstance(packed_seq_params, ZeppelinPackedSeqParams)
+                and self.config.num_moe_experts):
+            padding_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+            padding_mask[:, padding_mask.shape[1] - packed_seq_params.pad_tokens:] = True
+        return super().forward(input_ids, position_ids, attention_mask, *args,
+                               packed_seq_params=packed_seq_params, padding_mask=padding_mask,
+                               **kwargs)
 
     def _preprocess(self, input_ids: Tensor, position_ids: Tensor, decoder_input: Tensor = None,
                     inference_context: Any = None, packed_seq_params: PackedSeqParams = None,

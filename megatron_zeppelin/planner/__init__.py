@@ -12,6 +12,7 @@ from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.baselines import (plan_hybrid_dp, plan_megatron_hybrid_cp,
                                                  plan_static_cp)
+from megatron_zeppelin.planner import dynamic_cp
 from megatron_zeppelin.planner.zeppelin import plan_zeppelin
 
 STRATEGIES: dict[str, Callable[..., Plan]] = {
@@ -20,6 +21,8 @@ STRATEGIES: dict[str, Callable[..., Plan]] = {
     "hybrid-dp": plan_hybrid_dp,
     "megatron-hybrid-cp": plan_megatron_hybrid_cp,
 }
+if dynamic_cp.available():  # Megatron's dynamic CP, where the installed megatron-core has it
+    STRATEGIES[dynamic_cp.NAME] = dynamic_cp.plan_megatron_dynamic_cp
 
 
 def make_plan(strategy: str, seqlens: Sequence[int], cost: CostModel,

@@ -159,6 +159,14 @@ def plan_megatron_hybrid_cp(seqlens: Sequence[int], cost: CostModel,
     scheduler = BalancedCPScheduler(max_seq_len_per_rank=per_rank,
                                     dp_cp_group=_PoolGroup(topo.world_size))
     _, id_groups = scheduler.get_groups_and_subsamples(list(enumerate(batch.seqlens)), None)
+    return plan_from_waves("megatron-hybrid-cp", batch, id_groups)
+
+
+def plan_from_waves(name: str, batch: Batch, id_groups: Sequence[Sequence[Sequence[int]]]
+                    ) -> Plan:
+    """A plan from a Megatron scheduler's groups: ``id_groups[wave][rank]`` lists the sample
+    ids rank ``rank`` works on in that wave; the ranks sharing a sample form its ring."""
+    topo = batch.topology
     tasks: list[AttentionTask | None] = [None] * len(batch.seqlens)
     for wave, per_rank in enumerate(id_groups):
         members: dict[int, list[int]] = {}
@@ -167,16 +175,15 @@ def plan_megatron_hybrid_cp(seqlens: Sequence[int], cost: CostModel,
                 members.setdefault(sid, []).append(rank)
         for sid, ranks in members.items():
             if tasks[sid] is not None:
-                raise RuntimeError(f"BalancedCPScheduler placed sample {sid} in two groups")
+                raise RuntimeError(f"{name}: the scheduler placed sample {sid} in two groups")
             if len(ranks) > 1 and batch.seqlens[sid] < 2 * len(ranks):
                 ranks = ranks[:max(1, batch.seqlens[sid] // 2)]  # TE pads; see the docstring
             tasks[sid] = _task(topo, sid, sorted(ranks), wave)
     missing = [i for i, t in enumerate(tasks) if t is None]
     if missing:
-        raise RuntimeError(f"BalancedCPScheduler left samples {missing[:8]} unscheduled")
-    plan = assemble("megatron-hybrid-cp", batch, tasks, None)
+        raise RuntimeError(f"{name}: the scheduler left samples {missing[:8]} unscheduled")
+    plan = assemble(name, batch, tasks, None)
     # Megatron runs every sub-sample as its own micro-batch, so what it bounds is tokens per
     # sub-sample (max_seqlen_per_rank), not per rank and wave: record the peak it reached.
     peak = max(max(per_rank) for per_rank in wave_tokens(plan))
     return dataclasses.replace(plan, capacity=max(plan.capacity, peak))
-

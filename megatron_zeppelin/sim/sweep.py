@@ -65,6 +65,9 @@ VARIANTS: dict[str, Variant] = {v.label: v for v in (
     Variant("hybrid-dp", "hybrid-dp", description="fewest ranks per document, greedy"),
     Variant("megatron-hybrid-cp", "megatron-hybrid-cp",
             description="megatron-core BalancedCPScheduler groups, one wave each"),
+    Variant("megatron-dynamic-cp", "megatron-dynamic-cp",
+            description="megatron-core DefaultDynamicCPScheduler groups, one wave each (only "
+            "where the installed megatron-core has it)"),
 )}
 DEFAULT_VARIANTS = ("zeppelin", "zeppelin-no-routing", "zeppelin-no-remap", "static-cp",
                     "hybrid-dp", "megatron-hybrid-cp")
@@ -234,6 +237,12 @@ def run_setting(setting: Setting, variants: Sequence[Variant],
     results, skipped = [], []
     for variant in variants:
         longest = max(len(b) for b in batches)
+        if variant.strategy not in STRATEGIES:
+            skipped.append((variant.label, "the installed megatron-core has no "
+                            f"{variant.strategy} scheduler"))
+            if tick:
+                tick()
+            continue
         if variant.strategy == "megatron-hybrid-cp" and longest > max_megatron_sequences:
             skipped.append((variant.label, f"{longest} documents per batch > "
                             f"{max_megatron_sequences}: BalancedCPScheduler too slow"))

@@ -1,0 +1,115 @@
+"""megatron-core and Megatron-LM version differences, in one place.
+
+Supported: megatron-core ``>= 0.16.1, < 0.20`` (``setup.py`` pins this range; CI tests the floor,
+0.16.1, the newest release for Python 3.11). What differs across that range and where it is
+handled:
+
+* The CPU bridge (``cpu.py``) replaces megatron-core functions by name; its targets exist in
+  0.16.x and 0.19.x (``CPU_BRIDGE_SERIES``; 0.19's DDP also asks for
+  ``torch.cuda.current_stream``, which the bridge stands in for, and
+  ``MegatronOptimizer.has_grad_norm_group`` makes a tensor on "cuda": ``CPU_BRIDGE_REDIRECTS``).
+  Other versions run on GPUs
+  only: ``check_cpu_bridge`` refuses them by version instead of failing inside megatron-core.
+* Megatron-LM's ``get_batch_on_this_tp_rank``: at core_v0.16.1 it lives in
+  ``megatron.training.utils`` and reads the data iterator itself; later tags moved it to
+  ``megatron.core.utils`` with a different signature. ``batch_on_this_tp_rank`` is the one call
+  site; the Megatron-LM patch exists for core_v0.16.1 only (``patches/``).
+* Everything else the package uses (``GPTModel._preprocess``/``forward`` with ``padding_mask``,
+  ``PackedSeqParams.cp_group``, ``SelfAttention``'s core-attention constructor, layer specs as
+  ``ModuleSpec``, ``BalancedCPScheduler``) has the same interface in 0.16.1 and 0.19.2 (read in
+  both sources; 0.19.2's GPU run of ``scripts/pretrain_gpt.py`` is recorded in
+  ``docs/megatron-lm.md``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_zeppelin.errors import ConfigError
+
+MEGATRON_CORE_MIN = (0, 16, 1)
+MEGATRON_CORE_BELOW = (0, 20, 0)
+CPU_BRIDGE_SERIES = ((0, 16), (0, 19))  # release series the CPU bridge is tested on
+MEGATRON_LM_PATCHED = ("0.16.1",)
+# 0.16.x's MoE router reads te_general_gemm, imported only with TE (0.19 sets it to None): an
+# MoE model without TE fails with NameError in 0.16.x on GPUs too (use TE or 0.19)
+CPU_BRIDGE_MISSING_NAMES = (
+    ((0, 16), "megatron.core.transformer.moe.moe_utils", "te_general_gemm", None),
+)
+# functions with literal CUDA devices that exist only in some series: (series, module, path)
+CPU_BRIDGE_REDIRECTS = (
+    ((0, 19), "megatron.core.optimizer.optimizer", "MegatronOptimizer.has_grad_norm_group"),
+)  # versions of Megatron-LM with a patch in patches/
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """``'0.19.2'`` / ``'0.16.0rc0.dev1'`` -> ``(0, 19, 2)`` / ``(0, 16, 0)``."""
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        parts.append(int(digits or 0))
+    return tuple((parts + [0, 0, 0])[:3])
+
+
+def megatron_core_version() -> tuple[int, int, int]:
+    from megatron.core import package_info
+
+    return parse_version(package_info.__version__)
+
+
+def _show(version: tuple[int, ...]) -> str:
+    return ".".join(str(v) for v in version)
+
+
+def check_megatron_core(version: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+    """The installed megatron-core version, or ConfigError when it is outside the range."""
+    version = version or megatron_core_version()
+    if not MEGATRON_CORE_MIN <= version < MEGATRON_CORE_BELOW:
+        raise ConfigError(f"megatron-core {_show(version)} is installed; megatron-zeppelin "
+                          f"supports >= {_show(MEGATRON_CORE_MIN)}, < "
+                          f"{_show(MEGATRON_CORE_BELOW)}")
+    return version
+
+
+def check_cpu_bridge(version: tuple[int, int, int] | None = None) -> None:
+    """RuntimeError unless the CPU bridge's targets exist in this megatron-core."""
+    version = check_megatron_core(version)
+    if version[:2] not in CPU_BRIDGE_SERIES:
+        series = " and ".join(f"{_show(s)}.x" for s in CPU_BRIDGE_SERIES)
+        raise RuntimeError(f"megatron-core {_show(version)} is installed; the CPU bridge "
+                           f"(--device cpu) targets {series}: train on a GPU or install "
+                           "megatron-core 0.16.1")
+
+
+def cpu_bridge_redirects(version: tuple[int, int, int] | None = None) -> list[tuple[str, str]]:
+    """(module, attribute path) of this version's extra functions to run under the bridge's
+    CUDA-to-CPU device redirect."""
+    series = (version or megatron_core_version())[:2]
+    return [(module, path) for s, module, path in CPU_BRIDGE_REDIRECTS if s == series]
+
+
+def cpu_bridge_missing_names(version: tuple[int, int, int] | None = None
+                             ) -> list[tuple[str, str, Any]]:
+    """(module, name, value) that this version reads but leaves undefined without TE."""
+    series = (version or megatron_core_version())[:2]
+    return [(module, name, value) for s, module, name, value in CPU_BRIDGE_MISSING_NAMES
+            if s == series]
+
+
+def batch_on_this_tp_rank(data_iterator: Any) -> dict:
+    """Megatron-LM's micro-batch on this TP rank (read by TP rank 0, broadcast to the others):
+    ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ``[samples, seq]`` and, for packed
+    SFT samples, ``cu_seqlens``."""
+    from megatron.training import utils
+
+    fetch = getattr(utils, "get_batch_on_this_tp_rank", None)
+    if fetch is None:
+        from megatron.core import package_info
+
+        raise ConfigError(f"this Megatron-LM (megatron-core {package_info.__version__}) has no "
+                          "megatron.training.utils.get_batch_on_this_tp_rank; zeppelin's "
+                          f"Megatron-LM patch exists for {', '.join(MEGATRON_LM_PATCHED)}")
+    return fetch(data_iterator)

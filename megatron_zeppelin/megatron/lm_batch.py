@@ -1,0 +1,143 @@
+"""Megatron-LM's micro-batch -> this rank's share of it in zeppelin's linear layout.
+
+In Megatron-LM's zeppelin mode every rank of a pool (Megatron's CP group) loads the same
+micro-batch, as in static CP: ``micro-batch-size`` samples of ``seq-length`` tokens with the
+fields Megatron's datasets make (``tokens``, ``labels``, ``loss_mask``, ``position_ids``, and
+``cu_seqlens`` for packed SFT samples). Static CP splits every sample over the CP ranks; zeppelin
+plans the micro-batch's *sequences* over the pool and each rank takes ``Plan.linear[rank]``.
+
+The sequences attention runs on are those Megatron's own attention mask describes:
+
+* ``cu_seqlens`` given (``--sft`` packing): its segments;
+* ``--reset-attention-mask``: each sample split after every end-of-document token (what
+  ``GPTDataset`` masks);
+* otherwise: each whole sample is one causal sequence (Megatron's default).
+
+Labels, loss mask and position ids are Megatron's, sliced along with the tokens: the label of a
+piece's last token is the next token of its sequence even when another rank holds that token,
+prompts and padding keep their zero loss mask (SFT), ``--eod-mask-loss`` and
+``--reset-position-ids`` keep their meaning. With sequence parallelism a rank's token count is
+padded to a multiple of TP; pad tokens carry loss mask 0 and skip core attention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from megatron_zeppelin.megatron.packing import ZeppelinPackedSeqParams, packed_seq_params_for_rank
+from megatron_zeppelin.plan import Plan
+
+FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def sample_sequences(tokens: Tensor, eod: int, split_at_eod: bool,
+                     cu_seqlens: Optional[Tensor] = None) -> list[int]:
+    """Sequence lengths of a micro-batch, sample by sample (in token order).
+
+    tokens: host ``[samples, seq]`` int; cu_seqlens: host ``[n + 1]`` or ``[1, n + 1]`` int
+    boundaries of the packed sequences of a single sample (``--sft``), covering all its tokens.
+    """
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens shape {tuple(tokens.shape)} is invalid: expected "
+                         "[micro-batch-size, seq-length]")
+    samples, seq = tokens.shape
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.reshape(-1).tolist()
+        if samples != 1 or bounds[0] != 0 or bounds[-1] != seq or \
+                any(b <= a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"cu_seqlens {bounds} do not cover one sample of {seq} tokens "
+                             f"(micro-batch of {samples}) in increasing order")
+        return [b - a for a, b in zip(bounds, bounds[1:])]
+    if not split_at_eod:
+        return [seq] * samples
+    lengths = []
+    for row in tokens:
+        ends = (row == eod).nonzero().flatten().tolist()
+        start = 0
+        for end in [e + 1 for e in ends] + [seq]:
+            if end > start:
+                lengths.append(end - start)
+                start = end
+    return lengths
+
+
+def linear_index(plan: Plan, rank: int, lengths: Sequence[int]) -> Tensor:
+    """Host int64 ``[tokens]``: positions in the flattened micro-batch of ``rank``'s linear
+    pieces, in buffer order (``lengths``: the planned documents, in token order)."""
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    pieces = []
+    for seq, start, end in plan.linear[rank]:
+        doc, offset, _ = plan.sources[seq]
+        base = starts[doc] + offset
+        pieces.append(torch.arange(base + start, base + end, dtype=torch.int64))
+    return torch.cat(pieces)
+
+
+@dataclass(frozen=True)
+class LinearBatch:
+    """One rank's micro-batch in Megatron's layout with batch 1: ``tokens``, ``labels``,
+    ``position_ids`` ``[1, tokens + pad]`` int64, ``loss_mask`` ``[1, tokens + pad]`` float."""
+
+    tokens: Tensor
+    labels: Tensor
+    loss_mask: Tensor
+    position_ids: Tensor
+    packed_seq_params: ZeppelinPackedSeqParams
+
+    @property
+    def pad_tokens(self) -> int:
+        return self.packed_seq_params.pad_tokens
+
+
+def linear_batch(fields: Mapping[str, Tensor], plan: Plan, rank: int, lengths: Sequence[int],
+                 pad_multiple: int = 1, max_position: Optional[int] = None) -> LinearBatch:
+    """Cut ``rank``'s linear layout out of Megatron's micro-batch ``fields`` (``[samples,
+    seq]`` tensors, any device) and pad it to a multiple of ``pad_multiple`` tokens."""
+    index = linear_index(plan, rank, lengths)
+    pad = -index.numel() % pad_multiple
+    device = fields["tokens"].device
+    index = index.to(device, non_blocking=True)
+    out = {}
+    for name in FIELDS:
+        flat = fields[name].reshape(-1)
+        if flat.numel() != sum(lengths):
+            raise ValueError(f"batch field {name!r} holds {flat.numel()} tokens, the planned "
+                             f"sequences {sum(lengths)}")
+        taken = flat.index_select(0, index)
+        out[name] = torch.cat([taken, taken.new_zeros(pad)]).unsqueeze(0)
+    params = packed_seq_params_for_rank(plan, rank, device=device, pad_tokens=pad,
+                                        max_position=max_position)
+    return LinearBatch(out["tokens"], out["labels"], out["loss_mask"], out["position_ids"],
+                       params)
+
+
+@dataclass
+class PoolStats:
+    """What this rank's zeppelin batches held so far (nothing is padded silently)."""
+
+    micro_batches: int = 0
+    tokens: int = 0
+    pad_tokens: int = 0
+    max_tokens: int = 0
+    plan_seconds: float = 0.0
+
+    def add(self, batch: LinearBatch, plan_seconds: float) -> None:
+        real = batch.packed_seq_params.num_tokens
+        self.micro_batches += 1
+        self.tokens += real
+        self.pad_tokens += batch.pad_tokens
+        self.max_tokens = max(self.max_tokens, real + batch.pad_tokens)
+        self.plan_seconds += plan_seconds
+
+    def summary(self) -> str:
+        n = max(1, self.micro_batches)
+        share = self.pad_tokens / max(1, self.tokens + self.pad_tokens)
+        return (f"zeppelin: {self.micro_batches} micro-batches on this rank, tokens per "
+                f"micro-batch mean {self.tokens / n:.0f} max {self.max_tokens}, sequence-"
+                f"parallel pad tokens {self.pad_tokens} ({100 * share:.2f}%), planning "
+                f"{1000 * self.plan_seconds / n:.2f} ms per micro-batch")

@@ -1,0 +1,143 @@
+"""Which Megatron-LM features zeppelin mode supports, and how the others are refused.
+
+One table, ``RULES``: each ``Rule`` names a Megatron-LM flag, when its value is refused in
+``--context-parallel-mode zeppelin`` and what to use instead. ``refusals(args)`` returns one
+message per refused setting (``lm.validate_megatron_lm_args`` raises on the first);
+``docs/megatron-lm.md`` shows the same table (a test checks that every flag here is named there).
+Supported features need no rule: they run through Megatron's own code (the builder, the data
+pipeline, the optimizer) with only core attention and the batch layout changed (``lm.py``).
+
+Values are read with ``getattr(args, name, default)``: Megatron-LM's experimental ``--yaml-cfg``
+namespace may lack keys its parser would have defaulted. Standard library only.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``flag`` (the Megatron-LM flag), ``name`` (its ``args`` attribute), ``default`` (its
+    parser default), ``refused(value, args)`` and the ``alternative`` the message offers."""
+
+    flag: str
+    name: str
+    default: Any
+    refused: Callable[[Any, argparse.Namespace], bool]
+    reason: str
+    alternative: str
+
+    def check(self, args: argparse.Namespace) -> str | None:
+        value = getattr(args, self.name, self.default)
+        if not self.refused(value, args):
+            return None
+        return (f"{self.flag}={_show(value)} is not supported with --context-parallel-mode "
+                f"zeppelin: {self.reason}; {self.alternative}")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return " ".join(str(v) for v in value)
+    return str(getattr(value, "name", value))
+
+
+def _set(value: Any, args: argparse.Namespace) -> bool:
+    return value not in (None, False, 0, [], ())
+
+
+def _get(args: argparse.Namespace, name: str, default: Any) -> Any:
+    return getattr(args, name, default)
+
+
+STATIC_ONLY = "use --context-parallel-mode static for it"
+
+RULES: tuple[Rule, ...] = (
+    Rule("--pipeline-model-parallel-size", "pipeline_model_parallel_size", 1,
+         lambda v, a: v > 1, "pipeline parallelism is not implemented for zeppelin pools "
+         "(design note: docs/megatron-lm.md#pipeline-parallelism)",
+         "use --pipeline-model-parallel-size 1 or --context-parallel-mode static"),
+    Rule("--calculate-per-token-loss", "calculate_per_token_loss", False,
+         lambda v, a: not v, "ranks of a pool hold different token counts, so the loss must be "
+         "normalised over the tokens of the whole global batch", "pass --calculate-per-token-loss"),
+    Rule("--attention-dropout", "attention_dropout", 0.1, lambda v, a: v > 0.0,
+         "zeppelin attention has no dropout (Megatron-LM's default is 0.1)",
+         "pass --attention-dropout 0.0"),
+    Rule("--position-embedding-type", "position_embedding_type", "learned_absolute",
+         lambda v, a: v in ("mrope", "relative"), "only rope, yarn, learned_absolute and none "
+         "position embeddings take per-token positions", STATIC_ONLY),
+    Rule("--hybrid-context-parallel", "hybrid_context_parallel", False, _set,
+         "Megatron's hybrid CP and zeppelin are alternative schedulers", "pick one of the two"),
+    Rule("--hierarchical-context-parallel-sizes", "hierarchical_context_parallel_sizes", None,
+         _set, "the planner chooses each sequence's ring and tier itself",
+         "drop the flag (set --zeppelin-gpus-per-node for the node size)"),
+    Rule("--cp-comm-type", "cp_comm_type", ["p2p"],
+         lambda v, a: list(v if isinstance(v, (list, tuple)) else [v]) != ["p2p"],
+         "it selects static CP's attention communication", STATIC_ONLY),
+    Rule("--multi-latent-attention", "multi_latent_attention", False, _set,
+         "zeppelin core attention implements standard (GQA) attention", STATIC_ONLY),
+    Rule("--experimental-attention-variant", "experimental_attention_variant", None, _set,
+         "zeppelin core attention implements standard (GQA) attention", STATIC_ONLY),
+    Rule("--window-size", "window_size", None, _set,
+         "zeppelin attention is full causal attention", STATIC_ONLY),
+    Rule("--softmax-type", "softmax_type", "vanilla", lambda v, a: v != "vanilla",
+         "zeppelin attention uses the vanilla softmax", STATIC_ONLY),
+    Rule("--mtp-num-layers", "mtp_num_layers", None, _set,
+         "multi-token prediction shifts labels across the linear layout's pieces", STATIC_ONLY),
+    Rule("--use-legacy-models", "use_legacy_models", False, _set,
+         "the zeppelin model is a megatron-core GPTModel", "drop --use-legacy-models"),
+    Rule("--transformer-impl", "transformer_impl", "transformer_engine",
+         lambda v, a: v == "inference_optimized", "training needs local or transformer_engine "
+         "layers", "use --transformer-impl transformer_engine or local"),
+    Rule("--attention-backend", "attention_backend", "auto",
+         lambda v, a: _show(v) != "auto", "it selects Transformer Engine's attention kernel, "
+         "which zeppelin core attention replaces", "set --zeppelin-attention-backend instead"),
+    Rule("--use-kitchen-attention", "use_kitchen_attention", False, _set,
+         "it replaces core attention, as zeppelin does", STATIC_ONLY),
+    Rule("--qk-clip", "qk_clip", False, _set,
+         "it reads attention logits from Transformer Engine's kernel", STATIC_ONLY),
+    Rule("--log-max-attention-logit", "log_max_attention_logit", False, _set,
+         "it reads attention logits from Transformer Engine's kernel", STATIC_ONLY),
+    Rule("--fp8-format", "fp8", None, _set,
+         "FP8 GEMMs need token counts in multiples of 16 and are untested with the linear "
+         "layout", "train in bf16 or use --context-parallel-mode static"),
+    Rule("--fp4-format", "fp4", None, _set,
+         "FP4 GEMMs need fixed token multiples and are untested with the linear layout",
+         "train in bf16 or use --context-parallel-mode static"),
+    Rule("--enable-cuda-graph", "enable_cuda_graph", False, _set,
+         "token counts and rings change every micro-batch, so no graph can be captured",
+         "drop the flag"),
+    Rule("--cuda-graph-impl", "cuda_graph_impl", "none", lambda v, a: v != "none",
+         "token counts and rings change every micro-batch, so no graph can be captured",
+         "use --cuda-graph-impl none"),
+    Rule("--external-cuda-graph", "external_cuda_graph", False, _set,
+         "token counts and rings change every micro-batch, so no graph can be captured",
+         "drop the flag"),
+    Rule("--tp-comm-overlap", "tp_comm_overlap", False, _set,
+         "Transformer Engine's userbuffers are sized for a fixed micro-batch x seq-length, "
+         "and a rank's token count changes every micro-batch", "drop the flag"),
+    Rule("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm", False, _set,
+         "its schedule builds the model's forward without the packed batch layout",
+         "drop the flag"),
+    Rule("--moe-token-dispatcher-type", "moe_token_dispatcher_type", "allgather",
+         lambda v, a: v == "allgather" and _get(a, "expert_model_parallel_size", 1) > 1,
+         "the allgather dispatcher gathers equal token counts over expert-parallel ranks, and "
+         "the ranks of a pool hold different counts", "use --moe-token-dispatcher-type alltoall"),
+    Rule("--moe-router-load-balancing-type", "moe_router_load_balancing_type", "aux_loss",
+         lambda v, a: "seq_aux_loss" in (v if isinstance(v, (list, tuple)) else [v])
+         and _get(a, "micro_batch_size", 1) > 1,
+         "the sequence-level loss needs one sample per micro-batch once samples are packed",
+         "use --micro-batch-size 1 or another load-balancing type"),
+    Rule("--use-tp-pp-dp-mapping", "use_tp_pp_dp_mapping", False, _set,
+         "pools are Megatron's CP groups in its default rank order (TP, CP, DP)",
+         "drop the flag"),
+    Rule("--zeppelin-overlong", "zeppelin_overlong", "error", lambda v, a: v != "error",
+         "Megatron-LM's samples hold at most --seq-length tokens, so no sequence is ever longer "
+         "than the planner's limit", "drop the flag"),
+)
+
+
+def refusals(args: argparse.Namespace) -> list[str]:
+    """One message per setting of ``args`` that zeppelin mode refuses (empty: all supported)."""
+    return [message for rule in RULES if (message := rule.check(args)) is not None]

@@ -1,0 +1,199 @@
+"""Drive Megatron-LM's own (patched) ``pretrain_gpt.py`` training step on CPU/gloo.
+
+Test scaffolding, not project code: run from a patched Megatron-LM core_v0.16.1 tree with
+``torchrun --nproc-per-node N tests/megatron_lm_driver.py --harness-out OUT.json
+[--harness-stop N] <Megatron-LM flags>`` (``--harness-stop``: the last iteration to run, default
+``--train-iters``). It mirrors ``megatron.training.pretrain()``: Megatron's ``parse_args`` (with
+``pretrain_gpt``'s extra-args provider) and ``validate_args`` (which runs zeppelin's checks),
+``setup_model_and_optimizer`` (Megatron's builder, which loads ``--load``), Megatron's data
+iterators and ``train_step(forward_step)``; ``--save`` saves with Megatron's
+``save_checkpoint`` after the last iteration, after one ``evaluate`` pass on the validation
+iterator. Rank 0 writes per-iteration losses and grad norms, the validation loss, the tokens
+each rank's batches held and what the checkpoint step did.
+
+What replaces Megatron-LM's CUDA-only start-up on CPU (each is a CPU-only stand-in, listed in
+``docs/megatron-lm.md``): ``initialize_megatron`` (gloo instead of NCCL, no fused-kernel build),
+megatron-core's CPU bridge (``megatron_zeppelin.megatron.cpu``), no-op CUDA streams/events and
+memory statistics, CPU RNG for ``torch.cuda.get_rng_state``, ``get_device_arch_version``
+(asked by ``validate_args`` for its CUDA_DEVICE_MAX_CONNECTIONS check) and split sizes made
+numpy for the alltoall token dispatcher (it converts them only when they were on a GPU).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.getcwd())
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import megatron.training.arguments as megatron_arguments  # noqa: E402
+
+megatron_arguments.get_device_arch_version = lambda: 10  # CPU: no CUDA device to ask
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+import pretrain_gpt as P  # noqa: E402
+from functools import partial  # noqa: E402
+
+from megatron.core import parallel_state as mpu  # noqa: E402
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.utils import get_model_config  # noqa: E402
+from megatron.training import get_args, training as T  # noqa: E402
+from megatron.training.arguments import parse_args, validate_args  # noqa: E402
+from megatron.training.checkpointing import save_checkpoint  # noqa: E402
+from megatron.training.global_vars import get_timers, set_global_variables  # noqa: E402
+
+from megatron_zeppelin.megatron.cpu import enable_cpu_mode, run_on_cpu  # noqa: E402
+
+
+class _NoOp:
+    """A CUDA stream or event on CPU: every method does nothing and returns another one."""
+
+    def __getattr__(self, name):
+        return lambda *a, **k: _NoOp()
+
+
+def cpu_stand_ins() -> None:
+    """CUDA streams/events/memory statistics and the CUDA RNG state on a CPU-only torch."""
+    torch.cuda.Stream = lambda *a, **k: _NoOp()
+    torch.cuda.Event = lambda *a, **k: _NoOp()
+    torch.cuda.current_stream = lambda *a, **k: _NoOp()
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
+                 "max_memory_reserved"):
+        setattr(torch.cuda, name, lambda *a, **k: 0)
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def to_cpu(tensor, as_numpy=False, record_stream=False):
+        """The alltoall dispatcher's split sizes become numpy only when they were on CUDA."""
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = dispatcher.maybe_move_tensor_to_cpu = to_cpu
+
+
+def initialize() -> None:
+    """``initialize_megatron`` on CPU: args, global variables, rerun machine, gloo, mpu."""
+    from megatron.core import tensor_parallel
+    from megatron.core.rerun_state_machine import (RerunDiagnostic, RerunErrorInjector, RerunMode,
+                                                   initialize_rerun_state_machine)
+
+    args = parse_args(P.extra_args_provider)
+    validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    set_global_variables(args, build_tokenizer=True)
+    args = get_args()
+    initialize_rerun_state_machine(
+        state_save_func=lambda: {"rng": tensor_parallel.get_cuda_rng_tracker().get_states()},
+        state_restore_func=lambda sd: tensor_parallel.get_cuda_rng_tracker().set_states(sd["rng"]),
+        mode=RerunMode(args.rerun_mode),
+        error_injector=RerunErrorInjector(error_injection_rate=0,
+                                          error_injection_type=RerunDiagnostic("transient_error")),
+        result_rejected_tracker_filename=None)
+    dist.init_process_group("gloo")
+    enable_cpu_mode()
+    cpu_stand_ins()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+
+
+def count_tokens(record: list):
+    """Wrap ``pretrain_gpt.get_batch``: record the real (unpadded) tokens of every batch."""
+    original = P.get_batch
+
+    def get_batch(data_iterator, vp_stage=None):
+        batch = original(data_iterator, vp_stage)
+        params = batch[5]
+        real = params.num_tokens if hasattr(params, "num_tokens") else batch[0].numel()
+        record.append((real, batch[0].numel() - real))
+        return batch
+
+    P.get_batch = get_batch
+
+
+def _harness_option(flag: str) -> str | None:
+    """Take ``flag VALUE`` out of ``sys.argv`` (Megatron parses the rest)."""
+    if flag not in sys.argv:
+        return None
+    at = sys.argv.index(flag)
+    value = sys.argv[at + 1]
+    del sys.argv[at:at + 2]
+    return value
+
+
+def main() -> None:
+    out_path, stop = _harness_option("--harness-out"), _harness_option("--harness-stop")
+    sys.argv[0] = "pretrain_gpt.py"
+    initialize()
+    args = get_args()
+    rank = dist.get_rank()
+    model, optimizer, scheduler = run_on_cpu(T.setup_model_and_optimizer)(
+        partial(P.model_provider, P.gpt_builder), ModelType.encoder_or_decoder)
+    start = args.iteration
+    config = get_model_config(model[0])
+    config.grad_scale_func = optimizer.scale_loss
+    config.timers = get_timers()
+    from megatron.core.distributed import finalize_model_grads
+
+    config.finalize_model_grads_func = finalize_model_grads
+    P.train_valid_test_datasets_provider.is_distributed = True
+    train_it, valid_it, _ = run_on_cpu(T.build_train_valid_test_data_iterators)(
+        P.train_valid_test_datasets_provider)
+    records: list = []
+    count_tokens(records)
+    step = run_on_cpu(T.train_step)
+    inner = model[0].module
+    result = {"mode": args.context_parallel_mode, "world": dist.get_world_size(),
+              "model": type(inner).__name__, "start": start, "losses": [], "grad_norms": [],
+              "tokens_per_iteration": [], "rank_tokens": [], "pad_tokens": 0,
+              "core_attention": type(inner.decoder.layers[0].self_attention.core_attention).__name__}
+    last = int(stop) if stop else args.train_iters
+    for iteration in range(start + 1, last + 1):
+        before = len(records)
+        out = step(P.forward_step, train_it, model, optimizer, scheduler, config,
+                   get_forward_backward_func(), iteration=iteration)
+        args.consumed_train_samples += args.global_batch_size
+        loss = {k: float(v) for k, v in out[0].items()}
+        mine = records[before:]
+        total = torch.tensor([sum(r for r, _ in mine), sum(p for _, p in mine)])
+        dist.all_reduce(total)
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, [r for r, _ in mine])
+        result["losses"].append(loss["lm loss"])
+        result["grad_norms"].append(float(out[5]))
+        result["tokens_per_iteration"].append(int(total[0]) // args.tensor_model_parallel_size)
+        result["rank_tokens"].append(per_rank)
+        result["pad_tokens"] += int(total[1])
+    if args.do_valid and args.eval_iters:  # every rank: TP ranks > 0 have no iterator
+        evaluated = run_on_cpu(T.evaluate)(P.forward_step, valid_it, model, None, config)
+        result["valid_loss"] = float(evaluated[0]["lm loss"])
+    if args.save:
+        run_on_cpu(save_checkpoint)(last, model, optimizer, scheduler, 0)
+    params = torch.cat([p.detach().float().reshape(-1) for p in inner.parameters()])
+    result["param_sum"] = float(params.double().sum())
+    result["param_abs_sum"] = float(params.double().abs().sum())
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Megatron-LM's micro-batch in zeppelin's linear layout (``megatron/lm_batch.py``), the
+sequence-parallel padding through core attention, and the core-attention swap of Megatron's
+specs (``megatron/spec.py``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_zeppelin.config import ConfigError
+from megatron_zeppelin.megatron.lm_batch import (PoolStats, linear_batch, linear_index,
+                                                 sample_sequences)
+from megatron_zeppelin.plan import AttentionTask, Plan, Segment, Tier, Topology
+
+EOD = 0
+
+
+def test_sequences_follow_megatron_attention_mask():
+    tokens = torch.tensor([[5, 6, 0, 7, 0, 8, 9, 3], [0, 1, 2, 3, 4, 0, 6, 6]])
+    # --reset-attention-mask: split after every EOD (the EOD ends its document)
+    assert sample_sequences(tokens, EOD, True) == [3, 2, 3, 1, 5, 2]
+    # Megatron's default: a whole sample is one causal sequence
+    assert sample_sequences(tokens, EOD, False) == [8, 8]
+    # packed SFT: cu_seqlens (micro-batch of one sample) win over EOD tokens
+    assert sample_sequences(tokens[:1], EOD, True, torch.tensor([[0, 5, 8]])) == [5, 3]
+    with pytest.raises(ValueError, match=r"cu_seqlens \[0, 5, 7\] do not cover one sample of 8"):
+        sample_sequences(tokens[:1], EOD, False, torch.tensor([0, 5, 7]))
+
+
+def two_rank_plan() -> Plan:
+    """Sequences 5, 3 (sample 0) and 8 (sample 1): the 8 is split over both ranks."""
+    return Plan(strategy="hand", topology=Topology(1, 2), seqlens=(5, 3, 8),
+                sources=(Segment(0, 0, 5), Segment(1, 0, 3), Segment(2, 0, 8)),
+                tasks=(AttentionTask(0, (0,), Tier.LOCAL), AttentionTask(1, (1,), Tier.LOCAL),
+                       AttentionTask(2, (0, 1), Tier.INTRA)),
+                linear=((Segment(0, 0, 5), Segment(2, 0, 3)),
+                        (Segment(1, 0, 3), Segment(2, 3, 8))),
+                capacity=9).validate()
+
+
+def megatron_fields() -> dict:
+    """What Megatron's GPTDataset gives for 2 samples of 8 (labels: next tokens, the last one
+    from beyond the sample; --eod-mask-loss zeroes EOD positions; reset position ids)."""
+    tokens = torch.tensor([[11, 12, 13, 14, 0, 21, 22, 0], [31, 32, 33, 34, 35, 36, 37, 38]])
+    labels = torch.tensor([[12, 13, 14, 0, 21, 22, 0, 31], [32, 33, 34, 35, 36, 37, 38, 39]])
+    loss_mask = (labels != 0).float()
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2], list(range(8))])
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": positions}
+
+
+def test_each_rank_gets_megatron_fields_of_its_linear_pieces():
+    plan, fields = two_rank_plan(), megatron_fields()
+    lengths = sample_sequences(fields["tokens"], EOD, True)
+    assert lengths == [5, 3, 8]
+    assert linear_index(plan, 1, lengths).tolist() == [5, 6, 7, 11, 12, 13, 14, 15]
+    rank0 = linear_batch(fields, plan, 0, lengths)
+    rank1 = linear_batch(fields, plan, 1, lengths)
+    assert rank0.tokens.tolist() == [[11, 12, 13, 14, 0, 31, 32, 33]]
+    # the label of a piece's last token is the next token of its sequence, held by rank 1
+    assert rank0.labels.tolist() == [[12, 13, 14, 0, 21, 32, 33, 34]]
+    assert rank0.loss_mask.tolist() == [[1, 1, 1, 0, 1, 1, 1, 1]]
+    assert rank1.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    assert rank1.labels[0, -1].item() == 39  # Megatron's label beyond the sample is kept
+    both = torch.cat([rank0.tokens, rank1.tokens], dim=1).sort().values
+    assert torch.equal(both, fields["tokens"].reshape(1, -1).sort().values)  # nothing lost
+
+
+def test_sequence_parallel_padding_is_masked_and_counted():
+    plan, fields = two_rank_plan(), megatron_fields()
+    lengths = [5, 3, 8]
+    batch = linear_batch(fields, plan, 0, lengths, pad_multiple=3, max_position=8)
+    assert batch.tokens.shape == (1, 9) and batch.pad_tokens == 1
+    assert batch.loss_mask[0, -1].item() == 0 and batch.tokens[0, -1].item() == 0
+    params = batch.packed_seq_params
+    assert params.num_tokens == 8 and params.max_seqlen_q == 8 and params.cp_group.size() == 1
+    stats = PoolStats()
+    stats.add(batch, 0.002)
+    assert "pad tokens 1 (11.11%)" in stats.summary() and "max 9" in stats.summary()
+
+
+def test_fields_must_hold_the_planned_tokens():
+    fields = megatron_fields()
+    fields["labels"] = fields["labels"][:, :7]
+    with pytest.raises(ValueError, match="'labels' holds 14 tokens, the planned sequences 16"):
+        linear_batch(fields, two_rank_plan(), 0, [5, 3, 8])
+
+
+def pad_body(rank: int, world: int) -> None:
+    """One rank, a one-rank pool: zeppelin attention on pieces + pad tokens equals it without
+    the pads; the pads' output is zero."""
+    import torch.distributed as dist
+    from megatron_zeppelin.megatron.core_attention import (ZeppelinAttentionState,
+                                                           zeppelin_attention)
+    from megatron_zeppelin.megatron.packing import packed_seq_params_for_rank
+
+    plan = Plan(strategy="hand", topology=Topology(1, 1), seqlens=(5, 3),
+                sources=(Segment(0, 0, 5), Segment(1, 0, 3)),
+                tasks=(AttentionTask(0, (0,), Tier.LOCAL), AttentionTask(1, (0,), Tier.LOCAL)),
+                linear=((Segment(0, 0, 5), Segment(1, 0, 3)),), capacity=8).validate()
+    state = ZeppelinAttentionState(dist.new_group([0]), backend="torch")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(10, 1, h, 4, generator=g) for h in (4, 2, 2))
+    padded = packed_seq_params_for_rank(plan, 0, pad_tokens=2)
+    plain = packed_seq_params_for_rank(plan, 0)
+    out = zeppelin_attention(state, q, k, v, padded, None)
+    ref = zeppelin_attention(state, q[:8], k[:8], v[:8], plain, None)
+    state.close()
+    assert out.shape == (10, 1, 16) and torch.equal(out[8:], torch.zeros(2, 1, 16))
+    torch.testing.assert_close(out[:8], ref)
+    with pytest.raises(ValueError, match="q holds 9 tokens but the packed params describe 8 "
+                                         r"\+ 2 pad tokens"):
+        zeppelin_attention(state, q[:9], k[:9], v[:9], padded, None)
+
+
+@pytest.mark.distributed
+def test_pad_tokens_skip_core_attention():
+    from distributed import run_world
+
+    run_world(pad_body, 1)
+
+
+# ----------------------------------------------------------------------------- spec swap
+def test_every_attention_layer_of_a_moe_block_spec_gets_zeppelin_core_attention():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from megatron_zeppelin.megatron.core_attention import ZeppelinCoreAttention
+    from megatron_zeppelin.megatron.spec import swap_core_attention
+
+    state = object()
+    block = TransformerBlockSubmodules(layer_specs=[  # what Megatron's MoE block spec holds
+        get_gpt_layer_local_spec(normalization="RMSNorm"),
+        get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm")])
+    swapped = swap_core_attention(block, state)
+    for layer in swapped.layer_specs:
+        core = layer.submodules.self_attention.submodules.core_attention
+        assert core.module is ZeppelinCoreAttention and core.params["zeppelin_state"] is state
+    assert "MoELayer" in repr(swapped.layer_specs[1].submodules.mlp)  # Megatron's MoE kept
+    original = block.layer_specs[0].submodules.self_attention.submodules.core_attention
+    assert original is not ZeppelinCoreAttention  # the caller's spec is not modified
+    no_attention = get_gpt_layer_local_spec()
+    no_attention.submodules.self_attention = IdentityOp
+    kept = swap_core_attention(TransformerBlockSubmodules(layer_specs=[no_attention]), state)
+    assert kept.layer_specs[0].submodules.self_attention is IdentityOp
+
+
+def test_an_unknown_core_attention_is_refused_by_name():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_zeppelin.megatron.spec import swap_core_attention
+
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = torch.nn.Identity
+    with pytest.raises(ConfigError, match=r"--spec my.spec: core attention 'Identity' has no "
+                                          r"zeppelin replacement"):
+        swap_core_attention(spec, object(), "--spec my.spec")

@@ -1,0 +1,257 @@
+"""Megatron-LM's own training step in zeppelin and static mode on CPU/gloo.
+
+Needs MEGATRON_LM_PATH (a Megatron-LM checkout at tag core_v0.16.1; skipped otherwise, so CI
+skips it). A patched mirror of the checkout is made in a temporary folder (symlinks, with the
+patched files and megatron-core's prebuilt ``helpers_cpp`` copied); the checkout is never
+modified. ``tests/megatron_lm_driver.py`` runs Megatron-LM's pretrain pieces under torchrun.
+
+"Static mode" on CPU is Megatron-LM's own static path with ``--context-parallel-size 1`` on the
+same ranks (Megatron's local core attention refuses CP > 1; TE's CP attention needs CUDA): the
+same samples per iteration, so the same loss. MoE runs are compared with one process, whose
+micro-batches group the samples as a pool's do. See docs/megatron-lm.md.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_zeppelin import env
+
+pytestmark = [pytest.mark.skipif(env.megatron_lm_path() is None,
+                                 reason="MEGATRON_LM_PATH is not set"), pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+DRIVER = ROOT / "tests" / "megatron_lm_driver.py"
+PATCHED = ("pretrain_gpt.py", "gpt_builders.py", "megatron/training/arguments.py",
+           "megatron/training/yaml_arguments.py")
+REAL_DIRS = ("megatron", "megatron/training", "megatron/core", "megatron/core/datasets")
+SEQ, GBS = 256, 4
+COMMON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024",
+          "--split", "90,10,0", "--num-workers", "0", "--num-layers", "2", "--hidden-size", "64",
+          "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--seq-length", str(SEQ),
+          "--max-position-embeddings", str(SEQ), "--swiglu", "--disable-bias-linear",
+          "--normalization", "RMSNorm", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+          "--micro-batch-size", "1", "--global-batch-size", str(GBS), "--train-iters", "3",
+          "--eval-iters", "1", "--eval-interval", "1000", "--lr", "1e-3",
+          "--calculate-per-token-loss", "--seed", "1234",
+          # CPU only: no TE/apex kernels, gloo
+          "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+          "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
+          "--no-rope-fusion", "--no-persist-layer-norm", "--use-cpu-initialization",
+          "--distributed-backend", "gloo"]
+ZEPPELIN = ["--context-parallel-mode", "zeppelin"]
+STATIC = ["--context-parallel-mode", "static", "--context-parallel-size", "1"]
+
+
+def mirror(src: Path, dst: Path, rel: str = "") -> None:
+    """``dst`` mirrors ``src``: symlinks, real folders on the way to the files we write."""
+    (dst / rel).mkdir(parents=True, exist_ok=True)
+    for entry in (src / rel).iterdir():
+        name = f"{rel}/{entry.name}" if rel else entry.name
+        if name in REAL_DIRS:
+            mirror(src, dst, name)
+        elif name in PATCHED:
+            (dst / name).write_bytes(entry.read_bytes())
+        elif entry.name not in (".git", "tests"):
+            (dst / name).symlink_to(entry)
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    dst = tmp_path_factory.mktemp("megatron-lm")
+    mirror(Path(env.megatron_lm_path()), dst)
+    helpers = Path(importlib.util.find_spec("megatron.core.datasets.helpers_cpp").origin)
+    (dst / "megatron/core/datasets" / helpers.name).unlink(missing_ok=True)
+    (dst / "megatron/core/datasets" / helpers.name).write_bytes(helpers.read_bytes())
+    (dst / "megatron_lm_spec.py").symlink_to(ROOT / "tests" / "megatron_lm_spec.py")
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "apply_megatron_patch.sh"), str(dst)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return dst
+
+
+def run(tree: Path, tmp_path: Path, name: str, nproc: int, *flags: str,
+        stop: int | None = None, ok: bool = True, common: list[str] = COMMON):
+    """torchrun the driver with ``common + flags``; returns rank 0's results (ok) or the
+    finished process."""
+    out = tmp_path / f"{name}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(29500 + os.getpid() % 500 + nproc), str(DRIVER),
+           "--harness-out", str(out), *([] if stop is None else ["--harness-stop", str(stop)]),
+           *common, *flags]
+    proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if not ok:
+        return proc
+    assert proc.returncode == 0, (name, proc.stderr[-3000:])
+    return json.loads(out.read_text())
+
+
+def assert_same_training(zeppelin: dict, static: dict, rel: float = 2e-6) -> None:
+    assert zeppelin["core_attention"] in ("ZeppelinCoreAttention",
+                                          "ZeppelinTEDotProductAttention")
+    assert zeppelin["model"] == "PackedGPTModel" and static["model"] == "GPTModel"
+    assert zeppelin["losses"] == pytest.approx(static["losses"], rel=rel)
+    assert zeppelin["grad_norms"] == pytest.approx(static["grad_norms"], rel=20 * rel)
+    assert zeppelin["tokens_per_iteration"] == static["tokens_per_iteration"]
+    assert zeppelin["valid_loss"] == pytest.approx(static["valid_loss"], rel=rel)  # evaluate()
+
+
+@pytest.mark.parametrize("pool,extra,nodes", [
+    (2, [], []),  # Megatron-LM's defaults: learned_absolute positions, whole samples
+    (4, ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
+         "--position-embedding-type", "rope", "--use-rope-scaling",
+         "--recompute-granularity", "selective"],
+     ["--zeppelin-gpus-per-node", "2"]),  # documents, two nodes, core attention recomputed
+])
+def test_zeppelin_trains_like_static_with_the_same_batch_and_memory(tree, tmp_path, pool, extra,
+                                                                     nodes):
+    flags = ["--global-batch-size", str(GBS * pool // 2), *extra]
+    zeppelin = run(tree, tmp_path, "zeppelin", pool, *ZEPPELIN, "--context-parallel-size",
+                   str(pool), *nodes, *flags)
+    static = run(tree, tmp_path, "static", pool, *STATIC, *flags)
+    assert_same_training(zeppelin, static)
+    assert zeppelin["tokens_per_iteration"] == [GBS * pool // 2 * SEQ] * 3
+    for per_rank in zeppelin["rank_tokens"]:  # [rank][micro-batch] real tokens
+        assert len(per_rank) == pool
+        for micro in zip(*per_rank):  # the pool holds one micro-batch of MBS x seq tokens
+            assert sum(micro) == SEQ and max(micro) <= SEQ // pool * 1.5
+    assert zeppelin["pad_tokens"] == 0
+
+
+def test_moe_experts_on_the_linear_layout_match_one_process(tree, tmp_path):
+    # no z-loss: Megatron divides its coefficient by the TP x CP size (static CP too), so a
+    # pool's z-loss is not one process's
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+    zeppelin = run(tree, tmp_path, "moe-zeppelin", 2, *ZEPPELIN, "--context-parallel-size",
+                   "2", *moe)
+    one = run(tree, tmp_path, "moe-one", 1, *STATIC, *moe)
+    assert_same_training(zeppelin, one, rel=1e-5)
+    assert zeppelin["param_sum"] == pytest.approx(one["param_sum"], rel=1e-6)
+    ep = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+          "--num-experts", "4", "--moe-router-topk", "2"]
+    zeppelin = run(tree, tmp_path, "ep-zeppelin", 2, *ZEPPELIN, "--context-parallel-size", "2",
+                   *ep)
+    static = run(tree, tmp_path, "ep-static", 2, *STATIC, *ep)
+    assert_same_training(zeppelin, static, rel=1e-5)
+
+
+def test_sequence_parallel_pads_to_tp_and_counts_the_padding(tree, tmp_path):
+    sp = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--reset-attention-mask",
+          "--position-embedding-type", "rope", "--spec", "megatron_lm_spec", "SPEC"]
+    zeppelin = run(tree, tmp_path, "sp-zeppelin", 4, *ZEPPELIN, "--context-parallel-size", "2",
+                   "--no-zeppelin-remap", *sp)  # the attention layout: odd token counts
+    static = run(tree, tmp_path, "sp-static", 2, *STATIC, *sp)
+    assert_same_training(zeppelin, static, rel=1e-5)
+    assert zeppelin["pad_tokens"] > 0
+
+
+def test_checkpoints_load_across_modes(tree, tmp_path):
+    pool = ["--context-parallel-size", "2"]
+    full_zeppelin = run(tree, tmp_path, "full-z", 2, *ZEPPELIN, *pool)
+    full_static = run(tree, tmp_path, "full-s", 2, *STATIC)
+    for first, second, full in ((ZEPPELIN + pool, STATIC, full_zeppelin),
+                                (STATIC, ZEPPELIN + pool, full_static)):
+        ckpt = tmp_path / f"ckpt-{first[1]}"
+        run(tree, tmp_path, "first", 2, *first, "--save", str(ckpt), "--save-interval", "1000",
+            stop=2)
+        resumed = run(tree, tmp_path, "second", 2, *second, "--load", str(ckpt))
+        assert resumed["start"] == 2
+        assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=2e-6)
+        assert resumed["param_sum"] == pytest.approx(full["param_sum"], rel=1e-6)
+
+
+def test_refusals_through_megatron_lm_parser(tree, tmp_path):
+    at = COMMON.index("--attention-dropout")
+    flags = COMMON[:at] + COMMON[at + 2:]  # Megatron-LM's default: 0.1
+    proc = run(tree, tmp_path, "dropout", 2, *ZEPPELIN, "--context-parallel-size", "2",
+               ok=False, common=flags)
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("megatron-zeppelin:")]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-2000:]
+    assert "--attention-dropout=0.1 is not supported" in lines[0]
+    proc = run(tree, tmp_path, "stray", 1, *STATIC, "--zeppelin-routing", "--no-zeppelin-remap",
+               ok=False)
+    assert "--zeppelin-remap only applies to --context-parallel-mode zeppelin" in proc.stderr
+
+
+PARSE = """
+import sys, warnings
+warnings.filterwarnings("ignore")
+sys.path.insert(0, ".")
+if sys.argv[1] == "without":
+    sys.modules["megatron_zeppelin"] = None  # as if megatron-zeppelin were not installed
+sys.argv = ["pretrain_gpt.py"] + sys.argv[2:]
+import pretrain_gpt as P
+from megatron.training.arguments import parse_args, validate_args
+args = parse_args(P.extra_args_provider)
+validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+print("MODE", args.context_parallel_mode)
+"""
+
+
+def test_static_mode_does_not_need_megatron_zeppelin(tree):
+    flags = [f for f in COMMON if f != "--use-cpu-initialization"]
+
+    def parse(which, *extra):
+        return subprocess.run([sys.executable, "-c", PARSE, which, *flags, *extra], cwd=tree,
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+
+    static = parse("without", "--context-parallel-mode", "static")
+    assert static.returncode == 0 and "MODE static" in static.stdout, static.stderr[-2000:]
+    zeppelin = parse("without", "--context-parallel-mode", "zeppelin")
+    assert zeppelin.returncode != 0
+    assert "--context-parallel-mode zeppelin needs megatron-zeppelin" in zeppelin.stderr
+    other = subprocess.run(  # the other entry points use Megatron's parser without the flag
+        [sys.executable, "-c", "import sys; sys.path.insert(0, '.'); from megatron.training."
+         "arguments import parse_args; parse_args()", "--context-parallel-mode", "zeppelin"],
+        cwd=tree, capture_output=True, text=True, timeout=300)
+    assert "unrecognized arguments: --context-parallel-mode zeppelin" in other.stderr
+
+
+YAML = """
+import argparse, copy, sys, warnings
+warnings.filterwarnings("ignore")
+sys.path.insert(0, ".")
+sys.argv = ["pretrain_gpt.py"] + sys.argv[1:]
+import pretrain_gpt as P
+from megatron.training.arguments import add_megatron_arguments, parse_args
+from megatron.training.yaml_arguments import validate_yaml
+args = parse_args(P.extra_args_provider)
+print("PARSED", args.context_parallel_mode, args.zeppelin_routing)
+# Megatron-LM 0.16.1's example YAML lacks keys its validate_yaml reads: add parser defaults
+defaults = add_megatron_arguments(argparse.ArgumentParser())
+for _ in range(300):
+    try:
+        validate_yaml(copy.deepcopy(args), {})
+        break
+    except AttributeError as exc:
+        if hasattr(args, exc.name):
+            raise
+        setattr(args, exc.name, defaults.get_default(exc.name))
+"""
+
+
+def test_yaml_cfg_keeps_the_zeppelin_flags(tree, tmp_path):
+    cfg = tmp_path / "gpt.yaml"
+    cfg.write_text((Path(env.megatron_lm_path()) / "examples/gpt3/gpt_config.yaml").read_text()
+                   + "\ncontext_parallel_mode: zeppelin\nenable_msc: false\n")
+    proc = subprocess.run([sys.executable, "-c", YAML, "--yaml-cfg", str(cfg),
+                           "--no-zeppelin-routing"], cwd=tree, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "WORLD_SIZE": "1",
+                                            "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert "PARSED zeppelin False" in proc.stdout, proc.stderr[-2000:]
+    # validate_yaml ran zeppelin's checks: the example does not set calculate_per_token_loss
+    assert "megatron-zeppelin: --calculate-per-token-loss=False is not supported" in proc.stderr
+    cfg.write_text(cfg.read_text() + "zeppelin_routing: true\n")
+    proc = subprocess.run([sys.executable, "-c", YAML, "--yaml-cfg", str(cfg),
+                           "--no-zeppelin-routing"], cwd=tree, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "WORLD_SIZE": "1"})
+    assert "--zeppelin-routing=False on the command line and zeppelin_routing: True" in \
+        proc.stderr
