@@ -5,7 +5,8 @@
 
 Flags follow Megatron-LM's names (``--num-layers``, ``--context-parallel-size``, ...); see
 ``python scripts/pretrain_gpt.py --help``. The training loop lives in
-``megatron_zeppelin.megatron.train``.
+``megatron_zeppelin.megatron.train``; exit status 2 is a user error (one line from rank 0),
+1 a fault (every surviving rank names the failed one): ``docs/training.md``.
 """
 import sys
 import warnings
@@ -16,12 +17,8 @@ warnings.filterwarnings("ignore", message=r".*(Transformer Engine and Apex|Apex)
                         r"installed")
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
-from megatron_zeppelin.config import ConfigError  # noqa: E402
+from megatron_zeppelin.megatron import fatal  # noqa: E402
 from megatron_zeppelin.megatron.train import main  # noqa: E402
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ConfigError as exc:
-        print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(fatal.run(main))

@@ -1,0 +1,68 @@
+"""How ``pretrain_gpt.py`` ends on an error: one line, printed once, the right exit status.
+
+* A user error (``ConfigError``: a flag, a file, a checkpoint, an environment variable) is the
+  same on every rank: rank 0 prints ``pretrain_gpt.py: error: <message>`` and every rank exits
+  with status 2. Under torchrun the line is also written to the launcher's error file
+  (``TORCHELASTIC_ERROR_FILE``), so torchrun's failure summary shows it as the root cause
+  instead of a link to its docs; torchrun itself then exits with status 1 (it maps any
+  worker failure to 1, whatever the worker's status).
+* A fault (a peer died, froze or failed) is reported by every surviving rank, each naming
+  itself and the peer: ``pretrain_gpt.py: error: rank 1: rank 2 ... stopped responding``,
+  exit status 1 (``fault``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Callable, NoReturn
+
+from megatron_zeppelin import env
+from megatron_zeppelin.config import ConfigError
+
+PROG = "pretrain_gpt.py"
+EXIT_USER_ERROR = 2
+EXIT_FAULT = 1
+
+
+def _record_for_launcher(message: str) -> None:
+    """Write ``message`` where torchrun's failure summary reads a worker's error."""
+    path = env.launcher_error_file()
+    if not path:
+        return
+    data = {"message": {"message": message, "extraInfo": {
+        "py_callstack": message, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the summary then shows torchrun's generic line; our stderr line stands
+
+
+def user_error(exc: ConfigError) -> int:
+    """Print a user error once (rank 0, or the process when not launched) -> exit status 2."""
+    if env.rank() in (None, 0):
+        line = f"{PROG}: error: {exc}"
+        print(line, file=sys.stderr, flush=True)
+        _record_for_launcher(line)
+    return EXIT_USER_ERROR
+
+
+def fault(message: str) -> NoReturn:
+    """Report a fault seen by this rank and leave at once (any thread; ``os._exit`` because
+    the main thread may be blocked in a collective with the failed peer)."""
+    rank = env.rank()
+    line = f"{PROG}: error: " + (f"rank {rank}: " if rank is not None else "") + message
+    print(line, file=sys.stderr, flush=True)
+    _record_for_launcher(line)
+    sys.stdout.flush()
+    os._exit(EXIT_FAULT)
+
+
+def run(main: Callable[[], int]) -> int:
+    """The entry point's wrapper: a ``ConfigError`` from anywhere is one line, status 2."""
+    try:
+        return main()
+    except ConfigError as exc:
+        return user_error(exc)
