@@ -29,6 +29,7 @@ import io
 import json
 import os
 import pickle
+import queue
 import random
 import shutil
 import time
@@ -200,6 +201,18 @@ def _rng_object(device: str | None):
 
 
 # ----------------------------------------------------------------------------- save / load
+def _in_process_write_results() -> None:
+    """megatron-core's checkpoint writer returns its results through a queue served by a
+    ``multiprocessing.Manager`` it spawns on the first save (made for saves finishing in a
+    background process). Our saves are synchronous: the results come back in this process,
+    so an in-process queue carries them. The Manager would be a process per rank that
+    outlives a rank leaving with ``os._exit`` (a fault) and holds its output pipes open."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 @dataclass
 class Training:
     """What a checkpoint holds, live: the DDP model, its optimizer and LR scheduler."""
@@ -216,6 +229,7 @@ def save(root: str, iteration: int, run: Training, extra: dict) -> str:
     from megatron.core import dist_checkpointing
 
     started = time.perf_counter()
+    _in_process_write_results()
     path = iteration_dir(root, iteration)
     if dist.get_rank() == 0:
         shutil.rmtree(path, ignore_errors=True)  # a partial save of the same iteration

@@ -190,60 +190,75 @@ def train(args: argparse.Namespace, layout: PoolLayout, ready: preflight.Ready,
           watchdog_line: str = "off") -> list[StepLog]:
     """Run to ``--train-iters`` (from ``--load``'s checkpoint when there is one); returns the
     per-iteration logs on rank 0 (which prints them), an empty list elsewhere."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     pool = new_pool_groups(layout)
     spec = model_spec(args)
     cost = make_cost_model(args, spec, layout)
     state = build_state(args, pool, cost)
-    model, optimizer = build_training(args, state, spec)
-    device = "cuda" if args.device == "cuda" else "cpu"
-    run = checkpoint.Training(model, optimizer, make_scheduler(args, optimizer), device)
-    if dist.get_rank() == 0:
-        print(banner(args, layout, model.module, ready.source, watchdog_line), flush=True)
-    start, position = 0, None
+    try:
+        model, optimizer = build_training(args, state, spec)
+        device = "cuda" if args.device == "cuda" else "cpu"
+        run = checkpoint.Training(model, optimizer, make_scheduler(args, optimizer), device)
+        if dist.get_rank() == 0:
+            print(banner(args, layout, model.module, ready.source, watchdog_line), flush=True)
+        start, position = resume(args, ready, run)
+        data, sampler = make_data(args, ready.source, pool, make_planner(args, cost, layout),
+                                  device, position)
+        _, pool_rank, tp_rank = layout.position(dist.get_rank())
+        logger = Logger(args, cost, dist.get_rank() == 0, sampler.stats,
+                        counts_plans=pool_rank == 0 and tp_rank == 0, pools=layout.dp)
+        try:
+            loop(args, layout, run, data, logger, start)
+        finally:
+            data.close()
+            logger.close()
+    finally:
+        state.close()
+    return logger.history
+
+
+def resume(args: argparse.Namespace, ready: preflight.Ready, run: checkpoint.Training
+           ) -> tuple[int, dict | None]:
+    """(iteration to continue after, data position) from ``--load``'s checkpoint."""
     if ready.resume is not None:
-        position = checkpoint.load(ready.resume, run, args.load_optim, args.load_rng).get("data")
-        start = ready.resume.iteration
-    elif args.load and dist.get_rank() == 0:
+        saved = checkpoint.load(ready.resume, run, args.load_optim, args.load_rng)
+        return ready.resume.iteration, saved.get("data")
+    if args.load and dist.get_rank() == 0:
         print(f"--load {args.load}: no checkpoint there ({checkpoint.TRACKER} missing): "
               "training from scratch", flush=True)
-    data, sampler = make_data(args, ready.source, pool, make_planner(args, cost, layout), device,
-                              position)
-    _, pool_rank, tp_rank = layout.position(dist.get_rank())
-    logger = Logger(args, cost, dist.get_rank() == 0, sampler.stats,
-                    counts_plans=pool_rank == 0 and tp_rank == 0, pools=layout.dp)
+    return 0, None
+
+
+def loop(args: argparse.Namespace, layout: PoolLayout, run: checkpoint.Training,
+         data: ZeppelinDataIterator, logger: Logger, start: int) -> None:
+    """Iterations ``start + 1 .. --train-iters``: step, LR schedule, log line, checkpoints
+    (every --save-interval, at --exit-interval and at the end)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     micro = layout.micro_batches(args.global_batch_size, args.micro_batch_size)
-    try:
-        for iteration in range(start + 1, args.train_iters + 1):
-            started = time.perf_counter()
-            lr = optimizer.param_groups[0]["lr"]
-            model.zero_grad_buffer()
-            optimizer.zero_grad()
-            batches = logger.watch(data)
-            stored = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=batches, model=[model],
-                num_microbatches=micro, seq_length=0, micro_batch_size=1, forward_only=False)
-            ok, grad_norm, _ = optimizer.step()
-            run.scheduler.step(increment=args.global_batch_size)
-            logger.step(iteration, stored, grad_norm, time.perf_counter() - started, lr)
-            leaving = bool(args.exit_interval) and iteration % args.exit_interval == 0
-            interval = bool(args.save_interval) and iteration % args.save_interval == 0
-            if args.save and (interval or leaving or iteration == args.train_iters):
-                save(args, run, layout, data, iteration)
-            if leaving and iteration < args.train_iters:
-                if dist.get_rank() == 0:
-                    print(f"exiting after iteration {iteration} (--exit-interval "
-                          f"{args.exit_interval})", flush=True)
-                break
-        if start >= args.train_iters and dist.get_rank() == 0:
-            print(f"the checkpoint is at iteration {start}, --train-iters is "
-                  f"{args.train_iters}: nothing to train", flush=True)
-    finally:
-        data.close()
-        state.close()
-        logger.close()
-    return logger.history
+    if start >= args.train_iters and dist.get_rank() == 0:
+        print(f"the checkpoint is at iteration {start}, --train-iters is {args.train_iters}: "
+              "nothing to train", flush=True)
+    for iteration in range(start + 1, args.train_iters + 1):
+        started = time.perf_counter()
+        lr = run.optimizer.param_groups[0]["lr"]
+        run.model.zero_grad_buffer()
+        run.optimizer.zero_grad()
+        stored = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=logger.watch(data),
+            model=[run.model], num_microbatches=micro, seq_length=0, micro_batch_size=1,
+            forward_only=False)
+        _, grad_norm, _ = run.optimizer.step()
+        run.scheduler.step(increment=args.global_batch_size)
+        logger.step(iteration, stored, grad_norm, time.perf_counter() - started, lr)
+        leaving = bool(args.exit_interval) and iteration % args.exit_interval == 0
+        interval = bool(args.save_interval) and iteration % args.save_interval == 0
+        if args.save and (interval or leaving or iteration == args.train_iters):
+            save(args, run, layout, data, iteration)
+        if leaving and iteration < args.train_iters:
+            if dist.get_rank() == 0:
+                print(f"exiting after iteration {iteration} (--exit-interval "
+                      f"{args.exit_interval})", flush=True)
+            return
 
 
 def save(args: argparse.Namespace, run: checkpoint.Training, layout: PoolLayout,
