@@ -148,7 +148,8 @@ class CheckpointArgs:
     load: str | None = setting(None, "folder to resume from: its latest checkpoint (model, "
                                "optimizer, LR schedule, RNG states, data position); an empty "
                                "or missing folder starts from scratch, as in Megatron")
-    save_interval: int | None = setting(None, "iterations between checkpoints")
+    save_interval: int | None = setting(None, "iterations between checkpoints (with --save; "
+                                        "the startup banner says when it goes unused)")
     exit_on_missing_checkpoint: bool = setting(False, "with --load: refuse to start when the "
                                                "folder holds no checkpoint")
     load_optim: bool = setting(True, "with --load: restore the optimizer state and LR schedule")
@@ -156,8 +157,6 @@ class CheckpointArgs:
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "save_interval")
-        _check(self.save_interval is None or self.save is not None, "checkpoint.save_interval",
-               self.save_interval, "--save as well (the folder to save to)")
 
 
 @dataclass(frozen=True)

@@ -52,12 +52,16 @@ def iteration_dir(root: str, iteration: int) -> str:
 # ----------------------------------------------------------------------------- inspection
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles torch DCP's ``.metadata`` and nothing else: classes of
-    ``torch.distributed.checkpoint``, ``torch.Size``, torch dtypes and torch's layout helper."""
+    ``torch.distributed.checkpoint``, ``torch.Size``, torch dtypes, torch's layout helper and
+    paths (torch's own writer records the checkpoint folder); none runs code when built."""
+
+    SAFE = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+            ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath")}
 
     def find_class(self, module: str, name: str) -> Any:
         allowed = (module.startswith("torch.distributed.checkpoint.") or
-                   (module, name) in (("torch", "Size"), ("torch.serialization", "_get_layout"),
-                                      ("collections", "OrderedDict")) or
+                   (module, name) in self.SAFE or
                    (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
         if not allowed:
             raise pickle.UnpicklingError(f"refusing to load {module}.{name} (not checkpoint "

@@ -23,6 +23,7 @@ import bisect
 import os
 import random
 import statistics
+import struct
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Protocol, Sequence
@@ -125,12 +126,13 @@ class IndexedDocuments:
                                   "(expected Megatron's indexed dataset PREFIX.bin/PREFIX.idx)")
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+        _check_index(prefix)
         try:
             self.dataset = IndexedDataset(prefix)
             sizes = self.dataset.sequence_lengths
             needed = (int(self.dataset.index.sequence_pointers[-1]) +
                       int(sizes[-1]) * self.dataset.index.dtype_size) if len(sizes) else 0
-        except Exception as exc:  # megatron asserts on a bad header; numpy on a short index
+        except Exception as exc:  # an index that passed _check_index but still fails
             raise ConfigError(f"--data-path {prefix!r}: {prefix}.idx is not a readable Megatron "
                               f"index ({type(exc).__name__}: {exc})") from None
         if len(sizes) == 0:
@@ -151,6 +153,29 @@ class IndexedDocuments:
     def tokens(self, index: int, start: int, end: int) -> torch.Tensor:
         array = self.dataset.get(index, offset=start, length=end - start)
         return torch.from_numpy(array.astype("int64"))
+
+
+def _check_index(prefix: str) -> None:
+    """The layout of Megatron's ``.idx`` (megatron-core's ``_IndexReader``): magic, version 1,
+    dtype code, sequence count S, document count D (34 bytes), then S int32 sizes, S int64
+    pointers and D int64 document indices; checked before megatron-core reads it (its reader
+    asserts, then fails again in ``__del__``)."""
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
+
+    path = prefix + ".idx"
+    with open(path, "rb") as f:
+        head = f.read(34)
+    if head[:9] != _INDEX_HEADER:
+        raise ConfigError(f"--data-path {prefix!r}: {path} is not a Megatron index (it starts "
+                          f"with {head[:9]!r}, not {_INDEX_HEADER!r})")
+    if len(head) < 34:
+        raise ConfigError(f"--data-path {prefix!r}: {path} is truncated ({len(head)} bytes)")
+    version, _, sequences, documents = struct.unpack("<QBQQ", head[9:])
+    expected = 34 + 12 * sequences + 8 * documents
+    if version != 1 or os.path.getsize(path) != expected:
+        raise ConfigError(f"--data-path {prefix!r}: {path} is not a readable Megatron index "
+                          f"(version {version}, {os.path.getsize(path)} bytes where "
+                          f"{sequences} sequences and {documents} documents take {expected})")
 
 
 def open_source(mock_data: bool, data_path: str | None) -> DocumentSource:

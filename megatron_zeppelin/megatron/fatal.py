@@ -1,11 +1,15 @@
 """How ``pretrain_gpt.py`` ends on an error: one line, printed once, the right exit status.
 
 * A user error (``ConfigError``: a flag, a file, a checkpoint, an environment variable) is the
-  same on every rank: rank 0 prints ``pretrain_gpt.py: error: <message>`` and every rank exits
-  with status 2. Under torchrun the line is also written to the launcher's error file
+  same on every rank: rank 0 prints ``pretrain_gpt.py: error: <message>`` and exits with
+  status 2. Under torchrun the line is also written to the launcher's error file
   (``TORCHELASTIC_ERROR_FILE``), so torchrun's failure summary shows it as the root cause
-  instead of a link to its docs; torchrun itself then exits with status 1 (it maps any
-  worker failure to 1, whatever the worker's status).
+  instead of a link to its docs; torchrun then stops the other ranks (SIGTERM) and exits with
+  status 1 (it maps any worker failure to 1, whatever the worker's status). The other ranks
+  do not exit first: had one of them exited before rank 0 printed, torchrun would have
+  stopped rank 0 before it could. They wait up to ``PEER_GRACE_S`` for that; a rank still
+  there then (rank 0 did not fail the same way: a file missing on one node only, or no
+  launcher to stop it) prints the error with its rank number and exits with status 2.
 * A fault (a peer died, froze or failed) is reported by every surviving rank, each naming
   itself and the peer: ``pretrain_gpt.py: error: rank 1: rank 2 ... stopped responding``,
   exit status 1 (``fault``).
@@ -24,6 +28,7 @@ from megatron_zeppelin.config import ConfigError
 PROG = "pretrain_gpt.py"
 EXIT_USER_ERROR = 2
 EXIT_FAULT = 1
+PEER_GRACE_S = 15.0
 
 
 def _record_for_launcher(message: str) -> None:
@@ -40,12 +45,15 @@ def _record_for_launcher(message: str) -> None:
         pass  # the summary then shows torchrun's generic line; our stderr line stands
 
 
-def user_error(exc: ConfigError) -> int:
-    """Print a user error once (rank 0, or the process when not launched) -> exit status 2."""
-    if env.rank() in (None, 0):
-        line = f"{PROG}: error: {exc}"
-        print(line, file=sys.stderr, flush=True)
-        _record_for_launcher(line)
+def user_error(exc: ConfigError, grace_s: float = PEER_GRACE_S) -> int:
+    """Print a user error once (rank 0, or the process when not launched) -> exit status 2;
+    another rank waits ``grace_s`` for the launcher to stop it, then prints it itself."""
+    rank = env.rank()
+    if rank not in (None, 0):
+        time.sleep(grace_s)
+    line = f"{PROG}: error: " + (f"rank {rank}: " if rank not in (None, 0) else "") + str(exc)
+    print(line, file=sys.stderr, flush=True)
+    _record_for_launcher(line)
     return EXIT_USER_ERROR
 
 

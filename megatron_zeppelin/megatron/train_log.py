@@ -155,9 +155,10 @@ def banner(args: argparse.Namespace, layout: PoolLayout, module: torch.nn.Module
     data = (f"{source.name}{f' ({args.data_note})' if args.data_note else ''}: "
             f"{describe_lengths(source.lengths(), args.seq_length)}; --zeppelin-overlong "
             f"{args.zeppelin_overlong}")
+    unused = f"; --save-interval {args.save_interval} unused" if args.save_interval else ""
     save = (f"to {args.save}" + (f" every {args.save_interval} iterations" if
                                  args.save_interval else "") + " and at the end"
-            if args.save else "not saved (no --save)")
+            if args.save else f"not saved (no --save{unused})")
     kv = args.num_query_groups or args.num_attention_heads
     lines = [
         f"mode: {args.context_parallel_mode} | world {layout.world_size} = TP {layout.tp} x "

@@ -99,7 +99,12 @@ class Watchdog:
         self._publish()
 
     def start(self) -> None:
-        """Read every rank's record once (hosts, pids) and start the heartbeat thread."""
+        """Meet the peers and start the heartbeat thread."""
+        self.meet()
+        self.thread.start()
+
+    def meet(self) -> None:
+        """Read every rank's record once (hosts, pids) and choose the ranks to watch."""
         records = self.store.multi_get([self._key(r) for r in range(self.world)])
         everyone = {r: json.loads(v) for r, v in enumerate(records)}
         neighbours = {(self.rank + i) % self.world for i in range(1, WATCHED_NEIGHBOURS + 1)}
@@ -108,7 +113,6 @@ class Watchdog:
             self.peers[r] = everyone[r]
             self.stale[r] = 0.0
         self.last_poll = self.clock()
-        self.thread.start()
 
     # ------------------------------------------------------------------ verdicts
     def _judge(self, rank: int, rec: dict, old: dict, credited: float) -> str | None:
@@ -172,6 +176,7 @@ class Watchdog:
                 self.verdict = verdict
                 self.found.set()
                 self.on_fault(verdict)
+                self.stopped.set()  # on_fault returned (tests): one report is enough
 
     # ------------------------------------------------------------------ main thread
     def leave(self, state: str, message: str = "") -> None:
