@@ -26,8 +26,10 @@ def quiet_known_warnings() -> None:
 
 
 if __name__ == "__main__":
-    quiet_known_warnings()
     from megatron_zeppelin.megatron import fatal
+
+    fatal.take_sigterm()  # before torch starts threads: a launcher's SIGTERM names a dead peer
+    quiet_known_warnings()
     from megatron_zeppelin.megatron.train import main
 
     sys.exit(fatal.run(main))

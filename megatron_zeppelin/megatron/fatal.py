@@ -12,13 +12,18 @@
   launcher to stop it) prints the error with its rank number and exits with status 2.
 * A fault (a peer died, froze or failed) is reported by every surviving rank, each naming
   itself and the peer: ``pretrain_gpt.py: error: rank 1: rank 2 ... stopped responding``,
-  exit status 1 (``fault``).
+  exit status 1 (``fault``). torchrun stops every rank (SIGTERM) as soon as one dies, often
+  before the others noticed; so SIGTERM is taken by a thread (``take_sigterm``, installed
+  before anything else starts threads) which first asks the watchdog whether a peer on this
+  host is gone, reports it, and otherwise ends the process by SIGTERM as usual.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Callable, NoReturn
 
@@ -66,6 +71,32 @@ def fault(message: str) -> NoReturn:
     _record_for_launcher(line)
     sys.stdout.flush()
     os._exit(EXIT_FAULT)
+
+
+_sigterm_verdict: list[Callable[[], str | None]] = []
+
+
+def on_sigterm(verdict: Callable[[], str | None]) -> None:
+    """Ask ``verdict()`` (the watchdog's quick local check) when SIGTERM comes."""
+    _sigterm_verdict[:] = [verdict]
+
+
+def take_sigterm() -> None:
+    """Block SIGTERM in this and every later thread and wait for it on a thread of its own:
+    a peer's death found then is reported (``fault``); otherwise the process ends by SIGTERM.
+    Call first thing, before any thread exists (they inherit the mask)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def wait() -> None:
+        signal.sigwait({signal.SIGTERM})
+        for verdict in _sigterm_verdict:
+            found = verdict()
+            if found:
+                fault(f"{found} (the launcher then stopped this rank)")
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # default action: end
+        signal.raise_signal(signal.SIGTERM)
+
+    threading.Thread(target=wait, name="zeppelin-sigterm", daemon=True).start()
 
 
 def run(main: Callable[[], int]) -> int:

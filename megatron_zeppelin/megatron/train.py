@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     init_process_group(args)
     watchdog: Watchdog | None = None
     try:
-        watchdog, line = start_watchdog(args.zeppelin_watchdog_timeout, fatal.fault)
+        watchdog, line = start_watchdog(args.zeppelin_watchdog_timeout)
         setup_megatron(args)
         train(args, layout, ready, line)
     except BaseException as exc:

@@ -33,6 +33,7 @@ import time
 from typing import Callable
 
 from megatron_zeppelin.config import ConfigError
+from megatron_zeppelin.megatron import fatal
 
 WATCHED_NEIGHBOURS = 4
 
@@ -178,6 +179,29 @@ class Watchdog:
                 self.on_fault(verdict)
                 self.stopped.set()  # on_fault returned (tests): one report is enough
 
+    def dead_here(self) -> str | None:
+        """For a SIGTERM from the launcher: the verdict already published (a peer that
+        reported a death and left is not the culprit), else a watched rank of this host whose
+        process is gone (published in turn)."""
+        if self.stopped.is_set():
+            return self.verdict
+        try:
+            published = self.store.get(self._key("verdict")).decode()
+        except Exception:  # the store is gone too: judge from this host alone
+            published = ""
+        if published:
+            return published
+        for rank, rec in self.peers.items():
+            if (rec["host"] == self.record["host"] and rec["state"] == "alive" and
+                    _process_state(rec["pid"], rec["start"]) == "gone"):
+                verdict = (f"rank {rank} (pid {rec['pid']} on {rec['host']}) died: its process "
+                           "exited or was killed while training")
+                try:
+                    return self._publish_verdict(verdict)
+                except Exception:
+                    return verdict
+        return None
+
     # ------------------------------------------------------------------ main thread
     def leave(self, state: str, message: str = "") -> None:
         """Stop heartbeats with a last record: ``done`` (finished), ``failed`` (peers report
@@ -223,11 +247,10 @@ def _is_communication_error(exc: BaseException) -> bool:
         type(exc) is RuntimeError
 
 
-def start_watchdog(timeout_s: float, on_fault: Callable[[str], None]) -> tuple[Watchdog | None,
-                                                                               str]:
+def start_watchdog(timeout_s: float) -> tuple[Watchdog | None, str]:
     """The run's watchdog (collective: every rank calls it after the process group exists),
-    on a client of the rendezvous store at MASTER_ADDR:MASTER_PORT; returns it (None when off)
-    and a line for the startup banner."""
+    on a client of the rendezvous store at MASTER_ADDR:MASTER_PORT, reporting through
+    ``fatal.fault`` (and on SIGTERM); returns it (None when off) and a banner line."""
     import datetime
     import uuid
 
@@ -247,10 +270,11 @@ def start_watchdog(timeout_s: float, on_fault: Callable[[str], None]) -> tuple[W
     where = "in the torchrun launcher" if env.store_in_launcher() else "hosted by rank 0"
     note = f"{address[0]}:{address[1]}, {where}"
     dog = Watchdog(store, f"zeppelin/watchdog/{token[0]}", dist.get_rank(),
-                   dist.get_world_size(), timeout_s, on_fault, note)
+                   dist.get_world_size(), timeout_s, fatal.fault, note)
     dog.announce()
     dist.barrier()
     dog.start()
+    fatal.on_sigterm(dog.dead_here)
     return dog, (f"a rank silent for {timeout_s:g} s is named by every other rank within "
                  f"{timeout_s + 2 * dog.interval:g} s (heartbeats every {dog.interval:g} s "
                  f"through the rendezvous store {note})")
