@@ -1,11 +1,11 @@
 """Faults at the process level: ``torchrun --nproc-per-node 4 scripts/pretrain_gpt.py`` with a
 rank killed (SIGKILL) or frozen (SIGSTOP), a configuration error, a truncated checkpoint.
 
-Each test starts torchrun in a session of its own and kills that session when it ends, so a
-stopped worker never outlives the test.
+Each test kills torchrun and its workers when it ends, so a stopped worker never outlives it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -37,7 +37,7 @@ class Job:
                "--monitor-interval", "0.2", SCRIPT, *flags]
         environ = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=environ, start_new_session=True)
+                                     text=True, env=environ)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -85,8 +85,12 @@ class Job:
             self.close()
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # our own session: torchrun + workers
+        """Kill torchrun and every worker it started (workers run in sessions of their own,
+        and a stopped one would outlive torchrun)."""
+        if self.proc.poll() is None:  # torchrun (still ours: not reaped) and its workers
+            for pid in [*self.workers().values(), self.proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             self.proc.wait(30)
         self.reader.join(10)
 
