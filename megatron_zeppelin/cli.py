@@ -13,6 +13,7 @@ from typing import Sequence
 
 from megatron_zeppelin.config import ConfigError, ZeppelinConfig, load_setup
 from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.limits import refuse_untrainable
 from megatron_zeppelin.options import Parser, add_flags, from_flags
 
 
@@ -62,6 +63,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     setup = load_setup(args.model, args.cluster, args.nodes, args.hardware, config, args.tp)
     cost = CostModel(setup.model, setup.cluster, setup.hardware, setup.tp)
     lengths = batch_lengths(args, args.workload)
+    refuse_untrainable(lengths, setup.model, setup.cluster, args.lengths or "the batch")
     options: dict[str, dict] = {"static-cp": {"cp_size": args.cp_size}} if args.cp_size else {}
     if args.max_seqlen_per_rank:
         for name in ("hybrid-dp", "megatron-hybrid-cp"):

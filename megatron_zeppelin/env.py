@@ -10,7 +10,12 @@ ZEPPELIN_TRANSPORT         ``direct`` (default: tensors go to torch.distributed 
 ZEPPELIN_P2P_TIMEOUT_S     seconds a ring/remap exchange may wait on a peer (default 300)
 MEGATRON_LM_PATH           a Megatron-LM checkout, for the patch test and apply script
 LOCAL_WORLD_SIZE           set by torchrun: processes on this node (default GPUs per node)
-RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT   set by torchrun (read by torch.distributed)
+RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT   set by torchrun (read by torch.distributed,
+                           and here before any process group exists)
+TORCHELASTIC_ERROR_FILE    set by torchrun: where a failing worker writes its error (shown in
+                           torchrun's failure summary)
+TORCHELASTIC_USE_AGENT_STORE  set by torchrun: the rendezvous store at MASTER_ADDR:MASTER_PORT
+                           lives in the launcher, not in rank 0
 """
 from __future__ import annotations
 
@@ -69,3 +74,31 @@ def local_world_size() -> int | None:
 
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    return int(raw) if raw.isdigit() else None
+
+
+def rank() -> int | None:
+    """This process's global rank as the launcher set it (None when not launched)."""
+    return _int("RANK")
+
+
+def world_size() -> int | None:
+    return _int("WORLD_SIZE")
+
+
+def master_address() -> tuple[str, int] | None:
+    """(MASTER_ADDR, MASTER_PORT): the rendezvous store, or None when not set."""
+    port = _int("MASTER_PORT")
+    return (os.environ.get("MASTER_ADDR", "localhost"), port) if port is not None else None
+
+
+def store_in_launcher() -> bool:
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def launcher_error_file() -> str | None:
+    return os.environ.get("TORCHELASTIC_ERROR_FILE") or None

@@ -5,23 +5,31 @@
 
 Flags follow Megatron-LM's names (``--num-layers``, ``--context-parallel-size``, ...); see
 ``python scripts/pretrain_gpt.py --help``. The training loop lives in
-``megatron_zeppelin.megatron.train``.
+``megatron_zeppelin.megatron.train``; exit status 2 is a user error (one line, from rank 0),
+1 a fault (every surviving rank names the failed one): ``docs/training.md``.
+
+Imports stay under the ``__main__`` guard: megatron-core's checkpoint writer starts a helper
+process with the ``spawn`` method, which re-imports this file; it then stays light.
 """
 import sys
 import warnings
 
-# megatron-core announces every optional dependency it falls back from (Transformer Engine,
-# Apex) once per module and rank; the fallbacks are expected on CPU and listed in the README.
-warnings.filterwarnings("ignore", message=r".*(Transformer Engine and Apex|Apex) (are|is) not "
-                        r"installed")
-warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
-from megatron_zeppelin.config import ConfigError  # noqa: E402
-from megatron_zeppelin.megatron.train import main  # noqa: E402
+def quiet_known_warnings() -> None:
+    """megatron-core announces every optional dependency it falls back from (Transformer
+    Engine, Apex) once per module and rank, and its checkpoint loader calls torch APIs that
+    torch marks deprecated; both are expected (README) and would repeat on every rank."""
+    for message in (r".*(Transformer Engine and Apex|Apex) (are|is) not installed",
+                    r"full scope is deprecated", r"`load_state_dict` is deprecated",
+                    r"Please use DTensor instead and we are deprecating ShardedTensor"):
+        warnings.filterwarnings("ignore", message=message)
+
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ConfigError as exc:
-        print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    from megatron_zeppelin.megatron import fatal
+
+    fatal.take_sigterm()  # before torch starts threads: a launcher's SIGTERM names a dead peer
+    quiet_known_warnings()
+    from megatron_zeppelin.megatron.train import main
+
+    sys.exit(fatal.run(main))

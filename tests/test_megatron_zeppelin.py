@@ -46,7 +46,7 @@ def run_mode(mode: str, rank: int, save: str | None = None, load: str | None = N
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_zeppelin.megatron import args as cli, train
+    from megatron_zeppelin.megatron import args as cli, checkpoint, train
     from megatron_zeppelin.megatron.data import slice_rank
     from megatron_zeppelin.megatron.groups import new_pool_groups
 
@@ -59,7 +59,9 @@ def run_mode(mode: str, rank: int, save: str | None = None, load: str | None = N
     state = train.build_state(args, pool, cost)
     torch.manual_seed(1 if mode == "zeppelin" else 2)  # different inits: --load must win
     model, optimizer = train.build_training(args, state, spec)
-    train.checkpoint_load(args, model, optimizer)
+    run = checkpoint.Training(model, optimizer, train.make_scheduler(args, optimizer), "cpu")
+    if load:  # the model only: the saving run took no optimizer step
+        checkpoint.load(checkpoint.inspect(load, True), run, load_optim=False, load_rng=False)
     docs = documents()
     plan = train.make_planner(args, cost, layout)([d.numel() for d in docs])
     batch = slice_rank(plan, pool.rank, docs, device)
@@ -69,8 +71,7 @@ def run_mode(mode: str, rank: int, save: str | None = None, load: str | None = N
     sums = torch.stack([d["lm loss"] for d in stored]).sum(0)
     dist.all_reduce(sums)
     if save:
-        args.save = save
-        train.checkpoint_save(args, model, optimizer, 1)
+        checkpoint.save(save, 1, run, {"mode": mode, "world_size": 4})
     state.close()
     module = model.module
     module.spec, module.config = spec, model.config

@@ -16,6 +16,7 @@ group or model exists, refusing bad settings with the flag, the value and what i
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -27,6 +28,7 @@ from megatron_zeppelin.parallel import PoolLayout
 from megatron_zeppelin.runtime.kernels import choices as attention_backends
 
 MODES = ("static", "zeppelin")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
 DEVICES = ("cpu", "cuda")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ZEPPELIN_PREFIX = "zeppelin-"
@@ -81,9 +83,18 @@ class ParallelArgs:
 
 @dataclass(frozen=True)
 class OptimArgs:
+    """Adam and Megatron's learning-rate schedule (megatron-core's ``OptimizerParamScheduler``:
+    linear warmup from 0 over ``lr_warmup_iters``, then decay to ``min_lr`` at
+    ``lr_decay_iters``, ``min_lr`` after)."""
+
     SECTION = "optim"
-    lr: float = setting(1e-3, "learning rate")
-    min_lr: float = setting(0.0, "minimum learning rate")
+    lr: float = setting(1e-3, "peak learning rate (after warmup)")
+    min_lr: float = setting(0.0, "learning rate at the end of the decay (<= --lr)")
+    lr_warmup_iters: int = setting(0, "iterations of linear warmup from 0 to --lr")
+    lr_decay_style: str = setting("linear", "decay from --lr to --min-lr after warmup",
+                                  choices=LR_DECAY_STYLES)
+    lr_decay_iters: int | None = setting(None, "iteration at which the decay reaches --min-lr "
+                                         "(default: --train-iters)")
     weight_decay: float = setting(0.01, "weight decay")
     clip_grad: float = setting(1.0, "gradient clipping norm (0: off)")
     adam_beta1: float = setting(0.9, "Adam beta1")
@@ -91,6 +102,10 @@ class OptimArgs:
 
     def __post_init__(self) -> None:
         _at_least(self, 0.0, "lr", "min_lr", "weight_decay", "clip_grad")
+        _at_least(self, 0, "lr_warmup_iters")
+        _at_least(self, 1, "lr_decay_iters")
+        _check(self.min_lr <= self.lr, "optim.min_lr", self.min_lr,
+               f"a rate <= --lr {self.lr!r} (the schedule decays from --lr to --min-lr)")
         for name in ("adam_beta1", "adam_beta2"):
             value = getattr(self, name)
             _check(0.0 <= value < 1.0, f"optim.{name}", value, "a number in [0, 1)")
@@ -102,12 +117,15 @@ class TrainingArgs:
     micro_batch_size: int = setting(1, "samples of --seq-length tokens per micro-batch and pool")
     global_batch_size: int | None = setting(None, "samples per iteration (required)")
     train_iters: int | None = setting(None, "iterations to train (required)")
+    exit_interval: int | None = setting(None, "stop after an iteration divisible by this "
+                                        "(saving a checkpoint first when --save is set)")
     seed: int = setting(1234, "random seed")
     device: str = setting("cuda", "where to train", choices=DEVICES)
     bf16: bool = setting(False, "bf16 parameters (GPU only)")
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "micro_batch_size", "global_batch_size", "train_iters")
+        _at_least(self, 1, "micro_batch_size", "global_batch_size", "train_iters",
+                  "exit_interval")
         _at_least(self, 0, "seed")
 
 
@@ -121,10 +139,21 @@ class DataArgs:
 
 @dataclass(frozen=True)
 class CheckpointArgs:
+    """Megatron's distributed checkpoints (``docs/training.md``): ``{save}/iter_NNNNNNN/`` in
+    megatron-core's ``dist_checkpointing`` format and ``latest_checkpointed_iteration.txt``."""
+
     SECTION = "checkpoint"
-    save: str | None = setting(None, "folder to save checkpoints to")
-    load: str | None = setting(None, "folder to load the latest checkpoint from")
-    save_interval: int | None = setting(None, "iterations between checkpoints")
+    save: str | None = setting(None, "folder to save checkpoints to (at the end, and every "
+                               "--save-interval iterations)")
+    load: str | None = setting(None, "folder to resume from: its latest checkpoint (model, "
+                               "optimizer, LR schedule, RNG states, data position); an empty "
+                               "or missing folder starts from scratch, as in Megatron")
+    save_interval: int | None = setting(None, "iterations between checkpoints (with --save; "
+                                        "the startup banner says when it goes unused)")
+    exit_on_missing_checkpoint: bool = setting(False, "with --load: refuse to start when the "
+                                               "folder holds no checkpoint")
+    load_optim: bool = setting(True, "with --load: restore the optimizer state and LR schedule")
+    load_rng: bool = setting(True, "with --load: restore the RNG states")
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "save_interval")
@@ -156,9 +185,13 @@ class ZeppelinRuntimeArgs:
                                      "torch otherwise)", choices=attention_backends())
     validate_plan: bool = setting(False, "check every plan's contract (Plan.validate) before "
                                   "using it")
+    watchdog_timeout: float = setting(
+        20.0, "seconds a rank may go without a heartbeat before every other rank stops and "
+        "names it (frozen, or killed on another node); 0 turns the watchdog off")
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "gpus_per_node")
+        _at_least(self, 0.0, "watchdog_timeout")
 
 
 MEGATRON_SECTIONS = {"model": ModelArgs, "parallel": ParallelArgs, "optim": OptimArgs,
@@ -213,7 +246,7 @@ def add_zeppelin_args(p: argparse.ArgumentParser, with_mode: bool = False) -> No
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="pretrain_gpt.py",
+    p = Parser(prog="pretrain_gpt.py", allow_abbrev=False,  # as Megatron-LM's parser
                description="GPT pretraining on megatron-core with zeppelin CP")
     add_megatron_args(p)
     add_zeppelin_args(p)
@@ -237,7 +270,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     first, _ = parser.parse_known_args(argv)
     if first.yaml_cfg:
         apply_yaml(parser, first.yaml_cfg)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    resolve_data_source(args, sys.argv[1:] if argv is None else list(argv))
+    return args
+
+
+def resolve_data_source(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    """``--mock-data`` and ``--data-path`` are one choice (the corpus): the one given on the
+    command line replaces the other from ``--yaml-cfg`` (so ``--data-path`` works with the
+    README's YAML, which sets ``mock_data: true``); both on the command line is an error.
+    ``args.data_note`` says what was replaced (printed in the startup banner)."""
+    given = {flag for flag in ("--mock-data", "--data-path")
+             for token in argv if token == flag or token.startswith(flag + "=")}
+    args.data_note = None
+    if given == {"--mock-data", "--data-path"}:
+        raise ConfigError("--mock-data and --data-path are both given: pass one (the built-in "
+                          "corpus, or a Megatron indexed dataset)")
+    if given == {"--data-path"} and args.mock_data:
+        args.mock_data = False
+        args.data_note = f"--data-path replaces mock_data: true of {args.yaml_cfg}"
+    elif given == {"--mock-data"} and args.data_path:
+        args.data_note = f"--mock-data replaces data_path: {args.data_path} of {args.yaml_cfg}"
+        args.data_path = None
 
 
 def validate_args(args: argparse.Namespace, world_size: int, local_world_size: int | None
@@ -251,6 +305,13 @@ def validate_args(args: argparse.Namespace, world_size: int, local_world_size: i
     config = TrainConfig.from_args(args)
     if not args.mock_data and not args.data_path:
         raise ConfigError("no data: pass --mock-data (built-in corpus) or --data-path PREFIX")
+    if args.mock_data and args.data_path:
+        raise ConfigError(f"--mock-data and --data-path={args.data_path!r} are both set (in "
+                          f"{args.yaml_cfg or 'the flags'}): pass one")
+    decay = config.optim.lr_decay_iters or config.training.train_iters
+    if config.optim.lr_warmup_iters >= decay:
+        raise ConfigError(f"--lr-warmup-iters={config.optim.lr_warmup_iters} is invalid: expected "
+                          f"< --lr-decay-iters {decay} (default: --train-iters)")
     tp = config.parallel.tensor_model_parallel_size
     if config.model.num_attention_heads % tp:
         raise ConfigError(f"--tensor-model-parallel-size={tp} is invalid: expected a divisor of "

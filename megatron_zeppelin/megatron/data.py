@@ -1,11 +1,9 @@
 """Data-iterator hook: documents -> planned micro-batches in each rank's linear layout.
 
-A *document source* gives variable-length documents (1-D int64 token tensors). The sampler
-fills each global micro-batch with documents up to a token budget (Megatron's micro-batch
-size x sequence length x pool ranks), shuffled per epoch with a fixed seed, so every rank of a
-pool draws the same documents. The partitioner plans the micro-batch on a worker thread one
-micro-batch ahead (planning is pure Python and runs while torch releases the GIL), and each
-rank takes its ``Plan.linear[rank]`` tokens:
+A stream of micro-batches (lists of 1-D int64 token tensors, the same on every rank of a pool:
+``corpus.MicroBatchSampler`` in training) is planned by the partitioner on a worker thread
+one micro-batch ahead (planning is pure Python and runs while torch releases the GIL), and
+each rank takes its ``Plan.linear[rank]`` tokens:
 
 * tokens / position ids: the pieces of documents the rank holds, positions restarting at 0 in
   every planned sequence (RoPE by in-document position);
@@ -15,122 +13,14 @@ rank takes its ``Plan.linear[rank]`` tokens:
 """
 from __future__ import annotations
 
-import os
-import random
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from megatron_zeppelin.megatron.packing import ZeppelinPackedSeqParams, packed_seq_params_for_rank
 from megatron_zeppelin.plan import Plan
-
-
-class DocumentSource(Protocol):
-    """Random access to documents: ``len(source)`` and ``source[i]`` -> 1-D int64 tokens."""
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, index: int) -> torch.Tensor: ...
-
-
-class StdlibCorpus:
-    """Built-in corpus present on every machine: the Python standard library's source files as
-    byte tokens (vocab 256). Long-tailed like code: most files are a few thousand bytes, a few
-    are hundreds of thousands. ``max_bytes`` clips each file (a document) to its first bytes."""
-
-    def __init__(self, max_bytes: int | None = None) -> None:
-        from megatron_zeppelin.sim.workloads import stdlib_files
-
-        self.paths = stdlib_files()
-        self.max_bytes = max_bytes
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        with open(self.paths[index], "rb") as f:
-            data = f.read(self.max_bytes or -1) or b"\n"
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
-
-
-class IndexedDocuments:
-    """Megatron's indexed dataset (``--data-path PREFIX`` for ``PREFIX.bin``/``PREFIX.idx``):
-    each stored sequence is one document."""
-
-    def __init__(self, prefix: str) -> None:
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-        if not (os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx")):
-            raise FileNotFoundError(f"--data-path {prefix!r}: expected {prefix}.bin and "
-                                    f"{prefix}.idx (Megatron's indexed dataset)")
-        self.dataset = IndexedDataset(prefix)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return torch.from_numpy(self.dataset[index].astype("int64"))
-
-
-@dataclass
-class DocumentStats:
-    """What the overlong policy did to the stream so far (nothing is dropped silently)."""
-
-    documents: int = 0
-    split: int = 0
-    pieces: int = 0
-    dropped: int = 0
-    dropped_tokens: int = 0
-
-
-def _documents(source: DocumentSource, seed: int, max_len: int, overlong: str,
-               stats: DocumentStats) -> Iterator[torch.Tensor]:
-    """Documents in a per-epoch shuffled order, overlong ones split or dropped (or refused)."""
-    epoch = 0
-    while True:
-        order = list(range(len(source)))
-        random.Random(seed * 1000003 + epoch).shuffle(order)
-        epoch += 1
-        for index in order:
-            doc = source[index]
-            stats.documents += 1
-            if doc.numel() <= max_len:
-                yield doc
-            elif overlong == "error":
-                raise ValueError(f"document {index} has {doc.numel()} tokens, more than "
-                                 f"--seq-length {max_len}; set --zeppelin-overlong split or drop")
-            elif overlong == "drop":
-                stats.dropped += 1
-                stats.dropped_tokens += doc.numel()
-            else:
-                pieces = doc.split(max_len)
-                stats.split += 1
-                stats.pieces += len(pieces)
-                yield from pieces
-
-
-def sample_documents(source: DocumentSource, tokens_per_batch: int, seed: int,
-                     max_len: int | None = None, overlong: str = "error",
-                     stats: DocumentStats | None = None) -> Iterator[list[torch.Tensor]]:
-    """Endless global micro-batches: documents (at most ``max_len`` tokens after the overlong
-    policy) until the next one would overflow ``tokens_per_batch``. The same seed gives the
-    same batches on every rank."""
-    if len(source) == 0:
-        raise ValueError("the document source is empty")
-    if tokens_per_batch <= 0:
-        raise ValueError(f"tokens per micro-batch {tokens_per_batch} is invalid: expected > 0")
-    stream = _documents(source, seed, max_len or tokens_per_batch, overlong,
-                        stats if stats is not None else DocumentStats())
-    pending = next(stream)
-    while True:
-        batch, total = [], 0
-        while not batch or total + pending.numel() <= tokens_per_batch:
-            batch.append(pending)
-            total += pending.numel()
-            pending = next(stream)
-        yield batch
 
 
 @dataclass(frozen=True)
@@ -175,7 +65,9 @@ class ZeppelinDataIterator:
     ``MicroBatch``es; the plan of micro-batch i+1 is computed while micro-batch i trains.
 
     ``planner(lengths) -> Plan`` is called on a worker thread; it must be deterministic so that
-    every rank of the pool computes the same plan.
+    every rank of the pool computes the same plan. ``state_dict()`` is the data position of
+    what was handed out so far: ``batches.state_dict()`` (when the stream has one) taken before
+    the micro-batch planned ahead was drawn.
     """
 
     def __init__(self, batches: Iterator[list[torch.Tensor]], planner: Callable[[list[int]], Plan],
@@ -183,8 +75,10 @@ class ZeppelinDataIterator:
         self.batches, self.planner, self.rank, self.device = batches, planner, rank, device
         self.pool = ThreadPoolExecutor(max_workers=1) if prefetch else None
         self.ahead: tuple[list[torch.Tensor], Future | Plan] | None = None
+        self.ahead_position: dict | None = None
 
     def _submit(self) -> tuple[list[torch.Tensor], Future | Plan]:
+        self.ahead_position = self._stream_position()
         docs = next(self.batches)
         lengths = [d.numel() for d in docs]
         work = self.pool.submit(self.planner, lengths) if self.pool else self.planner(lengths)
@@ -198,6 +92,15 @@ class ZeppelinDataIterator:
         plan = work.result() if isinstance(work, Future) else work
         self.ahead = self._submit()  # plan the next micro-batch while this one trains
         return slice_rank(plan, self.rank, docs, self.device)
+
+    def _stream_position(self) -> dict | None:
+        state_dict = getattr(self.batches, "state_dict", None)
+        return state_dict() if state_dict is not None else None
+
+    def state_dict(self) -> dict | None:
+        """Where a restart continues: the stream's position before the micro-batch planned
+        ahead (None when the stream has no ``state_dict``)."""
+        return self.ahead_position if self.ahead is not None else self._stream_position()
 
     def close(self) -> None:
         if self.pool is not None:

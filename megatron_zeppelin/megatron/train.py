@@ -24,12 +24,13 @@ import torch.distributed as dist
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError, ModelSpec, load_cluster, load_hardware
 from megatron_zeppelin.cost_model import CostModel
-from megatron_zeppelin.megatron import args as cli
+from megatron_zeppelin.megatron import args as cli, checkpoint, fatal, preflight
 from megatron_zeppelin.megatron.core_attention import ZeppelinAttentionState, planning_hardware
-from megatron_zeppelin.megatron.data import (DocumentStats, IndexedDocuments, StdlibCorpus,
-                                             ZeppelinDataIterator, sample_documents)
+from megatron_zeppelin.megatron.corpus import DocumentSource, MicroBatchSampler
+from megatron_zeppelin.megatron.data import ZeppelinDataIterator
 from megatron_zeppelin.megatron.groups import Pool, new_pool_groups
-from megatron_zeppelin.megatron.train_log import Logger, StepLog
+from megatron_zeppelin.megatron.train_log import Logger, StepLog, banner
+from megatron_zeppelin.megatron.watchdog import Watchdog, start_watchdog
 from megatron_zeppelin.megatron.model import build_gpt_model, make_transformer_config
 from megatron_zeppelin.megatron.spec import get_gpt_layer_zeppelin_spec
 from megatron_zeppelin.parallel import PoolLayout
@@ -109,7 +110,8 @@ def build_training(args: argparse.Namespace, state: ZeppelinAttentionState, spec
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
+        OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr,
+                        weight_decay=args.weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
                         clip_grad=args.clip_grad, bf16=args.bf16), [model])
     return model, optimizer
@@ -129,25 +131,40 @@ def forward_step(data_iterator, model):
     return losses, loss_func
 
 
-def make_data(args: argparse.Namespace, pool: Pool, planner, device, stats: DocumentStats
-              ) -> ZeppelinDataIterator:
+def make_scheduler(args: argparse.Namespace, optimizer):
+    """Megatron's LR schedule (megatron-core's ``OptimizerParamScheduler``), in samples as in
+    Megatron-LM: it steps by ``--global-batch-size`` after every iteration."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    samples = args.global_batch_size
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * samples,
+        lr_decay_steps=(args.lr_decay_iters or args.train_iters) * samples,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+        end_wd=args.weight_decay, wd_incr_steps=args.train_iters * samples,
+        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=False)
+
+
+def make_data(args: argparse.Namespace, source: DocumentSource, pool: Pool, planner, device,
+              position: dict | None) -> tuple[ZeppelinDataIterator, MicroBatchSampler]:
     """Micro-batches of MBS x seq-length tokens per pool (Megatron's meaning: a CP group runs
-    MBS samples of seq-length tokens; an iteration GBS x seq-length tokens); documents longer
-    than --seq-length follow --zeppelin-overlong (counted in ``stats``)."""
-    source = StdlibCorpus() if args.mock_data else IndexedDocuments(args.data_path)
-    tokens = args.micro_batch_size * args.seq_length
-    batches = sample_documents(source, tokens, seed=args.seed * 7919 + pool.index,
-                               max_len=args.seq_length, overlong=args.zeppelin_overlong,
-                               stats=stats)
-    return ZeppelinDataIterator(batches, planner, pool.rank, device=device)
+    MBS samples of seq-length tokens; an iteration GBS x seq-length tokens), from one global
+    stream dealt to the pools; documents longer than --seq-length follow --zeppelin-overlong.
+    ``position``: a checkpoint's data position to continue from."""
+    sampler = MicroBatchSampler(source, args.micro_batch_size * args.seq_length, args.seed,
+                                args.seq_length, args.zeppelin_overlong,
+                                pools=pool.layout.dp, pool=pool.index)
+    if position is not None:
+        why = sampler.load_state_dict(position)
+        if why and dist.get_rank() == 0:
+            print(f"data position of the checkpoint not used ({why}): reading the corpus from "
+                  "its beginning", flush=True)
+    return ZeppelinDataIterator(sampler, planner, pool.rank, device=device), sampler
 
 
 def init_process_group(args: argparse.Namespace) -> None:
-    if not env.launched_by_torchrun():
-        raise ConfigError("launch with torchrun (it sets RANK/WORLD_SIZE), e.g. torchrun "
-                          "--nproc-per-node 4 scripts/pretrain_gpt.py --yaml-cfg ...")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda but no CUDA device is visible; use --device cpu")
     backend = "gloo" if args.device == "cpu" else "nccl"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=env.p2p_timeout_s()))
     if args.device == "cuda":
@@ -155,94 +172,129 @@ def init_process_group(args: argparse.Namespace) -> None:
 
 
 def setup_megatron(args: argparse.Namespace) -> None:
+    """megatron-core's parallel state and seeds (again from scratch when called again)."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
     if args.device == "cpu":
         from megatron_zeppelin.megatron.cpu import enable_cpu_mode
 
         enable_cpu_mode()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size)
     torch.manual_seed(args.seed)
+    get_cuda_rng_tracker().reset()
     model_parallel_cuda_manual_seed(args.seed)
 
 
-def train(args: argparse.Namespace, layout: PoolLayout) -> list[StepLog]:
-    """Run ``--train-iters`` iterations; returns the per-iteration logs on rank 0 (which prints
-    them), an empty list elsewhere."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
+def train(args: argparse.Namespace, layout: PoolLayout, ready: preflight.Ready,
+          watchdog_line: str = "off") -> list[StepLog]:
+    """Run to ``--train-iters`` (from ``--load``'s checkpoint when there is one); returns the
+    per-iteration logs on rank 0 (which prints them), an empty list elsewhere."""
     pool = new_pool_groups(layout)
     spec = model_spec(args)
     cost = make_cost_model(args, spec, layout)
     state = build_state(args, pool, cost)
-    model, optimizer = build_training(args, state, spec)
-    start = checkpoint_load(args, model, optimizer)
-    device = "cuda" if args.device == "cuda" else "cpu"
-    stats = DocumentStats()
-    data = make_data(args, pool, state.preparing(make_planner(args, cost, layout)), device,
-                     stats)
-    logger = Logger(args, cost, dist.get_rank() == 0, stats, layout.dp)
-    micro = layout.micro_batches(args.global_batch_size, args.micro_batch_size)
     try:
-        for iteration in range(start + 1, args.train_iters + 1):
-            started = time.perf_counter()
-            model.zero_grad_buffer()
-            optimizer.zero_grad()
-            batches = logger.watch(data)
-            stored = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=batches, model=[model],
-                num_microbatches=micro, seq_length=0, micro_batch_size=1, forward_only=False)
-            ok, grad_norm, _ = optimizer.step()
-            logger.step(iteration, stored, grad_norm, time.perf_counter() - started)
-            if args.save and args.save_interval and iteration % args.save_interval == 0:
-                checkpoint_save(args, model, optimizer, iteration)
-        if args.save:
-            checkpoint_save(args, model, optimizer, args.train_iters)
+        model, optimizer = build_training(args, state, spec)
+        device = "cuda" if args.device == "cuda" else "cpu"
+        run = checkpoint.Training(model, optimizer, make_scheduler(args, optimizer), device)
+        if dist.get_rank() == 0:
+            print(banner(args, layout, model.module, ready.source, watchdog_line), flush=True)
+        start, position = resume(args, ready, run)
+        data, sampler = make_data(args, ready.source, pool,
+                                  state.preparing(make_planner(args, cost, layout)), device,
+                                  position)
+        _, pool_rank, tp_rank = layout.position(dist.get_rank())
+        logger = Logger(args, cost, dist.get_rank() == 0, sampler.stats,
+                        counts_plans=pool_rank == 0 and tp_rank == 0, pools=layout.dp)
+        try:
+            loop(args, layout, run, data, logger, start)
+        finally:
+            data.close()
+            logger.close()
     finally:
-        data.close()
         state.close()
-        logger.close()
     return logger.history
 
 
-def checkpoint_save(args: argparse.Namespace, model, optimizer, iteration: int) -> None:
-    """Rank 0 writes ``{save}/iter_N/model_optim.pt`` (model + optimizer state, mode-free)."""
-    if dist.get_rank() == 0:
-        path = os.path.join(args.save, f"iter_{iteration:07d}")
-        os.makedirs(path, exist_ok=True)
-        torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                    "iteration": iteration, "mode": args.context_parallel_mode},
-                   os.path.join(path, "model_optim.pt"))
-        with open(os.path.join(args.save, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write(str(iteration))
-    dist.barrier()
+def resume(args: argparse.Namespace, ready: preflight.Ready, run: checkpoint.Training
+           ) -> tuple[int, dict | None]:
+    """(iteration to continue after, data position) from ``--load``'s checkpoint."""
+    if ready.resume is not None:
+        saved = checkpoint.load(ready.resume, run, args.load_optim, args.load_rng)
+        return ready.resume.iteration, saved.get("data")
+    if args.load and dist.get_rank() == 0:
+        print(f"--load {args.load}: no checkpoint there ({checkpoint.TRACKER} missing): "
+              "training from scratch", flush=True)
+    return 0, None
 
 
-def checkpoint_load(args: argparse.Namespace, model, optimizer) -> int:
-    """Load the latest checkpoint under ``--load`` (any mode); returns its iteration (or 0)."""
-    if not args.load:
-        return 0
-    marker = os.path.join(args.load, "latest_checkpointed_iteration.txt")
-    if not os.path.exists(marker):
-        raise ConfigError(f"--load {args.load!r}: no latest_checkpointed_iteration.txt there")
-    with open(marker) as f:
-        iteration = int(f.read().strip())
-    saved = torch.load(os.path.join(args.load, f"iter_{iteration:07d}", "model_optim.pt"),
-                       map_location="cpu", weights_only=False)
-    model.module.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
-    return iteration
+def loop(args: argparse.Namespace, layout: PoolLayout, run: checkpoint.Training,
+         data: ZeppelinDataIterator, logger: Logger, start: int) -> None:
+    """Iterations ``start + 1 .. --train-iters``: step, LR schedule, log line, checkpoints
+    (every --save-interval, at --exit-interval and at the end)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    micro = layout.micro_batches(args.global_batch_size, args.micro_batch_size)
+    if start >= args.train_iters and dist.get_rank() == 0:
+        print(f"the checkpoint is at iteration {start}, --train-iters is {args.train_iters}: "
+              "nothing to train", flush=True)
+    for iteration in range(start + 1, args.train_iters + 1):
+        started = time.perf_counter()
+        lr = run.optimizer.param_groups[0]["lr"]
+        run.model.zero_grad_buffer()
+        run.optimizer.zero_grad()
+        stored = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=logger.watch(data),
+            model=[run.model], num_microbatches=micro, seq_length=0, micro_batch_size=1,
+            forward_only=False)
+        _, grad_norm, _ = run.optimizer.step()
+        run.scheduler.step(increment=args.global_batch_size)
+        logger.step(iteration, stored, grad_norm, time.perf_counter() - started, lr)
+        leaving = bool(args.exit_interval) and iteration % args.exit_interval == 0
+        interval = bool(args.save_interval) and iteration % args.save_interval == 0
+        if args.save and (interval or leaving or iteration == args.train_iters):
+            save(args, run, layout, data, iteration)
+        if leaving and iteration < args.train_iters:
+            if dist.get_rank() == 0:
+                print(f"exiting after iteration {iteration} (--exit-interval "
+                      f"{args.exit_interval})", flush=True)
+            return
+
+
+def save(args: argparse.Namespace, run: checkpoint.Training, layout: PoolLayout,
+         data: ZeppelinDataIterator, iteration: int) -> None:
+    extra = {"format": 1, "mode": args.context_parallel_mode, "world_size": layout.world_size,
+             "tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "data": data.state_dict()}
+    checkpoint.save(args.save, iteration, run, extra)
 
 
 def main(argv=None) -> int:
+    """``scripts/pretrain_gpt.py``: everything is validated before the process group exists
+    (flags, layout, environment, data, checkpoint); a ``ConfigError`` ends the run with one
+    line from rank 0 (``fatal.run``)."""
     args = cli.parse_args(argv)
+    if not env.launched_by_torchrun():
+        raise ConfigError("launch with torchrun (it sets RANK/WORLD_SIZE), e.g. torchrun "
+                          "--nproc-per-node 4 scripts/pretrain_gpt.py --yaml-cfg ...")
+    layout = cli.validate_args(args, env.world_size(), env.local_world_size())
+    ready = preflight.check(args)
     init_process_group(args)
+    watchdog: Watchdog | None = None
     try:
-        layout = cli.validate_args(args, dist.get_world_size(), env.local_world_size())
+        watchdog, line = start_watchdog(args.zeppelin_watchdog_timeout)
         setup_megatron(args)
-        train(args, layout)
-    finally:
-        dist.destroy_process_group()
+        train(args, layout, ready, line)
+    except BaseException as exc:
+        if watchdog is not None:
+            watchdog.explain(exc)  # a peer's fault ends the process here, naming the peer
+        if isinstance(exc, ConfigError):
+            dist.destroy_process_group()  # every rank raised it at the same point
+        raise
+    if watchdog is not None:
+        watchdog.leave("done")
+    dist.destroy_process_group()
     return 0

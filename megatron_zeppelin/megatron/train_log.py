@@ -1,10 +1,12 @@
-"""Per-iteration training logs: loss, tokens/s, attention imbalance, bytes remapped, plan time.
+"""What the training run prints: a startup banner and one line per iteration.
 
-The loss is the per-token mean over the whole global batch (all ranks). The attention
-imbalance is the cost model's estimate for the iteration's plans (max over mean of per-rank
-attention time); bytes remapped count q, k, v and the attention output moved between ranks by
-the remapping layer, forward and backward, all layers. TensorBoard is optional
-(``--tensorboard-dir``; ``pip install 'megatron-zeppelin[tensorboard]'``).
+Per iteration: the learning rate the iteration used, the loss (per-token mean over the whole
+global batch, all ranks), how many planned sequences ran local / in a ring inside a node / in
+a ring across nodes (all pools), tokens/s, the attention imbalance the cost model estimates for
+the iteration's plans (max over mean of per-rank attention time, rank 0's pool), the bytes the
+remapping layer moves (q, k, v and the attention output, forward and backward, all layers;
+rank 0's pool times the pools), the plan time, the gradient norm and the step time.
+TensorBoard is optional (``--tensorboard-dir``; ``pip install 'megatron-zeppelin[tensorboard]'``).
 """
 from __future__ import annotations
 
@@ -17,15 +19,23 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError
 from megatron_zeppelin.cost_model import CostModel, estimate_plan
-from megatron_zeppelin.megatron.data import DocumentStats
+from megatron_zeppelin.megatron.corpus import DocumentSource, DocumentStats, describe_lengths
+from megatron_zeppelin.parallel import PoolLayout
+
+TIERS = ("local", "intra", "inter")
 
 
 @dataclass(frozen=True)
 class StepLog:
     iteration: int
+    lr: float
     loss: float
+    local: int
+    intra: int
+    inter: int
     tokens_per_s: float
     attention_imbalance: float
     remapped_bytes: float
@@ -34,21 +44,24 @@ class StepLog:
     seconds: float
 
     def line(self, total: int) -> str:
-        return (f"iteration {self.iteration:>5}/{total} | loss {self.loss:.4f} | "
-                f"tokens/s {self.tokens_per_s:,.0f} | attention imbalance "
+        return (f"iteration {self.iteration:>5}/{total} | lr {self.lr:.3e} | loss "
+                f"{self.loss:.4f} | sequences local/intra/inter {self.local}/{self.intra}/"
+                f"{self.inter} | tokens/s {self.tokens_per_s:,.0f} | attention imbalance "
                 f"{self.attention_imbalance:.2f} (est.) | remapped "
                 f"{self.remapped_bytes / 2**20:.2f} MiB | plan {self.plan_ms:.1f} ms | "
                 f"grad norm {self.grad_norm:.3f} | {self.seconds:.2f} s")
 
 
 class Logger:
-    """Collects the plans of an iteration and prints/records one ``StepLog`` per iteration."""
+    """Collects the plans of an iteration and prints/records one ``StepLog`` per iteration.
+
+    printing: this rank prints (rank 0); counts_plans: this rank adds its plans' sequence and
+    token counts to the all-reduce (one rank per pool: pool rank 0 of TP rank 0)."""
 
     def __init__(self, args: argparse.Namespace, cost: CostModel, printing: bool,
-                 documents: DocumentStats, pools: int) -> None:
-        """pools: pools per TP rank (``PoolLayout.dp``): each plans its own micro-batches."""
+                 documents: DocumentStats, counts_plans: bool, pools: int) -> None:
         self.args, self.cost, self.printing, self.documents = args, cost, printing, documents
-        self.pools = pools
+        self.counts_plans, self.pools = counts_plans, pools
         self.plans = []
         self.history: list[StepLog] = []
         self.writer = self._writer() if printing and args.tensorboard_dir else None
@@ -72,22 +85,35 @@ class Logger:
 
         return batches()
 
-    def step(self, iteration: int, stored: list[dict], grad_norm, seconds: float
-             ) -> StepLog | None:
-        """Every rank joins the loss all-reduce; only the printing rank estimates the plans
-        and records the ``StepLog`` (None elsewhere)."""
+    def _totals(self, stored: list[dict]) -> torch.Tensor:
+        """[loss sum, loss tokens, tokens, local, intra, inter] over all ranks."""
         sums = torch.stack([d["lm loss"] for d in stored]).sum(0) if stored else torch.zeros(2)
-        dist.all_reduce(sums)
+        counts = [0.0] * 4
+        if self.counts_plans:
+            for plan in self.plans:
+                tiers = plan.tier_counts()
+                counts[0] += sum(plan.seqlens)
+                for i, tier in enumerate(TIERS):
+                    counts[1 + i] += tiers[tier]
+        totals = torch.cat([sums.detach().float(), torch.tensor(counts, device=sums.device)])
+        dist.all_reduce(totals)
+        return totals.cpu()
+
+    def step(self, iteration: int, stored: list[dict], grad_norm, seconds: float, lr: float
+             ) -> StepLog | None:
+        """Every rank joins the all-reduce; only the printing rank estimates the plans and
+        records the ``StepLog`` (None elsewhere)."""
+        totals = self._totals(stored)
         if not self.printing:
             return None
         estimates = [estimate_plan(p, self.cost) for p in self.plans]
         imbalance = max((max(e.attention_s) / (sum(e.attention_s) / len(e.attention_s))
                          for e in estimates), default=1.0)
-        tokens = sum(sum(p.seqlens) for p in self.plans) * self.pools
-        log = StepLog(iteration, (sums[0] / sums[1].clamp(min=1)).item(), tokens / seconds,
+        log = StepLog(iteration, lr, (totals[0] / totals[1].clamp(min=1)).item(),
+                      *(int(x) for x in totals[3:6].tolist()), totals[2].item() / seconds,
                       imbalance, sum(e.remap_bytes for e in estimates) * self.pools,
-                      sum(p.plan_time_s for p in self.plans) * 1e3,
-                      float(grad_norm or 0.0), seconds)
+                      sum(p.plan_time_s for p in self.plans) * 1e3, float(grad_norm or 0.0),
+                      seconds)
         self.history.append(log)
         if iteration % self.args.log_interval == 0:
             print(log.line(self.args.train_iters), flush=True)
@@ -95,16 +121,60 @@ class Logger:
             with open(self.args.log_json, "a") as f:
                 f.write(json.dumps(dataclasses.asdict(log)) + "\n")
         if self.writer is not None:
-            for key in ("loss", "tokens_per_s", "attention_imbalance", "remapped_bytes",
-                        "plan_ms", "grad_norm"):
+            for key in ("lr", "loss", "tokens_per_s", "attention_imbalance", "remapped_bytes",
+                        "plan_ms", "grad_norm", *TIERS):
                 self.writer.add_scalar(f"zeppelin/{key}", getattr(log, key), iteration)
         return log
 
     def close(self) -> None:
         d = self.documents
-        if self.printing and (d.split or d.dropped):
-            print(f"documents read: {d.documents}; longer than --seq-length "
-                  f"{self.args.seq_length}: {d.split} split into {d.pieces} pieces, "
-                  f"{d.dropped} dropped ({d.dropped_tokens} tokens)", flush=True)
+        if self.printing:
+            print(f"documents read: {d.documents:,}; longer than --seq-length "
+                  f"{self.args.seq_length:,}: {d.split:,} split into {d.pieces:,} pieces, "
+                  f"{d.dropped:,} dropped ({d.dropped_tokens:,} tokens)", flush=True)
         if self.writer is not None:
             self.writer.close()
+
+
+def parameter_count(module: torch.nn.Module, tp: int) -> int:
+    """Parameters of the whole model: tensor-parallel shards count ``tp`` times."""
+    return sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+               for p in module.parameters())
+
+
+def banner(args: argparse.Namespace, layout: PoolLayout, module: torch.nn.Module,
+           source: DocumentSource, watchdog: str) -> str:
+    """The startup banner: mode, sizes, pool topology, model, corpus, batch, schedule,
+    checkpoints, watchdog."""
+    local = env.local_world_size() or layout.gpus_per_node
+    emulated = ("emulated nodes of CPU processes" if args.device == "cpu" else
+                "nodes emulated inside real ones" if layout.gpus_per_node < local else
+                "real nodes")
+    sample = args.micro_batch_size * args.seq_length
+    decay = args.lr_decay_iters or args.train_iters
+    data = (f"{source.name}{f' ({args.data_note})' if args.data_note else ''}: "
+            f"{describe_lengths(source.lengths(), args.seq_length)}; --zeppelin-overlong "
+            f"{args.zeppelin_overlong}")
+    unused = f"; --save-interval {args.save_interval} unused" if args.save_interval else ""
+    save = (f"to {args.save}" + (f" every {args.save_interval} iterations" if
+                                 args.save_interval else "") + " and at the end"
+            if args.save else f"not saved (no --save{unused})")
+    kv = args.num_query_groups or args.num_attention_heads
+    lines = [
+        f"mode: {args.context_parallel_mode} | world {layout.world_size} = TP {layout.tp} x "
+        f"CP {layout.cp} x DP {layout.dp} | a pool spans {layout.nodes} node(s) x "
+        f"{layout.ranks_per_node} rank(s) ({emulated}; --zeppelin-gpus-per-node "
+        f"{layout.gpus_per_node}) | device {args.device}",
+        f"model: GPT, {args.num_layers} layers, hidden {args.hidden_size}, heads "
+        f"{args.num_attention_heads} (KV {kv}), vocab {args.vocab_size}: "
+        f"{parameter_count(module, layout.tp):,} parameters",
+        f"corpus: {data}",
+        f"batch: {args.global_batch_size} samples x {args.seq_length:,} tokens per iteration, "
+        f"{layout.micro_batches(args.global_batch_size, args.micro_batch_size)} micro-batch(es) "
+        f"of {sample:,} tokens per pool",
+        f"lr: {args.lr:g}, warmup {args.lr_warmup_iters} iterations, {args.lr_decay_style} "
+        f"decay to {args.min_lr:g} at iteration {decay}",
+        f"checkpoints: {save}; resume: " + (args.load or "no (--load)"),
+        f"watchdog: {watchdog}",
+    ]
+    return "\n".join(lines)

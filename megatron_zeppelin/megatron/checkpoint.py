@@ -1,0 +1,320 @@
+"""Checkpoints in Megatron's distributed format, resumed exactly, loaded safely.
+
+Layout (Megatron-LM's ``--ckpt-format torch_dist``): ``{save}/iter_NNNNNNN/`` written by
+megatron-core's ``dist_checkpointing`` (``metadata.json``, torch DCP's ``.metadata`` and
+``__R_S.distcp`` shards, ``common.pt``) and ``{save}/latest_checkpointed_iteration.txt``.
+The sharded state dict holds
+
+* ``model``: ``GPTModel.sharded_state_dict()`` (Megatron-LM's keys, e.g.
+  ``decoder.layers.self_attention.linear_qkv.weight``), resharded by dist_checkpointing on load
+  (another TP size, another number of ranks);
+* ``optimizer``: the Adam state, sharded like the parameters it belongs to;
+* ``rng_state``: one shard per global rank (Python, numpy, torch CPU/CUDA generators and
+  Megatron's RNG tracker; ranks draw differently in zeppelin mode), restored when the number
+  of ranks is the same;
+
+and, in ``common.pt`` (tensors and plain values only): ``iteration``, ``checkpoint_version``,
+``opt_param_scheduler`` (megatron-core's ``OptimizerParamScheduler`` state) and ``zeppelin``
+(mode, layout and the data position, ``corpus.MicroBatchSampler.state_dict``). Model state is
+the same in both modes, so a checkpoint loads in either mode and on any pool size.
+
+Safety: ``common.pt`` and the RNG shards are read with ``torch.load(weights_only=True)``;
+DCP's ``.metadata`` is a pickle, so it is first read with an unpickler that only accepts
+torch's checkpoint-metadata classes (``inspect``) before dist_checkpointing reads it. A
+missing, truncated, foreign or mismatched checkpoint is a ``ConfigError`` naming the path.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import queue
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_zeppelin.config import ConfigError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+# ----------------------------------------------------------------------------- inspection
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles torch DCP's ``.metadata`` and nothing else: classes of
+    ``torch.distributed.checkpoint``, ``torch.Size``, torch dtypes, torch's layout helper and
+    paths (torch's own writer records the checkpoint folder); none runs code when built."""
+
+    SAFE = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+            ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (module.startswith("torch.distributed.checkpoint.") or
+                   (module, name) in self.SAFE or
+                   (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        if not allowed:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} (not checkpoint "
+                                         "metadata)")
+        return super().find_class(module, name)
+
+
+@dataclass(frozen=True)
+class Found:
+    """A checkpoint to load: its folder, iteration and DCP metadata (read safely)."""
+
+    path: str
+    iteration: int
+    metadata: Any
+
+
+def _refuse(path: str, problem: str) -> ConfigError:
+    return ConfigError(f"--load: checkpoint {path} {problem}")
+
+
+def inspect(load: str, exit_on_missing: bool) -> Found | None:
+    """The checkpoint ``--load`` points at, checked before any process group exists: the
+    tracker, Megatron's ``metadata.json``, DCP's ``.metadata`` (safe unpickler), ``common.pt``
+    (weights only) and the size of every data file the metadata names. None when the folder
+    holds no checkpoint (training starts from scratch, as in Megatron) unless
+    ``exit_on_missing``."""
+    tracker = os.path.join(load, TRACKER)
+    if not os.path.isfile(tracker):
+        if exit_on_missing:
+            raise ConfigError(f"--load {load!r}: no checkpoint there (no {TRACKER}) and "
+                              "--exit-on-missing-checkpoint is set")
+        return None
+    with open(tracker) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise ConfigError(f"--load {load!r}: {tracker} holds {text[:40]!r}: expected the "
+                          "iteration number of the latest checkpoint")
+    iteration = int(text)
+    path = iteration_dir(load, iteration)
+    if not os.path.isdir(path):
+        raise _refuse(path, f"named by {tracker} does not exist")
+    try:
+        with open(os.path.join(path, "metadata.json")) as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise _refuse(path, f"has no readable metadata.json ({exc}): not a Megatron "
+                      "distributed checkpoint") from None
+    if backend != "torch_dist":
+        raise _refuse(path, f"is in format {backend!r}: expected 'torch_dist' (Megatron's "
+                      "--ckpt-format torch_dist)")
+    try:
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+        raise _refuse(path, f"has an unreadable .metadata (truncated or not written by "
+                      f"torch.distributed.checkpoint: {exc})") from None
+    _check_data_files(path, metadata)
+    try:
+        torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated zip, foreign pickle, missing file
+        raise _refuse(path, f"has an unreadable common.pt ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    return Found(path, iteration, metadata)
+
+
+def _check_data_files(path: str, metadata: Any) -> None:
+    """Every byte range the metadata names lies inside its file (a truncated shard is found
+    here, before any rank starts reading)."""
+    needed: dict[str, int] = {}
+    for info in getattr(metadata, "storage_data", {}).values():
+        name = info.relative_path
+        needed[name] = max(needed.get(name, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        actual = os.path.getsize(file) if os.path.isfile(file) else None
+        if actual is None or actual < size:
+            what = "is missing" if actual is None else f"has {actual} bytes, {size} expected"
+            raise _refuse(path, f"is incomplete: {name} {what} (truncated copy or interrupted "
+                          "save)")
+
+
+def check_shapes(found: Found, sharded: dict) -> None:
+    """Every tensor of ``sharded`` (a sharded state dict, factories applied) is in the
+    checkpoint with the same global shape; else the checkpoint is for another model."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    saved = found.metadata.state_dict_metadata
+    for tensor in nested_values(sharded):
+        if not isinstance(tensor, ShardedTensor):
+            continue
+        if tensor.key not in saved:
+            hint = (" (pass --no-load-optim to load the model only)"
+                    if tensor.key.startswith("optimizer.") else "")
+            raise _refuse(found.path, f"has no tensor {tensor.key}: it was saved for another "
+                          f"model{hint}")
+        shape = tuple(getattr(saved[tensor.key], "size", ()))
+        if shape != tuple(tensor.global_shape):
+            raise _refuse(found.path, f"was saved for another model: {tensor.key} has shape "
+                          f"{shape} there, {tuple(tensor.global_shape)} here (check "
+                          "--num-layers, --hidden-size, --num-attention-heads, "
+                          "--num-query-groups, --ffn-hidden-size, --vocab-size)")
+
+
+# ----------------------------------------------------------------------------- RNG states
+def rng_state(device: str) -> dict:
+    """Every generator training draws from, as tensors and plain values (weights_only)."""
+    import numpy as np
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"random": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")),
+                       "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)},
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if device == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict, device: str) -> None:
+    import numpy as np
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["random"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"],
+                         n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if device == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _rng_object(device: str | None):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = rng_state(device) if device else None
+    return ShardedObject("rng_state", data, (world,), (rank,), replica_id=0)
+
+
+# ----------------------------------------------------------------------------- save / load
+def _in_process_write_results() -> None:
+    """megatron-core's checkpoint writer returns its results through a queue served by a
+    ``multiprocessing.Manager`` it spawns on the first save (made for saves finishing in a
+    background process). Our saves are synchronous: the results come back in this process,
+    so an in-process queue carries them. The Manager would be a process per rank that
+    outlives a rank leaving with ``os._exit`` (a fault) and holds its output pipes open."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+@dataclass
+class Training:
+    """What a checkpoint holds, live: the DDP model, its optimizer and LR scheduler."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    device: str
+
+
+def save(root: str, iteration: int, run: Training, extra: dict) -> str:
+    """Write ``{root}/iter_N`` collectively, then the tracker (rank 0); returns the folder.
+    ``extra``: plain values stored under ``zeppelin`` (mode, layout, data position)."""
+    from megatron.core import dist_checkpointing
+
+    started = time.perf_counter()
+    _in_process_write_results()
+    path = iteration_dir(root, iteration)
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)  # a partial save of the same iteration
+        os.makedirs(path)
+    dist.barrier()
+    model = run.model.module.sharded_state_dict()
+    state = {"model": model, "optimizer": run.optimizer.sharded_state_dict(model),
+             "rng_state": _rng_object(run.device), "iteration": iteration,
+             "checkpoint_version": CHECKPOINT_VERSION,
+             "opt_param_scheduler": run.scheduler.state_dict(), "zeppelin": extra}
+    dist_checkpointing.save(state, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = os.path.join(root, TRACKER + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(str(iteration))
+        os.replace(tmp, os.path.join(root, TRACKER))
+        size = sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path)
+                   for n in names)
+        print(f"saved checkpoint at iteration {iteration} to {path} ({size / 2**20:.1f} MiB, "
+              f"{time.perf_counter() - started:.2f} s)", flush=True)
+    return path
+
+
+SCHEDULE_KEYS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
+                 "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style"}
+
+
+def load(found: Found, run: Training, load_optim: bool, load_rng: bool) -> dict:
+    """Restore model (+ optimizer, LR schedule and RNG states) from ``found``, collectively;
+    returns the ``zeppelin`` entry of the checkpoint (data position, saved layout)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
+    started = time.perf_counter()
+    common = dist_checkpointing.load_common_state_dict(found.path)
+    saved = common.get("zeppelin", {})
+    probe = {"model": run.model.module.sharded_state_dict()}  # factories applied: shapes
+    if load_optim:
+        probe["optimizer"] = run.optimizer.sharded_state_dict(probe["model"], is_loading=True)
+    apply_factories(probe)
+    check_shapes(found, probe)
+    model = run.model.module.sharded_state_dict()
+    request: dict = {"model": model}
+    if load_optim:
+        _check_schedule(found, common.get("opt_param_scheduler", {}), run.scheduler)
+        request["optimizer"] = run.optimizer.sharded_state_dict(model, is_loading=True)
+    same_world = saved.get("world_size") == dist.get_world_size()
+    if load_rng and same_world:
+        request["rng_state"] = _rng_object(None)
+    try:
+        loaded = dist_checkpointing.load(request, found.path)
+    except Exception as exc:  # raised on every rank (DCP gathers the failures)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise _refuse(found.path, f"cannot be loaded: {type(exc).__name__}: "
+                      f"{first[:300]}") from None
+    run.model.module.load_state_dict(loaded["model"])
+    restored = ["model"]
+    if load_optim:
+        run.optimizer.load_state_dict(loaded["optimizer"])
+        run.scheduler.load_state_dict(common["opt_param_scheduler"])
+        restored += ["optimizer", "LR schedule"]
+    if "rng_state" in loaded:
+        set_rng_state(loaded["rng_state"], run.device)
+        restored.append("RNG states")
+    if dist.get_rank() == 0:
+        skipped = ("" if not load_rng or same_world else
+                   f"; RNG states not restored (saved by {saved.get('world_size')} ranks, "
+                   f"this run has {dist.get_world_size()})")
+        print(f"loaded checkpoint at iteration {found.iteration} from {found.path} "
+              f"({', '.join(restored)}{skipped}; saved in {saved.get('mode', '?')} mode; "
+              f"{time.perf_counter() - started:.2f} s)", flush=True)
+    return saved
+
+
+def _check_schedule(found: Found, saved: dict, scheduler) -> None:
+    """The LR schedule of the flags is the checkpoint's (or resuming would change it)."""
+    now = scheduler.state_dict()
+    for key, flag in SCHEDULE_KEYS.items():
+        if key in saved and saved[key] != now[key]:
+            raise _refuse(found.path, f"was trained with another LR schedule: {flag} gives "
+                          f"{key}={saved[key]!r} there, {now[key]!r} now (steps count samples: "
+                          "iterations x --global-batch-size); resume with the same schedule, "
+                          "or pass --no-load-optim")

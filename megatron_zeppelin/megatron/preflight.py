@@ -1,0 +1,87 @@
+"""Everything a run needs, checked before any process group exists (``check``).
+
+``args.validate_args`` checks the flags and the pool layout; this module checks what lies
+outside the flags, so that a bad value fails on every rank at once with one line (printed by
+rank 0, ``fatal.user_error``) instead of one rank failing while the others wait for it:
+
+* environment variables (``env.py``'s readers: backends, timeouts) and the watchdog bound
+  against the P2P timeout;
+* the device (CUDA visible for ``--device cuda``), optional packages (TensorBoard);
+* the corpus (the built-in one, or ``--data-path``'s index and data file) and the overlong
+  policy against its longest document;
+* where results go (``--save`` can be created, ``--log-json``'s folder exists);
+* the checkpoint ``--load`` names (``checkpoint.inspect``: format, safety, completeness).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from dataclasses import dataclass
+
+from megatron_zeppelin import env
+from megatron_zeppelin.config import ConfigError
+from megatron_zeppelin.megatron import checkpoint
+from megatron_zeppelin.megatron.corpus import DocumentSource, check_overlong, open_source
+
+
+@dataclass(frozen=True)
+class Ready:
+    """What the checks opened: the document source and the checkpoint to resume (or None)."""
+
+    source: DocumentSource
+    resume: checkpoint.Found | None
+
+
+def check_environment(args: argparse.Namespace) -> None:
+    """Every environment variable the run reads, read now (a bad one is a ConfigError)."""
+    from megatron_zeppelin.runtime import kernels
+
+    try:
+        env.attention_backend(kernels.choices())
+        env.transport()
+        env.router_backend()
+        p2p = env.p2p_timeout_s()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    watchdog = args.zeppelin_watchdog_timeout
+    if watchdog and watchdog >= p2p:
+        raise ConfigError(f"--zeppelin-watchdog-timeout={watchdog:g} is invalid: expected fewer "
+                          f"seconds than ZEPPELIN_P2P_TIMEOUT_S={p2p:g}, so that a frozen rank "
+                          "is named before a peer's wait times out")
+
+
+def check_device_and_packages(args: argparse.Namespace) -> None:
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but no CUDA device is visible; use --device cpu")
+    if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(f"--tensorboard-dir {args.tensorboard_dir!r} needs TensorBoard, "
+                          "which is not installed: pip install 'megatron-zeppelin[tensorboard]'")
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    if args.save:
+        try:
+            os.makedirs(args.save, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--save {args.save!r}: cannot create the folder ({exc})") from None
+        if not os.access(args.save, os.W_OK):
+            raise ConfigError(f"--save {args.save!r}: the folder is not writable")
+    if args.log_json:
+        folder = os.path.dirname(os.path.abspath(args.log_json))
+        if not os.path.isdir(folder):
+            raise ConfigError(f"--log-json {args.log_json!r}: folder {folder} does not exist")
+
+
+def check(args: argparse.Namespace) -> Ready:
+    """Run every check (``args`` already passed ``validate_args``)."""
+    check_environment(args)
+    check_device_and_packages(args)
+    source = open_source(args.mock_data, args.data_path)
+    what = "--mock-data" if args.mock_data else f"--data-path {args.data_path!r}"
+    check_overlong(source.lengths(), args.seq_length, args.zeppelin_overlong, what)
+    check_outputs(args)
+    resume = checkpoint.inspect(args.load, args.exit_on_missing_checkpoint) if args.load else None
+    return Ready(source, resume)

@@ -1,0 +1,261 @@
+"""Bad input to ``pretrain_gpt.py`` is refused before any process group exists, with one line
+naming the flag, file or variable, the value and what is allowed: flags and their
+combinations, the corpus, environment variables, optional packages, output folders and the
+checkpoint ``--load`` names (format, safety, completeness). Also: the LR schedule, the line
+printed once, and ``zeppelin plan`` refusing documents no pool can hold."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_zeppelin import cli
+from megatron_zeppelin.config import ConfigError
+from megatron_zeppelin.megatron import args as train_args, checkpoint, fatal, preflight
+
+ROOT = Path(__file__).resolve().parent.parent
+README_YAML = str(ROOT / "configs" / "train" / "gpt-tiny-cpu.yaml")
+BASE = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "64",
+        "--num-attention-heads", "4", "--seq-length", "256", "--global-batch-size", "2",
+        "--train-iters", "4", "--mock-data", "--vocab-size", "256",
+        "--zeppelin-overlong", "split"]
+
+
+def validated(flags: list[str], world: int = 1):
+    args = train_args.parse_args(flags)
+    train_args.validate_args(args, world, None)
+    return args
+
+
+# ----------------------------------------------------------------------------- flags
+def test_data_path_on_the_command_line_replaces_mock_data_of_the_yaml(tmp_path):
+    args = validated(["--yaml-cfg", README_YAML, "--data-path", str(tmp_path / "corpus")], 4)
+    assert args.mock_data is False and "replaces mock_data: true of" in args.data_note
+    with pytest.raises(ConfigError, match=r"--data-path '.*corpus': .*corpus.idx does not "
+                                          r"exist \(expected Megatron's indexed dataset"):
+        preflight.check(args)
+
+
+def test_mock_data_and_data_path_together_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="--mock-data and --data-path are both given"):
+        train_args.parse_args(BASE + ["--data-path", "x"])
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("mock_data: true\ndata_path: corpus\n")
+    with pytest.raises(ConfigError, match=r"--mock-data and --data-path='corpus' are both set "
+                                          r"\(in .*c.yaml\): pass one"):
+        validated([x for x in BASE if x != "--mock-data"] + ["--yaml-cfg", str(cfg)])
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--min-lr", "0.5"], r"^--min-lr=0.5 is invalid: expected a rate <= --lr 0.001"),
+    (["--lr-warmup-iters", "4"], r"^--lr-warmup-iters=4 is invalid: expected < "
+                                 r"--lr-decay-iters 4 \(default: --train-iters\)"),
+    (["--lr-decay-iters", "0"], r"^--lr-decay-iters=0 is invalid: expected >= 1"),
+    (["--lr-decay-style", "exponential"], r"invalid choice: 'exponential'"),
+    (["--save-interval", "0"], r"^--save-interval=0 is invalid: expected >= 1"),
+    (["--exit-interval", "0"], r"^--exit-interval=0 is invalid: expected >= 1"),
+    (["--zeppelin-watchdog-timeout", "-1"], r"^--zeppelin-watchdog-timeout=-1.0 is invalid"),
+    (["--tp", "0"], r"unrecognized arguments: --tp 0"),
+    (["--lr-warmup", "2"], r"unrecognized arguments: --lr-warmup 2"),  # no abbreviations
+])
+def test_bad_training_flags_are_refused_by_name(flags, match):
+    with pytest.raises(ConfigError, match=match):
+        validated(BASE + flags)
+
+
+# ----------------------------------------------------------------------------- preflight
+@pytest.mark.parametrize("variable,value,match", [
+    ("ZEPPELIN_ATTENTION_BACKEND", "bogus", r"ZEPPELIN_ATTENTION_BACKEND='bogus' is invalid: "
+                                            r"expected one of \['auto', 'native', 'torch'"),
+    ("ZEPPELIN_ROUTER_BACKEND", "bogus", r"ZEPPELIN_ROUTER_BACKEND='bogus' is invalid: "
+                                         r"expected one of \['auto', 'cpp', 'python'\]"),
+    ("ZEPPELIN_P2P_TIMEOUT_S", "soon", r"ZEPPELIN_P2P_TIMEOUT_S='soon' is invalid"),
+    ("ZEPPELIN_P2P_TIMEOUT_S", "10", r"--zeppelin-watchdog-timeout=20 is invalid: expected "
+                                     r"fewer seconds than ZEPPELIN_P2P_TIMEOUT_S=10"),
+])
+def test_bad_environment_variables_are_refused_before_training(monkeypatch, variable, value,
+                                                               match):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=match):
+        preflight.check(validated(BASE))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None,
+                    reason="TensorBoard is installed here")
+def test_tensorboard_dir_without_tensorboard_is_refused_before_training(tmp_path):
+    with pytest.raises(ConfigError, match=r"--tensorboard-dir '.*' needs TensorBoard, which is "
+                                          r"not installed: pip install"):
+        preflight.check(validated(BASE + ["--tensorboard-dir", str(tmp_path)]))
+
+
+def test_output_paths_are_checked(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"--save '.*file/ckpt': cannot create the folder"):
+        preflight.check(validated(BASE + ["--save", str(blocker / "ckpt")]))
+    with pytest.raises(ConfigError, match=r"--log-json '.*': folder .*missing does not exist"):
+        preflight.check(validated(BASE + ["--log-json", str(tmp_path / "missing" / "l.jsonl")]))
+
+
+def test_overlong_error_is_checked_against_the_corpus():
+    args = validated(BASE[:-2] + ["--zeppelin-overlong", "error"])
+    with pytest.raises(ConfigError, match=r"--mock-data: document \d+ has [\d,]+ tokens, more "
+                                          r"than --seq-length 256"):
+        preflight.check(args)
+
+
+def indexed_dataset(prefix: Path, documents: list[list[int]]) -> None:
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=numpy.int32)
+    for doc in documents:
+        builder.add_item(torch.tensor(doc, dtype=torch.int32))
+        builder.end_document()
+    builder.finalize(str(prefix) + ".idx")
+
+
+def test_a_megatron_indexed_dataset_is_read_and_bad_ones_are_refused(tmp_path):
+    prefix = tmp_path / "corpus"
+    indexed_dataset(prefix, [[1, 2, 3], list(range(100)), [7] * 40])
+    flags = [x for x in BASE if x != "--mock-data"] + ["--data-path", str(prefix)]
+    ready = preflight.check(validated(flags))
+    assert list(ready.source.lengths()) == [3, 100, 40]
+    assert ready.source.tokens(1, 10, 14).tolist() == [10, 11, 12, 13]
+    data = (tmp_path / "corpus.bin").read_bytes()
+    (tmp_path / "corpus.bin").write_bytes(data[:100])
+    with pytest.raises(ConfigError, match=r"corpus.bin has 100 bytes, its index needs 572: the "
+                                          r"file is truncated"):
+        preflight.check(validated(flags))
+    index = (tmp_path / "corpus.idx").read_bytes()
+    (tmp_path / "corpus.idx").write_bytes(index[:30])
+    with pytest.raises(ConfigError, match=r"corpus.idx is truncated \(30 bytes\)"):
+        preflight.check(validated(flags))
+    (tmp_path / "corpus.idx").write_bytes(index[:-8])
+    with pytest.raises(ConfigError, match=r"corpus.idx is not a readable Megatron index \("
+                                          r"version 1, 94 bytes where 3 sequences and 4 "
+                                          r"documents take 102\)"):
+        preflight.check(validated(flags))
+    (tmp_path / "corpus.idx").write_bytes(b"garbage" * 10)
+    with pytest.raises(ConfigError, match=r"corpus.idx is not a Megatron index \(it starts "
+                                          r"with b'garbagega', not b'MMIDIDX"):
+        preflight.check(validated(flags))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def dcp_checkpoint(root: Path, iteration: int = 3) -> Path:
+    """A checkpoint folder in torch_dist layout (DCP .metadata + shard, Megatron's files)."""
+    import torch.distributed.checkpoint as dcp
+
+    path = root / f"iter_{iteration:07d}"
+    dcp.save({"w": torch.arange(64.0)}, checkpoint_id=str(path), no_dist=True)
+    (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    torch.save({"iteration": iteration}, path / "common.pt")
+    (root / checkpoint.TRACKER).write_text(str(iteration))
+    return path
+
+
+def test_a_sound_checkpoint_is_found(tmp_path):
+    path = dcp_checkpoint(tmp_path)
+    found = checkpoint.inspect(str(tmp_path), exit_on_missing=False)
+    assert (found.path, found.iteration) == (str(path), 3)
+    assert checkpoint.inspect(str(tmp_path / "empty"), exit_on_missing=False) is None
+    with pytest.raises(ConfigError, match=r"--load '.*empty': no checkpoint there \(no "
+                                          r"latest_checkpointed_iteration.txt\)"):
+        checkpoint.inspect(str(tmp_path / "empty"), exit_on_missing=True)
+
+
+class Boom:
+    def __reduce__(self):
+        return (os.system, ("touch boom-was-executed",))
+
+
+CORRUPT = {
+    "tracker": (lambda root, path: (root / checkpoint.TRACKER).write_text("latest"),
+                r"latest_checkpointed_iteration.txt holds 'latest': expected the iteration"),
+    "folder": (lambda root, path: (root / checkpoint.TRACKER).write_text("9"),
+               r"iter_0000009 named by .* does not exist"),
+    "backend": (lambda root, path: (path / "metadata.json").write_text(
+        '{"sharded_backend": "zarr"}'), r"is in format 'zarr': expected 'torch_dist'"),
+    "json": (lambda root, path: (path / "metadata.json").write_text("{"),
+             r"has no readable metadata.json"),
+    "metadata": (lambda root, path: (path / ".metadata").write_bytes(
+        (path / ".metadata").read_bytes()[:50]), r"has an unreadable .metadata \(truncated"),
+    "pickle": (lambda root, path: (path / ".metadata").write_bytes(pickle.dumps(Boom())),
+               r"refusing to load posix.system \(not checkpoint metadata\)"),
+    "shard": (lambda root, path: (path / "__0_0.distcp").write_bytes(b"x" * 10),
+              r"is incomplete: __0_0.distcp has 10 bytes, \d+ expected"),
+    "common": (lambda root, path: (path / "common.pt").write_bytes(pickle.dumps(Boom())),
+               r"has an unreadable common.pt"),
+}
+
+
+@pytest.mark.parametrize("what", CORRUPT)
+def test_a_corrupt_checkpoint_is_refused_naming_it(tmp_path, monkeypatch, what):
+    monkeypatch.chdir(tmp_path)
+    path = dcp_checkpoint(tmp_path)
+    corrupt, match = CORRUPT[what]
+    corrupt(tmp_path, path)
+    with pytest.raises(ConfigError, match=r"^--load.*" + match):
+        checkpoint.inspect(str(tmp_path), exit_on_missing=False)
+    assert not (tmp_path / "boom-was-executed").exists()  # nothing in the files ran
+
+
+# ----------------------------------------------------------------------------- LR schedule
+class Groups:
+    def __init__(self, lr: float, min_lr: float) -> None:
+        self.param_groups = [{"max_lr": lr, "min_lr": min_lr}]
+
+
+@pytest.mark.parametrize("style,expected", [
+    ("constant", [0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0]),
+    ("linear", [0.0, 0.5, 1.0, 0.775, 0.55, 0.325, 0.1]),
+    ("cosine", [0.0, 0.5, 1.0, 0.8681980515, 0.55, 0.2318019485, 0.1]),
+])
+def test_the_lr_schedule_is_megatrons(style, expected):
+    """Warmup from 0 over 2 iterations, then decay to --min-lr at iteration 6 (steps count
+    samples: iterations x global batch)."""
+    from megatron_zeppelin.megatron.train import make_scheduler
+
+    args = train_args.parse_args(BASE + ["--lr", "1.0", "--min-lr", "0.1", "--lr-warmup-iters",
+                                         "2", "--lr-decay-style", style, "--lr-decay-iters",
+                                         "6", "--global-batch-size", "8"])
+    optimizer = Groups(1.0, 0.1)
+    scheduler = make_scheduler(args, optimizer)
+    rates = []
+    for _ in expected:
+        rates.append(optimizer.param_groups[0]["lr"])
+        scheduler.step(increment=8)
+    assert rates == pytest.approx(expected)
+
+
+# ----------------------------------------------------------------------------- printing
+def test_a_user_error_is_printed_by_rank_0_only(monkeypatch, capsys, tmp_path):
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("RANK", "0")
+    assert fatal.user_error(ConfigError("--lr=-1.0 is invalid")) == 2
+    assert capsys.readouterr().err == "pretrain_gpt.py: error: --lr=-1.0 is invalid\n"
+    summary = json.loads(error_file.read_text())["message"]
+    assert summary["extraInfo"]["py_callstack"] == "pretrain_gpt.py: error: --lr=-1.0 is invalid"
+    monkeypatch.setenv("RANK", "3")  # still running after the grace: rank 0 did not fail
+    assert fatal.user_error(ConfigError("--data-path 'x': x.idx does not exist"),
+                            grace_s=0) == 2
+    assert capsys.readouterr().err == ("pretrain_gpt.py: error: rank 3: --data-path 'x': x.idx "
+                                       "does not exist\n")
+
+
+def test_zeppelin_plan_refuses_a_document_no_pool_can_hold(tmp_path, capsys):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("100\n2000\n99999999999\n")
+    code = cli.main(["plan", "--model", "llama-7b", "--cluster", "h200-8nic", "--nodes", "2",
+                     "--lengths", str(lengths), "--validate"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert ("document 2 has 99,999,999,999 tokens; 2 x h200-8nic (16 GPUs x 141 GiB) holds at "
+            "most 9,240,576 tokens of one document of llama-7b") in err
