@@ -24,6 +24,14 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple, Sequence
 
+from megatron_zeppelin.plan_checks import PlanError, check_plan
+from megatron_zeppelin.segments import (Layout, Segment, zigzag_bounds, zigzag_segments,
+                                        zigzag_share, zigzag_share_bound)
+
+__all__ = ["AttentionTask", "Layout", "OverlongReport", "Plan", "PlanError", "RingGroup",
+           "Segment", "Tier", "Topology", "Transfer", "local_call_groups", "zigzag_bounds",
+           "zigzag_segments", "zigzag_share", "zigzag_share_bound"]
+
 
 class Tier(enum.IntEnum):
     """Attention queue of a sequence, in the order a rank runs them."""
@@ -31,10 +39,6 @@ class Tier(enum.IntEnum):
     INTER = 0  # ring across nodes
     INTRA = 1  # ring over NVLink inside one node
     LOCAL = 2  # whole sequence on one rank
-
-
-class PlanError(ValueError):
-    """A plan breaks the contract (lost or duplicated tokens, bad ring, capacity exceeded)."""
 
 
 @dataclass(frozen=True)
@@ -74,51 +78,6 @@ class Topology:
             raise ValueError(f"world size {world_size} does not match the topology: "
                              f"{self.nodes} nodes x {self.gpus_per_node} ranks per node = "
                              f"{self.world_size}")
-
-
-class Segment(NamedTuple):
-    """Token range ``[start, end)`` of sequence ``seq``."""
-
-    seq: int
-    start: int
-    end: int
-
-    @property
-    def length(self) -> int:
-        return self.end - self.start
-
-
-def zigzag_bounds(length: int, ring_size: int) -> tuple[int, ...]:
-    """The 2G+1 boundaries of the 2G zigzag chunks of a sequence (sizes differ by <= 1)."""
-    n = 2 * ring_size
-    return tuple(i * length // n for i in range(n + 1))
-
-
-def zigzag_segments(seq: int, length: int, ring_size: int, position: int) -> tuple[Segment, ...]:
-    """The segments ring position ``position`` holds: ``(chunk p, chunk 2G-1-p)``, or the whole."""
-    if ring_size == 1:
-        return (Segment(seq, 0, length),)
-    n = 2 * ring_size
-    mirror = n - 1 - position
-    return (Segment(seq, position * length // n, (position + 1) * length // n),
-            Segment(seq, mirror * length // n, (mirror + 1) * length // n))
-
-
-def zigzag_share(length: int, ring_size: int, position: int) -> int:
-    """Tokens ring position ``position`` holds under the zigzag split (O(1))."""
-    if ring_size == 1:
-        return length
-    n = 2 * ring_size
-    mirror = n - 1 - position
-    return ((position + 1) * length // n - position * length // n
-            + (mirror + 1) * length // n - mirror * length // n)
-
-
-def zigzag_share_bound(length: int, ring_size: int) -> int:
-    """An upper bound on any position's zigzag share: 2 * ceil(length / 2G) (O(1))."""
-    if ring_size == 1:
-        return length
-    return 2 * -(-length // (2 * ring_size))
 
 
 class AttentionTask(NamedTuple):
@@ -270,9 +229,7 @@ class Plan:
 
     def validate(self) -> "Plan":
         """Check the contract; raise ``PlanError`` naming the first violation. Returns self."""
-        from megatron_zeppelin import plan_checks  # kept apart to keep this file short
-
-        plan_checks.check_plan(self)
+        check_plan(self)
         return self
 
 

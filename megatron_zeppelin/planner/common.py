@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from megatron_zeppelin.config import OVERLONG_POLICIES, ZeppelinConfig
-from megatron_zeppelin.plan import (AttentionTask, OverlongReport, Plan, Segment, Topology,
-                                    zigzag_share_bound)
+from megatron_zeppelin.plan import (AttentionTask, Layout, OverlongReport, Plan, Segment,
+                                    Topology, zigzag_share_bound)
 
 
 class CapacityError(ValueError):
@@ -175,7 +175,6 @@ def _cyclic_gc_paused():
             gc.enable()
 
 
-Layout = tuple[tuple[Segment, ...], ...]
 
 
 def assemble(strategy: str, batch: Batch, tasks: list[AttentionTask],

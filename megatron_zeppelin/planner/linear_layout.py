@@ -21,9 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_zeppelin.plan import Segment, Topology
+from megatron_zeppelin.plan import Layout, Segment, Topology
 
-Layout = tuple[tuple[Segment, ...], ...]
 
 
 def _intervals(tokens: np.ndarray, r: float, c: float, budget: float

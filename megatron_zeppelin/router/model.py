@@ -41,9 +41,10 @@ DEFAULT_MIN_CHUNK_BYTES = 1 << 20
 # 2^53 ticks, so a scaled pipeline sum stays below 2 * MAX_CHUNKS_LIMIT * 2^53 = 2^58 (int64).
 MAX_CHUNKS_LIMIT = 16
 
-# A part of a plan: (egress NIC, ingress NIC, src proxy rank, dst proxy rank, bytes).
+# A part of one flow's route (a ``RoutePlan``, not to be confused with ``plan.Plan``):
+# (egress NIC, ingress NIC, src proxy rank, dst proxy rank, bytes).
 Part = tuple[int, int, int, int, int]
-Plan = tuple[Part, ...]
+RoutePlan = tuple[Part, ...]
 
 
 def chunk_cap(largest_bytes: int, max_chunks: int, min_chunk_bytes: int) -> int:
@@ -114,7 +115,7 @@ class Loads:
         self.b_out, self.b_in = [0] * (nodes * nics), [0] * (nodes * nics)
 
 
-def apply_plan(pb: Problem, loads: Loads, f: int, plan: Plan, sign: int) -> None:
+def apply_plan(pb: Problem, loads: Loads, f: int, plan: RoutePlan, sign: int) -> None:
     """Add (sign=+1) or remove (sign=-1) flow ``f``'s plan to/from the loads."""
     s, d, xo, yo = pb.src[f], pb.dst[f], pb.xo[f], pb.yo[f]
     lv, ln = loads.cs * pb.lv, loads.cs * pb.ln
@@ -140,7 +141,7 @@ def _add_leg(t_out: list[int], t_in: list[int], m_out: list[int], m_in: list[int
     m_in[b] += sign
 
 
-def score_plan(pb: Problem, loads: Loads, f: int, plan: Plan) -> int:
+def score_plan(pb: Problem, loads: Loads, f: int, plan: RoutePlan) -> int:
     """Flow ``f``'s own completion if ``plan`` were added to ``loads``: the pipeline formula at
     ``loads.cs`` chunks over the resources the plan touches, in ticks times ``cs``."""
     s, d, xo, yo = pb.src[f], pb.dst[f], pb.xo[f], pb.yo[f]

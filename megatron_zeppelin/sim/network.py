@@ -22,7 +22,10 @@ from typing import Mapping
 from megatron_zeppelin.config import ClusterSpec, ModelSpec
 from megatron_zeppelin.plan import Plan
 
-ROUTER_BACKENDS = ("auto", "analytic")
+# How the simulator times a routed or direct inter-node step: the router's schedule when it
+# imports (``auto``), or the analytic model below. (Not ``env.ROUTER_BACKENDS``, which picks
+# the router's implementation.)
+STEP_TIME_MODELS = ("auto", "analytic")
 
 # (source GPU, destination GPU) -> bytes of one ring step; GPUs are node * gpus_per_node + local
 FlowBytes = Mapping[tuple[int, int], float]
@@ -69,9 +72,9 @@ def inter_step_time(cluster: ClusterSpec, flows: FlowBytes, routed: bool,
     imports, else the analytic model; ``analytic``: always the analytic model. Routed is never
     slower than direct in either model.
     """
-    if backend not in ROUTER_BACKENDS:
+    if backend not in STEP_TIME_MODELS:
         raise ValueError(f"router backend {backend!r} is invalid: expected one of "
-                         f"{list(ROUTER_BACKENDS)}")
+                         f"{list(STEP_TIME_MODELS)}")
     items = [(src, dst, nbytes) for (src, dst), nbytes in flows.items() if nbytes > 0]
     if not items:
         return 0.0

@@ -36,7 +36,7 @@ import numpy as np
 
 from megatron_zeppelin.cost_model import FWD_BWD_LINEAR, CostModel
 from megatron_zeppelin.plan import Plan
-from megatron_zeppelin.sim.network import (ROUTER_BACKENDS, GpuMap, grad_allreduce_time,
+from megatron_zeppelin.sim.network import (STEP_TIME_MODELS, GpuMap, grad_allreduce_time,
                                            remap_time)
 from megatron_zeppelin.sim.rounds import (INTER_MODES, LOCAL_POLICIES, Links, PassSpec,
                                           RingCosts, simulate_pass)
@@ -65,9 +65,9 @@ class SimOptions:
         if self.inter_mode not in INTER_MODES:
             raise ValueError(f"inter_mode={self.inter_mode!r} is invalid: expected one of "
                              f"{list(INTER_MODES)}")
-        if self.router not in ROUTER_BACKENDS:
+        if self.router not in STEP_TIME_MODELS:
             raise ValueError(f"router={self.router!r} is invalid: expected one of "
-                             f"{list(ROUTER_BACKENDS)}")
+                             f"{list(STEP_TIME_MODELS)}")
 
 
 @dataclass(frozen=True)
