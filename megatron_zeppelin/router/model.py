@@ -14,7 +14,8 @@ in m messages over the step carries ``W/C + m*lat`` per chunk (bytes spread even
 chunks, every message cut in C). A batch lasts as long as its busiest resource; in one batch
 the dispatch and combine legs of a GPU share its NVLink egress (and ingress). With the
 per-chunk maxima d (dispatch), n (NIC), m (combine) over all resources of a phase, and f, the
-maximum of n and of a GPU's dispatch plus combine load on one NVLink direction::
+maximum of n and of a GPU's dispatch plus combine load on one NVLink direction, the step time
+is ``cost_model.pipeline_time`` (the one definition the cost model and the simulator use too)::
 
     C = 1:   d + n + m                     (three sequential phases)
     C = 2:   d + max(d, n) + max(n, m) + m
@@ -23,7 +24,8 @@ maximum of n and of a GPU's dispatch plus combine load on one NVLink direction::
 Everything is computed scaled by C (a per-chunk load times C is ``W + C*m*lat``, an exact
 integer) and the step time rounded up once: ``T = ceil(scaled / C)`` ticks.
 
-Chunk counts. A schedule may use ``C`` in ``1..chunk_cap(largest slice)``, where
+Chunk counts (``cost_model.chunk_cap``). A schedule may use ``C`` in
+``1..chunk_cap(largest slice)``, where
 ``chunk_cap(b) = min(max_chunks, max(1, b // min_chunk_bytes))``: a chunk of the largest slice
 stays at least ``min_chunk_bytes``. The router keeps the C with the least T (ties: fewer).
 
@@ -35,8 +37,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-DEFAULT_MAX_CHUNKS = 8
-DEFAULT_MIN_CHUNK_BYTES = 1 << 20
+from megatron_zeppelin.cost_model import (DEFAULT_MAX_CHUNKS, DEFAULT_MIN_CHUNK_BYTES,
+                                          chunk_cap, pipeline_time)
+
 # schedule.check_tick_range keeps every resource load scaled at up to max_chunks chunks below
 # 2^53 ticks, so a scaled pipeline sum stays below 2 * MAX_CHUNKS_LIMIT * 2^53 = 2^58 (int64).
 MAX_CHUNKS_LIMIT = 16
@@ -47,26 +50,12 @@ Part = tuple[int, int, int, int, int]
 RoutePlan = tuple[Part, ...]
 
 
-def chunk_cap(largest_bytes: int, max_chunks: int, min_chunk_bytes: int) -> int:
-    """Most chunks a schedule whose largest slice has ``largest_bytes`` bytes may use."""
-    return min(max_chunks, max(1, largest_bytes // min_chunk_bytes))
-
-
 def chunk_span(nbytes: int, align: int, chunks: int, c: int) -> tuple[int, int]:
     """Byte range ``[lo, hi)`` of chunk ``c`` of a slice of ``nbytes`` bytes (a multiple of
     ``align``): the slice's ``nbytes // align`` units split as evenly as possible, in order.
     Empty (lo == hi) when the slice has fewer units than chunks."""
     units = nbytes // align
     return units * c // chunks * align, units * (c + 1) // chunks * align
-
-
-def pipeline_scaled(d: int, n: int, m: int, f: int, chunks: int) -> int:
-    """The pipeline formula (module doc) on per-chunk phase maxima scaled by ``chunks``."""
-    if chunks == 1:
-        return d + n + m
-    if chunks == 2:
-        return d + max(d, n) + max(n, m) + m
-    return d + max(d, n) + (chunks - 2) * f + max(n, m) + m
 
 
 class Problem:
@@ -170,7 +159,7 @@ def score_plan(pb: Problem, loads: Loads, f: int, plan: RoutePlan) -> int:
         x = loads.c_in[d] + csum
         cmax = max(cmax, x)
         share = max(share, x + loads.d_in[d])
-    return pipeline_scaled(dmax, nmax, cmax, max(nmax, share), loads.cs)
+    return pipeline_time(dmax, nmax, cmax, max(nmax, share), loads.cs)
 
 
 def pool_phase_scaled(pb: Problem, loads: Loads, chunks: int) -> tuple[int, int, int, int]:
@@ -196,7 +185,7 @@ def phase_ticks(pb: Problem, loads: Loads) -> tuple[int, int, int]:
 
 def step_ticks(pb: Problem, loads: Loads, chunks: int) -> int:
     """The pool's modelled step time at ``chunks`` chunks, in ticks (rounded up)."""
-    scaled = pipeline_scaled(*pool_phase_scaled(pb, loads, chunks), chunks)
+    scaled = pipeline_time(*pool_phase_scaled(pb, loads, chunks), chunks)
     return -(-scaled // chunks)
 
 

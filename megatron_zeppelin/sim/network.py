@@ -20,6 +20,7 @@ from functools import lru_cache
 from typing import Mapping
 
 from megatron_zeppelin.config import ClusterSpec, ModelSpec
+from megatron_zeppelin.cost_model import RoutedLoad, pipelined_seconds
 from megatron_zeppelin.plan import Plan
 
 # How the simulator times a routed or direct inter-node step: the router's schedule when it
@@ -118,45 +119,38 @@ def _direct_step_time(cluster: ClusterSpec, items: list[tuple[int, int, float]])
 
 
 def _routed_step_time(cluster: ClusterSpec, items: list[tuple[int, int, float]]) -> float:
-    """Every flow spread evenly over the usable NICs of both nodes and pipelined in chunks as
-    the router's model does (``router/model.py``): per chunk, dispatch over NVLink to the
-    proxies, the NICs in parallel, combine over NVLink; in full batches a GPU's NVLink egress
-    carries its dispatch and its share of the node's relayed combine (and ingress the
-    reverse). Returns the best chunk count's time, up to the router's chunk rule."""
-    from megatron_zeppelin.router.model import (DEFAULT_MAX_CHUNKS, DEFAULT_MIN_CHUNK_BYTES,
-                                                pipeline_scaled)
-
+    """Every flow spread evenly over the usable NICs of both nodes, priced by the cost model's
+    routed-transfer definition (``cost_model.pipelined_seconds``): per flow, ``nics - 1``
+    slices relayed over NVLink and one slice per NIC; the busiest GPU, NIC and NVLink direction
+    set each phase, and in full batches a GPU's NVLink direction carries its dispatch and its
+    share of the node's relayed combine (the reverse for ingress)."""
     gpn = cluster.gpus_per_node
     nics = len(set(cluster.gpu_to_nic))
     nic_bw, nv_bw = cluster.nic_byte_per_s, cluster.nvlink_byte_per_s
-    nic_lat, nv_lat = cluster.nic_latency_us * 1e-6, cluster.nvlink_latency_us * 1e-6
     node_out: dict[int, float] = {}
     node_in: dict[int, float] = {}
     gpu_out: dict[int, float] = {}
     gpu_in: dict[int, float] = {}
+    sends: dict[int, int] = {}  # flows per source GPU, per destination GPU, per node
+    recvs: dict[int, int] = {}
     per_node: dict[int, int] = {}
     for src, dst, nbytes in items:
         node_out[src // gpn] = node_out.get(src // gpn, 0.0) + nbytes
         node_in[dst // gpn] = node_in.get(dst // gpn, 0.0) + nbytes
         gpu_out[src] = gpu_out.get(src, 0.0) + nbytes
         gpu_in[dst] = gpu_in.get(dst, 0.0) + nbytes
+        sends[src] = sends.get(src, 0) + 1
+        recvs[dst] = recvs.get(dst, 0) + 1
         per_node[src // gpn] = per_node.get(src // gpn, 0) + 1
     spread = (nics - 1) / nics
-    g_out, g_in = max(gpu_out.values()) * spread, max(gpu_in.values()) * spread
-    n_out, n_in = max(node_out.values()), max(node_in.values())
-    # (seconds of the whole step's bytes, seconds of latency per chunk) of each phase; every
-    # NIC of a node carries one slice (one message) of each of the node's flows
-    dispatch, combine = (g_out / nv_bw, nv_lat), (g_in / nv_bw, nv_lat)
-    nic = (max(n_out, n_in) / (nics * nic_bw), nic_lat * max(per_node.values()))
-    shared = max(g_out + n_in / gpn, g_in + n_out / gpn) / nv_bw
-    largest = max(nbytes for _, _, nbytes in items) / nics
-    cap = min(DEFAULT_MAX_CHUNKS, max(1, int(largest // DEFAULT_MIN_CHUNK_BYTES)))
-    times = []
-    for c in range(1, cap + 1):
-        d, n, m = (t / c + lat for t, lat in (dispatch, nic, combine))
-        f = max(n, shared / c + 2 * nv_lat)
-        times.append(pipeline_scaled(d, n, m, f, c))
-    return min(times)
+    g_out, g_in = max(gpu_out.values()) * spread / nv_bw, max(gpu_in.values()) * spread / nv_bw
+    shared = max(max(gpu_out.values()) * spread + max(node_in.values()) / gpn,
+                 max(gpu_in.values()) * spread + max(node_out.values()) / gpn) / nv_bw
+    out_msgs, in_msgs = (nics - 1) * max(sends.values()), (nics - 1) * max(recvs.values())
+    load = RoutedLoad(g_out, out_msgs,
+                      max(max(node_out.values()), max(node_in.values())) / (nics * nic_bw),
+                      max(per_node.values()), g_in, in_msgs, shared, out_msgs + in_msgs)
+    return pipelined_seconds(load, cluster, max(nbytes for _, _, nbytes in items) / nics)
 
 
 def remap_time(plan: Plan, gpus: GpuMap, bytes_per_token: float) -> float:
