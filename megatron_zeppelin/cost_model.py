@@ -16,25 +16,18 @@ step of the sequence (forward + backward, all layers).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from megatron_zeppelin.config import ClusterSpec, HardwareProfile, ModelSpec
-from megatron_zeppelin.plan import Plan, Tier
+from megatron_zeppelin.config import ClusterSpec, HardwareProfile, ModelSpec, interp
+from megatron_zeppelin.plan import Tier
 
 FWD_BWD_LINEAR = 3.0  # backward of a GEMM is two GEMMs of the forward's size
 DKV_BYTES = 4  # the engine accumulates dK/dV in fp32 and sends the accumulator
-
-
-@dataclass(frozen=True)
-class Link:
-    """One transfer path: bytes/s and seconds of latency per message."""
-
-    byte_per_s: float
-    latency_s: float
 
 
 @dataclass(frozen=True)
@@ -45,12 +38,14 @@ class CostModel:
     cluster: ClusterSpec
     hardware: HardwareProfile
     tp: int = 1
+    kernel: "CostKernel" = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.model.num_attention_heads % self.tp or self.cluster.gpus_per_node % self.tp:
             raise ValueError(f"tensor_model_parallel_size={self.tp} must divide "
                              f"num_attention_heads={self.model.num_attention_heads} and "
                              f"gpus_per_node={self.cluster.gpus_per_node}")
+        object.__setattr__(self, "kernel", CostKernel.of(self))  # derived once, at construction
 
     # ------------------------------------------------------------------ dimensions
     @property
@@ -81,20 +76,12 @@ class CostModel:
         With ``ring`` > 1 the share is 1/ring of the sequence's work, run as ring-step calls
         whose query length is seqlen/ring; the achieved FLOP/s depends on that length.
         """
-        hw = self.hardware
-        chunk = seqlen / ring
-        per_layer = self.attention_flops(seqlen) / ring / hw.attention_flops_per_s(chunk)
-        return per_layer * (1.0 + hw.attention_bwd_ratio) * self.model.num_layers
+        return self.kernel.compute(seqlen, ring)
 
     def attention_times(self, seqlens: Sequence[int]) -> list[float]:
-        """``attention_time(s)`` of many whole sequences at once (same interpolation, numpy)."""
-        s = np.asarray(seqlens, dtype=np.float64)
-        table = self.hardware.attention_tflops
-        flops_per_s = np.interp(np.log(s), np.log([length for length, _ in table]),
-                                [tflops * 1e12 for _, tflops in table])
-        per_layer = 2.0 * self.heads * self.model.head_dim * s * s / flops_per_s
-        scale = (1.0 + self.hardware.attention_bwd_ratio) * self.model.num_layers
-        return (per_layer * scale).tolist()
+        """``attention_time(s)`` of many whole sequences."""
+        compute = self.kernel.compute
+        return [compute(s, 1) for s in seqlens]
 
     def linear_flops_per_token(self) -> float:
         """Forward FLOPs per token of one layer's linear modules (QKV, proj, MLP)."""
@@ -114,33 +101,12 @@ class CostModel:
         return FWD_BWD_LINEAR * flops / (self.hardware.gemm_tflops * 1e12)
 
     # ------------------------------------------------------------------ communication
-    def link(self, tier: Tier) -> Link:
-        """The direct path of a ring step: NVLink inside a node, the GPU's own NIC across."""
-        c = self.cluster
-        if tier == Tier.INTRA:
-            return Link(c.nvlink_byte_per_s, c.nvlink_latency_us * 1e-6)
-        return Link(c.nic_byte_per_s, c.nic_latency_us * 1e-6)
-
     def routed_seconds(self, nbytes):
         """Time of one routed inter-node message of ``nbytes`` (a number or numpy array):
-        the router's pipelined model for a single flow (``routed_message_seconds``),
-        tabulated once on a log grid of sizes and interpolated."""
+        the routed-transfer model for a single flow (``routed_message_seconds``), tabulated
+        once on a log grid of sizes and interpolated (as ``CostKernel.routed``)."""
         log_sizes, log_times = _routed_table(self.cluster)
         return np.exp(np.interp(np.log(nbytes), log_sizes, log_times))
-
-    def step_comm_seconds(self, chunk_tokens, tier: Tier, routed: bool):
-        """Transfer time of one ring step, all layers, forward (KV) + backward (KV and the
-        fp32 dK/dV accumulator), for chunks of ``chunk_tokens`` tokens per rank (a number or
-        a numpy array). Routed inter-node messages use every NIC of the node."""
-        m = self.model
-        fwd = self.kv_bytes(1) * np.asarray(chunk_tokens, dtype=np.float64)
-        bwd = fwd * (m.bytes_per_element + DKV_BYTES) / m.bytes_per_element
-        if tier == Tier.INTER and routed and len(set(self.cluster.gpu_to_nic)) > 1:
-            per_layer = self.routed_seconds(fwd) + self.routed_seconds(bwd)
-        else:
-            link = self.link(tier)
-            per_layer = (fwd + bwd) / link.byte_per_s + 2 * link.latency_s
-        return per_layer * m.num_layers
 
     def remap_seconds_per_token(self) -> float:
         """Cross-node remap time of one token, all layers, forward + backward: q, k, v there
@@ -158,7 +124,7 @@ class CostModel:
 
     def ring_step_comm_time(self, seqlen: float, ring: int, tier: Tier, routed: bool) -> float:
         """Forward + backward transfer time of one ring step, all layers."""
-        return float(self.step_comm_seconds(seqlen / ring, tier, routed))
+        return self.kernel.comm(seqlen / ring, tier, routed)
 
     def ring_bytes(self, seqlen: float, ring: int) -> float:
         """Bytes one rank sends over a whole ring (forward + backward, all layers)."""
@@ -167,32 +133,15 @@ class CostModel:
         return self.ring_step_bytes(seqlen, ring) * (ring - 1) * self.model.num_layers
 
     def task_time(self, seqlen: float, ring: int, tier: Tier, routed: bool = True) -> float:
-        """One rank's time for its share of a sequence, counting ring traffic not hidden.
-
-        A ring of G ranks computes G steps; the transfer of step i overlaps the compute of
-        step i, so each of the G-1 transfer steps exposes max(0, comm - compute).
-        """
-        compute = self.attention_time(seqlen, ring)
-        if ring == 1:
-            return compute
-        step_compute = compute / ring
-        step_comm = self.ring_step_comm_time(seqlen, ring, tier, routed)
-        return compute + (ring - 1) * max(0.0, step_comm - step_compute)
+        """One rank's time for its share of a sequence, counting ring traffic not hidden
+        (``CostKernel.task_time``)."""
+        return self.kernel.task_time(seqlen, ring, tier, routed)
 
     def task_times(self, seqlen: int, rings: Sequence[int], tier: Tier,
                    routed: bool = True) -> list[float]:
-        """``task_time(seqlen, G, tier, routed)`` for every G of ``rings`` at once (numpy; the
-        planner compares many spans of one sequence)."""
-        g = np.asarray(rings, dtype=np.float64)
-        hw, m = self.hardware, self.model
-        table = hw.attention_tflops
-        flops_per_s = np.interp(np.log(seqlen / g), np.log([n for n, _ in table]),
-                                [t * 1e12 for _, t in table])
-        compute = self.attention_flops(seqlen) / g / flops_per_s * (1.0 + hw.attention_bwd_ratio)
-        compute *= m.num_layers
-        comm = self.step_comm_seconds(seqlen / g, tier, routed)
-        exposed = np.where(g > 1, (g - 1) * np.maximum(0.0, comm - compute / g), 0.0)
-        return (compute + exposed).tolist()
+        """``task_time(seqlen, G, tier, routed)`` for every G of ``rings``."""
+        task_time = self.kernel.task_time
+        return [task_time(seqlen, g, tier, routed) for g in rings]
 
     def crossover_chunk(self, tier: Tier, routed: bool = False) -> int:
         """Smallest per-rank chunk (tokens) whose ring-step compute hides its transfer.
@@ -221,61 +170,247 @@ class CostModel:
 
 
 @dataclass(frozen=True)
-class PlanEstimate:
-    """Estimated per-rank times (seconds per training step) and bytes of one plan.
+class CostKernel:
+    """The cost model reduced to the numbers the planners evaluate per sequence and span, with
+    one scalar implementation of each formula (``math`` and ``config.interp``). The C++ planner
+    twin (``csrc/planner_costs.h``) evaluates the same expressions on the same numbers, so both
+    backends compute the same doubles and make the same decisions.
 
-    attention_s / linear_s: per rank, summed over waves. step_s: the step time the plan
-    implies (slowest rank per phase; waves add up). Bytes are forward + backward, all layers.
+    compute(s, G): ``attn_coef * s * s / G / F(s / G)`` with F the profile's FLOP/s at the
+    chunk length (log interpolation) and attn_coef = 2 a d (1 + bwd ratio) L.
+    comm(c, tier, routed): one ring step's forward KV and backward KV + fp32 dK/dV of a chunk
+    of c tokens, all layers: over NVLink (INTRA), the GPU's NIC, or routed over every NIC
+    (``routed_message_seconds`` on a log grid, interpolated in log-log).
+    task_time(s, G): compute + (G - 1) * max(0, comm - compute / G) (exposed ring traffic).
     """
 
-    attention_s: tuple[float, ...]
-    linear_s: tuple[float, ...]
-    step_s: float
-    ring_cross_node_bytes: float
-    remap_cross_node_bytes: float
-    remap_bytes: float
+    attn_coef: float
+    log_lengths: tuple[float, ...]
+    flops_per_s: tuple[float, ...]
+    kv_per_token: float  # K and V bytes of one token, one layer
+    bwd_bytes_factor: float  # backward bytes per forward byte (KV again + fp32 dK/dV)
+    layers: int
+    nvlink_byte_per_s: float
+    nvlink_latency_s: float
+    nic_byte_per_s: float
+    nic_latency_s: float
+    routable: bool  # more than one NIC rail: inter-node messages can be routed
+    routed_log_sizes: tuple[float, ...]
+    routed_log_times: tuple[float, ...]
+    linear_per_token: float  # linear_time(1)
+    head_bytes: float  # one head of one token, one layer (head_dim x bytes per element)
+    heads: int  # query heads per rank (per GPU of its tensor-parallel group)
+    kv_heads: int
+    ranks_per_node: int
+    nic_share_byte_per_s: float  # one GPU's share of its node's NICs
+
+    @classmethod
+    def of(cls, cost: "CostModel") -> "CostKernel":
+        m, c, hw = cost.model, cost.cluster, cost.hardware
+        log_sizes, log_times = _routed_table(c)
+        return cls(
+            attn_coef=2.0 * cost.heads * m.head_dim * (1.0 + hw.attention_bwd_ratio)
+            * m.num_layers,
+            log_lengths=hw.log_lengths, flops_per_s=hw.flops_per_s,
+            kv_per_token=cost.kv_bytes(1),
+            bwd_bytes_factor=(m.bytes_per_element + DKV_BYTES) / m.bytes_per_element,
+            layers=m.num_layers, nvlink_byte_per_s=c.nvlink_byte_per_s,
+            nvlink_latency_s=c.nvlink_latency_us * 1e-6, nic_byte_per_s=c.nic_byte_per_s,
+            nic_latency_s=c.nic_latency_us * 1e-6, routable=len(set(c.gpu_to_nic)) > 1,
+            routed_log_sizes=tuple(log_sizes.tolist()), routed_log_times=tuple(log_times.tolist()),
+            linear_per_token=cost.linear_time(1),
+            head_bytes=float(m.head_dim * m.bytes_per_element), heads=cost.heads,
+            kv_heads=cost.kv_heads, ranks_per_node=c.gpus_per_node // cost.tp,
+            nic_share_byte_per_s=c.nic_byte_per_s * len(set(c.gpu_to_nic)) / c.gpus_per_node)
+
+    def flops(self, chunk: float) -> float:
+        """Achieved attention FLOP/s at a query chunk of ``chunk`` tokens."""
+        return interp(math.log(chunk), self.log_lengths, self.flops_per_s)
+
+    def compute(self, seqlen: float, ring: int) -> float:
+        """Forward + backward attention compute of one rank's 1/ring share of a sequence."""
+        return self.attn_coef * seqlen * seqlen / ring / self.flops(seqlen / ring)
+
+    def routed(self, nbytes: float) -> float:
+        """One routed message of ``nbytes`` (the tabulated ``routed_message_seconds``)."""
+        return math.exp(interp(math.log(nbytes), self.routed_log_sizes, self.routed_log_times))
+
+    def comm(self, chunk: float, tier: Tier, routed: bool) -> float:
+        """Transfer time of one ring step of ``chunk`` tokens per rank, all layers, fwd + bwd."""
+        fwd = self.kv_per_token * chunk
+        bwd = fwd * self.bwd_bytes_factor
+        if tier == Tier.INTER and routed and self.routable:
+            per_layer = self.routed(fwd) + self.routed(bwd)
+        elif tier == Tier.INTRA:
+            per_layer = (fwd + bwd) / self.nvlink_byte_per_s + 2.0 * self.nvlink_latency_s
+        else:
+            per_layer = (fwd + bwd) / self.nic_byte_per_s + 2.0 * self.nic_latency_s
+        return per_layer * self.layers
+
+    def ulysses_compute(self, seqlen: float, group: int) -> float:
+        """One rank's attention compute of a sequence under Ulysses (DeepSpeed-Ulysses, as
+        FlexSP runs it) over ``group`` ranks: the full length over 1/group of the heads."""
+        return self.attn_coef * seqlen * seqlen / group / self.flops(seqlen)
+
+    def ulysses_comm(self, tokens: float, group: int, tier: Tier) -> float:
+        """One rank's all-to-alls, all layers, for ``tokens`` tokens it holds in the linear
+        layout (s / G of each sequence of its group), not overlapped with compute: q, k, v in
+        and the output back forward, the reverse backward (KV heads replicated up to the
+        group size), each rank sending (G-1)/G of them; peers in other nodes (INTER groups
+        span whole nodes) through the GPU's share of its node's NICs, the rest over NVLink."""
+        if group == 1:
+            return 0.0
+        per_token = (2 * self.heads + 2 * max(self.kv_heads, group)) * self.head_bytes
+        sent = 2.0 * per_token * tokens * (group - 1) / group  # forward + backward, one layer
+        local = group if tier != Tier.INTER else self.ranks_per_node
+        cross = (group - local) / (group - 1)
+        link = max(sent * (1.0 - cross) / self.nvlink_byte_per_s,
+                   sent * cross / self.nic_share_byte_per_s)
+        latency = self.nic_latency_s if cross > 0 else self.nvlink_latency_s
+        return (link + 4.0 * latency) * self.layers
+
+    def task_time(self, seqlen: float, ring: int, tier: Tier, routed: bool = True) -> float:
+        """One rank's time for its share of a sequence, counting ring traffic not hidden
+        (``CostKernel.task_time``)."""
+        return self.kernel.task_time(seqlen, ring, tier, routed)
+
+    def task_times(self, seqlen: int, rings: Sequence[int], tier: Tier,
+                   routed: bool = True) -> list[float]:
+        """``task_time(seqlen, G, tier, routed)`` for every G of ``rings``."""
+        task_time = self.kernel.task_time
+        return [task_time(seqlen, g, tier, routed) for g in rings]
+
+    def crossover_chunk(self, tier: Tier, routed: bool = False) -> int:
+        """Smallest per-rank chunk (tokens) whose ring-step compute hides its transfer.
+
+        Analytically c ~ g*(2B+4)*F/(3.5*a*bw) for forward + backward; solved numerically
+        because the achieved attention FLOP/s F depends on the chunk length.
+        """
+        if tier == Tier.LOCAL:
+            return 0
+        lo, hi = 1, 1 << 26
+        if self._step_hidden(hi, tier, routed) is False:
+            return hi
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._step_hidden(mid, tier, routed):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _step_hidden(self, chunk: int, tier: Tier, routed: bool) -> bool:
+        ring = 2
+        seqlen = chunk * ring
+        step_compute = self.attention_time(seqlen, ring) / ring
+        return step_compute >= self.ring_step_comm_time(seqlen, ring, tier, routed)
 
 
-def estimate_plan(plan: Plan, cost: CostModel, routed: bool = True) -> PlanEstimate:
-    """Per-rank attention and linear time of ``plan`` and the bytes it moves across nodes."""
-    world, waves = plan.topology.world_size, plan.num_waves
-    att = [[0.0] * world for _ in range(waves)]
-    for task in plan.tasks:
-        t = cost.task_time(plan.seqlens[task.seq], len(task.ring), task.tier, routed)
-        for rank in task.ring:
-            att[task.wave][rank] += t
-    remapped = plan.linear != plan.attention
-    lin = [[0.0] * world for _ in range(waves)]
-    if remapped:
-        lin[0] = [cost.linear_time(n) for n in plan.linear_tokens()]
-    else:
-        for task in plan.tasks:
-            for rank in task.ring:
-                lin[task.wave][rank] += cost.linear_time(plan.seqlens[task.seq] / len(task.ring))
-    if remapped:
-        step = sum(max(a) for a in att) + sum(max(li) for li in lin)
-    else:
-        step = sum(max(a + li for a, li in zip(aw, lw)) for aw, lw in zip(att, lin))
-    per_token = 2.0 * cost.qkvo_bytes(1) * cost.model.num_layers  # forward and backward
-    moved = sum(t.end - t.start for t in plan.transfers if t.src != t.dst)
-    return PlanEstimate(
-        attention_s=tuple(map(sum, zip(*att))), linear_s=tuple(map(sum, zip(*lin))),
-        step_s=step, ring_cross_node_bytes=ring_cross_node_bytes(plan, cost),
-        remap_cross_node_bytes=plan.remap_cross_node_tokens() * per_token,
-        remap_bytes=moved * per_token)
+@dataclass(frozen=True)
+class CostKernel:
+    """The cost model reduced to the numbers the planners evaluate per sequence and span, with
+    one scalar implementation of each formula (``math`` and ``config.interp``). The C++ planner
+    twin (``csrc/planner_costs.h``) evaluates the same expressions on the same numbers, so both
+    backends compute the same doubles and make the same decisions.
 
+    compute(s, G): ``attn_coef * s * s / G / F(s / G)`` with F the profile's FLOP/s at the
+    chunk length (log interpolation) and attn_coef = 2 a d (1 + bwd ratio) L.
+    comm(c, tier, routed): one ring step's forward KV and backward KV + fp32 dK/dV of a chunk
+    of c tokens, all layers: over NVLink (INTRA), the GPU's NIC, or routed over every NIC
+    (``routed_message_seconds`` on a log grid, interpolated in log-log).
+    task_time(s, G): compute + (G - 1) * max(0, comm - compute / G) (exposed ring traffic).
+    """
 
-def ring_cross_node_bytes(plan: Plan, cost: CostModel) -> float:
-    """Bytes the plan's rings send between nodes (forward + backward, all layers)."""
-    node = plan.topology.node_of
-    total = 0.0
-    for task in plan.tasks:
-        if task.tier != Tier.INTER:
-            continue
-        ring = task.ring
-        hops = sum(node(a) != node(b) for a, b in zip(ring, ring[1:] + ring[:1]))
-        total += hops * cost.ring_bytes(plan.seqlens[task.seq], len(ring))
-    return total
+    attn_coef: float
+    log_lengths: tuple[float, ...]
+    flops_per_s: tuple[float, ...]
+    kv_per_token: float  # K and V bytes of one token, one layer
+    bwd_bytes_factor: float  # backward bytes per forward byte (KV again + fp32 dK/dV)
+    layers: int
+    nvlink_byte_per_s: float
+    nvlink_latency_s: float
+    nic_byte_per_s: float
+    nic_latency_s: float
+    routable: bool  # more than one NIC rail: inter-node messages can be routed
+    routed_log_sizes: tuple[float, ...]
+    routed_log_times: tuple[float, ...]
+    linear_per_token: float  # linear_time(1)
+    head_bytes: float  # one head of one token, one layer (head_dim x bytes per element)
+    heads: int  # query heads per rank (per GPU of its tensor-parallel group)
+    kv_heads: int
+    ranks_per_node: int
+    nic_share_byte_per_s: float  # one GPU's share of its node's NICs
+
+    @classmethod
+    def of(cls, cost: "CostModel") -> "CostKernel":
+        m, c, hw = cost.model, cost.cluster, cost.hardware
+        log_sizes, log_times = _routed_table(c)
+        return cls(
+            attn_coef=2.0 * cost.heads * m.head_dim * (1.0 + hw.attention_bwd_ratio)
+            * m.num_layers,
+            log_lengths=hw.log_lengths, flops_per_s=hw.flops_per_s,
+            kv_per_token=cost.kv_bytes(1),
+            bwd_bytes_factor=(m.bytes_per_element + DKV_BYTES) / m.bytes_per_element,
+            layers=m.num_layers, nvlink_byte_per_s=c.nvlink_byte_per_s,
+            nvlink_latency_s=c.nvlink_latency_us * 1e-6, nic_byte_per_s=c.nic_byte_per_s,
+            nic_latency_s=c.nic_latency_us * 1e-6, routable=len(set(c.gpu_to_nic)) > 1,
+            routed_log_sizes=tuple(log_sizes.tolist()), routed_log_times=tuple(log_times.tolist()),
+            linear_per_token=cost.linear_time(1),
+            head_bytes=float(m.head_dim * m.bytes_per_element), heads=cost.heads,
+            kv_heads=cost.kv_heads, ranks_per_node=c.gpus_per_node // cost.tp,
+            nic_share_byte_per_s=c.nic_byte_per_s * len(set(c.gpu_to_nic)) / c.gpus_per_node)
+
+    def flops(self, chunk: float) -> float:
+        """Achieved attention FLOP/s at a query chunk of ``chunk`` tokens."""
+        return interp(math.log(chunk), self.log_lengths, self.flops_per_s)
+
+    def compute(self, seqlen: float, ring: int) -> float:
+        """Forward + backward attention compute of one rank's 1/ring share of a sequence."""
+        return self.attn_coef * seqlen * seqlen / ring / self.flops(seqlen / ring)
+
+    def routed(self, nbytes: float) -> float:
+        """One routed message of ``nbytes`` (the tabulated ``routed_message_seconds``)."""
+        return math.exp(interp(math.log(nbytes), self.routed_log_sizes, self.routed_log_times))
+
+    def comm(self, chunk: float, tier: Tier, routed: bool) -> float:
+        """Transfer time of one ring step of ``chunk`` tokens per rank, all layers, fwd + bwd."""
+        fwd = self.kv_per_token * chunk
+        bwd = fwd * self.bwd_bytes_factor
+        if tier == Tier.INTER and routed and self.routable:
+            per_layer = self.routed(fwd) + self.routed(bwd)
+        elif tier == Tier.INTRA:
+            per_layer = (fwd + bwd) / self.nvlink_byte_per_s + 2.0 * self.nvlink_latency_s
+        else:
+            per_layer = (fwd + bwd) / self.nic_byte_per_s + 2.0 * self.nic_latency_s
+        return per_layer * self.layers
+
+    def ulysses_time(self, seqlen: float, group: int, tier: Tier) -> float:
+        """One rank's time for a sequence under Ulysses (DeepSpeed-Ulysses, as FlexSP runs it)
+        over ``group`` ranks: attention at the full length over 1/group of the heads (KV heads
+        replicated up to the group size), then all-to-alls not overlapped with compute: q, k, v
+        in and the output back forward, the reverse backward, each rank sending (G-1)/G of its
+        s/G tokens; peers in other nodes (INTER groups span whole nodes) go through the GPU's
+        share of the node's NICs, the others over NVLink."""
+        compute = self.attn_coef * seqlen * seqlen / group / self.flops(seqlen)
+        if group == 1:
+            return compute
+        per_token = (2 * self.heads + 2 * max(self.kv_heads, group)) * self.head_bytes
+        sent = 2.0 * per_token * seqlen / group * (group - 1) / group  # fwd + bwd, one layer
+        local = group if tier != Tier.INTER else self.ranks_per_node
+        cross = (group - local) / (group - 1)
+        link = max(sent * (1.0 - cross) / self.nvlink_byte_per_s,
+                   sent * cross / self.nic_share_byte_per_s)
+        latency = self.nic_latency_s if cross > 0 else self.nvlink_latency_s
+        return compute + (link + 4.0 * latency) * self.layers
+
+    def task_time(self, seqlen: float, ring: int, tier: Tier, routed: bool = True) -> float:
+        """One rank's time for its share: compute plus the ring traffic not hidden (each of
+        the G - 1 transfer steps overlaps one step of compute)."""
+        compute = self.compute(seqlen, ring)
+        if ring == 1:
+            return compute
+        return compute + (ring - 1) * max(0.0, self.comm(seqlen / ring, tier, routed)
+                                          - compute / ring)
 
 
 # ----------------------------------------------------------------------------- routed transfers

@@ -136,6 +136,12 @@ class Plan:
         (``Segment(doc, start, end)``); a ``split`` policy maps several sequences to one doc.
     linear: per rank, the token ranges of its linear (token-balanced) layout, in buffer order.
     capacity: attention-layout tokens a rank may hold.
+    attention_kind: ``ring`` (zigzag ring attention over each task's ring: what the engine
+        runs) or ``ulysses`` (all-to-all head parallelism over the task's ranks, FlexSP's
+        sequence parallelism: modelled by the simulator, not run by the engine).
+    candidate / estimates: for a strategy that scores several candidate plans of the batch
+        (``zeppelin``'s portfolio), the candidate returned and every candidate's estimated
+        step seconds (``cost_model.estimate_step``), fastest first; empty otherwise.
     """
 
     strategy: str
@@ -147,21 +153,29 @@ class Plan:
     capacity: int
     overlong: OverlongReport = OverlongReport()
     plan_time_s: float = 0.0
+    attention_kind: str = "ring"
+    candidate: str = ""
+    estimates: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def margin(self) -> float:
+        """How much faster (estimated) the returned candidate is than the next best one:
+        runner-up seconds / chosen seconds (1.0 without a portfolio or on a tie)."""
+        times = [t for _, t in self.estimates]
+        return times[1] / times[0] if len(times) > 1 and times[0] > 0 else 1.0
+
+    def estimated_gain(self, candidate: str) -> float | None:
+        """``candidate``'s estimated seconds / the chosen plan's (None if not scored)."""
+        mine = dict(self.estimates)
+        if candidate not in mine or not self.estimates or self.estimates[0][1] <= 0:
+            return None
+        return mine[candidate] / self.estimates[0][1]
 
     # ------------------------------------------------------------------ derived views
     @cached_property
     def ring_groups(self) -> tuple[RingGroup, ...]:
         """All ring groups of the plan in the global order every rank follows."""
-        members: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-        for task in self.tasks:
-            members.setdefault((task.wave, task.ring), []).append(task.seq)
-        tier_of = self.topology.tier_of
-        groups = []
-        for (wave, ring), seqs in members.items():
-            tier = tier_of(ring)
-            groups.append(RingGroup((wave, int(tier), seqs[0]), ring, tier, wave, tuple(seqs)))
-        groups.sort(key=lambda g: g.key)
-        return tuple(groups)
+        return ring_groups_of(self.tasks, self.topology)
 
     @cached_property
     def rank_groups(self) -> tuple[tuple[RingGroup, ...], ...]:
@@ -173,19 +187,9 @@ class Plan:
         return tuple(tuple(g) for g in per_rank)
 
     @cached_property
-    def attention(self) -> tuple[tuple[Segment, ...], ...]:
+    def attention(self) -> Layout:
         """Per rank, the token ranges of its attention buffer, in buffer order."""
-        out: list[list[Segment]] = [[] for _ in range(self.topology.world_size)]
-        lengths = self.seqlens
-        for group in self.ring_groups:
-            size = len(group.ring)
-            if size == 1:
-                out[group.ring[0]].extend(Segment(seq, 0, lengths[seq]) for seq in group.seqs)
-                continue
-            for pos, rank in enumerate(group.ring):
-                for seq in group.seqs:
-                    out[rank].extend(zigzag_segments(seq, lengths[seq], size, pos))
-        return tuple(tuple(segs) for segs in out)
+        return attention_layout_of(self.ring_groups, self.seqlens, self.topology.world_size)
 
     def attention_tokens(self) -> list[int]:
         return [sum(end - start for _, start, end in segs) for segs in self.attention]
@@ -231,6 +235,37 @@ class Plan:
         """Check the contract; raise ``PlanError`` naming the first violation. Returns self."""
         check_plan(self)
         return self
+
+
+def ring_groups_of(tasks: Sequence[AttentionTask], topology: Topology) -> tuple[RingGroup, ...]:
+    """The ring groups of ``tasks`` (tasks sharing a wave and a ring fuse), in the global
+    order (wave, tier, first task) every rank follows."""
+    members: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for task in tasks:
+        members.setdefault((task.wave, task.ring), []).append(task.seq)
+    tier_of = topology.tier_of
+    groups = []
+    for (wave, ring), seqs in members.items():
+        tier = tier_of(ring)
+        groups.append(RingGroup((wave, int(tier), seqs[0]), ring, tier, wave, tuple(seqs)))
+    groups.sort(key=lambda g: g.key)
+    return tuple(groups)
+
+
+def attention_layout_of(groups: Sequence[RingGroup], seqlens: Sequence[int], world: int
+                        ) -> Layout:
+    """Per rank, the token ranges of its attention buffer: its ring groups in global order,
+    inside a group the sequences in task order, each as ``[chunk p, chunk 2G-1-p]``."""
+    out: list[list[Segment]] = [[] for _ in range(world)]
+    for group in groups:
+        size = len(group.ring)
+        if size == 1:
+            out[group.ring[0]].extend(Segment(seq, 0, seqlens[seq]) for seq in group.seqs)
+            continue
+        for pos, rank in enumerate(group.ring):
+            for seq in group.seqs:
+                out[rank].extend(zigzag_segments(seq, seqlens[seq], size, pos))
+    return tuple(tuple(segs) for segs in out)
 
 
 def local_call_groups(squares: Sequence[float], min_tokens: int) -> list[tuple[int, ...]]:

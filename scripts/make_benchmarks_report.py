@@ -152,7 +152,7 @@ def planner_evidence(setting: Setting) -> list[str]:
     remap volume, ring sizes of the sharded documents (what the planner notes cite)."""
     from collections import Counter
 
-    from megatron_zeppelin.cost_model import estimate_plan
+    from megatron_zeppelin.estimate import estimate_plan
     from megatron_zeppelin.planner import make_plan
     from megatron_zeppelin.sim.simulator import SimOptions, simulate
     from megatron_zeppelin.sim.sweep import sample_batches, setting_cost

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from megatron_zeppelin.cost_model import estimate_plan
+from megatron_zeppelin.estimate import estimate_plan
 from megatron_zeppelin.plan import Tier
 from megatron_zeppelin.planner import make_plan
 

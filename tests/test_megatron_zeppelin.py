@@ -61,6 +61,15 @@ def run_mode(mode: str, rank: int, save: str | None = None, load: str | None = N
     train.checkpoint_load(args, model, optimizer)
     docs = documents()
     plan = train.make_planner(args, cost)([d.numel() for d in docs])
+    if mode == "zeppelin":  # force the hierarchical plan with the remap: every layer is
+        # exercised (the portfolio picks no remap for this tiny batch)
+        from megatron_zeppelin.config import ZeppelinConfig
+        from megatron_zeppelin.planner import get_strategy
+
+        config = ZeppelinConfig(max_seqlen=args.seq_length,
+                                capacity_tokens_per_gpu=args.zeppelin_capacity_tokens_per_gpu)
+        plan = get_strategy("zeppelin", portfolio=False).plan(
+            [d.numel() for d in docs], cost, config).validate()
     batch = slice_rank(plan, pool.rank, docs)
     stored = get_forward_backward_func()(
         forward_step_func=train.forward_step, data_iterator=iter([batch]), model=[model],

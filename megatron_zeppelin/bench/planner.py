@@ -27,7 +27,7 @@ def megatron_scheduler_call(lengths: list[int], world: int, capacity: int) -> Ca
 
 
 def bench_planner(args: argparse.Namespace) -> int:
-    from megatron_zeppelin.planner import plan_zeppelin
+    from megatron_zeppelin.planner import get_strategy
     from megatron_zeppelin.planner.common import resolve_capacity
     from megatron_zeppelin.sim.workloads import get_workload
 
@@ -44,7 +44,8 @@ def bench_planner(args: argparse.Namespace) -> int:
         rng = random.Random(args.seed)
         lengths = [workload.draw(rng) for _ in range(nseq)]
         config = ZeppelinConfig()
-        ours, _ = median_ms(lambda: plan_zeppelin(lengths, cost, config), args.repeats, 60.0)
+        zeppelin = get_strategy("zeppelin")
+        ours, _ = median_ms(lambda: zeppelin.plan(lengths, cost, config), args.repeats, 60.0)
         capacity = resolve_capacity(tuple(lengths), cost.cluster.topology(), config)
         theirs, runs = median_ms(megatron_scheduler_call(lengths, gpus, capacity),
                                   args.megatron_repeats, args.megatron_budget)

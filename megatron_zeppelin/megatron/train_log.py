@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.config import ConfigError
-from megatron_zeppelin.cost_model import CostModel, estimate_plan
+from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.estimate import estimate_plan
 from megatron_zeppelin.megatron.args import pool_size
 from megatron_zeppelin.megatron.data import DocumentStats
 

@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.estimate import estimate_tasks
 from megatron_zeppelin.plan import AttentionTask, Plan, Topology, zigzag_share, zigzag_share_bound
 from megatron_zeppelin.plan_checks import wave_tokens
-from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble,
-                                              grow_derived_capacity, prepare, smallest_share)
+from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare,
+                                              smallest_share, with_derived_capacity,
+                                              within_capacity)
+from megatron_zeppelin.planner.registry import Strategy, register
 
 
 def _task(topology: Topology, seq: int, ring: Sequence[int], wave: int = 0) -> AttentionTask:
@@ -45,13 +49,51 @@ def default_cp_size(batch: Batch) -> int:
     return topo.world_size
 
 
-@grow_derived_capacity
-def plan_static_cp(seqlens: Sequence[int], cost: CostModel,
-                   config: ZeppelinConfig = ZeppelinConfig(), cp_size: int | None = None) -> Plan:
+def _positive_option(strategy: str, key: str, value: int | None) -> None:
+    if value is not None and not (isinstance(value, int) and value >= 1):
+        raise ValueError(f"{strategy} option {key}={value!r} is invalid: expected an integer >= 1")
+
+
+@register
+@dataclass(frozen=True)
+class StaticCP(Strategy):
     """Every document zigzag over its DP replica's whole CP group (TE/Megatron CP)."""
-    batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
+
+    name = "static-cp"
+    summary = "TE/Megatron CP: every document zigzag over its replica's CP group"
+    cp_size: int | None = field(default=None, metadata={
+        "help": "static-cp: ranks per CP group (default: the smallest multiple of a node that "
+                "holds the longest document)"})
+    cp_nodes: int | None = field(default=None, metadata={
+        "help": "static-cp: CP groups of this many whole nodes (instead of --cp-size)"})
+
+    def __post_init__(self) -> None:
+        _positive_option(self.name, "cp_size", self.cp_size)
+        _positive_option(self.name, "cp_nodes", self.cp_nodes)
+        if self.cp_size is not None and self.cp_nodes is not None:
+            raise ValueError("static-cp takes cp_size or cp_nodes, not both")
+
+    def plan(self, seqlens: Sequence[int], cost: CostModel,
+             config: ZeppelinConfig = ZeppelinConfig()) -> Plan:
+        return with_derived_capacity(self._plan, seqlens, cost, config)
+
+    def group_size(self, batch: Batch) -> int:
+        """The CP size of this batch (``cp_size``, ``cp_nodes`` or the default)."""
+        topo = batch.topology
+        if self.cp_nodes is not None:
+            return min(self.cp_nodes, topo.nodes) * topo.gpus_per_node
+        return self.cp_size or default_cp_size(batch)
+
+    def _plan(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
+        batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
+        return assemble(f"static-cp(cp={self.group_size(batch)})", batch,
+                        static_cp_tasks(batch, self.group_size(batch)), None)
+
+
+def static_cp_tasks(batch: Batch, cp: int) -> list[AttentionTask]:
+    """Documents token-balanced over the DP replicas (longest first), each zigzag over its
+    replica's group of ``cp`` consecutive ranks."""
     world = batch.topology.world_size
-    cp = cp_size or default_cp_size(batch)
     if cp < 1 or world % cp:
         raise ValueError(f"cp_size={cp} is invalid: expected a divisor of the pool size {world}")
     replicas = [(0, r) for r in range(world // cp)]
@@ -66,7 +108,57 @@ def plan_static_cp(seqlens: Sequence[int], cost: CostModel,
             rank_tokens[r] += seqlen // len(ring)
         tasks[seq] = _task(batch.topology, seq, ring)
         heapq.heappush(replicas, (tokens + seqlen, replica))
-    return assemble(f"static-cp(cp={cp})", batch, tasks, None)
+    return tasks
+
+
+@register
+@dataclass(frozen=True)
+class StaticCPBest(Strategy):
+    """Static CP at the size a user would tune it to for this batch: every legal CP size (a
+    divisor of the pool whose groups hold the longest document within the capacity), the
+    fastest by the step estimate (``estimate.estimate_tasks``)."""
+
+    name = "static-cp-best"
+    summary = "static CP at its best size for the batch (every legal size, by the estimate)"
+    max_cp_size: int | None = field(default=None, metadata={
+        "help": "static-cp-best: largest CP size tried (default: the whole pool)"})
+
+    def __post_init__(self) -> None:
+        _positive_option(self.name, "max_cp_size", self.max_cp_size)
+
+    def plan(self, seqlens: Sequence[int], cost: CostModel,
+             config: ZeppelinConfig = ZeppelinConfig()) -> Plan:
+        return with_derived_capacity(self._plan, seqlens, cost, config)
+
+    def _plan(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
+        batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
+        scored = [(estimate_tasks(tasks, batch.seqlens, batch.topology, cost,
+                                  config.routing).step_s, cp, tasks)
+                  for cp, tasks in static_cp_candidates(batch, self.max_cp_size)]
+        if not scored:
+            raise CapacityError(f"static-cp-best: no CP size holds the longest document "
+                                f"({max(batch.seqlens)} tokens) within the capacity "
+                                f"{batch.capacity}")
+        best, cp, tasks = min(scored, key=lambda item: (item[0], item[1]))
+        return assemble(f"static-cp(cp={cp})", batch, tasks, None,
+                        candidate=f"static-cp(cp={cp})", estimates=tuple(sorted(
+                            ((f"static-cp(cp={c})", t) for t, c, _ in scored),
+                            key=lambda item: item[1])))
+
+
+def static_cp_candidates(batch: Batch, max_cp: int | None = None
+                         ) -> list[tuple[int, list[AttentionTask]]]:
+    """(CP size, tasks) for every divisor of the pool up to ``max_cp`` whose plan keeps every
+    rank within the capacity."""
+    world = batch.topology.world_size
+    out = []
+    for cp in range(1, min(world, max_cp or world) + 1):
+        if world % cp or zigzag_share_bound(max(batch.seqlens), cp) > batch.capacity:
+            continue
+        tasks = static_cp_tasks(batch, cp)
+        if within_capacity(tasks, batch):
+            out.append((cp, tasks))
+    return out
 
 
 def default_max_seqlen_per_rank(batch: Batch) -> int:
@@ -79,14 +171,38 @@ def default_max_seqlen_per_rank(batch: Batch) -> int:
     return min(batch.capacity, max([suggested, *(smallest_share(s, topo) for s in longer)]))
 
 
-@grow_derived_capacity
-def plan_hybrid_dp(seqlens: Sequence[int], cost: CostModel,
-                   config: ZeppelinConfig = ZeppelinConfig(),
-                   max_seqlen_per_rank: int | None = None) -> Plan:
+_MAX_SEQLEN_PER_RANK_HELP = (
+    "hybrid-dp / megatron-hybrid-cp: Megatron's --max-seqlen-per-dp-cp-rank (default: the "
+    "longest document over one node, at least the mean tokens per rank)")
+
+
+@register
+@dataclass(frozen=True)
+class HybridDP(Strategy):
     """Fewest ranks that hold each document, greedy on estimated work, longest first."""
-    batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
+
+    name = "hybrid-dp"
+    summary = "fewest ranks per document (within max_seqlen_per_rank), greedy on work"
+    max_seqlen_per_rank: int | None = field(default=None,
+                                            metadata={"help": _MAX_SEQLEN_PER_RANK_HELP})
+
+    def __post_init__(self) -> None:
+        _positive_option(self.name, "max_seqlen_per_rank", self.max_seqlen_per_rank)
+
+    def plan(self, seqlens: Sequence[int], cost: CostModel,
+             config: ZeppelinConfig = ZeppelinConfig()) -> Plan:
+        return with_derived_capacity(self._plan, seqlens, cost, config)
+
+    def _plan(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
+        batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
+        per_rank = self.max_seqlen_per_rank or default_max_seqlen_per_rank(batch)
+        return assemble("hybrid-dp", batch, hybrid_dp_tasks(batch, cost, per_rank), None)
+
+
+def hybrid_dp_tasks(batch: Batch, cost: CostModel, per_rank: int) -> list[AttentionTask]:
+    """Longest first, each document on the fewest ranks that hold it within ``per_rank``
+    tokens each, the block whose busiest rank has the least work (attention + linear)."""
     topo = batch.topology
-    per_rank = max_seqlen_per_rank or default_max_seqlen_per_rank(batch)
     loads = [0.0] * topo.world_size
     tokens = [0] * topo.world_size
     tasks: list[AttentionTask | None] = [None] * len(batch.seqlens)
@@ -104,7 +220,7 @@ def plan_hybrid_dp(seqlens: Sequence[int], cost: CostModel,
             loads[r] += work
             tokens[r] += zigzag_share(seqlen, k, pos)
         tasks[seq] = _task(topo, seq, ring)
-    return assemble("hybrid-dp", batch, tasks, None)
+    return tasks
 
 
 def _fewest_ranks(seqlen: int, capacity: int, topo: Topology) -> int:
@@ -146,11 +262,30 @@ class _PoolGroup:
         return self._size
 
 
-@grow_derived_capacity
-def plan_megatron_hybrid_cp(seqlens: Sequence[int], cost: CostModel,
-                            config: ZeppelinConfig = ZeppelinConfig(),
-                            max_seqlen_per_rank: int | None = None) -> Plan:
+@register
+@dataclass(frozen=True)
+class MegatronHybridCP(Strategy):
     """Megatron-core's hybrid CP: groups from its ``BalancedCPScheduler``, one wave each."""
+
+    name = "megatron-hybrid-cp"
+    summary = "megatron-core's BalancedCPScheduler groups, one wave each"
+    max_seqlen_per_rank: int | None = field(default=None,
+                                            metadata={"help": _MAX_SEQLEN_PER_RANK_HELP})
+
+    def __post_init__(self) -> None:
+        _positive_option(self.name, "max_seqlen_per_rank", self.max_seqlen_per_rank)
+
+    def plan(self, seqlens: Sequence[int], cost: CostModel,
+             config: ZeppelinConfig = ZeppelinConfig()) -> Plan:
+        return with_derived_capacity(self._plan, seqlens, cost, config)
+
+    def _plan(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
+        return plan_megatron_hybrid_cp(seqlens, cost, config, self.max_seqlen_per_rank)
+
+
+def plan_megatron_hybrid_cp(seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig,
+                            max_seqlen_per_rank: int | None = None) -> Plan:
+    """Groups from megatron-core's ``BalancedCPScheduler`` (run as is), one wave each."""
     from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
     batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)

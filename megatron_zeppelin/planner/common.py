@@ -1,10 +1,7 @@
 """What every strategy shares: input checks, capacity, the overlong policy, plan assembly."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-import gc
 import math
 import time
 from dataclasses import dataclass
@@ -12,7 +9,8 @@ from typing import Callable, Sequence
 
 from megatron_zeppelin.config import OVERLONG_POLICIES, ZeppelinConfig
 from megatron_zeppelin.plan import (AttentionTask, Layout, OverlongReport, Plan, Segment,
-                                    Topology, zigzag_share_bound)
+                                    Topology, attention_layout_of, ring_groups_of, zigzag_share,
+                                    zigzag_share_bound)
 
 
 class CapacityError(ValueError):
@@ -142,53 +140,41 @@ def prepare(seqlens: Sequence[int], topology: Topology, config: ZeppelinConfig) 
     return Batch(topology, planned, sources, capacity, report, started)
 
 
-def grow_derived_capacity(plan_fn: Callable[..., Plan]) -> Callable[..., Plan]:
-    """Decorate a strategy: when a greedy placement cannot meet a *derived* capacity (the
-    default; tight on tiny batches over large pools), grow it by half and plan again, up to 4
-    times. A configured capacity is the user's limit: its ``CapacityError`` propagates."""
-    @functools.wraps(plan_fn)
-    def plan(seqlens, cost, config: ZeppelinConfig = ZeppelinConfig(), **options) -> Plan:
-        with _cyclic_gc_paused():
-            for attempt in range(5):
-                try:
-                    return plan_fn(seqlens, cost, config, **options)
-                except CapacityError:
-                    if config.capacity_tokens_per_gpu is not None or attempt == 4:
-                        raise
-                    config = dataclasses.replace(config,
-                                                 capacity_factor=config.capacity_factor * 1.5)
-        raise AssertionError("unreachable")
-
-    return plan
+def with_derived_capacity(plan_fn: Callable[..., Plan], seqlens: Sequence[int], cost,
+                          config: ZeppelinConfig) -> Plan:
+    """``plan_fn(seqlens, cost, config)``; when a greedy placement cannot meet a *derived*
+    capacity (the default; tight on tiny batches over large pools), grow it by half and plan
+    again, up to 4 times. A configured capacity is the user's limit: its ``CapacityError``
+    propagates."""
+    for attempt in range(5):
+        try:
+            return plan_fn(seqlens, cost, config)
+        except CapacityError:
+            if config.capacity_tokens_per_gpu is not None or attempt == 4:
+                raise
+            config = dataclasses.replace(config, capacity_factor=config.capacity_factor * 1.5)
+    raise AssertionError("unreachable")
 
 
-@contextlib.contextmanager
-def _cyclic_gc_paused():
-    """Planning allocates many small tuples and no reference cycles; a full cyclic collection
-    triggered in the middle (costly once torch is imported: ~80 ms) would only add latency."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+def assemble(strategy: str, batch: Batch, tasks: Sequence[AttentionTask],
+             linear: Layout | None = None, **fields) -> Plan:
+    """Build the Plan; ``linear``: the linear layout (None: the attention layout, no remap).
+    ``fields``: further ``Plan`` fields (``attention_kind``, ``candidate``, ``estimates``)."""
+    tasks = tuple(tasks)
+    if linear is None:
+        linear = attention_layout_of(ring_groups_of(tasks, batch.topology), batch.seqlens,
+                                     batch.topology.world_size)
+    return Plan(strategy=strategy, topology=batch.topology, seqlens=batch.seqlens,
+                sources=batch.sources, tasks=tasks, linear=linear, capacity=batch.capacity,
+                overlong=batch.report, plan_time_s=time.perf_counter() - batch.started,
+                **fields)
 
 
-
-
-def assemble(strategy: str, batch: Batch, tasks: list[AttentionTask],
-             balance: Callable[[Layout, Topology], Layout] | None) -> Plan:
-    """Build the Plan. ``balance`` derives the linear layout from the attention layout;
-    ``None`` keeps the attention layout for the linear modules too (no remapping)."""
-    draft = Plan(strategy=strategy, topology=batch.topology, seqlens=batch.seqlens,
-                 sources=batch.sources, tasks=tuple(tasks), linear=(), capacity=batch.capacity,
-                 overlong=batch.report)
-    layout = draft.attention if balance is None else balance(draft.attention, batch.topology)
-    plan = Plan(strategy=strategy, topology=batch.topology, seqlens=batch.seqlens,
-                sources=batch.sources, tasks=draft.tasks, linear=layout,
-                capacity=batch.capacity, overlong=batch.report,
-                plan_time_s=time.perf_counter() - batch.started)
-    plan.__dict__["ring_groups"] = draft.ring_groups  # same tasks: reuse the cached views
-    plan.__dict__["attention"] = draft.attention
-    return plan
+def within_capacity(tasks: Sequence[AttentionTask], batch: Batch) -> bool:
+    """Whether every rank's attention tokens stay within the batch's capacity."""
+    tokens = [0] * batch.topology.world_size
+    for task in tasks:
+        size, length = len(task.ring), batch.seqlens[task.seq]
+        for pos, r in enumerate(task.ring):
+            tokens[r] += zigzag_share(length, size, pos)
+    return max(tokens) <= batch.capacity

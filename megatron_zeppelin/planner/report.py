@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from megatron_zeppelin.cost_model import CostModel, PlanEstimate, estimate_plan
+from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.estimate import PlanEstimate, estimate_plan
 from megatron_zeppelin.plan import Plan
 
 

@@ -12,7 +12,8 @@ Two levels, longest sequence first, balancing estimated attention time (not toke
    otherwise it is ringed over the fewest GPUs of the node that bring it under W* (INTRA).
 
 Sharded sequences use the zigzag split. Per-rank attention tokens never exceed the capacity.
-The linear layout is token-balanced (``linear_layout.balance_linear``) unless remap is off.
+The ``zeppelin`` strategy (``portfolio.py``) scores this placement with and without the remap
+against the peers' plans of the same batch.
 """
 from __future__ import annotations
 
@@ -24,11 +25,9 @@ import numpy as np
 
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
-from megatron_zeppelin.plan import (AttentionTask, Plan, Tier, zigzag_share,
+from megatron_zeppelin.plan import (AttentionTask, Tier, zigzag_share,
                                     zigzag_share_bound)
-from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble,
-                                              grow_derived_capacity, prepare)
-from megatron_zeppelin.planner.linear_layout import balance_linear, rank_targets, rank_tokens
+from megatron_zeppelin.planner.common import Batch, CapacityError
 
 
 @dataclass
@@ -56,11 +55,9 @@ class _Placement:
         return self.cost.task_time(seqlen, ring, tier, self.routed)
 
 
-@grow_derived_capacity
-def plan_zeppelin(seqlens: Sequence[int], cost: CostModel,
-                  config: ZeppelinConfig = ZeppelinConfig()) -> Plan:
-    """Place one global batch (``seqlens``: tokens per document) with Zeppelin's partitioner."""
-    batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
+def place_hierarchical(batch: Batch, cost: CostModel, config: ZeppelinConfig
+                       ) -> list[AttentionTask]:
+    """Zeppelin's hierarchical placement of ``batch`` (module doc): one task per sequence."""
     local_time = cost.attention_times(batch.seqlens)
     world = batch.topology.world_size
     total = sum(local_time)
@@ -78,20 +75,7 @@ def plan_zeppelin(seqlens: Sequence[int], cost: CostModel,
             tasks[task.seq] = task
     for task in place_leftovers(state, leftovers, nodes):
         tasks[task.seq] = task
-    return assemble("zeppelin", batch, tasks, linear_balancer(cost) if config.remap else None)
-
-
-def linear_balancer(cost: CostModel):
-    """The remap's linear layout: token balance inside nodes, across nodes only where the
-    linear time saved outweighs the remap traffic (``linear_layout.node_token_targets``)."""
-    r, c = cost.linear_time(1), cost.remap_seconds_per_token()
-
-    def balance(attention, topology):
-        per_rank = rank_tokens(attention)
-        return balance_linear(attention, topology, rank_targets(per_rank, topology, r, c),
-                              per_rank)
-
-    return balance
+    return tasks
 
 
 # ---------------------------------------------------------------------------- inter-node step

@@ -9,8 +9,9 @@ bytes are per GPU: with tensor parallelism each of a rank's ``tp`` GPUs moves it
   pipelined in the schedule's chunks, and its direct time), else an analytic NIC-contention
   model built from the cluster's links (routed: the same pipeline over an even spread).
 * ``remap_time``: one all-to-all of the remap (linear <-> attention layout) over the static
-  GPU->NIC affinity (an ``all_to_all_single``; NCCL sends through each GPU's own NIC).
-* ``grad_allreduce_time``: hierarchical ring all-reduce of the parameter gradients.
+  GPU->NIC affinity (an ``all_to_all_single``; NCCL sends through each GPU's own NIC), as
+  ``estimate.remap_a2a_seconds`` prices it; the gradient all-reduce is
+  ``estimate.grad_allreduce_seconds``.
 """
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Mapping
 
-from megatron_zeppelin.config import ClusterSpec, ModelSpec
-from megatron_zeppelin.cost_model import RoutedLoad, pipelined_seconds
+from megatron_zeppelin.config import ClusterSpec
+from megatron_zeppelin.cost_model import CostModel, RoutedLoad, pipelined_seconds
+from megatron_zeppelin.estimate import plan_moves, remap_a2a_seconds
 from megatron_zeppelin.plan import Plan
 
 # How the simulator times a routed or direct inter-node step: the router's schedule when it
@@ -153,61 +155,7 @@ def _routed_step_time(cluster: ClusterSpec, items: list[tuple[int, int, float]])
     return pipelined_seconds(load, cluster, max(nbytes for _, _, nbytes in items) / nics)
 
 
-def remap_time(plan: Plan, gpus: GpuMap, bytes_per_token: float) -> float:
-    """Seconds of one remap all-to-all moving ``bytes_per_token`` per token per GPU.
-
-    Intra-node pieces go over NVLink (each GPU's send and receive side), inter-node pieces
-    through the static NIC of the sending and receiving GPU; the slowest of them sets the time.
-    """
-    cluster, node_of = gpus.cluster, plan.topology.node_of
-    nv_out: dict[int, int] = {}
-    nv_in: dict[int, int] = {}
-    nic_out: dict[tuple[int, int], int] = {}
-    nic_in: dict[tuple[int, int], int] = {}
-    for t in plan.transfers:
-        if t.src == t.dst:
-            continue
-        tokens = t.end - t.start
-        if node_of(t.src) == node_of(t.dst):
-            nv_out[t.src] = nv_out.get(t.src, 0) + tokens
-            nv_in[t.dst] = nv_in.get(t.dst, 0) + tokens
-            continue
-        for gpu_s, gpu_d in zip(gpus.gpus(t.src), gpus.gpus(t.dst)):
-            nic_out[gpus.nic(gpu_s)] = nic_out.get(gpus.nic(gpu_s), 0) + tokens
-            nic_in[gpus.nic(gpu_d)] = nic_in.get(gpus.nic(gpu_d), 0) + tokens
-    nvlink = max([0, *nv_out.values(), *nv_in.values()]) * bytes_per_token
-    nic = max([0, *nic_out.values(), *nic_in.values()]) * bytes_per_token
-    times = [0.0]
-    if nvlink:
-        times.append(nvlink / cluster.nvlink_byte_per_s + cluster.nvlink_latency_us * 1e-6)
-    if nic:
-        times.append(nic / cluster.nic_byte_per_s + cluster.nic_latency_us * 1e-6)
-    return max(times)
-
-
-def parameter_count(model: ModelSpec) -> int:
-    """Parameters of the model (all experts, untied embeddings, RMSNorm weights)."""
-    h, d, f = model.hidden_size, model.head_dim, model.ffn
-    a, g = model.num_attention_heads, model.kv_heads
-    experts = model.num_experts or 1
-    mlp = (3 if model.swiglu else 2) * h * f * experts + (h * experts if model.num_experts else 0)
-    layer = h * (a + 2 * g) * d + a * d * h + mlp + 2 * h
-    return model.num_layers * layer + 2 * model.vocab_size * h + h
-
-
-def grad_allreduce_time(model: ModelSpec, gpus: GpuMap, nodes: int) -> float:
-    """Seconds of the gradient all-reduce over the pool (bf16/fp32 grads as the model's dtype).
-
-    Hierarchical ring: reduce-scatter inside the node over NVLink, all-reduce across nodes of
-    each GPU's 1/g slice (all GPUs of a node share its NICs), all-gather inside the node:
-    2 (g-1)/g S / nvlink + 2 (n-1)/n S_node / (NICs x NIC bandwidth), S = bytes per GPU.
-    """
-    cluster = gpus.cluster
-    per_gpu = parameter_count(model) * model.bytes_per_element / gpus.tp
-    g = gpus.ranks_per_node
-    intra = 2.0 * (g - 1) / g * per_gpu / cluster.nvlink_byte_per_s if g > 1 else 0.0
-    nics = len(set(cluster.gpu_to_nic))
-    node_bytes = per_gpu * gpus.tp  # every TP shard of the node's ranks crosses the NICs
-    inter = 2.0 * (nodes - 1) / nodes * node_bytes / (nics * cluster.nic_byte_per_s) \
-        if nodes > 1 else 0.0
-    return intra + inter
+def remap_time(plan: Plan, cost: CostModel) -> float:
+    """Seconds of one remap all-to-all of ``plan`` (the estimate's ``remap_a2a_seconds``:
+    NVLink inside a node, the static NICs across, the busiest link setting the time)."""
+    return remap_a2a_seconds(plan_moves(plan), plan.topology, cost)

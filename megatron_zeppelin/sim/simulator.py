@@ -36,8 +36,8 @@ import numpy as np
 
 from megatron_zeppelin.cost_model import FWD_BWD_LINEAR, CostModel
 from megatron_zeppelin.plan import Plan
-from megatron_zeppelin.sim.network import (STEP_TIME_MODELS, GpuMap, grad_allreduce_time,
-                                           remap_time)
+from megatron_zeppelin.estimate import grad_allreduce_seconds
+from megatron_zeppelin.sim.network import STEP_TIME_MODELS, GpuMap, remap_time
 from megatron_zeppelin.sim.rounds import (INTER_MODES, LOCAL_POLICIES, Links, PassSpec,
                                           RingCosts, simulate_pass)
 
@@ -219,8 +219,7 @@ def simulate(plan: Plan, cost: CostModel, options: SimOptions = SimOptions(),
     lin_tokens = [plan.linear_tokens()] if remapped else work.tokens.tolist()
     lin = [[cost.linear_time(n) for n in per_rank] for per_rank in lin_tokens]
     parts = _assemble(plan, cost, waves, lin, remapped)
-    gpus = GpuMap(cost.cluster, cost.tp)
-    allreduce = grad_allreduce_time(cost.model, gpus, cost.cluster.nodes)
+    allreduce = grad_allreduce_seconds(cost)
     last_bwd = parts["last_bwd"]
     grad = max(0.0, allreduce - last_bwd) if options.overlap_grad_reduce else allreduce
     rank_lin = [sum(col) for col in zip(*lin)]
@@ -238,8 +237,7 @@ def _assemble(plan: Plan, cost: CostModel, waves: list[_WaveTimes], lin: list[li
     """Critical path: linear, attention (with ring waits), remap; the last wave's backward."""
     bwd_share = (FWD_BWD_LINEAR - 1.0) / FWD_BWD_LINEAR
     if remapped:
-        gpus = GpuMap(cost.cluster, cost.tp)
-        per_a2a = remap_time(plan, gpus, cost.qkvo_bytes(1))
+        per_a2a = remap_time(plan, cost)
         attention = sum(max(w.fwd_end) + max(w.bwd_end) for w in waves)
         busiest = [max(w.compute) for w in waves]
         last = waves[-1]
@@ -265,7 +263,7 @@ def attention_time(plan: Plan, cost: CostModel, options: SimOptions = SimOptions
     synchronise the ranks between phases). What ``fidelity`` measures on real ranks."""
     waves = simulate_waves(plan, cost, options, build_work(plan, cost))
     if plan.linear != plan.attention:
-        per_a2a = remap_time(plan, GpuMap(cost.cluster, cost.tp), cost.qkvo_bytes(1))
+        per_a2a = remap_time(plan, cost)
         return sum(max(w.fwd_end) + max(w.bwd_end) for w in waves) + \
             2.0 * cost.model.num_layers * per_a2a
     return sum(max(f + b for f, b in zip(w.fwd_end, w.bwd_end)) for w in waves)
