@@ -210,6 +210,15 @@ class HardwareProfile:
         return interp(math.log(length), self.log_lengths, self.flops_per_s)
 
 
+def add_up(values) -> float:
+    """Left-to-right float sum, the order the C++ planner twin adds in (``sum`` compensates
+    float rounding from Python 3.12 on, so it would differ from the twin by an ulp)."""
+    total = 0.0
+    for value in values:
+        total += value
+    return total
+
+
 def interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
     """Piecewise-linear interpolation of one point, clamped at the ends: ``numpy.interp``'s
     expression (``slope * (x - xs[j]) + ys[j]``), which the C++ planner twin evaluates too, so

@@ -247,6 +247,19 @@ class CostKernel:
             per_layer = (fwd + bwd) / self.nic_byte_per_s + 2.0 * self.nic_latency_s
         return per_layer * self.layers
 
+    def dkv_tail(self, chunk: float, tier: Tier, routed: bool) -> float:
+        """The backward's last exchange, all layers: the fp32 dK/dV accumulator of a chunk of
+        ``chunk`` tokens returns to its owner after the last step, with no compute left to
+        hide it behind."""
+        nbytes = self.kv_per_token * chunk * (self.bwd_bytes_factor - 1.0)
+        if tier == Tier.INTER and routed and self.routable:
+            per_layer = self.routed(nbytes)
+        elif tier == Tier.INTRA:
+            per_layer = nbytes / self.nvlink_byte_per_s + self.nvlink_latency_s
+        else:
+            per_layer = nbytes / self.nic_byte_per_s + self.nic_latency_s
+        return per_layer * self.layers
+
     def ulysses_compute(self, seqlen: float, group: int) -> float:
         """One rank's attention compute of a sequence under Ulysses (DeepSpeed-Ulysses, as
         FlexSP runs it) over ``group`` ranks: the full length over 1/group of the heads."""
@@ -268,140 +281,6 @@ class CostKernel:
                    sent * cross / self.nic_share_byte_per_s)
         latency = self.nic_latency_s if cross > 0 else self.nvlink_latency_s
         return (link + 4.0 * latency) * self.layers
-
-    def task_time(self, seqlen: float, ring: int, tier: Tier, routed: bool = True) -> float:
-        """One rank's time for its share of a sequence, counting ring traffic not hidden
-        (``CostKernel.task_time``)."""
-        return self.kernel.task_time(seqlen, ring, tier, routed)
-
-    def task_times(self, seqlen: int, rings: Sequence[int], tier: Tier,
-                   routed: bool = True) -> list[float]:
-        """``task_time(seqlen, G, tier, routed)`` for every G of ``rings``."""
-        task_time = self.kernel.task_time
-        return [task_time(seqlen, g, tier, routed) for g in rings]
-
-    def crossover_chunk(self, tier: Tier, routed: bool = False) -> int:
-        """Smallest per-rank chunk (tokens) whose ring-step compute hides its transfer.
-
-        Analytically c ~ g*(2B+4)*F/(3.5*a*bw) for forward + backward; solved numerically
-        because the achieved attention FLOP/s F depends on the chunk length.
-        """
-        if tier == Tier.LOCAL:
-            return 0
-        lo, hi = 1, 1 << 26
-        if self._step_hidden(hi, tier, routed) is False:
-            return hi
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self._step_hidden(mid, tier, routed):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
-
-    def _step_hidden(self, chunk: int, tier: Tier, routed: bool) -> bool:
-        ring = 2
-        seqlen = chunk * ring
-        step_compute = self.attention_time(seqlen, ring) / ring
-        return step_compute >= self.ring_step_comm_time(seqlen, ring, tier, routed)
-
-
-@dataclass(frozen=True)
-class CostKernel:
-    """The cost model reduced to the numbers the planners evaluate per sequence and span, with
-    one scalar implementation of each formula (``math`` and ``config.interp``). The C++ planner
-    twin (``csrc/planner_costs.h``) evaluates the same expressions on the same numbers, so both
-    backends compute the same doubles and make the same decisions.
-
-    compute(s, G): ``attn_coef * s * s / G / F(s / G)`` with F the profile's FLOP/s at the
-    chunk length (log interpolation) and attn_coef = 2 a d (1 + bwd ratio) L.
-    comm(c, tier, routed): one ring step's forward KV and backward KV + fp32 dK/dV of a chunk
-    of c tokens, all layers: over NVLink (INTRA), the GPU's NIC, or routed over every NIC
-    (``routed_message_seconds`` on a log grid, interpolated in log-log).
-    task_time(s, G): compute + (G - 1) * max(0, comm - compute / G) (exposed ring traffic).
-    """
-
-    attn_coef: float
-    log_lengths: tuple[float, ...]
-    flops_per_s: tuple[float, ...]
-    kv_per_token: float  # K and V bytes of one token, one layer
-    bwd_bytes_factor: float  # backward bytes per forward byte (KV again + fp32 dK/dV)
-    layers: int
-    nvlink_byte_per_s: float
-    nvlink_latency_s: float
-    nic_byte_per_s: float
-    nic_latency_s: float
-    routable: bool  # more than one NIC rail: inter-node messages can be routed
-    routed_log_sizes: tuple[float, ...]
-    routed_log_times: tuple[float, ...]
-    linear_per_token: float  # linear_time(1)
-    head_bytes: float  # one head of one token, one layer (head_dim x bytes per element)
-    heads: int  # query heads per rank (per GPU of its tensor-parallel group)
-    kv_heads: int
-    ranks_per_node: int
-    nic_share_byte_per_s: float  # one GPU's share of its node's NICs
-
-    @classmethod
-    def of(cls, cost: "CostModel") -> "CostKernel":
-        m, c, hw = cost.model, cost.cluster, cost.hardware
-        log_sizes, log_times = _routed_table(c)
-        return cls(
-            attn_coef=2.0 * cost.heads * m.head_dim * (1.0 + hw.attention_bwd_ratio)
-            * m.num_layers,
-            log_lengths=hw.log_lengths, flops_per_s=hw.flops_per_s,
-            kv_per_token=cost.kv_bytes(1),
-            bwd_bytes_factor=(m.bytes_per_element + DKV_BYTES) / m.bytes_per_element,
-            layers=m.num_layers, nvlink_byte_per_s=c.nvlink_byte_per_s,
-            nvlink_latency_s=c.nvlink_latency_us * 1e-6, nic_byte_per_s=c.nic_byte_per_s,
-            nic_latency_s=c.nic_latency_us * 1e-6, routable=len(set(c.gpu_to_nic)) > 1,
-            routed_log_sizes=tuple(log_sizes.tolist()), routed_log_times=tuple(log_times.tolist()),
-            linear_per_token=cost.linear_time(1),
-            head_bytes=float(m.head_dim * m.bytes_per_element), heads=cost.heads,
-            kv_heads=cost.kv_heads, ranks_per_node=c.gpus_per_node // cost.tp,
-            nic_share_byte_per_s=c.nic_byte_per_s * len(set(c.gpu_to_nic)) / c.gpus_per_node)
-
-    def flops(self, chunk: float) -> float:
-        """Achieved attention FLOP/s at a query chunk of ``chunk`` tokens."""
-        return interp(math.log(chunk), self.log_lengths, self.flops_per_s)
-
-    def compute(self, seqlen: float, ring: int) -> float:
-        """Forward + backward attention compute of one rank's 1/ring share of a sequence."""
-        return self.attn_coef * seqlen * seqlen / ring / self.flops(seqlen / ring)
-
-    def routed(self, nbytes: float) -> float:
-        """One routed message of ``nbytes`` (the tabulated ``routed_message_seconds``)."""
-        return math.exp(interp(math.log(nbytes), self.routed_log_sizes, self.routed_log_times))
-
-    def comm(self, chunk: float, tier: Tier, routed: bool) -> float:
-        """Transfer time of one ring step of ``chunk`` tokens per rank, all layers, fwd + bwd."""
-        fwd = self.kv_per_token * chunk
-        bwd = fwd * self.bwd_bytes_factor
-        if tier == Tier.INTER and routed and self.routable:
-            per_layer = self.routed(fwd) + self.routed(bwd)
-        elif tier == Tier.INTRA:
-            per_layer = (fwd + bwd) / self.nvlink_byte_per_s + 2.0 * self.nvlink_latency_s
-        else:
-            per_layer = (fwd + bwd) / self.nic_byte_per_s + 2.0 * self.nic_latency_s
-        return per_layer * self.layers
-
-    def ulysses_time(self, seqlen: float, group: int, tier: Tier) -> float:
-        """One rank's time for a sequence under Ulysses (DeepSpeed-Ulysses, as FlexSP runs it)
-        over ``group`` ranks: attention at the full length over 1/group of the heads (KV heads
-        replicated up to the group size), then all-to-alls not overlapped with compute: q, k, v
-        in and the output back forward, the reverse backward, each rank sending (G-1)/G of its
-        s/G tokens; peers in other nodes (INTER groups span whole nodes) go through the GPU's
-        share of the node's NICs, the others over NVLink."""
-        compute = self.attn_coef * seqlen * seqlen / group / self.flops(seqlen)
-        if group == 1:
-            return compute
-        per_token = (2 * self.heads + 2 * max(self.kv_heads, group)) * self.head_bytes
-        sent = 2.0 * per_token * seqlen / group * (group - 1) / group  # fwd + bwd, one layer
-        local = group if tier != Tier.INTER else self.ranks_per_node
-        cross = (group - local) / (group - 1)
-        link = max(sent * (1.0 - cross) / self.nvlink_byte_per_s,
-                   sent * cross / self.nic_share_byte_per_s)
-        latency = self.nic_latency_s if cross > 0 else self.nvlink_latency_s
-        return compute + (link + 4.0 * latency) * self.layers
 
     def task_time(self, seqlen: float, ring: int, tier: Tier, routed: bool = True) -> float:
         """One rank's time for its share: compute plus the ring traffic not hidden (each of

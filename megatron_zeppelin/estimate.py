@@ -7,7 +7,8 @@ expressions in the same order, so the portfolio picks the same candidate in both
 
 * per wave w and rank r: ``ring`` = the compute of its ring groups (tasks sharing a ring run
   as one fused call per step, G > 1), ``exposed`` = each group's exchange per step (the KV of
-  all its sequences, ``CostKernel.comm``) not hidden behind that step's compute, G - 1 times;
+  all its sequences, ``CostKernel.comm``) not hidden behind that step's compute, G - 1 times,
+  and the backward's last dK/dV return (``CostKernel.dkv_tail``);
   ``local`` = the compute of its LOCAL tasks; the engine runs LOCAL work while ring traffic is
   in flight, so the rank's attention time is ``ring + max(local, exposed)``. A Ulysses group
   (FlexSP) costs its compute at the full lengths over 1/G of the heads plus its all-to-alls
@@ -27,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
+from megatron_zeppelin.config import add_up
 from megatron_zeppelin.cost_model import FWD_BWD_LINEAR, CostModel
 from megatron_zeppelin.plan import AttentionTask, Plan, Tier, Topology
 
@@ -76,19 +78,55 @@ def estimate_tasks(tasks: Sequence[AttentionTask], seqlens: Sequence[int], topol
         sums = groups.setdefault((w, task.ring), [0.0, 0.0, task.tier])
         sums[0] += kernel.ulysses_compute(s, g) if ulysses else kernel.compute(s, g)
         sums[1] += s / g
+    paced: list[list[tuple[tuple[int, ...], int, float]]] = [[] for _ in range(waves)]
     for (w, members), (compute, share, tier) in groups.items():
         g = len(members)
         if ulysses:
             compute, hidden = compute + kernel.ulysses_comm(share, g, tier), 0.0
         else:  # one fused exchange per ring step, overlapped with that step's compute
-            hidden = (g - 1) * max(0.0, kernel.comm(share, tier, routed) - compute / g)
+            hidden = (g - 1) * max(0.0, kernel.comm(share, tier, routed) - compute / g) + \
+                kernel.dkv_tail(share, tier, routed)
         for r in members:
             ring[w][r] += compute
             exposed[w][r] += hidden
             tokens[w][r] += share
-    att = [[ring[w][r] + max(local[w][r], exposed[w][r]) for r in range(world)]
-           for w in range(waves)]
+        paced[w].append((members, g, (compute + hidden) / g))
+    att = [_pace([ring[w][r] + max(local[w][r], exposed[w][r]) for r in range(world)],
+                 paced[w]) for w in range(waves)]
     return _step(att, tokens, linear_tokens, moves, topology, cost)
+
+
+def _pace(att: list[float], groups: list[tuple[tuple[int, ...], int, float]]) -> list[float]:
+    """Ring members advance together: round r of a ring starts once every member has done
+    its previous round, so a ring of G rounds ends no earlier than its busiest member's work
+    in those rounds (``work(m, G)``: each of m's rings contributes its per-round time for the
+    rounds it shares with G); a rank then still runs its own rounds beyond G. ``groups``: per
+    ring group (members, G, per-round seconds of one member)."""
+    if not groups:
+        return att
+    rings_of: dict[int, list[int]] = {}
+    for index, (members, _, _) in enumerate(groups):
+        for r in members:
+            rings_of.setdefault(r, []).append(index)
+    work: dict[tuple[int, int], float] = {}
+
+    def rounds(rank: int, size: int, after: bool) -> float:
+        total = 0.0
+        for h in rings_of[rank]:
+            _, g, per_round = groups[h]
+            total += per_round * (max(0, g - size) if after else min(g, size))
+        return total
+
+    out = list(att)
+    for members, size, _ in groups:
+        pace = 0.0
+        for m in members:
+            if (m, size) not in work:
+                work[(m, size)] = rounds(m, size, False)
+            pace = max(pace, work[(m, size)])
+        for r in members:
+            out[r] = max(out[r], pace + rounds(r, size, True))
+    return out
 
 
 def _step(att: list[list[float]], tokens: list[list[float]], linear_tokens: Sequence[int] | None,
@@ -100,7 +138,7 @@ def _step(att: list[list[float]], tokens: list[list[float]], linear_tokens: Sequ
     bwd_lin = (FWD_BWD_LINEAR - 1.0) / FWD_BWD_LINEAR
     if linear_tokens is not None:
         lin = [per_token * n for n in linear_tokens]
-        linear, attention = max(lin), sum(max(a) for a in att)
+        linear, attention = max(lin), add_up(max(a) for a in att)
         remap = remap_a2a_seconds(moves, topology, cost) * 2.0 * kernel.layers
         last_bwd = linear * bwd_lin + max(att[-1]) * bwd_att
         rank_lin = tuple(lin)
@@ -112,10 +150,10 @@ def _step(att: list[list[float]], tokens: list[list[float]], linear_tokens: Sequ
             linear += per_token * n[crit]
             attention += a[crit]
             last_bwd = per_token * n[crit] * bwd_lin + a[crit] * bwd_att
-        rank_lin = tuple(per_token * sum(n[r] for n in tokens) for r in range(world))
+        rank_lin = tuple(per_token * add_up(n[r] for n in tokens) for r in range(world))
     grad = max(0.0, grad_allreduce_seconds(cost) - last_bwd)
     return StepEstimate(linear + attention + remap + grad, linear, attention, remap, grad,
-                        tuple(sum(a[r] for a in att) for r in range(world)), rank_lin)
+                        tuple(add_up(a[r] for a in att) for r in range(world)), rank_lin)
 
 
 def plan_moves(plan: Plan) -> list[Move]:

@@ -41,9 +41,12 @@ def test_time_grows_with_work():
     cost = make_cost(nodes=2)
     lengths = long_tailed(random.Random(3), 60)
     for strategy in ("zeppelin", "static-cp", "hybrid-dp"):
-        small = simulate(make_plan(strategy, lengths, cost), cost).iteration_s
-        more = simulate(make_plan(strategy, lengths + [20000, 9000], cost), cost).iteration_s
-        longer = simulate(make_plan(strategy, [2 * n for n in lengths], cost), cost).iteration_s
+        options = SimOptions(inter_mode="routed" if strategy == "zeppelin" else "ring")
+        small = simulate(make_plan(strategy, lengths, cost), cost, options).iteration_s
+        more = simulate(make_plan(strategy, lengths + [20000, 9000], cost), cost,
+                        options).iteration_s
+        longer = simulate(make_plan(strategy, [2 * n for n in lengths], cost), cost,
+                          options).iteration_s
         assert small < more and small < longer, strategy
 
 

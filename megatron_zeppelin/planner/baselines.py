@@ -201,26 +201,49 @@ class HybridDP(Strategy):
 
 def hybrid_dp_tasks(batch: Batch, cost: CostModel, per_rank: int) -> list[AttentionTask]:
     """Longest first, each document on the fewest ranks that hold it within ``per_rank``
-    tokens each, the block whose busiest rank has the least work (attention + linear)."""
-    topo = batch.topology
+    tokens each, the block whose busiest rank has the least work (attention + linear; the
+    least-loaded rank with room when one rank holds it)."""
+    topo, kernel = batch.topology, cost.kernel
     loads = [0.0] * topo.world_size
     tokens = [0] * topo.world_size
+    heap = [(0.0, r) for r in range(topo.world_size)]  # (load, rank); stale entries skipped
     tasks: list[AttentionTask | None] = [None] * len(batch.seqlens)
     for seq in sorted(range(len(batch.seqlens)), key=lambda i: -batch.seqlens[i]):
         seqlen = batch.seqlens[seq]
         k = _fewest_ranks(seqlen, per_rank, topo)
         room = batch.capacity - zigzag_share_bound(seqlen, k)
-        ring = _least_loaded_block(loads, tokens, room, k, topo)
+        ring = _least_loaded_rank(heap, loads, tokens, room) if k == 1 else \
+            _least_loaded_block(loads, tokens, room, k, topo)
         if ring is None:
             raise CapacityError(f"hybrid-dp: no {k} rank(s) have room for sequence {seq} "
                                 f"({seqlen} tokens) within the capacity {batch.capacity}")
-        work = cost.task_time(seqlen, k, topo.tier_of(ring), routed=False) + \
-            cost.linear_time(seqlen / k)
+        tier = topo.tier_of(ring)
+        work = kernel.task_time(seqlen, k, tier, False) + kernel.linear_per_token * seqlen / k
         for pos, r in enumerate(ring):
             loads[r] += work
             tokens[r] += zigzag_share(seqlen, k, pos)
-        tasks[seq] = _task(topo, seq, ring)
+            heapq.heappush(heap, (loads[r], r))
+        tasks[seq] = AttentionTask(seq, ring, tier)
     return tasks
+
+
+def _least_loaded_rank(heap: list[tuple[float, int]], loads: list[float], tokens: list[int],
+                       room: int) -> tuple[int] | None:
+    """The rank with the least work (then the lowest index) holding at most ``room`` tokens,
+    from a heap of (load, rank) whose entries are stale once the rank's load changed."""
+    skipped, found = [], None
+    while heap:
+        load, r = heap[0]
+        if load != loads[r]:
+            heapq.heappop(heap)
+        elif tokens[r] > room:
+            skipped.append(heapq.heappop(heap))
+        else:
+            found = (r,)
+            break
+    for entry in skipped:
+        heapq.heappush(heap, entry)
+    return found
 
 
 def _fewest_ranks(seqlen: int, capacity: int, topo: Topology) -> int:

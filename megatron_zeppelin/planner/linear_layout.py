@@ -21,6 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
+from megatron_zeppelin.config import add_up
 from megatron_zeppelin.estimate import Move
 from megatron_zeppelin.plan import Layout, Segment, Topology
 
@@ -56,7 +57,7 @@ def node_token_targets(node_tokens: Sequence[int], r: float, c: float) -> list[i
     for _ in range(50):
         mid = (lo_t + hi_t) / 2
         lo, hi, ok = _intervals(tokens, r, c, mid)
-        if ok and lo.sum() <= total <= hi.sum():
+        if ok and add_up(lo.tolist()) <= total <= add_up(hi.tolist()):
             hi_t = mid
         else:
             lo_t = mid
@@ -70,7 +71,7 @@ def _closest_within(spans: list[tuple[float, float]], node_tokens: Sequence[int]
     close to ``node_tokens`` as possible: start from each node's own tokens clamped into its
     interval, then move only in the one direction the sum needs (fewest tokens moved)."""
     values = [min(max(a, lo), hi) for a, (lo, hi) in zip(node_tokens, spans)]
-    left = total - sum(values)
+    left = total - add_up(values)
     for i, (lo, hi) in enumerate(spans):  # the bisection made sum(lo) <= total <= sum(hi)
         if left > 0:
             step = min(hi - values[i], left)

@@ -5,13 +5,16 @@ per node is static CP), so rather than trusting one heuristic the strategy build
 plans of the same batch and returns the one with the lowest ``estimate.estimate_tasks`` (the
 closed form of what the simulator models):
 
-* ``hierarchical+remap`` and ``hierarchical``: the hierarchical placement (``zeppelin.py``)
-  with the remap's linear layout (``linear_layout``) and without it: the remap is decided per
-  batch (only ``hierarchical`` when ``config.remap`` is off);
+* ``hierarchical+remap``: the hierarchical placement (``zeppelin.py``) balancing attention,
+  with the remap's linear layout (``linear_layout``);
+* ``hierarchical``: the hierarchical placement balancing each rank's attention plus the linear
+  modules of its tokens, without the remap (the linear modules then run where attention does).
+  The remap is thus decided per batch (only ``hierarchical`` when ``config.remap`` is off);
 * the peers' plans as fallbacks, when they keep every rank within the capacity: ``hybrid-dp``
-  (``baselines.HybridDP``) and static CP (``baselines.StaticCP``) at every CP size that
-  divides the pool, up to two nodes (wider static CP never won in the report's settings and
-  costs the most to build).
+  (``baselines.HybridDP``), ``hydraulis`` (``hydraulis.Hydraulis``: heterogeneous CP
+  replicas) and static CP (``baselines.StaticCP``) at every CP size that divides the pool, up
+  to two nodes (wider static CP never won in the report's settings and costs the most to
+  build).
 
 The plan records which candidate won (``Plan.candidate``) and every candidate's estimate
 (``Plan.estimates``, fastest first; ``Plan.margin`` is the runner-up's over the winner's).
@@ -29,6 +32,7 @@ from megatron_zeppelin.plan import (AttentionTask, Layout, Plan, attention_layou
                                     ring_groups_of, zigzag_share_bound)
 from megatron_zeppelin.planner.baselines import (default_max_seqlen_per_rank, hybrid_dp_tasks,
                                                  static_cp_tasks)
+from megatron_zeppelin.planner.hydraulis import hydraulis_tasks
 from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare,
                                               with_derived_capacity, within_capacity)
 from megatron_zeppelin.planner.linear_layout import linear_plan, rank_targets, rank_tokens
@@ -90,12 +94,16 @@ def candidates(batch: Batch, cost: CostModel, config: ZeppelinConfig,
     out = []
     if config.remap:
         out.append(remapped(batch, cost, hierarchical, "hierarchical+remap"))
-    out.append(Candidate("hierarchical", hierarchical))
+    out.append(Candidate("hierarchical", place_hierarchical(batch, cost, config, True)))
     try:
         per_rank = default_max_seqlen_per_rank(batch)
         out.append(Candidate("hybrid-dp", hybrid_dp_tasks(batch, cost, per_rank)))
     except CapacityError:
         pass  # no fallback where hybrid DP cannot place the batch within the capacity
+    try:
+        out.append(Candidate("hydraulis", hydraulis_tasks(batch, cost)[0]))
+    except CapacityError:
+        pass
     topo = batch.topology
     for cp in range(1, min(topo.world_size, FALLBACK_MAX_NODES * topo.gpus_per_node) + 1):
         if topo.world_size % cp == 0 and \
