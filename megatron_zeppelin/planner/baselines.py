@@ -31,6 +31,7 @@ from megatron_zeppelin.plan_checks import wave_tokens
 from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare,
                                               smallest_share, with_derived_capacity,
                                               within_capacity)
+from megatron_zeppelin.planner import native
 from megatron_zeppelin.planner.registry import Strategy, register
 
 
@@ -86,8 +87,18 @@ class StaticCP(Strategy):
 
     def _plan(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
-        return assemble(f"static-cp(cp={self.group_size(batch)})", batch,
-                        static_cp_tasks(batch, self.group_size(batch)), None)
+        cp = self.group_size(batch)
+        return assemble(f"static-cp(cp={cp})", batch, static_cp_on_backend(batch, cost, config, cp))
+
+
+def static_cp_on_backend(batch: Batch, cost: CostModel, config: ZeppelinConfig, cp: int
+                         ) -> list[AttentionTask]:
+    """``static_cp_tasks`` on the configured backend (``native``)."""
+    world = batch.topology.world_size
+    if cp < 1 or world % cp:
+        raise ValueError(f"cp_size={cp} is invalid: expected a divisor of the pool size {world}")
+    tasks = native.twin_tasks("static_cp", batch.seqlens, batch.capacity, cost, config, cp)
+    return tasks if tasks is not None else static_cp_tasks(batch, cp)
 
 
 def static_cp_tasks(batch: Batch, cp: int) -> list[AttentionTask]:
@@ -134,7 +145,7 @@ class StaticCPBest(Strategy):
         batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
         scored = [(estimate_tasks(tasks, batch.seqlens, batch.topology, cost,
                                   config.routing).step_s, cp, tasks)
-                  for cp, tasks in static_cp_candidates(batch, self.max_cp_size)]
+                  for cp, tasks in static_cp_candidates(batch, cost, config, self.max_cp_size)]
         if not scored:
             raise CapacityError(f"static-cp-best: no CP size holds the longest document "
                                 f"({max(batch.seqlens)} tokens) within the capacity "
@@ -146,8 +157,8 @@ class StaticCPBest(Strategy):
                             key=lambda item: item[1])))
 
 
-def static_cp_candidates(batch: Batch, max_cp: int | None = None
-                         ) -> list[tuple[int, list[AttentionTask]]]:
+def static_cp_candidates(batch: Batch, cost: CostModel, config: ZeppelinConfig,
+                         max_cp: int | None = None) -> list[tuple[int, list[AttentionTask]]]:
     """(CP size, tasks) for every divisor of the pool up to ``max_cp`` whose plan keeps every
     rank within the capacity."""
     world = batch.topology.world_size
@@ -155,7 +166,7 @@ def static_cp_candidates(batch: Batch, max_cp: int | None = None
     for cp in range(1, min(world, max_cp or world) + 1):
         if world % cp or zigzag_share_bound(max(batch.seqlens), cp) > batch.capacity:
             continue
-        tasks = static_cp_tasks(batch, cp)
+        tasks = static_cp_on_backend(batch, cost, config, cp)
         if within_capacity(tasks, batch):
             out.append((cp, tasks))
     return out
@@ -196,7 +207,10 @@ class HybridDP(Strategy):
     def _plan(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
         per_rank = self.max_seqlen_per_rank or default_max_seqlen_per_rank(batch)
-        return assemble("hybrid-dp", batch, hybrid_dp_tasks(batch, cost, per_rank), None)
+        tasks = native.twin_tasks("hybrid_dp", batch.seqlens, batch.capacity, cost, config,
+                                  per_rank)
+        return assemble("hybrid-dp", batch,
+                        tasks if tasks is not None else hybrid_dp_tasks(batch, cost, per_rank))
 
 
 def hybrid_dp_tasks(batch: Batch, cost: CostModel, per_rank: int) -> list[AttentionTask]:

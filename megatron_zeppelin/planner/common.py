@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from itertools import repeat
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -66,11 +67,12 @@ def resolve_capacity(seqlens: tuple[int, ...], topology: Topology, config: Zeppe
 
 def smallest_share(seqlen: int, topology: Topology) -> int:
     """Fewest tokens per rank any legal span gives ``seqlen``: k ranks of one node or whole
-    nodes, with at least 2 tokens per rank for a zigzag split."""
+    nodes, with at least 2 tokens per rank for a zigzag split. (The share shrinks as the span
+    grows, so it is the share at the widest legal span.)"""
     gpn = topology.gpus_per_node
-    spans = [k for k in range(1, gpn + 1)]
-    spans += [m * gpn for m in range(2, topology.nodes + 1)]
-    return min(zigzag_share_bound(seqlen, g) for g in spans if g == 1 or seqlen >= 2 * g)
+    nodes = min(topology.nodes, seqlen // 2 // gpn)
+    widest = nodes * gpn if nodes >= 2 else max(1, min(gpn, seqlen // 2))
+    return zigzag_share_bound(seqlen, widest)
 
 
 def pool_limit(world: int, capacity: int) -> int:
@@ -130,7 +132,9 @@ def prepare(seqlens: Sequence[int], topology: Topology, config: ZeppelinConfig) 
     if limit:
         planned, sources, report = apply_overlong(lengths, limit, config.overlong, why)
     else:
-        planned, sources = lengths, tuple(Segment(i, 0, n) for i, n in enumerate(lengths))
+        planned = lengths
+        sources = tuple(map(tuple.__new__, repeat(Segment), zip(range(len(lengths)), repeat(0),
+                                                                lengths)))
         report = OverlongReport(config.overlong)
     capacity = resolve_capacity(planned, topology, config)
     if sum(planned) > topology.world_size * capacity:

@@ -35,6 +35,7 @@ from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.plan import AttentionTask, Plan, Tier, zigzag_share_bound
 from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare,
                                               with_derived_capacity)
+from megatron_zeppelin.planner import native
 from megatron_zeppelin.planner.registry import Strategy, register
 
 
@@ -52,7 +53,13 @@ class Hydraulis(Strategy):
 
     def _plan(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
-        tasks, label = hydraulis_tasks(batch, cost)
+        cpp = native.cpp_module(None)
+        if cpp is not None:
+            twin, sizes = cpp.hydraulis(native.problem_args(batch.seqlens, batch.capacity, cost,
+                                                            config))
+            tasks, label = native.tasks_from_twin(twin), replicas_label(sizes)
+        else:
+            tasks, label = hydraulis_tasks(batch, cost)
         return assemble("hydraulis", batch, tasks, None, candidate=label)
 
 
@@ -67,8 +74,12 @@ def hydraulis_tasks(batch: Batch, cost: CostModel) -> tuple[list[AttentionTask],
         raise CapacityError(f"hydraulis: no set of CP replicas holds the batch within the "
                             f"capacity {batch.capacity} tokens per rank")
     _, sizes, members = best
-    label = "+".join(f"{sizes.count(c)}x{c}" for c in sorted(set(sizes), reverse=True))
-    return pack(batch, sizes, members), f"replicas {label}"
+    return pack(batch, sizes, members), replicas_label(sizes)
+
+
+def replicas_label(sizes: list[int]) -> str:
+    """``replicas 2x8+56x2``: how many replicas of each CP size, largest first."""
+    return "replicas " + "+".join(f"{sizes.count(c)}x{c}" for c in sorted(set(sizes), reverse=True))
 
 
 def _powers(limit: int) -> list[int]:

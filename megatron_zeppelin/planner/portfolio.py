@@ -35,6 +35,7 @@ from megatron_zeppelin.planner.baselines import (default_max_seqlen_per_rank, hy
 from megatron_zeppelin.planner.hydraulis import hydraulis_tasks
 from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare,
                                               with_derived_capacity, within_capacity)
+from megatron_zeppelin.planner import native
 from megatron_zeppelin.planner.linear_layout import linear_plan, rank_targets, rank_tokens
 from megatron_zeppelin.planner.registry import Strategy, register
 from megatron_zeppelin.planner.zeppelin import place_hierarchical
@@ -71,29 +72,55 @@ class Zeppelin(Strategy):
 
     def _plan(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
-        hierarchical = place_hierarchical(batch, cost, config)
         if not self.portfolio:
-            chosen = (remapped(batch, cost, hierarchical, "hierarchical+remap")
-                      if config.remap else Candidate("hierarchical", hierarchical))
+            tasks = hierarchical_tasks(batch, cost, config, False)
+            chosen = (remapped(batch, cost, tasks, "hierarchical+remap")
+                      if config.remap else Candidate("hierarchical", tasks))
             return assemble("zeppelin", batch, chosen.tasks, chosen.linear)
-        scored = []
-        for candidate in candidates(batch, cost, config, hierarchical):
-            linear = None if candidate.linear is None else rank_tokens(candidate.linear)
-            est = estimate_tasks(candidate.tasks, batch.seqlens, batch.topology, cost,
-                                 config.routing, linear, candidate.moves)
-            scored.append((est.step_s, len(scored), candidate))
-        _, _, best = min(scored, key=lambda item: (item[0], item[1]))
-        ranked = sorted(scored, key=lambda item: (item[0], item[1]))
-        return assemble("zeppelin", batch, best.tasks, best.linear, candidate=best.name,
-                        estimates=tuple((c.name, t) for t, _, c in ranked))
+        names, estimates, winner, tasks, linear = choose(batch, cost, config)
+        ranked = sorted(range(len(names)), key=lambda i: (estimates[i], i))
+        return assemble("zeppelin", batch, tasks, linear, candidate=names[winner],
+                        estimates=tuple((names[i], estimates[i]) for i in ranked))
 
 
-def candidates(batch: Batch, cost: CostModel, config: ZeppelinConfig,
-               hierarchical: list[AttentionTask]) -> list[Candidate]:
-    """The candidate plans of ``batch`` (module doc), in tie-break order."""
+def choose(batch: Batch, cost: CostModel, config: ZeppelinConfig
+           ) -> tuple[list[str], list[float], int, list[AttentionTask], Layout | None]:
+    """(candidate names, their estimated step seconds, the winner's index, its tasks, its
+    linear layout) from the configured backend (``native``). The linear layout is None when
+    the Python reference picks a plan without the remap (``assemble`` derives it); the twin
+    always returns it."""
+    cpp = native.cpp_module(None)
+    if cpp is not None:
+        names, estimates, winner, tasks, linear = cpp.portfolio(
+            native.problem_args(batch.seqlens, batch.capacity, cost, config))
+        return (names, estimates, winner, native.tasks_from_twin(tasks),
+                native.layout_from_twin(linear))
+    names, estimates, best = [], [], None
+    for candidate in candidates(batch, cost, config):
+        linear = None if candidate.linear is None else rank_tokens(candidate.linear)
+        step = estimate_tasks(candidate.tasks, batch.seqlens, batch.topology, cost,
+                              config.routing, linear, candidate.moves).step_s
+        names.append(candidate.name)
+        estimates.append(step)
+        if best is None or step < estimates[best[0]]:
+            best = (len(names) - 1, candidate)
+    return names, estimates, best[0], best[1].tasks, best[1].linear
+
+
+def hierarchical_tasks(batch: Batch, cost: CostModel, config: ZeppelinConfig,
+                       with_linear: bool) -> list[AttentionTask]:
+    """``zeppelin.place_hierarchical`` on the configured backend."""
+    tasks = native.twin_tasks("hierarchical", batch.seqlens, batch.capacity, cost, config,
+                              with_linear)
+    return tasks if tasks is not None else place_hierarchical(batch, cost, config, with_linear)
+
+
+def candidates(batch: Batch, cost: CostModel, config: ZeppelinConfig) -> list[Candidate]:
+    """The candidate plans of ``batch`` (module doc), in tie-break order (Python reference)."""
     out = []
     if config.remap:
-        out.append(remapped(batch, cost, hierarchical, "hierarchical+remap"))
+        out.append(remapped(batch, cost, place_hierarchical(batch, cost, config),
+                            "hierarchical+remap"))
     out.append(Candidate("hierarchical", place_hierarchical(batch, cost, config, True)))
     try:
         per_rank = default_max_seqlen_per_rank(batch)

@@ -19,6 +19,8 @@ What it models (times in seconds, bytes per GPU; ``network.py`` holds the links)
   (timed by the router when it imports, else by ``network.py``'s analytic model).
 * Remap: per layer, forward (q, k, v there and the output back) and backward (the reverse),
   each one all-to-all of ``qkvo_bytes`` per moved token, on the critical path.
+* Ulysses plans (FlexSP: ``Plan.attention_kind == "ulysses"``): all-to-alls around full-length
+  attention over 1/G of the heads, not overlapped, groups sharing the NICs (``ulysses.py``).
 * Waves (Megatron hybrid CP groups) run back to back with a barrier between them.
 * Gradient all-reduce of the parameters over the pool (hierarchical ring). Assumption: it
   overlaps the backward of the last wave (Megatron ``--overlap-grad-reduce``) and only the part
@@ -38,6 +40,7 @@ from megatron_zeppelin.cost_model import FWD_BWD_LINEAR, CostModel
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.estimate import grad_allreduce_seconds
 from megatron_zeppelin.sim.network import STEP_TIME_MODELS, GpuMap, remap_time
+from megatron_zeppelin.sim.ulysses import ulysses_pass_times
 from megatron_zeppelin.sim.rounds import (INTER_MODES, LOCAL_POLICIES, Links, PassSpec,
                                           RingCosts, simulate_pass)
 
@@ -191,6 +194,12 @@ def simulate_waves(plan: Plan, cost: CostModel, options: SimOptions, work: Work
                    ) -> list[_WaveTimes]:
     """Attention phases of every wave (all layers) for every rank."""
     layers, hw = cost.model.num_layers, cost.hardware
+    if plan.attention_kind == "ulysses":  # FlexSP: all-to-alls around full-length attention
+        fwd, compute = ulysses_pass_times(plan, cost)
+        a2a = fwd - compute
+        bwd = compute * hw.attention_bwd_ratio + a2a
+        return [_WaveTimes((layers * fwd).tolist(), (layers * bwd).tolist(),
+                           (layers * compute * (1.0 + hw.attention_bwd_ratio)).tolist())]
     acc_bytes = 8 if cost.model.bytes_per_element > 4 else 4  # fp32 (fp64) dKV accumulators
     launch = hw.kernel_overhead_us * 1e-6
     fwd_spec = PassSpec(False, 1.0, acc_bytes / cost.model.bytes_per_element, launch)

@@ -1,0 +1,337 @@
+// Twin of the peers' placements the portfolio uses: baselines.hybrid_dp_tasks,
+// baselines.static_cp_tasks, common.within_capacity and hydraulis.hydraulis_tasks.
+#include <algorithm>
+#include <functional>
+#include <limits>
+#include <map>
+#include <queue>
+#include <set>
+
+#include "planner.h"
+
+namespace zeppelin_planner {
+namespace {
+
+using Entry = std::pair<double, i64>;
+using MinHeap = std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>>;
+using IntHeap = std::priority_queue<std::pair<i64, i64>, std::vector<std::pair<i64, i64>>,
+                                    std::greater<std::pair<i64, i64>>>;
+
+i64 smallest_share(const Problem& pb, i64 seqlen) {
+  i64 best = -1;
+  auto consider = [&](i64 g) {
+    if (g == 1 || seqlen >= 2 * g) {
+      const i64 share = zigzag_share_bound(seqlen, g);
+      if (best < 0 || share < best) best = share;
+    }
+  };
+  for (i64 k = 1; k <= pb.gpn; ++k) consider(k);
+  for (i64 m = 2; m <= pb.nodes; ++m) consider(m * pb.gpn);
+  return best;
+}
+
+i64 fewest_ranks(const Problem& pb, i64 seqlen, i64 capacity) {
+  for (i64 k = 1; k <= pb.gpn; ++k) {
+    if (zigzag_share_bound(seqlen, k) <= capacity && (k == 1 || seqlen >= 2 * k)) return k;
+  }
+  for (i64 nodes = 2; nodes <= pb.nodes; ++nodes) {
+    const i64 k = nodes * pb.gpn;
+    if (zigzag_share_bound(seqlen, k) <= capacity) return k;
+  }
+  throw CapacityError{"a sequence of " + std::to_string(seqlen) +
+                      " tokens does not fit the pool at " + std::to_string(capacity) +
+                      " tokens per rank"};
+}
+
+// The least-loaded rank with room (baselines._least_loaded_rank); -1 if none.
+i64 least_loaded_rank(MinHeap& heap, const std::vector<double>& loads,
+                      const std::vector<i64>& tokens, i64 room) {
+  std::vector<Entry> skipped;
+  i64 found = -1;
+  while (!heap.empty()) {
+    const Entry e = heap.top();
+    if (e.first != loads[e.second]) {
+      heap.pop();
+    } else if (tokens[e.second] > room) {
+      skipped.push_back(e);
+      heap.pop();
+    } else {
+      found = e.second;
+      break;
+    }
+  }
+  for (const Entry& e : skipped) heap.push(e);
+  return found;
+}
+
+// baselines._least_loaded_block: first rank of the block, -1 if none.
+i64 least_loaded_block(const Problem& pb, const std::vector<double>& loads,
+                       const std::vector<i64>& tokens, i64 room, i64 k) {
+  std::vector<i64> starts;
+  if (k <= pb.gpn) {
+    for (i64 n = 0; n < pb.nodes; ++n) {
+      for (i64 i = 0; i < pb.gpn - k + 1; ++i) starts.push_back(n * pb.gpn + i);
+    }
+  } else {
+    for (i64 n = 0; n < pb.nodes - k / pb.gpn + 1; ++n) starts.push_back(n * pb.gpn);
+  }
+  i64 best = -1;
+  double best_load = 0;
+  for (i64 s : starts) {
+    i64 most = tokens[s];
+    double busiest = loads[s];
+    for (i64 r = s; r < s + k; ++r) {
+      most = std::max(most, tokens[r]);
+      busiest = std::max(busiest, loads[r]);
+    }
+    if (most > room) continue;
+    if (best < 0 || busiest < best_load) {
+      best = s;
+      best_load = busiest;
+    }
+  }
+  return best;
+}
+
+std::vector<i64> powers(i64 limit) {
+  std::vector<i64> out;
+  for (i64 c = 1; c <= limit; c *= 2) out.push_back(c);
+  return out;
+}
+
+std::vector<std::vector<i64>> strategies(const Problem& pb) {
+  const i64 world = pb.world();
+  const i64 longest = *std::max_element(pb.seqlens.begin(), pb.seqlens.end());
+  std::vector<i64> fits;
+  for (i64 c : powers(world)) {
+    if (world % c == 0 && zigzag_share_bound(longest, c) <= pb.capacity) fits.push_back(c);
+  }
+  std::vector<std::vector<i64>> out;
+  for (size_t b = 0; b < std::min<size_t>(3, fits.size()); ++b) {
+    const i64 big = fits[b];
+    for (i64 count : powers(world / big)) {
+      const i64 rest = world - count * big;
+      for (i64 small : powers(std::min(big, pb.gpn))) {
+        if (rest % small) continue;
+        std::vector<i64> sizes(count, big);
+        sizes.insert(sizes.end(), rest / small, small);
+        if (std::find(out.begin(), out.end(), sizes) == out.end()) out.push_back(sizes);
+      }
+    }
+  }
+  return out;
+}
+
+double seq_time(const Problem& pb, i64 seqlen, i64 size, int tier) {
+  const i64 ring = std::max<i64>(1, std::min(size, seqlen / 2));
+  return pb.costs.task_time(static_cast<double>(seqlen), ring, ring > 1 ? tier : LOCAL, false) +
+         pb.costs.linear_per_token * static_cast<double>(seqlen) / static_cast<double>(ring);
+}
+
+// seq_time of every sequence on a replica of each size, computed once per (sequence, size)
+// across the strategies (a pure function: the same values as computing them each time).
+struct SeqTimes {
+  const Problem& pb;
+  std::vector<std::vector<double>> by_size;  // index: log2 of the (power-of-two) size
+  double get(i64 seq, i64 size) {
+    size_t index = 0;
+    while ((i64{1} << index) < size) ++index;
+    if (by_size.size() <= index) by_size.resize(index + 1);
+    std::vector<double>& times = by_size[index];
+    if (times.empty()) times.assign(pb.seqlens.size(), -1.0);
+    if (times[seq] < 0) {
+      times[seq] = seq_time(pb, pb.seqlens[seq], size, size <= pb.gpn ? INTRA : INTER);
+    }
+    return times[seq];
+  }
+};
+
+// Stage 1 (hydraulis.dispatch): false when a sequence fits nowhere or the bound is reached.
+bool dispatch(const Problem& pb, const std::vector<i64>& order, const std::vector<i64>& sizes,
+              double bound, SeqTimes& times, double* makespan,
+              std::vector<std::vector<i64>>* members) {
+  std::vector<double> load(sizes.size(), 0.0);
+  std::vector<i64> tokens(sizes.size(), 0);
+  members->assign(sizes.size(), {});
+  std::map<i64, MinHeap> heaps;
+  for (size_t r = 0; r < sizes.size(); ++r) heaps[sizes[r]].emplace(0.0, static_cast<i64>(r));
+  for (i64 seq : order) {
+    const i64 s = pb.seqlens[seq];
+    bool any = false;
+    double best_end = 0;
+    i64 best_r = 0, best_share = 0, best_size = 0;
+    for (auto& [size, heap] : heaps) {
+      const i64 share = zigzag_share_bound(s, std::max<i64>(1, std::min(size, s / 2)));
+      const i64 r = least_loaded_rank(heap, load, tokens, pb.capacity - share);
+      if (r < 0) continue;
+      const double end = load[r] + times.get(seq, size);
+      if (!any || end < best_end || (end == best_end && r < best_r)) {
+        any = true;
+        best_end = end;
+        best_r = r;
+        best_share = share;
+        best_size = size;
+      }
+    }
+    if (!any || best_end >= bound) return false;
+    heaps[best_size].emplace(best_end, best_r);
+    load[best_r] = best_end;
+    tokens[best_r] += best_share;
+    (*members)[best_r].push_back(seq);
+  }
+  *makespan = *std::max_element(load.begin(), load.end());
+  return true;
+}
+
+Tasks pack(const Problem& pb, const std::vector<i64>& sizes,
+           const std::vector<std::vector<i64>>& members) {
+  Tasks tasks(pb.seqlens.size());
+  std::vector<i64> order(sizes.size());
+  for (size_t r = 0; r < order.size(); ++r) order[r] = static_cast<i64>(r);
+  std::stable_sort(order.begin(), order.end(), [&](i64 a, i64 b) { return sizes[a] > sizes[b]; });
+  i64 first = 0;
+  for (i64 r : order) {
+    const i64 size = sizes[r];
+    IntHeap held;
+    for (i64 i = 0; i < size; ++i) held.emplace(0, first + i);
+    std::vector<i64> seqs = members[r];
+    std::stable_sort(seqs.begin(), seqs.end(),
+                     [&](i64 a, i64 b) { return pb.seqlens[a] > pb.seqlens[b]; });
+    for (i64 seq : seqs) {
+      const i64 s = pb.seqlens[seq], k = std::max<i64>(1, std::min(size, s / 2));
+      std::vector<std::pair<i64, i64>> chosen;
+      for (i64 j = 0; j < k; ++j) {
+        chosen.push_back(held.top());
+        held.pop();
+      }
+      Task task;
+      for (const auto& [count, rank] : chosen) {
+        held.emplace(count + s / k, rank);
+        task.ring.push_back(rank);
+      }
+      std::sort(task.ring.begin(), task.ring.end());
+      task.tier = tier_of(pb, task.ring);
+      tasks[seq] = std::move(task);
+    }
+    first += size;
+  }
+  return tasks;
+}
+
+}  // namespace
+
+i64 default_max_seqlen_per_rank(const Problem& pb) {
+  i64 longest = 0, total = 0;
+  for (i64 s : pb.seqlens) {
+    longest = std::max(longest, s);
+    total += s;
+  }
+  const i64 suggested = std::max((longest + pb.gpn - 1) / pb.gpn,
+                                 (total + pb.world() - 1) / pb.world());
+  i64 best = suggested;
+  std::set<i64> longer;
+  for (i64 s : pb.seqlens) {
+    if (s > suggested) longer.insert(s);
+  }
+  for (i64 s : longer) best = std::max(best, smallest_share(pb, s));
+  return std::min(pb.capacity, best);
+}
+
+Tasks hybrid_dp_tasks(const Problem& pb, i64 per_rank) {
+  const i64 world = pb.world();
+  std::vector<double> loads(world, 0.0);
+  std::vector<i64> tokens(world, 0);
+  MinHeap heap;
+  for (i64 r = 0; r < world; ++r) heap.emplace(0.0, r);
+  Tasks tasks(pb.seqlens.size());
+  for (i64 seq : pb.order) {
+    const i64 seqlen = pb.seqlens[seq];
+    const i64 k = fewest_ranks(pb, seqlen, per_rank);
+    const i64 room = pb.capacity - zigzag_share_bound(seqlen, k);
+    const i64 start = k == 1 ? least_loaded_rank(heap, loads, tokens, room)
+                             : least_loaded_block(pb, loads, tokens, room, k);
+    if (start < 0) {
+      throw CapacityError{"hybrid-dp: no " + std::to_string(k) + " rank(s) have room for sequence " +
+                          std::to_string(seq) + " (" + std::to_string(seqlen) +
+                          " tokens) within the capacity " + std::to_string(pb.capacity)};
+    }
+    Task task;
+    for (i64 r = start; r < start + k; ++r) task.ring.push_back(r);
+    task.tier = tier_of(pb, task.ring);
+    const double work =
+        pb.costs.task_time(static_cast<double>(seqlen), k, task.tier, false) +
+        pb.costs.linear_per_token * static_cast<double>(seqlen) / static_cast<double>(k);
+    for (i64 pos = 0; pos < k; ++pos) {
+      const i64 r = task.ring[pos];
+      loads[r] += work;
+      tokens[r] += zigzag_share(seqlen, k, pos);
+      heap.emplace(loads[r], r);
+    }
+    tasks[seq] = std::move(task);
+  }
+  return tasks;
+}
+
+Tasks static_cp_tasks(const Problem& pb, i64 cp) {
+  const i64 world = pb.world();
+  IntHeap replicas;
+  for (i64 r = 0; r < world / cp; ++r) replicas.emplace(0, r);
+  std::vector<i64> rank_tokens(world, 0);
+  Tasks tasks(pb.seqlens.size());
+  for (i64 seq : pb.order) {
+    const i64 seqlen = pb.seqlens[seq];
+    const auto [tokens, replica] = replicas.top();
+    replicas.pop();
+    std::vector<i64> group(cp);
+    for (i64 i = 0; i < cp; ++i) group[i] = replica * cp + i;
+    const i64 k = std::max<i64>(1, std::min(cp, seqlen / 2));
+    if (k < cp) {  // the k ranks of the group holding the fewest tokens (all of them: no sort)
+      std::stable_sort(group.begin(), group.end(),
+                       [&](i64 a, i64 b) { return rank_tokens[a] < rank_tokens[b]; });
+      group.resize(k);
+      std::sort(group.begin(), group.end());
+    }
+    for (i64 r : group) rank_tokens[r] += seqlen / static_cast<i64>(group.size());
+    Task task{group, LOCAL};
+    task.tier = tier_of(pb, task.ring);
+    tasks[seq] = std::move(task);
+    replicas.emplace(tokens + seqlen, replica);
+  }
+  return tasks;
+}
+
+bool within_capacity(const Problem& pb, const Tasks& tasks) {
+  std::vector<i64> tokens(pb.world(), 0);
+  for (size_t seq = 0; seq < tasks.size(); ++seq) {
+    const i64 size = static_cast<i64>(tasks[seq].ring.size());
+    for (i64 pos = 0; pos < size; ++pos) {
+      tokens[tasks[seq].ring[pos]] += zigzag_share(pb.seqlens[seq], size, pos);
+    }
+  }
+  return *std::max_element(tokens.begin(), tokens.end()) <= pb.capacity;
+}
+
+std::pair<Tasks, std::vector<i64>> hydraulis_tasks(const Problem& pb) {
+  const std::vector<i64>& order = pb.order;
+  bool found = false;
+  double best = std::numeric_limits<double>::infinity();
+  std::vector<i64> best_sizes;
+  std::vector<std::vector<i64>> best_members, members;
+  SeqTimes times{pb, {}};
+  for (const std::vector<i64>& sizes : strategies(pb)) {
+    double makespan;
+    if (dispatch(pb, order, sizes, best, times, &makespan, &members)) {
+      found = true;
+      best = makespan;
+      best_sizes = sizes;
+      best_members = members;
+    }
+  }
+  if (!found) {
+    throw CapacityError{"hydraulis: no set of CP replicas holds the batch within the capacity " +
+                        std::to_string(pb.capacity) + " tokens per rank"};
+  }
+  return {pack(pb, best_sizes, best_members), best_sizes};
+}
+
+}  // namespace zeppelin_planner
