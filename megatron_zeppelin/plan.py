@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import repeat
 from typing import NamedTuple, Sequence
 
 from megatron_zeppelin.plan_checks import PlanError, check_plan
@@ -231,10 +232,40 @@ class Plan:
         node = self.topology.node_of
         return sum(t.end - t.start for t in self.transfers if node(t.src) != node(t.dst))
 
+    def __reduce__(self):
+        """Pickle as plain tuples of ints (``_rebuild_plan``): far faster to send to and
+        rebuild in another process (the planner process) than one object per segment."""
+        return _rebuild_plan, (
+            self.strategy, self.topology, self.seqlens, tuple(zip(*self.sources)),
+            tuple(t.ring for t in self.tasks), tuple(int(t.tier) for t in self.tasks),
+            tuple(t.wave for t in self.tasks), tuple(len(segs) for segs in self.linear),
+            tuple(zip(*(seg for segs in self.linear for seg in segs))), self.capacity,
+            self.overlong, self.plan_time_s, self.attention_kind, self.candidate,
+            self.estimates)
+
     def validate(self) -> "Plan":
         """Check the contract; raise ``PlanError`` naming the first violation. Returns self."""
         check_plan(self)
         return self
+
+
+def _segments(columns: tuple) -> list[Segment]:
+    """Segments from (seqs, starts, ends) columns, without Segment's Python constructor."""
+    return list(map(tuple.__new__, repeat(Segment), zip(*columns))) if columns else []
+
+
+def _rebuild_plan(strategy, topology, seqlens, sources, rings, tiers, waves, counts, linear,
+                  capacity, overlong, plan_time_s, attention_kind, candidate, estimates) -> Plan:
+    """The Plan ``Plan.__reduce__`` pickled."""
+    tier = tuple(Tier)
+    tasks = tuple(map(tuple.__new__, repeat(AttentionTask),
+                      zip(range(len(rings)), rings, map(tier.__getitem__, tiers), waves)))
+    segments, layout, first = _segments(linear), [], 0
+    for count in counts:
+        layout.append(tuple(segments[first:first + count]))
+        first += count
+    return Plan(strategy, topology, seqlens, tuple(_segments(sources)), tasks, tuple(layout),
+                capacity, overlong, plan_time_s, attention_kind, candidate, estimates)
 
 
 def ring_groups_of(tasks: Sequence[AttentionTask], topology: Topology) -> tuple[RingGroup, ...]:

@@ -3,7 +3,8 @@
 Speed claims live here, never in timed tests. One module per target, each with a
 ``register(targets)`` that adds its subcommand:
 
-planner    median plan time of zeppelin vs megatron-core's BalancedCPScheduler   (planner.py)
+planner    plan time of every strategy (zeppelin portfolio, peers, FlexSP MILP)     (planner.py)
+planning   CPU step with planning alongside (process, thread) vs precomputed  (planning.py)
 router     C++ vs Python router time; modelled ring step with and without routing (router.py)
 engine     attention engine vs the same work done locally (CPU, gloo ranks)     (engine.py)
 train      per-step time of zeppelin vs static mode for the tiny GPT            (train.py)
@@ -20,7 +21,7 @@ import statistics
 import time
 from typing import Callable
 
-TARGETS = ("planner", "router", "engine", "train", "fidelity")
+TARGETS = ("planner", "planning", "router", "engine", "train", "fidelity")
 
 
 def median_ms(fn: Callable[[], object], repeats: int, budget_s: float) -> tuple[float, int]:

@@ -25,6 +25,7 @@ import torch
 
 from megatron_zeppelin.megatron.packing import ZeppelinPackedSeqParams, packed_seq_params_for_rank
 from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.planner.service import PlannerService
 
 
 class DocumentSource(Protocol):
@@ -174,19 +175,25 @@ class ZeppelinDataIterator:
     """Wraps a stream of global micro-batches (lists of documents) into this rank's
     ``MicroBatch``es; the plan of micro-batch i+1 is computed while micro-batch i trains.
 
-    ``planner(lengths) -> Plan`` is called on a worker thread; it must be deterministic so that
-    every rank of the pool computes the same plan.
+    ``planner``: a ``planner.service.PlannerService`` (planning in its own process, never
+    holding this process's GIL; its failures raise ``PlannerServiceError`` here), or a
+    ``lengths -> Plan`` callable run on a worker thread of this process. Either must be
+    deterministic so that every rank of the pool computes the same plan.
     """
 
-    def __init__(self, batches: Iterator[list[torch.Tensor]], planner: Callable[[list[int]], Plan],
-                 rank: int, device: torch.device | str = "cpu", prefetch: bool = True) -> None:
+    def __init__(self, batches: Iterator[list[torch.Tensor]],
+                 planner: PlannerService | Callable[[list[int]], Plan], rank: int,
+                 device: torch.device | str = "cpu", prefetch: bool = True) -> None:
         self.batches, self.planner, self.rank, self.device = batches, planner, rank, device
-        self.pool = ThreadPoolExecutor(max_workers=1) if prefetch else None
-        self.ahead: tuple[list[torch.Tensor], Future | Plan] | None = None
+        self.service = planner if isinstance(planner, PlannerService) else None
+        self.pool = ThreadPoolExecutor(max_workers=1) if prefetch and not self.service else None
+        self.ahead: tuple[list[torch.Tensor], Future | Plan | int] | None = None
 
-    def _submit(self) -> tuple[list[torch.Tensor], Future | Plan]:
+    def _submit(self) -> tuple[list[torch.Tensor], Future | Plan | int]:
         docs = next(self.batches)
         lengths = [d.numel() for d in docs]
+        if self.service is not None:  # a ticket: the planner process plans it meanwhile
+            return docs, self.service.submit(lengths)
         work = self.pool.submit(self.planner, lengths) if self.pool else self.planner(lengths)
         return docs, work
 
@@ -195,10 +202,13 @@ class ZeppelinDataIterator:
 
     def __next__(self) -> MicroBatch:
         docs, work = self.ahead or self._submit()
-        plan = work.result() if isinstance(work, Future) else work
+        plan = self.service.result(work) if self.service is not None else \
+            work.result() if isinstance(work, Future) else work
         self.ahead = self._submit()  # plan the next micro-batch while this one trains
         return slice_rank(plan, self.rank, docs, self.device)
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.service is not None:
+            self.service.close()
