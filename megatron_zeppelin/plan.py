@@ -106,13 +106,15 @@ class RingGroup(NamedTuple):
 
 @dataclass(frozen=True)
 class OverlongReport:
-    """What the overlong policy did; nothing is dropped or split without being counted here."""
+    """What the overlong policy (``planner/overlong.py``) did; nothing is dropped or split
+    without being counted here. ``documents``: documents it saw."""
 
     policy: str = "error"
     dropped_sequences: int = 0
     dropped_tokens: int = 0
     split_sequences: int = 0
     split_pieces: int = 0
+    documents: int = 0
 
 
 class Transfer(NamedTuple):

@@ -25,6 +25,7 @@ import torch
 
 from megatron_zeppelin.megatron.packing import ZeppelinPackedSeqParams, packed_seq_params_for_rank
 from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.planner.overlong import OverlongTally
 from megatron_zeppelin.planner.service import PlannerService
 
 
@@ -75,15 +76,9 @@ class IndexedDocuments:
         return torch.from_numpy(self.dataset[index].astype("int64"))
 
 
-@dataclass
-class DocumentStats:
-    """What the overlong policy did to the stream so far (nothing is dropped silently)."""
-
-    documents: int = 0
-    split: int = 0
-    pieces: int = 0
-    dropped: int = 0
-    dropped_tokens: int = 0
+# What the overlong policy did to the stream so far (nothing is dropped silently): the planner's
+# one tally of the policy (``planner/overlong.py``).
+DocumentStats = OverlongTally
 
 
 def _documents(source: DocumentSource, seed: int, max_len: int, overlong: str,
@@ -96,20 +91,9 @@ def _documents(source: DocumentSource, seed: int, max_len: int, overlong: str,
         epoch += 1
         for index in order:
             doc = source[index]
-            stats.documents += 1
-            if doc.numel() <= max_len:
-                yield doc
-            elif overlong == "error":
-                raise ValueError(f"document {index} has {doc.numel()} tokens, more than "
-                                 f"--seq-length {max_len}; set --zeppelin-overlong split or drop")
-            elif overlong == "drop":
-                stats.dropped += 1
-                stats.dropped_tokens += doc.numel()
-            else:
-                pieces = doc.split(max_len)
-                stats.split += 1
-                stats.pieces += len(pieces)
-                yield from pieces
+            for start, end in stats.admit(index, doc.numel(), max_len, overlong, what="document",
+                                          why="--seq-length", setting="--zeppelin-overlong"):
+                yield doc[start:end]
 
 
 def sample_documents(source: DocumentSource, tokens_per_batch: int, seed: int,

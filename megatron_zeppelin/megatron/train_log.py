@@ -103,9 +103,10 @@ class Logger:
 
     def close(self) -> None:
         d = self.documents
-        if self.printing and (d.split or d.dropped):
+        if self.printing and (d.split_sequences or d.dropped_sequences):
             print(f"documents read: {d.documents}; longer than --seq-length "
-                  f"{self.args.seq_length}: {d.split} split into {d.pieces} pieces, "
-                  f"{d.dropped} dropped ({d.dropped_tokens} tokens)", flush=True)
+                  f"{self.args.seq_length}: {d.split_sequences} split into {d.split_pieces} "
+                  f"pieces, {d.dropped_sequences} dropped ({d.dropped_tokens} tokens)",
+                  flush=True)
         if self.writer is not None:
             self.writer.close()

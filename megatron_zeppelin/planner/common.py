@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from itertools import repeat
 import time
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Callable, Sequence
 
-from megatron_zeppelin.config import OVERLONG_POLICIES, ZeppelinConfig
+from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.plan import (AttentionTask, Layout, OverlongReport, Plan, Segment,
                                     Topology, attention_layout_of, ring_groups_of, zigzag_share,
                                     zigzag_share_bound)
+from megatron_zeppelin.planner.overlong import OverlongTally, check_policy
 
 
 class CapacityError(ValueError):
@@ -83,37 +84,20 @@ def pool_limit(world: int, capacity: int) -> int:
 
 def apply_overlong(seqlens: tuple[int, ...], limit: int, policy: str, why: str = "the limit"
                    ) -> tuple[tuple[int, ...], tuple[Segment, ...], OverlongReport]:
-    """Apply the overlong policy to sequences longer than ``limit`` tokens; count what it did."""
-    if policy not in OVERLONG_POLICIES:
-        raise ValueError(f"overlong policy {policy!r} is invalid: expected one of "
-                         f"{list(OVERLONG_POLICIES)}")
+    """Apply the overlong policy (``overlong.py``) to sequences longer than ``limit`` tokens."""
+    check_policy(policy)
     lengths: list[int] = []
     sources: list[Segment] = []
-    dropped = dropped_tokens = split = pieces = 0
+    tally = OverlongTally()
     for doc, length in enumerate(seqlens):
-        if length <= limit:
-            lengths.append(length)
-            sources.append(Segment(doc, 0, length))
-        elif policy == "error":
-            raise ValueError(f"sequence {doc} has {length} tokens, more than {why} allows "
-                             f"({limit} tokens); raise it, or set the overlong policy to 'split' "
-                             "or 'drop'")
-        elif policy == "drop":
-            dropped += 1
-            dropped_tokens += length
-        else:
-            k = math.ceil(length / limit)
-            bounds = [i * length // k for i in range(k + 1)]
-            for start, end in zip(bounds, bounds[1:]):
-                lengths.append(end - start)
-                sources.append(Segment(doc, start, end))
-            split += 1
-            pieces += k
+        for start, end in tally.admit(doc, length, limit, policy, why=why):
+            lengths.append(end - start)
+            sources.append(Segment(doc, start, end))
     if not lengths:
-        raise ValueError(f"every sequence of the batch was dropped as overlong ({dropped} "
-                         f"sequences, {dropped_tokens} tokens; {why} is {limit} tokens)")
-    report = OverlongReport(policy, dropped, dropped_tokens, split, pieces)
-    return tuple(lengths), tuple(sources), report
+        raise ValueError(f"every sequence of the batch was dropped as overlong "
+                         f"({tally.dropped_sequences} sequences, {tally.dropped_tokens} tokens; "
+                         f"{why} is {limit} tokens)")
+    return tuple(lengths), tuple(sources), tally.report(policy)
 
 
 def prepare(seqlens: Sequence[int], topology: Topology, config: ZeppelinConfig) -> Batch:
@@ -135,7 +119,7 @@ def prepare(seqlens: Sequence[int], topology: Topology, config: ZeppelinConfig) 
         planned = lengths
         sources = tuple(map(tuple.__new__, repeat(Segment), zip(range(len(lengths)), repeat(0),
                                                                 lengths)))
-        report = OverlongReport(config.overlong)
+        report = OverlongReport(config.overlong, documents=len(lengths))
     capacity = resolve_capacity(planned, topology, config)
     if sum(planned) > topology.world_size * capacity:
         raise CapacityError(f"the batch has {sum(planned)} tokens but the pool holds at most "
