@@ -11,6 +11,8 @@ from megatron_zeppelin.planner import STRATEGIES, make_plan
 
 from conftest import make_cost
 
+pytestmark = pytest.mark.usefixtures("planner_backend")  # every test on both backends
+
 TOPOLOGIES = [(1, 1), (1, 2), (2, 2), (1, 8), (2, 4), (4, 2), (3, 3), (8, 8)]
 
 
