@@ -91,6 +91,9 @@ i64 default_max_seqlen_per_rank(const Problem& pb);
 Tasks static_cp_tasks(const Problem& pb, i64 cp);
 bool within_capacity(const Problem& pb, const Tasks& tasks);
 std::pair<Tasks, std::vector<i64>> hydraulis_tasks(const Problem& pb);
+// baselines.StaticCPBest: (cp, estimated step) of every legal size up to max_cp, in size order,
+// and the tasks of the fastest (ties: the smaller size).
+std::pair<std::vector<std::pair<i64, double>>, Tasks> static_cp_best(const Problem& pb, i64 max_cp);
 
 Layout attention_layout(const Problem& pb, const Tasks& tasks);
 std::pair<Layout, std::vector<Move>> remap_layout(const Problem& pb, const Tasks& tasks);

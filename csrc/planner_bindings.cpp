@@ -131,6 +131,11 @@ PYBIND11_MODULE(_planner_cpp, m) {
     const Problem pb = make_problem(problem);
     return tasks_out(guarded([&] { return static_cp_tasks(pb, cp); }));
   });
+  m.def("static_cp_best", [](const py::tuple& problem, i64 max_cp) {
+    const Problem pb = make_problem(problem);
+    auto result = guarded([&] { return static_cp_best(pb, max_cp); });
+    return py::make_tuple(result.first, tasks_out(result.second));
+  });
   m.def("hydraulis", [](const py::tuple& problem) {
     const Problem pb = make_problem(problem);
     auto result = guarded([&] { return hydraulis_tasks(pb); });

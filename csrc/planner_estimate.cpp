@@ -158,6 +158,27 @@ Estimate estimate_tasks(const Problem& pb, const Tasks& tasks, const std::vector
   return est;
 }
 
+std::pair<std::vector<std::pair<i64, double>>, Tasks> static_cp_best(const Problem& pb,
+                                                                     i64 max_cp) {
+  const i64 world = pb.world();
+  const i64 longest = *std::max_element(pb.seqlens.begin(), pb.seqlens.end());
+  std::vector<std::pair<i64, double>> scores;
+  Tasks best;
+  double best_step = 0.0;
+  for (i64 cp = 1; cp <= std::min(world, max_cp); ++cp) {
+    if (world % cp || zigzag_share_bound(longest, cp) > pb.capacity) continue;
+    Tasks tasks = static_cp_tasks(pb, cp);
+    if (!within_capacity(pb, tasks)) continue;
+    const double step = estimate_tasks(pb, tasks, nullptr, {}).step;
+    if (scores.empty() || step < best_step) {
+      best_step = step;
+      best = std::move(tasks);
+    }
+    scores.emplace_back(cp, step);
+  }
+  return {std::move(scores), std::move(best)};
+}
+
 Choice portfolio(const Problem& pb) {
   struct Candidate {
     std::string name;

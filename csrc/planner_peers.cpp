@@ -13,7 +13,6 @@ namespace zeppelin_planner {
 namespace {
 
 using Entry = std::pair<double, i64>;
-using MinHeap = std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>>;
 using IntHeap = std::priority_queue<std::pair<i64, i64>, std::vector<std::pair<i64, i64>>,
                                     std::greater<std::pair<i64, i64>>>;
 
@@ -43,26 +42,55 @@ i64 fewest_ranks(const Problem& pb, i64 seqlen, i64 capacity) {
                       " tokens per rank"};
 }
 
-// The least-loaded rank with room (baselines._least_loaded_rank); -1 if none.
-i64 least_loaded_rank(MinHeap& heap, const std::vector<double>& loads,
-                      const std::vector<i64>& tokens, i64 room) {
-  std::vector<Entry> skipped;
-  i64 found = -1;
-  while (!heap.empty()) {
-    const Entry e = heap.top();
-    if (e.first != loads[e.second]) {
-      heap.pop();
-    } else if (tokens[e.second] > room) {
-      skipped.push_back(e);
-      heap.pop();
-    } else {
-      found = e.second;
-      break;
+// The least-loaded item (then the lowest index) holding at most ``room`` tokens: what the
+// Python reference finds with a heap of (load, item) (baselines._least_loaded_rank,
+// hydraulis._least_loaded_with_room). A tree over the items keeps, per subtree, the least
+// (load, item) and the fewest tokens, so a query skips whole subtrees without room or without
+// a better load instead of popping every full item.
+class RoomTree {
+ public:
+  RoomTree() : RoomTree(0) {}
+  explicit RoomTree(i64 n) : n_(n), size_(1) {
+    while (size_ < n_) size_ *= 2;
+    best_.assign(2 * size_, {std::numeric_limits<double>::infinity(), -1});
+    tokens_.assign(2 * size_, std::numeric_limits<i64>::max());
+  }
+  void set(i64 item, double load, i64 tokens) {
+    i64 node = size_ + item;
+    best_[node] = {load, item};
+    tokens_[node] = tokens;
+    for (node /= 2; node >= 1; node /= 2) {
+      best_[node] = std::min(best_[2 * node], best_[2 * node + 1], less);
+      tokens_[node] = std::min(tokens_[2 * node], tokens_[2 * node + 1]);
     }
   }
-  for (const Entry& e : skipped) heap.push(e);
-  return found;
-}
+  i64 least_with_room(i64 room) const {
+    Entry found{std::numeric_limits<double>::infinity(), -1};
+    search(1, room, &found);
+    return found.second;
+  }
+
+ private:
+  static bool less(const Entry& a, const Entry& b) {
+    if (a.second < 0) return false;
+    if (b.second < 0) return true;
+    return a < b;
+  }
+  void search(i64 node, i64 room, Entry* found) const {
+    if (tokens_[node] > room || best_[node].second < 0) return;
+    if (found->second >= 0 && !less(best_[node], *found)) return;
+    if (node >= size_) {
+      *found = best_[node];
+      return;
+    }
+    const i64 first = less(best_[2 * node + 1], best_[2 * node]) ? 2 * node + 1 : 2 * node;
+    search(first, room, found);
+    search(first ^ 1, room, found);
+  }
+  i64 n_, size_;
+  std::vector<Entry> best_;
+  std::vector<i64> tokens_;
+};
 
 // baselines._least_loaded_block: first rank of the block, -1 if none.
 i64 least_loaded_block(const Problem& pb, const std::vector<double>& loads,
@@ -153,17 +181,26 @@ bool dispatch(const Problem& pb, const std::vector<i64>& order, const std::vecto
   std::vector<double> load(sizes.size(), 0.0);
   std::vector<i64> tokens(sizes.size(), 0);
   members->assign(sizes.size(), {});
-  std::map<i64, MinHeap> heaps;
-  for (size_t r = 0; r < sizes.size(); ++r) heaps[sizes[r]].emplace(0.0, static_cast<i64>(r));
+  std::map<i64, std::pair<RoomTree, std::vector<i64>>> kinds;  // per size: tree, its replicas
+  for (size_t r = 0; r < sizes.size(); ++r) kinds[sizes[r]].second.push_back(static_cast<i64>(r));
+  std::vector<i64> slot(sizes.size());  // a replica's index in its kind's tree
+  for (auto& [size, kind] : kinds) {
+    kind.first = RoomTree(static_cast<i64>(kind.second.size()));
+    for (size_t i = 0; i < kind.second.size(); ++i) {
+      slot[kind.second[i]] = static_cast<i64>(i);
+      kind.first.set(static_cast<i64>(i), 0.0, 0);
+    }
+  }
   for (i64 seq : order) {
     const i64 s = pb.seqlens[seq];
     bool any = false;
     double best_end = 0;
     i64 best_r = 0, best_share = 0, best_size = 0;
-    for (auto& [size, heap] : heaps) {
+    for (auto& [size, kind] : kinds) {
       const i64 share = zigzag_share_bound(s, std::max<i64>(1, std::min(size, s / 2)));
-      const i64 r = least_loaded_rank(heap, load, tokens, pb.capacity - share);
-      if (r < 0) continue;
+      const i64 found = kind.first.least_with_room(pb.capacity - share);
+      if (found < 0) continue;
+      const i64 r = kind.second[found];
       const double end = load[r] + times.get(seq, size);
       if (!any || end < best_end || (end == best_end && r < best_r)) {
         any = true;
@@ -174,9 +211,9 @@ bool dispatch(const Problem& pb, const std::vector<i64>& order, const std::vecto
       }
     }
     if (!any || best_end >= bound) return false;
-    heaps[best_size].emplace(best_end, best_r);
     load[best_r] = best_end;
     tokens[best_r] += best_share;
+    kinds.at(best_size).first.set(slot[best_r], best_end, tokens[best_r]);
     (*members)[best_r].push_back(seq);
   }
   *makespan = *std::max_element(load.begin(), load.end());
@@ -241,14 +278,14 @@ Tasks hybrid_dp_tasks(const Problem& pb, i64 per_rank) {
   const i64 world = pb.world();
   std::vector<double> loads(world, 0.0);
   std::vector<i64> tokens(world, 0);
-  MinHeap heap;
-  for (i64 r = 0; r < world; ++r) heap.emplace(0.0, r);
+  RoomTree ranks(world);
+  for (i64 r = 0; r < world; ++r) ranks.set(r, 0.0, 0);
   Tasks tasks(pb.seqlens.size());
   for (i64 seq : pb.order) {
     const i64 seqlen = pb.seqlens[seq];
     const i64 k = fewest_ranks(pb, seqlen, per_rank);
     const i64 room = pb.capacity - zigzag_share_bound(seqlen, k);
-    const i64 start = k == 1 ? least_loaded_rank(heap, loads, tokens, room)
+    const i64 start = k == 1 ? ranks.least_with_room(room)
                              : least_loaded_block(pb, loads, tokens, room, k);
     if (start < 0) {
       throw CapacityError{"hybrid-dp: no " + std::to_string(k) + " rank(s) have room for sequence " +
@@ -265,7 +302,7 @@ Tasks hybrid_dp_tasks(const Problem& pb, i64 per_rank) {
       const i64 r = task.ring[pos];
       loads[r] += work;
       tokens[r] += zigzag_share(seqlen, k, pos);
-      heap.emplace(loads[r], r);
+      ranks.set(r, loads[r], tokens[r]);
     }
     tasks[seq] = std::move(task);
   }

@@ -107,13 +107,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     setup = load_setup(args.model, args.cluster, args.nodes, args.hardware, config, args.tp)
     cost = CostModel(setup.model, setup.cluster, setup.hardware, setup.tp)
     lengths = batch_lengths(args, args.workload)
-    plans = []
+    plans, routed = [], []
     for name in args.strategy:
-        plan = get_strategy(name, **options[name]).plan(lengths, cost, config)
+        strategy = get_strategy(name, **options[name])
+        plan = strategy.plan(lengths, cost, config)
         if args.validate:
             plan.validate()
         plans.append(plan)
-    summaries = [summarize(plan, cost, routed=config.routing) for plan in plans]
+        routed.append(config.routing and strategy.routed)
+    summaries = [summarize(plan, cost, r) for plan, r in zip(plans, routed)]
+    if args.plot:
+        print(f"wrote {plot_plans(plans, routed, cost, args.plot)}", file=sys.stderr)
     if args.json:
         print(json.dumps({"model": setup.model.name, "cluster": setup.cluster.name,
                           "nodes": setup.cluster.nodes, "documents": len(lengths),
@@ -127,6 +131,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def plot_plans(plans, routed: list[bool], cost: CostModel, path: str):
+    """``zeppelin plan --plot FILE``: every plan simulated, ranks x time side by side."""
+    from megatron_zeppelin.sim import report
+    from megatron_zeppelin.sim.simulator import SimOptions, simulate
+
+    results = [simulate(plan, cost, SimOptions(inter_mode="routed" if r else "ring"),
+                        label=plan.strategy + (f" ({plan.candidate})" if plan.candidate and
+                                               plan.candidate != plan.strategy else ""))
+               for plan, r in zip(plans, routed)]
+    return report.plot_timelines(results, path, f"{cost.model.name} on {cost.cluster.nodes} x "
+                                 f"{cost.cluster.name}: {len(plans[0].seqlens)} sequences")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zeppelin", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -135,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_args(p)
     add_strategy_args(p)
     p.add_argument("--validate", action="store_true", help="also run Plan.validate()")
+    p.add_argument("--plot", default=None, metavar="FILE",
+                   help="draw the batch as ranks x time for every strategy side by side (PNG; "
+                        "simulated: linear, attention, exposed communication)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_plan)
     for register in _extra_commands():

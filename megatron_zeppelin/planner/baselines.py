@@ -143,30 +143,39 @@ class StaticCPBest(Strategy):
 
     def _plan(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
-        scored = [(estimate_tasks(tasks, batch.seqlens, batch.topology, cost,
-                                  config.routing).step_s, cp, tasks)
-                  for cp, tasks in static_cp_candidates(batch, cost, config, self.max_cp_size)]
-        if not scored:
+        config = dataclasses.replace(config, routing=config.routing and self.routed)
+        max_cp = self.max_cp_size or batch.topology.world_size
+        cpp = native.cpp_module(None)
+        if cpp is not None:
+            scores, twin = cpp.static_cp_best(
+                native.problem_args(batch.seqlens, batch.capacity, cost, config), max_cp)
+            tasks = native.tasks_from_twin(twin) if scores else None
+        else:
+            scored = [(estimate_tasks(t, batch.seqlens, batch.topology, cost,
+                                      config.routing).step_s, cp, t)
+                      for cp, t in static_cp_candidates(batch, cost, config, max_cp)]
+            scores = [(cp, step) for step, cp, _ in scored]
+            tasks = min(scored, key=lambda item: (item[0], item[1]))[2] if scored else None
+        if tasks is None:
             raise CapacityError(f"static-cp-best: no CP size holds the longest document "
                                 f"({max(batch.seqlens)} tokens) within the capacity "
                                 f"{batch.capacity}")
-        best, cp, tasks = min(scored, key=lambda item: (item[0], item[1]))
-        return assemble(f"static-cp(cp={cp})", batch, tasks, None,
-                        candidate=f"static-cp(cp={cp})", estimates=tuple(sorted(
-                            ((f"static-cp(cp={c})", t) for t, c, _ in scored),
-                            key=lambda item: item[1])))
+        ranked = sorted(scores, key=lambda item: (item[1], item[0]))
+        label = f"static-cp(cp={ranked[0][0]})"
+        return assemble(label, batch, tasks, None, candidate=label,
+                        estimates=tuple((f"static-cp(cp={cp})", t) for cp, t in ranked))
 
 
 def static_cp_candidates(batch: Batch, cost: CostModel, config: ZeppelinConfig,
-                         max_cp: int | None = None) -> list[tuple[int, list[AttentionTask]]]:
+                         max_cp: int) -> list[tuple[int, list[AttentionTask]]]:
     """(CP size, tasks) for every divisor of the pool up to ``max_cp`` whose plan keeps every
-    rank within the capacity."""
+    rank within the capacity (Python reference)."""
     world = batch.topology.world_size
     out = []
-    for cp in range(1, min(world, max_cp or world) + 1):
+    for cp in range(1, min(world, max_cp) + 1):
         if world % cp or zigzag_share_bound(max(batch.seqlens), cp) > batch.capacity:
             continue
-        tasks = static_cp_on_backend(batch, cost, config, cp)
+        tasks = static_cp_tasks(batch, cp)
         if within_capacity(tasks, batch):
             out.append((cp, tasks))
     return out

@@ -29,6 +29,7 @@ class PlanSummary:
     """What ``zeppelin plan`` prints for one strategy (times in seconds per step)."""
 
     strategy: str
+    candidate: str
     ranks: int
     sequences: int
     tokens: int
@@ -56,7 +57,8 @@ def summarize(plan: Plan, cost: CostModel, routed: bool = True) -> PlanSummary:
     est: PlanEstimate = estimate_plan(plan, cost, routed)
     tiers = plan.tier_counts()
     return PlanSummary(
-        strategy=plan.strategy, ranks=plan.topology.world_size, sequences=len(plan.seqlens),
+        strategy=plan.strategy, candidate=plan.candidate or "-", ranks=plan.topology.world_size,
+        sequences=len(plan.seqlens),
         tokens=sum(plan.seqlens), local=tiers["local"], intra=tiers["intra"],
         inter=tiers["inter"], waves=plan.num_waves, attention_s=Stat.of(est.attention_s),
         linear_s=Stat.of(est.linear_s), attention_tokens=Stat.of(plan.attention_tokens()),
@@ -69,6 +71,7 @@ def summarize(plan: Plan, cost: CostModel, routed: bool = True) -> PlanSummary:
 
 
 _ROWS = [
+    ("candidate (portfolio winner, solver)", lambda s: s.candidate),
     ("sequences local / intra / inter", lambda s: f"{s.local} / {s.intra} / {s.inter}"),
     ("waves (barrier-separated groups)", lambda s: f"{s.waves}"),
     ("attention time per rank max/mean (s)",

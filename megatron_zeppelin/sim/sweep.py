@@ -54,6 +54,9 @@ def _variants() -> dict[str, Variant]:
         Variant("zeppelin-no-remap", zeppelin, True, False,
                 description="zeppelin with the remapping layer off (linear on the attention "
                 "layout)"),
+        Variant("zeppelin-hierarchical", STRATEGIES["zeppelin"](portfolio=False), True, True,
+                description="zeppelin's hierarchical plan alone, with the remap, no portfolio "
+                "(the planner before this change: the same plans bit for bit)"),
         Variant("static-cp-2node", static(cp_nodes=2),
                 description="TE CP over groups of two nodes (inter-node rings, the paper's "
                 "Fig. 12)"),
@@ -66,7 +69,7 @@ def _variants() -> dict[str, Variant]:
 
 VARIANTS: dict[str, Variant] = _variants()
 DEFAULT_VARIANTS = ("zeppelin", "zeppelin-no-routing", "zeppelin-no-remap", "static-cp",
-                    "hybrid-dp", "megatron-hybrid-cp")
+                    "static-cp-best", "hybrid-dp", "megatron-hybrid-cp", "flexsp", "hydraulis")
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,8 @@ class Setting:
 @dataclass(frozen=True)
 class VariantResult:
     """Mean over the batches; ``first`` is the first batch's full result (per-rank loads);
-    ``note``: the first batch's plan name (e.g. the static CP size chosen)."""
+    ``note``: the first batch's plan name (e.g. the static CP size chosen); ``candidates``:
+    every batch's winning candidate (zeppelin's portfolio; empty for other strategies)."""
 
     label: str
     iteration_s: float
@@ -122,6 +126,7 @@ class VariantResult:
     plan_ms: float
     first: SimResult
     note: str = ""
+    candidates: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -171,11 +176,13 @@ def sample_batches(setting: Setting, cost: CostModel) -> list[list[int]]:
 
 
 class Run(NamedTuple):
-    """One variant on one batch: the simulated result, plan time (ms) and the plan's name."""
+    """One variant on one batch: the simulated result, plan time (ms), the plan's name and its
+    portfolio candidate."""
 
     result: SimResult
     plan_ms: float
     plan_name: str
+    candidate: str = ""
 
 
 def plan_and_simulate(variant: Variant, lengths: list[int], cost: CostModel,
@@ -187,7 +194,8 @@ def plan_and_simulate(variant: Variant, lengths: list[int], cost: CostModel,
     started = time.perf_counter()
     plan = variant.strategy.plan(lengths, cost, config)
     plan_ms = (time.perf_counter() - started) * 1e3
-    return Run(simulate(plan, cost, options, variant.label), plan_ms, plan.strategy)
+    return Run(simulate(plan, cost, options, variant.label), plan_ms, plan.strategy,
+               plan.candidate)
 
 
 def run_setting(setting: Setting, variants: Sequence[Variant],
@@ -220,7 +228,8 @@ def run_setting(setting: Setting, variants: Sequence[Variant],
         results.append(VariantResult(
             variant.label, sum(r.result.iteration_s for r in runs) / len(runs),
             sum(bounds) / len(bounds), sum(r.plan_ms for r in runs) / len(runs),
-            runs[0].result, runs[0].plan_name))
+            runs[0].result, runs[0].candidate or runs[0].plan_name,
+            tuple(r.candidate for r in runs if r.candidate)))
     return SettingResult(setting, cost.cluster.world_size, sum(map(len, batches)) / len(batches),
                          sum(map(sum, batches)) / len(batches), sum(bounds) / len(bounds),
                          tuple(results), tuple(skipped))
