@@ -6,6 +6,7 @@
 #include <map>
 #include <queue>
 #include <set>
+#include <tuple>
 
 #include "planner.h"
 
@@ -135,15 +136,23 @@ std::vector<std::vector<i64>> strategies(const Problem& pb) {
     if (world % c == 0 && zigzag_share_bound(longest, c) <= pb.capacity) fits.push_back(c);
   }
   std::vector<std::vector<i64>> out;
+  // A strategy's sizes are `count` bigs then smalls: (big, bigs, small, smalls) with the
+  // smalls folded into the bigs when they are the same size names it, so this set finds
+  // the repeats the reference drops with `sizes not in out`.
+  std::set<std::tuple<i64, i64, i64, i64>> seen;
   for (size_t b = 0; b < std::min<size_t>(3, fits.size()); ++b) {
     const i64 big = fits[b];
     for (i64 count : powers(world / big)) {
       const i64 rest = world - count * big;
       for (i64 small : powers(std::min(big, pb.gpn))) {
         if (rest % small) continue;
+        const bool folded = rest == 0 || small == big;
+        const auto key = folded ? std::make_tuple(big, count + rest / big, i64{0}, i64{0})
+                                : std::make_tuple(big, count, small, rest / small);
+        if (!seen.insert(key).second) continue;
         std::vector<i64> sizes(count, big);
         sizes.insert(sizes.end(), rest / small, small);
-        if (std::find(out.begin(), out.end(), sizes) == out.end()) out.push_back(sizes);
+        out.push_back(std::move(sizes));
       }
     }
   }
@@ -176,11 +185,10 @@ struct SeqTimes {
 
 // Stage 1 (hydraulis.dispatch): false when a sequence fits nowhere or the bound is reached.
 bool dispatch(const Problem& pb, const std::vector<i64>& order, const std::vector<i64>& sizes,
-              double bound, SeqTimes& times, double* makespan,
-              std::vector<std::vector<i64>>* members) {
+              double bound, SeqTimes& times, double* makespan, std::vector<i64>* replica_of) {
   std::vector<double> load(sizes.size(), 0.0);
   std::vector<i64> tokens(sizes.size(), 0);
-  members->assign(sizes.size(), {});
+  replica_of->assign(pb.seqlens.size(), -1);
   std::map<i64, std::pair<RoomTree, std::vector<i64>>> kinds;  // per size: tree, its replicas
   for (size_t r = 0; r < sizes.size(); ++r) kinds[sizes[r]].second.push_back(static_cast<i64>(r));
   std::vector<i64> slot(sizes.size());  // a replica's index in its kind's tree
@@ -214,7 +222,7 @@ bool dispatch(const Problem& pb, const std::vector<i64>& order, const std::vecto
     load[best_r] = best_end;
     tokens[best_r] += best_share;
     kinds.at(best_size).first.set(slot[best_r], best_end, tokens[best_r]);
-    (*members)[best_r].push_back(seq);
+    (*replica_of)[seq] = best_r;
   }
   *makespan = *std::max_element(load.begin(), load.end());
   return true;
@@ -352,17 +360,20 @@ std::pair<Tasks, std::vector<i64>> hydraulis_tasks(const Problem& pb) {
   const std::vector<i64>& order = pb.order;
   bool found = false;
   double best = std::numeric_limits<double>::infinity();
-  std::vector<i64> best_sizes;
-  std::vector<std::vector<i64>> best_members, members;
+  std::vector<i64> best_sizes, best_replica, replica_of;
   SeqTimes times{pb, {}};
   for (const std::vector<i64>& sizes : strategies(pb)) {
     double makespan;
-    if (dispatch(pb, order, sizes, best, times, &makespan, &members)) {
+    if (dispatch(pb, order, sizes, best, times, &makespan, &replica_of)) {
       found = true;
       best = makespan;
       best_sizes = sizes;
-      best_members = members;
+      best_replica.swap(replica_of);
     }
+  }
+  std::vector<std::vector<i64>> best_members(best_sizes.size());
+  for (i64 seq : order) {  // each replica's sequences in dispatch order (longest first)
+    if (found) best_members[best_replica[seq]].push_back(seq);
   }
   if (!found) {
     throw CapacityError{"hydraulis: no set of CP replicas holds the batch within the capacity " +

@@ -29,7 +29,7 @@ from megatron_zeppelin.estimate import estimate_tasks
 from megatron_zeppelin.plan import AttentionTask, Plan, Topology, zigzag_share, zigzag_share_bound
 from megatron_zeppelin.plan_checks import wave_tokens
 from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare,
-                                              smallest_share, with_derived_capacity,
+                                              smallest_share,
                                               within_capacity)
 from megatron_zeppelin.planner import native
 from megatron_zeppelin.planner.registry import Strategy, register
@@ -74,10 +74,6 @@ class StaticCP(Strategy):
         if self.cp_size is not None and self.cp_nodes is not None:
             raise ValueError("static-cp takes cp_size or cp_nodes, not both")
 
-    def plan(self, seqlens: Sequence[int], cost: CostModel,
-             config: ZeppelinConfig = ZeppelinConfig()) -> Plan:
-        return with_derived_capacity(self._plan, seqlens, cost, config)
-
     def group_size(self, batch: Batch) -> int:
         """The CP size of this batch (``cp_size``, ``cp_nodes`` or the default)."""
         topo = batch.topology
@@ -85,7 +81,7 @@ class StaticCP(Strategy):
             return min(self.cp_nodes, topo.nodes) * topo.gpus_per_node
         return self.cp_size or default_cp_size(batch)
 
-    def _plan(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
+    def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
         cp = self.group_size(batch)
         return assemble(f"static-cp(cp={cp})", batch, static_cp_on_backend(batch, cost, config, cp))
@@ -137,11 +133,7 @@ class StaticCPBest(Strategy):
     def __post_init__(self) -> None:
         _positive_option(self.name, "max_cp_size", self.max_cp_size)
 
-    def plan(self, seqlens: Sequence[int], cost: CostModel,
-             config: ZeppelinConfig = ZeppelinConfig()) -> Plan:
-        return with_derived_capacity(self._plan, seqlens, cost, config)
-
-    def _plan(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
+    def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
         config = dataclasses.replace(config, routing=config.routing and self.routed)
         max_cp = self.max_cp_size or batch.topology.world_size
@@ -209,11 +201,7 @@ class HybridDP(Strategy):
     def __post_init__(self) -> None:
         _positive_option(self.name, "max_seqlen_per_rank", self.max_seqlen_per_rank)
 
-    def plan(self, seqlens: Sequence[int], cost: CostModel,
-             config: ZeppelinConfig = ZeppelinConfig()) -> Plan:
-        return with_derived_capacity(self._plan, seqlens, cost, config)
-
-    def _plan(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
+    def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
         per_rank = self.max_seqlen_per_rank or default_max_seqlen_per_rank(batch)
         tasks = native.twin_tasks("hybrid_dp", batch.seqlens, batch.capacity, cost, config,
@@ -310,22 +298,14 @@ class _PoolGroup:
 
 @register
 @dataclass(frozen=True)
-class MegatronHybridCP(Strategy):
-    """Megatron-core's hybrid CP: groups from its ``BalancedCPScheduler``, one wave each."""
+class MegatronHybridCP(HybridDP):
+    """Megatron-core's hybrid CP: groups from its ``BalancedCPScheduler``, one wave each
+    (the same ``max_seqlen_per_rank`` option as hybrid DP)."""
 
     name = "megatron-hybrid-cp"
     summary = "megatron-core's BalancedCPScheduler groups, one wave each"
-    max_seqlen_per_rank: int | None = field(default=None,
-                                            metadata={"help": _MAX_SEQLEN_PER_RANK_HELP})
 
-    def __post_init__(self) -> None:
-        _positive_option(self.name, "max_seqlen_per_rank", self.max_seqlen_per_rank)
-
-    def plan(self, seqlens: Sequence[int], cost: CostModel,
-             config: ZeppelinConfig = ZeppelinConfig()) -> Plan:
-        return with_derived_capacity(self._plan, seqlens, cost, config)
-
-    def _plan(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
+    def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         return plan_megatron_hybrid_cp(seqlens, cost, config, self.max_seqlen_per_rank)
 
 

@@ -42,8 +42,7 @@ import numpy as np
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.plan import AttentionTask, Plan, Tier, zigzag_share_bound
-from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare,
-                                              with_derived_capacity)
+from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare)
 from megatron_zeppelin.planner.registry import Strategy, register
 
 
@@ -68,11 +67,7 @@ class FlexSP(Strategy):
             raise ValueError(f"flexsp option time_limit_s={self.time_limit_s!r} is invalid: "
                              "expected a number of seconds > 0")
 
-    def plan(self, seqlens: Sequence[int], cost: CostModel,
-             config: ZeppelinConfig = ZeppelinConfig()) -> Plan:
-        return with_derived_capacity(self._plan, seqlens, cost, config)
-
-    def _plan(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
+    def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
         problem = _Problem(batch, cost, self.buckets)
         groups, per_size, status = problem.solve(self.time_limit_s)

@@ -33,8 +33,7 @@ from typing import Sequence
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.plan import AttentionTask, Plan, Tier, zigzag_share_bound
-from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare,
-                                              with_derived_capacity)
+from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare)
 from megatron_zeppelin.planner import native
 from megatron_zeppelin.planner.registry import Strategy, register
 
@@ -47,11 +46,7 @@ class Hydraulis(Strategy):
     name = "hydraulis"
     summary = "Hydraulis: heterogeneous CP replicas per step, two-stage data assignment"
 
-    def plan(self, seqlens: Sequence[int], cost: CostModel,
-             config: ZeppelinConfig = ZeppelinConfig()) -> Plan:
-        return with_derived_capacity(self._plan, seqlens, cost, config)
-
-    def _plan(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
+    def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
         cpp = native.cpp_module(None)
         if cpp is not None:

@@ -33,8 +33,7 @@ from megatron_zeppelin.plan import (AttentionTask, Layout, Plan, attention_layou
 from megatron_zeppelin.planner.baselines import (default_max_seqlen_per_rank, hybrid_dp_tasks,
                                                  static_cp_tasks)
 from megatron_zeppelin.planner.hydraulis import hydraulis_tasks
-from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare,
-                                              with_derived_capacity, within_capacity)
+from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare, within_capacity)
 from megatron_zeppelin.planner import native
 from megatron_zeppelin.planner.linear_layout import linear_plan, rank_targets, rank_tokens
 from megatron_zeppelin.planner.registry import Strategy, register
@@ -66,11 +65,7 @@ class Zeppelin(Strategy):
         "help": "zeppelin: score the remap per batch and the peers' plans as fallbacks (off: "
                 "the hierarchical plan alone, with the remap as configured)"})
 
-    def plan(self, seqlens: Sequence[int], cost: CostModel,
-             config: ZeppelinConfig = ZeppelinConfig()) -> Plan:
-        return with_derived_capacity(self._plan, seqlens, cost, config)
-
-    def _plan(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
+    def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
         if not self.portfolio:
             tasks = hierarchical_tasks(batch, cost, config, False)

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Sequence
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.planner.common import with_derived_capacity
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,14 @@ class Strategy:
 
     def plan(self, seqlens: Sequence[int], cost: CostModel,
              config: ZeppelinConfig = ZeppelinConfig()) -> Plan:
-        raise NotImplementedError(f"strategy {self.name!r} does not implement plan()")
+        """Plan one global batch (``seqlens``: tokens per document). A derived capacity
+        (``config.capacity_tokens_per_gpu`` unset) grows when a greedy placement cannot meet
+        it (``common.with_derived_capacity``)."""
+        return with_derived_capacity(self.place, seqlens, cost, config)
+
+    def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
+        """The strategy itself, at the capacity ``config`` gives."""
+        raise NotImplementedError(f"strategy {self.name!r} does not implement place()")
 
     @property
     def runs_on_engine(self) -> bool:
