@@ -26,7 +26,8 @@ def sources(prefix: str) -> list[str]:
 
 ext_modules = [
     Pybind11Extension(f"megatron_zeppelin._{name}_cpp", sources(name), include_dirs=["csrc"],
-                      cxx_std=17, extra_compile_args=["-O3", "-ffp-contract=off"])
+                      cxx_std=17, extra_compile_args=["-O3", "-ffp-contract=off", "-pthread"],
+                      extra_link_args=["-pthread"])
     for name in ("router", "planner") if sources(name)
 ]
 

@@ -1,7 +1,11 @@
 // Twin of estimate.estimate_tasks (one wave: the portfolio's candidates) and of the portfolio's
 // candidates and choice (portfolio.py).
 #include <algorithm>
+#include <atomic>
+#include <exception>
+#include <functional>
 #include <map>
+#include <thread>
 #include <tuple>
 #include <unordered_map>
 
@@ -179,59 +183,94 @@ std::pair<std::vector<std::pair<i64, double>>, Tasks> static_cp_best(const Probl
   return {std::move(scores), std::move(best)};
 }
 
+namespace {
+
+// One candidate of the portfolio: built and estimated by a job (portfolio.candidates).
+struct Candidate {
+  std::string name;
+  bool optional = false;      // a peer's plan: skipped when it cannot place the batch
+  bool present = false;       // built, and within the capacity
+  Tasks tasks;
+  bool remapped = false;
+  Layout linear;
+  double step = 0.0;
+  std::exception_ptr error;   // a CapacityError of a required candidate, or any failure
+};
+
+void build(const Problem& pb, Candidate& c, const std::function<Tasks()>& place) {
+  try {
+    c.tasks = place();
+    if (c.remapped) {
+      auto [linear, moves] = remap_layout(pb, c.tasks);
+      c.linear = std::move(linear);
+      std::vector<i64> tokens(pb.world(), 0);
+      for (i64 r = 0; r < pb.world(); ++r) {
+        for (const Seg& s : c.linear[r]) tokens[r] += s.end - s.start;
+      }
+      c.present = within_capacity(pb, c.tasks);
+      if (c.present) c.step = estimate_tasks(pb, c.tasks, &tokens, moves).step;
+    } else {
+      c.present = within_capacity(pb, c.tasks);
+      if (c.present) c.step = estimate_tasks(pb, c.tasks, nullptr, {}).step;
+    }
+  } catch (const CapacityError&) {
+    if (!c.optional) c.error = std::current_exception();
+  } catch (...) {
+    c.error = std::current_exception();
+  }
+}
+
+}  // namespace
+
 Choice portfolio(const Problem& pb) {
-  struct Candidate {
-    std::string name;
-    Tasks tasks;
-    bool remapped = false;
-    Layout linear;
-    std::vector<Move> moves;
-  };
   std::vector<Candidate> candidates;
+  std::vector<std::function<Tasks()>> jobs;
   if (pb.remap) {
-    Candidate c{"hierarchical+remap", place_hierarchical(pb, false), true};
-    auto [linear, moves] = remap_layout(pb, c.tasks);
-    c.linear = std::move(linear);
-    c.moves = std::move(moves);
-    candidates.push_back(std::move(c));
+    candidates.push_back(Candidate{"hierarchical+remap"});
+    candidates.back().remapped = true;
+    jobs.emplace_back([&pb] { return place_hierarchical(pb, false); });
   }
-  candidates.push_back(Candidate{"hierarchical", place_hierarchical(pb, true)});
-  try {
-    candidates.push_back(Candidate{"hybrid-dp", hybrid_dp_tasks(pb, default_max_seqlen_per_rank(pb))});
-  } catch (const CapacityError&) {
-  }
-  try {
-    candidates.push_back(Candidate{"hydraulis", hydraulis_tasks(pb).first});
-  } catch (const CapacityError&) {
-  }
+  candidates.push_back(Candidate{"hierarchical"});
+  jobs.emplace_back([&pb] { return place_hierarchical(pb, true); });
+  candidates.push_back(Candidate{"hybrid-dp", true});
+  jobs.emplace_back([&pb] { return hybrid_dp_tasks(pb, default_max_seqlen_per_rank(pb)); });
+  candidates.push_back(Candidate{"hydraulis", true});
+  jobs.emplace_back([&pb] { return hydraulis_tasks(pb).first; });
   const i64 world = pb.world();
   const i64 longest = *std::max_element(pb.seqlens.begin(), pb.seqlens.end());
   for (i64 cp = 1; cp <= std::min<i64>(world, 2 * pb.gpn); ++cp) {
     if (world % cp == 0 && zigzag_share_bound(longest, cp) <= pb.capacity) {
-      candidates.push_back(Candidate{"static-cp(cp=" + std::to_string(cp) + ")",
-                                     static_cp_tasks(pb, cp)});
+      candidates.push_back(Candidate{"static-cp(cp=" + std::to_string(cp) + ")"});
+      jobs.emplace_back([&pb, cp] { return static_cp_tasks(pb, cp); });
     }
   }
+  // Candidates are independent: build them on up to two threads (the result does not depend
+  // on which thread built what), the Hydraulis search first as the longest job.
+  std::vector<size_t> order(candidates.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_partition(order.begin(), order.end(),
+                        [&](size_t i) { return candidates[i].name == "hydraulis"; });
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t k = next++; k < order.size(); k = next++) {
+      build(pb, candidates[order[k]], jobs[order[k]]);
+    }
+  };
+  const unsigned threads = std::min(2u, std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (std::thread& t : pool) t.join();
+
   Choice out;
   bool any = false;
-  double best = 0.0;
   for (Candidate& c : candidates) {
-    if (!within_capacity(pb, c.tasks)) continue;
-    double step;
-    if (c.remapped) {
-      std::vector<i64> linear(world, 0);
-      for (i64 r = 0; r < world; ++r) {
-        for (const Seg& s : c.linear[r]) linear[r] += s.end - s.start;
-      }
-      step = estimate_tasks(pb, c.tasks, &linear, c.moves).step;
-    } else {
-      step = estimate_tasks(pb, c.tasks, nullptr, {}).step;
-    }
+    if (c.error) std::rethrow_exception(c.error);  // the first failing candidate, in order
+    if (!c.present) continue;
     out.names.push_back(c.name);
-    out.estimates.push_back(step);
-    if (!any || step < best) {
+    out.estimates.push_back(c.step);
+    if (!any || c.step < out.estimates[out.winner]) {
       any = true;
-      best = step;
       out.winner = static_cast<i64>(out.names.size()) - 1;
       out.tasks = std::move(c.tasks);
       out.remapped = c.remapped;

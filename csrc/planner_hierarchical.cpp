@@ -9,6 +9,7 @@
 #include <set>
 
 #include "planner.h"
+#include "planner_room.h"
 
 namespace zeppelin_planner {
 namespace {
@@ -275,14 +276,23 @@ void place_heavy(Placement& st, const std::vector<i64>& order, size_t split, Min
 void place_light(Placement& st, const std::vector<i64>& order, size_t split, MinHeap& heap,
                  std::vector<i64>& tokens, NodeAssignment& out) {
   const Problem& pb = st.pb;
-  if (st.per_token != 0.0) {
+  if (st.per_token != 0.0) {  // pop_node on every light sequence, as a tree over the nodes
     const i64 room = st.gpn * pb.capacity;
+    RoomTree nodes(pb.nodes);
+    std::vector<double> load(pb.nodes);
+    while (!heap.empty()) {
+      load[heap.top().second] = heap.top().first;
+      heap.pop();
+    }
+    for (i64 n = 0; n < pb.nodes; ++n) nodes.set(n, load[n], tokens[n]);
     for (size_t i = split; i < order.size(); ++i) {
       const i64 seq = order[i], seqlen = pb.seqlens[seq];
-      Entry e = pop_node(heap, tokens, seqlen, room, seq);
-      heap.emplace(e.first + st.local_time[seq], e.second);
-      tokens[e.second] += seqlen;
-      out.per_node[e.second].push_back(seq);
+      const i64 node = nodes.least_with_room(room - seqlen);
+      if (node < 0) pop_nodes(heap, tokens, seqlen, room, 1, seq);  // raises, as the reference
+      load[node] += st.local_time[seq];
+      tokens[node] += seqlen;
+      nodes.set(node, load[node], tokens[node]);
+      out.per_node[node].push_back(seq);
     }
     return;
   }

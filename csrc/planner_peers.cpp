@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "planner.h"
+#include "planner_room.h"
 
 namespace zeppelin_planner {
 namespace {
@@ -42,56 +43,6 @@ i64 fewest_ranks(const Problem& pb, i64 seqlen, i64 capacity) {
                       " tokens does not fit the pool at " + std::to_string(capacity) +
                       " tokens per rank"};
 }
-
-// The least-loaded item (then the lowest index) holding at most ``room`` tokens: what the
-// Python reference finds with a heap of (load, item) (baselines._least_loaded_rank,
-// hydraulis._least_loaded_with_room). A tree over the items keeps, per subtree, the least
-// (load, item) and the fewest tokens, so a query skips whole subtrees without room or without
-// a better load instead of popping every full item.
-class RoomTree {
- public:
-  RoomTree() : RoomTree(0) {}
-  explicit RoomTree(i64 n) : n_(n), size_(1) {
-    while (size_ < n_) size_ *= 2;
-    best_.assign(2 * size_, {std::numeric_limits<double>::infinity(), -1});
-    tokens_.assign(2 * size_, std::numeric_limits<i64>::max());
-  }
-  void set(i64 item, double load, i64 tokens) {
-    i64 node = size_ + item;
-    best_[node] = {load, item};
-    tokens_[node] = tokens;
-    for (node /= 2; node >= 1; node /= 2) {
-      best_[node] = std::min(best_[2 * node], best_[2 * node + 1], less);
-      tokens_[node] = std::min(tokens_[2 * node], tokens_[2 * node + 1]);
-    }
-  }
-  i64 least_with_room(i64 room) const {
-    Entry found{std::numeric_limits<double>::infinity(), -1};
-    search(1, room, &found);
-    return found.second;
-  }
-
- private:
-  static bool less(const Entry& a, const Entry& b) {
-    if (a.second < 0) return false;
-    if (b.second < 0) return true;
-    return a < b;
-  }
-  void search(i64 node, i64 room, Entry* found) const {
-    if (tokens_[node] > room || best_[node].second < 0) return;
-    if (found->second >= 0 && !less(best_[node], *found)) return;
-    if (node >= size_) {
-      *found = best_[node];
-      return;
-    }
-    const i64 first = less(best_[2 * node + 1], best_[2 * node]) ? 2 * node + 1 : 2 * node;
-    search(first, room, found);
-    search(first ^ 1, room, found);
-  }
-  i64 n_, size_;
-  std::vector<Entry> best_;
-  std::vector<i64> tokens_;
-};
 
 // baselines._least_loaded_block: first rank of the block, -1 if none.
 i64 least_loaded_block(const Problem& pb, const std::vector<double>& loads,
@@ -169,13 +120,16 @@ double seq_time(const Problem& pb, i64 seqlen, i64 size, int tier) {
 // across the strategies (a pure function: the same values as computing them each time).
 struct SeqTimes {
   const Problem& pb;
-  std::vector<std::vector<double>> by_size;  // index: log2 of the (power-of-two) size
-  double get(i64 seq, i64 size) {
+  // index: log2 of the (power-of-two) size; sized once, so references into it stay valid
+  std::vector<std::vector<double>> by_size = std::vector<std::vector<double>>(63);
+  // The times of ``size`` (-1: not computed yet), one slot per sequence.
+  std::vector<double>& of(i64 size) {
     size_t index = 0;
     while ((i64{1} << index) < size) ++index;
-    if (by_size.size() <= index) by_size.resize(index + 1);
-    std::vector<double>& times = by_size[index];
-    if (times.empty()) times.assign(pb.seqlens.size(), -1.0);
+    if (by_size[index].empty()) by_size[index].assign(pb.seqlens.size(), -1.0);
+    return by_size[index];
+  }
+  double get(std::vector<double>& times, i64 seq, i64 size) const {
     if (times[seq] < 0) {
       times[seq] = seq_time(pb, pb.seqlens[seq], size, size <= pb.gpn ? INTRA : INTER);
     }
@@ -189,39 +143,52 @@ bool dispatch(const Problem& pb, const std::vector<i64>& order, const std::vecto
   std::vector<double> load(sizes.size(), 0.0);
   std::vector<i64> tokens(sizes.size(), 0);
   replica_of->assign(pb.seqlens.size(), -1);
-  std::map<i64, std::pair<RoomTree, std::vector<i64>>> kinds;  // per size: tree, its replicas
-  for (size_t r = 0; r < sizes.size(); ++r) kinds[sizes[r]].second.push_back(static_cast<i64>(r));
+  struct Kind {  // the replicas of one size: a tree over them, their indices, the times
+    i64 size;
+    RoomTree tree;
+    std::vector<i64> replicas;
+    std::vector<double>* times;
+  };
+  std::vector<Kind> kinds;
   std::vector<i64> slot(sizes.size());  // a replica's index in its kind's tree
-  for (auto& [size, kind] : kinds) {
-    kind.first = RoomTree(static_cast<i64>(kind.second.size()));
-    for (size_t i = 0; i < kind.second.size(); ++i) {
-      slot[kind.second[i]] = static_cast<i64>(i);
-      kind.first.set(static_cast<i64>(i), 0.0, 0);
+  for (size_t r = 0; r < sizes.size(); ++r) {
+    auto kind = std::find_if(kinds.begin(), kinds.end(),
+                             [&](const Kind& k) { return k.size == sizes[r]; });
+    if (kind == kinds.end()) {
+      kinds.push_back(Kind{sizes[r], RoomTree(), {}, &times.of(sizes[r])});
+      kind = kinds.end() - 1;
     }
+    slot[r] = static_cast<i64>(kind->replicas.size());
+    kind->replicas.push_back(static_cast<i64>(r));
+  }
+  for (Kind& kind : kinds) {
+    kind.tree = RoomTree(static_cast<i64>(kind.replicas.size()));
+    for (size_t i = 0; i < kind.replicas.size(); ++i) kind.tree.set(static_cast<i64>(i), 0.0, 0);
   }
   for (i64 seq : order) {
     const i64 s = pb.seqlens[seq];
     bool any = false;
     double best_end = 0;
-    i64 best_r = 0, best_share = 0, best_size = 0;
-    for (auto& [size, kind] : kinds) {
-      const i64 share = zigzag_share_bound(s, std::max<i64>(1, std::min(size, s / 2)));
-      const i64 found = kind.first.least_with_room(pb.capacity - share);
+    i64 best_r = 0, best_share = 0;
+    Kind* best_kind = nullptr;
+    for (Kind& kind : kinds) {
+      const i64 share = zigzag_share_bound(s, std::max<i64>(1, std::min(kind.size, s / 2)));
+      const i64 found = kind.tree.least_with_room(pb.capacity - share);
       if (found < 0) continue;
-      const i64 r = kind.second[found];
-      const double end = load[r] + times.get(seq, size);
+      const i64 r = kind.replicas[found];
+      const double end = load[r] + times.get(*kind.times, seq, kind.size);
       if (!any || end < best_end || (end == best_end && r < best_r)) {
         any = true;
         best_end = end;
         best_r = r;
         best_share = share;
-        best_size = size;
+        best_kind = &kind;
       }
     }
     if (!any || best_end >= bound) return false;
     load[best_r] = best_end;
     tokens[best_r] += best_share;
-    kinds.at(best_size).first.set(slot[best_r], best_end, tokens[best_r]);
+    best_kind->tree.set(slot[best_r], best_end, tokens[best_r]);
     (*replica_of)[seq] = best_r;
   }
   *makespan = *std::max_element(load.begin(), load.end());
@@ -357,29 +324,24 @@ bool within_capacity(const Problem& pb, const Tasks& tasks) {
 }
 
 std::pair<Tasks, std::vector<i64>> hydraulis_tasks(const Problem& pb) {
-  const std::vector<i64>& order = pb.order;
-  bool found = false;
   double best = std::numeric_limits<double>::infinity();
   std::vector<i64> best_sizes, best_replica, replica_of;
-  SeqTimes times{pb, {}};
+  SeqTimes times{pb};
   for (const std::vector<i64>& sizes : strategies(pb)) {
     double makespan;
-    if (dispatch(pb, order, sizes, best, times, &makespan, &replica_of)) {
-      found = true;
+    if (dispatch(pb, pb.order, sizes, best, times, &makespan, &replica_of)) {
       best = makespan;
       best_sizes = sizes;
       best_replica.swap(replica_of);
     }
   }
-  std::vector<std::vector<i64>> best_members(best_sizes.size());
-  for (i64 seq : order) {  // each replica's sequences in dispatch order (longest first)
-    if (found) best_members[best_replica[seq]].push_back(seq);
-  }
-  if (!found) {
+  if (best_sizes.empty()) {
     throw CapacityError{"hydraulis: no set of CP replicas holds the batch within the capacity " +
                         std::to_string(pb.capacity) + " tokens per rank"};
   }
-  return {pack(pb, best_sizes, best_members), best_sizes};
+  std::vector<std::vector<i64>> members(best_sizes.size());
+  for (i64 seq : pb.order) members[best_replica[seq]].push_back(seq);  // dispatch order
+  return {pack(pb, best_sizes, members), best_sizes};
 }
 
 }  // namespace zeppelin_planner

@@ -63,6 +63,14 @@ def test_registry_rejects_bad_names_options_and_registrations():
     assert "undocumented" not in STRATEGIES
 
 
+def test_plan_plot_draws_every_strategy_side_by_side(tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    assert cli.main(["plan", "--model", "llama-7b", "--cluster", "h200-8nic", "--nodes", "2",
+                     "--global-batch-tokens", "256K", "--strategy", "zeppelin", "static-cp",
+                     "hydraulis", "--plot", str(png)]) == 0
+    assert png.stat().st_size > 10000 and f"wrote {png}" in capsys.readouterr().err
+
+
 def test_cli_refuses_an_option_of_a_strategy_not_asked_for(capsys):
     assert cli.main(["plan", "--model", "llama-7b", "--cluster", "h200-8nic", "--strategy",
                      "zeppelin", "--cp-size", "8"]) == 2
@@ -131,7 +139,7 @@ def test_backends_give_the_same_plans_bit_for_bit(seed, monkeypatch):
         lengths = sample_batch(rng.choice(sorted(WORKLOADS)), 16 * 1024 * nodes * gpn, rng)
         config = ZeppelinConfig(remap=rng.random() < 0.8, routing=rng.random() < 0.8,
                                 capacity_factor=rng.choice([1.0, 2.0]))
-        for name in ("zeppelin", "hybrid-dp", "static-cp", "hydraulis"):
+        for name in ("zeppelin", "hybrid-dp", "static-cp", "static-cp-best", "hydraulis"):
             outcomes = []
             for backend in native.BACKENDS:
                 monkeypatch.setenv("ZEPPELIN_PLANNER_BACKEND", backend)
@@ -142,7 +150,7 @@ def test_backends_give_the_same_plans_bit_for_bit(seed, monkeypatch):
                     outcomes.append(("CapacityError", str(exc)))
             assert outcomes[0] == outcomes[1], (name, nodes, gpn)
             cases += 1
-    assert cases == 24
+    assert cases == 30
 
 
 def test_backends_refuse_a_configured_capacity_alike(monkeypatch):
