@@ -122,10 +122,11 @@ i64 choose_node_span(Placement& st, const std::vector<double>& node_loads, i64 s
 }
 
 // pop_nodes for one node, without building vectors when the least-loaded node has room.
-Entry pop_node(MinHeap& heap, const std::vector<i64>& tokens, i64 share, i64 room, i64 seq);
+Entry pop_node(MinHeap& heap, const std::vector<i64>& tokens, i64 share, i64 room, i64 seq,
+               i64 gpn);
 
 std::vector<Entry> pop_nodes(MinHeap& heap, const std::vector<i64>& tokens, i64 share, i64 room,
-                             i64 count, i64 seq) {
+                             i64 count, i64 seq, i64 gpn) {
   std::vector<Entry> chosen, skipped;
   while (!heap.empty() && static_cast<i64>(chosen.size()) < count) {
     Entry e = heap.top();
@@ -136,18 +137,21 @@ std::vector<Entry> pop_nodes(MinHeap& heap, const std::vector<i64>& tokens, i64 
   if (static_cast<i64>(chosen.size()) < count) {
     throw CapacityError{"sequence " + std::to_string(seq) + " needs " + std::to_string(count) +
                         " node(s) with room for " + std::to_string(share) + " tokens each, found " +
-                        std::to_string(chosen.size())};
+                        std::to_string(chosen.size()) + " (a node holds " + std::to_string(room) +
+                        " tokens at the capacity of " + std::to_string(room / gpn) +
+                        " tokens per GPU); raise capacity_tokens_per_gpu (or capacity_factor)"};
   }
   return chosen;
 }
 
-Entry pop_node(MinHeap& heap, const std::vector<i64>& tokens, i64 share, i64 room, i64 seq) {
+Entry pop_node(MinHeap& heap, const std::vector<i64>& tokens, i64 share, i64 room, i64 seq,
+               i64 gpn) {
   if (!heap.empty() && tokens[heap.top().second] + share <= room) {
     const Entry e = heap.top();
     heap.pop();
     return e;
   }
-  return pop_nodes(heap, tokens, share, room, 1, seq)[0];
+  return pop_nodes(heap, tokens, share, room, 1, seq, gpn)[0];
 }
 
 // Node loads and tokens while light sequences are added (zeppelin._LightNodes). The Python
@@ -234,7 +238,7 @@ void place_heavy(Placement& st, const std::vector<i64>& order, size_t split, Min
         heap.pop();
         heap.emplace(top.first + seconds, node);
       } else {
-        Entry e = pop_node(heap, tokens, seqlen, room, seq);
+        Entry e = pop_node(heap, tokens, seqlen, room, seq, st.gpn);
         node = e.second;
         heap.emplace(e.first + seconds, node);
       }
@@ -253,7 +257,7 @@ void place_heavy(Placement& st, const std::vector<i64>& order, size_t split, Min
     }
     const i64 span = choose_node_span(st, loads, seq, upcoming, best_times);
     const i64 share = (seqlen + span - 1) / span;
-    std::vector<Entry> chosen = pop_nodes(heap, tokens, share, room, span, seq);
+    std::vector<Entry> chosen = pop_nodes(heap, tokens, share, room, span, seq, st.gpn);
     double work;
     if (span == 1) {
       out.per_node[chosen[0].second].push_back(seq);
@@ -288,7 +292,7 @@ void place_light(Placement& st, const std::vector<i64>& order, size_t split, Min
     for (size_t i = split; i < order.size(); ++i) {
       const i64 seq = order[i], seqlen = pb.seqlens[seq];
       const i64 node = nodes.least_with_room(room - seqlen);
-      if (node < 0) pop_nodes(heap, tokens, seqlen, room, 1, seq);  // raises, as the reference
+      if (node < 0) pop_nodes(heap, tokens, seqlen, room, 1, seq, st.gpn);  // raises, as Python
       load[node] += st.local_time[seq];
       tokens[node] += seqlen;
       nodes.set(node, load[node], tokens[node]);
@@ -307,8 +311,11 @@ void place_light(Placement& st, const std::vector<i64>& order, size_t split, Min
     const i64 seq = order[i];
     const i64 node = light.place(st.local_time[seq], pb.seqlens[seq]);
     if (node < 0) {
-      throw CapacityError{"sequence " + std::to_string(seq) + " (" +
-                          std::to_string(pb.seqlens[seq]) + " tokens) fits on no node"};
+      const std::string len = std::to_string(pb.seqlens[seq]);
+      throw CapacityError{"sequence " + std::to_string(seq) + " (" + len +
+                          " tokens) fits on no node: every node is within " + len +
+                          " tokens of its " + std::to_string(light.room) + " (capacity " +
+                          std::to_string(pb.capacity) + " tokens per GPU)"};
     }
     out.per_node[node].push_back(seq);
   }
@@ -430,7 +437,8 @@ std::vector<std::pair<i64, Task>> place_inter_shares(Placement& st, i64 node,
         throw CapacityError{"node " + std::to_string(node) + " GPU " + std::to_string(g) +
                             " would hold " + std::to_string(gpus.tokens[g]) +
                             " tokens of inter-node sequences, over the capacity " +
-                            std::to_string(pb.capacity)};
+                            std::to_string(pb.capacity) +
+                            "; raise capacity_tokens_per_gpu (or capacity_factor)"};
       }
     }
     if (nodes[0] == node) {
@@ -530,8 +538,9 @@ void place_leftovers(Placement& st, std::vector<i64> seqs, std::vector<NodeGpus>
     }
     if (!any) {
       throw CapacityError{"sequence " + std::to_string(seq) + " (" + std::to_string(seqlen) +
-                          " tokens) fits nowhere within the capacity " +
-                          std::to_string(pb.capacity) + " tokens per GPU"};
+                          " tokens) fits nowhere: no GPU, and no GPUs of one node, have room for "
+                          "it within the capacity " + std::to_string(pb.capacity) +
+                          " tokens per GPU; raise capacity_tokens_per_gpu (or capacity_factor)"};
     }
     const int tier = chosen.size() > 1 ? INTRA : LOCAL;
     nodes[node].charge(chosen, seqlen, st.span_time(seqlen, static_cast<i64>(chosen.size()), tier));
