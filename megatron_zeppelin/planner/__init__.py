@@ -6,8 +6,8 @@ them, one module each.
 """
 from __future__ import annotations
 
-from megatron_zeppelin.planner import (baselines, flexsp,  # noqa: F401  (registers them)
-                                       hydraulis, portfolio)
+from megatron_zeppelin.planner import (baselines, dynamic_cp,  # noqa: F401  (registers)
+                                       flexsp, hydraulis, portfolio)
 from megatron_zeppelin.planner.registry import (STRATEGIES, Strategy, get_strategy, make_plan,
                                                 register)
 

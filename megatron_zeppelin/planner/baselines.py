@@ -118,17 +118,23 @@ def static_cp_tasks(batch: Batch, cp: int) -> list[AttentionTask]:
     return tasks
 
 
+# static-cp-best tries CP groups of up to this many nodes by default: a plan of G-rank groups
+# lists every document on up to G ranks (32M ring entries for G = 1024 and 64M tokens), and no
+# report run found a larger size fastest; --max-cp-size widens the search.
+BEST_CP_MAX_NODES = 8
+
+
 @register
 @dataclass(frozen=True)
 class StaticCPBest(Strategy):
     """Static CP at the size a user would tune it to for this batch: every legal CP size (a
-    divisor of the pool whose groups hold the longest document within the capacity), the
-    fastest by the step estimate (``estimate.estimate_tasks``)."""
+    divisor of the pool whose groups hold the longest document within the capacity) up to
+    ``max_cp_size``, the fastest by the step estimate (``estimate.estimate_tasks``)."""
 
     name = "static-cp-best"
     summary = "static CP at its best size for the batch (every legal size, by the estimate)"
     max_cp_size: int | None = field(default=None, metadata={
-        "help": "static-cp-best: largest CP size tried (default: the whole pool)"})
+        "help": f"static-cp-best: largest CP size tried (default: {BEST_CP_MAX_NODES} nodes)"})
 
     def __post_init__(self) -> None:
         _positive_option(self.name, "max_cp_size", self.max_cp_size)
@@ -136,7 +142,8 @@ class StaticCPBest(Strategy):
     def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
         config = dataclasses.replace(config, routing=config.routing and self.routed)
-        max_cp = self.max_cp_size or batch.topology.world_size
+        topo = batch.topology
+        max_cp = self.max_cp_size or min(topo.world_size, BEST_CP_MAX_NODES * topo.gpus_per_node)
         cpp = native.cpp_module(None)
         if cpp is not None:
             scores, twin = cpp.static_cp_best(
@@ -315,11 +322,18 @@ def plan_megatron_hybrid_cp(seqlens: Sequence[int], cost: CostModel, config: Zep
     from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
     batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
-    topo = batch.topology
     per_rank = max_seqlen_per_rank or default_max_seqlen_per_rank(batch)
     scheduler = BalancedCPScheduler(max_seq_len_per_rank=per_rank,
-                                    dp_cp_group=_PoolGroup(topo.world_size))
+                                    dp_cp_group=_PoolGroup(batch.topology.world_size))
     _, id_groups = scheduler.get_groups_and_subsamples(list(enumerate(batch.seqlens)), None)
+    return plan_from_waves("megatron-hybrid-cp", batch, id_groups)
+
+
+def plan_from_waves(name: str, batch: Batch, id_groups: Sequence[Sequence[Sequence[int]]]
+                    ) -> Plan:
+    """A plan from a Megatron scheduler's groups: ``id_groups[wave][rank]`` lists the sample
+    ids rank ``rank`` works on in that wave; the ranks sharing a sample form its ring."""
+    topo = batch.topology
     tasks: list[AttentionTask | None] = [None] * len(batch.seqlens)
     for wave, per_rank in enumerate(id_groups):
         members: dict[int, list[int]] = {}
@@ -328,14 +342,14 @@ def plan_megatron_hybrid_cp(seqlens: Sequence[int], cost: CostModel, config: Zep
                 members.setdefault(sid, []).append(rank)
         for sid, ranks in members.items():
             if tasks[sid] is not None:
-                raise RuntimeError(f"BalancedCPScheduler placed sample {sid} in two groups")
+                raise RuntimeError(f"{name}: the scheduler placed sample {sid} in two groups")
             if len(ranks) > 1 and batch.seqlens[sid] < 2 * len(ranks):
                 ranks = ranks[:max(1, batch.seqlens[sid] // 2)]  # TE pads; see the docstring
             tasks[sid] = _task(topo, sid, sorted(ranks), wave)
     missing = [i for i, t in enumerate(tasks) if t is None]
     if missing:
-        raise RuntimeError(f"BalancedCPScheduler left samples {missing[:8]} unscheduled")
-    plan = assemble("megatron-hybrid-cp", batch, tasks, None)
+        raise RuntimeError(f"{name}: the scheduler left samples {missing[:8]} unscheduled")
+    plan = assemble(name, batch, tasks, None)
     # Megatron runs every sub-sample as its own micro-batch, so what it bounds is tokens per
     # sub-sample (max_seqlen_per_rank), not per rank and wave: record the peak it reached.
     peak = max(max(per_rank) for per_rank in wave_tokens(plan))
