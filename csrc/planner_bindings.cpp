@@ -1,6 +1,6 @@
 // The pybind11 module megatron_zeppelin._planner_cpp: the C++ twin of the portfolio's planners.
 // Every call copies its inputs, releases the GIL for the whole computation, and returns plain
-// Python tuples and lists (planner/native.py turns them into AttentionTasks and Segments).
+// plan.py's own objects (AttentionTasks, Segments) and plain Python lists.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -59,31 +59,52 @@ Problem make_problem(const py::tuple& t) {
   return pb;
 }
 
-// Tasks as (rings: a tuple of ranks per sequence, tiers: one int per sequence).
-py::tuple tasks_out(const Tasks& tasks) {
-  py::list rings(tasks.size());
-  py::list tiers(tasks.size());
-  for (size_t i = 0; i < tasks.size(); ++i) {
-    py::tuple ring(tasks[i].ring.size());
-    for (size_t j = 0; j < tasks[i].ring.size(); ++j) ring[j] = py::int_(tasks[i].ring[j]);
-    rings[i] = ring;
-    tiers[i] = py::int_(tasks[i].tier);
-  }
-  return py::make_tuple(rings, tiers);
+// An instance of the tuple subclass ``type`` (a NamedTuple of plan.py) holding ``items``,
+// built as ``tuple.__new__(type, items)`` builds it, without a Python-level call.
+py::object tuple_of(const py::object& type, std::initializer_list<PyObject*> items) {
+  auto* cls = reinterpret_cast<PyTypeObject*>(type.ptr());
+  PyObject* out = cls->tp_alloc(cls, static_cast<Py_ssize_t>(items.size()));
+  if (out == nullptr) throw py::error_already_set();
+  Py_ssize_t i = 0;
+  for (PyObject* item : items) PyTuple_SET_ITEM(out, i++, item);  // steals the references
+  return py::reinterpret_steal<py::object>(out);
 }
 
-// A layout as (segments per rank, then seq, start and end of every segment, rank by rank).
-py::tuple layout_out(const Layout& layout) {
-  std::vector<i64> counts, seqs, starts, ends;
-  for (const auto& segs : layout) {
-    counts.push_back(static_cast<i64>(segs.size()));
-    for (const Seg& s : segs) {
-      seqs.push_back(s.seq);
-      starts.push_back(s.start);
-      ends.push_back(s.end);
+PyObject* int_of(i64 value) { return PyLong_FromLongLong(value); }
+
+// The tasks as a list of plan.AttentionTask (wave 0).
+py::list tasks_out(const Tasks& tasks) {
+  const py::module_ plan = py::module_::import("megatron_zeppelin.plan");
+  const py::object task_type = plan.attr("AttentionTask");
+  const py::object tier_type = plan.attr("Tier");
+  const py::object tiers[3] = {tier_type(0), tier_type(1), tier_type(2)};
+  py::list out(tasks.size());
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    py::tuple ring(tasks[i].ring.size());
+    for (size_t j = 0; j < tasks[i].ring.size(); ++j) {
+      PyTuple_SET_ITEM(ring.ptr(), j, int_of(tasks[i].ring[j]));
     }
+    out[i] = tuple_of(task_type, {int_of(static_cast<i64>(i)), ring.release().ptr(),
+                                  tiers[tasks[i].tier].inc_ref().ptr(), int_of(0)});
   }
-  return py::make_tuple(counts, seqs, starts, ends);
+  return out;
+}
+
+// A layout as a tuple per rank of plan.Segment.
+py::tuple layout_out(const Layout& layout) {
+  const py::object segment = py::module_::import("megatron_zeppelin.plan").attr("Segment");
+  py::tuple out(layout.size());
+  for (size_t r = 0; r < layout.size(); ++r) {
+    py::tuple segs(layout[r].size());
+    for (size_t j = 0; j < layout[r].size(); ++j) {
+      const Seg& s = layout[r][j];
+      PyTuple_SET_ITEM(segs.ptr(), j,
+                       tuple_of(segment, {int_of(s.seq), int_of(s.start), int_of(s.end)})
+                           .release().ptr());
+    }
+    PyTuple_SET_ITEM(out.ptr(), r, segs.release().ptr());
+  }
+  return out;
 }
 
 template <typename F>
@@ -117,8 +138,8 @@ PYBIND11_MODULE(_planner_cpp, m) {
     });
     return py::make_tuple(c.names, c.estimates, c.winner, tasks_out(c.tasks),
                           layout_out(c.linear));
-  }, "(candidate names, estimated step seconds, winner index, its tasks as (rings, tiers), "
-     "its linear layout as (counts, seqs, starts, ends): the attention layout unless remapped)");
+  }, "(candidate names, estimated step seconds, winner index, its AttentionTasks, its linear "
+     "layout (Segments per rank): the attention layout unless remapped)");
   m.def("hierarchical", [](const py::tuple& problem, bool with_linear) {
     const Problem pb = make_problem(problem);
     return tasks_out(guarded([&] { return place_hierarchical(pb, with_linear); }));

@@ -148,7 +148,7 @@ class StaticCPBest(Strategy):
         if cpp is not None:
             scores, twin = cpp.static_cp_best(
                 native.problem_args(batch.seqlens, batch.capacity, cost, config), max_cp)
-            tasks = native.tasks_from_twin(twin) if scores else None
+            tasks = twin if scores else None
         else:
             scored = [(estimate_tasks(t, batch.seqlens, batch.topology, cost,
                                       config.routing).step_s, cp, t)

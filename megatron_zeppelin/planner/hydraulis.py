@@ -52,7 +52,7 @@ class Hydraulis(Strategy):
         if cpp is not None:
             twin, sizes = cpp.hydraulis(native.problem_args(batch.seqlens, batch.capacity, cost,
                                                             config))
-            tasks, label = native.tasks_from_twin(twin), replicas_label(sizes)
+            tasks, label = twin, replicas_label(sizes)
         else:
             tasks, label = hydraulis_tasks(batch, cost)
         return assemble("hydraulis", batch, tasks, None, candidate=label)

@@ -4,12 +4,11 @@ twin (``megatron_zeppelin._planner_cpp``, built from ``csrc/planner*.cpp`` by
 compute. ``ZEPPELIN_PLANNER_BACKEND`` (read by ``env.planner_backend()``): ``auto`` (default:
 the twin when built), ``cpp`` (require it) or ``python``.
 
-Every function here takes ``backend`` (None: the environment's choice) and returns Python
-objects (``AttentionTask`` lists, ``Segment`` layouts) whichever backend computed them.
+The twin returns plan.py's own objects (``AttentionTask`` lists, ``Segment`` layouts), built
+in C++ as ``tuple.__new__`` builds them.
 """
 from __future__ import annotations
 
-from itertools import repeat
 from types import ModuleType
 from typing import Sequence
 
@@ -17,7 +16,7 @@ from megatron_zeppelin import env
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import FWD_BWD_LINEAR, CostModel
 from megatron_zeppelin.estimate import grad_allreduce_seconds
-from megatron_zeppelin.plan import AttentionTask, Layout, Segment, Tier
+from megatron_zeppelin.plan import AttentionTask
 
 BACKENDS = ("cpp", "python")
 
@@ -65,28 +64,6 @@ def problem_args(seqlens: Sequence[int], capacity: int, cost: CostModel,
             cost.hardware.attention_bwd_ratio, FWD_BWD_LINEAR)
 
 
-_TIERS = tuple(Tier)
-
-
-def tasks_from_twin(result: tuple) -> list[AttentionTask]:
-    """The twin's tasks, (rings, tiers), as AttentionTasks (built by ``tuple.__new__``: the
-    same objects as ``AttentionTask(...)``, without its Python-level constructor)."""
-    rings, tiers = result
-    fields = zip(range(len(rings)), rings, map(_TIERS.__getitem__, tiers), repeat(0))
-    return list(map(tuple.__new__, repeat(AttentionTask), fields))
-
-
-def layout_from_twin(result: tuple) -> Layout:
-    """The twin's layout, (segments per rank, seqs, starts, ends), as Segments per rank."""
-    counts, seqs, starts, ends = result
-    segments = list(map(tuple.__new__, repeat(Segment), zip(seqs, starts, ends)))
-    out, first = [], 0
-    for count in counts:
-        out.append(tuple(segments[first:first + count]))
-        first += count
-    return tuple(out)
-
-
 def cpp_module(backend: str | None) -> ModuleType | None:
     """The twin when ``backend`` resolves to ``cpp``, else None (use the Python reference)."""
     return load_cpp() if backend_name(backend) == "cpp" else None
@@ -99,5 +76,4 @@ def twin_tasks(function: str, seqlens: Sequence[int], capacity: int, cost: CostM
     cpp = cpp_module(None)
     if cpp is None:
         return None
-    return tasks_from_twin(getattr(cpp, function)(problem_args(seqlens, capacity, cost, config),
-                                                  *args))
+    return getattr(cpp, function)(problem_args(seqlens, capacity, cost, config), *args)

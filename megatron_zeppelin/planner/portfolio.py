@@ -88,8 +88,7 @@ def choose(batch: Batch, cost: CostModel, config: ZeppelinConfig
     if cpp is not None:
         names, estimates, winner, tasks, linear = cpp.portfolio(
             native.problem_args(batch.seqlens, batch.capacity, cost, config))
-        return (names, estimates, winner, native.tasks_from_twin(tasks),
-                native.layout_from_twin(linear))
+        return names, estimates, winner, tasks, linear
     names, estimates, best = [], [], None
     for candidate in candidates(batch, cost, config):
         linear = None if candidate.linear is None else rank_tokens(candidate.linear)
