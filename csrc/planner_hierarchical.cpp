@@ -24,7 +24,13 @@ struct Placement {
   double target, slack, total_work, per_token, overhead = 0.0;
   std::vector<double> local_time;
   i64 gpn;
-  std::map<i64, Spans> span_cache;  // per sequence, for one node's intra step
+  // span_times of each sequence once computed (a pure function of the sequence, so one cache
+  // serves every node), and choose_gpus's scratch buffers, reused call after call
+  std::vector<Spans> spans;
+  std::vector<char> has_spans;
+  std::vector<i64> order, room;
+  std::vector<double> after;
+  std::vector<std::vector<i64>> options;
 
   bool fits(i64 seqlen, i64 ring) const {
     return (ring == 1 || seqlen >= 2 * ring) && zigzag_share_bound(seqlen, ring) <= pb.capacity;
@@ -47,10 +53,12 @@ Spans span_times(const Placement& st, i64 seq) {
   return spans;
 }
 
-const Spans& cached_spans(Placement& st, std::map<i64, Spans>& cache, i64 seq) {
-  auto it = cache.find(seq);
-  if (it == cache.end()) it = cache.emplace(seq, span_times(st, seq)).first;
-  return it->second;
+const Spans& cached_spans(Placement& st, i64 seq) {
+  if (!st.has_spans[seq]) {
+    st.spans[seq] = span_times(st, seq);
+    st.has_spans[seq] = 1;
+  }
+  return st.spans[seq];
 }
 
 double best_node_time(Placement& st, i64 seq, std::map<i64, double>& cache) {
@@ -376,22 +384,23 @@ struct NodeGpus {
 
 // The GPUs of the node the sequence runs on (empty: no span has room).
 std::vector<i64> choose_gpus(Placement& st, NodeGpus& gpus, i64 seq, double remaining,
-                             i64 upcoming, std::map<i64, Spans>& cache) {
+                             i64 upcoming) {
   const Problem& pb = st.pb;
   const i64 gpn = st.gpn, seqlen = pb.seqlens[seq];
   const double seconds = st.local_time[seq];
-  std::vector<i64> order(gpn);
+  std::vector<i64>& order = st.order;
+  order.resize(gpn);
   for (i64 g = 0; g < gpn; ++g) order[g] = g;
   std::stable_sort(order.begin(), order.end(),
                    [&](i64 a, i64 b) { return gpus.loads[a] < gpus.loads[b]; });
   const double floor = (gpus.total + remaining) / static_cast<double>(gpn);
-  const Spans* ahead = upcoming >= 0 ? &cached_spans(st, cache, upcoming) : nullptr;
-  std::map<i64, std::vector<i64>> options;
+  const Spans* ahead = upcoming >= 0 ? &cached_spans(st, upcoming) : nullptr;
   std::vector<std::pair<double, i64>> peaks;
-  const Spans spans = cached_spans(st, cache, seq);
-  for (const auto& [k, per_rank] : spans) {
+  st.options.resize(gpn + 1);
+  for (const auto& [k, per_rank] : cached_spans(st, seq)) {
     const i64 share = zigzag_share_bound(seqlen, k);
-    std::vector<i64> room;
+    std::vector<i64>& room = st.room;
+    room.clear();
     for (i64 g : order) {
       if (static_cast<i64>(room.size()) == k) break;
       if (gpus.tokens[g] + share <= pb.capacity) room.push_back(g);
@@ -401,7 +410,8 @@ std::vector<i64> choose_gpus(Placement& st, NodeGpus& gpus, i64 seq, double rema
         std::max(0.0, per_rank * static_cast<double>(k) - seconds) / static_cast<double>(gpn);
     double projected = std::max(gpus.loads[room.back()] + per_rank, floor + wasted);
     if (ahead != nullptr && !ahead->empty()) {
-      std::vector<double> after(gpn);
+      std::vector<double>& after = st.after;
+      after.resize(gpn);
       for (i64 g = 0; g < gpn; ++g) {
         const bool in = std::find(room.begin(), room.end(), g) != room.end();
         after[g] = gpus.loads[g] + (in ? per_rank : 0.0);
@@ -413,10 +423,10 @@ std::vector<i64> choose_gpus(Placement& st, NodeGpus& gpus, i64 seq, double rema
     }
     peaks.emplace_back(projected, k);
     std::sort(room.begin(), room.end());
-    options[k] = room;
+    st.options[k] = room;
   }
   if (peaks.empty()) return {};
-  return options[smallest_near_best(peaks, 1e-9)];
+  return st.options[smallest_near_best(peaks, 1e-9)];
 }
 
 std::vector<std::pair<i64, Task>> place_inter_shares(Placement& st, i64 node,
@@ -462,7 +472,6 @@ void assign_gpus(Placement& st, i64 node, const NodeAssignment& na, Tasks& tasks
   std::vector<double> mine;
   for (i64 seq : seqs) mine.push_back(st.local_time[seq]);
   double remaining = add_up(mine);
-  std::map<i64, Spans> cache;
   for (size_t i = 0; i < seqs.size(); ++i) {
     const i64 seq = seqs[i], seqlen = pb.seqlens[seq];
     const double seconds = st.local_time[seq];
@@ -474,7 +483,7 @@ void assign_gpus(Placement& st, i64 node, const NodeAssignment& na, Tasks& tasks
       continue;
     }
     const i64 upcoming = i + 1 < seqs.size() ? seqs[i + 1] : -1;
-    std::vector<i64> picked = choose_gpus(st, gpus, seq, remaining, upcoming, cache);
+    std::vector<i64> picked = choose_gpus(st, gpus, seq, remaining, upcoming);
     remaining -= seconds;
     if (picked.empty()) {
       leftovers.push_back(seq);
@@ -524,8 +533,7 @@ void place_leftovers(Placement& st, std::vector<i64> seqs, std::vector<NodeGpus>
     i64 node = 0;
     std::vector<i64> chosen;
     for (size_t n = 0; n < nodes.size(); ++n) {
-      std::map<i64, Spans> cache;
-      std::vector<i64> picked = choose_gpus(st, nodes[n], seq, 0.0, -1, cache);
+      std::vector<i64> picked = choose_gpus(st, nodes[n], seq, 0.0, -1);
       if (picked.empty()) continue;
       double busiest = nodes[n].loads[picked[0]];
       for (i64 g : picked) busiest = std::max(busiest, nodes[n].loads[g]);
@@ -565,6 +573,8 @@ Tasks place_hierarchical(const Problem& pb, bool with_linear) {
   Placement st{pb, total / world * (1.0 + pb.slack), pb.slack, total, per_token};
   st.local_time = std::move(local_time);
   st.gpn = pb.gpn;
+  st.spans.resize(pb.seqlens.size());
+  st.has_spans.assign(pb.seqlens.size(), 0);
   const std::vector<i64>& order = pb.order;
   NodeAssignment na = assign_nodes(st, order);
   Tasks tasks(pb.seqlens.size());
