@@ -24,9 +24,12 @@ def sources(prefix: str) -> list[str]:
     return sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc").glob(f"{prefix}*.cpp"))
 
 
+HEADERS = sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.h"))
+
 ext_modules = [
     Pybind11Extension(f"megatron_zeppelin._{name}_cpp", sources(name), include_dirs=["csrc"],
-                      cxx_std=17, extra_compile_args=["-O3", "-ffp-contract=off", "-pthread"],
+                      depends=HEADERS, cxx_std=17,
+                      extra_compile_args=["-O3", "-ffp-contract=off", "-pthread"],
                       extra_link_args=["-pthread"])
     for name in ("router", "planner") if sources(name)
 ]

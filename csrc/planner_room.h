@@ -18,11 +18,11 @@ namespace zeppelin_planner {
 // a better load instead of popping every full item.
 class RoomTree {
  public:
-  using Entry = std::pair<double, i64>;
+  using Entry = std::pair<double, i64>;  // (load, item); empty slots: (inf, max) never win
   RoomTree() : RoomTree(0) {}
-  explicit RoomTree(i64 n) : n_(n), size_(1) {
-    while (size_ < n_) size_ *= 2;
-    best_.assign(2 * size_, {std::numeric_limits<double>::infinity(), -1});
+  explicit RoomTree(i64 n) : size_(1) {
+    while (size_ < n) size_ *= 2;
+    best_.assign(2 * size_, kEmpty);
     tokens_.assign(2 * size_, std::numeric_limits<i64>::max());
   }
   void set(i64 item, double load, i64 tokens) {
@@ -30,34 +30,35 @@ class RoomTree {
     best_[node] = {load, item};
     tokens_[node] = tokens;
     for (node /= 2; node >= 1; node /= 2) {
-      best_[node] = std::min(best_[2 * node], best_[2 * node + 1], less);
+      best_[node] = std::min(best_[2 * node], best_[2 * node + 1]);
       tokens_[node] = std::min(tokens_[2 * node], tokens_[2 * node + 1]);
     }
   }
+  // The least (load, item) among items holding at most ``room`` tokens; -1 if none.
   i64 least_with_room(i64 room) const {
-    Entry found{std::numeric_limits<double>::infinity(), -1};
-    search(1, room, &found);
-    return found.second;
+    Entry found = kEmpty;
+    i64 stack[128];
+    int depth = 0;
+    stack[depth++] = 1;
+    while (depth > 0) {
+      const i64 node = stack[--depth];
+      if (tokens_[node] > room || !(best_[node] < found)) continue;
+      if (node >= size_) {
+        found = best_[node];
+        continue;
+      }
+      const i64 left = 2 * node, right = left + 1;  // the subtree with the lower load first
+      const bool right_first = best_[right] < best_[left];
+      stack[depth++] = right_first ? left : right;
+      stack[depth++] = right_first ? right : left;
+    }
+    return found == kEmpty ? -1 : found.second;
   }
 
  private:
-  static bool less(const Entry& a, const Entry& b) {
-    if (a.second < 0) return false;
-    if (b.second < 0) return true;
-    return a < b;
-  }
-  void search(i64 node, i64 room, Entry* found) const {
-    if (tokens_[node] > room || best_[node].second < 0) return;
-    if (found->second >= 0 && !less(best_[node], *found)) return;
-    if (node >= size_) {
-      *found = best_[node];
-      return;
-    }
-    const i64 first = less(best_[2 * node + 1], best_[2 * node]) ? 2 * node + 1 : 2 * node;
-    search(first, room, found);
-    search(first ^ 1, room, found);
-  }
-  i64 n_, size_;
+  static constexpr Entry kEmpty{std::numeric_limits<double>::infinity(),
+                                std::numeric_limits<i64>::max()};
+  i64 size_;
   std::vector<Entry> best_;
   std::vector<i64> tokens_;
 };
