@@ -140,6 +140,15 @@ PYBIND11_MODULE(_planner_cpp, m) {
                           layout_out(c.linear));
   }, "(candidate names, estimated step seconds, winner index, its AttentionTasks, its linear "
      "layout (Segments per rank): the attention layout unless remapped)");
+  m.def("whole_segments", [](const std::vector<i64>& lengths) {
+    const py::object segment = py::module_::import("megatron_zeppelin.plan").attr("Segment");
+    py::tuple out(lengths.size());
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      PyTuple_SET_ITEM(out.ptr(), i, tuple_of(segment, {int_of(static_cast<i64>(i)), int_of(0),
+                                                        int_of(lengths[i])}).release().ptr());
+    }
+    return out;
+  }, "(Segment(i, 0, lengths[i]) for every i), as a tuple");
   m.def("hierarchical", [](const py::tuple& problem, bool with_linear) {
     const Problem pb = make_problem(problem);
     return tasks_out(guarded([&] { return place_hierarchical(pb, with_linear); }));
