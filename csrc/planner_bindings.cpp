@@ -119,7 +119,8 @@ auto guarded(F&& f) {
   try {
     return without_gil(std::forward<F>(f));
   } catch (const CapacityError& e) {
-    py::object error = py::module_::import("megatron_zeppelin.planner.common").attr("CapacityError");
+    py::object error =
+        py::module_::import("megatron_zeppelin.planner.common").attr("CapacityError");
     PyErr_SetString(error.ptr(), e.message.c_str());
     throw py::error_already_set();
   }

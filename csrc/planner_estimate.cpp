@@ -52,7 +52,8 @@ std::vector<double> pace(std::vector<double> att, const std::vector<RingGroup>& 
     double peak = 0.0;
     for (i64 m : members) {
       auto it = work.find({m, size});
-      if (it == work.end()) it = work.emplace(std::make_pair(m, size), rounds(m, size, false)).first;
+      if (it == work.end())
+        it = work.emplace(std::make_pair(m, size), rounds(m, size, false)).first;
       peak = std::max(peak, it->second);
     }
     for (i64 r : members) att[r] = std::max(att[r], peak + rounds(r, size, true));

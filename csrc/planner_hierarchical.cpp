@@ -112,7 +112,8 @@ i64 choose_node_span(Placement& st, const std::vector<double>& node_loads, i64 s
     if (!st.fits(seqlen, span * gpn)) continue;
     const double per_rank = st.span_time(seqlen, span * gpn, INTER);
     const double wasted =
-        std::max(0.0, per_rank * static_cast<double>(span) * g - seconds) / static_cast<double>(world);
+        std::max(0.0, per_rank * static_cast<double>(span) * g - seconds) /
+        static_cast<double>(world);
     const double rest = span < nodes ? node_loads[span] : kInf;
     const double nxt = std::min(rest, node_loads[0] + per_rank * g) / g + after;
     peaks.emplace_back(std::max({node_loads[span - 1] / g + per_rank, floor + wasted, nxt}), span);

@@ -127,12 +127,14 @@ std::vector<i64> rank_targets(const Problem& pb, const std::vector<i64>& per_ran
   if (pb.remap_c <= 0) {
     i64 total = 0;
     for (i64 t : per_rank) total += t;
-    for (i64 rank = 0; rank < world; ++rank) targets.push_back(total / world + (rank < total % world));
+    for (i64 rank = 0; rank < world; ++rank)
+      targets.push_back(total / world + (rank < total % world));
     return targets;
   }
   std::vector<i64> nodes(pb.nodes, 0);
   for (i64 rank = 0; rank < world; ++rank) nodes[rank / gpn] += per_rank[rank];
-  for (i64 node_total : node_token_targets(nodes, pb.linear_r / static_cast<double>(gpn), pb.remap_c)) {
+  const double per_node_rate = pb.linear_r / static_cast<double>(gpn);
+  for (i64 node_total : node_token_targets(nodes, per_node_rate, pb.remap_c)) {
     for (i64 i = 0; i < gpn; ++i) targets.push_back(node_total / gpn + (i < node_total % gpn));
   }
   return targets;

@@ -263,7 +263,8 @@ Tasks hybrid_dp_tasks(const Problem& pb, i64 per_rank) {
     const i64 start = k == 1 ? ranks.least_with_room(room)
                              : least_loaded_block(pb, loads, tokens, room, k);
     if (start < 0) {
-      throw CapacityError{"hybrid-dp: no " + std::to_string(k) + " rank(s) have room for sequence " +
+      throw CapacityError{"hybrid-dp: no " + std::to_string(k) +
+                          " rank(s) have room for sequence " +
                           std::to_string(seq) + " (" + std::to_string(seqlen) +
                           " tokens) within the capacity " + std::to_string(pb.capacity)};
     }

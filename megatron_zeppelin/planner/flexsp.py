@@ -26,8 +26,8 @@ shrink it). Here:
   solution found is used; the plan's ``candidate`` records the status, gap and solve time.
 
 The MILP's counts become sequences: per bucket longest first to the largest sizes it was given,
-inside a size to its least-loaded group. Attention of the plan is Ulysses (``Plan.attention_kind``): the
-simulator models it; the attention engine runs rings only, so FlexSP plans are not executed.
+inside a size to its least-loaded group. Attention of the plan is Ulysses
+(``Plan.attention_kind``): the simulator models it; the attention engine runs rings only, so FlexSP plans are not executed.
 """
 from __future__ import annotations
 

@@ -33,7 +33,8 @@ from megatron_zeppelin.plan import (AttentionTask, Layout, Plan, attention_layou
 from megatron_zeppelin.planner.baselines import (default_max_seqlen_per_rank, hybrid_dp_tasks,
                                                  static_cp_tasks)
 from megatron_zeppelin.planner.hydraulis import hydraulis_tasks
-from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare, within_capacity)
+from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare,
+                                              within_capacity)
 from megatron_zeppelin.planner import native
 from megatron_zeppelin.planner.linear_layout import linear_plan, rank_targets, rank_tokens
 from megatron_zeppelin.planner.registry import Strategy, register
