@@ -28,6 +28,8 @@ def test_plans_from_the_process_are_the_in_process_plans_in_order():
     with PlannerService(PlanFunction("zeppelin", cost, validate=True)) as service:
         tickets = [service.submit(lengths) for lengths in LENGTHS]
         plans = [service.result(t) for t in tickets]
+    with pytest.raises(ProcessLookupError):  # closing waited for the process
+        os.kill(service.pid, 0)
     for lengths, plan in zip(LENGTHS, plans):
         assert same_plan(plan, make_plan("zeppelin", lengths, cost))
 
@@ -62,9 +64,16 @@ def test_waiting_is_bounded():
             service.result(service.submit([100]))
 
 
+def children() -> set[str]:
+    return {pid for task in os.listdir("/proc/self/task")
+            for pid in open(f"/proc/self/task/{task}/children").read().split()}
+
+
 def test_a_planner_that_cannot_be_sent_is_refused():
+    before = children()
     with pytest.raises(PlannerServiceError, match="must be picklable"):
         PlannerService(lambda lengths: None)
+    assert children() <= before  # the process it started is gone
 
 
 def test_the_data_iterator_takes_its_plans_from_the_process():

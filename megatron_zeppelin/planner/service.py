@@ -108,6 +108,9 @@ class PlannerService:
             _send(self._proc.stdin, plan_fn)
         except (BrokenPipeError, pickle.PicklingError, TypeError, AttributeError) as exc:
             self._proc.kill()
+            self._release(timeout_s=10.0)
+            self._proc.stdout.close()
+            self._stderr.close()
             raise PlannerServiceError(f"cannot start the planner process with {plan_fn!r}: "
                                       f"{type(exc).__name__}: {exc} (the planner must be "
                                       "picklable, e.g. planner.service.PlanFunction)") from None
@@ -157,20 +160,25 @@ class PlannerService:
                                   f"{kind}: {message}\n{trace}")
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the process (bounded: killed after ``timeout_s``)."""
+        """Stop the process (bounded: killed after ``timeout_s``) and release its pipes."""
         with self._lock:
-            if self._proc.poll() is None:
-                try:
-                    self._proc.stdin.close()
-                except OSError:
-                    pass
+            self._release(timeout_s)
+        self._reader.join(timeout=timeout_s)
+        self._proc.stdout.close()
+        self._stderr.close()
+
+    def _release(self, timeout_s: float) -> None:
+        """End of input for the process, then wait for it to exit (killed after ``timeout_s``).
+        Its stdout and stderr file stay open for the reader thread (``_failure``)."""
+        try:
+            self._proc.stdin.close()
+        except OSError:  # the process is gone and the last write never reached it
+            pass
         try:
             self._proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait(timeout=timeout_s)
-        self._reader.join(timeout=timeout_s)
-        self._stderr.close()
 
     def __enter__(self) -> "PlannerService":
         return self
