@@ -5,6 +5,8 @@
 #include <pybind11/stl.h>
 
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "planner.h"
 
@@ -59,6 +61,15 @@ Problem make_problem(const py::tuple& t) {
   return pb;
 }
 
+// Every tuple returned below holds only ints, the Tier enum's members and such tuples: it can
+// be part of no reference cycle, so it leaves the cyclic garbage collector's lists once filled
+// (what CPython's collector does itself to such tuples at its next pass, here without that
+// pass: 38K documents make ~150K tuples, which otherwise cost the caller's collections ~60 ms).
+PyObject* untracked(PyObject* tuple) {
+  if (PyObject_GC_IsTracked(tuple)) PyObject_GC_UnTrack(tuple);
+  return tuple;
+}
+
 // An instance of the tuple subclass ``type`` (a NamedTuple of plan.py) holding ``items``,
 // built as ``tuple.__new__(type, items)`` builds it, without a Python-level call.
 py::object tuple_of(const py::object& type, std::initializer_list<PyObject*> items) {
@@ -67,7 +78,7 @@ py::object tuple_of(const py::object& type, std::initializer_list<PyObject*> ite
   if (out == nullptr) throw py::error_already_set();
   Py_ssize_t i = 0;
   for (PyObject* item : items) PyTuple_SET_ITEM(out, i++, item);  // steals the references
-  return py::reinterpret_steal<py::object>(out);
+  return py::reinterpret_steal<py::object>(untracked(out));
 }
 
 PyObject* int_of(i64 value) { return PyLong_FromLongLong(value); }
@@ -84,6 +95,7 @@ py::list tasks_out(const Tasks& tasks) {
     for (size_t j = 0; j < tasks[i].ring.size(); ++j) {
       PyTuple_SET_ITEM(ring.ptr(), j, int_of(tasks[i].ring[j]));
     }
+    untracked(ring.ptr());
     out[i] = tuple_of(task_type, {int_of(static_cast<i64>(i)), ring.release().ptr(),
                                   tiers[tasks[i].tier].inc_ref().ptr(), int_of(0)});
   }
@@ -102,7 +114,39 @@ py::tuple layout_out(const Layout& layout) {
                        tuple_of(segment, {int_of(s.seq), int_of(s.start), int_of(s.end)})
                            .release().ptr());
     }
-    PyTuple_SET_ITEM(out.ptr(), r, segs.release().ptr());
+    PyTuple_SET_ITEM(out.ptr(), r, untracked(segs.release().ptr()));
+  }
+  untracked(out.ptr());
+  return out;
+}
+
+// ``items[i]`` of a tuple argument, checked: the pickle of a Plan (``Plan.__reduce__``) holds
+// tuples only.
+PyObject* item_of(PyObject* tuple, Py_ssize_t i, const char* what) {
+  if (!PyTuple_Check(tuple) || i >= PyTuple_GET_SIZE(tuple)) {
+    throw std::invalid_argument(std::string("_planner_cpp.plan_parts: malformed ") + what);
+  }
+  return PyTuple_GET_ITEM(tuple, i);
+}
+
+// Segments from (seqs, starts, ends) columns (an empty tuple: none), holding the columns' own
+// int objects.
+std::vector<py::object> segments_of(const py::tuple& columns, const py::object& segment) {
+  std::vector<py::object> out;
+  if (columns.empty()) return out;
+  PyObject* cols[3] = {item_of(columns.ptr(), 0, "segment columns"),
+                       item_of(columns.ptr(), 1, "segment columns"),
+                       item_of(columns.ptr(), 2, "segment columns")};
+  const Py_ssize_t n = PyTuple_Check(cols[0]) ? PyTuple_GET_SIZE(cols[0]) : 0;
+  out.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* seq = item_of(cols[0], i, "segment seqs");
+    PyObject* start = item_of(cols[1], i, "segment starts");
+    PyObject* end = item_of(cols[2], i, "segment ends");
+    Py_INCREF(seq);
+    Py_INCREF(start);
+    Py_INCREF(end);
+    out.push_back(tuple_of(segment, {seq, start, end}));
   }
   return out;
 }
@@ -148,8 +192,65 @@ PYBIND11_MODULE(_planner_cpp, m) {
       PyTuple_SET_ITEM(out.ptr(), i, tuple_of(segment, {int_of(static_cast<i64>(i)), int_of(0),
                                                         int_of(lengths[i])}).release().ptr());
     }
+    untracked(out.ptr());
     return out;
   }, "(Segment(i, 0, lengths[i]) for every i), as a tuple");
+  m.def("plan_parts", [](const py::tuple& rings, const py::tuple& tiers, const py::tuple& waves,
+                         const py::tuple& counts, const py::tuple& linear,
+                         const py::tuple& sources) {
+    const py::module_ plan = py::module_::import("megatron_zeppelin.plan");
+    const py::object task_type = plan.attr("AttentionTask");
+    const py::object segment = plan.attr("Segment");
+    const py::object tier_type = plan.attr("Tier");
+    const py::object tier_of[3] = {tier_type(0), tier_type(1), tier_type(2)};
+    const Py_ssize_t n = static_cast<Py_ssize_t>(rings.size());
+    if (static_cast<Py_ssize_t>(tiers.size()) != n || static_cast<Py_ssize_t>(waves.size()) != n) {
+      throw std::invalid_argument("_planner_cpp.plan_parts: rings, tiers and waves differ in "
+                                  "length");
+    }
+    py::tuple tasks(n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* ring = item_of(rings.ptr(), i, "rings");
+      const long tier = PyLong_AsLong(item_of(tiers.ptr(), i, "tiers"));
+      if (tier < 0 || tier > 2) throw std::invalid_argument("_planner_cpp.plan_parts: bad tier");
+      PyObject* wave = item_of(waves.ptr(), i, "waves");
+      untracked(ring);
+      Py_INCREF(ring);
+      Py_INCREF(wave);
+      PyTuple_SET_ITEM(tasks.ptr(), i,
+                       tuple_of(task_type, {PyLong_FromSsize_t(i), ring,
+                                            tier_of[tier].inc_ref().ptr(), wave})
+                           .release().ptr());
+    }
+    std::vector<py::object> segs = segments_of(linear, segment);
+    py::tuple layout(counts.size());
+    size_t first = 0;
+    for (size_t r = 0; r < counts.size(); ++r) {
+      const size_t count = counts[r].cast<size_t>();
+      if (first + count > segs.size()) {
+        throw std::invalid_argument("_planner_cpp.plan_parts: counts exceed the segments");
+      }
+      py::tuple rank(count);
+      for (size_t j = 0; j < count; ++j) {
+        PyTuple_SET_ITEM(rank.ptr(), j, segs[first + j].release().ptr());
+      }
+      first += count;
+      PyTuple_SET_ITEM(layout.ptr(), r, untracked(rank.release().ptr()));
+    }
+    if (first != segs.size()) {
+      throw std::invalid_argument("_planner_cpp.plan_parts: counts do not cover the segments");
+    }
+    std::vector<py::object> source_segs = segments_of(sources, segment);
+    py::tuple source_out(source_segs.size());
+    for (size_t i = 0; i < source_segs.size(); ++i) {
+      PyTuple_SET_ITEM(source_out.ptr(), i, source_segs[i].release().ptr());
+    }
+    untracked(tasks.ptr());
+    untracked(layout.ptr());
+    untracked(source_out.ptr());
+    return py::make_tuple(tasks, layout, source_out);
+  }, "Plan._rebuild_plan's parts from Plan.__reduce__'s columns: (tasks, linear layout, "
+     "sources), every tuple out of the cyclic garbage collector");
   m.def("hierarchical", [](const py::tuple& problem, bool with_linear) {
     const Problem pb = make_problem(problem);
     return tasks_out(guarded([&] { return place_hierarchical(pb, with_linear); }));

@@ -25,6 +25,7 @@ from functools import cached_property
 from itertools import repeat
 from typing import NamedTuple, Sequence
 
+from megatron_zeppelin import env
 from megatron_zeppelin.plan_checks import PlanError, check_plan
 from megatron_zeppelin.segments import (Layout, Segment, zigzag_bounds, zigzag_segments,
                                         zigzag_share, zigzag_share_bound)
@@ -256,9 +257,8 @@ def _segments(columns: tuple) -> list[Segment]:
     return list(map(tuple.__new__, repeat(Segment), zip(*columns))) if columns else []
 
 
-def _rebuild_plan(strategy, topology, seqlens, sources, rings, tiers, waves, counts, linear,
-                  capacity, overlong, plan_time_s, attention_kind, candidate, estimates) -> Plan:
-    """The Plan ``Plan.__reduce__`` pickled."""
+def _plan_parts(rings, tiers, waves, counts, linear, sources) -> tuple:
+    """``_rebuild_plan``'s tasks, linear layout and sources, from the columns."""
     tier = tuple(Tier)
     tasks = tuple(map(tuple.__new__, repeat(AttentionTask),
                       zip(range(len(rings)), rings, map(tier.__getitem__, tiers), waves)))
@@ -266,8 +266,30 @@ def _rebuild_plan(strategy, topology, seqlens, sources, rings, tiers, waves, cou
     for count in counts:
         layout.append(tuple(segments[first:first + count]))
         first += count
-    return Plan(strategy, topology, seqlens, tuple(_segments(sources)), tasks, tuple(layout),
-                capacity, overlong, plan_time_s, attention_kind, candidate, estimates)
+    return tasks, tuple(layout), tuple(_segments(sources))
+
+
+def _parts_builder():
+    """The planner's C++ twin's ``plan_parts`` (the same objects, built without Python calls and
+    kept out of the cyclic garbage collector: a process receiving plans does not pay for them
+    in its collections), or the Python ``_plan_parts`` where the twin is not built or
+    ``ZEPPELIN_PLANNER_BACKEND=python`` (the switch ``planner/native.py`` reads)."""
+    if env.planner_backend() != "python":
+        try:
+            from megatron_zeppelin._planner_cpp import plan_parts
+            return plan_parts
+        except ImportError:
+            pass
+    return _plan_parts
+
+
+def _rebuild_plan(strategy, topology, seqlens, sources, rings, tiers, waves, counts, linear,
+                  capacity, overlong, plan_time_s, attention_kind, candidate, estimates) -> Plan:
+    """The Plan ``Plan.__reduce__`` pickled."""
+    tasks, layout, source_segments = _parts_builder()(rings, tiers, waves, counts, linear,
+                                                      sources)
+    return Plan(strategy, topology, seqlens, source_segments, tasks, layout, capacity, overlong,
+                plan_time_s, attention_kind, candidate, estimates)
 
 
 def ring_groups_of(tasks: Sequence[AttentionTask], topology: Topology) -> tuple[RingGroup, ...]:

@@ -196,3 +196,23 @@ def test_linear_layout_moves_the_fewest_tokens_across_nodes():
         minimum = sum(max(0, sum(att[r] for r in plan.topology.node_ranks(n)) -
                           sum(lin[r] for r in plan.topology.node_ranks(n))) for n in range(nodes))
         assert plan.remap_cross_node_tokens() == minimum
+
+
+@pytest.mark.parametrize("strategy", ["zeppelin", "static-cp", "hybrid-dp"])
+def test_a_plan_pickles_to_the_same_plan_of_the_same_types(strategy, planner_backend):
+    import gc
+    import pickle
+
+    from megatron_zeppelin.plan import AttentionTask, Segment
+
+    plan = make_plan(strategy, [30000, 2000, 700, 90, 5, 12000, 64, 64], make_cost(nodes=2))
+    copy = pickle.loads(pickle.dumps(plan))
+    assert copy == plan
+    assert {type(t) for t in copy.tasks} == {AttentionTask}
+    assert {type(t.tier) for t in copy.tasks} == {Tier}
+    assert {type(s) for segs in (copy.sources, *copy.linear) for s in segs} == {Segment}
+    # the twin keeps the received tuples out of the receiving process's garbage collector
+    segments = [s for segs in (copy.sources, *copy.linear) for s in segs]
+    tracked = {gc.is_tracked(x) for x in (*copy.tasks, *segments)}
+    assert {gc.is_tracked(t) for t in plan.tasks} == tracked  # as planned
+    assert tracked == ({True} if planner_backend == "python" else {False})
