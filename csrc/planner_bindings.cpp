@@ -251,6 +251,50 @@ PYBIND11_MODULE(_planner_cpp, m) {
     return py::make_tuple(tasks, layout, source_out);
   }, "Plan._rebuild_plan's parts from Plan.__reduce__'s columns: (tasks, linear layout, "
      "sources), every tuple out of the cyclic garbage collector");
+  m.def("attention_layout", [](const py::sequence& groups, const std::vector<i64>& seqlens,
+                               i64 world) {
+    const py::object segment = py::module_::import("megatron_zeppelin.plan").attr("Segment");
+    std::vector<std::vector<py::object>> out(static_cast<size_t>(world));
+    const auto seg = [&](i64 seq, i64 start, i64 end) {
+      return tuple_of(segment, {int_of(seq), int_of(start), int_of(end)});
+    };
+    for (const py::handle group : groups) {
+      const std::vector<i64> ring = group.attr("ring").cast<std::vector<i64>>();
+      const std::vector<i64> seqs = group.attr("seqs").cast<std::vector<i64>>();
+      for (i64 rank : ring) {
+        if (rank < 0 || rank >= world) throw std::invalid_argument("ring rank out of range");
+      }
+      for (i64 seq : seqs) {
+        if (seq < 0 || seq >= static_cast<i64>(seqlens.size())) {
+          throw std::invalid_argument("sequence index out of range");
+        }
+      }
+      const i64 size = static_cast<i64>(ring.size());
+      if (size == 1) {
+        for (i64 seq : seqs) out[ring[0]].push_back(seg(seq, 0, seqlens[seq]));
+        continue;
+      }
+      const i64 n = 2 * size;
+      for (i64 pos = 0; pos < size; ++pos) {
+        const i64 mirror = n - 1 - pos;
+        for (i64 seq : seqs) {
+          const i64 length = seqlens[seq];
+          out[ring[pos]].push_back(seg(seq, pos * length / n, (pos + 1) * length / n));
+          out[ring[pos]].push_back(seg(seq, mirror * length / n, (mirror + 1) * length / n));
+        }
+      }
+    }
+    py::tuple layout(world);
+    for (size_t r = 0; r < out.size(); ++r) {
+      py::tuple rank(out[r].size());
+      for (size_t j = 0; j < out[r].size(); ++j) {
+        PyTuple_SET_ITEM(rank.ptr(), j, out[r][j].release().ptr());
+      }
+      PyTuple_SET_ITEM(layout.ptr(), r, untracked(rank.release().ptr()));
+    }
+    untracked(layout.ptr());
+    return layout;
+  }, "plan.attention_layout_of(groups, seqlens, world): the same Segments per rank");
   m.def("hierarchical", [](const py::tuple& problem, bool with_linear) {
     const Problem pb = make_problem(problem);
     return tasks_out(guarded([&] { return place_hierarchical(pb, with_linear); }));

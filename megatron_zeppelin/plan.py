@@ -269,25 +269,26 @@ def _plan_parts(rings, tiers, waves, counts, linear, sources) -> tuple:
     return tasks, tuple(layout), tuple(_segments(sources))
 
 
-def _parts_builder():
-    """The planner's C++ twin's ``plan_parts`` (the same objects, built without Python calls and
-    kept out of the cyclic garbage collector: a process receiving plans does not pay for them
-    in its collections), or the Python ``_plan_parts`` where the twin is not built or
-    ``ZEPPELIN_PLANNER_BACKEND=python`` (the switch ``planner/native.py`` reads)."""
+def _twin(name: str, reference):
+    """The planner's C++ twin's function ``name`` (the same objects as the Python ``reference``,
+    built without Python calls and kept out of the cyclic garbage collector, so that a process
+    holding many plans does not pay for them in its collections), or ``reference`` where the
+    twin is not built or ``ZEPPELIN_PLANNER_BACKEND=python`` (the switch ``planner/native.py``
+    reads)."""
     if env.planner_backend() != "python":
         try:
-            from megatron_zeppelin._planner_cpp import plan_parts
-            return plan_parts
+            from megatron_zeppelin import _planner_cpp
+            return getattr(_planner_cpp, name)
         except ImportError:
             pass
-    return _plan_parts
+    return reference
 
 
 def _rebuild_plan(strategy, topology, seqlens, sources, rings, tiers, waves, counts, linear,
                   capacity, overlong, plan_time_s, attention_kind, candidate, estimates) -> Plan:
     """The Plan ``Plan.__reduce__`` pickled."""
-    tasks, layout, source_segments = _parts_builder()(rings, tiers, waves, counts, linear,
-                                                      sources)
+    tasks, layout, source_segments = _twin("plan_parts", _plan_parts)(
+        rings, tiers, waves, counts, linear, sources)
     return Plan(strategy, topology, seqlens, source_segments, tasks, layout, capacity, overlong,
                 plan_time_s, attention_kind, candidate, estimates)
 
@@ -310,7 +311,14 @@ def ring_groups_of(tasks: Sequence[AttentionTask], topology: Topology) -> tuple[
 def attention_layout_of(groups: Sequence[RingGroup], seqlens: Sequence[int], world: int
                         ) -> Layout:
     """Per rank, the token ranges of its attention buffer: its ring groups in global order,
-    inside a group the sequences in task order, each as ``[chunk p, chunk 2G-1-p]``."""
+    inside a group the sequences in task order, each as ``[chunk p, chunk 2G-1-p]`` (the twin's
+    where built: ``_twin``)."""
+    return _twin("attention_layout", _attention_layout)(groups, seqlens, world)
+
+
+def _attention_layout(groups: Sequence[RingGroup], seqlens: Sequence[int], world: int
+                      ) -> Layout:
+    """``attention_layout_of`` in Python."""
     out: list[list[Segment]] = [[] for _ in range(world)]
     for group in groups:
         size = len(group.ring)

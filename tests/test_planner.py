@@ -216,3 +216,16 @@ def test_a_plan_pickles_to_the_same_plan_of_the_same_types(strategy, planner_bac
     tracked = {gc.is_tracked(x) for x in (*copy.tasks, *segments)}
     assert {gc.is_tracked(t) for t in plan.tasks} == tracked  # as planned
     assert tracked == ({True} if planner_backend == "python" else {False})
+
+
+def test_the_attention_layout_is_the_reference_layout(planner_backend):
+    from megatron_zeppelin import plan as plan_module
+
+    rng = random.Random(7)
+    for trial in range(40):
+        nodes, gpus = TOPOLOGIES[trial % len(TOPOLOGIES)]
+        lengths = long_tailed(rng, rng.randint(1, 60), max_len=rng.choice([64, 1 << 15]))
+        plan = make_plan(["zeppelin", "static-cp", "hybrid-dp"][trial % 3], lengths,
+                         make_cost(nodes=nodes, gpus_per_node=gpus))
+        args = (plan.ring_groups, plan.seqlens, plan.topology.world_size)
+        assert plan_module.attention_layout_of(*args) == plan_module._attention_layout(*args)
