@@ -25,8 +25,7 @@ COLUMNS = (("zeppelin", "cpp"), ("zeppelin", "python"), ("hybrid-dp", "cpp"),
            ("static-cp", "cpp"), ("static-cp-best", "cpp"), ("hydraulis", "cpp"),
            ("flexsp", "cpp"), ("megatron-hybrid-cp", "cpp"))
 # where a single call is known to take minutes on 2 cores: (strategy, backend, documents above)
-TOO_SLOW = {("zeppelin", "python"): 5000, ("megatron-hybrid-cp", "cpp"): 5000,
-            ("static-cp-best", "cpp"): 5000}
+TOO_SLOW = {("zeppelin", "python"): 5000, ("megatron-hybrid-cp", "cpp"): 5000}
 
 
 def time_strategy(name: str, backend: str, lengths: list[int], cost: CostModel, repeats: int,
