@@ -109,3 +109,11 @@ def test_layers_below_the_runtime_import_no_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_planning_benchmark_pairs_rounds_so_drifting_load_cancels():
+    from megatron_zeppelin.bench.planning import paired_ratio
+
+    # the machine gets twice as slow in the second round; planning alongside costs 1% in each
+    times = {"precomputed": [1.0, 1.0, 2.0, 2.0, 2.0], "process": [1.01, 1.01, 2.02, 2.02, 2.02]}
+    assert paired_ratio(times, "process", 2) == pytest.approx(1.01)
