@@ -7,10 +7,11 @@ h200-8nic, 1024 GPUs, github-shaped batches of 4096 documents; documents are vie
 buffer, so building them costs nothing). The step is a CPU stand-in for a GPU step: a stack of
 small layers forward + backward + SGD on one thread, hundreds of Python-dispatched ops like the
 kernel launches of a GPU step, on a fixed number of rank 0's tokens. Three ways to get the plans,
-measured in alternating blocks of steps (a block of each way, repeated; the first step of a
-block is not counted, so that the previous way's background planning has ended) so that other
-load on the machine hits them alike; the figure is, over rounds, the median of each way's
-median step time in the round over the precomputed one's in the same round:
+measured in alternating blocks of steps (a round is a block of each way, each way first in
+turn; the first step of a block is not counted, so that the previous way's background planning
+has ended) so that other load on the machine hits them alike; the figure is, over rounds,
+the median of each way's median step time in the round over the precomputed one's in the same
+round:
 
 * ``precomputed``: every plan made before the run (no planning during the steps);
 * ``process``: ``planner.service.PlannerService``, planning the next micro-batch in its own
@@ -110,8 +111,8 @@ def run(args) -> dict[str, list[float]]:
     iters = {way: _iterator(way, args, cost, config, plans) for way in WAYS}
     times: dict[str, list[float]] = {way: [] for way in WAYS}
     try:
-        for _ in range(rounds):
-            for way in WAYS:
+        for r in range(rounds):
+            for way in WAYS[r % len(WAYS):] + WAYS[:r % len(WAYS)]:  # each way first in turn
                 for i in range(args.block + 1):
                     t0 = time.perf_counter()
                     step(next(iters[way]))
