@@ -3,7 +3,10 @@
     pip install torch==2.13.0 -e ".[test]"      # CPU development install
     pip install -e ".[gpu]"                     # on a CUDA machine with its own torch
 
-The C++ router (csrc/) is compiled as ``megatron_zeppelin._router_cpp`` with pybind11.
+The C++ twins (csrc/) are compiled with pybind11: the router (``csrc/router*.cpp``) as
+``megatron_zeppelin._router_cpp`` and the planner (``csrc/planner*.cpp``) as
+``megatron_zeppelin._planner_cpp``; the planner is built without floating-point contraction so
+that its arithmetic matches the Python reference bit for bit.
 """
 from pathlib import Path
 
@@ -15,17 +18,21 @@ except ImportError as exc:  # pyproject.toml's build-system brings pybind11
     raise SystemExit("building megatron-zeppelin needs pybind11 (pip install pybind11)") from exc
 
 HERE = Path(__file__).resolve().parent
-CSRC = sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.cpp"))
+
+
+def sources(prefix: str) -> list[str]:
+    return sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc").glob(f"{prefix}*.cpp"))
+
+
+HEADERS = sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.h"))
 
 ext_modules = [
-    Pybind11Extension(
-        "megatron_zeppelin._router_cpp",
-        CSRC,
-        include_dirs=["csrc"],
-        cxx_std=17,
-        extra_compile_args=["-O3"],
-    )
-] if CSRC else []
+    Pybind11Extension(f"megatron_zeppelin._{name}_cpp", sources(name), include_dirs=["csrc"],
+                      depends=HEADERS, cxx_std=17,
+                      extra_compile_args=["-O3", "-ffp-contract=off", "-pthread"],
+                      extra_link_args=["-pthread"])
+    for name in ("router", "planner") if sources(name)
+]
 
 setup(
     name="megatron-zeppelin",
@@ -43,6 +50,7 @@ setup(
         "torch>=2.6",
         "megatron-core>=0.16.1,<0.20",  # range: megatron/compat.py; CI tests 0.16.1
         "numpy",
+        "scipy>=1.9",  # FlexSP's MILP: scipy.optimize.milp (HiGHS)
         "pyyaml>=6",
         "tqdm",
         "matplotlib",

@@ -16,7 +16,7 @@ namespace {
 using model::kMaxChunksLimit;
 using model::Loads;
 using model::Part;
-using model::Plan;
+using model::RoutePlan;
 using model::Problem;
 using model::apply_plan;
 using model::score_plan;
@@ -36,7 +36,7 @@ struct Rail {
   }
 };
 
-Plan make_direct_plan(const Problem& pb, i64 f) {
+RoutePlan make_direct_plan(const Problem& pb, i64 f) {
   const i64 s = pb.src[f], d = pb.dst[f];
   return {Part{pb.nic[s - pb.xg[f]], pb.nic[d - pb.yg[f]], s, d, pb.nbytes[f]}};
 }
@@ -116,7 +116,7 @@ class Replanner {
  public:
   explicit Replanner(const Problem& pb) : pb_(pb) {}
 
-  bool replan(const Loads& loads, i64 f, Plan* plan, bool hysteresis) {
+  bool replan(const Loads& loads, i64 f, RoutePlan* plan, bool hysteresis) {
     best_score_ = score_plan(pb_, loads, f, *plan);
     if (hysteresis) best_score_ -= best_score_ >> kHysteresisShift;
     replaced_ = false;
@@ -173,7 +173,7 @@ class Replanner {
   }
 
   const Problem& pb_;
-  Plan best_, cand_;
+  RoutePlan best_, cand_;
   i64 best_score_ = 0;
   bool replaced_ = false;
   std::vector<Rail> rails_;
@@ -195,7 +195,7 @@ class Sweeper {
     });
   }
 
-  bool sweep(Loads& loads, std::vector<Plan>& plans, bool hysteresis) {
+  bool sweep(Loads& loads, std::vector<RoutePlan>& plans, bool hysteresis) {
     bool changed = false;
     for (i64 f : order_) {
       const i64 x = pb_.x[f], y = pb_.y[f];
@@ -220,23 +220,23 @@ class Sweeper {
   std::vector<i64> order_, version_, stamp_x_, stamp_y_;
 };
 
-i64 largest_part(const std::vector<Plan>& plans) {
+i64 largest_part(const std::vector<RoutePlan>& plans) {
   i64 largest = 0;
-  for (const Plan& plan : plans) {
+  for (const RoutePlan& plan : plans) {
     for (const Part& part : plan) largest = std::max(largest, part.nb);
   }
   return largest;
 }
 
-std::vector<Plan> search_plans(const Problem& pb, Loads& loads, i64* direct_ticks) {
+std::vector<RoutePlan> search_plans(const Problem& pb, Loads& loads, i64* direct_ticks) {
   const i64 n = static_cast<i64>(pb.src.size());
-  std::vector<Plan> plans(n);
+  std::vector<RoutePlan> plans(n);
   for (i64 f = 0; f < n; ++f) {
     plans[f] = make_direct_plan(pb, f);
     apply_plan(pb, loads, f, plans[f], +1);
   }
   *direct_ticks = model::step_ticks(pb, loads, 1);
-  std::vector<Plan> best = plans;
+  std::vector<RoutePlan> best = plans;
   i64 best_ticks = *direct_ticks;
   Sweeper sweeper(pb);
   for (int it = 0; it < kMaxSweeps; ++it) {
@@ -345,7 +345,7 @@ RawResult route_raw(i64 nodes, i64 gpus_per_node, i64 nics_per_node,
                                   dst, nbytes, align, max_chunks, min_chunk_bytes);
   RawResult out;
   Loads search(nodes, gpus_per_node, nics_per_node, pb.cs);
-  const std::vector<Plan> plans = search_plans(pb, search, &out.direct_ticks);
+  const std::vector<RoutePlan> plans = search_plans(pb, search, &out.direct_ticks);
   Loads loads(nodes, gpus_per_node, nics_per_node, 1);
   for (size_t f = 0; f < plans.size(); ++f) {
     apply_plan(pb, loads, static_cast<i64>(f), plans[f], +1);

@@ -22,7 +22,7 @@ struct Part {
   i64 e, i, p, q, nb;
   bool operator<(const Part& o) const { return e < o.e; }  // parts of a plan have distinct e
 };
-using Plan = std::vector<Part>;
+using RoutePlan = std::vector<Part>;
 
 inline i64 chunk_cap(i64 largest_bytes, i64 max_chunks, i64 min_chunk_bytes) {
   return std::min(max_chunks, std::max<i64>(1, largest_bytes / min_chunk_bytes));
@@ -62,7 +62,7 @@ struct Loads {
         n_m_out(nodes * nics), n_m_in(nodes * nics), b_out(nodes * nics), b_in(nodes * nics) {}
 };
 
-inline void apply_plan(const Problem& pb, Loads& loads, i64 f, const Plan& plan, i64 sign) {
+inline void apply_plan(const Problem& pb, Loads& loads, i64 f, const RoutePlan& plan, i64 sign) {
   const i64 s = pb.src[f], d = pb.dst[f], xo = pb.xo[f], yo = pb.yo[f];
   const i64 lv = loads.cs * pb.lv, ln = loads.cs * pb.ln;
   for (const Part& part : plan) {
@@ -92,7 +92,7 @@ inline void apply_plan(const Problem& pb, Loads& loads, i64 f, const Plan& plan,
 
 // Flow f's own completion if `plan` were added: the pipeline formula at loads.cs chunks over
 // the resources the plan touches, in ticks times cs.
-inline i64 score_plan(const Problem& pb, const Loads& loads, i64 f, const Plan& plan) {
+inline i64 score_plan(const Problem& pb, const Loads& loads, i64 f, const RoutePlan& plan) {
   const i64 s = pb.src[f], d = pb.dst[f], xo = pb.xo[f], yo = pb.yo[f];
   const i64 lv = loads.cs * pb.lv, ln = loads.cs * pb.ln;
   i64 dsum = 0, dmax = 0, csum = 0, cmax = 0, nmax = 0, share = 0;

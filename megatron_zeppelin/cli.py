@@ -6,6 +6,7 @@ Bad input exits with status 2 and a message naming the value (no traceback).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -52,28 +53,64 @@ def batch_lengths(args: argparse.Namespace, workload: str) -> list[int]:
     return sample_batch(workload, budget, random.Random(args.seed))
 
 
+def add_strategy_args(p: argparse.ArgumentParser) -> None:
+    """--strategy and one flag per strategy option field (``--cp-size``, ...), generated from
+    the registered strategies; a field several strategies share is one flag for all of them."""
+    from megatron_zeppelin.planner.registry import STRATEGIES, option_type
+
+    p.add_argument("--strategy", nargs="+", default=list(STRATEGIES),
+                   help=f"strategies to compare: {list(STRATEGIES)}")
+    seen: dict[str, list[str]] = {}
+    for name, cls in STRATEGIES.items():
+        for f in dataclasses.fields(cls):
+            seen.setdefault(f.name, []).append(name)
+            if len(seen[f.name]) == 1:
+                p.add_argument("--" + f.name.replace("_", "-"), dest=f"opt_{f.name}",
+                               type=option_type(cls, f), default=None, help=f.metadata["help"])
+
+
+def strategy_options(args: argparse.Namespace) -> dict[str, dict]:
+    """Per selected strategy, the options given on the command line; an option none of the
+    selected strategies has is refused (naming it and who takes it)."""
+    from megatron_zeppelin.planner.registry import STRATEGIES, strategy_class
+
+    chosen = {name: strategy_class(name) for name in args.strategy}
+    given = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
+    out: dict[str, dict] = {name: {} for name in chosen}
+    for key, value in given.items():
+        takers = [n for n, cls in chosen.items()
+                  if key in {f.name for f in dataclasses.fields(cls)}]
+        if not takers:
+            owners = [n for n, cls in STRATEGIES.items()
+                      if key in {f.name for f in dataclasses.fields(cls)}]
+            raise ValueError(f"--{key.replace('_', '-')} is an option of {owners}, none of "
+                             f"which is in --strategy {args.strategy}")
+        for name in takers:
+            out[name][key] = value
+    return out
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
-    from megatron_zeppelin.planner import STRATEGIES, make_plan
+    from megatron_zeppelin.planner import get_strategy
     from megatron_zeppelin.planner.report import format_table, summarize
 
-    for name in args.strategy:
-        if name not in STRATEGIES:
-            raise ValueError(f"unknown strategy {name!r}: expected one of {list(STRATEGIES)}")
+    options = strategy_options(args)
     config = zeppelin_config(args)
     setup = load_setup(args.model, args.cluster, args.nodes, args.hardware, config, args.tp)
     cost = CostModel(setup.model, setup.cluster, setup.hardware, setup.tp)
     lengths = batch_lengths(args, args.workload)
     refuse_untrainable(lengths, setup.model, setup.cluster, args.lengths or "the batch")
-    options: dict[str, dict] = {"static-cp": {"cp_size": args.cp_size}} if args.cp_size else {}
-    if args.max_seqlen_per_rank:
-        for name in ("hybrid-dp", "megatron-hybrid-cp"):
-            options[name] = {"max_seqlen_per_rank": args.max_seqlen_per_rank}
-    summaries = []
+    plans, routed = [], []
     for name in args.strategy:
-        plan = make_plan(name, lengths, cost, config, **options.get(name, {}))
+        strategy = get_strategy(name, **options[name])
+        plan = strategy.plan(lengths, cost, config)
         if args.validate:
             plan.validate()
-        summaries.append(summarize(plan, cost, routed=config.routing))
+        plans.append(plan)
+        routed.append(config.routing and strategy.routed)
+    summaries = [summarize(plan, cost, r) for plan, r in zip(plans, routed)]
+    if args.plot:
+        print(f"wrote {plot_plans(plans, routed, cost, args.plot)}", file=sys.stderr)
     if args.json:
         print(json.dumps({"model": setup.model.name, "cluster": setup.cluster.name,
                           "nodes": setup.cluster.nodes, "documents": len(lengths),
@@ -87,20 +124,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from megatron_zeppelin.planner import STRATEGIES
+def plot_plans(plans, routed: list[bool], cost: CostModel, path: str):
+    """``zeppelin plan --plot FILE``: every plan simulated, ranks x time side by side."""
+    from megatron_zeppelin.sim import report
+    from megatron_zeppelin.sim.simulator import SimOptions, simulate
 
+    results = [simulate(plan, cost, SimOptions(inter_mode="routed" if r else "ring"),
+                        label=plan.strategy + (f" ({plan.candidate})" if plan.candidate and
+                                               plan.candidate != plan.strategy else ""))
+               for plan, r in zip(plans, routed)]
+    return report.plot_timelines(results, path, f"{cost.model.name} on {cost.cluster.nodes} x "
+                                 f"{cost.cluster.name}: {len(plans[0].seqlens)} sequences")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="zeppelin", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="plan one global batch with several strategies")
     add_setup_args(p)
     add_workload_args(p)
-    p.add_argument("--strategy", nargs="+", default=list(STRATEGIES),
-                   help=f"strategies to compare: {list(STRATEGIES)}")
-    p.add_argument("--cp-size", type=int, default=None, help="static-cp group size")
-    p.add_argument("--max-seqlen-per-rank", type=int, default=None,
-                   help="hybrid-dp / megatron-hybrid-cp: Megatron's --max-seqlen-per-dp-cp-rank")
+    add_strategy_args(p)
     p.add_argument("--validate", action="store_true", help="also run Plan.validate()")
+    p.add_argument("--plot", default=None, metavar="FILE",
+                   help="draw the batch as ranks x time for every strategy side by side (PNG; "
+                        "simulated: linear, attention, exposed communication)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_plan)
     for register in _extra_commands():

@@ -13,7 +13,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import yaml
 
@@ -207,16 +207,46 @@ class HardwareProfile:
                 _require(getattr(self, key) >= 0, f"hardware.{key}", getattr(self, key),
                          "a number >= 0")
 
+    @property
+    def log_lengths(self) -> tuple[float, ...]:
+        """log of the profile's lengths (the interpolation's abscissae)."""
+        return tuple(math.log(length) for length, _ in self.attention_tflops)
+
+    @property
+    def flops_per_s(self) -> tuple[float, ...]:
+        """The profile's achieved FLOP/s (TFLOP/s x 1e12), in length order."""
+        return tuple(tflops * 1e12 for _, tflops in self.attention_tflops)
+
     def attention_flops_per_s(self, length: float) -> float:
         """Achieved attention FLOP/s for a call whose query chunk has ``length`` tokens."""
-        table = self.attention_tflops
-        if length <= table[0][0]:
-            return table[0][1] * 1e12
-        for (l0, t0), (l1, t1) in zip(table, table[1:]):
-            if length <= l1:
-                w = (math.log(length) - math.log(l0)) / (math.log(l1) - math.log(l0))
-                return (t0 + w * (t1 - t0)) * 1e12
-        return table[-1][1] * 1e12
+        return interp(math.log(length), self.log_lengths, self.flops_per_s)
+
+
+def add_up(values) -> float:
+    """Left-to-right float sum, the order the C++ planner twin adds in (``sum`` compensates
+    float rounding from Python 3.12 on, so it would differ from the twin by an ulp)."""
+    total = 0.0
+    for value in values:
+        total += value
+    return total
+
+
+def interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Piecewise-linear interpolation of one point, clamped at the ends: ``numpy.interp``'s
+    expression (``slope * (x - xs[j]) + ys[j]``), which the C++ planner twin evaluates too, so
+    that both compute the same double. ``xs`` ascending."""
+    if x <= xs[0]:
+        return ys[0]
+    last = len(xs) - 1
+    if x >= xs[last]:
+        return ys[last]
+    j = 0
+    while xs[j + 1] <= x:
+        j += 1
+    if xs[j] == x:
+        return ys[j]
+    slope = (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j])
+    return slope * (x - xs[j]) + ys[j]
 
 
 @dataclass(frozen=True)

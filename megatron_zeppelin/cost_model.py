@@ -16,24 +16,18 @@ step of the sequence (forward + backward, all layers).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from megatron_zeppelin.config import ClusterSpec, HardwareProfile, ModelSpec
-from megatron_zeppelin.plan import Plan, Tier
+from megatron_zeppelin.config import ClusterSpec, HardwareProfile, ModelSpec, interp
+from megatron_zeppelin.plan import Tier
 
 FWD_BWD_LINEAR = 3.0  # backward of a GEMM is two GEMMs of the forward's size
 DKV_BYTES = 4  # the engine accumulates dK/dV in fp32 and sends the accumulator
-
-
-@dataclass(frozen=True)
-class Link:
-    """One transfer path: bytes/s and seconds of latency per message."""
-
-    byte_per_s: float
-    latency_s: float
 
 
 @dataclass(frozen=True)
@@ -44,12 +38,14 @@ class CostModel:
     cluster: ClusterSpec
     hardware: HardwareProfile
     tp: int = 1
+    kernel: "CostKernel" = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.model.num_attention_heads % self.tp or self.cluster.gpus_per_node % self.tp:
             raise ValueError(f"tensor_model_parallel_size={self.tp} must divide "
                              f"num_attention_heads={self.model.num_attention_heads} and "
                              f"gpus_per_node={self.cluster.gpus_per_node}")
+        object.__setattr__(self, "kernel", CostKernel.of(self))  # derived once, at construction
 
     # ------------------------------------------------------------------ dimensions
     @property
@@ -80,20 +76,12 @@ class CostModel:
         With ``ring`` > 1 the share is 1/ring of the sequence's work, run as ring-step calls
         whose query length is seqlen/ring; the achieved FLOP/s depends on that length.
         """
-        hw = self.hardware
-        chunk = seqlen / ring
-        per_layer = self.attention_flops(seqlen) / ring / hw.attention_flops_per_s(chunk)
-        return per_layer * (1.0 + hw.attention_bwd_ratio) * self.model.num_layers
+        return self.kernel.compute(seqlen, ring)
 
     def attention_times(self, seqlens: Sequence[int]) -> list[float]:
-        """``attention_time(s)`` of many whole sequences at once (same interpolation, numpy)."""
-        s = np.asarray(seqlens, dtype=np.float64)
-        table = self.hardware.attention_tflops
-        flops_per_s = np.interp(np.log(s), np.log([length for length, _ in table]),
-                                [tflops * 1e12 for _, tflops in table])
-        per_layer = 2.0 * self.heads * self.model.head_dim * s * s / flops_per_s
-        scale = (1.0 + self.hardware.attention_bwd_ratio) * self.model.num_layers
-        return (per_layer * scale).tolist()
+        """``attention_time(s)`` of many whole sequences."""
+        compute = self.kernel.compute
+        return [compute(s, 1) for s in seqlens]
 
     def linear_flops_per_token(self) -> float:
         """Forward FLOPs per token of one layer's linear modules (QKV, proj, MLP)."""
@@ -113,37 +101,12 @@ class CostModel:
         return FWD_BWD_LINEAR * flops / (self.hardware.gemm_tflops * 1e12)
 
     # ------------------------------------------------------------------ communication
-    def link(self, tier: Tier) -> Link:
-        """The direct path of a ring step: NVLink inside a node, the GPU's own NIC across."""
-        c = self.cluster
-        if tier == Tier.INTRA:
-            return Link(c.nvlink_byte_per_s, c.nvlink_latency_us * 1e-6)
-        return Link(c.nic_byte_per_s, c.nic_latency_us * 1e-6)
-
     def routed_seconds(self, nbytes):
         """Time of one routed inter-node message of ``nbytes`` (a number or numpy array):
-        the router's pipelined model for a single flow (``routed_message_seconds``),
-        tabulated once on a log grid of sizes and interpolated."""
-        if "_routed_table" not in self.__dict__:
-            sizes = np.logspace(10, 33, 93, base=2.0)
-            times = [routed_message_seconds(self.cluster, float(b)) for b in sizes]
-            self.__dict__["_routed_table"] = (np.log(sizes), np.log(times))
-        log_sizes, log_times = self.__dict__["_routed_table"]
+        the routed-transfer model for a single flow (``routed_message_seconds``), tabulated
+        once on a log grid of sizes and interpolated (as ``CostKernel.routed``)."""
+        log_sizes, log_times = _routed_table(self.cluster)
         return np.exp(np.interp(np.log(nbytes), log_sizes, log_times))
-
-    def step_comm_seconds(self, chunk_tokens, tier: Tier, routed: bool):
-        """Transfer time of one ring step, all layers, forward (KV) + backward (KV and the
-        fp32 dK/dV accumulator), for chunks of ``chunk_tokens`` tokens per rank (a number or
-        a numpy array). Routed inter-node messages use every NIC of the node."""
-        m = self.model
-        fwd = self.kv_bytes(1) * np.asarray(chunk_tokens, dtype=np.float64)
-        bwd = fwd * (m.bytes_per_element + DKV_BYTES) / m.bytes_per_element
-        if tier == Tier.INTER and routed and len(set(self.cluster.gpu_to_nic)) > 1:
-            per_layer = self.routed_seconds(fwd) + self.routed_seconds(bwd)
-        else:
-            link = self.link(tier)
-            per_layer = (fwd + bwd) / link.byte_per_s + 2 * link.latency_s
-        return per_layer * m.num_layers
 
     def remap_seconds_per_token(self) -> float:
         """Cross-node remap time of one token, all layers, forward + backward: q, k, v there
@@ -161,7 +124,7 @@ class CostModel:
 
     def ring_step_comm_time(self, seqlen: float, ring: int, tier: Tier, routed: bool) -> float:
         """Forward + backward transfer time of one ring step, all layers."""
-        return float(self.step_comm_seconds(seqlen / ring, tier, routed))
+        return self.kernel.comm(seqlen / ring, tier, routed)
 
     def ring_bytes(self, seqlen: float, ring: int) -> float:
         """Bytes one rank sends over a whole ring (forward + backward, all layers)."""
@@ -170,32 +133,15 @@ class CostModel:
         return self.ring_step_bytes(seqlen, ring) * (ring - 1) * self.model.num_layers
 
     def task_time(self, seqlen: float, ring: int, tier: Tier, routed: bool = True) -> float:
-        """One rank's time for its share of a sequence, counting ring traffic not hidden.
-
-        A ring of G ranks computes G steps; the transfer of step i overlaps the compute of
-        step i, so each of the G-1 transfer steps exposes max(0, comm - compute).
-        """
-        compute = self.attention_time(seqlen, ring)
-        if ring == 1:
-            return compute
-        step_compute = compute / ring
-        step_comm = self.ring_step_comm_time(seqlen, ring, tier, routed)
-        return compute + (ring - 1) * max(0.0, step_comm - step_compute)
+        """One rank's time for its share of a sequence, counting ring traffic not hidden
+        (``CostKernel.task_time``)."""
+        return self.kernel.task_time(seqlen, ring, tier, routed)
 
     def task_times(self, seqlen: int, rings: Sequence[int], tier: Tier,
                    routed: bool = True) -> list[float]:
-        """``task_time(seqlen, G, tier, routed)`` for every G of ``rings`` at once (numpy; the
-        planner compares many spans of one sequence)."""
-        g = np.asarray(rings, dtype=np.float64)
-        hw, m = self.hardware, self.model
-        table = hw.attention_tflops
-        flops_per_s = np.interp(np.log(seqlen / g), np.log([n for n, _ in table]),
-                                [t * 1e12 for _, t in table])
-        compute = self.attention_flops(seqlen) / g / flops_per_s * (1.0 + hw.attention_bwd_ratio)
-        compute *= m.num_layers
-        comm = self.step_comm_seconds(seqlen / g, tier, routed)
-        exposed = np.where(g > 1, (g - 1) * np.maximum(0.0, comm - compute / g), 0.0)
-        return (compute + exposed).tolist()
+        """``task_time(seqlen, G, tier, routed)`` for every G of ``rings``."""
+        task_time = self.kernel.task_time
+        return [task_time(seqlen, g, tier, routed) for g in rings]
 
     def crossover_chunk(self, tier: Tier, routed: bool = False) -> int:
         """Smallest per-rank chunk (tokens) whose ring-step compute hides its transfer.
@@ -224,77 +170,205 @@ class CostModel:
 
 
 @dataclass(frozen=True)
-class PlanEstimate:
-    """Estimated per-rank times (seconds per training step) and bytes of one plan.
+class CostKernel:
+    """The cost model reduced to the numbers the planners evaluate per sequence and span, with
+    one scalar implementation of each formula (``math`` and ``config.interp``). The C++ planner
+    twin (``csrc/planner_costs.h``) evaluates the same expressions on the same numbers, so both
+    backends compute the same doubles and make the same decisions.
 
-    attention_s / linear_s: per rank, summed over waves. step_s: the step time the plan
-    implies (slowest rank per phase; waves add up). Bytes are forward + backward, all layers.
+    compute(s, G): ``attn_coef * s * s / G / F(s / G)`` with F the profile's FLOP/s at the
+    chunk length (log interpolation) and attn_coef = 2 a d (1 + bwd ratio) L.
+    comm(c, tier, routed): one ring step's forward KV and backward KV + fp32 dK/dV of a chunk
+    of c tokens, all layers: over NVLink (INTRA), the GPU's NIC, or routed over every NIC
+    (``routed_message_seconds`` on a log grid, interpolated in log-log).
+    task_time(s, G): compute + (G - 1) * max(0, comm - compute / G) (exposed ring traffic).
     """
 
-    attention_s: tuple[float, ...]
-    linear_s: tuple[float, ...]
-    step_s: float
-    ring_cross_node_bytes: float
-    remap_cross_node_bytes: float
-    remap_bytes: float
+    attn_coef: float
+    log_lengths: tuple[float, ...]
+    flops_per_s: tuple[float, ...]
+    kv_per_token: float  # K and V bytes of one token, one layer
+    bwd_bytes_factor: float  # backward bytes per forward byte (KV again + fp32 dK/dV)
+    layers: int
+    nvlink_byte_per_s: float
+    nvlink_latency_s: float
+    nic_byte_per_s: float
+    nic_latency_s: float
+    routable: bool  # more than one NIC rail: inter-node messages can be routed
+    routed_log_sizes: tuple[float, ...]
+    routed_log_times: tuple[float, ...]
+    linear_per_token: float  # linear_time(1)
+    head_bytes: float  # one head of one token, one layer (head_dim x bytes per element)
+    heads: int  # query heads per rank (per GPU of its tensor-parallel group)
+    kv_heads: int
+    ranks_per_node: int
+    nic_share_byte_per_s: float  # one GPU's share of its node's NICs
+
+    @classmethod
+    def of(cls, cost: "CostModel") -> "CostKernel":
+        m, c, hw = cost.model, cost.cluster, cost.hardware
+        log_sizes, log_times = _routed_table(c)
+        return cls(
+            attn_coef=2.0 * cost.heads * m.head_dim * (1.0 + hw.attention_bwd_ratio)
+            * m.num_layers,
+            log_lengths=hw.log_lengths, flops_per_s=hw.flops_per_s,
+            kv_per_token=cost.kv_bytes(1),
+            bwd_bytes_factor=(m.bytes_per_element + DKV_BYTES) / m.bytes_per_element,
+            layers=m.num_layers, nvlink_byte_per_s=c.nvlink_byte_per_s,
+            nvlink_latency_s=c.nvlink_latency_us * 1e-6, nic_byte_per_s=c.nic_byte_per_s,
+            nic_latency_s=c.nic_latency_us * 1e-6, routable=len(set(c.gpu_to_nic)) > 1,
+            routed_log_sizes=tuple(log_sizes.tolist()), routed_log_times=tuple(log_times.tolist()),
+            linear_per_token=cost.linear_time(1),
+            head_bytes=float(m.head_dim * m.bytes_per_element), heads=cost.heads,
+            kv_heads=cost.kv_heads, ranks_per_node=c.gpus_per_node // cost.tp,
+            nic_share_byte_per_s=c.nic_byte_per_s * len(set(c.gpu_to_nic)) / c.gpus_per_node)
+
+    def flops(self, chunk: float) -> float:
+        """Achieved attention FLOP/s at a query chunk of ``chunk`` tokens."""
+        return interp(math.log(chunk), self.log_lengths, self.flops_per_s)
+
+    def compute(self, seqlen: float, ring: int) -> float:
+        """Forward + backward attention compute of one rank's 1/ring share of a sequence."""
+        return self.attn_coef * seqlen * seqlen / ring / self.flops(seqlen / ring)
+
+    def routed(self, nbytes: float) -> float:
+        """One routed message of ``nbytes`` (the tabulated ``routed_message_seconds``)."""
+        return math.exp(interp(math.log(nbytes), self.routed_log_sizes, self.routed_log_times))
+
+    def comm(self, chunk: float, tier: Tier, routed: bool) -> float:
+        """Transfer time of one ring step of ``chunk`` tokens per rank, all layers, fwd + bwd."""
+        fwd = self.kv_per_token * chunk
+        bwd = fwd * self.bwd_bytes_factor
+        if tier == Tier.INTER and routed and self.routable:
+            per_layer = self.routed(fwd) + self.routed(bwd)
+        elif tier == Tier.INTRA:
+            per_layer = (fwd + bwd) / self.nvlink_byte_per_s + 2.0 * self.nvlink_latency_s
+        else:
+            per_layer = (fwd + bwd) / self.nic_byte_per_s + 2.0 * self.nic_latency_s
+        return per_layer * self.layers
+
+    def dkv_tail(self, chunk: float, tier: Tier, routed: bool) -> float:
+        """The backward's last exchange, all layers: the fp32 dK/dV accumulator of a chunk of
+        ``chunk`` tokens returns to its owner after the last step, with no compute left to
+        hide it behind."""
+        nbytes = self.kv_per_token * chunk * (self.bwd_bytes_factor - 1.0)
+        if tier == Tier.INTER and routed and self.routable:
+            per_layer = self.routed(nbytes)
+        elif tier == Tier.INTRA:
+            per_layer = nbytes / self.nvlink_byte_per_s + self.nvlink_latency_s
+        else:
+            per_layer = nbytes / self.nic_byte_per_s + self.nic_latency_s
+        return per_layer * self.layers
+
+    def ulysses_compute(self, seqlen: float, group: int) -> float:
+        """One rank's attention compute of a sequence under Ulysses (DeepSpeed-Ulysses, as
+        FlexSP runs it) over ``group`` ranks: the full length over 1/group of the heads."""
+        return self.attn_coef * seqlen * seqlen / group / self.flops(seqlen)
+
+    def ulysses_comm(self, tokens: float, group: int, tier: Tier) -> float:
+        """One rank's all-to-alls, all layers, for ``tokens`` tokens it holds in the linear
+        layout (s / G of each sequence of its group), not overlapped with compute: q, k, v in
+        and the output back forward, the reverse backward (KV heads replicated up to the
+        group size), each rank sending (G-1)/G of them; peers in other nodes (INTER groups
+        span whole nodes) through the GPU's share of its node's NICs, the rest over NVLink."""
+        if group == 1:
+            return 0.0
+        per_token = (2 * self.heads + 2 * max(self.kv_heads, group)) * self.head_bytes
+        sent = 2.0 * per_token * tokens * (group - 1) / group  # forward + backward, one layer
+        local = group if tier != Tier.INTER else self.ranks_per_node
+        cross = (group - local) / (group - 1)
+        link = max(sent * (1.0 - cross) / self.nvlink_byte_per_s,
+                   sent * cross / self.nic_share_byte_per_s)
+        latency = self.nic_latency_s if cross > 0 else self.nvlink_latency_s
+        return (link + 4.0 * latency) * self.layers
+
+    def task_time(self, seqlen: float, ring: int, tier: Tier, routed: bool = True) -> float:
+        """One rank's time for its share: compute plus the ring traffic not hidden (each of
+        the G - 1 transfer steps overlaps one step of compute)."""
+        compute = self.compute(seqlen, ring)
+        if ring == 1:
+            return compute
+        return compute + (ring - 1) * max(0.0, self.comm(seqlen / ring, tier, routed)
+                                          - compute / ring)
 
 
-def estimate_plan(plan: Plan, cost: CostModel, routed: bool = True) -> PlanEstimate:
-    """Per-rank attention and linear time of ``plan`` and the bytes it moves across nodes."""
-    world, waves = plan.topology.world_size, plan.num_waves
-    att = [[0.0] * world for _ in range(waves)]
-    for task in plan.tasks:
-        t = cost.task_time(plan.seqlens[task.seq], len(task.ring), task.tier, routed)
-        for rank in task.ring:
-            att[task.wave][rank] += t
-    remapped = plan.linear != plan.attention
-    lin = [[0.0] * world for _ in range(waves)]
-    if remapped:
-        lin[0] = [cost.linear_time(n) for n in plan.linear_tokens()]
-    else:
-        for task in plan.tasks:
-            for rank in task.ring:
-                lin[task.wave][rank] += cost.linear_time(plan.seqlens[task.seq] / len(task.ring))
-    if remapped:
-        step = sum(max(a) for a in att) + sum(max(li) for li in lin)
-    else:
-        step = sum(max(a + li for a, li in zip(aw, lw)) for aw, lw in zip(att, lin))
-    per_token = 2.0 * cost.qkvo_bytes(1) * cost.model.num_layers  # forward and backward
-    moved = sum(t.end - t.start for t in plan.transfers if t.src != t.dst)
-    return PlanEstimate(
-        attention_s=tuple(map(sum, zip(*att))), linear_s=tuple(map(sum, zip(*lin))),
-        step_s=step, ring_cross_node_bytes=ring_cross_node_bytes(plan, cost),
-        remap_cross_node_bytes=plan.remap_cross_node_tokens() * per_token,
-        remap_bytes=moved * per_token)
+# ----------------------------------------------------------------------------- routed transfers
+# The one definition of what a routed transfer costs (the cost model's per-message times and the
+# simulator's analytic step use it; the router's integer-tick search ``router/model.py`` imports
+# its pipeline formula and chunk rule, and ``csrc/router_model.h`` is that module's C++ twin).
+
+DEFAULT_MAX_CHUNKS = 8  # chunks a routed slice is pipelined in, at most
+DEFAULT_MIN_CHUNK_BYTES = 1 << 20  # ... while a chunk of the largest slice keeps 1 MiB
 
 
-def ring_cross_node_bytes(plan: Plan, cost: CostModel) -> float:
-    """Bytes the plan's rings send between nodes (forward + backward, all layers)."""
-    node = plan.topology.node_of
-    total = 0.0
-    for task in plan.tasks:
-        if task.tier != Tier.INTER:
-            continue
-        ring = task.ring
-        hops = sum(node(a) != node(b) for a, b in zip(ring, ring[1:] + ring[:1]))
-        total += hops * cost.ring_bytes(plan.seqlens[task.seq], len(ring))
-    return total
+def chunk_cap(largest_bytes: int, max_chunks: int = DEFAULT_MAX_CHUNKS,
+              min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES) -> int:
+    """Most chunks a routed step whose largest slice has ``largest_bytes`` bytes may use."""
+    return min(max_chunks, max(1, largest_bytes // min_chunk_bytes))
+
+
+def pipeline_time(d, n, m, f, chunks: int):
+    """A routed step pipelined in ``chunks`` chunks (batch t: dispatch legs of chunk t, NIC
+    legs of chunk t-1, combine legs of chunk t-2), from the per-chunk times of its busiest
+    dispatch, NIC and combine resources (d, n, m) and f, the most any resource carries in a
+    full batch (a NIC, or a GPU's NVLink direction with dispatch and combine legs at once).
+    Integers in, integers out (the router's ticks) or floats (seconds)."""
+    if chunks == 1:
+        return d + n + m
+    if chunks == 2:
+        return d + max(d, n) + max(n, m) + m
+    return d + max(d, n) + (chunks - 2) * f + max(n, m) + m
+
+
+class RoutedLoad(NamedTuple):
+    """The busiest resource of each phase of a routed step: the seconds its bytes take over the
+    whole step (``*_s``) and the messages it serves per chunk (``*_msgs``; every message pays
+    its link's latency once per chunk). ``shared``: a GPU's NVLink direction carrying its
+    dispatch and combine legs together (what a full pipeline batch waits for)."""
+
+    dispatch_s: float
+    dispatch_msgs: float
+    nic_s: float
+    nic_msgs: float
+    combine_s: float
+    combine_msgs: float
+    shared_s: float
+    shared_msgs: float
+
+
+def pipelined_seconds(load: RoutedLoad, cluster: ClusterSpec, largest_slice_bytes: float
+                      ) -> float:
+    """Seconds of a routed step at its best chunk count (1 .. ``chunk_cap``), ``pipeline_time``
+    on the per-chunk phase times of ``load``."""
+    lv, ln = cluster.nvlink_latency_us * 1e-6, cluster.nic_latency_us * 1e-6
+    best = float("inf")
+    for c in range(1, chunk_cap(int(largest_slice_bytes)) + 1):
+        d = load.dispatch_s / c + load.dispatch_msgs * lv
+        n = load.nic_s / c + load.nic_msgs * ln
+        m = load.combine_s / c + load.combine_msgs * lv
+        f = max(n, load.shared_s / c + load.shared_msgs * lv)
+        best = min(best, pipeline_time(d, n, m, f, c))
+    return best
 
 
 def routed_message_seconds(cluster: ClusterSpec, nbytes: float) -> float:
-    """One inter-node message of ``nbytes`` through the routing layer, as the router models it
-    (``router/model.py``): split over r NIC rails (r-1 relayed through proxy GPUs over NVLink)
-    and cut into C pipelined chunks (chunks of at least 1 MiB, at most 8):
-    dispatch = combine = (r-1) B / (r C nvlink) + (r-1) lat_nvlink per chunk, NIC = B / (r C nic)
-    + lat_nic per chunk; T = 2 d + n for C = 1, else 2 d + C max(d, n); the best r and C.
-    r = 1, C = 1 is the direct NIC, so the result never exceeds a direct send."""
+    """One inter-node message of ``nbytes`` through the routing layer: split evenly over r NIC
+    rails (r - 1 slices relayed through proxy GPUs over NVLink, one slice per rail) and
+    pipelined (``pipelined_seconds``); the best r. r = 1 is the direct NIC, so the result never
+    exceeds a direct send."""
     rails = len(set(cluster.gpu_to_nic))
     nv, nic = cluster.nvlink_byte_per_s, cluster.nic_byte_per_s
-    lv, ln = cluster.nvlink_latency_us * 1e-6, cluster.nic_latency_us * 1e-6
-    best = nbytes / nic + ln
+    best = nbytes / nic + cluster.nic_latency_us * 1e-6
     for r in range(2, rails + 1):
-        for c in range(1, min(8, max(1, int(nbytes // (r * 2 ** 20)))) + 1):
-            d = (r - 1) * nbytes / (r * c * nv) + (r - 1) * lv
-            n = nbytes / (r * c * nic) + ln
-            best = min(best, 2 * d + n if c == 1 else 2 * d + c * max(d, n))
+        relay = (r - 1) * nbytes / (r * nv)  # the source's dispatch and the sink's combine
+        load = RoutedLoad(relay, r - 1, nbytes / (r * nic), 1, relay, r - 1, relay, r - 1)
+        best = min(best, pipelined_seconds(load, cluster, nbytes / r))
     return best
+
+
+@lru_cache(maxsize=64)
+def _routed_table(cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
+    """``routed_message_seconds`` on a log grid of sizes (1 KiB .. 8 GiB), as logs."""
+    sizes = np.logspace(10, 33, 93, base=2.0)
+    times = [routed_message_seconds(cluster, float(b)) for b in sizes]
+    return np.log(sizes), np.log(times)

@@ -2,6 +2,8 @@
 
 ZEPPELIN_CONFIGS           folder to resolve bare config names against (default: repo configs/)
 ZEPPELIN_ROUTER_BACKEND    ``auto`` (default), ``cpp`` or ``python``: which router implementation
+ZEPPELIN_PLANNER_BACKEND   ``auto`` (default), ``cpp`` or ``python``: which planner implementation
+ZEPPELIN_PLANNER_TIMEOUT_S seconds training waits for the planner process's plan (default 300)
 ZEPPELIN_ATTENTION_BACKEND ``auto`` (default) or a registered kernel backend
                            (``runtime.kernels.choices()``: native, torch, flash_attn, te)
 ZEPPELIN_TRANSPORT         ``direct`` (default: tensors go to torch.distributed as they are) or
@@ -23,6 +25,7 @@ import os
 
 ROUTER_BACKENDS = ("auto", "cpp", "python")
 TRANSPORTS = ("direct", "staged")
+PLANNER_BACKENDS = ("auto", "cpp", "python")
 
 
 def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -41,6 +44,14 @@ def router_backend() -> str:
     return _choice("ZEPPELIN_ROUTER_BACKEND", "auto", ROUTER_BACKENDS)
 
 
+def planner_backend() -> str:
+    return _choice("ZEPPELIN_PLANNER_BACKEND", "auto", PLANNER_BACKENDS)
+
+
+def planner_timeout_s() -> float:
+    return _positive_seconds("ZEPPELIN_PLANNER_TIMEOUT_S", "300")
+
+
 def attention_backend(choices: tuple[str, ...]) -> str:
     """``ZEPPELIN_ATTENTION_BACKEND``, one of ``choices`` (the kernel registry's)."""
     return _choice("ZEPPELIN_ATTENTION_BACKEND", "auto", choices)
@@ -52,14 +63,18 @@ def transport() -> str:
 
 
 def p2p_timeout_s() -> float:
-    raw = os.environ.get("ZEPPELIN_P2P_TIMEOUT_S", "300")
+    return _positive_seconds("ZEPPELIN_P2P_TIMEOUT_S", "300")
+
+
+def _positive_seconds(name: str, default: str) -> float:
+    raw = os.environ.get(name, default)
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
     if value <= 0:
-        raise ValueError(f"environment variable ZEPPELIN_P2P_TIMEOUT_S={raw!r} is invalid: "
-                         "expected a positive number of seconds")
+        raise ValueError(f"environment variable {name}={raw!r} is invalid: expected a positive "
+                         "number of seconds")
     return value
 
 

@@ -22,7 +22,17 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import repeat
 from typing import NamedTuple, Sequence
+
+from megatron_zeppelin import env
+from megatron_zeppelin.plan_checks import PlanError, check_plan
+from megatron_zeppelin.segments import (Layout, Segment, zigzag_bounds, zigzag_segments,
+                                        zigzag_share, zigzag_share_bound)
+
+__all__ = ["AttentionTask", "Layout", "OverlongReport", "Plan", "PlanError", "RingGroup",
+           "Segment", "Tier", "Topology", "Transfer", "local_call_groups", "zigzag_bounds",
+           "zigzag_segments", "zigzag_share", "zigzag_share_bound"]
 
 
 class Tier(enum.IntEnum):
@@ -31,10 +41,6 @@ class Tier(enum.IntEnum):
     INTER = 0  # ring across nodes
     INTRA = 1  # ring over NVLink inside one node
     LOCAL = 2  # whole sequence on one rank
-
-
-class PlanError(ValueError):
-    """A plan breaks the contract (lost or duplicated tokens, bad ring, capacity exceeded)."""
 
 
 @dataclass(frozen=True)
@@ -76,51 +82,6 @@ class Topology:
                              f"{self.world_size}")
 
 
-class Segment(NamedTuple):
-    """Token range ``[start, end)`` of sequence ``seq``."""
-
-    seq: int
-    start: int
-    end: int
-
-    @property
-    def length(self) -> int:
-        return self.end - self.start
-
-
-def zigzag_bounds(length: int, ring_size: int) -> tuple[int, ...]:
-    """The 2G+1 boundaries of the 2G zigzag chunks of a sequence (sizes differ by <= 1)."""
-    n = 2 * ring_size
-    return tuple(i * length // n for i in range(n + 1))
-
-
-def zigzag_segments(seq: int, length: int, ring_size: int, position: int) -> tuple[Segment, ...]:
-    """The segments ring position ``position`` holds: ``(chunk p, chunk 2G-1-p)``, or the whole."""
-    if ring_size == 1:
-        return (Segment(seq, 0, length),)
-    n = 2 * ring_size
-    mirror = n - 1 - position
-    return (Segment(seq, position * length // n, (position + 1) * length // n),
-            Segment(seq, mirror * length // n, (mirror + 1) * length // n))
-
-
-def zigzag_share(length: int, ring_size: int, position: int) -> int:
-    """Tokens ring position ``position`` holds under the zigzag split (O(1))."""
-    if ring_size == 1:
-        return length
-    n = 2 * ring_size
-    mirror = n - 1 - position
-    return ((position + 1) * length // n - position * length // n
-            + (mirror + 1) * length // n - mirror * length // n)
-
-
-def zigzag_share_bound(length: int, ring_size: int) -> int:
-    """An upper bound on any position's zigzag share: 2 * ceil(length / 2G) (O(1))."""
-    if ring_size == 1:
-        return length
-    return 2 * -(-length // (2 * ring_size))
-
-
 class AttentionTask(NamedTuple):
     """Sequence ``seq`` attended on ``ring`` (global ranks in ring order) in ``wave``.
 
@@ -146,13 +107,15 @@ class RingGroup(NamedTuple):
 
 @dataclass(frozen=True)
 class OverlongReport:
-    """What the overlong policy did; nothing is dropped or split without being counted here."""
+    """What the overlong policy (``planner/overlong.py``) did; nothing is dropped or split
+    without being counted here. ``documents``: documents it saw."""
 
     policy: str = "error"
     dropped_sequences: int = 0
     dropped_tokens: int = 0
     split_sequences: int = 0
     split_pieces: int = 0
+    documents: int = 0
 
 
 class Transfer(NamedTuple):
@@ -177,6 +140,12 @@ class Plan:
         (``Segment(doc, start, end)``); a ``split`` policy maps several sequences to one doc.
     linear: per rank, the token ranges of its linear (token-balanced) layout, in buffer order.
     capacity: attention-layout tokens a rank may hold.
+    attention_kind: ``ring`` (zigzag ring attention over each task's ring: what the engine
+        runs) or ``ulysses`` (all-to-all head parallelism over the task's ranks, FlexSP's
+        sequence parallelism: modelled by the simulator, not run by the engine).
+    candidate / estimates: for a strategy that scores several candidate plans of the batch
+        (``zeppelin``'s portfolio), the candidate returned and every candidate's estimated
+        step seconds (``cost_model.estimate_step``), fastest first; empty otherwise.
     """
 
     strategy: str
@@ -188,21 +157,29 @@ class Plan:
     capacity: int
     overlong: OverlongReport = OverlongReport()
     plan_time_s: float = 0.0
+    attention_kind: str = "ring"
+    candidate: str = ""
+    estimates: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def margin(self) -> float:
+        """How much faster (estimated) the returned candidate is than the next best one:
+        runner-up seconds / chosen seconds (1.0 without a portfolio or on a tie)."""
+        times = [t for _, t in self.estimates]
+        return times[1] / times[0] if len(times) > 1 and times[0] > 0 else 1.0
+
+    def estimated_gain(self, candidate: str) -> float | None:
+        """``candidate``'s estimated seconds / the chosen plan's (None if not scored)."""
+        mine = dict(self.estimates)
+        if candidate not in mine or not self.estimates or self.estimates[0][1] <= 0:
+            return None
+        return mine[candidate] / self.estimates[0][1]
 
     # ------------------------------------------------------------------ derived views
     @cached_property
     def ring_groups(self) -> tuple[RingGroup, ...]:
         """All ring groups of the plan in the global order every rank follows."""
-        members: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-        for task in self.tasks:
-            members.setdefault((task.wave, task.ring), []).append(task.seq)
-        tier_of = self.topology.tier_of
-        groups = []
-        for (wave, ring), seqs in members.items():
-            tier = tier_of(ring)
-            groups.append(RingGroup((wave, int(tier), seqs[0]), ring, tier, wave, tuple(seqs)))
-        groups.sort(key=lambda g: g.key)
-        return tuple(groups)
+        return ring_groups_of(self.tasks, self.topology)
 
     @cached_property
     def rank_groups(self) -> tuple[tuple[RingGroup, ...], ...]:
@@ -214,19 +191,9 @@ class Plan:
         return tuple(tuple(g) for g in per_rank)
 
     @cached_property
-    def attention(self) -> tuple[tuple[Segment, ...], ...]:
+    def attention(self) -> Layout:
         """Per rank, the token ranges of its attention buffer, in buffer order."""
-        out: list[list[Segment]] = [[] for _ in range(self.topology.world_size)]
-        lengths = self.seqlens
-        for group in self.ring_groups:
-            size = len(group.ring)
-            if size == 1:
-                out[group.ring[0]].extend(Segment(seq, 0, lengths[seq]) for seq in group.seqs)
-                continue
-            for pos, rank in enumerate(group.ring):
-                for seq in group.seqs:
-                    out[rank].extend(zigzag_segments(seq, lengths[seq], size, pos))
-        return tuple(tuple(segs) for segs in out)
+        return attention_layout_of(self.ring_groups, self.seqlens, self.topology.world_size)
 
     def attention_tokens(self) -> list[int]:
         return [sum(end - start for _, start, end in segs) for segs in self.attention]
@@ -268,12 +235,100 @@ class Plan:
         node = self.topology.node_of
         return sum(t.end - t.start for t in self.transfers if node(t.src) != node(t.dst))
 
+    def __reduce__(self):
+        """Pickle as plain tuples of ints (``_rebuild_plan``): far faster to send to and
+        rebuild in another process (the planner process) than one object per segment."""
+        return _rebuild_plan, (
+            self.strategy, self.topology, self.seqlens, tuple(zip(*self.sources)),
+            tuple(t.ring for t in self.tasks), tuple(int(t.tier) for t in self.tasks),
+            tuple(t.wave for t in self.tasks), tuple(len(segs) for segs in self.linear),
+            tuple(zip(*(seg for segs in self.linear for seg in segs))), self.capacity,
+            self.overlong, self.plan_time_s, self.attention_kind, self.candidate,
+            self.estimates)
+
     def validate(self) -> "Plan":
         """Check the contract; raise ``PlanError`` naming the first violation. Returns self."""
-        from megatron_zeppelin import plan_checks  # kept apart to keep this file short
-
-        plan_checks.check_plan(self)
+        check_plan(self)
         return self
+
+
+def _segments(columns: tuple) -> list[Segment]:
+    """Segments from (seqs, starts, ends) columns, without Segment's Python constructor."""
+    return list(map(tuple.__new__, repeat(Segment), zip(*columns))) if columns else []
+
+
+def _plan_parts(rings, tiers, waves, counts, linear, sources) -> tuple:
+    """``_rebuild_plan``'s tasks, linear layout and sources, from the columns."""
+    tier = tuple(Tier)
+    tasks = tuple(map(tuple.__new__, repeat(AttentionTask),
+                      zip(range(len(rings)), rings, map(tier.__getitem__, tiers), waves)))
+    segments, layout, first = _segments(linear), [], 0
+    for count in counts:
+        layout.append(tuple(segments[first:first + count]))
+        first += count
+    return tasks, tuple(layout), tuple(_segments(sources))
+
+
+def _twin(name: str, reference):
+    """The planner's C++ twin's function ``name`` (the same objects as the Python ``reference``,
+    built without Python calls and kept out of the cyclic garbage collector, so that a process
+    holding many plans does not pay for them in its collections), or ``reference`` where the
+    twin is not built or ``ZEPPELIN_PLANNER_BACKEND=python`` (the switch ``planner/native.py``
+    reads)."""
+    if env.planner_backend() != "python":
+        try:
+            from megatron_zeppelin import _planner_cpp
+            return getattr(_planner_cpp, name)
+        except ImportError:
+            pass
+    return reference
+
+
+def _rebuild_plan(strategy, topology, seqlens, sources, rings, tiers, waves, counts, linear,
+                  capacity, overlong, plan_time_s, attention_kind, candidate, estimates) -> Plan:
+    """The Plan ``Plan.__reduce__`` pickled."""
+    tasks, layout, source_segments = _twin("plan_parts", _plan_parts)(
+        rings, tiers, waves, counts, linear, sources)
+    return Plan(strategy, topology, seqlens, source_segments, tasks, layout, capacity, overlong,
+                plan_time_s, attention_kind, candidate, estimates)
+
+
+def ring_groups_of(tasks: Sequence[AttentionTask], topology: Topology) -> tuple[RingGroup, ...]:
+    """The ring groups of ``tasks`` (tasks sharing a wave and a ring fuse), in the global
+    order (wave, tier, first task) every rank follows."""
+    members: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for task in tasks:
+        members.setdefault((task.wave, task.ring), []).append(task.seq)
+    tier_of = topology.tier_of
+    groups = []
+    for (wave, ring), seqs in members.items():
+        tier = tier_of(ring)
+        groups.append(RingGroup((wave, int(tier), seqs[0]), ring, tier, wave, tuple(seqs)))
+    groups.sort(key=lambda g: g.key)
+    return tuple(groups)
+
+
+def attention_layout_of(groups: Sequence[RingGroup], seqlens: Sequence[int], world: int
+                        ) -> Layout:
+    """Per rank, the token ranges of its attention buffer: its ring groups in global order,
+    inside a group the sequences in task order, each as ``[chunk p, chunk 2G-1-p]`` (the twin's
+    where built: ``_twin``)."""
+    return _twin("attention_layout", _attention_layout)(groups, seqlens, world)
+
+
+def _attention_layout(groups: Sequence[RingGroup], seqlens: Sequence[int], world: int
+                      ) -> Layout:
+    """``attention_layout_of`` in Python."""
+    out: list[list[Segment]] = [[] for _ in range(world)]
+    for group in groups:
+        size = len(group.ring)
+        if size == 1:
+            out[group.ring[0]].extend(Segment(seq, 0, seqlens[seq]) for seq in group.seqs)
+            continue
+        for pos, rank in enumerate(group.ring):
+            for seq in group.seqs:
+                out[rank].extend(zigzag_segments(seq, seqlens[seq], size, pos))
+    return tuple(tuple(segs) for segs in out)
 
 
 def local_call_groups(squares: Sequence[float], min_tokens: int) -> list[tuple[int, ...]]:

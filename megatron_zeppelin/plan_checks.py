@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megatron_zeppelin.plan import PlanError, Segment, zigzag_share
+from megatron_zeppelin.segments import Segment, zigzag_share
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: plan.py imports this module
     from megatron_zeppelin.plan import Plan
+
+
+class PlanError(ValueError):
+    """A plan breaks the contract (lost or duplicated tokens, bad ring, capacity exceeded)."""
 
 
 def check_plan(plan: "Plan") -> None:

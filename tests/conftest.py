@@ -35,3 +35,11 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(params=["python", "cpp"])
+def planner_backend(request, monkeypatch) -> str:
+    """Run the test once per planner backend (``planner/native.py``); both must give the same
+    plans, and the C++ twin must be built (``pip install -e .``)."""
+    monkeypatch.setenv("ZEPPELIN_PLANNER_BACKEND", request.param)
+    return request.param

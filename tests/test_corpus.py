@@ -103,11 +103,13 @@ def test_overlong_documents_are_split_evenly_or_dropped_and_counted():
     split = DocumentStream([10, 1000, 20], seed=0, max_len=300, overlong="split")
     pieces = epoch_pieces(split)
     assert sorted(end - start for doc, start, end in pieces if doc == 1) == [250] * 4
-    assert (split.stats.documents, split.stats.split, split.stats.pieces) == (3, 1, 4)
+    assert (split.stats.documents, split.stats.split_sequences,
+            split.stats.split_pieces) == (3, 1, 4)
     drop = DocumentStream([10, 1000, 20], seed=0, max_len=300, overlong="drop")
     assert sorted(doc for doc, _, _ in epoch_pieces(drop)) == [0, 2]
     # dropped when the cursor reaches it (the peek past the epoch may reach the next one's)
-    assert drop.stats.dropped >= 1 and drop.stats.dropped_tokens == 1000 * drop.stats.dropped
+    dropped = drop.stats.dropped_sequences
+    assert dropped >= 1 and drop.stats.dropped_tokens == 1000 * dropped
 
 
 def test_the_overlong_policy_is_checked_against_the_corpus_up_front():

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from megatron_zeppelin.cost_model import estimate_plan
+from megatron_zeppelin.estimate import estimate_plan
 from megatron_zeppelin.plan import Tier
 from megatron_zeppelin.planner import make_plan
 
@@ -109,3 +109,26 @@ def test_routed_messages_follow_the_router_and_never_lose_to_direct(cluster):
     sizes = np.array([1e4, 1e6, 1e8])
     assert np.allclose(cost.routed_seconds(sizes), [routed_message_seconds(spec, b) for b in sizes],
                        rtol=0.02)
+
+
+@pytest.mark.parametrize("cluster", ["a800-4nic", "h800-8nic", "h200-8nic"])
+@pytest.mark.parametrize("mib", [1, 8, 64, 256])
+def test_routed_transfer_cost_is_the_routers_model_of_an_even_split(cluster, mib):
+    """One definition: the cost model's routed message time is the router's own model
+    (``router.evaluate``, the integer twin of the C++ router) of the flow split evenly over
+    r rails, at the best r and chunk count; ticks round link costs by up to 5e-4."""
+    from megatron_zeppelin.config import load_cluster
+    from megatron_zeppelin.cost_model import routed_message_seconds
+    from megatron_zeppelin.router import Flow, RouterTopology, Slice, evaluate
+
+    spec = load_cluster(cluster, nodes=2)
+    topology = RouterTopology.from_cluster(spec)
+    gpn, nbytes = spec.gpus_per_node, mib << 20
+    flows = [Flow(0, gpn, nbytes)]
+    best = float("inf")
+    for rails in range(1, len(set(spec.gpu_to_nic)) + 1):
+        proxies = [spec.gpu_to_nic.index(k) for k in range(rails)]  # rail-aligned, GPU 0 first
+        cuts = [i * nbytes // rails for i in range(rails + 1)]
+        slices = [Slice(0, p, gpn + p, lo, hi - lo) for p, lo, hi in zip(proxies, cuts, cuts[1:])]
+        best = min(best, evaluate(topology, flows, slices).total_time_s)
+    assert routed_message_seconds(spec, nbytes) == pytest.approx(best, rel=1e-3)

@@ -41,8 +41,10 @@ def reference(module, docs):
 
 
 def run_mode(mode: str, rank: int, save: str | None = None, load: str | None = None,
-             extra: tuple[str, ...] = (), device: str = "cpu"):
-    """One step of ``mode`` on the fixed documents; returns (plan, loss, grads, module)."""
+             extra: tuple[str, ...] = (), device: str = "cpu", docs=None,
+             strategy=None):
+    """One step of ``mode`` on the fixed documents (or ``docs``; ``strategy``, a registered
+    ``Strategy``, overrides the mode's planner); returns (plan, loss, grads, module)."""
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -62,8 +64,18 @@ def run_mode(mode: str, rank: int, save: str | None = None, load: str | None = N
     run = checkpoint.Training(model, optimizer, train.make_scheduler(args, optimizer), "cpu")
     if load:  # the model only: the saving run took no optimizer step
         checkpoint.load(checkpoint.inspect(load, True), run, load_optim=False, load_rng=False)
-    docs = documents()
-    plan = train.make_planner(args, cost, layout)([d.numel() for d in docs])
+    docs = documents() if docs is None else docs
+    lengths = [d.numel() for d in docs]
+    plan = train.make_planner(args, cost, layout)(lengths)
+    if mode == "zeppelin" or strategy:  # zeppelin: force the hierarchical plan with the remap,
+        # so that every layer is exercised (the portfolio picks no remap for this tiny batch)
+        from megatron_zeppelin.config import ZeppelinConfig
+        from megatron_zeppelin.planner import get_strategy
+
+        config = ZeppelinConfig(max_seqlen=args.seq_length,
+                                capacity_tokens_per_gpu=args.zeppelin_capacity_tokens_per_gpu)
+        chosen = strategy or get_strategy("zeppelin", portfolio=False)
+        plan = chosen.plan(lengths, cost, config).validate()
     batch = slice_rank(plan, pool.rank, docs, device)
     stored = get_forward_backward_func()(
         forward_step_func=train.forward_step, data_iterator=iter([batch]), model=[model],
@@ -108,6 +120,27 @@ def equivalence_body(rank: int, world: int, tmp: str) -> None:
 
 def test_zeppelin_and_static_modes_match_one_process_and_share_checkpoints(tmp_path):
     run_world(equivalence_body, 4, str(tmp_path), start_method="spawn", timeout_s=300)
+
+
+def empty_rank_body(rank: int, world: int) -> None:
+    from megatron_zeppelin.megatron import train
+
+    args = train.cli.parse_args(FLAGS)
+    train.setup_megatron(args)
+    g = torch.Generator().manual_seed(5)
+    docs = [torch.randint(0, 256, (n,), generator=g) for n in (40, 30)]
+    from megatron_zeppelin.planner import get_strategy
+
+    whole = get_strategy("hybrid-dp", max_seqlen_per_rank=64)  # each document on one rank
+    plan, loss, grads, module = run_mode("zeppelin", rank, docs=docs, strategy=whole)
+    assert sorted(plan.linear_tokens()) == [0, 0, 30, 40]  # two ranks get no token at all
+    compare(loss, grads, module, docs, "a plan that leaves ranks empty")
+
+
+def test_a_plan_that_leaves_ranks_without_tokens_trains_exactly():
+    """Megatron's layers cannot run on an empty buffer: such a rank holds one pad token (no
+    loss, no attention) and still joins every collective."""
+    run_world(empty_rank_body, 4, start_method="spawn", timeout_s=300)
 
 
 TP_FLAGS = ("--tensor-model-parallel-size", "2", "--context-parallel-size", "2",

@@ -10,7 +10,8 @@ from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.plan import AttentionTask, Plan, Segment, Topology
 from megatron_zeppelin.planner import make_plan
 from megatron_zeppelin.sim import report
-from megatron_zeppelin.sim.network import GpuMap, grad_allreduce_time, inter_step_time
+from megatron_zeppelin.estimate import grad_allreduce_seconds
+from megatron_zeppelin.sim.network import inter_step_time
 from megatron_zeppelin.sim.rounds import local_parts
 from megatron_zeppelin.sim.simulator import SimOptions, attention_time, lower_bound, simulate
 from megatron_zeppelin.sim.sweep import (Setting, VARIANTS, resolve_variants, run_setting,
@@ -40,9 +41,12 @@ def test_time_grows_with_work():
     cost = make_cost(nodes=2)
     lengths = long_tailed(random.Random(3), 60)
     for strategy in ("zeppelin", "static-cp", "hybrid-dp"):
-        small = simulate(make_plan(strategy, lengths, cost), cost).iteration_s
-        more = simulate(make_plan(strategy, lengths + [20000, 9000], cost), cost).iteration_s
-        longer = simulate(make_plan(strategy, [2 * n for n in lengths], cost), cost).iteration_s
+        options = SimOptions(inter_mode="routed" if strategy == "zeppelin" else "ring")
+        small = simulate(make_plan(strategy, lengths, cost), cost, options).iteration_s
+        more = simulate(make_plan(strategy, lengths + [20000, 9000], cost), cost,
+                        options).iteration_s
+        longer = simulate(make_plan(strategy, [2 * n for n in lengths], cost), cost,
+                          options).iteration_s
         assert small < more and small < longer, strategy
 
 
@@ -104,7 +108,7 @@ def test_waves_add_up():
     both = simulate(manual_plan(topo, lengths, rings, [0, 0, 1, 1]), cost, options)
     first = simulate(manual_plan(topo, lengths[:2], rings[:2], [0, 0]), cost, options)
     second = simulate(manual_plan(topo, lengths[2:], rings[2:], [0, 0]), cost, options)
-    grad = grad_allreduce_time(cost.model, GpuMap(cost.cluster, 1), 2)
+    grad = grad_allreduce_seconds(cost)
     assert both.waves == 2 and both.grad_sync_s == pytest.approx(grad)
     assert both.iteration_s - grad == pytest.approx(first.iteration_s + second.iteration_s
                                                     - 2 * grad, rel=1e-12)

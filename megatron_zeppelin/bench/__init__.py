@@ -3,7 +3,8 @@
 Speed claims live here, never in timed tests. One module per target, each with a
 ``register(targets)`` that adds its subcommand:
 
-planner    median plan time of zeppelin vs megatron-core's BalancedCPScheduler   (planner.py)
+planner    plan time of every strategy (zeppelin portfolio, peers, FlexSP MILP)     (planner.py)
+planning   CPU step with planning alongside (process, thread) vs precomputed  (planning.py)
 router     C++ vs Python router time; modelled ring step with and without routing (router.py)
 engine     attention engine vs the same work done locally; local-only vs raw kernels (engine.py)
 kernels    our block call vs the raw kernel, same inputs (ratio, us per call)    (kernels.py)
@@ -21,7 +22,7 @@ import statistics
 import time
 from typing import Callable
 
-TARGETS = ("planner", "router", "engine", "kernels", "train", "fidelity")
+TARGETS = ("planner", "planning", "router", "engine", "kernels", "train", "fidelity")
 
 
 def median_ms(fn: Callable[[], object], repeats: int, budget_s: float) -> tuple[float, int]:

@@ -24,13 +24,11 @@ from dataclasses import dataclass
 from megatron_zeppelin.config import ModelSpec, ZeppelinConfig, load_cluster, load_hardware
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.plan import Plan
-from megatron_zeppelin.planner import make_plan
+from megatron_zeppelin.planner import STRATEGIES
 from megatron_zeppelin.bench.calibrate import collect
 from megatron_zeppelin.sim.simulator import SimOptions, attention_time
 from megatron_zeppelin.sim.workloads import sample_batch
 
-STRATEGIES = (("zeppelin", "routed"), ("static-cp", "ring"), ("hybrid-dp", "ring"),
-              ("megatron-hybrid-cp", "ring"))
 TARGET_ERROR = 0.25
 
 
@@ -99,15 +97,23 @@ def fidelity_cost(opts: FidelityOptions) -> CostModel:
 
 
 def fidelity_plans(opts: FidelityOptions, cost: CostModel) -> list[tuple[str, int, str, Plan]]:
-    """(strategy, batch, inter mode, plan) for every batch and strategy."""
+    """(strategy, batch, inter mode, plan) for every batch and every registered strategy; the
+    engine measures the plans of the strategies it runs (``Strategy.runs_on_engine``)."""
     rng = random.Random(opts.seed)
     out = []
     for batch in range(opts.batches):
         lengths = sample_batch(opts.workload, opts.tokens, rng, max_len=opts.max_len)
-        for strategy, mode in STRATEGIES:
-            out.append((strategy, batch, mode, make_plan(strategy, lengths, cost,
-                                                         ZeppelinConfig())))
+        for name, cls in STRATEGIES.items():
+            strategy = cls()
+            config = ZeppelinConfig(routing=cls.routed)
+            out.append((name, batch, "routed" if cls.routed else "ring",
+                        strategy.plan(lengths, cost, config)))
     return out
+
+
+def engine_plans(plans: list[tuple[str, int, str, Plan]]) -> list[tuple[str, int, str, Plan]]:
+    """The plans the attention engine can run (ring attention)."""
+    return [p for p in plans if p[3].attention_kind == "ring"]
 
 
 class _PlanRun:
@@ -197,7 +203,7 @@ def run_fidelity(opts: FidelityOptions = FidelityOptions()) -> FidelityReport:
     """Plan, measure on gloo ranks, simulate; one row per (strategy, batch)."""
     started = time.perf_counter()
     cost = fidelity_cost(opts)
-    plans = fidelity_plans(opts, cost)
+    plans = engine_plans(fidelity_plans(opts, cost))
     load_before = os.getloadavg()[0]
     measured = measure(plans, opts, cost.cluster.world_size)
     load_after = os.getloadavg()[0]
@@ -205,7 +211,7 @@ def run_fidelity(opts: FidelityOptions = FidelityOptions()) -> FidelityReport:
     for (strategy, batch, mode, plan), runs in zip(plans, measured):
         simulated = attention_time(plan, cost, SimOptions(inter_mode=mode))
         rows.append(FidelityRow(strategy, batch, min(runs), simulated, max(runs) / min(runs) - 1))
-    documents = tuple(len(p.seqlens) for s, _, _, p in plans if s == STRATEGIES[0][0])
+    documents = tuple(len(p.seqlens) for s, _, _, p in plans if s == plans[0][0])
     return FidelityReport(tuple(rows), time.perf_counter() - started, documents,
                           (load_before, load_after))
 
@@ -221,7 +227,7 @@ def format_fidelity(report: FidelityReport) -> str:
     for r in report.rows:
         lines.append(f"{r.strategy:<20} {r.batch:>5} {r.measured_s:>11.3f} "
                      f"{r.simulated_s:>12.3f} {r.error:>+8.1%} {r.spread:>7.0%}")
-    for strategy, _ in STRATEGIES:
+    for strategy in dict.fromkeys(r.strategy for r in report.rows):
         err = report.mean_abs_error(strategy)
         lines.append(f"mean |error| {strategy:<20} {err:6.1%}  "
                      f"{'within' if err <= TARGET_ERROR else 'OUTSIDE'} the "

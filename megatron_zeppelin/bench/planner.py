@@ -1,66 +1,96 @@
-"""``zeppelin bench planner``: median plan time of zeppelin vs megatron-core's BalancedCPScheduler."""
+"""``zeppelin bench planner``: plan time of every strategy on the same batches, side by side.
+
+Per size (GPUs x documents, github-shaped lengths): the median wall time of a whole
+``Strategy.plan`` call (checks, overlong policy, placement, and for zeppelin its portfolio of
+candidates scored by the estimate, up to the finished ``Plan``) for zeppelin on the C++ twin
+and on the Python reference (``ZEPPELIN_PLANNER_BACKEND``), and for the peers: hybrid DP,
+static CP at one node and at its best size, Hydraulis, FlexSP (its MILP on scipy's HiGHS,
+whose time the FlexSP paper reports in seconds) and Megatron's hybrid CP
+(megatron-core's ``BalancedCPScheduler``, run as is). Slow planners run fewer times, within
+``--budget`` seconds per strategy and size; a strategy is left out of a size where one call
+would exceed ``--budget`` (said so).
+"""
 from __future__ import annotations
 
 import argparse
+import os
 import random
-from typing import Callable
 
 from megatron_zeppelin.bench import median_ms
 from megatron_zeppelin.config import ZeppelinConfig, load_setup
 from megatron_zeppelin.cost_model import CostModel
 
-PLANNER_SIZES = ((64, 512), (1024, 4096))  # (GPUs, sequences)
+SIZES = ((64, 512), (1024, 4096), (1024, 38000))  # (GPUs, documents)
+COLUMNS = (("zeppelin", "cpp"), ("zeppelin", "python"), ("hybrid-dp", "cpp"),
+           ("static-cp", "cpp"), ("static-cp-best", "cpp"), ("hydraulis", "cpp"),
+           ("flexsp", "cpp"), ("megatron-hybrid-cp", "cpp"))
+# where a single call is known to take minutes on 2 cores: (strategy, backend, documents above)
+TOO_SLOW = {("zeppelin", "python"): 5000, ("megatron-hybrid-cp", "cpp"): 5000}
 
 
-def megatron_scheduler_call(lengths: list[int], world: int, capacity: int) -> Callable[[], object]:
-    """A call of megatron-core's BalancedCPScheduler on ``lengths`` (what hybrid CP runs)."""
-    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+def time_strategy(name: str, backend: str, lengths: list[int], cost: CostModel, repeats: int,
+                  budget_s: float) -> tuple[float, int]:
+    """(median ms, runs) of ``name`` planning ``lengths`` on ``backend``."""
+    from megatron_zeppelin.planner import get_strategy
 
-    from megatron_zeppelin.planner.baselines import _PoolGroup
-
-    def call():
-        scheduler = BalancedCPScheduler(max_seq_len_per_rank=capacity,
-                                        dp_cp_group=_PoolGroup(world))
-        return scheduler.get_groups_and_subsamples(list(enumerate(lengths)), None)
-
-    return call
+    strategy, config = get_strategy(name), ZeppelinConfig()
+    before = os.environ.get("ZEPPELIN_PLANNER_BACKEND")
+    os.environ["ZEPPELIN_PLANNER_BACKEND"] = backend
+    try:
+        return median_ms(lambda: strategy.plan(lengths, cost, config), repeats, budget_s)
+    finally:
+        if before is None:
+            os.environ.pop("ZEPPELIN_PLANNER_BACKEND")
+        else:
+            os.environ["ZEPPELIN_PLANNER_BACKEND"] = before
 
 
 def bench_planner(args: argparse.Namespace) -> int:
-    from megatron_zeppelin.planner import plan_zeppelin
-    from megatron_zeppelin.planner.common import resolve_capacity
     from megatron_zeppelin.sim.workloads import get_workload
 
     workload = get_workload(args.workload)
-    print(f"planner time, workload {workload.name}, model {args.model}, cluster {args.cluster}; "
-          f"median of up to {args.repeats} runs (megatron: up to {args.megatron_repeats}, "
-          f"{args.megatron_budget:.0f} s budget)")
-    print(f"{'GPUs x seqs':>14} {'tokens':>10} {'zeppelin ms':>12} {'megatron ms':>12} "
-          f"{'megatron/zeppelin':>18}")
-    for gpus, nseq in PLANNER_SIZES:
+    load = os.getloadavg()[0]
+    print(f"plan time (median ms, runs), workload {workload.name}, model {args.model}, cluster "
+          f"{args.cluster}; up to {args.repeats} runs within {args.budget:.0f} s per cell; load "
+          f"average {load:.1f} on {os.cpu_count()} cores")
+    heads = [f"{name}/{backend}" if name == "zeppelin" else name for name, backend in COLUMNS]
+    print(f"{'GPUs x docs':>14} " + " ".join(f"{h:>16}" for h in heads))
+    for gpus, documents in args.sizes:
         setup = load_setup(args.model, args.cluster, nodes=1)
         setup = load_setup(args.model, args.cluster, nodes=gpus // setup.cluster.gpus_per_node)
         cost = CostModel(setup.model, setup.cluster, setup.hardware)
         rng = random.Random(args.seed)
-        lengths = [workload.draw(rng) for _ in range(nseq)]
-        config = ZeppelinConfig()
-        ours, _ = median_ms(lambda: plan_zeppelin(lengths, cost, config), args.repeats, 60.0)
-        capacity = resolve_capacity(tuple(lengths), cost.cluster.topology(), config)
-        theirs, runs = median_ms(megatron_scheduler_call(lengths, gpus, capacity),
-                                  args.megatron_repeats, args.megatron_budget)
-        print(f"{gpus:>6} x {nseq:<6} {sum(lengths):>10} {ours:>12.1f} {theirs:>12.1f} "
-              f"{theirs / ours:>17.1f}x  (megatron runs: {runs})")
+        lengths = [workload.draw(rng) for _ in range(documents)]
+        cells = []
+        for name, backend in COLUMNS:
+            if documents > TOO_SLOW.get((name, backend), documents):
+                cells.append("(too slow)")
+                continue
+            ms, runs = time_strategy(name, backend, lengths, cost, args.repeats, args.budget)
+            cells.append(f"{ms:.1f} ({runs})")
+        print(f"{gpus:>6} x {documents:<6} " + " ".join(f"{c:>16}" for c in cells), flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 0
 
 
+def _size(text: str) -> tuple[int, int]:
+    try:
+        gpus, documents = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size {text!r} is invalid: expected GPUSxDOCUMENTS, "
+                                         "e.g. 1024x4096") from None
+    return gpus, documents
+
+
 def register(targets: argparse._SubParsersAction) -> None:
-    q = targets.add_parser("planner", help="plan time: zeppelin vs BalancedCPScheduler")
+    q = targets.add_parser("planner", help="plan time of every strategy, side by side")
     q.add_argument("--model", default="llama-7b")
     q.add_argument("--cluster", default="h200-8nic")
     q.add_argument("--workload", default="github")
+    q.add_argument("--sizes", type=_size, nargs="+", default=list(SIZES),
+                   help="GPUSxDOCUMENTS (default: 64x512 1024x4096 1024x38000)")
     q.add_argument("--repeats", type=int, default=21)
-    q.add_argument("--megatron-repeats", type=int, default=5)
-    q.add_argument("--megatron-budget", type=float, default=120.0,
-                   help="seconds after which megatron's scheduler is not run again")
+    q.add_argument("--budget", type=float, default=30.0,
+                   help="seconds after which a cell is not run again")
     q.add_argument("--seed", type=int, default=0)
     q.set_defaults(func=bench_planner)

@@ -185,6 +185,9 @@ class ZeppelinRuntimeArgs:
                                      "torch otherwise)", choices=attention_backends())
     validate_plan: bool = setting(False, "check every plan's contract (Plan.validate) before "
                                   "using it")
+    planner_process: bool = setting(True, "plan in a separate process (never holding the "
+                                    "training process's GIL); --no-zeppelin-planner-process "
+                                    "plans on a thread of the training process")
     watchdog_timeout: float = setting(
         20.0, "seconds a rank may go without a heartbeat before every other rank stops and "
         "names it (frozen, or killed on another node); 0 turns the watchdog off")

@@ -179,7 +179,7 @@ def zeppelin_attention(state: ZeppelinAttentionState, query: Tensor, key: Tensor
     out = runtime.engine.forward(q.contiguous(), k.contiguous(), v.contiguous())
     if runtime.remap is not None:
         out = to_linear_layout(out, runtime.remap, state.pool_group)
-    out = out.reshape(out.shape[0], 1, -1)
+    out = out.reshape(out.shape[0], 1, heads * query.shape[3])  # explicit: 0 rows happen
     if params.pad_tokens:
         out = torch.cat([out, out.new_zeros(params.pad_tokens, 1, out.shape[2])])
     return out

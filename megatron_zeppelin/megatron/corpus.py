@@ -5,8 +5,9 @@ indexed datasets (``--data-path PREFIX``). Each tells its documents' lengths wit
 them, and reads the tokens of one piece of a document on demand.
 
 ``DocumentStream`` walks the corpus in a per-epoch shuffled order (``--seed``) and applies the
-overlong policy to each document (the planner's ``apply_overlong``: ``split`` cuts a document
-longer than ``--seq-length`` into equal pieces, ``drop`` counts and skips it). Its position is a
+overlong policy to each document (``planner/overlong.py``, the planner's own: ``split`` cuts a
+document longer than ``--seq-length`` into equal pieces, ``drop`` counts and skips it). Its
+position is a
 cursor (epoch, index in the epoch's order, piece of that document): a checkpoint stores it and
 a restart continues at the same piece, with no replay.
 
@@ -24,14 +25,14 @@ import os
 import random
 import statistics
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import cached_property
 from typing import Protocol, Sequence
 
 import torch
 
 from megatron_zeppelin.config import ConfigError
-from megatron_zeppelin.planner.common import apply_overlong
+from megatron_zeppelin.planner.overlong import OverlongTally
 
 
 class DocumentSource(Protocol):
@@ -207,15 +208,9 @@ def check_overlong(lengths: Sequence[int], max_len: int, policy: str, what: str)
                           "--zeppelin-overlong drop would drop them all")
 
 
-@dataclass
-class DocumentStats:
-    """What the stream read and what the overlong policy did (nothing is dropped silently)."""
-
-    documents: int = 0
-    split: int = 0
-    pieces: int = 0
-    dropped: int = 0
-    dropped_tokens: int = 0
+# What the stream read and what the overlong policy did (nothing is dropped silently): the one
+# tally of the policy (``planner/overlong.py``), also the planner's.
+DocumentStats = OverlongTally
 
 
 Piece = tuple[int, int, int]  # (document, start, end): tokens [start, end) of a document
@@ -241,34 +236,27 @@ class DocumentStream:
         skipped = 0
         while self._pieces is None:
             doc = self._order[self.index]
-            length = self.lengths[doc]
-            if length > self.max_len and self.overlong == "error":
-                raise ConfigError(f"document {doc} has {length:,} tokens, more than "
-                                  f"--seq-length {self.max_len:,}; pass --zeppelin-overlong "
-                                  "split or drop")
-            if length > self.max_len and self.overlong == "drop":
-                self._count(doc, 0)
-                skipped += 1
-                if skipped > len(self.lengths):
-                    raise ConfigError(f"--zeppelin-overlong drop drops every document: all "
-                                      f"are longer than --seq-length {self.max_len:,}")
-                self._next_document()
-                continue
-            _, sources, _ = apply_overlong((length,), self.max_len, self.overlong)
-            self._pieces = [(doc, s.start, s.end) for s in sources]
+            pieces = self._admit(doc, OverlongTally())  # counted when the cursor takes it
+            if pieces:
+                self._pieces = [(doc, start, end) for start, end in pieces]
+                break
+            self._admit(doc, self.stats)  # dropped: counted as the cursor passes it
+            skipped += 1
+            if skipped > len(self.lengths):
+                raise ConfigError(f"--zeppelin-overlong drop drops every document: all "
+                                  f"are longer than --seq-length {self.max_len:,}")
+            self._next_document()
         return self._pieces
 
-    def _count(self, doc: int, pieces: int) -> None:
-        """Account for a document when the cursor first reaches it."""
-        stats, length = self.stats, self.lengths[doc]
-        stats.documents += 1
-        if length > self.max_len:
-            if pieces:
-                stats.split += 1
-                stats.pieces += pieces
-            else:
-                stats.dropped += 1
-                stats.dropped_tokens += length
+    def _admit(self, doc: int, tally: OverlongTally) -> list[tuple[int, int]]:
+        """The overlong policy on document ``doc`` (``OverlongTally.admit``), counted in
+        ``tally``; ``error`` is a ConfigError naming the document."""
+        try:
+            return tally.admit(doc, self.lengths[doc], self.max_len, self.overlong,
+                               what="document", why="--seq-length",
+                               setting="--zeppelin-overlong")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     def _next_document(self) -> None:
         self.index, self.piece, self._pieces = self.index + 1, 0, None
@@ -281,7 +269,7 @@ class DocumentStream:
     def advance(self) -> None:
         pieces = self._current()
         if self.piece == 0:
-            self._count(pieces[0][0], len(pieces))
+            self._admit(pieces[0][0], self.stats)
         self.piece += 1
         if self.piece == len(pieces):
             self._next_document()

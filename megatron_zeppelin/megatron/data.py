@@ -1,9 +1,10 @@
 """Data-iterator hook: documents -> planned micro-batches in each rank's linear layout.
 
 A stream of micro-batches (lists of 1-D int64 token tensors, the same on every rank of a pool:
-``corpus.MicroBatchSampler`` in training) is planned by the partitioner on a worker thread
-one micro-batch ahead (planning is pure Python and runs while torch releases the GIL), and
-each rank takes its ``Plan.linear[rank]`` tokens:
+``corpus.MicroBatchSampler`` in training) is planned one micro-batch ahead: in training by the
+planner process (``planner.service.PlannerService``: planning never holds this process's GIL),
+awaited and prepared for the attention engine on a worker thread; and each rank takes its
+``Plan.linear[rank]`` tokens:
 
 * tokens / position ids: the pieces of documents the rank holds, positions restarting at 0 in
   every planned sequence (RoPE by in-document position);
@@ -21,6 +22,7 @@ import torch
 
 from megatron_zeppelin.megatron.packing import ZeppelinPackedSeqParams, packed_seq_params_for_rank
 from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.planner.service import PlannerService
 
 
 @dataclass(frozen=True)
@@ -52,11 +54,15 @@ def slice_rank(plan: Plan, rank: int, documents: Sequence[torch.Tensor],
         pad = hi - lo - nxt.numel()  # the sequence's last token has no target
         labels.append(torch.cat([nxt, nxt.new_zeros(pad)]))
         mask.append(torch.cat([torch.ones(nxt.numel()), torch.zeros(pad)]))
-    params = packed_seq_params_for_rank(plan, rank, device=device)
+    # a rank the plan gives no tokens this time holds one pad token (no loss, no attention):
+    # Megatron's layers cannot run on an empty buffer
+    pad = 0 if tokens else 1
+    params = packed_seq_params_for_rank(plan, rank, device=device, pad_tokens=pad)
+    zeros = [torch.zeros(pad, dtype=torch.int64)]
     return MicroBatch(
-        tokens=torch.cat(tokens).unsqueeze(0).to(device),
-        labels=torch.cat(labels).unsqueeze(0).to(device),
-        loss_mask=torch.cat(mask).unsqueeze(0).to(device),
+        tokens=torch.cat(tokens + zeros).unsqueeze(0).to(device),
+        labels=torch.cat(labels + zeros).unsqueeze(0).to(device),
+        loss_mask=torch.cat(mask + [torch.zeros(pad)]).unsqueeze(0).to(device),
         position_ids=params.position_ids(device), packed_seq_params=params, plan=plan)
 
 
@@ -64,25 +70,42 @@ class ZeppelinDataIterator:
     """Wraps a stream of global micro-batches (lists of documents) into this rank's
     ``MicroBatch``es; the plan of micro-batch i+1 is computed while micro-batch i trains.
 
-    ``planner(lengths) -> Plan`` is called on a worker thread; it must be deterministic so that
-    every rank of the pool computes the same plan. ``state_dict()`` is the data position of
-    what was handed out so far: ``batches.state_dict()`` (when the stream has one) taken before
-    the micro-batch planned ahead was drawn.
+    ``planner``: a ``planner.service.PlannerService`` (planning in its own process, never
+    holding this process's GIL; its failures raise ``PlannerServiceError`` here), or a
+    ``lengths -> Plan`` callable run on a worker thread of this process. Either must be
+    deterministic so that every rank of the pool computes the same plan. ``state_dict()`` is
+    the data position of what was handed out so far: ``batches.state_dict()`` (when the stream
+    has one) taken before the micro-batch planned ahead was drawn.
     """
 
-    def __init__(self, batches: Iterator[list[torch.Tensor]], planner: Callable[[list[int]], Plan],
-                 rank: int, device: torch.device | str = "cpu", prefetch: bool = True) -> None:
+    def __init__(self, batches: Iterator[list[torch.Tensor]],
+                 planner: PlannerService | Callable[[list[int]], Plan], rank: int,
+                 device: torch.device | str = "cpu", prefetch: bool = True,
+                 prepare: Callable[[Plan], None] | None = None) -> None:
+        """``prepare(plan)`` runs where the plan is awaited (the worker thread when
+        ``prefetch``): e.g. building the attention runtime of the next micro-batch ahead."""
         self.batches, self.planner, self.rank, self.device = batches, planner, rank, device
-        self.pool = ThreadPoolExecutor(max_workers=1) if prefetch else None
+        self.service = planner if isinstance(planner, PlannerService) else None
+        self.prepare = prepare
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeppelin-plan") \
+            if prefetch else None
         self.ahead: tuple[list[torch.Tensor], Future | Plan] | None = None
         self.ahead_position: dict | None = None
+
+    def _plan(self, work: int | list[int]) -> Plan:
+        """The plan of a submitted micro-batch (a service ticket, or its lengths), prepared."""
+        plan = self.service.result(work) if self.service is not None else self.planner(work)
+        if self.prepare is not None:
+            self.prepare(plan)
+        return plan
 
     def _submit(self) -> tuple[list[torch.Tensor], Future | Plan]:
         self.ahead_position = self._stream_position()
         docs = next(self.batches)
         lengths = [d.numel() for d in docs]
-        work = self.pool.submit(self.planner, lengths) if self.pool else self.planner(lengths)
-        return docs, work
+        # with a service, the planner process plans it meanwhile; the ticket is awaited here
+        work = self.service.submit(lengths) if self.service is not None else lengths
+        return docs, self.pool.submit(self._plan, work) if self.pool else self._plan(work)
 
     def __iter__(self) -> "ZeppelinDataIterator":
         return self
@@ -105,3 +128,5 @@ class ZeppelinDataIterator:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.service is not None:
+            self.service.close()

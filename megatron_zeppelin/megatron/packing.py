@@ -66,14 +66,17 @@ ONE_RANK_GROUP = OneRankGroup()
 class ZeppelinPackedSeqParams(PackedSeqParams):
     """Packed pieces of documents on one rank, in buffer order (Megatron's ``PackedSeqParams``).
 
-    segments: host-side ``Segment(seq, start, end)`` per piece, in buffer order.
+    segments: host-side ``Segment(seq, start, end)`` per piece, in buffer order; none when the
+        plan gives this rank no tokens in this micro-batch (then one pad token keeps Megatron's
+        layers working, and the rank still joins every collective).
     cu_seqlens_q / cu_seqlens_kv: int32 ``[pieces + 1]`` piece boundaries in the packed buffer.
     max_seqlen_q / max_seqlen_kv: the largest in-document end position ``max(end)``: an upper
         bound on every piece length and the RoPE table length.
     plan / rank: the zeppelin plan and the rank whose linear layout this is (None for a local
         packed batch of whole documents).
     pad_tokens: tokens appended after the last piece (sequence parallelism needs a multiple of
-        TP); they belong to no sequence, carry no loss and skip core attention.
+        TP; a rank without pieces gets one); they belong to no sequence, carry no loss and skip
+        core attention.
     cp_group: a one-rank group, so that RoPE is never sliced for Megatron's own CP (in
         Megatron-LM's zeppelin mode Megatron keeps its CP groups: they are the pools).
     qkv_format is always ``'sbhd'``: q/k/v stay ``[tokens, 1, heads, head_dim]``.
@@ -88,8 +91,6 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
         if self.qkv_format != QKV_FORMAT:
             raise ValueError(f"qkv_format={self.qkv_format!r} is invalid: zeppelin packing keeps "
                              f"Megatron's {QKV_FORMAT!r} layout with batch 1")
-        if not self.segments:
-            raise ValueError("segments=() is invalid: a packed buffer needs at least one piece")
         if self.pad_tokens < 0:
             raise ValueError(f"pad_tokens={self.pad_tokens} is invalid: expected >= 0")
         if self.cp_group is None:
@@ -105,8 +106,12 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
         return [s.length for s in self.segments]
 
     def position_ids(self, device: torch.device | str = "cpu") -> Tensor:
-        """``[1, tokens]`` int64 in-document positions of the packed buffer (GPTModel's layout)."""
-        return position_ids_from_segments(self.segments, device).unsqueeze(0)
+        """``[1, tokens]`` int64 in-document positions of the packed buffer (GPTModel's layout);
+        pad tokens at position 0."""
+        ids = position_ids_from_segments(self.segments, device)
+        if self.pad_tokens:
+            ids = torch.cat([ids, ids.new_zeros(self.pad_tokens)])
+        return ids.unsqueeze(0)
 
 
 def _check_segments(segments: Sequence[Segment]) -> None:
@@ -121,7 +126,9 @@ def position_ids_from_segments(segments: Sequence[Segment],
                                device: torch.device | str = "cpu") -> Tensor:
     """``[tokens]`` int64: ``start .. end-1`` for every piece, concatenated in buffer order."""
     _check_segments(segments)
-    return torch.cat([torch.arange(s.start, s.end, dtype=torch.int64) for s in segments]).to(device)
+    pieces = [torch.arange(s.start, s.end, dtype=torch.int64) for s in segments]
+    return torch.cat(pieces).to(device) if pieces else torch.zeros(0, dtype=torch.int64,
+                                                                   device=device)
 
 
 def packed_seq_params_from_segments(segments: Sequence[Segment], *,
@@ -140,7 +147,7 @@ def packed_seq_params_from_segments(segments: Sequence[Segment], *,
     for seg in segments:
         bounds.append(bounds[-1] + seg.length)
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
-    max_position = max([s.end for s in segments] + [max_position or 0])
+    max_position = max([s.end for s in segments] + [max_position or 1])
     return ZeppelinPackedSeqParams(
         qkv_format=QKV_FORMAT, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
         max_seqlen_q=max_position, max_seqlen_kv=max_position,

@@ -16,7 +16,6 @@ import argparse
 import datetime
 import os
 import time
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -34,8 +33,7 @@ from megatron_zeppelin.megatron.watchdog import Watchdog, start_watchdog
 from megatron_zeppelin.megatron.model import build_gpt_model, make_transformer_config
 from megatron_zeppelin.megatron.spec import get_gpt_layer_zeppelin_spec
 from megatron_zeppelin.parallel import PoolLayout
-from megatron_zeppelin.plan import Plan
-from megatron_zeppelin.planner import make_plan
+from megatron_zeppelin.planner.service import PlanFunction, PlannerService
 from megatron_zeppelin.router import RouterTopology
 
 
@@ -59,19 +57,14 @@ def make_cost_model(args: argparse.Namespace, spec: ModelSpec, layout: PoolLayou
     return CostModel(spec, cluster, hardware, layout.tp)
 
 
-def make_planner(args: argparse.Namespace, cost: CostModel, layout: PoolLayout):
-    """lengths -> Plan for one micro-batch of the pool (deterministic: same on every rank)."""
+def make_planner(args: argparse.Namespace, cost: CostModel, layout: PoolLayout) -> PlanFunction:
+    """lengths -> Plan for one micro-batch of the pool (deterministic: same on every rank;
+    picklable, so that the planner process can run it)."""
     config = cli.zeppelin_config(args)
     if args.context_parallel_mode == "zeppelin":
-        planner = partial(make_plan, "zeppelin", cost=cost, config=config)
-    else:
-        planner = partial(make_plan, "static-cp", cost=cost, config=config, cp_size=layout.cp)
-
-    def plan(lengths: list[int]) -> Plan:
-        result = planner(lengths)
-        return result.validate() if args.zeppelin_validate_plan else result
-
-    return plan
+        return PlanFunction("zeppelin", cost, config, validate=args.zeppelin_validate_plan)
+    return PlanFunction("static-cp", cost, config, options={"cp_size": layout.cp},
+                        validate=args.zeppelin_validate_plan)
 
 
 def build_state(args: argparse.Namespace, pool: Pool, cost: CostModel) -> ZeppelinAttentionState:
@@ -147,12 +140,15 @@ def make_scheduler(args: argparse.Namespace, optimizer):
         override_opt_param_scheduler=False)
 
 
-def make_data(args: argparse.Namespace, source: DocumentSource, pool: Pool, planner, device,
-              position: dict | None) -> tuple[ZeppelinDataIterator, MicroBatchSampler]:
+def make_data(args: argparse.Namespace, source: DocumentSource, pool: Pool,
+              planner: PlanFunction, device, position: dict | None,
+              prepare=None) -> tuple[ZeppelinDataIterator, MicroBatchSampler]:
     """Micro-batches of MBS x seq-length tokens per pool (Megatron's meaning: a CP group runs
     MBS samples of seq-length tokens; an iteration GBS x seq-length tokens), from one global
     stream dealt to the pools; documents longer than --seq-length follow --zeppelin-overlong.
-    ``position``: a checkpoint's data position to continue from."""
+    ``position``: a checkpoint's data position to continue from. Plans come from the planner
+    process (``--zeppelin-planner-process``, the default) or a thread of this one; ``prepare``
+    builds each plan's attention runtime ahead, on the iterator's worker thread."""
     sampler = MicroBatchSampler(source, args.micro_batch_size * args.seq_length, args.seed,
                                 args.seq_length, args.zeppelin_overlong,
                                 pools=pool.layout.dp, pool=pool.index)
@@ -161,7 +157,10 @@ def make_data(args: argparse.Namespace, source: DocumentSource, pool: Pool, plan
         if why and dist.get_rank() == 0:
             print(f"data position of the checkpoint not used ({why}): reading the corpus from "
                   "its beginning", flush=True)
-    return ZeppelinDataIterator(sampler, planner, pool.rank, device=device), sampler
+    if args.zeppelin_planner_process:
+        planner = PlannerService(planner)
+    return ZeppelinDataIterator(sampler, planner, pool.rank, device=device,
+                                prepare=prepare), sampler
 
 
 def init_process_group(args: argparse.Namespace) -> None:
@@ -204,9 +203,8 @@ def train(args: argparse.Namespace, layout: PoolLayout, ready: preflight.Ready,
         if dist.get_rank() == 0:
             print(banner(args, layout, model.module, ready.source, watchdog_line), flush=True)
         start, position = resume(args, ready, run)
-        data, sampler = make_data(args, ready.source, pool,
-                                  state.preparing(make_planner(args, cost, layout)), device,
-                                  position)
+        data, sampler = make_data(args, ready.source, pool, make_planner(args, cost, layout),
+                                  device, position, prepare=state.prepare)
         _, pool_rank, tp_rank = layout.position(dist.get_rank())
         logger = Logger(args, cost, dist.get_rank() == 0, sampler.stats,
                         counts_plans=pool_rank == 0 and tp_rank == 0, pools=layout.dp)

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError
-from megatron_zeppelin.cost_model import CostModel, estimate_plan
+from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.estimate import estimate_plan
 from megatron_zeppelin.megatron.corpus import DocumentSource, DocumentStats, describe_lengths
 from megatron_zeppelin.parallel import PoolLayout
 
@@ -130,8 +131,9 @@ class Logger:
         d = self.documents
         if self.printing:
             print(f"documents read: {d.documents:,}; longer than --seq-length "
-                  f"{self.args.seq_length:,}: {d.split:,} split into {d.pieces:,} pieces, "
-                  f"{d.dropped:,} dropped ({d.dropped_tokens:,} tokens)", flush=True)
+                  f"{self.args.seq_length:,}: {d.split_sequences:,} split into "
+                  f"{d.split_pieces:,} pieces, {d.dropped_sequences:,} dropped "
+                  f"({d.dropped_tokens:,} tokens)", flush=True)
         if self.writer is not None:
             self.writer.close()
 

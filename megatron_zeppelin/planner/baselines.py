@@ -20,14 +20,19 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.estimate import estimate_tasks
 from megatron_zeppelin.plan import AttentionTask, Plan, Topology, zigzag_share, zigzag_share_bound
 from megatron_zeppelin.plan_checks import wave_tokens
-from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble,
-                                              grow_derived_capacity, prepare, smallest_share)
+from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare,
+                                              smallest_share,
+                                              within_capacity)
+from megatron_zeppelin.planner import native
+from megatron_zeppelin.planner.registry import Strategy, register
 
 
 def _task(topology: Topology, seq: int, ring: Sequence[int], wave: int = 0) -> AttentionTask:
@@ -45,13 +50,57 @@ def default_cp_size(batch: Batch) -> int:
     return topo.world_size
 
 
-@grow_derived_capacity
-def plan_static_cp(seqlens: Sequence[int], cost: CostModel,
-                   config: ZeppelinConfig = ZeppelinConfig(), cp_size: int | None = None) -> Plan:
+def _positive_option(strategy: str, key: str, value: int | None) -> None:
+    if value is not None and not (isinstance(value, int) and value >= 1):
+        raise ValueError(f"{strategy} option {key}={value!r} is invalid: expected an integer >= 1")
+
+
+@register
+@dataclass(frozen=True)
+class StaticCP(Strategy):
     """Every document zigzag over its DP replica's whole CP group (TE/Megatron CP)."""
-    batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
+
+    name = "static-cp"
+    summary = "TE/Megatron CP: every document zigzag over its replica's CP group"
+    cp_size: int | None = field(default=None, metadata={
+        "help": "static-cp: ranks per CP group (default: the smallest multiple of a node that "
+                "holds the longest document)"})
+    cp_nodes: int | None = field(default=None, metadata={
+        "help": "static-cp: CP groups of this many whole nodes (instead of --cp-size)"})
+
+    def __post_init__(self) -> None:
+        _positive_option(self.name, "cp_size", self.cp_size)
+        _positive_option(self.name, "cp_nodes", self.cp_nodes)
+        if self.cp_size is not None and self.cp_nodes is not None:
+            raise ValueError("static-cp takes cp_size or cp_nodes, not both")
+
+    def group_size(self, batch: Batch) -> int:
+        """The CP size of this batch (``cp_size``, ``cp_nodes`` or the default)."""
+        topo = batch.topology
+        if self.cp_nodes is not None:
+            return min(self.cp_nodes, topo.nodes) * topo.gpus_per_node
+        return self.cp_size or default_cp_size(batch)
+
+    def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
+        batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
+        cp = self.group_size(batch)
+        return assemble(f"static-cp(cp={cp})", batch, static_cp_on_backend(batch, cost, config, cp))
+
+
+def static_cp_on_backend(batch: Batch, cost: CostModel, config: ZeppelinConfig, cp: int
+                         ) -> list[AttentionTask]:
+    """``static_cp_tasks`` on the configured backend (``native``)."""
     world = batch.topology.world_size
-    cp = cp_size or default_cp_size(batch)
+    if cp < 1 or world % cp:
+        raise ValueError(f"cp_size={cp} is invalid: expected a divisor of the pool size {world}")
+    tasks = native.twin_tasks("static_cp", batch.seqlens, batch.capacity, cost, config, cp)
+    return tasks if tasks is not None else static_cp_tasks(batch, cp)
+
+
+def static_cp_tasks(batch: Batch, cp: int) -> list[AttentionTask]:
+    """Documents token-balanced over the DP replicas (longest first), each zigzag over its
+    replica's group of ``cp`` consecutive ranks."""
+    world = batch.topology.world_size
     if cp < 1 or world % cp:
         raise ValueError(f"cp_size={cp} is invalid: expected a divisor of the pool size {world}")
     replicas = [(0, r) for r in range(world // cp)]
@@ -66,7 +115,69 @@ def plan_static_cp(seqlens: Sequence[int], cost: CostModel,
             rank_tokens[r] += seqlen // len(ring)
         tasks[seq] = _task(batch.topology, seq, ring)
         heapq.heappush(replicas, (tokens + seqlen, replica))
-    return assemble(f"static-cp(cp={cp})", batch, tasks, None)
+    return tasks
+
+
+# static-cp-best tries CP groups of up to this many nodes by default: a plan of G-rank groups
+# lists every document on up to G ranks (32M ring entries for G = 1024 and 64M tokens), and no
+# report run found a larger size fastest; --max-cp-size widens the search.
+BEST_CP_MAX_NODES = 8
+
+
+@register
+@dataclass(frozen=True)
+class StaticCPBest(Strategy):
+    """Static CP at the size a user would tune it to for this batch: every legal CP size (a
+    divisor of the pool whose groups hold the longest document within the capacity) up to
+    ``max_cp_size``, the fastest by the step estimate (``estimate.estimate_tasks``)."""
+
+    name = "static-cp-best"
+    summary = "static CP at its best size for the batch (every legal size, by the estimate)"
+    max_cp_size: int | None = field(default=None, metadata={
+        "help": f"static-cp-best: largest CP size tried (default: {BEST_CP_MAX_NODES} nodes)"})
+
+    def __post_init__(self) -> None:
+        _positive_option(self.name, "max_cp_size", self.max_cp_size)
+
+    def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
+        batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
+        config = dataclasses.replace(config, routing=config.routing and self.routed)
+        topo = batch.topology
+        max_cp = self.max_cp_size or min(topo.world_size, BEST_CP_MAX_NODES * topo.gpus_per_node)
+        cpp = native.cpp_module(None)
+        if cpp is not None:
+            scores, twin = cpp.static_cp_best(
+                native.problem_args(batch.seqlens, batch.capacity, cost, config), max_cp)
+            tasks = twin if scores else None
+        else:
+            scored = [(estimate_tasks(t, batch.seqlens, batch.topology, cost,
+                                      config.routing).step_s, cp, t)
+                      for cp, t in static_cp_candidates(batch, cost, config, max_cp)]
+            scores = [(cp, step) for step, cp, _ in scored]
+            tasks = min(scored, key=lambda item: (item[0], item[1]))[2] if scored else None
+        if tasks is None:
+            raise CapacityError(f"static-cp-best: no CP size holds the longest document "
+                                f"({max(batch.seqlens)} tokens) within the capacity "
+                                f"{batch.capacity}")
+        ranked = sorted(scores, key=lambda item: (item[1], item[0]))
+        label = f"static-cp(cp={ranked[0][0]})"
+        return assemble(label, batch, tasks, None, candidate=label,
+                        estimates=tuple((f"static-cp(cp={cp})", t) for cp, t in ranked))
+
+
+def static_cp_candidates(batch: Batch, cost: CostModel, config: ZeppelinConfig,
+                         max_cp: int) -> list[tuple[int, list[AttentionTask]]]:
+    """(CP size, tasks) for every divisor of the pool up to ``max_cp`` whose plan keeps every
+    rank within the capacity (Python reference)."""
+    world = batch.topology.world_size
+    out = []
+    for cp in range(1, min(world, max_cp) + 1):
+        if world % cp or zigzag_share_bound(max(batch.seqlens), cp) > batch.capacity:
+            continue
+        tasks = static_cp_tasks(batch, cp)
+        if within_capacity(tasks, batch):
+            out.append((cp, tasks))
+    return out
 
 
 def default_max_seqlen_per_rank(batch: Batch) -> int:
@@ -79,32 +190,78 @@ def default_max_seqlen_per_rank(batch: Batch) -> int:
     return min(batch.capacity, max([suggested, *(smallest_share(s, topo) for s in longer)]))
 
 
-@grow_derived_capacity
-def plan_hybrid_dp(seqlens: Sequence[int], cost: CostModel,
-                   config: ZeppelinConfig = ZeppelinConfig(),
-                   max_seqlen_per_rank: int | None = None) -> Plan:
+_MAX_SEQLEN_PER_RANK_HELP = (
+    "hybrid-dp / megatron-hybrid-cp: Megatron's --max-seqlen-per-dp-cp-rank (default: the "
+    "longest document over one node, at least the mean tokens per rank)")
+
+
+@register
+@dataclass(frozen=True)
+class HybridDP(Strategy):
     """Fewest ranks that hold each document, greedy on estimated work, longest first."""
-    batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
-    topo = batch.topology
-    per_rank = max_seqlen_per_rank or default_max_seqlen_per_rank(batch)
+
+    name = "hybrid-dp"
+    summary = "fewest ranks per document (within max_seqlen_per_rank), greedy on work"
+    max_seqlen_per_rank: int | None = field(default=None,
+                                            metadata={"help": _MAX_SEQLEN_PER_RANK_HELP})
+
+    def __post_init__(self) -> None:
+        _positive_option(self.name, "max_seqlen_per_rank", self.max_seqlen_per_rank)
+
+    def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
+        batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
+        per_rank = self.max_seqlen_per_rank or default_max_seqlen_per_rank(batch)
+        tasks = native.twin_tasks("hybrid_dp", batch.seqlens, batch.capacity, cost, config,
+                                  per_rank)
+        return assemble("hybrid-dp", batch,
+                        tasks if tasks is not None else hybrid_dp_tasks(batch, cost, per_rank))
+
+
+def hybrid_dp_tasks(batch: Batch, cost: CostModel, per_rank: int) -> list[AttentionTask]:
+    """Longest first, each document on the fewest ranks that hold it within ``per_rank``
+    tokens each, the block whose busiest rank has the least work (attention + linear; the
+    least-loaded rank with room when one rank holds it)."""
+    topo, kernel = batch.topology, cost.kernel
     loads = [0.0] * topo.world_size
     tokens = [0] * topo.world_size
+    heap = [(0.0, r) for r in range(topo.world_size)]  # (load, rank); stale entries skipped
     tasks: list[AttentionTask | None] = [None] * len(batch.seqlens)
     for seq in sorted(range(len(batch.seqlens)), key=lambda i: -batch.seqlens[i]):
         seqlen = batch.seqlens[seq]
         k = _fewest_ranks(seqlen, per_rank, topo)
         room = batch.capacity - zigzag_share_bound(seqlen, k)
-        ring = _least_loaded_block(loads, tokens, room, k, topo)
+        ring = _least_loaded_rank(heap, loads, tokens, room) if k == 1 else \
+            _least_loaded_block(loads, tokens, room, k, topo)
         if ring is None:
             raise CapacityError(f"hybrid-dp: no {k} rank(s) have room for sequence {seq} "
                                 f"({seqlen} tokens) within the capacity {batch.capacity}")
-        work = cost.task_time(seqlen, k, topo.tier_of(ring), routed=False) + \
-            cost.linear_time(seqlen / k)
+        tier = topo.tier_of(ring)
+        work = kernel.task_time(seqlen, k, tier, False) + kernel.linear_per_token * seqlen / k
         for pos, r in enumerate(ring):
             loads[r] += work
             tokens[r] += zigzag_share(seqlen, k, pos)
-        tasks[seq] = _task(topo, seq, ring)
-    return assemble("hybrid-dp", batch, tasks, None)
+            heapq.heappush(heap, (loads[r], r))
+        tasks[seq] = AttentionTask(seq, ring, tier)
+    return tasks
+
+
+def _least_loaded_rank(heap: list[tuple[float, int]], loads: list[float], tokens: list[int],
+                       room: int) -> tuple[int] | None:
+    """The rank with the least work (then the lowest index) holding at most ``room`` tokens,
+    from a heap of (load, rank) whose entries are stale once the rank's load changed."""
+    skipped, found = [], None
+    while heap:
+        load, r = heap[0]
+        if load != loads[r]:
+            heapq.heappop(heap)
+        elif tokens[r] > room:
+            skipped.append(heapq.heappop(heap))
+        else:
+            found = (r,)
+            break
+    for entry in skipped:
+        heapq.heappush(heap, entry)
+    return found
 
 
 def _fewest_ranks(seqlen: int, capacity: int, topo: Topology) -> int:
@@ -146,18 +303,28 @@ class _PoolGroup:
         return self._size
 
 
-@grow_derived_capacity
-def plan_megatron_hybrid_cp(seqlens: Sequence[int], cost: CostModel,
-                            config: ZeppelinConfig = ZeppelinConfig(),
+@register
+@dataclass(frozen=True)
+class MegatronHybridCP(HybridDP):
+    """Megatron-core's hybrid CP: groups from its ``BalancedCPScheduler``, one wave each
+    (the same ``max_seqlen_per_rank`` option as hybrid DP)."""
+
+    name = "megatron-hybrid-cp"
+    summary = "megatron-core's BalancedCPScheduler groups, one wave each"
+
+    def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
+        return plan_megatron_hybrid_cp(seqlens, cost, config, self.max_seqlen_per_rank)
+
+
+def plan_megatron_hybrid_cp(seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig,
                             max_seqlen_per_rank: int | None = None) -> Plan:
-    """Megatron-core's hybrid CP: groups from its ``BalancedCPScheduler``, one wave each."""
+    """Groups from megatron-core's ``BalancedCPScheduler`` (run as is), one wave each."""
     from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
     batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
-    topo = batch.topology
     per_rank = max_seqlen_per_rank or default_max_seqlen_per_rank(batch)
     scheduler = BalancedCPScheduler(max_seq_len_per_rank=per_rank,
-                                    dp_cp_group=_PoolGroup(topo.world_size))
+                                    dp_cp_group=_PoolGroup(batch.topology.world_size))
     _, id_groups = scheduler.get_groups_and_subsamples(list(enumerate(batch.seqlens)), None)
     return plan_from_waves("megatron-hybrid-cp", batch, id_groups)
 

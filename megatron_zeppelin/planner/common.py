@@ -1,18 +1,18 @@
 """What every strategy shares: input checks, capacity, the overlong policy, plan assembly."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-import gc
 import math
 import time
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Callable, Sequence
 
-from megatron_zeppelin.config import OVERLONG_POLICIES, ZeppelinConfig
-from megatron_zeppelin.plan import (AttentionTask, OverlongReport, Plan, Segment, Topology,
+from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.plan import (AttentionTask, Layout, OverlongReport, Plan, Segment,
+                                    Topology, attention_layout_of, ring_groups_of, zigzag_share,
                                     zigzag_share_bound)
+from megatron_zeppelin.planner.overlong import OverlongTally, check_policy
 
 
 class CapacityError(ValueError):
@@ -68,11 +68,12 @@ def resolve_capacity(seqlens: tuple[int, ...], topology: Topology, config: Zeppe
 
 def smallest_share(seqlen: int, topology: Topology) -> int:
     """Fewest tokens per rank any legal span gives ``seqlen``: k ranks of one node or whole
-    nodes, with at least 2 tokens per rank for a zigzag split."""
+    nodes, with at least 2 tokens per rank for a zigzag split. (The share shrinks as the span
+    grows, so it is the share at the widest legal span.)"""
     gpn = topology.gpus_per_node
-    spans = [k for k in range(1, gpn + 1)]
-    spans += [m * gpn for m in range(2, topology.nodes + 1)]
-    return min(zigzag_share_bound(seqlen, g) for g in spans if g == 1 or seqlen >= 2 * g)
+    nodes = min(topology.nodes, seqlen // 2 // gpn)
+    widest = nodes * gpn if nodes >= 2 else max(1, min(gpn, seqlen // 2))
+    return zigzag_share_bound(seqlen, widest)
 
 
 def pool_limit(world: int, capacity: int) -> int:
@@ -83,37 +84,20 @@ def pool_limit(world: int, capacity: int) -> int:
 
 def apply_overlong(seqlens: tuple[int, ...], limit: int, policy: str, why: str = "the limit"
                    ) -> tuple[tuple[int, ...], tuple[Segment, ...], OverlongReport]:
-    """Apply the overlong policy to sequences longer than ``limit`` tokens; count what it did."""
-    if policy not in OVERLONG_POLICIES:
-        raise ValueError(f"overlong policy {policy!r} is invalid: expected one of "
-                         f"{list(OVERLONG_POLICIES)}")
+    """Apply the overlong policy (``overlong.py``) to sequences longer than ``limit`` tokens."""
+    check_policy(policy)
     lengths: list[int] = []
     sources: list[Segment] = []
-    dropped = dropped_tokens = split = pieces = 0
+    tally = OverlongTally()
     for doc, length in enumerate(seqlens):
-        if length <= limit:
-            lengths.append(length)
-            sources.append(Segment(doc, 0, length))
-        elif policy == "error":
-            raise ValueError(f"sequence {doc} has {length} tokens, more than {why} allows "
-                             f"({limit} tokens); raise it, or set the overlong policy to 'split' "
-                             "or 'drop'")
-        elif policy == "drop":
-            dropped += 1
-            dropped_tokens += length
-        else:
-            k = math.ceil(length / limit)
-            bounds = [i * length // k for i in range(k + 1)]
-            for start, end in zip(bounds, bounds[1:]):
-                lengths.append(end - start)
-                sources.append(Segment(doc, start, end))
-            split += 1
-            pieces += k
+        for start, end in tally.admit(doc, length, limit, policy, why=why):
+            lengths.append(end - start)
+            sources.append(Segment(doc, start, end))
     if not lengths:
-        raise ValueError(f"every sequence of the batch was dropped as overlong ({dropped} "
-                         f"sequences, {dropped_tokens} tokens; {why} is {limit} tokens)")
-    report = OverlongReport(policy, dropped, dropped_tokens, split, pieces)
-    return tuple(lengths), tuple(sources), report
+        raise ValueError(f"every sequence of the batch was dropped as overlong "
+                         f"({tally.dropped_sequences} sequences, {tally.dropped_tokens} tokens; "
+                         f"{why} is {limit} tokens)")
+    return tuple(lengths), tuple(sources), tally.report(policy)
 
 
 def prepare(seqlens: Sequence[int], topology: Topology, config: ZeppelinConfig) -> Batch:
@@ -132,8 +116,8 @@ def prepare(seqlens: Sequence[int], topology: Topology, config: ZeppelinConfig) 
     if limit:
         planned, sources, report = apply_overlong(lengths, limit, config.overlong, why)
     else:
-        planned, sources = lengths, tuple(Segment(i, 0, n) for i, n in enumerate(lengths))
-        report = OverlongReport(config.overlong)
+        planned, sources = lengths, whole_segments(lengths)
+        report = OverlongReport(config.overlong, documents=len(lengths))
     capacity = resolve_capacity(planned, topology, config)
     if sum(planned) > topology.world_size * capacity:
         raise CapacityError(f"the batch has {sum(planned)} tokens but the pool holds at most "
@@ -142,54 +126,52 @@ def prepare(seqlens: Sequence[int], topology: Topology, config: ZeppelinConfig) 
     return Batch(topology, planned, sources, capacity, report, started)
 
 
-def grow_derived_capacity(plan_fn: Callable[..., Plan]) -> Callable[..., Plan]:
-    """Decorate a strategy: when a greedy placement cannot meet a *derived* capacity (the
-    default; tight on tiny batches over large pools), grow it by half and plan again, up to 4
-    times. A configured capacity is the user's limit: its ``CapacityError`` propagates."""
-    @functools.wraps(plan_fn)
-    def plan(seqlens, cost, config: ZeppelinConfig = ZeppelinConfig(), **options) -> Plan:
-        with _cyclic_gc_paused():
-            for attempt in range(5):
-                try:
-                    return plan_fn(seqlens, cost, config, **options)
-                except CapacityError:
-                    if config.capacity_tokens_per_gpu is not None or attempt == 4:
-                        raise
-                    config = dataclasses.replace(config,
-                                                 capacity_factor=config.capacity_factor * 1.5)
-        raise AssertionError("unreachable")
+def whole_segments(lengths: Sequence[int]) -> tuple[Segment, ...]:
+    """``Segment(i, 0, n)`` for every sequence (the twin builds them faster, when used)."""
+    from megatron_zeppelin.planner.native import cpp_module
 
-    return plan
+    cpp = cpp_module(None)
+    if cpp is not None:
+        return cpp.whole_segments(lengths)
+    return tuple(map(tuple.__new__, repeat(Segment), zip(range(len(lengths)), repeat(0),
+                                                           lengths)))
 
 
-@contextlib.contextmanager
-def _cyclic_gc_paused():
-    """Planning allocates many small tuples and no reference cycles; a full cyclic collection
-    triggered in the middle (costly once torch is imported: ~80 ms) would only add latency."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+def with_derived_capacity(plan_fn: Callable[..., Plan], seqlens: Sequence[int], cost,
+                          config: ZeppelinConfig) -> Plan:
+    """``plan_fn(seqlens, cost, config)``; when a greedy placement cannot meet a *derived*
+    capacity (the default; tight on tiny batches over large pools), grow it by half and plan
+    again, up to 4 times. A configured capacity is the user's limit: its ``CapacityError``
+    propagates."""
+    for attempt in range(5):
+        try:
+            return plan_fn(seqlens, cost, config)
+        except CapacityError:
+            if config.capacity_tokens_per_gpu is not None or attempt == 4:
+                raise
+            config = dataclasses.replace(config, capacity_factor=config.capacity_factor * 1.5)
+    raise AssertionError("unreachable")
 
 
-Layout = tuple[tuple[Segment, ...], ...]
+def assemble(strategy: str, batch: Batch, tasks: Sequence[AttentionTask],
+             linear: Layout | None = None, **fields) -> Plan:
+    """Build the Plan; ``linear``: the linear layout (None: the attention layout, no remap).
+    ``fields``: further ``Plan`` fields (``attention_kind``, ``candidate``, ``estimates``)."""
+    tasks = tuple(tasks)
+    if linear is None:
+        linear = attention_layout_of(ring_groups_of(tasks, batch.topology), batch.seqlens,
+                                     batch.topology.world_size)
+    return Plan(strategy=strategy, topology=batch.topology, seqlens=batch.seqlens,
+                sources=batch.sources, tasks=tasks, linear=linear, capacity=batch.capacity,
+                overlong=batch.report, plan_time_s=time.perf_counter() - batch.started,
+                **fields)
 
 
-def assemble(strategy: str, batch: Batch, tasks: list[AttentionTask],
-             balance: Callable[[Layout, Topology], Layout] | None) -> Plan:
-    """Build the Plan. ``balance`` derives the linear layout from the attention layout;
-    ``None`` keeps the attention layout for the linear modules too (no remapping)."""
-    draft = Plan(strategy=strategy, topology=batch.topology, seqlens=batch.seqlens,
-                 sources=batch.sources, tasks=tuple(tasks), linear=(), capacity=batch.capacity,
-                 overlong=batch.report)
-    layout = draft.attention if balance is None else balance(draft.attention, batch.topology)
-    plan = Plan(strategy=strategy, topology=batch.topology, seqlens=batch.seqlens,
-                sources=batch.sources, tasks=draft.tasks, linear=layout,
-                capacity=batch.capacity, overlong=batch.report,
-                plan_time_s=time.perf_counter() - batch.started)
-    plan.__dict__["ring_groups"] = draft.ring_groups  # same tasks: reuse the cached views
-    plan.__dict__["attention"] = draft.attention
-    return plan
+def within_capacity(tasks: Sequence[AttentionTask], batch: Batch) -> bool:
+    """Whether every rank's attention tokens stay within the batch's capacity."""
+    tokens = [0] * batch.topology.world_size
+    for task in tasks:
+        size, length = len(task.ring), batch.seqlens[task.seq]
+        for pos, r in enumerate(task.ring):
+            tokens[r] += zigzag_share(length, size, pos)
+    return max(tokens) <= batch.capacity

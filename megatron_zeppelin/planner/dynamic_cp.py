@@ -10,15 +10,19 @@ stays torch-free). The plan is built like the hybrid-CP baseline's (``plan_from_
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.plan import Plan
-from megatron_zeppelin.planner.baselines import default_max_seqlen_per_rank, plan_from_waves
-from megatron_zeppelin.planner.common import grow_derived_capacity, prepare
+from megatron_zeppelin.planner.baselines import (HybridDP, default_max_seqlen_per_rank,
+                                                 plan_from_waves)
+from megatron_zeppelin.planner.common import prepare
+from megatron_zeppelin.planner.registry import register
 
 NAME = "megatron-dynamic-cp"
 MODULE, CLASS = "megatron.core.datasets.data_schedule", "DefaultDynamicCPScheduler"
@@ -36,7 +40,20 @@ def available() -> bool:
     return False
 
 
-@grow_derived_capacity
+@dataclass(frozen=True)
+class MegatronDynamicCP(HybridDP):
+    """Megatron-core's dynamic CP over the pool (DP x CP = every rank), one wave per group."""
+
+    name = NAME
+    summary = "megatron-core's DefaultDynamicCPScheduler groups, one wave each"
+    min_cp_size: int = field(default=1, metadata={
+        "help": "megatron-dynamic-cp: the scheduler's smallest CP group"})
+
+    def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
+        return plan_megatron_dynamic_cp(seqlens, cost, config, self.max_seqlen_per_rank,
+                                        self.min_cp_size)
+
+
 def plan_megatron_dynamic_cp(seqlens: Sequence[int], cost: CostModel,
                              config: ZeppelinConfig = ZeppelinConfig(),
                              max_seqlen_per_rank: int | None = None,
@@ -55,3 +72,7 @@ def plan_megatron_dynamic_cp(seqlens: Sequence[int], cost: CostModel,
                                 min_cp_size=min_cp_size)
     groups = scheduler.get_groups_and_subsamples(list(enumerate(batch.seqlens)))
     return plan_from_waves(NAME, batch, groups)
+
+
+if available():  # registered only where the installed megatron-core has the scheduler
+    register(MegatronDynamicCP)

@@ -21,9 +21,10 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_zeppelin.plan import Segment, Topology
+from megatron_zeppelin.config import add_up
+from megatron_zeppelin.estimate import Move
+from megatron_zeppelin.plan import Layout, Segment, Topology
 
-Layout = tuple[tuple[Segment, ...], ...]
 
 
 def _intervals(tokens: np.ndarray, r: float, c: float, budget: float
@@ -56,7 +57,7 @@ def node_token_targets(node_tokens: Sequence[int], r: float, c: float) -> list[i
     for _ in range(50):
         mid = (lo_t + hi_t) / 2
         lo, hi, ok = _intervals(tokens, r, c, mid)
-        if ok and lo.sum() <= total <= hi.sum():
+        if ok and add_up(lo.tolist()) <= total <= add_up(hi.tolist()):
             hi_t = mid
         else:
             lo_t = mid
@@ -70,7 +71,7 @@ def _closest_within(spans: list[tuple[float, float]], node_tokens: Sequence[int]
     close to ``node_tokens`` as possible: start from each node's own tokens clamped into its
     interval, then move only in the one direction the sum needs (fewest tokens moved)."""
     values = [min(max(a, lo), hi) for a, (lo, hi) in zip(node_tokens, spans)]
-    left = total - sum(values)
+    left = total - add_up(values)
     for i, (lo, hi) in enumerate(spans):  # the bisection made sum(lo) <= total <= sum(hi)
         if left > 0:
             step = min(hi - values[i], left)
@@ -114,6 +115,13 @@ def balance_linear(attention: Layout, topology: Topology,
     """The linear layout for ``attention``: every rank ends with ``targets[rank]`` tokens
     (default: token balance), inside the node first. ``per_rank``: the ranks' attention
     tokens, when the caller has them."""
+    return linear_plan(attention, topology, targets, per_rank)[0]
+
+
+def linear_plan(attention: Layout, topology: Topology, targets: Sequence[int] | None = None,
+                per_rank: Sequence[int] | None = None) -> tuple[Layout, list[Move]]:
+    """``balance_linear``'s layout and the remap it implies as moves (tokens a rank holds in
+    the linear layout that another rank attends: ``Move(linear holder, attention holder)``)."""
     world = topology.world_size
     per_rank = rank_tokens(attention) if per_rank is None else per_rank
     targets = list(targets) if targets is not None else rank_targets(per_rank, topology)
@@ -132,11 +140,12 @@ def balance_linear(attention: Layout, topology: Topology,
         kept.append(keep)
         surplus.append(deque(rest))
         deficit.append(max(0, targets[rank] - have))
+    moves: list[Move] = []
     for node in range(topology.nodes):
         ranks = list(topology.node_ranks(node))
-        _match(ranks, ranks, surplus, deficit, kept)
-    _match(range(world), range(world), surplus, deficit, kept)
-    return tuple(tuple(segs) for segs in kept)
+        _match(ranks, ranks, surplus, deficit, kept, moves)
+    _match(range(world), range(world), surplus, deficit, kept, moves)
+    return tuple(tuple(segs) for segs in kept), moves
 
 
 def _split_at(segments: tuple[Segment, ...], budget: int) -> tuple[list[Segment], list[Segment]]:
@@ -158,8 +167,9 @@ def _split_at(segments: tuple[Segment, ...], budget: int) -> tuple[list[Segment]
 
 
 def _match(sources, sinks, surplus: list[deque[Segment]], deficit: list[int],
-           kept: list[list[Segment]]) -> None:
-    """Move surplus segments of ``sources`` to ranks of ``sinks`` with a deficit, in rank order."""
+           kept: list[list[Segment]], moves: list[Move]) -> None:
+    """Move surplus segments of ``sources`` to ranks of ``sinks`` with a deficit, in rank order
+    (each piece recorded in ``moves``)."""
     sinks = [r for r in sinks if deficit[r] > 0]
     if not sinks:
         return
@@ -171,6 +181,7 @@ def _match(sources, sinks, surplus: list[deque[Segment]], deficit: list[int],
             seg = queue.popleft()
             take = min(seg.end - seg.start, deficit[dst])
             kept[dst].append(Segment(seg.seq, seg.start, seg.start + take))
+            moves.append(Move(dst, src, take))
             if take < seg.end - seg.start:
                 queue.appendleft(Segment(seg.seq, seg.start + take, seg.end))
             deficit[dst] -= take

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from megatron_zeppelin.cost_model import CostModel, PlanEstimate, estimate_plan
+from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.estimate import PlanEstimate, estimate_plan
 from megatron_zeppelin.plan import Plan
 
 
@@ -28,6 +29,7 @@ class PlanSummary:
     """What ``zeppelin plan`` prints for one strategy (times in seconds per step)."""
 
     strategy: str
+    candidate: str
     ranks: int
     sequences: int
     tokens: int
@@ -55,7 +57,8 @@ def summarize(plan: Plan, cost: CostModel, routed: bool = True) -> PlanSummary:
     est: PlanEstimate = estimate_plan(plan, cost, routed)
     tiers = plan.tier_counts()
     return PlanSummary(
-        strategy=plan.strategy, ranks=plan.topology.world_size, sequences=len(plan.seqlens),
+        strategy=plan.strategy, candidate=plan.candidate or "-", ranks=plan.topology.world_size,
+        sequences=len(plan.seqlens),
         tokens=sum(plan.seqlens), local=tiers["local"], intra=tiers["intra"],
         inter=tiers["inter"], waves=plan.num_waves, attention_s=Stat.of(est.attention_s),
         linear_s=Stat.of(est.linear_s), attention_tokens=Stat.of(plan.attention_tokens()),
@@ -68,6 +71,7 @@ def summarize(plan: Plan, cost: CostModel, routed: bool = True) -> PlanSummary:
 
 
 _ROWS = [
+    ("candidate (portfolio winner, solver)", lambda s: s.candidate),
     ("sequences local / intra / inter", lambda s: f"{s.local} / {s.intra} / {s.inter}"),
     ("waves (barrier-separated groups)", lambda s: f"{s.waves}"),
     ("attention time per rank max/mean (s)",

@@ -12,7 +12,8 @@ Two levels, longest sequence first, balancing estimated attention time (not toke
    otherwise it is ringed over the fewest GPUs of the node that bring it under W* (INTRA).
 
 Sharded sequences use the zigzag split. Per-rank attention tokens never exceed the capacity.
-The linear layout is token-balanced (``linear_layout.balance_linear``) unless remap is off.
+The ``zeppelin`` strategy (``portfolio.py``) scores this placement with and without the remap
+against the peers' plans of the same batch.
 """
 from __future__ import annotations
 
@@ -22,13 +23,11 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.config import ZeppelinConfig, add_up
 from megatron_zeppelin.cost_model import CostModel
-from megatron_zeppelin.plan import (AttentionTask, Plan, Tier, zigzag_share,
+from megatron_zeppelin.plan import (AttentionTask, Tier, zigzag_share,
                                     zigzag_share_bound)
-from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble,
-                                              grow_derived_capacity, prepare)
-from megatron_zeppelin.planner.linear_layout import balance_linear, rank_targets, rank_tokens
+from megatron_zeppelin.planner.common import Batch, CapacityError
 
 
 @dataclass
@@ -42,6 +41,7 @@ class _Placement:
     local_time: list[float]
     slack: float  # relative peak increase accepted to use a smaller span
     total_work: float  # sum of the local attention times of the batch
+    per_token: float = 0.0  # linear seconds per token folded into a rank's load (0: none)
     overhead: float = 0.0  # exposed ring traffic of the inter-node spans chosen so far
 
     @property
@@ -53,19 +53,31 @@ class _Placement:
             zigzag_share_bound(seqlen, ring) <= self.batch.capacity
 
     def span_time(self, seqlen: int, ring: int, tier: Tier) -> float:
-        return self.cost.task_time(seqlen, ring, tier, self.routed)
+        """Per-rank seconds of a sequence over ``ring`` ranks: its attention with the ring
+        traffic not hidden, plus (``per_token``) the linear modules of its share."""
+        seconds = self.cost.task_time(seqlen, ring, tier, self.routed)
+        return seconds + self.per_token * seqlen / ring if self.per_token else seconds
+
+    def span_times(self, seqlen: int, rings: list[int], tier: Tier) -> list[float]:
+        return [self.span_time(seqlen, ring, tier) for ring in rings]
 
 
-@grow_derived_capacity
-def plan_zeppelin(seqlens: Sequence[int], cost: CostModel,
-                  config: ZeppelinConfig = ZeppelinConfig()) -> Plan:
-    """Place one global batch (``seqlens``: tokens per document) with Zeppelin's partitioner."""
-    batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
+def place_hierarchical(batch: Batch, cost: CostModel, config: ZeppelinConfig,
+                       with_linear: bool = False) -> list[AttentionTask]:
+    """Zeppelin's hierarchical placement of ``batch`` (module doc): one task per sequence.
+
+    with_linear: balance each rank's attention plus the linear modules of the tokens it holds
+    (a plan without the remap runs its linear modules on the attention layout); otherwise
+    attention alone, with tokens balanced per node for the remap (``_place_light``).
+    """
+    per_token = cost.kernel.linear_per_token if with_linear else 0.0
     local_time = cost.attention_times(batch.seqlens)
+    if with_linear:
+        local_time = [t + per_token * s for t, s in zip(local_time, batch.seqlens)]
     world = batch.topology.world_size
-    total = sum(local_time)
+    total = add_up(local_time)
     state = _Placement(batch, cost, config.routing, total / world * (1.0 + config.balance_slack),
-                       local_time, config.balance_slack, total)
+                       local_time, config.balance_slack, total, per_token)
     order = sorted(range(len(batch.seqlens)), key=lambda i: -batch.seqlens[i])
     inter, per_node = assign_nodes(state, order)
     tasks: list[AttentionTask | None] = [None] * len(batch.seqlens)
@@ -78,20 +90,7 @@ def plan_zeppelin(seqlens: Sequence[int], cost: CostModel,
             tasks[task.seq] = task
     for task in place_leftovers(state, leftovers, nodes):
         tasks[task.seq] = task
-    return assemble("zeppelin", batch, tasks, linear_balancer(cost) if config.remap else None)
-
-
-def linear_balancer(cost: CostModel):
-    """The remap's linear layout: token balance inside nodes, across nodes only where the
-    linear time saved outweighs the remap traffic (``linear_layout.node_token_targets``)."""
-    r, c = cost.linear_time(1), cost.remap_seconds_per_token()
-
-    def balance(attention, topology):
-        per_rank = rank_tokens(attention)
-        return balance_linear(attention, topology, rank_targets(per_rank, topology, r, c),
-                              per_rank)
-
-    return balance
+    return tasks
 
 
 # ---------------------------------------------------------------------------- inter-node step
@@ -162,12 +161,23 @@ def _place_light(state: _Placement, order: list[int], heap: list, tokens: list[i
                  per_node: list[list[int]]) -> None:
     """Light sequences (the short ones), longest first: each to the node that keeps the step
     shortest, max attention + max linear over nodes (the remap balances the linear layout
-    inside nodes, so a node's linear time follows its tokens), the fewest tokens on a tie."""
+    inside nodes, so a node's linear time follows its tokens), the fewest tokens on a tie.
+    When the loads include the linear modules (``per_token``): to the least-loaded node with
+    room (LPT), so that every node keeps the GPU-level slack its whole sequences need."""
+    if state.per_token:
+        room = state.gpn * state.batch.capacity
+        for seq in order:
+            seqlen = state.batch.seqlens[seq]
+            load, node = _pop_nodes(heap, tokens, seqlen, room, 1, seq, state.gpn)[0]
+            heapq.heappush(heap, (load + state.local_time[seq], node))
+            tokens[node] += seqlen
+            per_node[node].append(seq)
+        return
     att = [0.0] * state.batch.topology.nodes
     for load, node in heap:
         att[node] = load
     light = _LightNodes(att, tokens, state.gpn * state.batch.capacity,
-                        state.cost.linear_time(1))
+                        0.0 if state.per_token else state.cost.linear_time(1))
     for seq in order:
         node = light.place(state.local_time[seq], state.batch.seqlens[seq])
         if node is None:
@@ -257,8 +267,7 @@ def choose_node_span(state: _Placement, node_loads: list[float], seq: int,
         nxt = min(rest, node_loads[0] + seconds) / gpn + after
         peaks.append((max((node_loads[0] + seconds) / gpn, one, floor, nxt), 1))
     grid = [span for span in _span_grid(nodes) if state.fits(seqlen, span * gpn)]
-    times = state.cost.task_times(seqlen, [span * gpn for span in grid], Tier.INTER,
-                                  state.routed) if grid else []
+    times = state.span_times(seqlen, [span * gpn for span in grid], Tier.INTER) if grid else []
     for span, per_rank in zip(grid, times):
         wasted = max(0.0, per_rank * span * gpn - seconds) / world
         rest = node_loads[span] if span < nodes else float("inf")
@@ -332,7 +341,7 @@ class _NodeGpus:
         for p, g in enumerate(gpus):
             self.loads[g] += per_rank
             self.tokens[g] += zigzag_share(seqlen, len(gpus), p)
-        self.total = sum(self.loads)
+        self.total = add_up(self.loads)
 
     def place_local(self, seqlen: int, seconds: float, capacity: int,
                     limit: float = float("inf")) -> int | None:
@@ -364,7 +373,7 @@ def assign_gpus(state: _Placement, node: int, inter: dict[int, tuple[int, ...]],
     leftovers = []
     capacity, target = state.batch.capacity, state.target
     seqlens, local_time = state.batch.seqlens, state.local_time
-    remaining = sum(local_time[seq] for seq in seqs)
+    remaining = add_up(local_time[seq] for seq in seqs)
     spans: dict[int, list[tuple[int, float]]] = {}  # per sequence: (k, per-rank time)
     for i, seq in enumerate(seqs):
         seqlen, seconds = seqlens[seq], local_time[seq]
@@ -409,7 +418,7 @@ def _place_inter_shares(state: _Placement, node: int, inter: dict[int, tuple[int
         if nodes[0] == node:
             ring = tuple(r for n in nodes for r in topo.node_ranks(n))
             tasks.append(AttentionTask(seq=seq, ring=ring, tier=Tier.INTER))
-    gpus.total = sum(gpus.loads)
+    gpus.total = add_up(gpus.loads)
     return tasks
 
 
@@ -457,7 +466,7 @@ def _span_times(state: _Placement, seq: int, cache: dict) -> list[tuple[int, flo
         spans = [(1, seconds)] if seqlen <= state.batch.capacity else []
         ks = [k for k in range(2, state.gpn + 1) if state.fits(seqlen, k)]
         if ks:
-            spans += zip(ks, state.cost.task_times(seqlen, ks, Tier.INTRA, state.routed))
+            spans += zip(ks, state.span_times(seqlen, ks, Tier.INTRA))
         cache[seq] = spans
     return cache[seq]
 

@@ -14,7 +14,8 @@ in m messages over the step carries ``W/C + m*lat`` per chunk (bytes spread even
 chunks, every message cut in C). A batch lasts as long as its busiest resource; in one batch
 the dispatch and combine legs of a GPU share its NVLink egress (and ingress). With the
 per-chunk maxima d (dispatch), n (NIC), m (combine) over all resources of a phase, and f, the
-maximum of n and of a GPU's dispatch plus combine load on one NVLink direction::
+maximum of n and of a GPU's dispatch plus combine load on one NVLink direction, the step time
+is ``cost_model.pipeline_time`` (the one definition the cost model and the simulator use too)::
 
     C = 1:   d + n + m                     (three sequential phases)
     C = 2:   d + max(d, n) + max(n, m) + m
@@ -23,7 +24,8 @@ maximum of n and of a GPU's dispatch plus combine load on one NVLink direction::
 Everything is computed scaled by C (a per-chunk load times C is ``W + C*m*lat``, an exact
 integer) and the step time rounded up once: ``T = ceil(scaled / C)`` ticks.
 
-Chunk counts. A schedule may use ``C`` in ``1..chunk_cap(largest slice)``, where
+Chunk counts (``cost_model.chunk_cap``). A schedule may use ``C`` in
+``1..chunk_cap(largest slice)``, where
 ``chunk_cap(b) = min(max_chunks, max(1, b // min_chunk_bytes))``: a chunk of the largest slice
 stays at least ``min_chunk_bytes``. The router keeps the C with the least T (ties: fewer).
 
@@ -35,20 +37,17 @@ from __future__ import annotations
 
 from typing import Sequence
 
-DEFAULT_MAX_CHUNKS = 8
-DEFAULT_MIN_CHUNK_BYTES = 1 << 20
+from megatron_zeppelin.cost_model import (DEFAULT_MAX_CHUNKS, DEFAULT_MIN_CHUNK_BYTES,
+                                          chunk_cap, pipeline_time)
+
 # schedule.check_tick_range keeps every resource load scaled at up to max_chunks chunks below
 # 2^53 ticks, so a scaled pipeline sum stays below 2 * MAX_CHUNKS_LIMIT * 2^53 = 2^58 (int64).
 MAX_CHUNKS_LIMIT = 16
 
-# A part of a plan: (egress NIC, ingress NIC, src proxy rank, dst proxy rank, bytes).
+# A part of one flow's route (a ``RoutePlan``, not to be confused with ``plan.Plan``):
+# (egress NIC, ingress NIC, src proxy rank, dst proxy rank, bytes).
 Part = tuple[int, int, int, int, int]
-Plan = tuple[Part, ...]
-
-
-def chunk_cap(largest_bytes: int, max_chunks: int, min_chunk_bytes: int) -> int:
-    """Most chunks a schedule whose largest slice has ``largest_bytes`` bytes may use."""
-    return min(max_chunks, max(1, largest_bytes // min_chunk_bytes))
+RoutePlan = tuple[Part, ...]
 
 
 def chunk_span(nbytes: int, align: int, chunks: int, c: int) -> tuple[int, int]:
@@ -57,15 +56,6 @@ def chunk_span(nbytes: int, align: int, chunks: int, c: int) -> tuple[int, int]:
     Empty (lo == hi) when the slice has fewer units than chunks."""
     units = nbytes // align
     return units * c // chunks * align, units * (c + 1) // chunks * align
-
-
-def pipeline_scaled(d: int, n: int, m: int, f: int, chunks: int) -> int:
-    """The pipeline formula (module doc) on per-chunk phase maxima scaled by ``chunks``."""
-    if chunks == 1:
-        return d + n + m
-    if chunks == 2:
-        return d + max(d, n) + max(n, m) + m
-    return d + max(d, n) + (chunks - 2) * f + max(n, m) + m
 
 
 class Problem:
@@ -114,7 +104,7 @@ class Loads:
         self.b_out, self.b_in = [0] * (nodes * nics), [0] * (nodes * nics)
 
 
-def apply_plan(pb: Problem, loads: Loads, f: int, plan: Plan, sign: int) -> None:
+def apply_plan(pb: Problem, loads: Loads, f: int, plan: RoutePlan, sign: int) -> None:
     """Add (sign=+1) or remove (sign=-1) flow ``f``'s plan to/from the loads."""
     s, d, xo, yo = pb.src[f], pb.dst[f], pb.xo[f], pb.yo[f]
     lv, ln = loads.cs * pb.lv, loads.cs * pb.ln
@@ -140,7 +130,7 @@ def _add_leg(t_out: list[int], t_in: list[int], m_out: list[int], m_in: list[int
     m_in[b] += sign
 
 
-def score_plan(pb: Problem, loads: Loads, f: int, plan: Plan) -> int:
+def score_plan(pb: Problem, loads: Loads, f: int, plan: RoutePlan) -> int:
     """Flow ``f``'s own completion if ``plan`` were added to ``loads``: the pipeline formula at
     ``loads.cs`` chunks over the resources the plan touches, in ticks times ``cs``."""
     s, d, xo, yo = pb.src[f], pb.dst[f], pb.xo[f], pb.yo[f]
@@ -169,7 +159,7 @@ def score_plan(pb: Problem, loads: Loads, f: int, plan: Plan) -> int:
         x = loads.c_in[d] + csum
         cmax = max(cmax, x)
         share = max(share, x + loads.d_in[d])
-    return pipeline_scaled(dmax, nmax, cmax, max(nmax, share), loads.cs)
+    return pipeline_time(dmax, nmax, cmax, max(nmax, share), loads.cs)
 
 
 def pool_phase_scaled(pb: Problem, loads: Loads, chunks: int) -> tuple[int, int, int, int]:
@@ -195,7 +185,7 @@ def phase_ticks(pb: Problem, loads: Loads) -> tuple[int, int, int]:
 
 def step_ticks(pb: Problem, loads: Loads, chunks: int) -> int:
     """The pool's modelled step time at ``chunks`` chunks, in ticks (rounded up)."""
-    scaled = pipeline_scaled(*pool_phase_scaled(pb, loads, chunks), chunks)
+    scaled = pipeline_time(*pool_phase_scaled(pb, loads, chunks), chunks)
     return -(-scaled // chunks)
 
 

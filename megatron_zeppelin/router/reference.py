@@ -40,7 +40,7 @@ from dataclasses import astuple, dataclass
 from typing import Sequence
 
 from megatron_zeppelin.router.model import (DEFAULT_MAX_CHUNKS, DEFAULT_MIN_CHUNK_BYTES, Loads,
-                                            Plan, Problem, apply_plan, best_chunks,
+                                            RoutePlan, Problem, apply_plan, best_chunks,
                                             phase_ticks, score_plan, step_ticks)
 from megatron_zeppelin.router.schedule import (TICKS_PER_S, Flow, RouterTopology, RouteSchedule,
                                                Slice, build_schedule, compute_nic_load_ratio,
@@ -51,7 +51,7 @@ MAX_SWEEPS = 3
 HYSTERESIS_SHIFT = 6  # after the first sweep a plan must win by > 1/64 of its score
 
 
-def make_direct_plan(pb: Problem, f: int) -> Plan:
+def make_direct_plan(pb: Problem, f: int) -> RoutePlan:
     """Flow ``f`` in one part from its src's NIC to its dst's NIC (no NVLink legs)."""
     s, d = pb.src[f], pb.dst[f]
     return ((pb.nic[s - pb.xg[f]], pb.nic[d - pb.yg[f]], s, d, pb.nbytes[f]),)
@@ -108,13 +108,13 @@ def water_fill(pb: Problem, levels: Sequence[int], units: int) -> list[int] | No
     return x if min(x) > 0 else None
 
 
-def make_rail_plan(pb: Problem, rails: Sequence[tuple], units: Sequence[int]) -> Plan:
+def make_rail_plan(pb: Problem, rails: Sequence[tuple], units: Sequence[int]) -> RoutePlan:
     """A plan over ``rails`` with ``units[j]`` units on rail j, parts ordered by NIC."""
     parts = [(k, k, p, q, u * pb.align) for (_, _, k, p, q), u in zip(rails, units)]
     return tuple(sorted(parts))
 
 
-def list_candidate_plans(pb: Problem, loads: Loads, f: int) -> list[Plan]:
+def list_candidate_plans(pb: Problem, loads: Loads, f: int) -> list[RoutePlan]:
     """Direct, single-rail and water-filled multi-rail plans of flow ``f``, in tie-break order."""
     rails = list_rails(pb, loads, f)
     by_nic = {rail[2]: rail for rail in rails}
@@ -136,7 +136,7 @@ def list_candidate_plans(pb: Problem, loads: Loads, f: int) -> list[Plan]:
     return plans
 
 
-def replan(pb: Problem, loads: Loads, f: int, old: Plan, hysteresis: bool) -> Plan:
+def replan(pb: Problem, loads: Loads, f: int, old: RoutePlan, hysteresis: bool) -> RoutePlan:
     """The best plan of flow ``f`` (``old`` unless a candidate scores strictly lower) against
     loads without it. hysteresis: a new plan must beat ``old`` by more than 1/64 of its score
     (damps flows trading places back and forth in later sweeps)."""
@@ -160,7 +160,7 @@ class _Sweeper:
         self.version = [0] * pb.nodes  # bumped when a plan touching the node changes
         self.stamp: list[tuple[int, int] | None] = [None] * len(pb.src)
 
-    def sweep(self, loads: Loads, plans: list[Plan], hysteresis: bool) -> bool:
+    def sweep(self, loads: Loads, plans: list[RoutePlan], hysteresis: bool) -> bool:
         """Re-plan every flow once; True when some plan changed."""
         pb, version, changed = self.pb, self.version, False
         for f in self.order:
@@ -179,12 +179,12 @@ class _Sweeper:
         return changed
 
 
-def largest_part(plans: Sequence[Plan]) -> int:
+def largest_part(plans: Sequence[RoutePlan]) -> int:
     """Bytes of the largest slice of ``plans`` (0 without any)."""
     return max((part[4] for plan in plans for part in plan), default=0)
 
 
-def search_plans(pb: Problem, loads: Loads) -> tuple[list[Plan], int]:
+def search_plans(pb: Problem, loads: Loads) -> tuple[list[RoutePlan], int]:
     """Best plans found (see module doc) and the all-direct step time (one chunk) in ticks."""
     n = len(pb.src)
     plans = [make_direct_plan(pb, f) for f in range(n)]

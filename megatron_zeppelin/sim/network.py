@@ -9,8 +9,9 @@ bytes are per GPU: with tensor parallelism each of a rank's ``tp`` GPUs moves it
   pipelined in the schedule's chunks, and its direct time), else an analytic NIC-contention
   model built from the cluster's links (routed: the same pipeline over an even spread).
 * ``remap_time``: one all-to-all of the remap (linear <-> attention layout) over the static
-  GPU->NIC affinity (an ``all_to_all_single``; NCCL sends through each GPU's own NIC).
-* ``grad_allreduce_time``: hierarchical ring all-reduce of the parameter gradients.
+  GPU->NIC affinity (an ``all_to_all_single``; NCCL sends through each GPU's own NIC), as
+  ``estimate.remap_a2a_seconds`` prices it; the gradient all-reduce is
+  ``estimate.grad_allreduce_seconds``.
 """
 from __future__ import annotations
 
@@ -19,10 +20,15 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Mapping
 
-from megatron_zeppelin.config import ClusterSpec, ModelSpec
+from megatron_zeppelin.config import ClusterSpec
+from megatron_zeppelin.cost_model import CostModel, RoutedLoad, pipelined_seconds
+from megatron_zeppelin.estimate import plan_moves, remap_a2a_seconds
 from megatron_zeppelin.plan import Plan
 
-ROUTER_BACKENDS = ("auto", "analytic")
+# How the simulator times a routed or direct inter-node step: the router's schedule when it
+# imports (``auto``), or the analytic model below. (Not ``env.ROUTER_BACKENDS``, which picks
+# the router's implementation.)
+STEP_TIME_MODELS = ("auto", "analytic")
 
 # (source GPU, destination GPU) -> bytes of one ring step; GPUs are node * gpus_per_node + local
 FlowBytes = Mapping[tuple[int, int], float]
@@ -69,9 +75,9 @@ def inter_step_time(cluster: ClusterSpec, flows: FlowBytes, routed: bool,
     imports, else the analytic model; ``analytic``: always the analytic model. Routed is never
     slower than direct in either model.
     """
-    if backend not in ROUTER_BACKENDS:
+    if backend not in STEP_TIME_MODELS:
         raise ValueError(f"router backend {backend!r} is invalid: expected one of "
-                         f"{list(ROUTER_BACKENDS)}")
+                         f"{list(STEP_TIME_MODELS)}")
     items = [(src, dst, nbytes) for (src, dst), nbytes in flows.items() if nbytes > 0]
     if not items:
         return 0.0
@@ -115,102 +121,41 @@ def _direct_step_time(cluster: ClusterSpec, items: list[tuple[int, int, float]])
 
 
 def _routed_step_time(cluster: ClusterSpec, items: list[tuple[int, int, float]]) -> float:
-    """Every flow spread evenly over the usable NICs of both nodes and pipelined in chunks as
-    the router's model does (``router/model.py``): per chunk, dispatch over NVLink to the
-    proxies, the NICs in parallel, combine over NVLink; in full batches a GPU's NVLink egress
-    carries its dispatch and its share of the node's relayed combine (and ingress the
-    reverse). Returns the best chunk count's time, up to the router's chunk rule."""
-    from megatron_zeppelin.router.model import (DEFAULT_MAX_CHUNKS, DEFAULT_MIN_CHUNK_BYTES,
-                                                pipeline_scaled)
-
+    """Every flow spread evenly over the usable NICs of both nodes, priced by the cost model's
+    routed-transfer definition (``cost_model.pipelined_seconds``): per flow, ``nics - 1``
+    slices relayed over NVLink and one slice per NIC; the busiest GPU, NIC and NVLink direction
+    set each phase, and in full batches a GPU's NVLink direction carries its dispatch and its
+    share of the node's relayed combine (the reverse for ingress)."""
     gpn = cluster.gpus_per_node
     nics = len(set(cluster.gpu_to_nic))
     nic_bw, nv_bw = cluster.nic_byte_per_s, cluster.nvlink_byte_per_s
-    nic_lat, nv_lat = cluster.nic_latency_us * 1e-6, cluster.nvlink_latency_us * 1e-6
     node_out: dict[int, float] = {}
     node_in: dict[int, float] = {}
     gpu_out: dict[int, float] = {}
     gpu_in: dict[int, float] = {}
+    sends: dict[int, int] = {}  # flows per source GPU, per destination GPU, per node
+    recvs: dict[int, int] = {}
     per_node: dict[int, int] = {}
     for src, dst, nbytes in items:
         node_out[src // gpn] = node_out.get(src // gpn, 0.0) + nbytes
         node_in[dst // gpn] = node_in.get(dst // gpn, 0.0) + nbytes
         gpu_out[src] = gpu_out.get(src, 0.0) + nbytes
         gpu_in[dst] = gpu_in.get(dst, 0.0) + nbytes
+        sends[src] = sends.get(src, 0) + 1
+        recvs[dst] = recvs.get(dst, 0) + 1
         per_node[src // gpn] = per_node.get(src // gpn, 0) + 1
     spread = (nics - 1) / nics
-    g_out, g_in = max(gpu_out.values()) * spread, max(gpu_in.values()) * spread
-    n_out, n_in = max(node_out.values()), max(node_in.values())
-    # (seconds of the whole step's bytes, seconds of latency per chunk) of each phase; every
-    # NIC of a node carries one slice (one message) of each of the node's flows
-    dispatch, combine = (g_out / nv_bw, nv_lat), (g_in / nv_bw, nv_lat)
-    nic = (max(n_out, n_in) / (nics * nic_bw), nic_lat * max(per_node.values()))
-    shared = max(g_out + n_in / gpn, g_in + n_out / gpn) / nv_bw
-    largest = max(nbytes for _, _, nbytes in items) / nics
-    cap = min(DEFAULT_MAX_CHUNKS, max(1, int(largest // DEFAULT_MIN_CHUNK_BYTES)))
-    times = []
-    for c in range(1, cap + 1):
-        d, n, m = (t / c + lat for t, lat in (dispatch, nic, combine))
-        f = max(n, shared / c + 2 * nv_lat)
-        times.append(pipeline_scaled(d, n, m, f, c))
-    return min(times)
+    g_out, g_in = max(gpu_out.values()) * spread / nv_bw, max(gpu_in.values()) * spread / nv_bw
+    shared = max(max(gpu_out.values()) * spread + max(node_in.values()) / gpn,
+                 max(gpu_in.values()) * spread + max(node_out.values()) / gpn) / nv_bw
+    out_msgs, in_msgs = (nics - 1) * max(sends.values()), (nics - 1) * max(recvs.values())
+    load = RoutedLoad(g_out, out_msgs,
+                      max(max(node_out.values()), max(node_in.values())) / (nics * nic_bw),
+                      max(per_node.values()), g_in, in_msgs, shared, out_msgs + in_msgs)
+    return pipelined_seconds(load, cluster, max(nbytes for _, _, nbytes in items) / nics)
 
 
-def remap_time(plan: Plan, gpus: GpuMap, bytes_per_token: float) -> float:
-    """Seconds of one remap all-to-all moving ``bytes_per_token`` per token per GPU.
-
-    Intra-node pieces go over NVLink (each GPU's send and receive side), inter-node pieces
-    through the static NIC of the sending and receiving GPU; the slowest of them sets the time.
-    """
-    cluster, node_of = gpus.cluster, plan.topology.node_of
-    nv_out: dict[int, int] = {}
-    nv_in: dict[int, int] = {}
-    nic_out: dict[tuple[int, int], int] = {}
-    nic_in: dict[tuple[int, int], int] = {}
-    for t in plan.transfers:
-        if t.src == t.dst:
-            continue
-        tokens = t.end - t.start
-        if node_of(t.src) == node_of(t.dst):
-            nv_out[t.src] = nv_out.get(t.src, 0) + tokens
-            nv_in[t.dst] = nv_in.get(t.dst, 0) + tokens
-            continue
-        for gpu_s, gpu_d in zip(gpus.gpus(t.src), gpus.gpus(t.dst)):
-            nic_out[gpus.nic(gpu_s)] = nic_out.get(gpus.nic(gpu_s), 0) + tokens
-            nic_in[gpus.nic(gpu_d)] = nic_in.get(gpus.nic(gpu_d), 0) + tokens
-    nvlink = max([0, *nv_out.values(), *nv_in.values()]) * bytes_per_token
-    nic = max([0, *nic_out.values(), *nic_in.values()]) * bytes_per_token
-    times = [0.0]
-    if nvlink:
-        times.append(nvlink / cluster.nvlink_byte_per_s + cluster.nvlink_latency_us * 1e-6)
-    if nic:
-        times.append(nic / cluster.nic_byte_per_s + cluster.nic_latency_us * 1e-6)
-    return max(times)
-
-
-def parameter_count(model: ModelSpec) -> int:
-    """Parameters of the model (all experts, untied embeddings, RMSNorm weights)."""
-    h, d, f = model.hidden_size, model.head_dim, model.ffn
-    a, g = model.num_attention_heads, model.kv_heads
-    experts = model.num_experts or 1
-    mlp = (3 if model.swiglu else 2) * h * f * experts + (h * experts if model.num_experts else 0)
-    layer = h * (a + 2 * g) * d + a * d * h + mlp + 2 * h
-    return model.num_layers * layer + 2 * model.vocab_size * h + h
-
-
-def grad_allreduce_time(model: ModelSpec, gpus: GpuMap, nodes: int) -> float:
-    """Seconds of the gradient all-reduce over the pool (bf16/fp32 grads as the model's dtype).
-
-    Hierarchical ring: reduce-scatter inside the node over NVLink, all-reduce across nodes of
-    each GPU's 1/g slice (all GPUs of a node share its NICs), all-gather inside the node:
-    2 (g-1)/g S / nvlink + 2 (n-1)/n S_node / (NICs x NIC bandwidth), S = bytes per GPU.
-    """
-    cluster = gpus.cluster
-    per_gpu = parameter_count(model) * model.bytes_per_element / gpus.tp
-    g = gpus.ranks_per_node
-    intra = 2.0 * (g - 1) / g * per_gpu / cluster.nvlink_byte_per_s if g > 1 else 0.0
-    nics = len(set(cluster.gpu_to_nic))
-    node_bytes = per_gpu * gpus.tp  # every TP shard of the node's ranks crosses the NICs
-    inter = 2.0 * (nodes - 1) / nodes * node_bytes / (nics * cluster.nic_byte_per_s) \
-        if nodes > 1 else 0.0
-    return intra + inter
+def remap_time(plan: Plan, cost: CostModel) -> float:
+    """Seconds of one remap all-to-all of ``plan`` (the estimate's ``remap_a2a_seconds``:
+    NVLink inside a node, the static NICs across, the busiest link setting the time)."""
+    return remap_a2a_seconds(plan_moves(plan), plan.topology, cost)

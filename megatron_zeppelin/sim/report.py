@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 from typing import Sequence
 
+from megatron_zeppelin.sim.simulator import SimResult
 from megatron_zeppelin.sim.sweep import SettingResult, VariantResult
 
 BASELINE = "static-cp"
@@ -88,6 +89,52 @@ def mean_gap(results: Sequence[SettingResult], label: str = "zeppelin") -> float
     return sum(values) / len(values) if values else None
 
 
+def geomean(values: Sequence[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def best_of(result: SettingResult, labels: Sequence[str]) -> VariantResult | None:
+    """The fastest of ``labels`` in a setting (None if none ran)."""
+    mine = [r for r in result.results if r.label in labels]
+    return min(mine, key=lambda r: r.iteration_s) if mine else None
+
+
+def speedup_over_best(result: SettingResult, label: str, peers: Sequence[str]) -> float | None:
+    """The best peer's iteration time / ``label``'s (above 1: ``label`` is faster)."""
+    best, mine = best_of(result, peers), result.get(label)
+    return best.iteration_s / mine.iteration_s if best and mine else None
+
+
+def fastest_table(results: Sequence[SettingResult], labels: Sequence[str], label: str,
+                  peers: Sequence[str]) -> str:
+    """Per setting: the fastest strategy of ``labels``, by how much over the runner-up, and
+    ``label`` against the best of ``peers``."""
+    rows = [["setting", "fastest", "over the runner-up", "runner-up",
+             f"{label} vs best peer", "best peer"]]
+    for res in results:
+        mine = sorted((r for r in res.results if r.label in labels),
+                      key=lambda r: r.iteration_s)
+        if len(mine) < 2:
+            continue
+        best = best_of(res, peers)
+        rows.append([res.setting.label(), mine[0].label,
+                     _fmt(mine[1].iteration_s / mine[0].iteration_s), mine[1].label,
+                     _fmt(speedup_over_best(res, label, peers)), best.label if best else "-"])
+    return _table(rows, markdown=True)
+
+
+def candidate_counts(results: Sequence[SettingResult], label: str = "zeppelin"
+                     ) -> dict[str, int]:
+    """How often each portfolio candidate won, over every batch of every setting."""
+    counts: dict[str, int] = {}
+    for res in results:
+        mine = res.get(label)
+        for candidate in (mine.candidates if mine else ()):
+            counts[candidate] = counts.get(candidate, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: -item[1]))
+
+
 def _pyplot():
     """matplotlib.pyplot on the non-interactive Agg backend."""
     import matplotlib
@@ -159,6 +206,36 @@ def plot_rank_loads(result: SettingResult, path: str | Path,
         ax.axis("off")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"per-rank load, one batch: {result.setting.label()}", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, plt, path)
+
+
+def plot_timelines(results: Sequence[SimResult], path: str | Path, title: str = "") -> Path:
+    """One batch as ranks x time, one panel per strategy side by side (shared time axis): each
+    rank's linear modules, attention compute, and communication it waits for (ring traffic
+    not hidden, the remap, the exposed gradient all-reduce); the line is the iteration."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 5.5), squeeze=False,
+                             sharex=True)
+    for ax, sim in zip(axes[0], results):
+        ranks = range(len(sim.rank_linear_s))
+        comm = [w + sim.remap_s + sim.grad_sync_s for w in sim.rank_wait_s]
+        attention_start = list(sim.rank_linear_s)
+        comm_start = [a + b for a, b in zip(sim.rank_linear_s, sim.rank_attention_s)]
+        height = 1.0 if len(ranks) > 64 else 0.8
+        ax.barh(ranks, sim.rank_linear_s, height, color="tab:blue", label="linear")
+        ax.barh(ranks, sim.rank_attention_s, height, left=attention_start, color="tab:orange",
+                label="attention")
+        ax.barh(ranks, comm, height, left=comm_start, color="tab:red",
+                label="exposed communication")
+        ax.axvline(sim.iteration_s, color="black", linewidth=0.8)
+        ax.set_title(f"{sim.strategy}\n{sim.iteration_s:.2f} s "
+                     f"({sim.iteration_s / sim.lower_bound_s:.2f}x the bound)", fontsize=9)
+        ax.set_xlabel("seconds")
+        ax.invert_yaxis()
+    axes[0][0].set_ylabel("rank")
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(title or "one batch, ranks x time (simulated)", fontsize=10)
     fig.tight_layout()
     return _save(fig, plt, path)
 

@@ -19,6 +19,8 @@ What it models (times in seconds, bytes per GPU; ``network.py`` holds the links)
   (timed by the router when it imports, else by ``network.py``'s analytic model).
 * Remap: per layer, forward (q, k, v there and the output back) and backward (the reverse),
   each one all-to-all of ``qkvo_bytes`` per moved token, on the critical path.
+* Ulysses plans (FlexSP: ``Plan.attention_kind == "ulysses"``): all-to-alls around full-length
+  attention over 1/G of the heads, not overlapped, groups sharing the NICs (``ulysses.py``).
 * Waves (Megatron hybrid CP groups) run back to back with a barrier between them.
 * Gradient all-reduce of the parameters over the pool (hierarchical ring). Assumption: it
   overlaps the backward of the last wave (Megatron ``--overlap-grad-reduce``) and only the part
@@ -36,8 +38,9 @@ import numpy as np
 
 from megatron_zeppelin.cost_model import FWD_BWD_LINEAR, CostModel
 from megatron_zeppelin.plan import Plan
-from megatron_zeppelin.sim.network import (ROUTER_BACKENDS, GpuMap, grad_allreduce_time,
-                                           remap_time)
+from megatron_zeppelin.estimate import grad_allreduce_seconds
+from megatron_zeppelin.sim.network import STEP_TIME_MODELS, GpuMap, remap_time
+from megatron_zeppelin.sim.ulysses import ulysses_pass_times
 from megatron_zeppelin.sim.rounds import (INTER_MODES, LOCAL_POLICIES, Links, PassSpec,
                                           RingCosts, simulate_pass)
 
@@ -65,9 +68,9 @@ class SimOptions:
         if self.inter_mode not in INTER_MODES:
             raise ValueError(f"inter_mode={self.inter_mode!r} is invalid: expected one of "
                              f"{list(INTER_MODES)}")
-        if self.router not in ROUTER_BACKENDS:
+        if self.router not in STEP_TIME_MODELS:
             raise ValueError(f"router={self.router!r} is invalid: expected one of "
-                             f"{list(ROUTER_BACKENDS)}")
+                             f"{list(STEP_TIME_MODELS)}")
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,12 @@ def simulate_waves(plan: Plan, cost: CostModel, options: SimOptions, work: Work
                    ) -> list[_WaveTimes]:
     """Attention phases of every wave (all layers) for every rank."""
     layers, hw = cost.model.num_layers, cost.hardware
+    if plan.attention_kind == "ulysses":  # FlexSP: all-to-alls around full-length attention
+        fwd, compute = ulysses_pass_times(plan, cost)
+        a2a = fwd - compute
+        bwd = compute * hw.attention_bwd_ratio + a2a
+        return [_WaveTimes((layers * fwd).tolist(), (layers * bwd).tolist(),
+                           (layers * compute * (1.0 + hw.attention_bwd_ratio)).tolist())]
     acc_bytes = 8 if cost.model.bytes_per_element > 4 else 4  # fp32 (fp64) dKV accumulators
     launch = hw.kernel_overhead_us * 1e-6
     fwd_spec = PassSpec(False, 1.0, acc_bytes / cost.model.bytes_per_element, launch)
@@ -219,8 +228,7 @@ def simulate(plan: Plan, cost: CostModel, options: SimOptions = SimOptions(),
     lin_tokens = [plan.linear_tokens()] if remapped else work.tokens.tolist()
     lin = [[cost.linear_time(n) for n in per_rank] for per_rank in lin_tokens]
     parts = _assemble(plan, cost, waves, lin, remapped)
-    gpus = GpuMap(cost.cluster, cost.tp)
-    allreduce = grad_allreduce_time(cost.model, gpus, cost.cluster.nodes)
+    allreduce = grad_allreduce_seconds(cost)
     last_bwd = parts["last_bwd"]
     grad = max(0.0, allreduce - last_bwd) if options.overlap_grad_reduce else allreduce
     rank_lin = [sum(col) for col in zip(*lin)]
@@ -238,8 +246,7 @@ def _assemble(plan: Plan, cost: CostModel, waves: list[_WaveTimes], lin: list[li
     """Critical path: linear, attention (with ring waits), remap; the last wave's backward."""
     bwd_share = (FWD_BWD_LINEAR - 1.0) / FWD_BWD_LINEAR
     if remapped:
-        gpus = GpuMap(cost.cluster, cost.tp)
-        per_a2a = remap_time(plan, gpus, cost.qkvo_bytes(1))
+        per_a2a = remap_time(plan, cost)
         attention = sum(max(w.fwd_end) + max(w.bwd_end) for w in waves)
         busiest = [max(w.compute) for w in waves]
         last = waves[-1]
@@ -265,7 +272,7 @@ def attention_time(plan: Plan, cost: CostModel, options: SimOptions = SimOptions
     synchronise the ranks between phases). What ``fidelity`` measures on real ranks."""
     waves = simulate_waves(plan, cost, options, build_work(plan, cost))
     if plan.linear != plan.attention:
-        per_a2a = remap_time(plan, GpuMap(cost.cluster, cost.tp), cost.qkvo_bytes(1))
+        per_a2a = remap_time(plan, cost)
         return sum(max(w.fwd_end) + max(w.bwd_end) for w in waves) + \
             2.0 * cost.model.num_layers * per_a2a
     return sum(max(f + b for f, b in zip(w.fwd_end, w.bwd_end)) for w in waves)

@@ -16,61 +16,60 @@ from typing import Callable, NamedTuple, Sequence
 
 from megatron_zeppelin.config import ZeppelinConfig, load_setup
 from megatron_zeppelin.cost_model import CostModel
-from megatron_zeppelin.planner import STRATEGIES, make_plan
+from megatron_zeppelin.planner import STRATEGIES, Strategy
 from megatron_zeppelin.planner.common import CapacityError
 from megatron_zeppelin.sim.simulator import SimOptions, SimResult, lower_bound, simulate
 from megatron_zeppelin.sim.workloads import get_workload, read_lengths, sample_batch
 
 DEFAULT_TOKENS_PER_GPU = 64 * 1024
 MAX_MEGATRON_SEQUENCES = 20000
-# static-cp-best searches rings of up to 4 nodes: in a full report run searching up to 16
-# nodes, the best static CP size was always 1 or 2 nodes (and wider searches cost minutes)
-BEST_CP_MAX_NODES = 4
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A strategy as simulated: ``routing`` switches the routing layer in the planner and the
-    simulator; ``remap`` the remapping layer (zeppelin only); ``cp_size``: static CP group
-    size (0: the planner's default; -1: two nodes, TE CP across nodes as in the paper's
-    Fig. 12; -2: the best power-of-two multiple of a node up to ``BEST_CP_MAX_NODES`` nodes,
-    chosen by simulating each); ``local_policy``: the simulator's LOCAL policy."""
+    """A strategy as simulated: ``strategy`` is a registered planner object with its options;
+    ``routing`` switches the routing layer in the planner and the simulator, ``remap`` the
+    remapping layer; ``local_policy``: the simulator's LOCAL policy."""
 
     label: str
-    strategy: str
+    strategy: Strategy
     routing: bool = False
     remap: bool = True
-    cp_size: int = 0
     description: str = ""
     local_policy: str = "engine"
 
 
-VARIANTS: dict[str, Variant] = {v.label: v for v in (
-    Variant("zeppelin", "zeppelin", True, True, description="all three techniques"),
-    Variant("zeppelin-fill", "zeppelin", True, True, local_policy="fill",
-            description="zeppelin on an idealised engine whose LOCAL work fills the waits "
-            "for ring traffic exactly (runtime/engine.py runs whole LOCAL calls)"),
-    Variant("zeppelin-no-routing", "zeppelin", False, True,
-            description="zeppelin with the routing layer off (static NIC affinity)"),
-    Variant("zeppelin-no-remap", "zeppelin", True, False,
-            description="zeppelin with the remapping layer off (linear on the attention layout)"),
-    Variant("static-cp", "static-cp", description="TE/Megatron CP, the planner's default CP "
-            "size (the smallest multiple of a node that holds the longest document)"),
-    Variant("static-cp-2node", "static-cp", cp_size=-1,
-            description="TE CP over groups of two nodes (inter-node rings, the paper's Fig. 12)"),
-    Variant("static-cp-best", "static-cp", cp_size=-2,
-            description="static CP at its best power-of-two multiple of a node (tuned per batch)"),
-    Variant("static-cp-routed", "static-cp", True, cp_size=-1,
-            description="TE CP over two nodes with the routing layer (routing alone)"),
-    Variant("hybrid-dp", "hybrid-dp", description="fewest ranks per document, greedy"),
-    Variant("megatron-hybrid-cp", "megatron-hybrid-cp",
-            description="megatron-core BalancedCPScheduler groups, one wave each"),
-    Variant("megatron-dynamic-cp", "megatron-dynamic-cp",
-            description="megatron-core DefaultDynamicCPScheduler groups, one wave each (only "
-            "where the installed megatron-core has it)"),
-)}
+def _variants() -> dict[str, Variant]:
+    """Every registered strategy under its own name (routing on for zeppelin), plus the
+    ablations and static-CP sizes the reports compare."""
+    out = {name: Variant(name, cls(), routing=cls.routed, description=cls.summary)
+           for name, cls in STRATEGIES.items()}
+    zeppelin, static = STRATEGIES["zeppelin"](), STRATEGIES["static-cp"]
+    for v in (
+        Variant("zeppelin-fill", zeppelin, True, True, local_policy="fill",
+                description="zeppelin on an idealised engine whose LOCAL work fills the waits "
+                "for ring traffic exactly (runtime/engine.py runs whole LOCAL calls)"),
+        Variant("zeppelin-no-routing", zeppelin, False, True,
+                description="zeppelin with the routing layer off (static NIC affinity)"),
+        Variant("zeppelin-no-remap", zeppelin, True, False,
+                description="zeppelin with the remapping layer off (linear on the attention "
+                "layout)"),
+        Variant("zeppelin-hierarchical", STRATEGIES["zeppelin"](portfolio=False), True, True,
+                description="zeppelin's hierarchical plan alone, with the remap, no portfolio "
+                "(the planner before this change: the same plans bit for bit)"),
+        Variant("static-cp-2node", static(cp_nodes=2),
+                description="TE CP over groups of two nodes (inter-node rings, the paper's "
+                "Fig. 12)"),
+        Variant("static-cp-routed", static(cp_nodes=2), True,
+                description="TE CP over two nodes with the routing layer (routing alone)"),
+    ):
+        out[v.label] = v
+    return out
+
+
+VARIANTS: dict[str, Variant] = _variants()
 DEFAULT_VARIANTS = ("zeppelin", "zeppelin-no-routing", "zeppelin-no-remap", "static-cp",
-                    "hybrid-dp", "megatron-hybrid-cp")
+                    "static-cp-best", "hybrid-dp", "megatron-hybrid-cp", "flexsp", "hydraulis")
 
 
 @dataclass(frozen=True)
@@ -118,7 +117,8 @@ class Setting:
 @dataclass(frozen=True)
 class VariantResult:
     """Mean over the batches; ``first`` is the first batch's full result (per-rank loads);
-    ``note``: the first batch's plan name (e.g. the static CP size chosen)."""
+    ``note``: the first batch's plan name (e.g. the static CP size chosen); ``candidates``:
+    every batch's winning candidate (zeppelin's portfolio; empty for other strategies)."""
 
     label: str
     iteration_s: float
@@ -126,6 +126,7 @@ class VariantResult:
     plan_ms: float
     first: SimResult
     note: str = ""
+    candidates: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -175,11 +176,13 @@ def sample_batches(setting: Setting, cost: CostModel) -> list[list[int]]:
 
 
 class Run(NamedTuple):
-    """One variant on one batch: the simulated result, plan time (ms) and the plan's name."""
+    """One variant on one batch: the simulated result, plan time (ms), the plan's name and its
+    portfolio candidate."""
 
     result: SimResult
     plan_ms: float
     plan_name: str
+    candidate: str = ""
 
 
 def plan_and_simulate(variant: Variant, lengths: list[int], cost: CostModel,
@@ -188,41 +191,11 @@ def plan_and_simulate(variant: Variant, lengths: list[int], cost: CostModel,
     config = replace(config, routing=variant.routing, remap=variant.remap)
     options = SimOptions(inter_mode="routed" if variant.routing else "ring",
                          local_policy=variant.local_policy)
-    node = cost.cluster.gpus_per_node // cost.tp
-    if variant.cp_size == -2:
-        return _best_static_cp(variant, lengths, cost, config, options)
-    cp = min(2 * node, cost.cluster.world_size // cost.tp) if variant.cp_size == -1 \
-        else variant.cp_size
-    extra = {"cp_size": cp} if cp else {}
     started = time.perf_counter()
-    plan = make_plan(variant.strategy, lengths, cost, config, **extra)
+    plan = variant.strategy.plan(lengths, cost, config)
     plan_ms = (time.perf_counter() - started) * 1e3
-    return Run(simulate(plan, cost, options, variant.label), plan_ms, plan.strategy)
-
-
-def _best_static_cp(variant: Variant, lengths: list[int], cost: CostModel,
-                    config: ZeppelinConfig, options: SimOptions) -> Run:
-    """Static CP at every power-of-two multiple of a node (up to ``BEST_CP_MAX_NODES`` nodes)
-    that holds the batch; the fastest."""
-    world = min(cost.cluster.world_size, BEST_CP_MAX_NODES * cost.cluster.gpus_per_node) \
-        // cost.tp
-    node = cost.cluster.gpus_per_node // cost.tp
-    best, best_cp, total_ms, cp = None, 0, 0.0, node
-    while cp <= world:
-        started = time.perf_counter()
-        try:
-            plan = make_plan("static-cp", lengths, cost, config, cp_size=cp)
-        except ValueError:  # this CP size cannot hold the longest document
-            plan = None
-        total_ms += (time.perf_counter() - started) * 1e3
-        if plan is not None:
-            result = simulate(plan, cost, options, variant.label)
-            if best is None or result.iteration_s < best.iteration_s:
-                best, best_cp = result, cp
-        cp *= 2
-    if best is None:
-        raise ValueError(f"no static CP size from {node} to {world} ranks holds the batch")
-    return Run(best, total_ms, f"static-cp(cp={best_cp})")
+    return Run(simulate(plan, cost, options, variant.label), plan_ms, plan.strategy,
+               plan.candidate)
 
 
 def run_setting(setting: Setting, variants: Sequence[Variant],
@@ -237,13 +210,7 @@ def run_setting(setting: Setting, variants: Sequence[Variant],
     results, skipped = [], []
     for variant in variants:
         longest = max(len(b) for b in batches)
-        if variant.strategy not in STRATEGIES:
-            skipped.append((variant.label, "the installed megatron-core has no "
-                            f"{variant.strategy} scheduler"))
-            if tick:
-                tick()
-            continue
-        if variant.strategy == "megatron-hybrid-cp" and longest > max_megatron_sequences:
+        if variant.strategy.name == "megatron-hybrid-cp" and longest > max_megatron_sequences:
             skipped.append((variant.label, f"{longest} documents per batch > "
                             f"{max_megatron_sequences}: BalancedCPScheduler too slow"))
             if tick:
@@ -261,7 +228,8 @@ def run_setting(setting: Setting, variants: Sequence[Variant],
         results.append(VariantResult(
             variant.label, sum(r.result.iteration_s for r in runs) / len(runs),
             sum(bounds) / len(bounds), sum(r.plan_ms for r in runs) / len(runs),
-            runs[0].result, runs[0].plan_name))
+            runs[0].result, runs[0].candidate or runs[0].plan_name,
+            tuple(r.candidate for r in runs if r.candidate)))
     return SettingResult(setting, cost.cluster.world_size, sum(map(len, batches)) / len(batches),
                          sum(map(sum, batches)) / len(batches), sum(bounds) / len(bounds),
                          tuple(results), tuple(skipped))

@@ -1,0 +1,108 @@
+// Twin of cost_model.CostKernel and config.interp / add_up, and the zigzag helpers of
+// segments.py: the same expressions in the same order as the Python reference.
+#include <algorithm>
+#include <cmath>
+
+#include "planner.h"
+
+namespace zeppelin_planner {
+
+namespace {
+
+// config.interp: numpy.interp's expression for one point, clamped at the ends.
+double interp(double x, const std::vector<double>& xs, const std::vector<double>& ys) {
+  if (x <= xs[0]) return ys[0];
+  const size_t last = xs.size() - 1;
+  if (x >= xs[last]) return ys[last];
+  size_t j = 0;
+  while (xs[j + 1] <= x) ++j;
+  if (xs[j] == x) return ys[j];
+  const double slope = (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j]);
+  return slope * (x - xs[j]) + ys[j];
+}
+
+}  // namespace
+
+double add_up(const std::vector<double>& values) {
+  double total = 0.0;
+  for (double v : values) total += v;
+  return total;
+}
+
+i64 zigzag_share(i64 length, i64 ring, i64 position) {
+  if (ring == 1) return length;
+  const i64 n = 2 * ring, mirror = n - 1 - position;
+  return ((position + 1) * length / n - position * length / n) +
+         ((mirror + 1) * length / n - mirror * length / n);
+}
+
+i64 zigzag_share_bound(i64 length, i64 ring) {
+  if (ring == 1) return length;
+  return 2 * ((length + 2 * ring - 1) / (2 * ring));
+}
+
+int tier_of(const Problem& pb, const std::vector<i64>& ring) {
+  if (ring.size() == 1) return LOCAL;
+  const i64 first = ring[0] / pb.gpn;
+  for (i64 r : ring) {
+    if (r / pb.gpn != first) return INTER;
+  }
+  return INTRA;
+}
+
+std::vector<i64> longest_first(const std::vector<i64>& seqlens) {
+  std::vector<i64> order(seqlens.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<i64>(i);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](i64 a, i64 b) { return seqlens[a] > seqlens[b]; });
+  return order;
+}
+
+double Costs::flops(double chunk) const {
+  return interp(std::log(chunk), log_lengths, flops_per_s);
+}
+
+double Costs::compute(double seqlen, i64 ring) const {
+  const double g = static_cast<double>(ring);
+  return attn_coef * seqlen * seqlen / g / flops(seqlen / g);
+}
+
+double Costs::routed(double nbytes) const {
+  return std::exp(interp(std::log(nbytes), routed_log_sizes, routed_log_times));
+}
+
+double Costs::comm(double chunk, int tier, bool use_routing) const {
+  const double fwd = kv_per_token * chunk;
+  const double bwd = fwd * bwd_bytes_factor;
+  double per_layer;
+  if (tier == INTER && use_routing && routable) {
+    per_layer = routed(fwd) + routed(bwd);
+  } else if (tier == INTRA) {
+    per_layer = (fwd + bwd) / nvlink_byte_per_s + 2.0 * nvlink_latency_s;
+  } else {
+    per_layer = (fwd + bwd) / nic_byte_per_s + 2.0 * nic_latency_s;
+  }
+  return per_layer * static_cast<double>(layers);
+}
+
+double Costs::dkv_tail(double chunk, int tier, bool use_routing) const {
+  const double nbytes = kv_per_token * chunk * (bwd_bytes_factor - 1.0);
+  double per_layer;
+  if (tier == INTER && use_routing && routable) {
+    per_layer = routed(nbytes);
+  } else if (tier == INTRA) {
+    per_layer = nbytes / nvlink_byte_per_s + nvlink_latency_s;
+  } else {
+    per_layer = nbytes / nic_byte_per_s + nic_latency_s;
+  }
+  return per_layer * static_cast<double>(layers);
+}
+
+double Costs::task_time(double seqlen, i64 ring, int tier, bool use_routing) const {
+  const double c = compute(seqlen, ring);
+  if (ring == 1) return c;
+  const double g = static_cast<double>(ring);
+  return c + (g - 1) * std::max(0.0, comm(seqlen / g, tier, use_routing) - c / g);
+}
+
+}  // namespace zeppelin_planner

@@ -1,0 +1,238 @@
+"""FlexSP-style planner: heterogeneous Ulysses sequence-parallel groups chosen by a MILP.
+
+Modelled on FlexSP (Wang et al., "FlexSP: Accelerating Large Language Model Training via
+Flexible Sequence Parallelism", ASPLOS'25, arXiv 2412.01523): each step, the devices are
+partitioned into sequence-parallel (DeepSpeed-Ulysses) groups of different sizes and every
+sequence is assigned to one group, minimising the slowest group's time under the memory limit,
+as a mixed-integer linear program (the paper solves it with SCIP, with sequence bucketing to
+shrink it). Here:
+
+* group sizes d: powers of two dividing the pool and the heads per rank (Ulysses splits
+  heads); any multiset of sizes summing to the pool tiles it with aligned blocks (largest
+  first), so only the sum is constrained;
+* buckets: sequences in at most ``buckets`` buckets of similar length (equal ratios of the
+  length range: the paper's sequence bucketing); ``t_bd``, a bucket's per-rank time per
+  sequence in a group of size d, is the mean over its sequences of attention at the full length
+  over 1/d of the heads, the all-to-alls (``CostKernel.ulysses_compute`` and ``ulysses_comm``)
+  and the linear modules on s/d tokens;
+* MILP (scipy's HiGHS ``milp``), aggregated per size: integers ``m_d`` (groups of size d, in
+  binary digits) and ``n_bd`` (sequences of bucket b on size d), binaries ``u_bd`` (bucket b
+  uses size d), makespan ``C``. Constraints: ``sum_d d m_d`` = pool size; every sequence
+  assigned; a size's work spread over its groups, ``sum_b n_bd t_bd <= m_d C`` (the product
+  linearised bit by bit with a big M); ``C >= t_bd`` where bucket b uses size d; per-rank
+  tokens ``sum_b n_bd share_bd <= m_d x capacity`` (share at the bucket's longest sequence).
+  Minimise C. (The aggregation assumes a size's groups can be balanced; the per-group
+  formulation took HiGHS minutes with large gaps.) A time limit bounds the solve and the best
+  solution found is used; the plan's ``candidate`` records the status, gap and solve time.
+
+The MILP's counts become sequences: per bucket longest first to the largest sizes it was given,
+inside a size to its least-loaded group. Attention of the plan is Ulysses
+(``Plan.attention_kind``): the simulator models it; the attention engine runs rings only, so FlexSP plans are not executed.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.plan import AttentionTask, Plan, Tier, zigzag_share_bound
+from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare)
+from megatron_zeppelin.planner.registry import Strategy, register
+
+
+@register
+@dataclass(frozen=True)
+class FlexSP(Strategy):
+    """Heterogeneous Ulysses SP groups and sequence assignment by a MILP (module doc)."""
+
+    name = "flexsp"
+    summary = "FlexSP: heterogeneous Ulysses SP groups and assignment by a MILP (HiGHS)"
+    attention = "ulysses"
+    buckets: int = field(default=16, metadata={
+        "help": "flexsp: sequence buckets of the MILP (FlexSP's bucketing)"})
+    time_limit_s: float = field(default=30.0, metadata={
+        "help": "flexsp: seconds the MILP solver may take (the best solution found is used)"})
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.buckets, int) and self.buckets >= 1):
+            raise ValueError(f"flexsp option buckets={self.buckets!r} is invalid: expected an "
+                             "integer >= 1")
+        if not (isinstance(self.time_limit_s, (int, float)) and self.time_limit_s > 0):
+            raise ValueError(f"flexsp option time_limit_s={self.time_limit_s!r} is invalid: "
+                             "expected a number of seconds > 0")
+
+    def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
+        batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
+        problem = _Problem(batch, cost, self.buckets)
+        groups, per_size, status = problem.solve(self.time_limit_s)
+        tasks = problem.assign(groups, per_size)
+        return assemble("flexsp", batch, tasks, None, attention_kind="ulysses",
+                        candidate=status)
+
+
+def length_buckets(seqlens: Sequence[int], count: int) -> list[list[int]]:
+    """Sequence indices in at most ``count`` buckets of similar length: equal ratios of the
+    batch's length range (log scale), empty buckets dropped, shortest first."""
+    lo, hi = math.log(min(seqlens)), math.log(max(seqlens))
+    width = (hi - lo) / count or 1.0
+    out: list[list[int]] = [[] for _ in range(count)]
+    for i, s in enumerate(seqlens):
+        out[min(count - 1, int((math.log(s) - lo) / width))].append(i)
+    return [b for b in out if b]
+
+
+def group_sizes(world: int, heads: int) -> list[int]:
+    """Powers of two dividing both the pool size and the heads per rank."""
+    sizes, d = [], 1
+    while d <= world:
+        if world % d == 0 and heads % d == 0:
+            sizes.append(d)
+        d *= 2
+    return sizes
+
+
+class _Problem:
+    """The MILP of one batch (module doc): size classes, buckets, per-bucket times, the solve
+    and the assignment of the actual sequences."""
+
+    def __init__(self, batch: Batch, cost: CostModel, buckets: int) -> None:
+        self.batch, self.cost = batch, cost
+        topo = batch.topology
+        self.sizes = group_sizes(topo.world_size, cost.heads)
+        self.buckets = length_buckets(batch.seqlens, buckets)
+        self.times = [[self._mean_time(members, d) for d in self.sizes]
+                      for members in self.buckets]
+
+    def tier(self, d: int) -> Tier:
+        gpn = self.batch.topology.gpus_per_node
+        return Tier.LOCAL if d == 1 else Tier.INTRA if d <= gpn else Tier.INTER
+
+    def seq_time(self, s: int, d: int) -> float:
+        """Per-rank seconds of a sequence of ``s`` tokens in a group of ``d`` ranks."""
+        kernel = self.cost.kernel
+        return kernel.ulysses_compute(s, d) + kernel.ulysses_comm(s / d, d, self.tier(d)) + \
+            kernel.linear_per_token * s / d
+
+    def _mean_time(self, members: list[int], d: int) -> float:
+        """Mean per-rank seconds of the bucket's sequences in a group of ``d`` ranks (inf
+        where its shortest cannot be split over d ranks or its longest exceeds the capacity)."""
+        seqlens = self.batch.seqlens
+        if (d > 1 and min(seqlens[i] for i in members) < 2 * d) or \
+                zigzag_share_bound(max(seqlens[i] for i in members), d) > self.batch.capacity:
+            return math.inf
+        return sum(self.seq_time(seqlens[i], d) for i in members) / len(members)
+
+    def solve(self, time_limit_s: float) -> tuple[list[int], list[list[int]], str]:
+        """(groups per size m_d, sequences of bucket b per size n_bd, solver status)."""
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_array
+
+        sizes, times, world = self.sizes, self.times, self.batch.topology.world_size
+        nb, nd = len(self.buckets), len(sizes)
+        counts = [len(m) for m in self.buckets]
+        bits = [max(1, (world // d).bit_length()) for d in sizes]
+        # variables: n[b,d], u[b,d] (bucket b uses size d), z[d,k] (bit k of m_d),
+        # w[d,k] (= z[d,k] * C), C
+        n_at = lambda b, j: b * nd + j  # noqa: E731
+        u_at = lambda b, j: nb * nd + b * nd + j  # noqa: E731
+        z0 = 2 * nb * nd
+        z_at = [z0 + sum(bits[:j]) for j in range(nd)]
+        w0 = z0 + sum(bits)
+        c_at = w0 + sum(bits)
+        nvars = c_at + 1
+        big = sum(n * max(t for t in row if t < math.inf) for n, row in zip(counts, times))
+        rows, cols, vals, lo, hi = [], [], [], [], []
+
+        def constraint(entries, low, high):
+            for col, val in entries:
+                rows.append(len(lo))
+                cols.append(col)
+                vals.append(val)
+            lo.append(low)
+            hi.append(high)
+
+        def groups(j, scale=1.0):  # m_d as a sum of its bits
+            return [(z_at[j] + k, scale * (1 << k)) for k in range(bits[j])]
+
+        constraint([e for j, d in enumerate(sizes) for e in groups(j, float(d))], world, world)
+        for b in range(nb):
+            constraint([(n_at(b, j), 1.0) for j in range(nd)], counts[b], counts[b])
+            for j in range(nd):
+                constraint([(n_at(b, j), 1.0), (u_at(b, j), -float(counts[b]))], -np.inf, 0.0)
+                if times[b][j] < math.inf:  # a sequence in a group of size d takes t_bd
+                    constraint([(c_at, 1.0), (u_at(b, j), -times[b][j])], 0.0, np.inf)
+        longest = [max(self.batch.seqlens[i] for i in m) for m in self.buckets]
+        for j, d in enumerate(sizes):
+            usable = [b for b in range(nb) if times[b][j] < math.inf]
+            # the class's work spread over its m_d groups: sum_b n_bd t_bd <= m_d * C
+            constraint([(n_at(b, j), times[b][j]) for b in usable] +
+                       [(w0 + z_at[j] - z0 + k, -float(1 << k)) for k in range(bits[j])],
+                       -np.inf, 0.0)
+            constraint([(n_at(b, j), float(zigzag_share_bound(longest[b], d))) for b in usable]
+                       + groups(j, -float(self.batch.capacity)), -np.inf, 0.0)
+            for k in range(bits[j]):  # w = z * C (big-M)
+                w, z = w0 + z_at[j] - z0 + k, z_at[j] + k
+                constraint([(w, 1.0), (c_at, -1.0)], -np.inf, 0.0)
+                constraint([(w, 1.0), (z, -big)], -np.inf, 0.0)
+                constraint([(w, 1.0), (c_at, -1.0), (z, -big)], -big, np.inf)
+        upper = np.full(nvars, np.inf)
+        for b in range(nb):
+            for j in range(nd):
+                upper[n_at(b, j)] = counts[b] if times[b][j] < math.inf else 0.0
+                upper[u_at(b, j)] = 1.0
+        upper[z0:w0] = 1.0
+        upper[c_at] = big
+        integrality = np.zeros(nvars)
+        integrality[:w0] = 1
+        objective = np.zeros(nvars)
+        objective[c_at] = 1.0
+        matrix = coo_array((vals, (rows, cols)), shape=(len(lo), nvars)).tocsr()
+        started = time.perf_counter()
+        result = milp(objective, integrality=integrality,
+                      bounds=Bounds(np.zeros(nvars), upper),
+                      constraints=LinearConstraint(matrix, lo, hi),
+                      options={"time_limit": time_limit_s, "mip_rel_gap": 1e-3})
+        if result.x is None:
+            raise CapacityError(f"flexsp: the MILP found no assignment within the capacity "
+                                f"{self.batch.capacity} tokens per rank ({result.message})")
+        x = np.rint(result.x).astype(int)
+        m = [sum(int(x[z_at[j] + k]) << k for k in range(bits[j])) for j in range(nd)]
+        per_size = [[int(x[n_at(b, j)]) for j in range(nd)] for b in range(nb)]
+        gap = getattr(result, "mip_gap", float("nan"))
+        status = (f"milp {'optimal' if result.status == 0 else 'at the time limit'}, gap "
+                  f"{gap:.1%}, {nvars} variables, {time.perf_counter() - started:.2f} s")
+        return m, per_size, status
+
+    def assign(self, groups: list[int], per_size: list[list[int]]) -> list[AttentionTask]:
+        """Groups tile the pool largest first (aligned blocks); each bucket's sequences go to
+        the sizes the MILP gave them, longest to the largest size; inside a size, longest
+        first to its least-loaded group."""
+        topo, seqlens = self.batch.topology, self.batch.seqlens
+        blocks: list[list[tuple[float, int]]] = []  # per size: heap of (load, first rank)
+        offset = 0
+        for j in sorted(range(len(self.sizes)), key=lambda j: -self.sizes[j]):
+            d = self.sizes[j]
+            blocks.append([(0.0, offset + i * d) for i in range(groups[j])])
+            offset += groups[j] * d
+        by_size = {d: blocks[i] for i, d in enumerate(sorted(self.sizes, reverse=True))}
+        for heap in by_size.values():
+            heapq.heapify(heap)
+        tasks: list[AttentionTask | None] = [None] * len(seqlens)
+        for b, members in enumerate(self.buckets):
+            ordered = sorted(members, key=lambda i: -seqlens[i])
+            start = 0
+            for j in sorted(range(len(self.sizes)), key=lambda j: -self.sizes[j]):
+                d, count = self.sizes[j], per_size[b][j]
+                for seq in ordered[start:start + count]:
+                    load, first = heapq.heappop(by_size[d])
+                    heapq.heappush(by_size[d], (load + self.seq_time(seqlens[seq], d), first))
+                    ring = tuple(range(first, first + d))
+                    tasks[seq] = AttentionTask(seq, ring, topo.tier_of(ring))
+                start += count
+        return tasks

@@ -1,0 +1,146 @@
+"""The ``zeppelin`` strategy: candidate plans of one batch, the fastest by the step estimate.
+
+Zeppelin's plan space contains the peers' plans (all-local placement is hybrid DP, one ring
+per node is static CP), so rather than trusting one heuristic the strategy builds several
+plans of the same batch and returns the one with the lowest ``estimate.estimate_tasks`` (the
+closed form of what the simulator models):
+
+* ``hierarchical+remap``: the hierarchical placement (``zeppelin.py``) balancing attention,
+  with the remap's linear layout (``linear_layout``);
+* ``hierarchical``: the hierarchical placement balancing each rank's attention plus the linear
+  modules of its tokens, without the remap (the linear modules then run where attention does).
+  The remap is thus decided per batch (only ``hierarchical`` when ``config.remap`` is off);
+* the peers' plans as fallbacks, when they keep every rank within the capacity: ``hybrid-dp``
+  (``baselines.HybridDP``), ``hydraulis`` (``hydraulis.Hydraulis``: heterogeneous CP
+  replicas) and static CP (``baselines.StaticCP``) at every CP size that divides the pool, up
+  to two nodes (wider static CP never won in the report's settings and costs the most to
+  build).
+
+The plan records which candidate won (``Plan.candidate``) and every candidate's estimate
+(``Plan.estimates``, fastest first; ``Plan.margin`` is the runner-up's over the winner's).
+Ties go to the earlier candidate in the order above.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.estimate import Move, estimate_tasks
+from megatron_zeppelin.plan import (AttentionTask, Layout, Plan, attention_layout_of,
+                                    ring_groups_of, zigzag_share_bound)
+from megatron_zeppelin.planner.baselines import (default_max_seqlen_per_rank, hybrid_dp_tasks,
+                                                 static_cp_tasks)
+from megatron_zeppelin.planner.hydraulis import hydraulis_tasks
+from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare,
+                                              within_capacity)
+from megatron_zeppelin.planner import native
+from megatron_zeppelin.planner.linear_layout import linear_plan, rank_targets, rank_tokens
+from megatron_zeppelin.planner.registry import Strategy, register
+from megatron_zeppelin.planner.zeppelin import place_hierarchical
+
+FALLBACK_MAX_NODES = 2  # static CP fallbacks: CP sizes up to this many nodes
+
+
+class Candidate(NamedTuple):
+    """One plan of the batch: its tasks, and with the remap its linear layout and moves."""
+
+    name: str
+    tasks: list[AttentionTask]
+    linear: Layout | None = None
+    moves: tuple[Move, ...] = ()
+
+
+@register
+@dataclass(frozen=True)
+class Zeppelin(Strategy):
+    """Zeppelin's hierarchical partitioner with the routing and remapping layers, scored
+    against the peers' plans of the same batch (module doc)."""
+
+    name = "zeppelin"
+    summary = ("hierarchical partitioning (local / intra-node / inter-node rings), remap and "
+               "routing; the fastest of it and the peers' plans by the estimate")
+    routed = True
+    portfolio: bool = field(default=True, metadata={
+        "help": "zeppelin: score the remap per batch and the peers' plans as fallbacks (off: "
+                "the hierarchical plan alone, with the remap as configured)"})
+
+    def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
+        batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
+        if not self.portfolio:
+            tasks = hierarchical_tasks(batch, cost, config, False)
+            chosen = (remapped(batch, cost, tasks, "hierarchical+remap")
+                      if config.remap else Candidate("hierarchical", tasks))
+            return assemble("zeppelin", batch, chosen.tasks, chosen.linear)
+        names, estimates, winner, tasks, linear = choose(batch, cost, config)
+        ranked = sorted(range(len(names)), key=lambda i: (estimates[i], i))
+        return assemble("zeppelin", batch, tasks, linear, candidate=names[winner],
+                        estimates=tuple((names[i], estimates[i]) for i in ranked))
+
+
+def choose(batch: Batch, cost: CostModel, config: ZeppelinConfig
+           ) -> tuple[list[str], list[float], int, list[AttentionTask], Layout | None]:
+    """(candidate names, their estimated step seconds, the winner's index, its tasks, its
+    linear layout) from the configured backend (``native``). The linear layout is None when
+    the Python reference picks a plan without the remap (``assemble`` derives it); the twin
+    always returns it."""
+    cpp = native.cpp_module(None)
+    if cpp is not None:
+        names, estimates, winner, tasks, linear = cpp.portfolio(
+            native.problem_args(batch.seqlens, batch.capacity, cost, config))
+        return names, estimates, winner, tasks, linear
+    names, estimates, best = [], [], None
+    for candidate in candidates(batch, cost, config):
+        linear = None if candidate.linear is None else rank_tokens(candidate.linear)
+        step = estimate_tasks(candidate.tasks, batch.seqlens, batch.topology, cost,
+                              config.routing, linear, candidate.moves).step_s
+        names.append(candidate.name)
+        estimates.append(step)
+        if best is None or step < estimates[best[0]]:
+            best = (len(names) - 1, candidate)
+    return names, estimates, best[0], best[1].tasks, best[1].linear
+
+
+def hierarchical_tasks(batch: Batch, cost: CostModel, config: ZeppelinConfig,
+                       with_linear: bool) -> list[AttentionTask]:
+    """``zeppelin.place_hierarchical`` on the configured backend."""
+    tasks = native.twin_tasks("hierarchical", batch.seqlens, batch.capacity, cost, config,
+                              with_linear)
+    return tasks if tasks is not None else place_hierarchical(batch, cost, config, with_linear)
+
+
+def candidates(batch: Batch, cost: CostModel, config: ZeppelinConfig) -> list[Candidate]:
+    """The candidate plans of ``batch`` (module doc), in tie-break order (Python reference)."""
+    out = []
+    if config.remap:
+        out.append(remapped(batch, cost, place_hierarchical(batch, cost, config),
+                            "hierarchical+remap"))
+    out.append(Candidate("hierarchical", place_hierarchical(batch, cost, config, True)))
+    try:
+        per_rank = default_max_seqlen_per_rank(batch)
+        out.append(Candidate("hybrid-dp", hybrid_dp_tasks(batch, cost, per_rank)))
+    except CapacityError:
+        pass  # no fallback where hybrid DP cannot place the batch within the capacity
+    try:
+        out.append(Candidate("hydraulis", hydraulis_tasks(batch, cost)[0]))
+    except CapacityError:
+        pass
+    topo = batch.topology
+    for cp in range(1, min(topo.world_size, FALLBACK_MAX_NODES * topo.gpus_per_node) + 1):
+        if topo.world_size % cp == 0 and \
+                zigzag_share_bound(max(batch.seqlens), cp) <= batch.capacity:
+            out.append(Candidate(f"static-cp(cp={cp})", static_cp_tasks(batch, cp)))
+    return [c for c in out if within_capacity(c.tasks, batch)]
+
+
+def remapped(batch: Batch, cost: CostModel, tasks: list[AttentionTask], name: str
+             ) -> Candidate:
+    """``tasks`` with the remap's linear layout: token balance inside nodes, across nodes only
+    where the linear time saved outweighs the remap traffic (``linear_layout``)."""
+    topo = batch.topology
+    attention = attention_layout_of(ring_groups_of(tasks, topo), batch.seqlens, topo.world_size)
+    per_rank = rank_tokens(attention)
+    targets = rank_targets(per_rank, topo, cost.linear_time(1), cost.remap_seconds_per_token())
+    linear, moves = linear_plan(attention, topo, targets, per_rank)
+    return Candidate(name, tasks, linear, tuple(moves))
