@@ -43,13 +43,15 @@ class StepLog:
     plan_ms: float
     grad_norm: float
     seconds: float
+    chosen: str = ""  # the plans' candidates (zeppelin's portfolio picks one per micro-batch)
 
     def line(self, total: int) -> str:
         return (f"iteration {self.iteration:>5}/{total} | lr {self.lr:.3e} | loss "
                 f"{self.loss:.4f} | sequences local/intra/inter {self.local}/{self.intra}/"
                 f"{self.inter} | tokens/s {self.tokens_per_s:,.0f} | attention imbalance "
                 f"{self.attention_imbalance:.2f} (est.) | remapped "
-                f"{self.remapped_bytes / 2**20:.2f} MiB | plan {self.plan_ms:.1f} ms | "
+                f"{self.remapped_bytes / 2**20:.2f} MiB | plan {self.chosen} "
+                f"{self.plan_ms:.1f} ms | "
                 f"grad norm {self.grad_norm:.3f} | {self.seconds:.2f} s")
 
 
@@ -114,7 +116,7 @@ class Logger:
                       *(int(x) for x in totals[3:6].tolist()), totals[2].item() / seconds,
                       imbalance, sum(e.remap_bytes for e in estimates) * self.pools,
                       sum(p.plan_time_s for p in self.plans) * 1e3, float(grad_norm or 0.0),
-                      seconds)
+                      seconds, chosen_candidates(self.plans))
         self.history.append(log)
         if iteration % self.args.log_interval == 0:
             print(log.line(self.args.train_iters), flush=True)
@@ -136,6 +138,16 @@ class Logger:
                   f"({d.dropped_tokens:,} tokens)", flush=True)
         if self.writer is not None:
             self.writer.close()
+
+
+def chosen_candidates(plans) -> str:
+    """``hierarchical x2, static-cp``: which candidate plan each micro-batch ran, in order of
+    first use (a strategy without candidates counts under its own name)."""
+    counts: dict[str, int] = {}
+    for plan in plans:
+        name = plan.candidate or plan.strategy
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(name + (f" x{n}" if n > 1 else "") for name, n in counts.items())
 
 
 def parameter_count(module: torch.nn.Module, tp: int) -> int:
