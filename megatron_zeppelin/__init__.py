@@ -1,15 +1,18 @@
 """megatron-zeppelin: the Zeppelin context-parallel mode for Megatron-Core.
 
-Layers, imported one way only (a layer may import the ones above it, never below):
+Layers, imported one way only (a layer may import the ones above it, never below); everything
+down to ``sim/`` imports no torch (``docs/architecture.md`` has the picture):
 
-    env, plan, plan_checks, config      the contract and what a user edits
-    cost_model                          FLOPs, bytes, times, crossover lengths
-    planner/                            zeppelin partitioner, baselines, linear layout
-    router/                             NIC-aware routing schedule (Python + C++ twin)
-    sim/                                cluster simulator, workloads, reports (no torch)
-    runtime/                            torch.distributed: rings, attention engine, remap
-    megatron/                           Megatron-Core integration (spec, data hook, args)
-    bench/                              all measurement: benchmarks, calibration, fidelity
-    cli                                 the ``zeppelin`` command
+    errors, env, segments, plan, plan_checks   the contract (Plan) and the environment
+    options, config, parallel, schedule         settings, YAML, pool layout, engine schedule facts
+    cost_model, estimate                        FLOPs, bytes, times; the step estimate
+    planner/                                    strategies (zeppelin portfolio, peers), planner
+                                                process, C++ twin switch
+    router/                                     NIC-aware routing schedule (Python + C++ twin)
+    sim/                                        cluster simulator, workloads, reports
+    runtime/                                    torch.distributed: engine, kernels, rings, remap
+    megatron/                                   Megatron-Core integration and training loop
+    bench/                                      all measurement: benchmarks, calibration, fidelity
+    cli                                         the ``zeppelin`` command
 """
 __version__ = "0.1.0"
