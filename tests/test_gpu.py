@@ -208,11 +208,11 @@ def _gpt_on_one_gpu(rank: int, world: int) -> dict:
     """test_megatron_zeppelin's zeppelin step with --device cuda on one GPU (fp32: the engine
     runs the exact math path on CUDA; ranks exchange through the staged transport)."""
     import test_megatron_zeppelin as cpu_test
-    from megatron_zeppelin.megatron import train
+    from megatron_zeppelin.megatron import args as train_args, train
 
     torch.cuda.set_device(0)
     cpu_test.FLAGS = [("cuda" if f == "cpu" else f) for f in cpu_test.FLAGS]
-    args = train.cli.parse_args(cpu_test.FLAGS)
+    args = train_args.parse_args(cpu_test.FLAGS)
     train.setup_megatron(args)
     plan, loss, grads, module = cpu_test.run_mode("zeppelin", rank, device="cuda")
     ref_loss, ref_grads = _gpu_reference(module, cpu_test.documents())

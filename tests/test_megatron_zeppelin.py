@@ -48,13 +48,13 @@ def run_mode(mode: str, rank: int, save: str | None = None, load: str | None = N
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_zeppelin.megatron import args as cli, checkpoint, train
+    from megatron_zeppelin.megatron import args as train_args, checkpoint, train
     from megatron_zeppelin.megatron.data import slice_rank
     from megatron_zeppelin.megatron.groups import new_pool_groups
 
-    args = cli.parse_args(FLAGS + ["--context-parallel-mode", mode, *extra] +
+    args = train_args.parse_args(FLAGS + ["--context-parallel-mode", mode, *extra] +
                           (["--load", load] if load else []))
-    layout = cli.validate_args(args, 4, None)
+    layout = train_args.validate_args(args, 4, None)
     pool = new_pool_groups(layout)
     spec = train.model_spec(args)
     cost = train.make_cost_model(args, spec, layout)
@@ -98,9 +98,9 @@ def compare(loss, grads, module, docs, what):
 
 
 def equivalence_body(rank: int, world: int, tmp: str) -> None:
-    from megatron_zeppelin.megatron import train
+    from megatron_zeppelin.megatron import args as train_args, train
 
-    args = train.cli.parse_args(FLAGS)
+    args = train_args.parse_args(FLAGS)
     train.setup_megatron(args)
     docs = documents()
     plan, loss, grads, module = run_mode("zeppelin", rank, save=tmp)
@@ -123,9 +123,9 @@ def test_zeppelin_and_static_modes_match_one_process_and_share_checkpoints(tmp_p
 
 
 def empty_rank_body(rank: int, world: int) -> None:
-    from megatron_zeppelin.megatron import train
+    from megatron_zeppelin.megatron import args as train_args, train
 
-    args = train.cli.parse_args(FLAGS)
+    args = train_args.parse_args(FLAGS)
     train.setup_megatron(args)
     g = torch.Generator().manual_seed(5)
     docs = [torch.randint(0, 256, (n,), generator=g) for n in (40, 30)]
@@ -169,9 +169,9 @@ def gather_tensor_parallel(module, tensors: dict) -> dict:
 
 
 def tensor_parallel_body(rank: int, world: int, tmp: str) -> None:
-    from megatron_zeppelin.megatron import train
+    from megatron_zeppelin.megatron import args as train_args, train
 
-    args = train.cli.parse_args(FLAGS + list(TP_FLAGS))
+    args = train_args.parse_args(FLAGS + list(TP_FLAGS))
     train.setup_megatron(args)
     plan, loss, grads, module = run_mode("zeppelin", rank, extra=TP_FLAGS)
     assert plan.topology.nodes == 2 and plan.topology.gpus_per_node == 1
@@ -182,10 +182,10 @@ def tensor_parallel_body(rank: int, world: int, tmp: str) -> None:
 
 
 def tensor_parallel_reference_body(rank: int, world: int, tmp: str) -> None:
-    from megatron_zeppelin.megatron import train
+    from megatron_zeppelin.megatron import args as train_args, train
     from megatron_zeppelin.megatron.model import make_transformer_config
 
-    args = train.cli.parse_args(FLAGS)
+    args = train_args.parse_args(FLAGS)
     train.setup_megatron(args)
     saved = torch.load(f"{tmp}/tp.pt", weights_only=False)
     spec = train.model_spec(args)

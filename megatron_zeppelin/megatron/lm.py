@@ -32,7 +32,7 @@ import torch
 
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError, ModelSpec, ZeppelinConfig
-from megatron_zeppelin.megatron import args as cli
+from megatron_zeppelin.megatron import args as train_args
 from megatron_zeppelin.megatron.lm_features import refusals
 from megatron_zeppelin.options import dest_of, settings
 from megatron_zeppelin.parallel import PoolLayout
@@ -42,8 +42,8 @@ _STATE: dict = {}  # Megatron-LM runs one model per process: its pool, attention
 
 def _zeppelin_defaults() -> dict[str, object]:
     """``{dest: default}`` of every ``--zeppelin-*`` flag."""
-    return {dest_of(f, cli.ZEPPELIN_PREFIX): f.default
-            for section in (ZeppelinConfig, cli.ZeppelinRuntimeArgs) for f in settings(section)
+    return {dest_of(f, train_args.ZEPPELIN_PREFIX): f.default
+            for section in (ZeppelinConfig, train_args.ZeppelinRuntimeArgs) for f in settings(section)
             if f.name != "max_seqlen"}
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError, ModelSpec, load_cluster, load_hardware
 from megatron_zeppelin.cost_model import CostModel
-from megatron_zeppelin.megatron import args as cli, checkpoint, fatal, preflight
+from megatron_zeppelin.megatron import args as train_args, checkpoint, fatal, preflight
 from megatron_zeppelin.megatron.core_attention import ZeppelinAttentionState, planning_hardware
 from megatron_zeppelin.megatron.corpus import DocumentSource, MicroBatchSampler
 from megatron_zeppelin.megatron.data import ZeppelinDataIterator
@@ -60,7 +60,7 @@ def make_cost_model(args: argparse.Namespace, spec: ModelSpec, layout: PoolLayou
 def make_planner(args: argparse.Namespace, cost: CostModel, layout: PoolLayout) -> PlanFunction:
     """lengths -> Plan for one micro-batch of the pool (deterministic: same on every rank;
     picklable, so that the planner process can run it)."""
-    config = cli.zeppelin_config(args)
+    config = train_args.zeppelin_config(args)
     if args.context_parallel_mode == "zeppelin":
         return PlanFunction("zeppelin", cost, config, validate=args.zeppelin_validate_plan)
     return PlanFunction("static-cp", cost, config, options={"cp_size": layout.cp},
@@ -274,11 +274,11 @@ def main(argv=None) -> int:
     """``scripts/pretrain_gpt.py``: everything is validated before the process group exists
     (flags, layout, environment, data, checkpoint); a ``ConfigError`` ends the run with one
     line from rank 0 (``fatal.run``)."""
-    args = cli.parse_args(argv)
+    args = train_args.parse_args(argv)
     if not env.launched_by_torchrun():
         raise ConfigError("launch with torchrun (it sets RANK/WORLD_SIZE), e.g. torchrun "
                           "--nproc-per-node 4 scripts/pretrain_gpt.py --yaml-cfg ...")
-    layout = cli.validate_args(args, env.world_size(), env.local_world_size())
+    layout = train_args.validate_args(args, env.world_size(), env.local_world_size())
     ready = preflight.check(args)
     init_process_group(args)
     watchdog: Watchdog | None = None
