@@ -63,7 +63,8 @@ def test_bad_parallel_settings_are_refused(extra, world, match):
 
 def test_missing_data_and_required_flags():
     with pytest.raises(ConfigError, match="no data: pass --mock-data"):
-        train_args.validate_args(train_args.parse_args([x for x in BASE if x != "--mock-data"]), 1, None)
+        no_data = train_args.parse_args([x for x in BASE if x != "--mock-data"])
+        train_args.validate_args(no_data, 1, None)
     without_iters = BASE[:BASE.index("--train-iters")] + BASE[BASE.index("--mock-data"):]
     with pytest.raises(ConfigError, match="--train-iters is required"):
         train_args.validate_args(train_args.parse_args(without_iters), 1, None)
