@@ -34,13 +34,14 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.options import require, setting
 from megatron_zeppelin.plan import AttentionTask, Plan, Tier, zigzag_share_bound
 from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare)
 from megatron_zeppelin.planner.registry import Strategy, register
@@ -54,18 +55,15 @@ class FlexSP(Strategy):
     name = "flexsp"
     summary = "FlexSP: heterogeneous Ulysses SP groups and assignment by a MILP (HiGHS)"
     attention = "ulysses"
-    buckets: int = field(default=16, metadata={
-        "help": "flexsp: sequence buckets of the MILP (FlexSP's bucketing)"})
-    time_limit_s: float = field(default=30.0, metadata={
-        "help": "flexsp: seconds the MILP solver may take (the best solution found is used)"})
+    buckets: int = setting(16, "flexsp: sequence buckets of the MILP (FlexSP's bucketing)")
+    time_limit_s: float = setting(30.0, "flexsp: seconds the MILP solver may take (the best "
+                                  "solution found is used)")
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.buckets, int) and self.buckets >= 1):
-            raise ValueError(f"flexsp option buckets={self.buckets!r} is invalid: expected an "
-                             "integer >= 1")
-        if not (isinstance(self.time_limit_s, (int, float)) and self.time_limit_s > 0):
-            raise ValueError(f"flexsp option time_limit_s={self.time_limit_s!r} is invalid: "
-                             "expected a number of seconds > 0")
+        require(isinstance(self.buckets, int) and self.buckets >= 1, "flexsp.buckets",
+                self.buckets, "an integer >= 1")
+        require(isinstance(self.time_limit_s, (int, float)) and self.time_limit_s > 0,
+                "flexsp.time_limit_s", self.time_limit_s, "a number of seconds > 0")
 
     def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
