@@ -69,12 +69,12 @@ class ModelSpec:
         for key in ("num_query_groups", "ffn_hidden_size", "kv_channels", "num_experts"):
             if getattr(self, key) is not None:
                 _positive_int(f"model.{key}", getattr(self, key))
-        require(self.num_attention_heads % self.kv_heads == 0, "model.num_query_groups",
-                self.num_query_groups, f"a divisor of num_attention_heads={self.num_attention_heads}")
+        heads = self.num_attention_heads
+        require(heads % self.kv_heads == 0, "model.num_query_groups", self.num_query_groups,
+                f"a divisor of num_attention_heads={heads}")
         if self.kv_channels is None:
-            require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
-                    self.hidden_size, f"a multiple of num_attention_heads={self.num_attention_heads}"
-                    " (or set kv_channels)")
+            require(self.hidden_size % heads == 0, "model.hidden_size", self.hidden_size,
+                    f"a multiple of num_attention_heads={heads} (or set kv_channels)")
 
     @property
     def kv_heads(self) -> int:
@@ -126,7 +126,8 @@ class ClusterSpec:
             object.__setattr__(self, "gpu_to_nic", tuple(self.gpu_to_nic))
         require(len(self.gpu_to_nic) == self.gpus_per_node, "cluster.gpu_to_nic",
                 list(self.gpu_to_nic), f"a list of {self.gpus_per_node} NIC indices")
-        bad = [n for n in self.gpu_to_nic if not (isinstance(n, int) and 0 <= n < self.nics_per_node)]
+        bad = [n for n in self.gpu_to_nic
+               if not (isinstance(n, int) and 0 <= n < self.nics_per_node)]
         require(not bad, "cluster.gpu_to_nic", list(self.gpu_to_nic),
                 f"NIC indices in [0, {self.nics_per_node})")
 
@@ -371,7 +372,8 @@ def read_yaml(path: Path) -> dict:
     with open(path) as f:
         data = yaml.safe_load(f)
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a YAML mapping at top level, got {type(data).__name__}")
+        raise ConfigError(f"{path}: expected a YAML mapping at top level, got "
+                          f"{type(data).__name__}")
     return data
 
 
