@@ -6,16 +6,18 @@ Bad input exits with status 2 and a message naming the value (no traceback).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from megatron_zeppelin.config import ConfigError, ZeppelinConfig, load_setup
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.limits import refuse_untrainable
-from megatron_zeppelin.options import Parser, add_flags, from_flags
+from megatron_zeppelin.options import Parser, add_flags, dest_of, flag_of, from_flags, settings
+
+if TYPE_CHECKING:
+    from megatron_zeppelin.planner.registry import Strategy
 
 
 def add_setup_args(p: argparse.ArgumentParser, nodes_nargs: str | None = None) -> None:
@@ -54,55 +56,52 @@ def batch_lengths(args: argparse.Namespace, workload: str) -> list[int]:
 
 
 def add_strategy_args(p: argparse.ArgumentParser) -> None:
-    """--strategy and one flag per strategy option field (``--cp-size``, ...), generated from
-    the registered strategies; a field several strategies share is one flag for all of them."""
-    from megatron_zeppelin.planner.registry import STRATEGIES, option_type
+    """--strategy and one flag per strategy option (``--cp-size``, ...), generated from the
+    registered strategies' settings (``options.add_flags``); an option several strategies
+    share is one flag for all of them. The flags default to None (not given): a strategy not
+    told otherwise keeps its own default."""
+    from megatron_zeppelin.planner.registry import STRATEGIES
 
     p.add_argument("--strategy", nargs="+", default=list(STRATEGIES),
                    help=f"strategies to compare: {list(STRATEGIES)}")
-    seen: dict[str, list[str]] = {}
-    for name, cls in STRATEGIES.items():
-        for f in dataclasses.fields(cls):
-            seen.setdefault(f.name, []).append(name)
-            if len(seen[f.name]) == 1:
-                p.add_argument("--" + f.name.replace("_", "-"), dest=f"opt_{f.name}",
-                               type=option_type(cls, f), default=None, help=f.metadata["help"])
+    group = p.add_argument_group("strategy options (each applies to the strategies that take "
+                                 "it)")
+    added: set[str] = set()
+    for cls in STRATEGIES.values():
+        names = {f.name for f in settings(cls)}
+        add_flags(group, cls, skip=added, defaults=dict.fromkeys(names))
+        added |= names
 
 
-def strategy_options(args: argparse.Namespace) -> dict[str, dict]:
-    """Per selected strategy, the options given on the command line; an option none of the
-    selected strategies has is refused (naming it and who takes it)."""
+def selected_strategies(args: argparse.Namespace) -> list[Strategy]:
+    """The ``--strategy`` objects with the options given on the command line (a bad value is
+    refused naming its flag); an option none of them takes is refused, naming it and the
+    strategies that take it."""
     from megatron_zeppelin.planner.registry import STRATEGIES, strategy_class
 
-    chosen = {name: strategy_class(name) for name in args.strategy}
-    given = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
-    out: dict[str, dict] = {name: {} for name in chosen}
-    for key, value in given.items():
-        takers = [n for n, cls in chosen.items()
-                  if key in {f.name for f in dataclasses.fields(cls)}]
-        if not takers:
-            owners = [n for n, cls in STRATEGIES.items()
-                      if key in {f.name for f in dataclasses.fields(cls)}]
-            raise ValueError(f"--{key.replace('_', '-')} is an option of {owners}, none of "
-                             f"which is in --strategy {args.strategy}")
-        for name in takers:
-            out[name][key] = value
-    return out
+    chosen = [strategy_class(name) for name in args.strategy]
+    taken = {f.name for cls in chosen for f in settings(cls)}
+    for cls in STRATEGIES.values():
+        for f in settings(cls):
+            if f.name not in taken and getattr(args, dest_of(f)) is not None:
+                owners = [n for n, c in STRATEGIES.items()
+                          if f.name in {g.name for g in settings(c)}]
+                raise ValueError(f"{flag_of(f)} is an option of {owners}, none of which is in "
+                                 f"--strategy {args.strategy}")
+    return [from_flags(cls, args, given_only=True) for cls in chosen]
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from megatron_zeppelin.planner import get_strategy
     from megatron_zeppelin.planner.report import format_table, summarize
 
-    options = strategy_options(args)
+    strategies = selected_strategies(args)
     config = zeppelin_config(args)
     setup = load_setup(args.model, args.cluster, args.nodes, args.hardware, config, args.tp)
     cost = CostModel(setup.model, setup.cluster, setup.hardware, setup.tp)
     lengths = batch_lengths(args, args.workload)
     refuse_untrainable(lengths, setup.model, setup.cluster, args.lengths or "the batch")
     plans, routed = [], []
-    for name in args.strategy:
-        strategy = get_strategy(name, **options[name])
+    for strategy in strategies:
         plan = strategy.plan(lengths, cost, config)
         if args.validate:
             plan.validate()

@@ -19,7 +19,7 @@ import yaml
 
 from megatron_zeppelin import env
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.options import setting
+from megatron_zeppelin.options import require, setting
 from megatron_zeppelin.plan import Topology
 
 OVERLONG_POLICIES = ("error", "split", "drop")
@@ -34,19 +34,15 @@ ATTENTION_KERNELS = {
     "cpu": "torch's CPU kernels (backend torch on CPU)",
 }
 
-def _require(cond: bool, what: str, value: Any, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(f"{what}={value!r} is invalid: expected {allowed}")
-
 
 def _positive(what: str, value: Any) -> None:
-    _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
-             what, value, "a positive number")
+    require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+            what, value, "a positive number")
 
 
 def _positive_int(what: str, value: Any) -> None:
-    _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-             what, value, "a positive integer")
+    require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+            what, value, "a positive integer")
 
 
 @dataclass(frozen=True)
@@ -73,12 +69,12 @@ class ModelSpec:
         for key in ("num_query_groups", "ffn_hidden_size", "kv_channels", "num_experts"):
             if getattr(self, key) is not None:
                 _positive_int(f"model.{key}", getattr(self, key))
-        _require(self.num_attention_heads % self.kv_heads == 0, "model.num_query_groups",
-                 self.num_query_groups, f"a divisor of num_attention_heads={self.num_attention_heads}")
+        heads = self.num_attention_heads
+        require(heads % self.kv_heads == 0, "model.num_query_groups", self.num_query_groups,
+                f"a divisor of num_attention_heads={heads}")
         if self.kv_channels is None:
-            _require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
-                     self.hidden_size, f"a multiple of num_attention_heads={self.num_attention_heads}"
-                     " (or set kv_channels)")
+            require(self.hidden_size % heads == 0, "model.hidden_size", self.hidden_size,
+                    f"a multiple of num_attention_heads={heads} (or set kv_channels)")
 
     @property
     def kv_heads(self) -> int:
@@ -120,19 +116,20 @@ class ClusterSpec:
             _positive(f"cluster.{key}", getattr(self, key))
         for key in ("nvlink_latency_us", "nic_latency_us"):
             value = getattr(self, key)
-            _require(isinstance(value, (int, float)) and value >= 0, f"cluster.{key}", value,
-                     "a number >= 0")
+            require(isinstance(value, (int, float)) and value >= 0, f"cluster.{key}", value,
+                    "a number >= 0")
         if self.gpu_to_nic is None:
             spread = tuple(i * self.nics_per_node // self.gpus_per_node
                            for i in range(self.gpus_per_node))
             object.__setattr__(self, "gpu_to_nic", spread)
         else:
             object.__setattr__(self, "gpu_to_nic", tuple(self.gpu_to_nic))
-        _require(len(self.gpu_to_nic) == self.gpus_per_node, "cluster.gpu_to_nic",
-                 list(self.gpu_to_nic), f"a list of {self.gpus_per_node} NIC indices")
-        bad = [n for n in self.gpu_to_nic if not (isinstance(n, int) and 0 <= n < self.nics_per_node)]
-        _require(not bad, "cluster.gpu_to_nic", list(self.gpu_to_nic),
-                 f"NIC indices in [0, {self.nics_per_node})")
+        require(len(self.gpu_to_nic) == self.gpus_per_node, "cluster.gpu_to_nic",
+                list(self.gpu_to_nic), f"a list of {self.gpus_per_node} NIC indices")
+        bad = [n for n in self.gpu_to_nic
+               if not (isinstance(n, int) and 0 <= n < self.nics_per_node)]
+        require(not bad, "cluster.gpu_to_nic", list(self.gpu_to_nic),
+                f"NIC indices in [0, {self.nics_per_node})")
 
     @property
     def world_size(self) -> int:
@@ -160,8 +157,8 @@ class ClusterSpec:
 
     def topology(self, tp: int = 1) -> Topology:
         """Planner ranks: one per tensor-parallel group (``tp`` GPUs) of each node."""
-        _require(self.gpus_per_node % tp == 0, "tensor_model_parallel_size", tp,
-                 f"a divisor of gpus_per_node={self.gpus_per_node}")
+        require(self.gpus_per_node % tp == 0, "tensor_model_parallel_size", tp,
+                f"a divisor of gpus_per_node={self.gpus_per_node}")
         return Topology(nodes=self.nodes, gpus_per_node=self.gpus_per_node // tp)
 
 
@@ -186,26 +183,26 @@ class HardwareProfile:
     kernel: str = field(kw_only=True)
 
     def __post_init__(self) -> None:
-        _require(self.kernel in ATTENTION_KERNELS, "hardware.kernel", self.kernel,
-                 f"one of {list(ATTENTION_KERNELS)}")
+        require(self.kernel in ATTENTION_KERNELS, "hardware.kernel", self.kernel,
+                f"one of {list(ATTENTION_KERNELS)}")
         _positive("hardware.gemm_tflops", self.gemm_tflops)
         _positive("hardware.attention_bwd_ratio", self.attention_bwd_ratio)
-        _require(self.kernel_overhead_us >= 0, "hardware.kernel_overhead_us",
-                 self.kernel_overhead_us, "a number >= 0")
+        require(self.kernel_overhead_us >= 0, "hardware.kernel_overhead_us",
+                self.kernel_overhead_us, "a number >= 0")
         table = self.attention_tflops
         if isinstance(table, Mapping):
             table = tuple(sorted(table.items()))
         table = tuple((int(length), float(tflops)) for length, tflops in table)
-        _require(len(table) > 0, "hardware.attention_tflops", table,
-                 "a non-empty map {length: TFLOP/s}")
+        require(len(table) > 0, "hardware.attention_tflops", table,
+                "a non-empty map {length: TFLOP/s}")
         for length, tflops in table:
-            _require(length > 0 and tflops > 0, "hardware.attention_tflops", {length: tflops},
-                     "positive lengths and positive TFLOP/s")
+            require(length > 0 and tflops > 0, "hardware.attention_tflops", {length: tflops},
+                    "positive lengths and positive TFLOP/s")
         object.__setattr__(self, "attention_tflops", tuple(sorted(table)))
         for key in ("p2p_gbyte_per_s", "p2p_latency_us"):
             if getattr(self, key) is not None:
-                _require(getattr(self, key) >= 0, f"hardware.{key}", getattr(self, key),
-                         "a number >= 0")
+                require(getattr(self, key) >= 0, f"hardware.{key}", getattr(self, key),
+                        "a number >= 0")
 
     @property
     def log_lengths(self) -> tuple[float, ...]:
@@ -285,13 +282,13 @@ class ZeppelinConfig:
         for key in ("max_seqlen", "capacity_tokens_per_gpu"):
             if getattr(self, key) is not None:
                 _positive_int(f"zeppelin.{key}", getattr(self, key))
-        _require(isinstance(self.capacity_factor, (int, float)) and self.capacity_factor >= 1.0,
-                 "zeppelin.capacity_factor", self.capacity_factor, "a number >= 1.0")
-        _require(self.overlong in OVERLONG_POLICIES, "zeppelin.overlong", self.overlong,
-                 f"one of {list(OVERLONG_POLICIES)}")
-        _require(isinstance(self.balance_slack, (int, float)) and
-                 0.0 <= self.balance_slack <= 1.0, "zeppelin.balance_slack", self.balance_slack,
-                 "a number in [0, 1]")
+        require(isinstance(self.capacity_factor, (int, float)) and self.capacity_factor >= 1.0,
+                "zeppelin.capacity_factor", self.capacity_factor, "a number >= 1.0")
+        require(self.overlong in OVERLONG_POLICIES, "zeppelin.overlong", self.overlong,
+                f"one of {list(OVERLONG_POLICIES)}")
+        require(isinstance(self.balance_slack, (int, float)) and
+                0.0 <= self.balance_slack <= 1.0, "zeppelin.balance_slack", self.balance_slack,
+                "a number in [0, 1]")
 
 
 # ----------------------------------------------------------------------------- YAML loading
@@ -306,23 +303,23 @@ def _coerce(cls_name: str, key: str, hint: Any, value: Any) -> Any:
         hint = next(a for a in args if a is not type(None))
         return _coerce(cls_name, key, hint, value)
     if hint is bool:
-        _require(isinstance(value, bool), f"{cls_name}.{key}", value, "true or false")
+        require(isinstance(value, bool), f"{cls_name}.{key}", value, "true or false")
         return value
     if hint is int:
-        _require(isinstance(value, int) and not isinstance(value, bool), f"{cls_name}.{key}",
-                 value, "an integer")
+        require(isinstance(value, int) and not isinstance(value, bool), f"{cls_name}.{key}",
+                value, "an integer")
         return value
     if hint is float:
-        _require(isinstance(value, (int, float)) and not isinstance(value, bool),
-                 f"{cls_name}.{key}", value, "a number")
+        require(isinstance(value, (int, float)) and not isinstance(value, bool),
+                f"{cls_name}.{key}", value, "a number")
         return float(value)
     if hint is str:
-        _require(isinstance(value, str), f"{cls_name}.{key}", value, "a string")
+        require(isinstance(value, str), f"{cls_name}.{key}", value, "a string")
         return value
     if typing.get_origin(hint) is tuple:
         if isinstance(value, Mapping):
             return tuple(value.items())
-        _require(isinstance(value, (list, tuple)), f"{cls_name}.{key}", value, "a list")
+        require(isinstance(value, (list, tuple)), f"{cls_name}.{key}", value, "a list")
         return tuple(tuple(v) if isinstance(v, list) else v for v in value)
     return value
 
@@ -375,7 +372,8 @@ def read_yaml(path: Path) -> dict:
     with open(path) as f:
         data = yaml.safe_load(f)
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a YAML mapping at top level, got {type(data).__name__}")
+        raise ConfigError(f"{path}: expected a YAML mapping at top level, got "
+                          f"{type(data).__name__}")
     return data
 
 
@@ -400,8 +398,8 @@ def hardware_for(cluster: ClusterSpec, kernel: str | None = None) -> HardwarePro
     default = load_hardware(cluster.hardware)
     if kernel is None or default.kernel == kernel:
         return default
-    _require(kernel in ATTENTION_KERNELS, "attention kernel", kernel,
-             f"one of {list(ATTENTION_KERNELS)}")
+    require(kernel in ATTENTION_KERNELS, "attention kernel", kernel,
+            f"one of {list(ATTENTION_KERNELS)}")
     name = f"{cluster.hardware}-{kernel}"
     try:
         profile = load_hardware(name)
@@ -411,8 +409,8 @@ def hardware_for(cluster: ClusterSpec, kernel: str | None = None) -> HardwarePro
                           f"{default.kernel!r}); measure one with `zeppelin calibrate --device "
                           f"cuda --backend ... --output {name}.yaml` and pass it as the hardware "
                           "profile") from None
-    _require(profile.kernel == kernel, f"hardware profile {name!r} kernel", profile.kernel,
-             f"{kernel!r} (its file name says so)")
+    require(profile.kernel == kernel, f"hardware profile {name!r} kernel", profile.kernel,
+            f"{kernel!r} (its file name says so)")
     return profile
 
 

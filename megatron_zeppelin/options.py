@@ -3,7 +3,8 @@
 A *section* is a frozen dataclass whose fields are declared with ``setting(default, help)``
 (the type comes from the annotation: ``int``, ``float``, ``str``, ``bool``, optionally
 ``| None``; ``choices`` where the value is one of a list). Its ``__post_init__`` validates
-ranges and raises ``ConfigError`` as ``"<section>.<field>=<value> is invalid: expected ..."``.
+ranges and raises ``ConfigError`` as ``"<section>.<field>=<value> is invalid: expected ..."``
+(``require``), ``<section>`` being its ``SECTION`` label (default: the class name).
 
 From a section this module generates:
 
@@ -35,6 +36,14 @@ def setting(default: Any, help: str, *, flag: str | None = None,
     meta = {"help": help, "flag": flag, "choices": tuple(choices) if choices else None,
             "metavar": metavar}
     return dataclasses.field(default=default, metadata=meta)
+
+
+def require(cond: bool, what: str, value: Any, allowed: str) -> None:
+    """Raise ``ConfigError("<what>=<value> is invalid: expected <allowed>")`` unless ``cond``
+    (``what``: ``<section>.<field>`` in a section's ``__post_init__``, which ``from_flags``
+    rewords to the flag)."""
+    if not cond:
+        raise ConfigError(f"{what}={value!r} is invalid: expected {allowed}")
 
 
 def settings(section: type) -> list[dataclasses.Field]:
@@ -91,11 +100,16 @@ def _help(text: str, default: Any, kind: type) -> str:
     return f"{text} (default: {default})"
 
 
-def from_flags(section: type, args: argparse.Namespace, prefix: str = "", **fixed: Any) -> Any:
+def from_flags(section: type, args: argparse.Namespace, prefix: str = "", *,
+               given_only: bool = False, **fixed: Any) -> Any:
     """Build ``section`` from parsed flags; ``fixed`` supplies fields that have no flag on this
-    parser. A validation error names the flag instead of the field."""
+    parser; ``given_only``: a flag left at None (flags added with ``defaults`` None: not given)
+    keeps the field's declared default. A validation error names the flag instead of the
+    field."""
     kwargs = {f.name: getattr(args, dest_of(f, prefix)) for f in settings(section)
               if f.name not in fixed}
+    if given_only:
+        kwargs = {name: value for name, value in kwargs.items() if value is not None}
     try:
         return section(**kwargs, **fixed)
     except ConfigError as exc:

@@ -213,7 +213,8 @@ class Plan:
 
     @cached_property
     def transfers(self) -> tuple[Transfer, ...]:
-        """The remap from the linear layout to the attention layout, sorted by (src, dst, dst_offset)."""
+        """The remap from the linear layout to the attention layout, sorted by (src, dst,
+        dst_offset)."""
         att = _pieces_by_seq(self.attention, len(self.seqlens))
         lin = _pieces_by_seq(self.linear, len(self.seqlens))
         out: list[Transfer] = []
@@ -223,7 +224,8 @@ class Plan:
         return tuple(out)
 
     def remap_matrix(self) -> list[list[int]]:
-        """tokens[src][dst] moved from src's linear layout to dst's attention layout (src != dst)."""
+        """tokens[src][dst] moved from src's linear layout to dst's attention layout
+        (src != dst)."""
         n = self.topology.world_size
         matrix = [[0] * n for _ in range(n)]
         for t in self.transfers:

@@ -62,10 +62,12 @@ def _check_tasks(plan: "Plan") -> None:
     world = plan.topology.world_size
     for i, task in enumerate(plan.tasks):
         if task.seq != i:
-            raise PlanError(f"task {i} attends sequence {task.seq}: tasks must be in sequence order")
+            raise PlanError(f"task {i} attends sequence {task.seq}: tasks must be in sequence "
+                            "order")
         ring = task.ring
         if not ring or len(set(ring)) != len(ring) or any(not 0 <= r < world for r in ring):
-            raise PlanError(f"sequence {i} has ring {ring}: expected distinct ranks in [0, {world})")
+            raise PlanError(f"sequence {i} has ring {ring}: expected distinct ranks in "
+                            f"[0, {world})")
         if plan.topology.tier_of(ring) != task.tier:
             raise PlanError(f"sequence {i} ring {ring} is {plan.topology.tier_of(ring).name}, "
                             f"task says {task.tier.name}")
@@ -86,7 +88,8 @@ def _check_cover(name: str, layout: tuple[tuple[Segment, ...], ...], seqlens: tu
                 raise PlanError(f"{name} layout of rank {rank} names sequence {seq}, "
                                 f"valid: [0, {len(seqlens)})")
             if start >= end:
-                raise PlanError(f"{name} layout of rank {rank} has empty segment {(seq, start, end)}")
+                raise PlanError(f"{name} layout of rank {rank} has empty segment "
+                                f"{(seq, start, end)}")
             per_seq[seq].append((start, end))
     for seq, pieces in enumerate(per_seq):
         pieces.sort()

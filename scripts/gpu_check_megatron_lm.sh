@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks of the Megatron-LM drop-in (issue 11), one command on a CUDA machine.
-# Developer A's scripts/gpu_check.sh may call it; it runs on its own too:
+# scripts/gpu_check.sh runs it as its step 7 (MLM_DIR default .megatron-lm/); on its own too:
 #
 #   MLM_DIR=/path/to/Megatron-LM WHEELS=.whl scripts/gpu_check_megatron_lm.sh
 #

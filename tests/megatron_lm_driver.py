@@ -159,10 +159,11 @@ def main() -> None:
     count_tokens(records)
     step = run_on_cpu(T.train_step)
     inner = model[0].module
+    core_attention = inner.decoder.layers[0].self_attention.core_attention
     result = {"mode": args.context_parallel_mode, "world": dist.get_world_size(),
               "model": type(inner).__name__, "start": start, "losses": [], "grad_norms": [],
               "tokens_per_iteration": [], "rank_tokens": [], "pad_tokens": 0,
-              "core_attention": type(inner.decoder.layers[0].self_attention.core_attention).__name__}
+              "core_attention": type(core_attention).__name__}
     last = int(stop) if stop else args.train_iters
     for iteration in range(start + 1, last + 1):
         before = len(records)

@@ -83,23 +83,33 @@ def test_gpu_check_refuses_a_machine_without_cuda(tmp_path):
 
 
 def test_gpu_check_training_summary(tmp_path):
-    """The training targets are read from the training logs: tokens/s of the native run
-    (iterations > 2) and its losses against the reference path."""
+    """The training targets are read from the runs' JSON logs (--log-json): tokens/s of the
+    fast run (iterations > 2) against --min-tokens-per-s, its losses against the reference."""
+    import json
     import subprocess
     import sys
 
     def log(name, rows):
-        (tmp_path / f"{name}.log").write_text("noise\n" + "".join(
-            f"iteration {i:5d}/9 | loss {loss:.4f} | tokens/s {tps:,} | plan 1 ms\n"
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(
+            {"iteration": i, "loss": loss, "tokens_per_s": tps, "plan_ms": 1.0}) + "\n"
             for i, loss, tps in rows))
+
+    def check(*flags):
+        return subprocess.run([sys.executable, script, str(tmp_path), *flags],
+                              capture_output=True, text=True)
 
     log("train-native", [(1, 5.5, 100_000), (2, 5.2, 200_000), (3, 5.0, 300_000),
                          (4, 4.9, 320_000)])
     log("train-reference", [(1, 5.51, 9_000), (2, 5.19, 9_500), (3, 5.01, 9_400)])
     script = str(ROOT / "scripts" / "gpu_check_training.py")
-    ok = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True)
+    ok = check()
     assert ok.returncode == 0, ok.stdout
     assert "310,000 tokens/s" in ok.stdout and "worst difference 0.0100" in ok.stdout
+    slow = check("--min-tokens-per-s", "400000")
+    assert slow.returncode == 1 and "MISSED" in slow.stdout
     log("train-reference", [(1, 5.6, 9_000)])
-    far = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True)
+    far = check("--min-tokens-per-s", "0")
     assert far.returncode == 1 and "worst difference 0.1000" in far.stdout
+    assert "not checked" in far.stdout
+    (tmp_path / "train-native.jsonl").unlink()
+    assert check().returncode == 1

@@ -17,7 +17,8 @@ def test_every_shipped_model_loads(path):
     assert model.num_attention_heads % model.kv_heads == 0
 
 
-@pytest.mark.parametrize("path", sorted((CONFIGS / "clusters").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted((CONFIGS / "clusters").glob("*.yaml")),
+                         ids=lambda p: p.stem)
 def test_every_shipped_cluster_loads_with_its_hardware(path):
     cluster = load_cluster(path)
     assert cluster.name == path.stem
@@ -80,7 +81,8 @@ def test_unknown_name_lists_shipped_configs():
 
 
 def test_zeppelin_config_validation():
-    with pytest.raises(ConfigError, match=r"zeppelin.overlong='truncate'.*\['error', 'split', 'drop'\]"):
+    with pytest.raises(ConfigError,
+                       match=r"zeppelin.overlong='truncate'.*\['error', 'split', 'drop'\]"):
         ZeppelinConfig(overlong="truncate")
     with pytest.raises(ConfigError, match="capacity_tokens_per_gpu=0"):
         ZeppelinConfig(capacity_tokens_per_gpu=0)

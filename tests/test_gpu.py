@@ -119,22 +119,29 @@ def test_hot_path_does_not_sync_the_host():
             for p in range(3)]
     tensors = [[torch.randn(run.layout.tokens(), h, HEAD_DIM, device="cuda",
                             dtype=torch.bfloat16) for h in (8, 2, 2)] for run in runs]
-    for run, t in zip(runs, tensors):
-        run.begin_forward(*t)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
-    try:  # every block of every step (values do not matter: no exchange between steps)
-        for step in range(3):
-            for run in runs:
-                run.compute(Phase.FORWARD, step)
+    try:  # every block of every round of every ring position, both phases
         for run, (q, k, v) in zip(runs, tensors):
+            run.begin_forward(q, k, v)
+            _all_rounds(run, Phase.FORWARD)
             out, lse = run.end_forward()
             run.begin_backward(torch.ones_like(out), q, k, v, out, lse)
-            for step in range(3):
-                run.compute(Phase.BACKWARD, step)
+            _all_rounds(run, Phase.BACKWARD)
+            run.end_backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert not dist.is_initialized()
+
+
+def _all_rounds(run, phase) -> None:
+    """Every round of ``phase``, the ring's exchange stood in for by tensors of the shapes the
+    previous position sends (values do not matter; a block reads the received KV, whose
+    tokens differ from this position's own)."""
+    for step in range(run.steps(phase)):
+        run.compute(phase, step)
+        run.receive(phase, step, [torch.zeros(shape, dtype=dtype, device="cuda")
+                                  for shape, dtype in run.recv_like(phase, step)])
 
 
 def _sync_free_engine(rank: int, world: int) -> None:
@@ -208,11 +215,11 @@ def _gpt_on_one_gpu(rank: int, world: int) -> dict:
     """test_megatron_zeppelin's zeppelin step with --device cuda on one GPU (fp32: the engine
     runs the exact math path on CUDA; ranks exchange through the staged transport)."""
     import test_megatron_zeppelin as cpu_test
-    from megatron_zeppelin.megatron import train
+    from megatron_zeppelin.megatron import args as train_args, train
 
     torch.cuda.set_device(0)
     cpu_test.FLAGS = [("cuda" if f == "cpu" else f) for f in cpu_test.FLAGS]
-    args = train.cli.parse_args(cpu_test.FLAGS)
+    args = train_args.parse_args(cpu_test.FLAGS)
     train.setup_megatron(args)
     plan, loss, grads, module = cpu_test.run_mode("zeppelin", rank, device="cuda")
     ref_loss, ref_grads = _gpu_reference(module, cpu_test.documents())

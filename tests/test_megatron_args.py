@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_zeppelin.config import ConfigError
-from megatron_zeppelin.megatron import args as cli
+from megatron_zeppelin.megatron import args as train_args
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = sorted((ROOT / "configs" / "train").glob("*.yaml"))
@@ -20,16 +20,16 @@ BASE = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "64",
 
 @pytest.mark.parametrize("path", TRAIN, ids=lambda p: p.stem)
 def test_every_shipped_training_recipe_validates_for_its_world(path):
-    args = cli.parse_args(["--yaml-cfg", str(path), "--data-path", "corpus_text_document"])
+    args = train_args.parse_args(["--yaml-cfg", str(path), "--data-path", "corpus_text_document"])
     gpus = args.context_parallel_size * args.tensor_model_parallel_size
-    cli.validate_args(args, world_size=gpus, local_world_size=min(gpus, 8))
-    assert args.context_parallel_mode in cli.MODES
+    train_args.validate_args(args, world_size=gpus, local_world_size=min(gpus, 8))
+    assert args.context_parallel_mode in train_args.MODES
 
 
 def test_flags_override_the_yaml(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("num_layers: 2\ncontext-parallel-mode: zeppelin\nlr: 0.5\n")
-    args = cli.parse_args(["--yaml-cfg", str(cfg), "--lr", "0.25"])
+    args = train_args.parse_args(["--yaml-cfg", str(cfg), "--lr", "0.25"])
     assert args.num_layers == 2 and args.context_parallel_mode == "zeppelin" and args.lr == 0.25
 
 
@@ -42,7 +42,7 @@ def test_bad_yaml_is_refused_with_the_key(tmp_path, text, match):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(text)
     with pytest.raises(ConfigError, match=match):
-        cli.parse_args(["--yaml-cfg", str(cfg)])
+        train_args.parse_args(["--yaml-cfg", str(cfg)])
 
 
 @pytest.mark.parametrize("extra,world,match", [
@@ -56,17 +56,18 @@ def test_bad_yaml_is_refused_with_the_key(tmp_path, text, match):
      r"--global-batch-size=3 must be a multiple of --micro-batch-size x data-parallel size"),
 ])
 def test_bad_parallel_settings_are_refused(extra, world, match):
-    args = cli.parse_args(BASE + extra)
+    args = train_args.parse_args(BASE + extra)
     with pytest.raises(ConfigError, match=match):
-        cli.validate_args(args, world_size=world, local_world_size=None)
+        train_args.validate_args(args, world_size=world, local_world_size=None)
 
 
 def test_missing_data_and_required_flags():
     with pytest.raises(ConfigError, match="no data: pass --mock-data"):
-        cli.validate_args(cli.parse_args([x for x in BASE if x != "--mock-data"]), 1, None)
+        no_data = train_args.parse_args([x for x in BASE if x != "--mock-data"])
+        train_args.validate_args(no_data, 1, None)
     without_iters = BASE[:BASE.index("--train-iters")] + BASE[BASE.index("--mock-data"):]
     with pytest.raises(ConfigError, match="--train-iters is required"):
-        cli.validate_args(cli.parse_args(without_iters), 1, None)
+        train_args.validate_args(train_args.parse_args(without_iters), 1, None)
 
 
 def test_unknown_mode_is_refused_by_the_script():

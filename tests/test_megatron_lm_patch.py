@@ -15,7 +15,7 @@ import pytest
 
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError
-from megatron_zeppelin.megatron import args as cli, lm
+from megatron_zeppelin.megatron import args as train_args, lm
 from megatron_zeppelin.megatron.compat import (MEGATRON_CORE_BELOW, MEGATRON_CORE_MIN,
                                                check_cpu_bridge, check_megatron_core,
                                                megatron_core_version, parse_version)
@@ -33,7 +33,7 @@ def megatron_lm_args(**overrides) -> argparse.Namespace:
     """Megatron-LM's parsed args as the glue reads them: Megatron's defaults for the fields
     the rules read, plus the zeppelin flags' defaults."""
     parser = argparse.ArgumentParser()
-    cli.add_zeppelin_args(parser)
+    train_args.add_zeppelin_args(parser)
     base = {rule.name: rule.default for rule in RULES}
     base.update(vars(parser.parse_args([])))
     base.update(context_parallel_mode="zeppelin", context_parallel_size=16, world_size=64,

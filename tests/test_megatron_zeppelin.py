@@ -48,25 +48,22 @@ def run_mode(mode: str, rank: int, save: str | None = None, load: str | None = N
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_zeppelin.megatron import args as cli, checkpoint, train
+    from megatron_zeppelin.megatron import args as train_args, checkpoint, train
     from megatron_zeppelin.megatron.data import slice_rank
-    from megatron_zeppelin.megatron.groups import new_pool_groups
 
-    args = cli.parse_args(FLAGS + ["--context-parallel-mode", mode, *extra] +
-                          (["--load", load] if load else []))
-    layout = cli.validate_args(args, 4, None)
-    pool = new_pool_groups(layout)
+    args = train_args.parse_args(FLAGS + ["--context-parallel-mode", mode, *extra] +
+                                 (["--load", load] if load else []))
+    layout = train_args.validate_args(args, 4, None)
     spec = train.model_spec(args)
-    cost = train.make_cost_model(args, spec, layout)
-    state = train.build_state(args, pool, cost)
+    runtime = train.build_pool_runtime(args, layout, spec)
     torch.manual_seed(1 if mode == "zeppelin" else 2)  # different inits: --load must win
-    model, optimizer = train.build_training(args, state, spec)
+    model, optimizer = train.build_training(args, runtime.state, spec)
     run = checkpoint.Training(model, optimizer, train.make_scheduler(args, optimizer), "cpu")
     if load:  # the model only: the saving run took no optimizer step
         checkpoint.load(checkpoint.inspect(load, True), run, load_optim=False, load_rng=False)
     docs = documents() if docs is None else docs
     lengths = [d.numel() for d in docs]
-    plan = train.make_planner(args, cost, layout)(lengths)
+    plan = runtime.planner(lengths)
     if mode == "zeppelin" or strategy:  # zeppelin: force the hierarchical plan with the remap,
         # so that every layer is exercised (the portfolio picks no remap for this tiny batch)
         from megatron_zeppelin.config import ZeppelinConfig
@@ -75,8 +72,8 @@ def run_mode(mode: str, rank: int, save: str | None = None, load: str | None = N
         config = ZeppelinConfig(max_seqlen=args.seq_length,
                                 capacity_tokens_per_gpu=args.zeppelin_capacity_tokens_per_gpu)
         chosen = strategy or get_strategy("zeppelin", portfolio=False)
-        plan = chosen.plan(lengths, cost, config).validate()
-    batch = slice_rank(plan, pool.rank, docs, device)
+        plan = chosen.plan(lengths, runtime.cost, config).validate()
+    batch = slice_rank(plan, runtime.pool.rank, docs, device)
     stored = get_forward_backward_func()(
         forward_step_func=train.forward_step, data_iterator=iter([batch]), model=[model],
         num_microbatches=1, seq_length=0, micro_batch_size=1, forward_only=False)
@@ -84,10 +81,11 @@ def run_mode(mode: str, rank: int, save: str | None = None, load: str | None = N
     dist.all_reduce(sums)
     if save:
         checkpoint.save(save, 1, run, {"mode": mode, "world_size": 4})
-    state.close()
+    runtime.close()
     module = model.module
     module.spec, module.config = spec, model.config
-    return plan, (sums[0] / sums[1]).item(), {n: p.main_grad for n, p in module.named_parameters()}, module
+    grads = {n: p.main_grad for n, p in module.named_parameters()}
+    return plan, (sums[0] / sums[1]).item(), grads, module
 
 
 def compare(loss, grads, module, docs, what):
@@ -98,9 +96,9 @@ def compare(loss, grads, module, docs, what):
 
 
 def equivalence_body(rank: int, world: int, tmp: str) -> None:
-    from megatron_zeppelin.megatron import train
+    from megatron_zeppelin.megatron import args as train_args, train
 
-    args = train.cli.parse_args(FLAGS)
+    args = train_args.parse_args(FLAGS)
     train.setup_megatron(args)
     docs = documents()
     plan, loss, grads, module = run_mode("zeppelin", rank, save=tmp)
@@ -123,9 +121,9 @@ def test_zeppelin_and_static_modes_match_one_process_and_share_checkpoints(tmp_p
 
 
 def empty_rank_body(rank: int, world: int) -> None:
-    from megatron_zeppelin.megatron import train
+    from megatron_zeppelin.megatron import args as train_args, train
 
-    args = train.cli.parse_args(FLAGS)
+    args = train_args.parse_args(FLAGS)
     train.setup_megatron(args)
     g = torch.Generator().manual_seed(5)
     docs = [torch.randint(0, 256, (n,), generator=g) for n in (40, 30)]
@@ -169,9 +167,9 @@ def gather_tensor_parallel(module, tensors: dict) -> dict:
 
 
 def tensor_parallel_body(rank: int, world: int, tmp: str) -> None:
-    from megatron_zeppelin.megatron import train
+    from megatron_zeppelin.megatron import args as train_args, train
 
-    args = train.cli.parse_args(FLAGS + list(TP_FLAGS))
+    args = train_args.parse_args(FLAGS + list(TP_FLAGS))
     train.setup_megatron(args)
     plan, loss, grads, module = run_mode("zeppelin", rank, extra=TP_FLAGS)
     assert plan.topology.nodes == 2 and plan.topology.gpus_per_node == 1
@@ -182,10 +180,10 @@ def tensor_parallel_body(rank: int, world: int, tmp: str) -> None:
 
 
 def tensor_parallel_reference_body(rank: int, world: int, tmp: str) -> None:
-    from megatron_zeppelin.megatron import train
+    from megatron_zeppelin.megatron import args as train_args, train
     from megatron_zeppelin.megatron.model import make_transformer_config
 
-    args = train.cli.parse_args(FLAGS)
+    args = train_args.parse_args(FLAGS)
     train.setup_megatron(args)
     saved = torch.load(f"{tmp}/tp.pt", weights_only=False)
     spec = train.model_spec(args)

@@ -65,7 +65,8 @@ def test_validate_catches_each_violation():
     good = make([8, 4], [(0, 1), (2,)])
     good.validate()
     with pytest.raises(PlanError, match=r"tokens \[2, 4\) of sequence 1 are missing"):
-        make([8, 4], [(0, 1), (2,)], linear=((Segment(0, 0, 8),), (Segment(1, 0, 2),), (), ())).validate()
+        make([8, 4], [(0, 1), (2,)],
+             linear=((Segment(0, 0, 8),), (Segment(1, 0, 2),), (), ())).validate()
     with pytest.raises(PlanError, match=r"tokens \[0, 2\) of sequence 1 are duplicated"):
         make([8, 4], [(0, 1), (2,)], linear=((Segment(0, 0, 8), Segment(1, 0, 2)),
                                               (Segment(1, 0, 4),), (), ())).validate()
@@ -101,7 +102,8 @@ def test_transfers_map_every_linear_token_to_its_attention_slot(seqlens, seed):
         for i in range(tr.end - tr.start):
             assert linear_buf[tr.src][tr.src_offset + i] == (tr.seq, tr.start + i)
             att_buf[tr.dst][tr.dst_offset + i] = (tr.seq, tr.start + i)
-    expected = [[(s.seq, t) for s in segs for t in range(s.start, s.end)] for segs in plan.attention]
+    expected = [[(s.seq, t) for s in segs for t in range(s.start, s.end)]
+                for segs in plan.attention]
     assert att_buf == expected
     tokens = plan.linear_tokens()
     assert max(tokens) - min(tokens) <= 1

@@ -113,8 +113,8 @@ def test_capacity_is_respected_and_sharding_follows_it():
     plan = make_plan("zeppelin", [3000, 500, 200], cost, config)
     plan.validate()
     assert max(plan.attention_tokens()) <= 1000
-    assert len(plan.tasks[0].ring) >= 4 or max(
-        zigzag_share(3000, len(plan.tasks[0].ring), p) for p in range(len(plan.tasks[0].ring))) <= 1000
+    ring = len(plan.tasks[0].ring)
+    assert ring >= 4 or max(zigzag_share(3000, ring, p) for p in range(ring)) <= 1000
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
@@ -132,7 +132,8 @@ def test_bad_lengths_name_the_item(strategy, lengths, match):
 def test_overlong_policies_error_split_drop():
     cost = make_cost(nodes=1, gpus_per_node=2)
     lengths = [5000, 100, 200]
-    with pytest.raises(ValueError, match=r"sequence 0 has 5000 tokens, more than max_seqlen allows \(2000"):
+    with pytest.raises(ValueError,
+                       match=r"sequence 0 has 5000 tokens, more than max_seqlen allows \(2000"):
         make_plan("zeppelin", lengths, cost, ZeppelinConfig(max_seqlen=2000))
     dropped = make_plan("zeppelin", lengths, cost, ZeppelinConfig(max_seqlen=2000, overlong="drop"))
     assert dropped.overlong.dropped_sequences == 1 and dropped.overlong.dropped_tokens == 5000
@@ -141,12 +142,14 @@ def test_overlong_policies_error_split_drop():
     split.validate()
     assert split.overlong.split_sequences == 1 and split.overlong.split_pieces == 3
     assert sum(split.seqlens) == 5300
-    assert [s for s in split.sources if s.seq == 0] == [(0, 0, 1666), (0, 1666, 3333), (0, 3333, 5000)]
+    assert [s for s in split.sources if s.seq == 0] == [(0, 0, 1666), (0, 1666, 3333),
+                                                        (0, 3333, 5000)]
 
 
 def test_a_configured_capacity_bounds_documents_by_the_pool():
     cost = make_cost(nodes=1, gpus_per_node=2)
-    with pytest.raises(ValueError, match=r"more than the pool limit \(ranks x capacity\) allows \(2000"):
+    with pytest.raises(ValueError,
+                       match=r"more than the pool limit \(ranks x capacity\) allows \(2000"):
         make_plan("zeppelin", [2500], cost, ZeppelinConfig(capacity_tokens_per_gpu=1000))
 
 
@@ -179,7 +182,8 @@ def test_static_cp_splits_every_long_document_over_its_group():
 def test_megatron_hybrid_cp_uses_megatrons_scheduler_groups():
     cost = make_cost(nodes=1, gpus_per_node=8)
     lengths = [8000, 4000, 1000, 900, 800, 100, 50, 20]
-    plan = make_plan("megatron-hybrid-cp", lengths, cost, ZeppelinConfig(capacity_tokens_per_gpu=2000))
+    plan = make_plan("megatron-hybrid-cp", lengths, cost,
+                     ZeppelinConfig(capacity_tokens_per_gpu=2000))
     plan.validate()
     # gpus_needed = 2^ceil(log2(s / 2000)): 8000 tokens need 4 ranks at least
     assert len(plan.tasks[0].ring) >= 4

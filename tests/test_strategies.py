@@ -77,6 +77,24 @@ def test_cli_refuses_an_option_of_a_strategy_not_asked_for(capsys):
     assert "--cp-size is an option of ['static-cp']" in capsys.readouterr().err
 
 
+def test_cli_strategy_options_are_typed_settings_whose_errors_name_the_flag(capsys):
+    base = ["plan", "--model", "llama-7b", "--cluster", "h200-8nic", "--nodes", "2",
+            "--global-batch-tokens", "64K", "--json"]
+    assert cli.main(base + ["--strategy", "static-cp", "--cp-size", "0"]) == 2
+    assert "zeppelin: error: --cp-size=0 is invalid: expected an integer >= 1" in \
+        capsys.readouterr().err
+    assert cli.main(base + ["--strategy", "flexsp", "--buckets", "two"]) == 2
+    assert "--buckets: invalid int value: 'two'" in capsys.readouterr().err
+    # a boolean option is --x/--no-x; an option two strategies share is one flag for both;
+    # an option not given keeps the strategy's default
+    args = cli.build_parser().parse_args(
+        base + ["--strategy", "zeppelin", "hybrid-dp", "megatron-hybrid-cp", "flexsp",
+                "--no-portfolio", "--max-seqlen-per-rank", "20000"])
+    assert [s.label() for s in cli.selected_strategies(args)] == [
+        "zeppelin(portfolio=False)", "hybrid-dp(max_seqlen_per_rank=20000)",
+        "megatron-hybrid-cp(max_seqlen_per_rank=20000)", "flexsp"]
+
+
 def test_flexsp_solves_a_milp_over_ulysses_groups():
     cost = make_cost(nodes=2)
     plan = make_plan("flexsp", sample_batch("github", 1 << 20, random.Random(2)), cost)

@@ -8,8 +8,8 @@
 * ``one_gpu_ranks``: the batch planned on ``ranks`` ranks (2 nodes), every rank a process on
   the one GPU, gloo with the staged transport (CUDA tensors through pinned host buffers):
   engine forward + backward (median of the slowest rank) against one process running the raw
-  kernels on the whole batch (fastest run). The ranks share one GPU, so this shows the multi-rank CUDA path working and its
-  cost, not a speedup.
+  kernels on the whole batch (fastest run). The ranks share one GPU, so this shows the
+  multi-rank CUDA path working and its cost, not a speedup.
 """
 from __future__ import annotations
 

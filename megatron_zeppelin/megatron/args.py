@@ -23,7 +23,8 @@ from typing import Sequence
 import yaml
 
 from megatron_zeppelin.config import ConfigError, ZeppelinConfig
-from megatron_zeppelin.options import Parser, add_flags, from_flags, setting, yaml_defaults
+from megatron_zeppelin.options import (Parser, add_flags, from_flags, require, setting,
+                                       yaml_defaults)
 from megatron_zeppelin.parallel import PoolLayout
 from megatron_zeppelin.runtime.kernels import choices as attention_backends
 
@@ -34,17 +35,12 @@ NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ZEPPELIN_PREFIX = "zeppelin-"
 
 
-def _check(cond: bool, flag: str, value, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(f"{flag}={value!r} is invalid: expected {allowed}")
-
-
 def _at_least(section, minimum, *names: str) -> None:
     """Each set field of ``names`` is >= ``minimum`` (errors say ``<section>.<field>=``)."""
     for name in names:
         value = getattr(section, name)
         if value is not None:
-            _check(value >= minimum, f"{section.SECTION}.{name}", value, f">= {minimum}")
+            require(value >= minimum, f"{section.SECTION}.{name}", value, f">= {minimum}")
 
 
 @dataclass(frozen=True)
@@ -104,11 +100,11 @@ class OptimArgs:
         _at_least(self, 0.0, "lr", "min_lr", "weight_decay", "clip_grad")
         _at_least(self, 0, "lr_warmup_iters")
         _at_least(self, 1, "lr_decay_iters")
-        _check(self.min_lr <= self.lr, "optim.min_lr", self.min_lr,
-               f"a rate <= --lr {self.lr!r} (the schedule decays from --lr to --min-lr)")
+        require(self.min_lr <= self.lr, "optim.min_lr", self.min_lr,
+                f"a rate <= --lr {self.lr!r} (the schedule decays from --lr to --min-lr)")
         for name in ("adam_beta1", "adam_beta2"):
             value = getattr(self, name)
-            _check(0.0 <= value < 1.0, f"optim.{name}", value, "a number in [0, 1)")
+            require(0.0 <= value < 1.0, f"optim.{name}", value, "a number in [0, 1)")
 
 
 @dataclass(frozen=True)

@@ -364,8 +364,9 @@ def _resolve(module_name: str, path: str) -> tuple[Any, str]:
     for parent in parents:
         owner = getattr(owner, parent)
     if name not in vars(owner):
+        series = " and ".join(".".join(map(str, s)) + ".x" for s in CPU_BRIDGE_SERIES)
         raise RuntimeError(f"{module_name}.{path} not found: this bridge targets megatron-core "
-                           f"{' and '.join('.'.join(map(str, s)) + '.x' for s in CPU_BRIDGE_SERIES)}")
+                           f"{series}")
     return owner, name
 
 

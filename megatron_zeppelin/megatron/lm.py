@@ -32,19 +32,19 @@ import torch
 
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError, ModelSpec, ZeppelinConfig
-from megatron_zeppelin.megatron import args as cli
+from megatron_zeppelin.megatron import args as train_args
 from megatron_zeppelin.megatron.lm_features import refusals
 from megatron_zeppelin.options import dest_of, settings
 from megatron_zeppelin.parallel import PoolLayout
 
-_STATE: dict = {}  # Megatron-LM runs one model per process: its pool, attention state, planner
+_STATE: dict = {}  # Megatron-LM runs one model per process: its PoolRuntime and PoolStats
 
 
 def _zeppelin_defaults() -> dict[str, object]:
     """``{dest: default}`` of every ``--zeppelin-*`` flag."""
-    return {dest_of(f, cli.ZEPPELIN_PREFIX): f.default
-            for section in (ZeppelinConfig, cli.ZeppelinRuntimeArgs) for f in settings(section)
-            if f.name != "max_seqlen"}
+    sections = (ZeppelinConfig, train_args.ZeppelinRuntimeArgs)
+    return {dest_of(f, train_args.ZEPPELIN_PREFIX): f.default
+            for section in sections for f in settings(section) if f.name != "max_seqlen"}
 
 
 def check_megatron_lm_args(args: argparse.Namespace) -> None:
@@ -97,29 +97,27 @@ def _model_spec(args: argparse.Namespace) -> ModelSpec:
 
 
 def _state(args: argparse.Namespace) -> dict:
-    """Pool groups, cost model, attention state and planner, built once after Megatron's init
-    (every rank creates every pool's groups, in the same order)."""
+    """``{"runtime": train.PoolRuntime, "stats": PoolStats}``, built once after Megatron's
+    init (every rank creates every pool's groups, in the same order)."""
     if _STATE:
         return _STATE
     from megatron.core import parallel_state
 
-    from megatron_zeppelin.megatron import train
-    from megatron_zeppelin.megatron.groups import new_pool_groups
     from megatron_zeppelin.megatron.lm_batch import PoolStats
+    from megatron_zeppelin.megatron.train import build_pool_runtime
 
     layout = pool_layout(args)
-    pool = new_pool_groups(layout)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    options = argparse.Namespace(**{**vars(args), "device": device})  # Megatron has no --device
+    runtime = build_pool_runtime(options, layout, _model_spec(args))
     megatron_cp = parallel_state.get_context_parallel_global_ranks()
     mine = layout.pool_ranks(*layout.position(torch.distributed.get_rank())[::2])
     if list(megatron_cp) != mine:
+        runtime.close()
         raise ConfigError(f"Megatron's CP group of this rank is {list(megatron_cp)}, the zeppelin "
                           f"pool {mine}: zeppelin needs Megatron's default rank order (TP, CP, "
                           "DP innermost first; drop --use-tp-pp-dp-mapping)")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    options = argparse.Namespace(**{**vars(args), "device": device})  # Megatron has no --device
-    cost = train.make_cost_model(options, _model_spec(args), layout)
-    _STATE.update(pool=pool, attention=train.build_state(options, pool, cost),
-                  planner=train.make_planner(args, cost, layout), stats=PoolStats(), device=device)
+    _STATE.update(runtime=runtime, stats=PoolStats())
     return _STATE
 
 
@@ -132,7 +130,7 @@ def zeppelin_gpt_model(args: argparse.Namespace, transformer_layer_spec):
 
     where = f"--spec {' '.join(args.spec)}" if getattr(args, "spec", None) else \
         "Megatron's GPT layer spec"
-    spec = swap_core_attention(transformer_layer_spec, _state(args)["attention"], where)
+    spec = swap_core_attention(transformer_layer_spec, _state(args)["runtime"].state, where)
     return PackedGPTModel, spec
 
 
@@ -158,16 +156,17 @@ def get_batch(data_iterator, vp_stage=None):
 
     args = get_args()
     state = _state(args)
+    runtime = state["runtime"]
     fields = batch_on_this_tp_rank(data_iterator)
     cu_seqlens = fields.get("cu_seqlens")
     lengths = sample_sequences(fields["tokens"].cpu(), get_tokenizer().eod,
                                args.reset_attention_mask,
                                None if cu_seqlens is None else cu_seqlens.cpu())
     started = time.perf_counter()
-    plan = state["planner"](lengths)
+    plan = runtime.planner(lengths)
     seconds = time.perf_counter() - started
     pad = args.tensor_model_parallel_size if args.sequence_parallel else 1
-    batch = linear_batch(fields, plan, state["pool"].rank, lengths, pad_multiple=pad,
+    batch = linear_batch(fields, plan, runtime.pool.rank, lengths, pad_multiple=pad,
                          max_position=args.seq_length)
     stats = state["stats"]
     stats.add(batch, seconds)

@@ -19,7 +19,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.megatron.core_attention import (ZeppelinAttentionState, ZeppelinCoreAttention,
+from megatron_zeppelin.megatron.core_attention import (ZeppelinAttentionState,
+                                                       ZeppelinCoreAttention,
                                                        te_core_attention_class)
 from megatron_zeppelin.megatron.model import gpt_layer_spec
 

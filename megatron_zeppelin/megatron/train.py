@@ -13,6 +13,7 @@ parameters), so checkpoints load across modes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import time
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError, ModelSpec, load_cluster, load_hardware
 from megatron_zeppelin.cost_model import CostModel
-from megatron_zeppelin.megatron import args as cli, checkpoint, fatal, preflight
+from megatron_zeppelin.megatron import args as train_args, checkpoint, fatal, preflight
 from megatron_zeppelin.megatron.core_attention import ZeppelinAttentionState, planning_hardware
 from megatron_zeppelin.megatron.corpus import DocumentSource, MicroBatchSampler
 from megatron_zeppelin.megatron.data import ZeppelinDataIterator
@@ -60,7 +61,7 @@ def make_cost_model(args: argparse.Namespace, spec: ModelSpec, layout: PoolLayou
 def make_planner(args: argparse.Namespace, cost: CostModel, layout: PoolLayout) -> PlanFunction:
     """lengths -> Plan for one micro-batch of the pool (deterministic: same on every rank;
     picklable, so that the planner process can run it)."""
-    config = cli.zeppelin_config(args)
+    config = train_args.zeppelin_config(args)
     if args.context_parallel_mode == "zeppelin":
         return PlanFunction("zeppelin", cost, config, validate=args.zeppelin_validate_plan)
     return PlanFunction("static-cp", cost, config, options={"cp_size": layout.cp},
@@ -78,6 +79,31 @@ def build_state(args: argparse.Namespace, pool: Pool, cost: CostModel) -> Zeppel
         route_group=pool.route_group if routed else None,
         router_topology=RouterTopology.from_cluster(cluster) if routed else None,
         device=args.device)
+
+
+@dataclasses.dataclass
+class PoolRuntime:
+    """The zeppelin side of one rank's pool: its process groups, the planner's cost model,
+    the attention state core attention runs on, and the planner (lengths -> Plan)."""
+
+    pool: Pool
+    cost: CostModel
+    state: ZeppelinAttentionState
+    planner: PlanFunction
+
+    def close(self) -> None:
+        self.state.close()
+
+
+def build_pool_runtime(args: argparse.Namespace, layout: PoolLayout, spec: ModelSpec
+                       ) -> PoolRuntime:
+    """Wire one pool (every rank calls it, in the same order: it creates every pool's process
+    groups): groups -> cost model -> attention state -> planner. ``args``: the training
+    flags (``args.py``); Megatron-LM's namespace needs ``device`` added (``lm.py``)."""
+    pool = new_pool_groups(layout)
+    cost = make_cost_model(args, spec, layout)
+    planner = make_planner(args, cost, layout)
+    return PoolRuntime(pool, cost, build_state(args, pool, cost), planner)
 
 
 def build_training(args: argparse.Namespace, state: ZeppelinAttentionState, spec: ModelSpec):
@@ -192,21 +218,19 @@ def train(args: argparse.Namespace, layout: PoolLayout, ready: preflight.Ready,
           watchdog_line: str = "off") -> list[StepLog]:
     """Run to ``--train-iters`` (from ``--load``'s checkpoint when there is one); returns the
     per-iteration logs on rank 0 (which prints them), an empty list elsewhere."""
-    pool = new_pool_groups(layout)
     spec = model_spec(args)
-    cost = make_cost_model(args, spec, layout)
-    state = build_state(args, pool, cost)
+    runtime = build_pool_runtime(args, layout, spec)
     try:
-        model, optimizer = build_training(args, state, spec)
+        model, optimizer = build_training(args, runtime.state, spec)
         device = "cuda" if args.device == "cuda" else "cpu"
         run = checkpoint.Training(model, optimizer, make_scheduler(args, optimizer), device)
         if dist.get_rank() == 0:
             print(banner(args, layout, model.module, ready.source, watchdog_line), flush=True)
         start, position = resume(args, ready, run)
-        data, sampler = make_data(args, ready.source, pool, make_planner(args, cost, layout),
-                                  device, position, prepare=state.prepare)
+        data, sampler = make_data(args, ready.source, runtime.pool, runtime.planner, device,
+                                  position, prepare=runtime.state.prepare)
         _, pool_rank, tp_rank = layout.position(dist.get_rank())
-        logger = Logger(args, cost, dist.get_rank() == 0, sampler.stats,
+        logger = Logger(args, runtime.cost, dist.get_rank() == 0, sampler.stats,
                         counts_plans=pool_rank == 0 and tp_rank == 0, pools=layout.dp)
         try:
             loop(args, layout, run, data, logger, start)
@@ -214,7 +238,7 @@ def train(args: argparse.Namespace, layout: PoolLayout, ready: preflight.Ready,
             data.close()
             logger.close()
     finally:
-        state.close()
+        runtime.close()
     return logger.history
 
 
@@ -274,11 +298,11 @@ def main(argv=None) -> int:
     """``scripts/pretrain_gpt.py``: everything is validated before the process group exists
     (flags, layout, environment, data, checkpoint); a ``ConfigError`` ends the run with one
     line from rank 0 (``fatal.run``)."""
-    args = cli.parse_args(argv)
+    args = train_args.parse_args(argv)
     if not env.launched_by_torchrun():
         raise ConfigError("launch with torchrun (it sets RANK/WORLD_SIZE), e.g. torchrun "
                           "--nproc-per-node 4 scripts/pretrain_gpt.py --yaml-cfg ...")
-    layout = cli.validate_args(args, env.world_size(), env.local_world_size())
+    layout = train_args.validate_args(args, env.world_size(), env.local_world_size())
     ready = preflight.check(args)
     init_process_group(args)
     watchdog: Watchdog | None = None

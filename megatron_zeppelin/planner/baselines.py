@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.estimate import estimate_tasks
+from megatron_zeppelin.options import require, setting
 from megatron_zeppelin.plan import AttentionTask, Plan, Topology, zigzag_share, zigzag_share_bound
 from megatron_zeppelin.plan_checks import wave_tokens
 from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare,
@@ -51,8 +52,8 @@ def default_cp_size(batch: Batch) -> int:
 
 
 def _positive_option(strategy: str, key: str, value: int | None) -> None:
-    if value is not None and not (isinstance(value, int) and value >= 1):
-        raise ValueError(f"{strategy} option {key}={value!r} is invalid: expected an integer >= 1")
+    require(value is None or (isinstance(value, int) and value >= 1), f"{strategy}.{key}",
+            value, "an integer >= 1")
 
 
 @register
@@ -62,11 +63,10 @@ class StaticCP(Strategy):
 
     name = "static-cp"
     summary = "TE/Megatron CP: every document zigzag over its replica's CP group"
-    cp_size: int | None = field(default=None, metadata={
-        "help": "static-cp: ranks per CP group (default: the smallest multiple of a node that "
-                "holds the longest document)"})
-    cp_nodes: int | None = field(default=None, metadata={
-        "help": "static-cp: CP groups of this many whole nodes (instead of --cp-size)"})
+    cp_size: int | None = setting(None, "static-cp: ranks per CP group (default: the smallest "
+                                  "multiple of a node that holds the longest document)")
+    cp_nodes: int | None = setting(None, "static-cp: CP groups of this many whole nodes "
+                                   "(instead of --cp-size)")
 
     def __post_init__(self) -> None:
         _positive_option(self.name, "cp_size", self.cp_size)
@@ -133,8 +133,8 @@ class StaticCPBest(Strategy):
 
     name = "static-cp-best"
     summary = "static CP at its best size for the batch (every legal size, by the estimate)"
-    max_cp_size: int | None = field(default=None, metadata={
-        "help": f"static-cp-best: largest CP size tried (default: {BEST_CP_MAX_NODES} nodes)"})
+    max_cp_size: int | None = setting(None, "static-cp-best: largest CP size tried (default: "
+                                      f"{BEST_CP_MAX_NODES} nodes)")
 
     def __post_init__(self) -> None:
         _positive_option(self.name, "max_cp_size", self.max_cp_size)
@@ -202,8 +202,7 @@ class HybridDP(Strategy):
 
     name = "hybrid-dp"
     summary = "fewest ranks per document (within max_seqlen_per_rank), greedy on work"
-    max_seqlen_per_rank: int | None = field(default=None,
-                                            metadata={"help": _MAX_SEQLEN_PER_RANK_HELP})
+    max_seqlen_per_rank: int | None = setting(None, _MAX_SEQLEN_PER_RANK_HELP)
 
     def __post_init__(self) -> None:
         _positive_option(self.name, "max_seqlen_per_rank", self.max_seqlen_per_rank)

@@ -13,11 +13,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.options import setting
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.baselines import (HybridDP, default_max_seqlen_per_rank,
                                                  plan_from_waves)
@@ -46,8 +47,7 @@ class MegatronDynamicCP(HybridDP):
 
     name = NAME
     summary = "megatron-core's DefaultDynamicCPScheduler groups, one wave each"
-    min_cp_size: int = field(default=1, metadata={
-        "help": "megatron-dynamic-cp: the scheduler's smallest CP group"})
+    min_cp_size: int = setting(1, "megatron-dynamic-cp: the scheduler's smallest CP group")
 
     def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         return plan_megatron_dynamic_cp(seqlens, cost, config, self.max_seqlen_per_rank,

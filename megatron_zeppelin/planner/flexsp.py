@@ -27,20 +27,22 @@ shrink it). Here:
 
 The MILP's counts become sequences: per bucket longest first to the largest sizes it was given,
 inside a size to its least-loaded group. Attention of the plan is Ulysses
-(``Plan.attention_kind``): the simulator models it; the attention engine runs rings only, so FlexSP plans are not executed.
+(``Plan.attention_kind``): the simulator models it; the attention engine runs rings only and
+refuses FlexSP plans (``engine.refuse_non_ring``).
 """
 from __future__ import annotations
 
 import heapq
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.options import require, setting
 from megatron_zeppelin.plan import AttentionTask, Plan, Tier, zigzag_share_bound
 from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare)
 from megatron_zeppelin.planner.registry import Strategy, register
@@ -54,18 +56,15 @@ class FlexSP(Strategy):
     name = "flexsp"
     summary = "FlexSP: heterogeneous Ulysses SP groups and assignment by a MILP (HiGHS)"
     attention = "ulysses"
-    buckets: int = field(default=16, metadata={
-        "help": "flexsp: sequence buckets of the MILP (FlexSP's bucketing)"})
-    time_limit_s: float = field(default=30.0, metadata={
-        "help": "flexsp: seconds the MILP solver may take (the best solution found is used)"})
+    buckets: int = setting(16, "flexsp: sequence buckets of the MILP (FlexSP's bucketing)")
+    time_limit_s: float = setting(30.0, "flexsp: seconds the MILP solver may take (the best "
+                                  "solution found is used)")
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.buckets, int) and self.buckets >= 1):
-            raise ValueError(f"flexsp option buckets={self.buckets!r} is invalid: expected an "
-                             "integer >= 1")
-        if not (isinstance(self.time_limit_s, (int, float)) and self.time_limit_s > 0):
-            raise ValueError(f"flexsp option time_limit_s={self.time_limit_s!r} is invalid: "
-                             "expected a number of seconds > 0")
+        require(isinstance(self.buckets, int) and self.buckets >= 1, "flexsp.buckets",
+                self.buckets, "an integer >= 1")
+        require(isinstance(self.time_limit_s, (int, float)) and self.time_limit_s > 0,
+                "flexsp.time_limit_s", self.time_limit_s, "a number of seconds > 0")
 
     def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
@@ -95,6 +94,62 @@ def group_sizes(world: int, heads: int) -> list[int]:
             sizes.append(d)
         d *= 2
     return sizes
+
+
+class _Columns:
+    """Column indices of the MILP's variables (module doc): ``n[b,d]``, ``u[b,d]`` (bucket b
+    uses size d), ``z[d,k]`` (bit k of m_d), ``w[d,k]`` (= z[d,k] * C), then ``C``, for
+    ``nb`` buckets and the group ``sizes`` (index j) of a pool of ``world`` ranks."""
+
+    def __init__(self, nb: int, sizes: list[int], world: int) -> None:
+        self.nb, self.nd, self.world = nb, len(sizes), world
+        self.bits = [max(1, (world // d).bit_length()) for d in sizes]
+        self.z0 = 2 * nb * self.nd
+        self.z_at = [self.z0 + sum(self.bits[:j]) for j in range(self.nd)]
+        self.w0 = self.z0 + sum(self.bits)
+        self.c = self.w0 + sum(self.bits)
+        self.count = self.c + 1
+
+    def n(self, b: int, j: int) -> int:
+        return b * self.nd + j
+
+    def u(self, b: int, j: int) -> int:
+        return self.nb * self.nd + b * self.nd + j
+
+    def z(self, j: int, k: int) -> int:
+        return self.z_at[j] + k
+
+    def w(self, j: int, k: int) -> int:
+        return self.w0 + self.z_at[j] - self.z0 + k
+
+    def groups(self, j: int, scale: float = 1.0) -> list[tuple[int, float]]:
+        """``scale * m_d`` as a sum of its bits."""
+        return [(self.z(j, k), scale * (1 << k)) for k in range(self.bits[j])]
+
+
+class _Rows:
+    """Sparse constraint rows ``lo <= A x <= hi``, in the order added."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.cols: list[int] = []
+        self.vals: list[float] = []
+        self.lo: list[float] = []
+        self.hi: list[float] = []
+
+    def add(self, entries: list[tuple[int, float]], low: float, high: float) -> None:
+        for col, val in entries:
+            self.rows.append(len(self.lo))
+            self.cols.append(col)
+            self.vals.append(val)
+        self.lo.append(low)
+        self.hi.append(high)
+
+    def matrix(self, columns: int):
+        from scipy.sparse import coo_array
+
+        return coo_array((self.vals, (self.rows, self.cols)),
+                         shape=(len(self.lo), columns)).tocsr()
 
 
 class _Problem:
@@ -131,83 +186,74 @@ class _Problem:
     def solve(self, time_limit_s: float) -> tuple[list[int], list[list[int]], str]:
         """(groups per size m_d, sequences of bucket b per size n_bd, solver status)."""
         from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import coo_array
 
-        sizes, times, world = self.sizes, self.times, self.batch.topology.world_size
-        nb, nd = len(self.buckets), len(sizes)
-        counts = [len(m) for m in self.buckets]
-        bits = [max(1, (world // d).bit_length()) for d in sizes]
-        # variables: n[b,d], u[b,d] (bucket b uses size d), z[d,k] (bit k of m_d),
-        # w[d,k] (= z[d,k] * C), C
-        n_at = lambda b, j: b * nd + j  # noqa: E731
-        u_at = lambda b, j: nb * nd + b * nd + j  # noqa: E731
-        z0 = 2 * nb * nd
-        z_at = [z0 + sum(bits[:j]) for j in range(nd)]
-        w0 = z0 + sum(bits)
-        c_at = w0 + sum(bits)
-        nvars = c_at + 1
-        big = sum(n * max(t for t in row if t < math.inf) for n, row in zip(counts, times))
-        rows, cols, vals, lo, hi = [], [], [], [], []
-
-        def constraint(entries, low, high):
-            for col, val in entries:
-                rows.append(len(lo))
-                cols.append(col)
-                vals.append(val)
-            lo.append(low)
-            hi.append(high)
-
-        def groups(j, scale=1.0):  # m_d as a sum of its bits
-            return [(z_at[j] + k, scale * (1 << k)) for k in range(bits[j])]
-
-        constraint([e for j, d in enumerate(sizes) for e in groups(j, float(d))], world, world)
-        for b in range(nb):
-            constraint([(n_at(b, j), 1.0) for j in range(nd)], counts[b], counts[b])
-            for j in range(nd):
-                constraint([(n_at(b, j), 1.0), (u_at(b, j), -float(counts[b]))], -np.inf, 0.0)
-                if times[b][j] < math.inf:  # a sequence in a group of size d takes t_bd
-                    constraint([(c_at, 1.0), (u_at(b, j), -times[b][j])], 0.0, np.inf)
-        longest = [max(self.batch.seqlens[i] for i in m) for m in self.buckets]
-        for j, d in enumerate(sizes):
-            usable = [b for b in range(nb) if times[b][j] < math.inf]
-            # the class's work spread over its m_d groups: sum_b n_bd t_bd <= m_d * C
-            constraint([(n_at(b, j), times[b][j]) for b in usable] +
-                       [(w0 + z_at[j] - z0 + k, -float(1 << k)) for k in range(bits[j])],
-                       -np.inf, 0.0)
-            constraint([(n_at(b, j), float(zigzag_share_bound(longest[b], d))) for b in usable]
-                       + groups(j, -float(self.batch.capacity)), -np.inf, 0.0)
-            for k in range(bits[j]):  # w = z * C (big-M)
-                w, z = w0 + z_at[j] - z0 + k, z_at[j] + k
-                constraint([(w, 1.0), (c_at, -1.0)], -np.inf, 0.0)
-                constraint([(w, 1.0), (z, -big)], -np.inf, 0.0)
-                constraint([(w, 1.0), (c_at, -1.0), (z, -big)], -big, np.inf)
-        upper = np.full(nvars, np.inf)
-        for b in range(nb):
-            for j in range(nd):
-                upper[n_at(b, j)] = counts[b] if times[b][j] < math.inf else 0.0
-                upper[u_at(b, j)] = 1.0
-        upper[z0:w0] = 1.0
-        upper[c_at] = big
-        integrality = np.zeros(nvars)
-        integrality[:w0] = 1
-        objective = np.zeros(nvars)
-        objective[c_at] = 1.0
-        matrix = coo_array((vals, (rows, cols)), shape=(len(lo), nvars)).tocsr()
+        v = _Columns(len(self.buckets), self.sizes, self.batch.topology.world_size)
+        big = sum(len(members) * max(t for t in row if t < math.inf)
+                  for members, row in zip(self.buckets, self.times))
+        rows = _Rows()
+        self._bucket_rows(rows, v)
+        self._size_rows(rows, v, big)
+        integrality = np.zeros(v.count)
+        integrality[:v.w0] = 1
+        objective = np.zeros(v.count)
+        objective[v.c] = 1.0
         started = time.perf_counter()
         result = milp(objective, integrality=integrality,
-                      bounds=Bounds(np.zeros(nvars), upper),
-                      constraints=LinearConstraint(matrix, lo, hi),
+                      bounds=Bounds(np.zeros(v.count), self._upper(v, big)),
+                      constraints=LinearConstraint(rows.matrix(v.count), rows.lo, rows.hi),
                       options={"time_limit": time_limit_s, "mip_rel_gap": 1e-3})
         if result.x is None:
             raise CapacityError(f"flexsp: the MILP found no assignment within the capacity "
                                 f"{self.batch.capacity} tokens per rank ({result.message})")
         x = np.rint(result.x).astype(int)
-        m = [sum(int(x[z_at[j] + k]) << k for k in range(bits[j])) for j in range(nd)]
-        per_size = [[int(x[n_at(b, j)]) for j in range(nd)] for b in range(nb)]
+        m = [sum(int(x[v.z(j, k)]) << k for k in range(v.bits[j])) for j in range(v.nd)]
+        per_size = [[int(x[v.n(b, j)]) for j in range(v.nd)] for b in range(v.nb)]
         gap = getattr(result, "mip_gap", float("nan"))
         status = (f"milp {'optimal' if result.status == 0 else 'at the time limit'}, gap "
-                  f"{gap:.1%}, {nvars} variables, {time.perf_counter() - started:.2f} s")
+                  f"{gap:.1%}, {v.count} variables, {time.perf_counter() - started:.2f} s")
         return m, per_size, status
+
+    def _bucket_rows(self, rows: "_Rows", v: "_Columns") -> None:
+        """Sizes tile the pool (``sum_d d m_d`` = pool size); per bucket: every sequence
+        assigned, ``n_bd <= count_b u_bd``, ``C >= t_bd`` where bucket b uses size d."""
+        rows.add([e for j, d in enumerate(self.sizes) for e in v.groups(j, float(d))],
+                 v.world, v.world)
+        for b, members in enumerate(self.buckets):
+            count = len(members)
+            rows.add([(v.n(b, j), 1.0) for j in range(v.nd)], count, count)
+            for j in range(v.nd):
+                rows.add([(v.n(b, j), 1.0), (v.u(b, j), -float(count))], -np.inf, 0.0)
+                if self.times[b][j] < math.inf:  # a sequence in a group of size d takes t_bd
+                    rows.add([(v.c, 1.0), (v.u(b, j), -self.times[b][j])], 0.0, np.inf)
+
+    def _size_rows(self, rows: "_Rows", v: "_Columns", big: float) -> None:
+        """Per size: its work spread over its groups, its tokens within the capacity, and
+        ``w = z C`` (big-M) for every bit of m_d."""
+        times = self.times
+        longest = [max(self.batch.seqlens[i] for i in m) for m in self.buckets]
+        for j, d in enumerate(self.sizes):
+            usable = [b for b in range(v.nb) if times[b][j] < math.inf]
+            # the class's work spread over its m_d groups: sum_b n_bd t_bd <= m_d * C
+            rows.add([(v.n(b, j), times[b][j]) for b in usable] +
+                     [(v.w(j, k), -float(1 << k)) for k in range(v.bits[j])], -np.inf, 0.0)
+            rows.add([(v.n(b, j), float(zigzag_share_bound(longest[b], d))) for b in usable]
+                     + v.groups(j, -float(self.batch.capacity)), -np.inf, 0.0)
+            for k in range(v.bits[j]):  # w = z * C (big-M)
+                w, z = v.w(j, k), v.z(j, k)
+                rows.add([(w, 1.0), (v.c, -1.0)], -np.inf, 0.0)
+                rows.add([(w, 1.0), (z, -big)], -np.inf, 0.0)
+                rows.add([(w, 1.0), (v.c, -1.0), (z, -big)], -big, np.inf)
+
+    def _upper(self, v: "_Columns", big: float) -> np.ndarray:
+        """Upper bounds of the variables (lower bounds are 0)."""
+        upper = np.full(v.count, np.inf)
+        for b, members in enumerate(self.buckets):
+            for j in range(v.nd):
+                upper[v.n(b, j)] = len(members) if self.times[b][j] < math.inf else 0.0
+                upper[v.u(b, j)] = 1.0
+        upper[v.z0:v.w0] = 1.0
+        upper[v.c] = big
+        return upper
 
     def assign(self, groups: list[int], per_size: list[list[int]]) -> list[AttentionTask]:
         """Groups tile the pool largest first (aligned blocks); each bucket's sequences go to

@@ -22,12 +22,13 @@ Ties go to the earlier candidate in the order above.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.estimate import Move, estimate_tasks
+from megatron_zeppelin.options import setting
 from megatron_zeppelin.plan import (AttentionTask, Layout, Plan, attention_layout_of,
                                     ring_groups_of, zigzag_share_bound)
 from megatron_zeppelin.planner.baselines import (default_max_seqlen_per_rank, hybrid_dp_tasks,
@@ -62,9 +63,9 @@ class Zeppelin(Strategy):
     summary = ("hierarchical partitioning (local / intra-node / inter-node rings), remap and "
                "routing; the fastest of it and the peers' plans by the estimate")
     routed = True
-    portfolio: bool = field(default=True, metadata={
-        "help": "zeppelin: score the remap per batch and the peers' plans as fallbacks (off: "
-                "the hierarchical plan alone, with the remap as configured)"})
+    portfolio: bool = setting(True, "zeppelin: score the remap per batch and the peers' plans "
+                              "as fallbacks (off: the hierarchical plan alone, with the remap "
+                              "as configured)")
 
     def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)

@@ -15,9 +15,9 @@ thread; ``Plan.__reduce__`` keeps that cheap): planning never holds its GIL, and
 collector is left as it is. The planner process runs at a lower CPU priority (``NICE``), so
 that on a machine short of cores it does not take one from the training threads. Nothing waits
 unboundedly: ``result`` gives up after ``ZEPPELIN_PLANNER_TIMEOUT_S`` (``env.planner_timeout_s``,
-default 300 s) and notices at once when the process dies. Every failure raises ``PlannerServiceError`` naming the micro-batch,
-what failed (the planner's own exception type and message, or the process's exit code and the
-end of its stderr) and the process id.
+default 300 s) and notices at once when the process dies. Every failure raises
+``PlannerServiceError`` naming the micro-batch, what failed (the planner's own exception type
+and message, or the process's exit code and the end of its stderr) and the process id.
 """
 from __future__ import annotations
 

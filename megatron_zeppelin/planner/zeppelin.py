@@ -250,8 +250,9 @@ def choose_node_span(state: _Placement, node_loads: list[float], seq: int,
     sequence's best per-rank time there; the mean is the whole batch's work plus the ring
     traffic left exposed so far and by this span, per rank; ``next`` places the ``upcoming``
     (next longest) sequence on the least-loaded node left, at its best per-rank time there,
-    when one node can take it under the target (it cannot spread over the whole pool then). Exposed inter-node traffic is wasted
-    time that raises every rank's load, so a wider span must earn it.
+    when one node can take it under the target (it cannot spread over the whole pool then).
+    Exposed inter-node traffic is wasted time that raises every rank's load, so a wider span
+    must earn it.
     """
     gpn, nodes, world = state.gpn, state.batch.topology.nodes, state.batch.topology.world_size
     seqlen, seconds = state.batch.seqlens[seq], state.local_time[seq]
@@ -274,8 +275,9 @@ def choose_node_span(state: _Placement, node_loads: list[float], seq: int,
         nxt = min(rest, node_loads[0] + per_rank * gpn) / gpn + after
         peaks.append((max(node_loads[span - 1] / gpn + per_rank, floor + wasted, nxt), span))
     if not peaks:
-        raise CapacityError(f"a sequence of {seqlen} tokens cannot be placed: no span of ranks keeps "
-                            f"every rank within the capacity {state.batch.capacity} tokens")
+        raise CapacityError(f"a sequence of {seqlen} tokens cannot be placed: no span of ranks "
+                            f"keeps every rank within the capacity {state.batch.capacity} "
+                            "tokens")
     under = [span for peak, span in peaks if peak <= state.target]
     return min(under) if under else _smallest_near_best(peaks, state.slack)
 

@@ -203,6 +203,20 @@ def _put(x: torch.Tensor, rows, value: torch.Tensor, dim: int = 0) -> None:
         x.index_copy_(dim, rows, value.to(x.dtype))
 
 
+def refuse_non_ring(plan: Plan) -> None:
+    """ValueError unless the plan's attention is ring attention, the only kind this engine
+    runs (FlexSP's ``ulysses`` plans are modelled by the simulator alone)."""
+    if plan.attention_kind == "ring":
+        return
+    from megatron_zeppelin.planner import STRATEGIES
+
+    ring = [name for name, cls in STRATEGIES.items() if cls.attention == "ring"]
+    raise ValueError(f"the attention engine runs ring attention only, and this plan of strategy "
+                     f"{plan.strategy!r} is {plan.attention_kind!r} attention, which only the "
+                     f"simulator models (zeppelin simulate, zeppelin plan --plot): plan with a "
+                     f"strategy that runs on the engine, one of {ring}")
+
+
 class AttentionEngine:
     """Causal attention of a plan's attention layout on one rank (see the module docstring).
 
@@ -227,6 +241,7 @@ class AttentionEngine:
                  local_call_tokens: int = LOCAL_CALL_TOKENS,
                  transport: Transport | str | None = None,
                  device: torch.device | str | None = None) -> None:
+        refuse_non_ring(plan)
         plan.topology.check_world_size(dist.get_world_size(group))
         if dist.get_rank(group) != rank:
             raise ValueError(f"rank={rank} is not this process's rank in the group "

@@ -68,8 +68,8 @@ class FlashAttn(OptionalCudaBackend):
         dop, qp, kp, vp, op = _pad8(dout, q, k, v, out)
         dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
         fn = self.load()._flash_attn_varlen_backward
-        fn(dop, qp, kp, vp, op, lse_to_kernel(lse, pieces, causal), dq, dk, dv, pieces.cu_q_dev, pieces.cu_k_dev,
-           pieces.max_q, pieces.max_k,
+        fn(dop, qp, kp, vp, op, lse_to_kernel(lse, pieces, causal), dq, dk, dv,
+           pieces.cu_q_dev, pieces.cu_k_dev, pieces.max_q, pieces.max_k,
            **flash_kwargs(fn, 13, dropout_p=0.0, softmax_scale=scale, causal=causal,
                           alibi_slopes=None, deterministic=False, rng_state=None))
         return dq[..., :d], dk[..., :d], dv[..., :d]

@@ -106,8 +106,8 @@ class NativeFlash:
         rng_state, unused = self._unused_rng(q.device)
         dq, dk, dv = self.ops.backward(
             dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
-            lse_to_kernel(lse, pieces, causal), pieces.cu_q_dev, pieces.cu_k_dev, pieces.max_q, pieces.max_k, 0.0,
-            causal, rng_state, unused, scale=scale)
+            lse_to_kernel(lse, pieces, causal), pieces.cu_q_dev, pieces.cu_k_dev, pieces.max_q,
+            pieces.max_k, 0.0, causal, rng_state, unused, scale=scale)
         return dq, dk, dv
 
 
