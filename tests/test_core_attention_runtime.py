@@ -28,8 +28,11 @@ def _prepared_ahead(rank: int, world: int) -> dict:
     thread.join()
     plan = plans[0]
     ahead = state._ahead[id(plan)]
-    runtime = state.runtime(plan, None, torch.device("cpu"))
-    report = {"same": runtime.engine is ahead.engine, "prepared": list(ahead.engine._prepared),
+    # the layer's scale (TE's softmax_scale is always a float) reuses the prepared runtime
+    runtime = state.runtime(plan, 0.125, torch.device("cpu"))
+    report = {"same": runtime.engine is ahead.engine,
+              "scaled": _same_as_an_engine_built_with(runtime.engine, 0.125),
+              "prepared": list(ahead.engine._prepared),
               "remapped": runtime.remap is not None}
     other = make_plan("zeppelin", [50, 9], cost)  # not prepared: built at the first layer
     report["fresh"] = state.runtime(other, None, torch.device("cpu")).engine is not ahead.engine
@@ -41,8 +44,28 @@ def _prepared_ahead(rank: int, world: int) -> dict:
     return report
 
 
+def _same_as_an_engine_built_with(engine, scale: float) -> bool:
+    """The call's scale (forward and backward) gives what an engine built with it gives."""
+    import torch
+
+    from megatron_zeppelin.runtime.engine import AttentionEngine
+
+    built = AttentionEngine(engine.plan, engine.rank, engine.group, scale=scale)
+    g = torch.Generator().manual_seed(engine.rank)
+    inputs = [torch.randn(engine.tokens, h, 8, generator=g, dtype=torch.float64)
+              for h in (4, 2, 2)]
+    results = []
+    for run in (lambda *t: engine.forward(*t, scale), built.forward):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = run(*leaves)
+        out.sum().backward()
+        results.append([out.detach()] + [t.grad for t in leaves])
+    built.close()
+    return all(torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(*results))
+
+
 def test_runtime_is_prepared_ahead_on_the_planning_thread():
     for report in run_world(_prepared_ahead, 2):
-        assert report["same"] and report["fresh"]
+        assert report["same"] and report["fresh"] and report["scaled"]
         assert [str(d) for d in report["prepared"]] == ["cpu"]
         assert "strategy 'flexsp' is 'ulysses' attention" in report.get("refused", "")

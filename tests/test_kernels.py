@@ -280,6 +280,17 @@ def test_flash_adapter_fits_old_and_new_signatures():
         assert got["block_table"] is None
 
 
+def test_flash_adapter_reads_the_lse_of_old_and_new_returns():
+    """flash-attn 2.7+ returns (out, lse, S_dmask, rng_state); 2.6 (out, q, k, v, out_padded,
+    lse, S_dmask, rng_state): the lse is read from its own place in each."""
+    out, lse = torch.zeros(5, 2, 8), torch.ones(2, 5)
+    q = torch.full((5, 2, 8), 7.0)
+    assert flash_backend.out_and_lse((out, lse, None, None))[1] is lse
+    assert flash_backend.out_and_lse((out, q, q, q, out, lse, None, None))[1] is lse
+    with pytest.raises(RuntimeError, match="returned 3 values"):
+        flash_backend.out_and_lse((out, lse, None))
+
+
 @pytest.mark.parametrize("packed", [True, False])
 def test_te_softmax_stats_round_trip(packed, monkeypatch):
     """[heads, tq] lse <-> TE's softmax stats ([tq, h, 1] packed, or [b, h, max_q, 1])."""

@@ -118,7 +118,7 @@ class ZeppelinAttentionState:
         for old in stale:
             old.engine.close()
         self.close()
-        if ahead is None or ahead.plan is not plan or ahead.engine.scale != scale:
+        if ahead is None or ahead.plan is not plan:  # the scale is the call's (``forward``)
             if ahead is not None:
                 ahead.engine.close()
             ahead = self._build(plan, scale, device)
@@ -176,7 +176,7 @@ def zeppelin_attention(state: ZeppelinAttentionState, query: Tensor, key: Tensor
         # one all-to-all for q, k and v: [tokens, heads + 2 * kv_heads, d]
         qkv = to_attention_layout(torch.cat([q, k, v], dim=1), runtime.remap, state.pool_group)
         q, k, v = qkv.split([heads, k.shape[1], v.shape[1]], dim=1)
-    out = runtime.engine.forward(q.contiguous(), k.contiguous(), v.contiguous())
+    out = runtime.engine.forward(q.contiguous(), k.contiguous(), v.contiguous(), scale)
     if runtime.remap is not None:
         out = to_linear_layout(out, runtime.remap, state.pool_group)
     out = out.reshape(out.shape[0], 1, heads * query.shape[3])  # explicit: 0 rows happen

@@ -23,6 +23,7 @@ import torch
 from megatron_zeppelin.megatron.packing import ZeppelinPackedSeqParams, packed_seq_params_for_rank
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.service import PlannerService
+from megatron_zeppelin.runtime.device_index import to_device
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,12 @@ def slice_rank(plan: Plan, rank: int, documents: Sequence[torch.Tensor],
     pad = 0 if tokens else 1
     params = packed_seq_params_for_rank(plan, rank, device=device, pad_tokens=pad)
     zeros = [torch.zeros(pad, dtype=torch.int64)]
-    return MicroBatch(
-        tokens=torch.cat(tokens + zeros).unsqueeze(0).to(device),
-        labels=torch.cat(labels + zeros).unsqueeze(0).to(device),
-        loss_mask=torch.cat(mask + [torch.zeros(pad)]).unsqueeze(0).to(device),
-        position_ids=params.position_ids(device), packed_seq_params=params, plan=plan)
+    # built on the host, moved by one asynchronous copy per dtype (no host wait on CUDA)
+    tokens, labels, mask, positions = to_device(
+        [torch.cat(tokens + zeros).unsqueeze(0), torch.cat(labels + zeros).unsqueeze(0),
+         torch.cat(mask + [torch.zeros(pad)]).unsqueeze(0), params.position_ids()], device)
+    return MicroBatch(tokens=tokens, labels=labels, loss_mask=mask, position_ids=positions,
+                      packed_seq_params=params, plan=plan)
 
 
 class ZeppelinDataIterator:

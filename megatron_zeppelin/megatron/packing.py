@@ -39,6 +39,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_zeppelin.plan import Plan, Segment
+from megatron_zeppelin.runtime.device_index import to_device
 
 QKV_FORMAT = "sbhd"
 
@@ -146,7 +147,7 @@ def packed_seq_params_from_segments(segments: Sequence[Segment], *,
     bounds = [0]
     for seg in segments:
         bounds.append(bounds[-1] + seg.length)
-    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
+    cu_seqlens, = to_device([torch.tensor(bounds, dtype=torch.int32)], device)  # no host wait
     max_position = max([s.end for s in segments] + [max_position or 1])
     return ZeppelinPackedSeqParams(
         qkv_format=QKV_FORMAT, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,

@@ -53,9 +53,13 @@ order, the transfer of round ``r`` waits only for work queued before its post, a
 step that needs it waits only for that transfer. Global inter-node steps run on
 ``route_group`` in the same (wave, round) order on every rank of the pool (all of them take
 part, with or without inter-node rings), completed within the same round, so the argument
-holds for them as well. With NCCL, the first ``run`` issues a barrier on each NCCL group (a
-collective must precede a communicator's first P2P batch), so every rank must make its first
-call together.
+holds for them as well. The two communicators are driven from two threads, but in one order on
+every rank: a round's ring P2P is enqueued (caller's thread) before its global step is handed
+to the worker, and the next round's P2P only after that step was enqueued (``complete``
+waits for the worker), so no rank's NCCL kernels wait on ops another rank has not enqueued.
+With NCCL, the first ``run`` on a group in a process issues a barrier on it (a collective
+must precede a communicator's first P2P batch; ``warm_up``), so every rank of the pool
+makes its first call together.
 """
 from __future__ import annotations
 
@@ -265,8 +269,7 @@ class AttentionEngine:
             raise ValueError(f"timeout_s={timeout_s!r} is invalid: expected seconds > 0")
         self.transport = get_transport(transport)
         self.tokens = plan.attention_tokens()[rank]
-        self._unwarmed = [g for g in (group, route_group)
-                          if g is not None and "nccl" in str(dist.get_backend(g))]
+        self._groups = [g for g in (group, route_group) if g is not None]
         self.inter = None if inter_mode == "ring" else InterQueue(
             plan, rank, route_group, routing=inter_mode == "routed",
             router_topology=router_topology, timeout_s=self.timeout_s,
@@ -357,14 +360,16 @@ class AttentionEngine:
         return self._kernels[key]
 
     # ------------------------------------------------------------------ public API
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Attention output ``[tokens, heads, head_dim]`` of the rank's buffer, with autograd."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float | None = None) -> torch.Tensor:
+        """Attention output ``[tokens, heads, head_dim]`` of the rank's buffer, with autograd;
+        scale: this call's softmax scale (None: the engine's)."""
         if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[0] != self.tokens \
                 or k.shape[0] != self.tokens:
             raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
                              f"expected [{self.tokens}, heads, head_dim] and [{self.tokens}, "
                              "kv_heads, head_dim] (the rank's attention tokens)")
-        return _EngineFunction.apply(q, k, v, self)
+        return _EngineFunction.apply(q, k, v, self, scale)
 
     __call__ = forward
 
@@ -376,19 +381,20 @@ class AttentionEngine:
     # ------------------------------------------------------------------ one phase
     def run(self, phase: Phase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-            dout: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """One phase on the rank's buffers (layouts as ``forward``; lse ``[heads, tokens]``).
+            dout: torch.Tensor | None = None, scale: float | None = None
+            ) -> tuple[torch.Tensor, ...]:
+        """One phase on the rank's buffers (layouts as ``forward``; lse ``[heads, tokens]``;
+        scale: None for the engine's, itself None for ``head_dim ** -0.5``).
 
         ``Phase.FORWARD``: returns ``(out, lse)``. ``Phase.BACKWARD`` (given the forward's
         ``out``/``lse`` and ``dout``): returns ``(dq, dk, dv)``. ``forward`` wraps both in
         autograd.
         """
         phase = Phase(phase)
-        while self._unwarmed:  # NCCL: a collective must precede a group's first P2P batch
-            dist.barrier(group=self._unwarmed.pop())
+        warm_up(self._groups, q.device)
         self.prepare(q.device)
         waves, lanes = self._prepared[_canonical(q.device)]
-        scale = q.shape[-1] ** -0.5 if self.scale is None else self.scale
+        scale = next((s for s in (scale, self.scale) if s is not None), q.shape[-1] ** -0.5)
         whole = _whole_buffer_call(waves, self.tokens, self.inter)
         if whole is not None:  # one fused call over the whole buffer: its outputs, no copies
             if phase is Phase.FORWARD:
@@ -498,19 +504,38 @@ class AttentionEngine:
                 run.receive(p.phase, r, received)
 
 
+# NCCL groups this process has already run a collective on (by id; the groups are held, so
+# an id is never reused while it is here)
+_WARMED: dict[int, dist.ProcessGroup] = {}
+
+
+def warm_up(groups: list[dist.ProcessGroup], device: torch.device) -> None:
+    """A barrier on each NCCL group of ``groups`` that has not yet run a collective in this
+    process: NCCL needs one before a communicator's first P2P batch. Once per group and
+    process (not per engine: an engine is built per plan, and a NCCL barrier waits on the
+    host for the device)."""
+    for group in groups:
+        if id(group) in _WARMED or "nccl" not in str(dist.get_backend(group)):
+            continue
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        dist.barrier(group=group, device_ids=[index])
+        _WARMED[id(group)] = group
+
+
 class _EngineFunction(torch.autograd.Function):
     """Autograd of ``AttentionEngine.forward``: both phases run the engine's rounds."""
 
     @staticmethod
-    def forward(ctx, q, k, v, engine):
-        out, lse = engine.run(Phase.FORWARD, q.detach(), k.detach(), v.detach())
+    def forward(ctx, q, k, v, engine, scale):
+        out, lse = engine.run(Phase.FORWARD, q.detach(), k.detach(), v.detach(), scale=scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.engine = engine
+        ctx.engine, ctx.scale = engine, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.engine.run(Phase.BACKWARD, q, k, v, out, lse, dout.contiguous())
-        # one entry per forward input: q, k, v, engine
-        return dq, dk, dv, None
+        dq, dk, dv = ctx.engine.run(Phase.BACKWARD, q, k, v, out, lse, dout.contiguous(),
+                                    scale=ctx.scale)
+        # one entry per forward input: q, k, v, engine, scale
+        return dq, dk, dv, None, None

@@ -162,35 +162,46 @@ class InterQueue:
             ready.record(torch.cuda.current_stream(device))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeppelin-inter")
-        return self._pool.submit(self._run, call, plan, (wave, step, phase), meta, device, ready)
+        return self._pool.submit(self._run, call, plan, (wave, step, phase), meta, device, ready,
+                                 list(payloads.values()))
 
-    def _run(self, call, plan: _Step, where: tuple[int, int, Phase], meta, device, ready):
+    def _run(self, call, plan: _Step, where: tuple[int, int, Phase], meta, device, ready,
+             payloads: list[torch.Tensor]):
         """Worker thread: run one global step, cut what arrived into the rings' tensors;
         returns them and, on CUDA, the event that marks the step's end on the worker's
-        stream."""
+        stream. payloads: what this rank sends (packed on the caller's stream)."""
         wave, step, phase = where
         if not plan.flows:
             return {}, None, device
-        done = None
         try:
             if ready is None:
+                return self._unpack(call(), plan, step, phase, meta, device), None, device
+            stream = self._stream(device)
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
                 got = call()
-            else:
-                stream = self._stream(device)
-                with torch.cuda.stream(stream):
-                    stream.wait_event(ready)
-                    got = call()
-                    done = torch.cuda.Event()
-                    done.record(stream)
+                # the payloads were packed on the caller's stream and are freed when this
+                # returns: the allocator must not hand their memory back to that stream
+                # before this stream's transfers have read them (NCCL keeps no such record)
+                for payload in payloads:
+                    payload.record_stream(stream)
+                out = self._unpack(got, plan, step, phase, meta, device)
+                done = torch.cuda.Event()
+                done.record(stream)
+            return out, done, device
         except RuntimeError as exc:
             raise RuntimeError(f"wave {wave} {phase.value} inter-node step {step} "
                                f"({'routed' if self.routing else 'direct'}): {exc}") from exc
+
+    def _unpack(self, got: dict[int, torch.Tensor], plan: _Step, step: int, phase: Phase,
+                meta, device: torch.device) -> dict[tuple, list[torch.Tensor]]:
+        """The received flows cut into each ring's tensors (``recv_like`` of this position)."""
         out = {}
         for f, buffer in got.items():
             key, position = plan.index[f]
             layout = self._layouts[key][(position + 1) % len(self._layouts[key])]
             out[key] = unpack(buffer, recv_like(layout, step, phase, *meta), device)
-        return out, done, device
+        return out
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:

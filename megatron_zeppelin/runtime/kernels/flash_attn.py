@@ -25,9 +25,9 @@ def _pad8(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 
 def flash_kwargs(fn, positional: int, **kwargs) -> dict:
-    """Keyword arguments that fit this flash-attn version of ``fn``: 2.6+ takes
-    window_size_left/right (and softcap), older ones a window_size pair; parameters without a
-    default that the caller does not set (block_table, ...) get None."""
+    """Keyword arguments that fit this flash-attn version of ``fn``: 2.7+ takes
+    window_size_left/right, 2.6 a window_size pair (softcap where the signature has it);
+    parameters without a default that the caller does not set (block_table, ...) get None."""
     try:
         params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters  # custom_op wraps
     except (TypeError, ValueError):
@@ -44,6 +44,18 @@ def flash_kwargs(fn, positional: int, **kwargs) -> dict:
     return kwargs
 
 
+def out_and_lse(result: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, softmax_lse)`` of ``_flash_attn_varlen_forward``'s result: 2.7+ returns
+    ``(out, softmax_lse, S_dmask, rng_state)``, 2.6 and older ``(out, q, k, v, out_padded,
+    softmax_lse, S_dmask, rng_state)``."""
+    if len(result) == 4:
+        return result[0], result[1]
+    if len(result) == 8:
+        return result[0], result[5]
+    raise RuntimeError(f"flash-attn's _flash_attn_varlen_forward returned {len(result)} values: "
+                       "expected 4 (flash-attn 2.7+) or 8 (2.6); this version is not supported")
+
+
 class FlashAttn(OptionalCudaBackend):
     """The ``flash_attn`` backend (see the module docstring)."""
 
@@ -56,11 +68,11 @@ class FlashAttn(OptionalCudaBackend):
         d = q.shape[-1]
         qp, kp, vp = _pad8(q, k, v)
         fn = self.load()._flash_attn_varlen_forward
-        out, lse, *_ = fn(qp, kp, vp, pieces.cu_q_dev, pieces.cu_k_dev, pieces.max_q,
-                          pieces.max_k,
-                          **flash_kwargs(fn, 7, dropout_p=0.0, softmax_scale=scale,
-                                         causal=causal, alibi_slopes=None,
-                                         return_softmax=False))
+        out, lse = out_and_lse(fn(qp, kp, vp, pieces.cu_q_dev, pieces.cu_k_dev, pieces.max_q,
+                                  pieces.max_k,
+                                  **flash_kwargs(fn, 7, dropout_p=0.0, softmax_scale=scale,
+                                                 causal=causal, alibi_slopes=None,
+                                                 return_softmax=False)))
         return out[..., :d].contiguous(), lse_from_kernel(lse, pieces, causal)
 
     def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float):

@@ -23,12 +23,12 @@ def stats_packed() -> bool:
 
 
 def _rows(pieces: Pieces, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(piece index, row in piece) of every packed query row (padded stats, old cuDNN)."""
-    cq = pieces.cu_q
-    lengths = torch.tensor([b - a for a, b in zip(cq, cq[1:])], device=device)
-    piece = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-    starts = torch.tensor(list(cq[:-1]), device=device)
-    return piece, torch.arange(cq[-1], device=device) - starts[piece]
+    """(piece index, row in piece) of every packed query row (padded stats, old cuDNN), built
+    on the device from the block's offsets with host-known sizes: no copy, no host sync."""
+    cu = pieces.cu_q_dev.to(device).long()
+    piece = torch.repeat_interleave(torch.arange(len(pieces.cu_q) - 1, device=device),
+                                    cu.diff(), output_size=pieces.total_q)
+    return piece, torch.arange(pieces.total_q, device=device) - cu[piece]
 
 
 def lse_from_te(stats: torch.Tensor, pieces: Pieces, heads: int) -> torch.Tensor:
