@@ -23,17 +23,20 @@ def _prepared_ahead(rank: int, world: int) -> dict:
     state = ZeppelinAttentionState(dist.group.WORLD, device="cpu")
     planner = state.preparing(lambda lengths: make_plan("zeppelin", lengths, cost))
     plans = []
-    thread = threading.Thread(target=lambda: plans.append(planner([300, 40, 7, 2, 1])))
+    thread = threading.Thread(target=lambda: [plans.append(planner(lengths)) for lengths in
+                                              ([300, 40, 7, 2, 1], [120, 64, 9])])
     thread.start()
     thread.join()
-    plan = plans[0]
-    ahead = state._ahead[id(plan)]
+    plan, following = plans  # the next micro-batch's runtime was prepared before this one ran
+    ahead, next_ahead = state._ahead[id(plan)], state._ahead[id(following)]
     # the layer's scale (TE's softmax_scale is always a float) reuses the prepared runtime
     runtime = state.runtime(plan, 0.125, torch.device("cpu"))
     report = {"same": runtime.engine is ahead.engine,
               "scaled": _same_as_an_engine_built_with(runtime.engine, 0.125),
               "prepared": list(ahead.engine._prepared),
               "remapped": runtime.remap is not None}
+    report["next kept"] = state.runtime(following, None, torch.device("cpu")).engine is \
+        next_ahead.engine
     other = make_plan("zeppelin", [50, 9], cost)  # not prepared: built at the first layer
     report["fresh"] = state.runtime(other, None, torch.device("cpu")).engine is not ahead.engine
     try:  # FlexSP's Ulysses attention: the simulator's only, refused by name
@@ -66,6 +69,6 @@ def _same_as_an_engine_built_with(engine, scale: float) -> bool:
 
 def test_runtime_is_prepared_ahead_on_the_planning_thread():
     for report in run_world(_prepared_ahead, 2):
-        assert report["same"] and report["fresh"] and report["scaled"]
+        assert report["same"] and report["fresh"] and report["scaled"] and report["next kept"]
         assert [str(d) for d in report["prepared"]] == ["cpu"]
         assert "strategy 'flexsp' is 'ulysses' attention" in report.get("refused", "")

@@ -58,6 +58,8 @@ def run_mode(mode: str, rank: int, save: str | None = None, load: str | None = N
     runtime = train.build_pool_runtime(args, layout, spec)
     torch.manual_seed(1 if mode == "zeppelin" else 2)  # different inits: --load must win
     model, optimizer = train.build_training(args, runtime.state, spec)
+    # the gradients compared below went through the overlapped bucket reduction (the default)
+    assert model.ddp_config.overlap_grad_reduce == ("--no-overlap-grad-reduce" not in extra)
     run = checkpoint.Training(model, optimizer, train.make_scheduler(args, optimizer), "cpu")
     if load:  # the model only: the saving run took no optimizer step
         checkpoint.load(checkpoint.inspect(load, True), run, load_optim=False, load_rng=False)
@@ -142,7 +144,8 @@ def test_a_plan_that_leaves_ranks_without_tokens_trains_exactly():
 
 
 TP_FLAGS = ("--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
-            "--zeppelin-capacity-tokens-per-gpu", "640")
+            "--zeppelin-capacity-tokens-per-gpu", "640",
+            "--no-overlap-grad-reduce")  # the other DDP reduction (one after the backward)
 
 
 def gather_tensor_parallel(module, tensors: dict) -> dict:

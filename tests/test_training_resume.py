@@ -17,7 +17,7 @@ FLAGS = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "32",
          "--global-batch-size", "4", "--train-iters", "4", "--mock-data",
          "--zeppelin-overlong", "split", "--zeppelin-cluster", "cpu-2x2", "--seed", "5",
          "--lr", "0.01", "--min-lr", "0.001", "--lr-warmup-iters", "1",
-         "--lr-decay-style", "cosine", "--log-interval", "100"]
+         "--lr-decay-style", "cosine", "--log-interval", "1"]  # every iteration recorded
 ZEPPELIN_4 = ["--context-parallel-mode", "zeppelin", "--context-parallel-size", "4",
               "--zeppelin-gpus-per-node", "2"]
 

@@ -72,6 +72,10 @@ class ParallelArgs:
     context_parallel_mode: str = setting(
         "static", "static: every document zigzag over the CP group (TE/Megatron CP); zeppelin: "
         "hierarchical partitioning, routing and remapping", choices=MODES)
+    overlap_grad_reduce: bool = setting(
+        True, "reduce each gradient bucket (DP x CP) as soon as its backward is done, "
+        "overlapping the last micro-batch's backward (Megatron DDP; --no-overlap-grad-reduce: "
+        "one exposed reduction after the backward, Megatron-LM's default)")
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "tensor_model_parallel_size", "context_parallel_size")

@@ -45,6 +45,11 @@ class _Runtime:
     plan: Plan
     remap: RemapIndex | None
     engine: AttentionEngine
+    ready: torch.cuda.Event | None = None  # CUDA: the end of its index copies (prepare)
+
+
+# runtimes prepared ahead kept when a plan that was not prepared is used (bounded memory)
+_KEEP_AHEAD = 2
 
 
 class ZeppelinAttentionState:
@@ -59,7 +64,9 @@ class ZeppelinAttentionState:
     The runtime (remap index + engine, every index tensor on the device) of a micro-batch is
     built once per plan: by ``prepare(plan)`` ahead of the step (the data iterator calls it
     when it has planned the next micro-batch, on its own thread), else by the first layer that
-    sees the plan. The runtime of the previous plan is closed when the next one is used.
+    sees the plan. The runtime of the previous plan is closed when the next one is used; the
+    runtimes prepared for later plans are kept (the iterator may prepare micro-batch i+1
+    before micro-batch i reaches its first layer).
     """
 
     def __init__(self, pool_group: dist.ProcessGroup, *, backend: str | None = None,
@@ -82,6 +89,10 @@ class ZeppelinAttentionState:
     def prepare(self, plan: Plan, scale: Optional[float] = None) -> None:
         """Build the runtime of ``plan`` now (thread-safe), so that its first layer finds it."""
         runtime = self._build(plan, scale, self.device)
+        if self.device is not None and torch.device(self.device).type == "cuda":
+            # this thread's copies are ordered before the first layer's stream, whichever
+            runtime.ready = torch.cuda.Event()
+            runtime.ready.record(torch.cuda.current_stream(self.device))
         with self._lock:
             self._ahead[id(plan)] = runtime
 
@@ -111,10 +122,12 @@ class ZeppelinAttentionState:
     def runtime(self, plan: Plan, scale: Optional[float], device: torch.device) -> _Runtime:
         if self._runtime is not None and self._runtime.plan is plan:
             return self._runtime
-        with self._lock:
-            ahead = self._ahead.pop(id(plan), None)
-            stale = list(self._ahead.values())
-            self._ahead.clear()
+        with self._lock:  # runtimes are prepared, and used, in the order of the plans
+            keys = list(self._ahead)
+            older = keys[:keys.index(id(plan))] if id(plan) in self._ahead else \
+                keys[:max(0, len(keys) - _KEEP_AHEAD)]
+            stale = [self._ahead.pop(key) for key in older]
+            ahead = self._ahead.pop(id(plan), None)  # the next plans' runtimes stay
         for old in stale:
             old.engine.close()
         self.close()
@@ -122,6 +135,8 @@ class ZeppelinAttentionState:
             if ahead is not None:
                 ahead.engine.close()
             ahead = self._build(plan, scale, device)
+        if ahead.ready is not None:
+            torch.cuda.current_stream(device).wait_event(ahead.ready)
         if ahead.remap is not None:
             ahead = dataclasses.replace(ahead, remap=ahead.remap.to(device))
         self._runtime = ahead

@@ -42,8 +42,11 @@ class MicroBatch:
 
 
 def slice_rank(plan: Plan, rank: int, documents: Sequence[torch.Tensor],
-               device: torch.device | str = "cpu") -> MicroBatch:
-    """Cut ``rank``'s linear-layout tokens, labels, mask and positions out of the documents."""
+               device: torch.device | str = "cpu", max_position: int | None = None
+               ) -> MicroBatch:
+    """Cut ``rank``'s linear-layout tokens, labels, mask and positions out of the documents.
+    max_position: the RoPE table length (``--seq-length``: one table for every micro-batch;
+    None: this micro-batch's longest position)."""
     tokens, labels, mask = [], [], []
     for seq, start, end in plan.linear[rank]:
         doc, offset, _ = plan.sources[seq]
@@ -58,7 +61,8 @@ def slice_rank(plan: Plan, rank: int, documents: Sequence[torch.Tensor],
     # a rank the plan gives no tokens this time holds one pad token (no loss, no attention):
     # Megatron's layers cannot run on an empty buffer
     pad = 0 if tokens else 1
-    params = packed_seq_params_for_rank(plan, rank, device=device, pad_tokens=pad)
+    params = packed_seq_params_for_rank(plan, rank, device=device, pad_tokens=pad,
+                                        max_position=max_position)
     zeros = [torch.zeros(pad, dtype=torch.int64)]
     # built on the host, moved by one asynchronous copy per dtype (no host wait on CUDA)
     tokens, labels, mask, positions = to_device(
@@ -83,10 +87,13 @@ class ZeppelinDataIterator:
     def __init__(self, batches: Iterator[list[torch.Tensor]],
                  planner: PlannerService | Callable[[list[int]], Plan], rank: int,
                  device: torch.device | str = "cpu", prefetch: bool = True,
-                 prepare: Callable[[Plan], None] | None = None) -> None:
+                 prepare: Callable[[Plan], None] | None = None,
+                 max_position: int | None = None) -> None:
         """``prepare(plan)`` runs where the plan is awaited (the worker thread when
-        ``prefetch``): e.g. building the attention runtime of the next micro-batch ahead."""
+        ``prefetch``): e.g. building the attention runtime of the next micro-batch ahead;
+        max_position: as ``slice_rank``."""
         self.batches, self.planner, self.rank, self.device = batches, planner, rank, device
+        self.max_position = max_position
         self.service = planner if isinstance(planner, PlannerService) else None
         self.prepare = prepare
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeppelin-plan") \
@@ -116,7 +123,7 @@ class ZeppelinDataIterator:
         docs, work = self.ahead or self._submit()
         plan = work.result() if isinstance(work, Future) else work
         self.ahead = self._submit()  # plan the next micro-batch while this one trains
-        return slice_rank(plan, self.rank, docs, self.device)
+        return slice_rank(plan, self.rank, docs, self.device, self.max_position)
 
     def _stream_position(self) -> dict | None:
         state_dict = getattr(self.batches, "state_dict", None)

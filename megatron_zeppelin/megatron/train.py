@@ -125,7 +125,9 @@ def build_training(args: argparse.Namespace, state: ZeppelinAttentionState, spec
                              pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     if args.device == "cuda":
         module.cuda()
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(), module)
+    model = DistributedDataParallel(
+        config, DistributedDataParallelConfig(overlap_grad_reduce=args.overlap_grad_reduce),
+        module)
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
@@ -185,8 +187,8 @@ def make_data(args: argparse.Namespace, source: DocumentSource, pool: Pool,
                   "its beginning", flush=True)
     if args.zeppelin_planner_process:
         planner = PlannerService(planner)
-    return ZeppelinDataIterator(sampler, planner, pool.rank, device=device,
-                                prepare=prepare), sampler
+    return ZeppelinDataIterator(sampler, planner, pool.rank, device=device, prepare=prepare,
+                                max_position=args.seq_length), sampler
 
 
 def init_process_group(args: argparse.Namespace) -> None:

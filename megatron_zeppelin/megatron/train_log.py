@@ -105,7 +105,13 @@ class Logger:
     def step(self, iteration: int, stored: list[dict], grad_norm, seconds: float, lr: float
              ) -> StepLog | None:
         """Every rank joins the all-reduce; only the printing rank estimates the plans and
-        records the ``StepLog`` (None elsewhere)."""
+        records the ``StepLog`` (None elsewhere). Iterations that nothing records (not a
+        --log-interval multiple nor the last, no --log-json, no TensorBoard) skip it all: no
+        collective, no host wait for the device."""
+        args = self.args
+        if iteration % args.log_interval and iteration != args.train_iters \
+                and not args.log_json and not args.tensorboard_dir:
+            return None
         totals = self._totals(stored)
         if not self.printing:
             return None
