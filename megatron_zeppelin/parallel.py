@@ -88,6 +88,11 @@ class PoolLayout:
         """Every pool as ``(replica, tp_rank, global ranks)``, in creation order."""
         return [(d, t, self.pool_ranks(d, t)) for d in range(self.dp) for t in range(self.tp)]
 
+    def tp_groups(self) -> list[list[int]]:
+        """Every TP group's global ranks (consecutive: TP is innermost), in rank order."""
+        return [list(range(start, start + self.tp))
+                for start in range(0, self.world_size, self.tp)]
+
     def position(self, rank: int) -> tuple[int, int, int]:
         """``(replica, pool rank, tp rank)`` of global ``rank``."""
         if not 0 <= rank < self.world_size:

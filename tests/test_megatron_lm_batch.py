@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatron_zeppelin.config import ConfigError
-from megatron_zeppelin.megatron.lm_batch import (PoolStats, linear_batch, linear_index,
-                                                 sample_sequences)
+from megatron_zeppelin.megatron.lm_batch import (HostBatchTap, PoolStats, host_lengths,
+                                                 linear_batch, linear_index, sample_sequences)
 from megatron_zeppelin.plan import AttentionTask, Plan, Segment, Tier, Topology
 
 EOD = 0
@@ -24,6 +24,42 @@ def test_sequences_follow_megatron_attention_mask():
     assert sample_sequences(tokens[:1], EOD, True, torch.tensor([[0, 5, 8]])) == [5, 3]
     with pytest.raises(ValueError, match=r"cu_seqlens \[0, 5, 7\] do not cover one sample of 8"):
         sample_sequences(tokens[:1], EOD, False, torch.tensor([0, 5, 7]))
+
+
+def test_lengths_come_from_the_host_batch_tp_rank_0_read():
+    """The sequence boundaries are read from the host batch the data iterator handed out (no
+    copy back from the device fields); without one, from the fields."""
+    host = {"tokens": torch.tensor([[5, 6, 0, 7, 0, 8, 9, 3]])}
+    tap = HostBatchTap(iter([host]))
+    fields = {"tokens": torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1]])}  # what a broadcast delivered
+    assert tap.batch is None and next(tap) is host and tap.batch is host
+    assert host_lengths(tap, fields, EOD, True, None) == [3, 2, 3]
+    untapped = HostBatchTap(iter([]))
+    untapped.batch = {"tokens": [5, 0]}  # not a tensor batch: the fields are read instead
+    assert host_lengths(untapped, fields, EOD, True, None) == [8]
+    with pytest.raises(RuntimeError, match="no TP rank read this micro-batch"):
+        host_lengths(HostBatchTap(iter([])), fields, EOD, True, None)
+
+
+def _tp_lengths(rank: int, world: int) -> list[int]:
+    """TP rank 0 reads the batch, TP rank 1 receives its lengths over the gloo TP group."""
+    import torch.distributed as dist
+
+    from megatron_zeppelin.megatron.groups import new_tp_host_group
+    from megatron_zeppelin.parallel import PoolLayout
+
+    group = new_tp_host_group(PoolLayout(world, 2, 1, 2))
+    assert dist.get_process_group_ranks(group) == [rank - rank % 2, rank - rank % 2 + 1]
+    tap = HostBatchTap(iter([{"tokens": torch.tensor([[0, 5, 0, 7, 7, 0, 1, 2]]) + rank}]))
+    if rank % 2 == 0:
+        next(tap)
+    return host_lengths(tap, {}, EOD, True, group)
+
+
+def test_tp_ranks_receive_the_lengths_tp_rank_0_read():
+    from distributed import run_world
+
+    assert run_world(_tp_lengths, 4) == [[1, 2, 3, 2]] * 2 + [[8]] * 2
 
 
 def two_rank_plan() -> Plan:

@@ -38,3 +38,17 @@ def new_pool_groups(layout: PoolLayout) -> Pool:
         if me in ranks:
             mine = Pool(layout, group, route, replica, ranks.index(me))
     return mine
+
+
+def new_tp_host_group(layout: PoolLayout) -> dist.ProcessGroup | None:
+    """A gloo group over this rank's TP ranks (None with TP 1), for host-side facts TP rank 0
+    shares without a device copy (e.g. a micro-batch's sequence lengths); every rank creates
+    every TP group, in the same order."""
+    if layout.tp == 1:
+        return None
+    me, mine = dist.get_rank(), None
+    for ranks in layout.tp_groups():
+        group = dist.new_group(ranks, backend="gloo")
+        if me in ranks:
+            mine = group
+    return mine

@@ -97,13 +97,15 @@ def _model_spec(args: argparse.Namespace) -> ModelSpec:
 
 
 def _state(args: argparse.Namespace) -> dict:
-    """``{"runtime": train.PoolRuntime, "stats": PoolStats}``, built once after Megatron's
+    """``{"runtime": train.PoolRuntime, "stats": PoolStats, "tp_host": gloo TP group or
+    None}``, built once after Megatron's
     init (every rank creates every pool's groups, in the same order)."""
     if _STATE:
         return _STATE
     from megatron.core import parallel_state
 
     from megatron_zeppelin.megatron.lm_batch import PoolStats
+    from megatron_zeppelin.megatron.groups import new_tp_host_group
     from megatron_zeppelin.megatron.train import build_pool_runtime
 
     layout = pool_layout(args)
@@ -117,7 +119,7 @@ def _state(args: argparse.Namespace) -> dict:
         raise ConfigError(f"Megatron's CP group of this rank is {list(megatron_cp)}, the zeppelin "
                           f"pool {mine}: zeppelin needs Megatron's default rank order (TP, CP, "
                           "DP innermost first; drop --use-tp-pp-dp-mapping)")
-    _STATE.update(runtime=runtime, stats=PoolStats())
+    _STATE.update(runtime=runtime, stats=PoolStats(), tp_host=new_tp_host_group(layout))
     return _STATE
 
 
@@ -146,22 +148,22 @@ def get_batch(data_iterator, vp_stage=None):
 
     Every rank of the pool reads the same micro-batch (Megatron's data loader, as for static
     CP), splits it into the sequences Megatron's attention mask describes, plans them (the same
-    plan on every rank) and keeps its own pieces. One host copy of the token ids per
-    micro-batch finds the sequence boundaries.
+    plan on every rank) and keeps its own pieces. The sequence boundaries come from the host
+    batch TP rank 0 read (shared over a gloo TP group): the host does not wait for the GPU's
+    queue, so planning overlaps the previous micro-batch's backward on the GPU.
     """
     from megatron.training import get_args, get_tokenizer
 
     from megatron_zeppelin.megatron.compat import batch_on_this_tp_rank
-    from megatron_zeppelin.megatron.lm_batch import linear_batch, sample_sequences
+    from megatron_zeppelin.megatron.lm_batch import HostBatchTap, host_lengths, linear_batch
 
     args = get_args()
     state = _state(args)
     runtime = state["runtime"]
-    fields = batch_on_this_tp_rank(data_iterator)
-    cu_seqlens = fields.get("cu_seqlens")
-    lengths = sample_sequences(fields["tokens"].cpu(), get_tokenizer().eod,
-                               args.reset_attention_mask,
-                               None if cu_seqlens is None else cu_seqlens.cpu())
+    tap = HostBatchTap(data_iterator)
+    fields = batch_on_this_tp_rank(tap)
+    lengths = host_lengths(tap, fields, get_tokenizer().eod, args.reset_attention_mask,
+                           state["tp_host"])
     started = time.perf_counter()
     plan = runtime.planner(lengths)
     seconds = time.perf_counter() - started

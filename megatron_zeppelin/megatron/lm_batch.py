@@ -22,13 +22,15 @@ padded to a multiple of TP; pad tokens carry loss mask 0 and skip core attention
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from megatron_zeppelin.megatron.packing import ZeppelinPackedSeqParams, packed_seq_params_for_rank
 from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.runtime.device_index import to_device
 
 FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
 
@@ -61,6 +63,46 @@ def sample_sequences(tokens: Tensor, eod: int, split_at_eod: bool,
             if end > start:
                 lengths.append(end - start)
                 start = end
+    return lengths
+
+
+class HostBatchTap:
+    """Megatron's data iterator, remembering the host batch it hands out (``batch``: the
+    dict TP rank 0 reads before Megatron moves it to the GPU; None on the other TP ranks,
+    which receive the batch by broadcast)."""
+
+    def __init__(self, iterator: Any) -> None:
+        self.iterator, self.batch = iterator, None
+
+    def __iter__(self) -> "HostBatchTap":
+        return self
+
+    def __next__(self) -> Any:
+        self.batch = next(self.iterator)
+        return self.batch
+
+
+def host_lengths(tap: HostBatchTap, fields: Mapping[str, Tensor], eod: int,
+                 split_at_eod: bool, tp_group: Optional[dist.ProcessGroup]) -> list[int]:
+    """The micro-batch's sequence lengths (``sample_sequences``) from the host batch TP rank
+    0 read, shared with the other TP ranks over the gloo ``tp_group``: no device-to-host
+    copy, so the host never waits for the GPU's queue here. Without a host batch (a data
+    iterator yielding device tensors) the tokens are copied back (a host wait)."""
+    lengths = None
+    if tap.batch is not None:
+        host = tap.batch if isinstance(tap.batch, Mapping) and \
+            isinstance(tap.batch.get("tokens"), Tensor) else fields
+        cu = host.get("cu_seqlens")
+        lengths = sample_sequences(host["tokens"].cpu(), eod, split_at_eod,
+                                   None if cu is None else cu.cpu())
+    if tp_group is not None:
+        box = [lengths]
+        dist.broadcast_object_list(box, src=dist.get_process_group_ranks(tp_group)[0],
+                                   group=tp_group)
+        lengths = box[0]
+    if lengths is None:
+        raise RuntimeError("no TP rank read this micro-batch: the data iterator of TP rank 0 "
+                           "was not used (Megatron's get_batch_on_this_tp_rank)")
     return lengths
 
 
@@ -101,7 +143,7 @@ def linear_batch(fields: Mapping[str, Tensor], plan: Plan, rank: int, lengths: S
     index = linear_index(plan, rank, lengths)
     pad = -index.numel() % pad_multiple
     device = fields["tokens"].device
-    index = index.to(device, non_blocking=True)
+    index, = to_device([index], device)  # one pinned asynchronous copy
     out = {}
     for name in FIELDS:
         flat = fields[name].reshape(-1)
