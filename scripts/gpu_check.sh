@@ -110,6 +110,7 @@ TORCH_BEFORE="$("$PY" -c 'import torch; print(torch.__version__)')"
 
 # ---------------------------------------------------------------- 2. install
 install() {
+    local site="$OUT/site-packages"
     if ! "$PY" -c "import megatron.core" 2> /dev/null; then
         local wheels=("$ROOT"/.whl/megatron_core-0.16.1-*.whl)
         if [ ! -e "${wheels[0]}" ]; then
@@ -117,13 +118,24 @@ install() {
                  "scripts/gpu_check.sh (.whl/megatron_core-0.16.1-*.whl)"
             return 1
         fi
-        local site="$OUT/site-packages"
         "$PY" -m pip install -q --no-index --no-deps --target "$site" "${wheels[0]}" || return 1
-        export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
         echo "megatron-core from ${wheels[0]} -> $site"
     fi
-    if [ "$("$PY" -c 'import megatron_zeppelin, os; print(os.path.dirname(os.path.dirname(
-os.path.abspath(megatron_zeppelin.__file__))))' 2> /dev/null)" = "$ROOT" ]; then
+    if ! "$PY" -c "import pydantic" 2> /dev/null; then  # Megatron-LM's (step 7) only
+        local extra=()
+        for w in "$ROOT"/.whl/*.whl; do
+            [ -e "$w" ] && [[ "$(basename "$w")" != megatron_core-* ]] && extra+=("$w")
+        done
+        if [ "${#extra[@]}" -gt 0 ]; then
+            "$PY" -m pip install -q --no-index --no-deps --target "$site" "${extra[@]}" \
+                || return 1
+            echo "carried wheels -> $site: ${extra[*]##*/}"
+        fi
+    fi
+    [ -d "$site" ] && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    # asked from / : from the repository root the current folder would always import it
+    if [ "$(cd / && "$PY" -c 'import megatron_zeppelin, os; print(os.path.dirname(
+os.path.dirname(os.path.abspath(megatron_zeppelin.__file__))))' 2> /dev/null)" = "$ROOT" ]; then
         echo "megatron_zeppelin is already importable from $ROOT"
     # --no-deps: the machine's own torch is never replaced; --no-index: no network needed
     elif ! "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e "$ROOT"; then
@@ -131,6 +143,7 @@ os.path.abspath(megatron_zeppelin.__file__))))' 2> /dev/null)" = "$ROOT" ]; then
         "$PY" setup.py -q build_ext --inplace || return 1
         export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
     fi
+    (cd / && "$PY" -c "import megatron_zeppelin") || return 1
     "$PY" -c "import importlib.util as u; print('optional here: scipy (FlexSP only)',
 bool(u.find_spec('scipy')), '| pydantic (Megatron-LM only)', bool(u.find_spec('pydantic')))"
     "$PY" -c "import megatron_zeppelin, megatron.core, torch; \

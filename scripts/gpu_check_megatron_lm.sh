@@ -83,7 +83,8 @@ COMMON=(--mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --split 90
 mlm() {  # name nproc flags... -> log; prints the losses
     local name=$1 n=$2
     shift 2
-    (cd "$tree" && timeout 900 torchrun --standalone --nproc-per-node "$n" pretrain_gpt.py \
+    (cd "$tree" && timeout 900 "$PY" -m torch.distributed.run --standalone \
+        --nproc-per-node "$n" pretrain_gpt.py \
         "${COMMON[@]}" "$@") > "$OUT/$name.log" 2>&1
     grep -o "lm loss: [0-9.E+-]*" "$OUT/$name.log" | awk '{print $3}' | tr '\n' ' '
 }
@@ -137,8 +138,10 @@ if ls "$WHEELS"/megatron_core-0.16.1*.whl "$WHEELS"/megatron_core-0.19.2*.whl > 
         site="$OUT/site-$v" && rm -rf "$site"
         "$PY" -m pip install -q --no-index --no-deps --target "$site" "$WHEELS"/megatron_core-$v*.whl
         rm -f "$OUT/ours-$v.json"
-        PYTHONPATH="$site" timeout 900 torchrun --standalone --nproc-per-node 1 \
+        PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" timeout 900 "$PY" -m torch.distributed.run \
+            --standalone --nproc-per-node 1 \
             "$here/scripts/pretrain_gpt.py" --device cuda --bf16 --mock-data --vocab-size 256 \
+            --context-parallel-mode zeppelin --zeppelin-overlong split \
             --num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 4096 \
             --global-batch-size 4 --train-iters 8 --seed 7 --log-json "$OUT/ours-$v.json" \
             > "$OUT/ours-$v.log" 2>&1

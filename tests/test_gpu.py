@@ -218,13 +218,35 @@ def _gpt_on_one_gpu(rank: int, world: int) -> dict:
     from megatron_zeppelin.megatron import args as train_args, train
 
     torch.cuda.set_device(0)
+    _uncoalesced_gloo_grad_reduce()
     cpu_test.FLAGS = [("cuda" if f == "cpu" else f) for f in cpu_test.FLAGS]
     args = train_args.parse_args(cpu_test.FLAGS)
     train.setup_megatron(args)
-    plan, loss, grads, module = cpu_test.run_mode("zeppelin", rank, device="cuda")
+    plan, loss, grads, module = cpu_test.run_mode("zeppelin", rank, device="cuda",
+                                                  extra=("--no-overlap-grad-reduce",))
     ref_loss, ref_grads = _gpu_reference(module, cpu_test.documents())
     worst = max((grads[n] - g).abs().max().item() for n, g in ref_grads.items())
     return {"loss": loss, "ref_loss": ref_loss, "worst_grad": worst, "tiers": plan.tier_counts()}
+
+
+def _uncoalesced_gloo_grad_reduce() -> None:
+    """Megatron DDP coalesces its bucket all-reduces (``_coalescing_manager``), which gloo
+    implements for CPU tensors only; ranks sharing one GPU talk gloo, so here each bucket is
+    one synchronous gloo all-reduce of the CUDA tensor (the same sums; with
+    --no-overlap-grad-reduce nothing is left in flight). Test-only: training uses NCCL."""
+    import contextlib
+
+    from megatron.core.distributed import param_and_grad_buffer
+
+    class _Done:
+        def wait(self) -> None:
+            pass
+
+    @contextlib.contextmanager
+    def one_at_a_time(group=None, device=None, async_ops=False):
+        yield _Done()
+
+    param_and_grad_buffer._coalescing_manager = one_at_a_time
 
 
 def _gpu_reference(module, docs):
