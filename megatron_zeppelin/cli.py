@@ -107,7 +107,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             plan.validate()
         plans.append(plan)
         routed.append(config.routing and strategy.routed)
-    summaries = [summarize(plan, cost, r) for plan, r in zip(plans, routed)]
+    summaries = [summarize(plan, cost, r, strategy.name)
+                 for plan, r, strategy in zip(plans, routed, strategies)]
     if args.plot:
         print(f"wrote {plot_plans(plans, routed, cost, args.plot)}", file=sys.stderr)
     if args.json:

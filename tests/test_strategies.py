@@ -33,6 +33,7 @@ def test_every_strategy_runs_through_the_cli_the_simulator_and_the_fidelity_plan
                      "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)["plans"][0]
     assert shown["tokens"] == sum(SMALL) and shown["est_step_s"] > 0
+    assert shown["strategy"] == name  # the column is the strategy asked for
     result = run_setting(Setting("llama-7b", "h200-8nic", 2, "github", tokens=1 << 18),
                          resolve_variants([name]))
     assert result.get(name).iteration_s > 0 and not result.skipped

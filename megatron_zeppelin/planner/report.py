@@ -53,11 +53,15 @@ class PlanSummary:
         return asdict(self)
 
 
-def summarize(plan: Plan, cost: CostModel, routed: bool = True) -> PlanSummary:
+def summarize(plan: Plan, cost: CostModel, routed: bool = True,
+              name: str | None = None) -> PlanSummary:
+    """``name``: the strategy asked for (default the plan's own label); the plan's label
+    (its CP size, portfolio winner or solver) is then the ``candidate``."""
     est: PlanEstimate = estimate_plan(plan, cost, routed)
     tiers = plan.tier_counts()
+    label = plan.candidate or (plan.strategy if name and plan.strategy != name else "-")
     return PlanSummary(
-        strategy=plan.strategy, candidate=plan.candidate or "-", ranks=plan.topology.world_size,
+        strategy=name or plan.strategy, candidate=label, ranks=plan.topology.world_size,
         sequences=len(plan.seqlens),
         tokens=sum(plan.seqlens), local=tiers["local"], intra=tiers["intra"],
         inter=tiers["inter"], waves=plan.num_waves, attention_s=Stat.of(est.attention_s),
@@ -71,7 +75,7 @@ def summarize(plan: Plan, cost: CostModel, routed: bool = True) -> PlanSummary:
 
 
 _ROWS = [
-    ("candidate (portfolio winner, solver)", lambda s: s.candidate),
+    ("plan (its size, portfolio winner, solver)", lambda s: s.candidate),
     ("sequences local / intra / inter", lambda s: f"{s.local} / {s.intra} / {s.inter}"),
     ("waves (barrier-separated groups)", lambda s: f"{s.waves}"),
     ("attention time per rank max/mean (s)",
