@@ -12,6 +12,7 @@ ZEPPELIN_TRANSPORT         ``direct`` (default: tensors go to torch.distributed 
 ZEPPELIN_P2P_TIMEOUT_S     seconds a ring/remap exchange may wait on a peer (default 300)
 MEGATRON_LM_PATH           a Megatron-LM checkout, for the patch test and apply script
 LOCAL_WORLD_SIZE           set by torchrun: processes on this node (default GPUs per node)
+LOCAL_RANK                 set by torchrun: this process's index on its node (its GPU)
 RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT   set by torchrun (read by torch.distributed,
                            and here before any process group exists)
 TORCHELASTIC_ERROR_FILE    set by torchrun: where a failing worker writes its error (shown in
@@ -85,6 +86,11 @@ def megatron_lm_path() -> str | None:
 def local_world_size() -> int | None:
     raw = os.environ.get("LOCAL_WORLD_SIZE")
     return int(raw) if raw and raw.isdigit() else None
+
+
+def local_rank() -> int:
+    """This process's index on its node (torchrun's LOCAL_RANK; 0 when not launched)."""
+    return _int("LOCAL_RANK") or 0
 
 
 def launched_by_torchrun() -> bool:

@@ -93,6 +93,23 @@ def test_tensorboard_dir_without_tensorboard_is_refused_before_training(tmp_path
         preflight.check(validated(BASE + ["--tensorboard-dir", str(tmp_path)]))
 
 
+def test_a_process_without_a_gpu_of_its_own_is_refused(monkeypatch):
+    """--device cuda: no GPU at all, or a LOCAL_RANK past the node's GPUs (more processes
+    than GPUs), is one line before any process group."""
+    cuda = [f if f != "cpu" else "cuda" for f in BASE]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="--device cuda but no CUDA device is visible"):
+        preflight.check_device_and_packages(validated(cuda))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    preflight.check_device_and_packages(validated(cuda))
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK=2 but this node shows 2 GPU\(s\): start "
+                                          r"at most one process per GPU"):
+        preflight.check_device_and_packages(validated(cuda))
+
+
 def test_output_paths_are_checked(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

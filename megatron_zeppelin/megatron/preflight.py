@@ -56,6 +56,10 @@ def check_device_and_packages(args: argparse.Namespace) -> None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda but no CUDA device is visible; use --device cpu")
+    if args.device == "cuda" and env.local_rank() >= torch.cuda.device_count():
+        raise ConfigError(f"LOCAL_RANK={env.local_rank()} but this node shows "
+                          f"{torch.cuda.device_count()} GPU(s): start at most one process per "
+                          "GPU (torchrun --nproc-per-node)")
     if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError(f"--tensorboard-dir {args.tensorboard_dir!r} needs TensorBoard, "
                           "which is not installed: pip install 'megatron-zeppelin[tensorboard]'")

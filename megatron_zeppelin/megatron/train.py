@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import os
 import time
 
 import torch
@@ -192,10 +191,14 @@ def make_data(args: argparse.Namespace, source: DocumentSource, pool: Pool,
 
 
 def init_process_group(args: argparse.Namespace) -> None:
-    backend = "gloo" if args.device == "cpu" else "nccl"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=env.p2p_timeout_s()))
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    """gloo on CPU; on CUDA this process's GPU (torchrun's LOCAL_RANK) is made current
+    first, so that NCCL binds every communicator to it."""
+    timeout = datetime.timedelta(seconds=env.p2p_timeout_s())
+    if args.device == "cpu":
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    torch.cuda.set_device(env.local_rank())  # preflight checked it is a GPU of this node
+    dist.init_process_group("nccl", timeout=timeout)
 
 
 def setup_megatron(args: argparse.Namespace) -> None:
