@@ -29,16 +29,15 @@ def _prepared_ahead(rank: int, world: int) -> dict:
     thread.join()
     plan, following = plans  # the next micro-batch's runtime was prepared before this one ran
     ahead, next_ahead = state._ahead[id(plan)], state._ahead[id(following)]
-    # the layer's scale (TE's softmax_scale is always a float) reuses the prepared runtime
-    runtime = state.runtime(plan, 0.125, torch.device("cpu"))
+    runtime = state.runtime(plan, torch.device("cpu"))
     report = {"same": runtime.engine is ahead.engine,
               "scaled": _same_as_an_engine_built_with(runtime.engine, 0.125),
               "prepared": list(ahead.engine._prepared),
               "remapped": runtime.remap is not None}
-    report["next kept"] = state.runtime(following, None, torch.device("cpu")).engine is \
+    report["next kept"] = state.runtime(following, torch.device("cpu")).engine is \
         next_ahead.engine
     other = make_plan("zeppelin", [50, 9], cost)  # not prepared: built at the first layer
-    report["fresh"] = state.runtime(other, None, torch.device("cpu")).engine is not ahead.engine
+    report["fresh"] = state.runtime(other, torch.device("cpu")).engine is not ahead.engine
     try:  # FlexSP's Ulysses attention: the simulator's only, refused by name
         state.prepare(make_plan("flexsp", [300, 40, 7, 2], cost))
     except ValueError as exc:

@@ -86,9 +86,9 @@ class ZeppelinAttentionState:
         self._ahead: dict[int, _Runtime] = {}  # id(plan) -> runtime prepared ahead
         self._lock = threading.Lock()
 
-    def prepare(self, plan: Plan, scale: Optional[float] = None) -> None:
+    def prepare(self, plan: Plan) -> None:
         """Build the runtime of ``plan`` now (thread-safe), so that its first layer finds it."""
-        runtime = self._build(plan, scale, self.device)
+        runtime = self._build(plan, self.device)
         if self.device is not None and torch.device(self.device).type == "cuda":
             # this thread's copies are ordered before the first layer's stream, whichever
             runtime.ready = torch.cuda.Event()
@@ -105,10 +105,11 @@ class ZeppelinAttentionState:
             return plan
         return plan_and_prepare
 
-    def _build(self, plan: Plan, scale: Optional[float], device) -> _Runtime:
+    def _build(self, plan: Plan, device) -> _Runtime:
+        """The plan's remap index and engine (the softmax scale is each call's: ``forward``)."""
         remapped = plan.linear != plan.attention
         engine = AttentionEngine(plan, self.rank, self.pool_group, backend=self.backend,
-                                 timeout_s=self.timeout_s, scale=scale, inter_mode=self.inter_mode,
+                                 timeout_s=self.timeout_s, inter_mode=self.inter_mode,
                                  route_group=self.route_group,
                                  router_topology=self.router_topology, transport=self.transport,
                                  device=device)
@@ -119,7 +120,7 @@ class ZeppelinAttentionState:
             remap = remap.to(device) if device is not None else remap
         return _Runtime(plan, remap, engine)
 
-    def runtime(self, plan: Plan, scale: Optional[float], device: torch.device) -> _Runtime:
+    def runtime(self, plan: Plan, device: torch.device) -> _Runtime:
         if self._runtime is not None and self._runtime.plan is plan:
             return self._runtime
         with self._lock:  # runtimes are prepared, and used, in the order of the plans
@@ -131,10 +132,10 @@ class ZeppelinAttentionState:
         for old in stale:
             old.engine.close()
         self.close()
-        if ahead is None or ahead.plan is not plan:  # the scale is the call's (``forward``)
+        if ahead is None or ahead.plan is not plan:
             if ahead is not None:
                 ahead.engine.close()
-            ahead = self._build(plan, scale, device)
+            ahead = self._build(plan, device)
         if ahead.ready is not None:
             torch.cuda.current_stream(device).wait_event(ahead.ready)
         if ahead.remap is not None:
@@ -184,7 +185,7 @@ def zeppelin_attention(state: ZeppelinAttentionState, query: Tensor, key: Tensor
     if query.shape[0] != real + params.pad_tokens:
         raise ValueError(f"q holds {query.shape[0]} tokens but the packed params describe "
                          f"{real} + {params.pad_tokens} pad tokens")
-    runtime = state.runtime(params.plan, scale, query.device)
+    runtime = state.runtime(params.plan, query.device)
     heads = query.shape[2]
     q, k, v = query[:real, 0], key[:real, 0], value[:real, 0]
     if runtime.remap is not None:

@@ -98,8 +98,8 @@ def _model_spec(args: argparse.Namespace) -> ModelSpec:
 
 def _state(args: argparse.Namespace) -> dict:
     """``{"runtime": train.PoolRuntime, "stats": PoolStats, "tp_host": gloo TP group or
-    None}``, built once after Megatron's
-    init (every rank creates every pool's groups, in the same order)."""
+    None}``, built once after Megatron's init (every rank creates every pool's groups, in the
+    same order)."""
     if _STATE:
         return _STATE
     from megatron.core import parallel_state
