@@ -17,17 +17,14 @@ from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import FWD_BWD_LINEAR, CostModel
 from megatron_zeppelin.estimate import grad_allreduce_seconds
 from megatron_zeppelin.plan import AttentionTask
+from megatron_zeppelin.twins import load_twin, twin_backend
 
 BACKENDS = ("cpp", "python")
 
 
 def load_cpp() -> ModuleType | None:
     """The compiled twin, or None when it was not built."""
-    try:
-        from megatron_zeppelin import _planner_cpp
-    except ImportError:
-        return None
-    return _planner_cpp
+    return load_twin("planner")
 
 
 def backend_name(backend: str | None = None) -> str:
@@ -37,16 +34,7 @@ def backend_name(backend: str | None = None) -> str:
     if choice not in ("auto", *BACKENDS):
         raise ValueError(f"planner backend={choice!r} is invalid: expected one of "
                          f"{['auto', *BACKENDS]}")
-    if choice == "python":
-        return "python"
-    if load_cpp() is not None:
-        return "cpp"
-    if choice == "cpp":
-        raise ImportError("ZEPPELIN_PLANNER_BACKEND=cpp but the C++ planner "
-                          "megatron_zeppelin._planner_cpp is not built: reinstall with "
-                          "`pip install -e .` (setup.py compiles csrc/) or set "
-                          "ZEPPELIN_PLANNER_BACKEND=python")
-    return "python"
+    return twin_backend(choice, load_cpp, "planner", "ZEPPELIN_PLANNER_BACKEND")
 
 
 def problem_args(seqlens: Sequence[int], capacity: int, cost: CostModel,

@@ -12,6 +12,7 @@ from types import ModuleType
 from typing import Callable, Sequence
 
 from megatron_zeppelin import env
+from megatron_zeppelin.twins import load_twin, twin_backend
 from megatron_zeppelin.router import reference
 from megatron_zeppelin.router.model import (DEFAULT_MAX_CHUNKS, DEFAULT_MIN_CHUNK_BYTES,
                                             chunk_span)
@@ -26,26 +27,12 @@ __all__ = ["Flow", "RouteCost", "RouteSchedule", "RouterTopology", "Slice", "bac
 
 def load_cpp() -> ModuleType | None:
     """The compiled twin, or None when it was not built."""
-    try:
-        from megatron_zeppelin import _router_cpp
-    except ImportError:
-        return None
-    return _router_cpp
+    return load_twin("router")
 
 
 def backend_name() -> str:
     """``"cpp"`` or ``"python"``: the backend ``route`` uses now (raises like ``route``)."""
-    choice = env.router_backend()
-    if choice == "python":
-        return "python"
-    if load_cpp() is not None:
-        return "cpp"
-    if choice == "cpp":
-        raise ImportError("ZEPPELIN_ROUTER_BACKEND=cpp but the C++ router "
-                          "megatron_zeppelin._router_cpp is not built: reinstall with "
-                          "`pip install -e .` (setup.py compiles csrc/) or set "
-                          "ZEPPELIN_ROUTER_BACKEND=python")
-    return "python"
+    return twin_backend(env.router_backend(), load_cpp, "router", "ZEPPELIN_ROUTER_BACKEND")
 
 
 def get_route_raw(backend: str | None = None) -> Callable[..., tuple]:
