@@ -107,10 +107,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             plan.validate()
         plans.append(plan)
         routed.append(config.routing and strategy.routed)
-    summaries = [summarize(plan, cost, r, strategy.name)
-                 for plan, r, strategy in zip(plans, routed, strategies)]
+    names = [strategy.name for strategy in strategies]
+    summaries = [summarize(plan, cost, r, name) for plan, r, name in zip(plans, routed, names)]
     if args.plot:
-        print(f"wrote {plot_plans(plans, routed, cost, args.plot)}", file=sys.stderr)
+        print(f"wrote {plot_plans(plans, routed, names, cost, args.plot)}", file=sys.stderr)
     if args.json:
         print(json.dumps({"model": setup.model.name, "cluster": setup.cluster.name,
                           "nodes": setup.cluster.nodes, "documents": len(lengths),
@@ -124,15 +124,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def plot_plans(plans, routed: list[bool], cost: CostModel, path: str):
-    """``zeppelin plan --plot FILE``: every plan simulated, ranks x time side by side."""
+def plot_plans(plans, routed: list[bool], names: list[str], cost: CostModel, path: str):
+    """``zeppelin plan --plot FILE``: every plan simulated, ranks x time side by side, each
+    under the strategy asked for (and its ``plan_label``, as the table shows it)."""
+    from megatron_zeppelin.planner.report import plan_label
     from megatron_zeppelin.sim import report
     from megatron_zeppelin.sim.simulator import SimOptions, simulate
 
-    results = [simulate(plan, cost, SimOptions(inter_mode="routed" if r else "ring"),
-                        label=plan.strategy + (f" ({plan.candidate})" if plan.candidate and
-                                               plan.candidate != plan.strategy else ""))
-               for plan, r in zip(plans, routed)]
+    results = []
+    for plan, r, name in zip(plans, routed, names):
+        label = plan_label(plan, name)
+        results.append(simulate(plan, cost, SimOptions(inter_mode="routed" if r else "ring"),
+                                label=name + (f" ({label})" if label else "")))
     return report.plot_timelines(results, path, f"{cost.model.name} on {cost.cluster.nodes} x "
                                  f"{cost.cluster.name}: {len(plans[0].seqlens)} sequences")
 

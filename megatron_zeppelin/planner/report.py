@@ -53,15 +53,21 @@ class PlanSummary:
         return asdict(self)
 
 
+def plan_label(plan: Plan, name: str | None = None) -> str | None:
+    """What the plan says beyond the strategy ``name`` asked for: its portfolio winner or
+    solver (``candidate``), else its own label where it differs (``static-cp(cp=8)``)."""
+    return plan.candidate or (plan.strategy if name and plan.strategy != name else None)
+
+
 def summarize(plan: Plan, cost: CostModel, routed: bool = True,
               name: str | None = None) -> PlanSummary:
-    """``name``: the strategy asked for (default the plan's own label); the plan's label
-    (its CP size, portfolio winner or solver) is then the ``candidate``."""
+    """``name``: the strategy asked for (default the plan's own label); ``plan_label`` is
+    then the ``candidate``."""
     est: PlanEstimate = estimate_plan(plan, cost, routed)
     tiers = plan.tier_counts()
-    label = plan.candidate or (plan.strategy if name and plan.strategy != name else "-")
     return PlanSummary(
-        strategy=name or plan.strategy, candidate=label, ranks=plan.topology.world_size,
+        strategy=name or plan.strategy, candidate=plan_label(plan, name) or "-",
+        ranks=plan.topology.world_size,
         sequences=len(plan.seqlens),
         tokens=sum(plan.seqlens), local=tiers["local"], intra=tiers["intra"],
         inter=tiers["inter"], waves=plan.num_waves, attention_s=Stat.of(est.attention_s),
