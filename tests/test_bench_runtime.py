@@ -9,12 +9,51 @@ from distributed import run_world
 def test_bench_kernels_on_cpu_reports_block_call_vs_raw_kernel(capsys):
     from megatron_zeppelin.bench import kernels
 
-    figures = kernels.run(["--tokens", "16,32", "--iters", "2", "--repeats", "1"])
+    figures = kernels.run(["--tokens", "16,32", "--iters", "2", "--repeats", "1", "--synced",
+                           "2"])
     whats = [(r["what"], r["tokens"]) for r in figures["rows"]]
     assert whats == [("torch fwd", 16), ("torch bwd", 16), ("torch fwd", 32), ("torch bwd", 32),
                      ("native host fwd", 64), ("native host bwd", 64)]
-    assert all(r["ours_us"] > 0 and r["raw_us"] > 0 for r in figures["rows"])
-    assert "native host fwd" in capsys.readouterr().out
+    assert all(r[mode]["ours_us"] > 0 and r[mode]["raw_us"] > 0 for r in figures["rows"]
+               for mode in ("stream", "synced"))
+    assert figures["targets"] == {} and figures["ok"] is None  # CPU: none unless asked
+    out = capsys.readouterr().out
+    assert "native host fwd" in out and " synced " in out and " stream " in out
+
+
+def test_bench_targets_pass_or_fail_with_the_exit_status(capsys):
+    """A missed target is exit 1 of the command (not a word in a report that exits 0)."""
+    from megatron_zeppelin.cli import main
+
+    quick = ["bench", "kernels", "--tokens", "16", "--iters", "1", "--repeats", "1", "--synced",
+             "1", "--ratio-from-tokens", "1"]
+    assert main(quick + ["--max-ratio", "1e6", "--max-extra-us", "1e9"]) == 0
+    assert "target synced ratio <= 1e+06 at >= 1 tokens" in capsys.readouterr().out
+    assert main(quick + ["--max-ratio", "1e-6"]) == 1
+    assert ": FAIL" in capsys.readouterr().out
+    ring = ["bench", "engine", "--parts", "ring", "--ring-size", "2", "--ring-lengths", "9,4",
+            "--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--iters", "1"]
+    assert main(ring + ["--max-ring-ratio", "1e6"]) == 0
+    assert main(ring + ["--max-ring-ratio", "1e-6"]) == 1
+    assert "fwd + bwd" in capsys.readouterr().out
+
+
+def test_bench_engine_ring_part_times_every_block_of_every_position():
+    """The ring part drives every position's RingGroupRun (the engine's ring path) and the raw
+    kernel on the same blocks: block count and per-phase figures."""
+    from megatron_zeppelin.bench.engine import parse_args
+    from megatron_zeppelin.bench.engine_ring import ring_vs_raw
+    from megatron_zeppelin.runtime.attention import ZigzagLayout
+
+    args = parse_args(["--parts", "ring", "--ring-size", "3", "--ring-lengths", "30,7,2",
+                       "--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--iters", "1",
+                       "--warmup", "0"])
+    figures = ring_vs_raw(args)
+    blocks = sum(len(ZigzagLayout([30, 7, 2], 3, p).blocks(s)) for p in range(3)
+                 for s in range(3))
+    assert figures["blocks"] == blocks and figures["target"] is None
+    assert all(figures["seconds"][k] > 0 for k in ("ring fwd", "raw fwd", "ring bwd", "raw bwd"))
+    assert set(figures) >= {"fwd_us_per_block", "bwd_us_per_block", "ratio"}
 
 
 def _local_only(rank: int, world: int) -> dict:
@@ -113,3 +152,35 @@ def test_gpu_check_training_summary(tmp_path):
     assert "not checked" in far.stdout
     (tmp_path / "train-native.jsonl").unlink()
     assert check().returncode == 1
+
+
+def test_bench_ring_simulation_computes_ring_attention():
+    """The ring part's wiring (position p receives what p-1 sent) is the real ring: every
+    position's forward output equals causal attention of the whole sequences (fp32)."""
+    from megatron_zeppelin.bench.engine_ring import _rounds
+    from megatron_zeppelin.plan import zigzag_bounds
+    from megatron_zeppelin.runtime import kernels
+    from megatron_zeppelin.runtime.attention import RingGroupRun, ZigzagLayout
+    from megatron_zeppelin.schedule import Phase
+
+    lengths, size, scale = [30, 7, 2], 3, 8 ** -0.5
+    gen = torch.Generator().manual_seed(3)
+    whole = [torch.randn(sum(lengths), h, 8, generator=gen) for h in (2, 1, 1)]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    expected, _ = kernels.block_forward(*whole, cu, cu, True, scale, backend="torch")
+    runs, rows = [], []
+    for p in range(size):
+        mine = []
+        for start, n in zip(cu, lengths):
+            b = zigzag_bounds(n, size)
+            for c in (p, 2 * size - 1 - p):
+                mine += range(start + b[c], start + b[c + 1])
+        rows.append(torch.tensor(mine, dtype=torch.int64))
+        runs.append(RingGroupRun(ZigzagLayout(lengths, size, p), scale, "torch"))
+        runs[-1].begin_forward(*(x[rows[-1]] for x in whole))
+    _rounds(runs, Phase.FORWARD)
+    for run, mine in zip(runs, rows):
+        out, _ = run.end_forward()
+        torch.testing.assert_close(out, expected[mine], atol=1e-5, rtol=1e-5)

@@ -40,10 +40,11 @@ def median_ms(fn: Callable[[], object], repeats: int, budget_s: float) -> tuple[
 
 def register_passthrough(targets, name: str, help_text: str,
                          run: Callable[[list[str]], object]) -> None:
-    """Add target ``name`` whose module parses every flag itself: ``run(argv)``."""
+    """Add target ``name`` whose module parses every flag itself: ``run(argv)``. The command
+    exits 1 when ``run`` returns figures with ``ok`` False (a missed target), else 0."""
     def command(args) -> int:
-        run(args.passthrough)
-        return 0
+        figures = run(args.passthrough)
+        return 1 if isinstance(figures, dict) and figures.get("ok") is False else 0
 
     p = targets.add_parser(name, add_help=False, help=help_text)
     p.set_defaults(func=command, passthrough_flags=True)
