@@ -1,27 +1,45 @@
 #!/usr/bin/env bash
-# Check megatron-zeppelin on a GPU machine in one command (issue 9), from the repository root:
+# Check megatron-zeppelin on a GPU machine, in steps that each fit a 10-minute command, from the
+# repository root:
 #
-#     bash scripts/gpu_check.sh [RESULTS_DIR]
+#     bash scripts/gpu_check.sh                      # the quick set (under 8 minutes on one H100)
+#     bash scripts/gpu_check.sh --list               # every step, its estimate, the quick set
+#     bash scripts/gpu_check.sh --step rank-tests --step megatron-lm   # or a comma list
+#     bash scripts/gpu_check.sh --step all           # every step (several calls' worth)
 #
-# 1. environment: the GPU, torch and CUDA versions (never changed by this script);
-# 2. install: megatron-core 0.16.1 from a carried wheel if it is missing (.whl/, below), then
-#    this package with --no-deps --no-index (the machine's own torch stays);
-# 3. the `gpu` tests (tests/test_gpu.py: every backend vs float64, the CPU stand-in vs the real
-#    kernel, the hot path under sync debug mode, 4 ranks on one GPU vs one process, a tiny GPT)
-#    and the native backend's CPU contract tests;
-# 4. `zeppelin bench kernels --device cuda`: our block call vs the raw kernel (targets <= 1.05x
-#    at >= 4K tokens, <= 20 us extra per call);
-# 5. `zeppelin bench engine --device cuda`: the engine on a local-only plan vs raw kernels
-#    (target <= 1.10x) and a 4-rank plan on the one GPU (staged transport);
-# 6. one-GPU bf16 training (scripts/pretrain_gpt.py: 4 layers, hidden 1024, 16/4 heads, seq 16K,
-#    128K tokens per iteration, the built-in corpus) with the native backend (target >= 250K
-#    tokens/s) and with the torch reference path (first iterations' losses must match);
-# 7. optional: scripts/gpu_check_megatron_lm.sh (Megatron-LM's own pretrain_gpt.py, patched,
-#    zeppelin vs static on one GPU; ours with megatron-core 0.16.1 vs 0.19.2). What it cannot
-#    run (no checkout carried, no wheels, fewer than 2 GPUs) is listed as SKIP, not failed.
-# then prints a summary (also RESULTS_DIR/summary.txt). Every step's log is in RESULTS_DIR
-# (default gpu-check-results/DATE). Exit status: 0 when every step that ran passed, 1 otherwise
-# (2: no usable CUDA torch).
+# Every invocation first records the environment (the GPU, torch, CUDA: never changed by this
+# script) and installs what is missing (megatron-core 0.16.1 from a carried wheel, below, then
+# this package with --no-deps --no-index), then runs the steps asked for, each under `timeout`
+# 480 s (running past it is a FAIL). Results go to --out DIR, else $OUT when set (the device
+# tool's folder), else build/gpu_check: one log per step (DIR/STEP.log) and DIR/summary.txt,
+# which every step appends to (a header per invocation, PASS/FAIL/SKIP per step with its
+# figures, a RESULT line), so that steps run by separate calls add up in one file.
+# Exit status: 0 when every step that ran passed (SKIP: could not run here, e.g. nothing
+# carried; listed, not failed), 1 when a step failed or missed a target, 2 on a bad argument or
+# with no usable CUDA torch.
+#
+# Steps (estimates for one H100 from GPU-FACTS' figures; `--list` prints them):
+#   kernel-tests    tests/test_gpu.py but the 4-rank tests: every backend vs float64, the CPU
+#                   stand-in vs the real kernel, the hot path under sync debug mode
+#   rank-tests      tests/test_gpu.py's 4 ranks on one GPU (engine vs float64, a tiny GPT vs one
+#                   process; gloo with the staged transport)
+#   contract-tests  the native backend's CPU contract tests (tests/test_native_backend.py,
+#                   tests/test_kernels.py)
+#   bench-kernels   `zeppelin bench kernels --device cuda`: block call vs raw kernel, stream and
+#                   synced per call; targets ratio <= 1.05 at >= 4K tokens, <= 20 us extra
+#   bench-engine    `zeppelin bench engine --device cuda --parts local,ring`: local-only engine
+#                   vs raw kernels (<= 1.10x); ring path (4 positions on the GPU) vs the raw
+#                   kernels of the same blocks (<= 1.5x), overhead per block in us
+#   bench-ranks     `zeppelin bench engine --parts gpu-ranks`: 4 ranks on the one GPU (staged
+#                   transport) vs one process (no target: a shared GPU; it must run)
+#   train           one-GPU bf16 training (scripts/pretrain_gpt.py: 4 layers, hidden 1024,
+#                   16/4 heads, seq 16K, 128K tokens per iteration) with the native backend
+#                   (target >= 250K tokens/s) and the torch reference path (losses within 0.02)
+#   megatron-lm     scripts/gpu_check_megatron_lm.sh check 1 (Megatron-LM's pretrain_gpt.py,
+#                   patched, zeppelin vs static on one GPU)
+#   megatron-lm-cp  its checks 2-3 (CP 2 vs TE's CP, MoE with EP 2): SKIP with fewer than 2 GPUs
+#   mcore-versions  scripts/gpu_check_megatron_lm.sh check 4 (megatron-core 0.16.1 vs 0.19.2,
+#                   losses within a bf16 tolerance)
 #
 # What to carry (the GPU machine has no internet; at most 64 MiB travels with the working tree,
 # whose tracked files are ~2.5 MB). On a machine with internet, from the repository root; both
@@ -34,210 +52,140 @@
 #     $W --no-deps megatron-core==0.16.1; $W --no-deps megatron-core==0.19.2; $W "pydantic>=2"
 #   (one call per megatron-core version; pydantic_core's wheel is manylinux_2_17, hence both
 #   platforms; without ">=2" pip may settle on pydantic 1, which Megatron-LM cannot use).
-#   .megatron-lm/ (~7 MB; step 7's checks 1-3 are skipped without it): Megatron-LM at tag
-#   core_v0.16.1, its megatron/ package, top-level *.py and LICENSE, already patched (git may
-#   be missing there):
+#   .megatron-lm/ (~7 MB; megatron-lm is SKIP without it): Megatron-LM at tag core_v0.16.1,
+#   its megatron/ package, top-level *.py and LICENSE, already patched (git may be missing):
 #     git clone -q --depth 1 -b core_v0.16.1 https://github.com/NVIDIA/Megatron-LM /tmp/mlm
 #     mkdir -p .megatron-lm && tar -C /tmp/mlm -cf - megatron LICENSE $(cd /tmp/mlm && ls *.py) |
 #       tar -C .megatron-lm -xf - && scripts/apply_megatron_patch.sh .megatron-lm
 #   (MLM_DIR or MEGATRON_LM_PATH may name another checkout instead; default: .megatron-lm/.)
 #
-# Environment: PYTHON (default python3), GPU_CHECK_TRAIN_ITERS (default 10), MLM_DIR.
+# Environment: PYTHON (default python3), GPU_CHECK_TRAIN_ITERS (default 10), MLM_DIR, OUT.
 # GPU_CHECK_CPU=1: a dry run of this script's plumbing on a machine without a GPU (--device
-# cpu, a tiny model, no throughput target, step 7 skipped); none of its figures means anything.
+# cpu, tiny sizes, no targets, test steps only collected, Megatron-LM steps skipped); none of
+# its figures means anything.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-OUT="${1:-$ROOT/gpu-check-results/$(date +%Y%m%d-%H%M%S)}"
+STEP_LIMIT_S=480
+INSTALL_ESTIMATE_S=30
+ORDER=(kernel-tests rank-tests contract-tests bench-kernels bench-engine bench-ranks train
+       megatron-lm megatron-lm-cp mcore-versions)
+QUICK=(kernel-tests bench-kernels bench-engine train)
+declare -A ESTIMATE=(
+    # pytest and CUDA start ~15 s; blocks <= 2K tokens; the hot-path test spawns one process
+    [kernel-tests]=60
+    # 4 spawned processes x 2 tests, each starting CUDA and gloo (~15 s), small batches
+    [rank-tests]=150
+    # CPU tests on 16 cores
+    [contract-tests]=60
+    # 164 calls per row (stream 1 + 3 x 20, synced 1 + 20, ours and raw); at 64K tokens a
+    # causal forward is 35 TFLOP (0.10 s at 344 TFLOP/s), a backward 0.27 s: ~60 s, the rest ~5 s
+    [bench-kernels]=90
+    # 40K + 32K tokens fwd + bwd (a few ms each) x 8 runs x 4 variants; planning, start
+    [bench-engine]=40
+    # 4 spawned processes starting CUDA and gloo, 8 runs of a 40K-token batch
+    [bench-ranks]=90
+    # two torchrun starts (~30 s each); native 10 x 128K tokens at ~330K tokens/s (4 s);
+    # reference 3 x 128K at ~9.5K tokens/s (40 s)
+    [train]=120
+    # two Megatron-LM starts (~60 s each: imports, mock data, helpers) + 10 iterations of 32K
+    [megatron-lm]=180
+    # two runs of CP 2 and one MoE run, 2 GPUs each (~70 s each: starts dominate)
+    [megatron-lm-cp]=240
+    # two wheel installs (5 s) and starts (~30 s), 8 iterations of 16K tokens each
+    [mcore-versions]=90
+)
+declare -A WHAT=(
+    [kernel-tests]="GPU tests: backends vs float64, stand-in vs real kernel, hot path syncs"
+    [rank-tests]="GPU tests: 4 ranks on one GPU (engine vs float64, tiny GPT vs 1 process)"
+    [contract-tests]="the native backend's CPU contract tests"
+    [bench-kernels]="block call vs raw kernel, stream + synced (<= 1.05x at >= 4K, <= 20 us)"
+    [bench-engine]="local-only engine vs raw (<= 1.10x); ring path vs raw blocks (<= 1.5x)"
+    [bench-ranks]="4 ranks on one GPU, staged transport, vs one process (must run)"
+    [train]="one-GPU bf16 training: >= 250K tokens/s; losses vs torch path within 0.02"
+    [megatron-lm]="Megatron-LM pretrain_gpt.py, zeppelin vs static (SKIP w/o .megatron-lm/)"
+    [megatron-lm-cp]="Megatron-LM CP 2 vs TE CP, MoE EP 2 (SKIP with < 2 GPUs)"
+    [mcore-versions]="megatron-core 0.16.1 vs 0.19.2 losses, bf16 tolerance (SKIP w/o wheels)"
+)
+
+usage() {
+    sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+}
+
+list_steps() {
+    local name total=$INSTALL_ESTIMATE_S
+    printf '%-15s %9s %6s  %s\n' step estimate quick what
+    for name in "${ORDER[@]}"; do
+        local quick=no
+        [[ " ${QUICK[*]} " == *" $name "* ]] && quick=yes && total=$((total + ESTIMATE[$name]))
+        printf '%-15s %7s s %6s  %s\n' "$name" "${ESTIMATE[$name]}" "$quick" "${WHAT[$name]}"
+    done
+    echo "every invocation first installs (~${INSTALL_ESTIMATE_S} s); each step stops at" \
+         "${STEP_LIMIT_S} s (a FAIL)"
+    echo "quick set (the default): $(IFS=,; echo "${QUICK[*]}"): estimate ${total} s in all" \
+         "on one H100 (GPU-FACTS' figures)"
+}
+
+# ---------------------------------------------------------------- arguments
+DIR="" LIST=0 WANTED=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --list) LIST=1 ;;
+        --step|--out)
+            [ $# -ge 2 ] || { echo "gpu_check: $1 needs a value" >&2; exit 2; }
+            if [ "$1" = --out ]; then DIR="$2"; else IFS=, read -ra more <<< "$2"
+                WANTED+=("${more[@]}"); fi
+            shift ;;
+        --step=*) IFS=, read -ra more <<< "${1#--step=}"; WANTED+=("${more[@]}") ;;
+        --out=*) DIR="${1#--out=}" ;;
+        -h|--help) usage; exit 0 ;;
+        *) echo "gpu_check: unknown argument '$1' (expected --step NAME[,NAME], --list," \
+                "--out DIR; --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+[ "$LIST" = 1 ] && { list_steps; exit 0; }
+[ "${#WANTED[@]}" -eq 0 ] && WANTED=(quick)
+STEPS=()
+for name in "${WANTED[@]}"; do
+    case "$name" in
+        quick) add=("${QUICK[@]}") ;;
+        all) add=("${ORDER[@]}") ;;
+        *) [ -n "${ESTIMATE[$name]+x}" ] || { echo "gpu_check: --step '$name' is not a step:" \
+               "expected quick, all or one of ${ORDER[*]}" >&2; exit 2; }
+           add=("$name") ;;
+    esac
+    for one in "${add[@]}"; do [[ " ${STEPS[*]} " == *" $one "* ]] || STEPS+=("$one"); done
+done
+
 PY="${PYTHON:-python3}"
 ITERS="${GPU_CHECK_TRAIN_ITERS:-10}"
 CPU_DRY_RUN="${GPU_CHECK_CPU:-0}"
-mkdir -p "$OUT" || { echo "gpu_check: cannot create the results folder $OUT" >&2; exit 2; }
-OUT="$(cd "$OUT" && pwd)"
+DIR="${DIR:-${OUT:-$ROOT/build/gpu_check}}"
+mkdir -p "$DIR" || { echo "gpu_check: cannot create the results folder $DIR" >&2; exit 2; }
+DIR="$(cd "$DIR" && pwd)"
+BUILD="$ROOT/build/gpu_check"  # scratch that must not travel back with the results
+mkdir -p "$BUILD"
 cd "$ROOT" || exit 2
-SUMMARY="$OUT/summary.txt"
-: > "$SUMMARY"
+SUMMARY="$DIR/summary.txt"
 FAILED=0
-
+DEVICE=cuda
+[ "$CPU_DRY_RUN" = 1 ] && DEVICE=cpu
 note() { echo "$*" | tee -a "$SUMMARY"; }
+note ""
+DRY=""
+[ "$CPU_DRY_RUN" = 1 ] && DRY=" (GPU_CHECK_CPU=1: a dry run on CPU; no figure means anything)"
+note "== gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ): steps $(IFS=,; echo "${STEPS[*]}") on" \
+     "$DEVICE$DRY"
 
-# step NAME TIMEOUT_S COMMAND...: run COMMAND (log in OUT/NAME.log), record PASS/FAIL.
-step() {
-    local name="$1" limit="$2"
-    shift 2
-    echo "== $name: $*" | tee "$OUT/$name.log"
-    local start=$SECONDS
-    timeout "$limit" "$@" >> "$OUT/$name.log" 2>&1
-    local rc=$?
-    local took=$((SECONDS - start))
-    if [ "$rc" -eq 0 ]; then
-        note "PASS  $name (${took} s)"
-    else
-        [ "$rc" -eq 124 ] && echo "gpu_check: $name ran past ${limit} s" >> "$OUT/$name.log"
-        note "FAIL  $name (exit $rc after ${took} s; see $OUT/$name.log)"
-        FAILED=1
-    fi
-    return "$rc"
-}
+# shellcheck source=scripts/gpu_check_steps.sh
+. "$ROOT/scripts/gpu_check_steps.sh"
 
-if [ "$CPU_DRY_RUN" = 1 ]; then
-    DEVICE=cpu
-    note "GPU_CHECK_CPU=1: a dry run on CPU (plumbing only: no figure below means anything)"
-else
-    DEVICE=cuda
-fi
-
-# ---------------------------------------------------------------- 1. environment
-if ! GPU_CHECK_CPU="$CPU_DRY_RUN" "$PY" - > "$OUT/environment.log" 2>&1 <<'EOF'
-import os
-import sys
-import torch
-print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda)
-if torch.cuda.is_available():
-    print("gpu", torch.cuda.get_device_name(), "| capability", torch.cuda.get_device_capability())
-    print("flash kernel", hasattr(torch.ops.aten, "_flash_attention_forward"))
-elif os.environ["GPU_CHECK_CPU"] != "1":
-    sys.exit("torch.cuda.is_available() is False: this is not a GPU machine (or torch is CPU-only)")
-EOF
-then
-    cat "$OUT/environment.log" >&2
-    echo "gpu_check: no usable CUDA torch; nothing checked" >&2
-    exit 2
-fi
-tee -a "$SUMMARY" < "$OUT/environment.log"
-command -v nvidia-smi > /dev/null && nvidia-smi > "$OUT/nvidia-smi.log" 2>&1
-TORCH_BEFORE="$("$PY" -c 'import torch; print(torch.__version__)')"
-
-# ---------------------------------------------------------------- 2. install
-install() {
-    local site="$OUT/site-packages"
-    if ! "$PY" -c "import megatron.core" 2> /dev/null; then
-        local wheels=("$ROOT"/.whl/megatron_core-0.16.1-*.whl)
-        if [ ! -e "${wheels[0]}" ]; then
-            echo "megatron-core is not installed and no wheel was carried: see the header of" \
-                 "scripts/gpu_check.sh (.whl/megatron_core-0.16.1-*.whl)"
-            return 1
-        fi
-        "$PY" -m pip install -q --no-index --no-deps --target "$site" "${wheels[0]}" || return 1
-        echo "megatron-core from ${wheels[0]} -> $site"
-    fi
-    if ! "$PY" -c "import pydantic" 2> /dev/null; then  # Megatron-LM's (step 7) only
-        local extra=()
-        for w in "$ROOT"/.whl/*.whl; do
-            [ -e "$w" ] && [[ "$(basename "$w")" != megatron_core-* ]] && extra+=("$w")
-        done
-        if [ "${#extra[@]}" -gt 0 ]; then
-            "$PY" -m pip install -q --no-index --no-deps --target "$site" "${extra[@]}" \
-                || return 1
-            echo "carried wheels -> $site: ${extra[*]##*/}"
-        fi
-    fi
-    [ -d "$site" ] && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-    # asked from / : from the repository root the current folder would always import it
-    if [ "$(cd / && "$PY" -c 'import megatron_zeppelin, os; print(os.path.dirname(
-os.path.dirname(os.path.abspath(megatron_zeppelin.__file__))))' 2> /dev/null)" = "$ROOT" ]; then
-        echo "megatron_zeppelin is already importable from $ROOT"
-    # --no-deps: the machine's own torch is never replaced; --no-index: no network needed
-    elif ! "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e "$ROOT"; then
-        echo "pip install -e failed; building the C++ twins in place and using PYTHONPATH"
-        "$PY" setup.py -q build_ext --inplace || return 1
-        export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-    fi
-    (cd / && "$PY" -c "import megatron_zeppelin") || return 1
-    "$PY" -c "import importlib.util as u; print('optional here: scipy (FlexSP only)',
-bool(u.find_spec('scipy')), '| pydantic (Megatron-LM only)', bool(u.find_spec('pydantic')))"
-    "$PY" -c "import megatron_zeppelin, megatron.core, torch; \
-print('megatron_zeppelin', megatron_zeppelin.__file__, '| megatron-core', \
-megatron.core.__version__, '| torch', torch.__version__)"
-}
-echo "== install" > "$OUT/install.log"
-if install >> "$OUT/install.log" 2>&1; then
-    note "PASS  install ($(tail -n 1 "$OUT/install.log"))"
-else
-    note "FAIL  install (see $OUT/install.log); nothing else can run"
-    cat "$OUT/install.log" >&2
-    exit 1
-fi
-TORCH_AFTER="$("$PY" -c 'import torch; print(torch.__version__)')"
-if [ "$TORCH_BEFORE" != "$TORCH_AFTER" ]; then
-    note "FAIL  install changed torch: $TORCH_BEFORE -> $TORCH_AFTER"
-    FAILED=1
-fi
-ZEPPELIN=("$PY" -m megatron_zeppelin.cli)
-
-# ---------------------------------------------------------------- 3. tests
-step gpu-tests 3600 "$PY" -m pytest -q -rs -m gpu tests/test_gpu.py \
-    --junitxml "$OUT/gpu-tests.xml"
-step contract-tests 900 "$PY" -m pytest -q tests/test_native_backend.py tests/test_kernels.py
-
-# ---------------------------------------------------------------- 4./5. benchmarks
-step bench-kernels 1200 "${ZEPPELIN[@]}" bench kernels --device "$DEVICE" \
-    --json "$OUT/bench-kernels.json"
-step bench-engine 1800 "${ZEPPELIN[@]}" bench engine --device "$DEVICE"
-
-# ---------------------------------------------------------------- 6. one-GPU training
-# the issue's run: bf16, 128K tokens per iteration (a micro-batch of 8 x 16K per pool of 1);
-# the built-in corpus has documents longer than 16K: split into pieces (--zeppelin-overlong)
-MODEL=(--device cuda --bf16 --num-layers 4 --hidden-size 1024 --num-attention-heads 16
-       --num-query-groups 4 --seq-length 16384 --micro-batch-size 8 --global-batch-size 8)
-FAST=native TARGET=250000
-if [ "$CPU_DRY_RUN" = 1 ]; then
-    MODEL=(--device cpu --num-layers 2 --hidden-size 64 --num-attention-heads 4
-           --num-query-groups 2 --seq-length 4096 --micro-batch-size 2 --global-batch-size 2)
-    FAST=auto TARGET=0
-fi
-TRAIN=("${MODEL[@]}" --vocab-size 256 --mock-data --context-parallel-mode zeppelin
-       --context-parallel-size 1 --zeppelin-gpus-per-node 1 --zeppelin-overlong split
-       --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 2 --lr-decay-style cosine --log-interval 1
-       --seed 1234)
-train() {  # train NAME BACKEND ITERS: log in OUT/NAME.log, one JSON line per iteration
-    rm -f "$OUT/$1.jsonl"
-    step "$1" 2400 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
-        scripts/pretrain_gpt.py "${TRAIN[@]}" --train-iters "$3" \
-        --zeppelin-attention-backend "$2" --log-json "$OUT/$1.jsonl"
-}
-train train-native "$FAST" "$ITERS"
-train train-reference torch 3
-
-# losses and tokens/s from the runs' JSON logs
-if "$PY" scripts/gpu_check_training.py "$OUT" --min-tokens-per-s "$TARGET" \
-        > "$OUT/training-summary.log" 2>&1; then
-    note "PASS  training targets"
-else
-    note "FAIL  training targets (see $OUT/training-summary.log)"
-    FAILED=1
-fi
-
-# ---------------------------------------------------------------- 7. Megatron-LM (optional)
-if [ "$CPU_DRY_RUN" = 1 ]; then
-    note "SKIP  megatron-lm (GPU only; the dry run does not start it)"
-else
-    echo "== megatron-lm: scripts/gpu_check_megatron_lm.sh" | tee "$OUT/megatron-lm.log"
-    start=$SECONDS
-    MLM_DIR="${MLM_DIR:-${MEGATRON_LM_PATH:-$ROOT/.megatron-lm}}" \
-    OUT="$OUT/megatron-lm" PYTHON="$PY" WHEELS="$ROOT/.whl" timeout 5400 \
-        bash scripts/gpu_check_megatron_lm.sh >> "$OUT/megatron-lm.log" 2>&1
-    rc=$?
-    if [ "$rc" -eq 0 ] && ! grep -q "^PASS:" "$OUT/megatron-lm.log"; then
-        note "SKIP  megatron-lm: none of its checks could run here ($((SECONDS - start)) s):"
-    elif [ "$rc" -eq 0 ]; then
-        note "PASS  megatron-lm ($((SECONDS - start)) s):"
-    else
-        note "FAIL  megatron-lm (exit $rc after $((SECONDS - start)) s; see" \
-             "$OUT/megatron-lm.log):"
-        FAILED=1
-    fi
-    grep -E "^(PASS|FAIL|SKIP): " "$OUT/megatron-lm.log" | sed 's/^/        /' | tee -a "$SUMMARY"
-fi
-
-# ---------------------------------------------------------------- summary
-{
-    echo
-    echo "---- figures"
-    grep -h -E "^  (native|target)" "$OUT/bench-kernels.log" 2> /dev/null
-    grep -h -E "local-only|ranks on one GPU" "$OUT/bench-engine.log" 2> /dev/null
-    cat "$OUT/training-summary.log"
-    grep -h -E "passed|failed|skipped" "$OUT/gpu-tests.log" 2> /dev/null | tail -n 1
-} | tee -a "$SUMMARY"
-echo "results in $OUT"
+prelude || exit $?
+for name in "${STEPS[@]}"; do
+    run_step "$name"
+done
+if [ "$FAILED" = 0 ]; then note "RESULT: PASS ($(IFS=,; echo "${STEPS[*]}"))"
+else note "RESULT: FAIL ($(IFS=,; echo "${STEPS[*]}"); see the FAIL lines above)"; fi
+echo "results in $DIR (summary: $SUMMARY)"
 exit "$FAILED"

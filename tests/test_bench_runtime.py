@@ -111,14 +111,69 @@ def test_gpu_check_refuses_a_machine_without_cuda(tmp_path):
     import sys
 
     script = ROOT / "scripts" / "gpu_check.sh"
-    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    for name in ("gpu_check.sh", "gpu_check_steps.sh", "gpu_check_megatron_lm.sh"):
+        assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / name)]).returncode == 0
     if torch.cuda.is_available():
         return
-    result = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True,
-                            env={**__import__("os").environ, "PYTHON": sys.executable})
+    result = subprocess.run(["bash", str(script), "--out", str(tmp_path)], capture_output=True,
+                            text=True, env={**__import__("os").environ, "PYTHON": sys.executable,
+                                            "GPU_CHECK_CPU": "0"})
     assert result.returncode == 2
     assert "gpu_check: no usable CUDA torch; nothing checked" in result.stderr
     assert "torch.cuda.is_available() is False" in (tmp_path / "environment.log").read_text()
+
+
+def _gpu_check(*args, python=None, env=None):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), *args],
+                          capture_output=True, text=True,
+                          env={**os.environ, "PYTHON": python or sys.executable, **(env or {})})
+
+
+def test_gpu_check_lists_steps_that_fit_the_machine():
+    """--list: every step with its estimate, each under the 480 s step limit, and the quick
+    set (the default) under 8 minutes in all; a wrong step or flag is one line, exit 2."""
+    import re
+
+    listed = _gpu_check("--list")
+    assert listed.returncode == 0, listed.stderr
+    rows = {m[0]: int(m[1]) for m in re.findall(r"^([a-z-]+) +(\d+) s ", listed.stdout, re.M)}
+    assert {"kernel-tests", "bench-kernels", "bench-engine", "train", "mcore-versions"} <= set(rows)
+    assert all(0 < s < 480 for s in rows.values())
+    quick = int(re.search(r"quick set .*estimate (\d+) s in all", listed.stdout)[1])
+    assert quick < 480
+    for args, word in ((["--step", "kernel-tests,nope"], "--step 'nope' is not a step"),
+                       (["--bogus"], "unknown argument '--bogus'"), (["--step"], "needs a value")):
+        bad = _gpu_check(*args)
+        assert bad.returncode == 2 and word in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+
+def test_gpu_check_steps_append_to_one_summary_and_a_miss_exits_1(tmp_path):
+    """Two invocations (the CPU dry run) append to one summary: a passing step, then a step
+    whose command misses its target (exit 1: here a python that fails `bench kernels`): FAIL
+    with its figure line, the next step still runs, the invocation exits 1."""
+    import sys
+
+    dry = {"GPU_CHECK_CPU": "1"}
+    first = _gpu_check("--out", str(tmp_path), "--step", "bench-kernels", env=dry)
+    assert first.returncode == 0, first.stdout + first.stderr
+    failing = tmp_path / "python"
+    failing.write_text("#!/bin/sh\ncase \"$*\" in *\"bench kernels\"*)\n"
+                       "echo '  target synced ratio <= 1.05 at >= 4096 tokens: worst 2: FAIL'\n"
+                       f"exit 1;; esac\nexec {sys.executable} \"$@\"\n")
+    failing.chmod(0o755)
+    second = _gpu_check("--out", str(tmp_path), "--step", "bench-kernels", "--step=megatron-lm",
+                        python=str(failing), env=dry)
+    assert second.returncode == 1, second.stdout + second.stderr
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.count("== gpu_check ") == 2 and summary.count("PASS  install") == 2
+    assert "PASS  bench-kernels" in summary and "RESULT: PASS (bench-kernels)" in summary
+    assert "FAIL  bench-kernels (exit 1" in summary and "worst 2: FAIL" in summary
+    assert "SKIP  megatron-lm" in summary and "RESULT: FAIL (bench-kernels,megatron-lm" in summary
+    assert (tmp_path / "bench-kernels.log").exists()
 
 
 def test_gpu_check_training_summary(tmp_path):
