@@ -168,6 +168,54 @@ def _sync_free_engine(rank: int, world: int) -> None:
     assert torch.isfinite(q.grad).all()
 
 
+def _two_gpu_ring_plan():
+    """A zeppelin plan on 1 node x 2 GPUs whose longest sequence must ring (capacity below
+    it)."""
+    from conftest import make_cost
+    from megatron_zeppelin.config import ZeppelinConfig
+    from megatron_zeppelin.planner import make_plan
+
+    lengths = [700, 300, 64, 5, 1]
+    return make_plan("zeppelin", lengths, make_cost("gpt-tiny", nodes=1, gpus_per_node=2),
+                     ZeppelinConfig(capacity_tokens_per_gpu=(sum(lengths) + 1) // 2 + 20))
+
+
+def _sync_free_nccl_rings(rank: int, world: int) -> int:
+    """One rank per GPU, an NCCL group: a warm-up step (NCCL's communicator starts lazily),
+    then engine forward + backward with every synchronising CUDA call an error."""
+    import torch.distributed as dist
+
+    from megatron_zeppelin.runtime.engine import AttentionEngine
+
+    torch.cuda.set_device(rank)
+    group = dist.new_group(list(range(world)), backend="nccl")
+    plan = _two_gpu_ring_plan()
+    engine = AttentionEngine(plan, rank, group, device=f"cuda:{rank}")
+    tokens = plan.attention_tokens()[rank]
+    q = torch.randn(tokens, 8, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.randn(tokens, 2, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                     requires_grad=True)
+    dout = torch.randn_like(q)
+    engine.forward(q, kv, kv).backward(dout)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.forward(q, kv, kv).backward(dout)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    engine.close()
+    return sum(len(g.ring) > 1 for g in plan.ring_groups)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: 2 GPUs")
+def test_hot_path_with_nccl_rings_does_not_sync_the_host():
+    """The hot path with real communication (the one-rank test above has none): 2 ranks on
+    NCCL, a plan with a ring, the second step under sync debug mode "error"."""
+    assert all(rings >= 1 for rings in run_world(_sync_free_nccl_rings, 2,
+                                                 start_method="spawn", timeout_s=300))
+
+
 def _engine_on_one_gpu(rank: int, world: int) -> dict:
     """4 ranks on cuda:0: the test_engine cases in bf16 through the native kernel."""
     import torch.distributed as dist
