@@ -10,7 +10,7 @@ declare -A FIGURES=(
     [contract-tests]=' in [0-9.]+s( \(.*\))?( =+)?$'
     [bench-kernels]='^  target |^  targets: '
     [bench-engine]='^  local-only plan|^  ring path|^    (fwd|bwd|fwd \+ bwd): '
-    [bench-ranks]='ranks on one GPU|^  engine, 2 ranks|^  single process'
+    [bench-ranks]='^  [0-9]+ ranks on one GPU|^  engine, 2 ranks|^  single process'
     [train]='^(fast backend|losses|reference path|no iterations)'
     [megatron-lm]='^(PASS|FAIL|SKIP): '
     [megatron-lm-cp]='^(PASS|FAIL|SKIP): '
