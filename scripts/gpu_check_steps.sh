@@ -58,9 +58,14 @@ install() {  # megatron-core from a carried wheel, pydantic, this package (no ne
     [ -d "$site" ] && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
     local found
     found="$(cd / && "$PY" -c 'import importlib.util as u, os
+def spec(name):  # find_spec imports a dotted name'"'"'s parents, which may be absent
+    try:
+        return u.find_spec(name)
+    except ImportError:
+        return None
 for m in ("megatron.core", "pydantic"):
-    print(m, bool(u.find_spec(m)))
-z = u.find_spec("megatron_zeppelin")
+    print(m, spec(m) is not None)
+z = spec("megatron_zeppelin")
 print("zeppelin", os.path.dirname(os.path.dirname(z.origin)) if z else "")')" || return 1
     if [[ "$found" == *"megatron.core False"* ]]; then
         local wheels=("$ROOT"/.whl/megatron_core-0.16.1-*.whl)

@@ -37,7 +37,7 @@ def main(out: Path, target: float) -> int:
     steady = [t for i, _, t in native if i > 2] or [t for _, _, t in native]
     tps = sum(steady) / len(steady)
     fast = tps >= target
-    verdict = "not checked" if target <= 0 else ("met" if fast else "MISSED")
+    verdict = "not checked" if target <= 0 else ("PASS" if fast else "FAIL")
     print(f"fast backend: {len(native)} iterations, {tps:,.0f} tokens/s (mean of iterations "
           f"> 2; target >= {target:,.0f}: {verdict})")
     if not reference:
@@ -46,7 +46,8 @@ def main(out: Path, target: float) -> int:
     worst = max(abs(a[1] - b[1]) for a, b in zip(native, reference))
     pairs = ", ".join(f"{a[1]:.4f}/{b[1]:.4f}" for a, b in zip(native, reference))
     print(f"losses fast/reference, iterations 1..{len(reference)}: {pairs}; worst "
-          f"difference {worst:.4f} (allowed {LOSS_TOLERANCE})")
+          f"difference {worst:.4f} (allowed {LOSS_TOLERANCE}: "
+          f"{'PASS' if worst <= LOSS_TOLERANCE else 'FAIL'})")
     ref_tps = sum(t for *_, t in reference) / len(reference)
     print(f"reference path (torch backend): {ref_tps:,.0f} tokens/s; fast / reference "
           f"{tps / ref_tps:.1f}x")

@@ -200,7 +200,7 @@ def test_gpu_check_training_summary(tmp_path):
     assert ok.returncode == 0, ok.stdout
     assert "310,000 tokens/s" in ok.stdout and "worst difference 0.0100" in ok.stdout
     slow = check("--min-tokens-per-s", "400000")
-    assert slow.returncode == 1 and "MISSED" in slow.stdout
+    assert slow.returncode == 1 and "target >= 400,000: FAIL" in slow.stdout
     log("train-reference", [(1, 5.6, 9_000)])
     far = check("--min-tokens-per-s", "0")
     assert far.returncode == 1 and "worst difference 0.1000" in far.stdout
