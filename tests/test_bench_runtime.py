@@ -239,3 +239,31 @@ def test_bench_ring_simulation_computes_ring_attention():
     for run, mine in zip(runs, rows):
         out, _ = run.end_forward()
         torch.testing.assert_close(out, expected[mine], atol=1e-5, rtol=1e-5)
+
+
+def test_mcore_versions_losses_within_one_bf16_spacing():
+    """Check 4's tolerance: iteration 1 identical (same weights, deterministic forward), later
+    iterations within one bf16 spacing at the loss (2^(e-7) in [2^e, 2^(e+1)))."""
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from gpu_check_losses import bf16_spacing, compare
+    finally:
+        sys.path.pop(0)
+    assert (bf16_spacing(5.5), bf16_spacing(4.0), bf16_spacing(3.99)) == (2 ** -5, 2 ** -5,
+                                                                          2 ** -6)
+    assert compare([5.5, 5.2, 4.9], [5.5, 5.23, 4.9])[0]
+    assert not compare([5.5, 5.2, 4.9], [5.5, 5.24, 4.9])[0]  # 0.04 > 1/32
+    assert not compare([3.5, 3.2], [3.5, 3.22])[0]  # 0.02 > 1/64 below 4
+    ok, why = compare([5.5, 5.2], [5.5001, 5.2])
+    assert not ok and "iteration 1 differs" in why
+    assert not compare([5.5], [5.5, 5.2])[0] and not compare([], [])[0]
+    script = str(ROOT / "scripts" / "gpu_check_losses.py")
+    run = subprocess.run([sys.executable, script, "5.5 5.2", "5.5 5.3"], capture_output=True,
+                         text=True)
+    assert run.returncode == 1 and "worst difference 0.10000 at iteration 2" in run.stdout
+    bad = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check_megatron_lm.sh"),
+                          "--checks", "5"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--checks=5 is invalid" in bad.stderr

@@ -8,7 +8,8 @@
 * the engine forward + backward of 4 ranks on one GPU (gloo, staged transport) against every
   sequence alone in float64;
 * a tiny GPT's loss and gradients in zeppelin mode, 4 ranks on one GPU, against one process;
-* the hot path under ``torch.cuda.set_sync_debug_mode("error")``.
+* the hot path under ``torch.cuda.set_sync_debug_mode("error")``: one rank (LOCAL calls and a
+  simulated ring's blocks) and, with 2 GPUs, 2 NCCL ranks running a ring (real communication).
 Tolerances follow GPU-FACTS (bf16 vs float64: output 7.7e-3, lse 1.7e-6, dq/dk/dv 1.7e-2 /
 1.9e-2 / 3.2e-2 at d=128), with headroom.
 """

@@ -282,6 +282,8 @@ def _print(figures: dict, args: argparse.Namespace) -> None:
                  else " per call")
         print(f"  target {name} <= {t['limit']:g}{where}: worst {t['worst']:.3f}: "
               f"{'PASS' if t['ok'] else 'FAIL'}")
+    if args.max_ratio is not None and max(args.tokens) < args.ratio_from_tokens:
+        print(f"  target ratio: not checked (no call of >= {args.ratio_from_tokens} tokens)")
     if not figures["targets"]:
         print("  targets: none checked (on CPU only when --max-ratio/--max-extra-us is given)")
 
