@@ -301,7 +301,8 @@ def _print(figures: dict, args: argparse.Namespace) -> None:
                    f"target <= {target['limit']:g}x: {'PASS' if target['ok'] else 'FAIL'}")
         print(f"  local-only plan (1 rank, {local['calls']} call(s)): engine "
               f"{local['engine'] * 1e3:.2f} ms vs {raw} {local['raw'] * 1e3:.2f} ms: "
-              f"{local['ratio']:.3f}x ({verdict})")
+              f"{local['ratio']:.3f}x, {(local['engine'] - local['raw']) * 1e6:.1f} us extra "
+              f"({verdict})")
     if "ring" in figures:
         print("\n".join(engine_ring.describe(figures["ring"])))
     if "one_gpu" in figures:
