@@ -152,9 +152,9 @@ def test_gpu_check_lists_steps_that_fit_the_machine():
 
 
 def test_gpu_check_steps_append_to_one_summary_and_a_miss_exits_1(tmp_path):
-    """Two invocations (the CPU dry run) append to one summary: a passing step, then a step
-    whose command misses its target (exit 1: here a python that fails `bench kernels`): FAIL
-    with its figure line, the next step still runs, the invocation exits 1."""
+    """Two invocations (the CPU dry run; --out, then $OUT) append to one summary: a passing
+    step, then a step whose command misses its target (exit 1: here a python that fails
+    `bench kernels`): FAIL with its figure line, the next step still runs, exit 1."""
     import sys
 
     dry = {"GPU_CHECK_CPU": "1"}
@@ -165,8 +165,8 @@ def test_gpu_check_steps_append_to_one_summary_and_a_miss_exits_1(tmp_path):
                        "echo '  target synced ratio <= 1.05 at >= 4096 tokens: worst 2: FAIL'\n"
                        f"exit 1;; esac\nexec {sys.executable} \"$@\"\n")
     failing.chmod(0o755)
-    second = _gpu_check("--out", str(tmp_path), "--step", "bench-kernels", "--step=megatron-lm",
-                        python=str(failing), env=dry)
+    second = _gpu_check("--step", "bench-kernels", "--step=megatron-lm", python=str(failing),
+                        env={**dry, "OUT": str(tmp_path)})  # $OUT: the device tool's folder
     assert second.returncode == 1, second.stdout + second.stderr
     summary = (tmp_path / "summary.txt").read_text()
     assert summary.count("== gpu_check ") == 2 and summary.count("PASS  install") == 2
