@@ -1,12 +1,14 @@
 """All measurement: ``zeppelin bench TARGET`` and ``zeppelin calibrate`` (figures, side by side).
 
 Speed claims live here, never in timed tests. One module per target, each with a
-``register(targets)`` that adds its subcommand:
+``register(targets)`` that adds its subcommand (``kernels`` and ``engine`` exit 1 on a missed
+target):
 
 planner    plan time of every strategy (zeppelin portfolio, peers, FlexSP MILP)     (planner.py)
 planning   CPU step with planning alongside (process, thread) vs precomputed  (planning.py)
 router     C++ vs Python router time; modelled ring step with and without routing (router.py)
-engine     attention engine vs the same work done locally; local-only vs raw kernels (engine.py)
+engine     attention engine vs the same work done locally; local-only and ring path vs raw
+           kernels (engine.py, engine_local.py, engine_ring.py)
 kernels    our block call vs the raw kernel, same inputs (ratio, us per call)    (kernels.py)
 train      per-step time of zeppelin vs static mode for the tiny GPT            (train.py)
 fidelity   the real attention engine on gloo ranks vs the simulator             (fidelity.py)
