@@ -97,19 +97,6 @@ def router_topology(plan) -> RouterTopology:
                           nvlink_latency_s=0.0, nic_byte_per_s=25e9, nic_latency_s=0.0)
 
 
-def test_a_plan_whose_attention_is_not_ring_attention_is_refused_by_name():
-    """FlexSP's Ulysses plans are modelled by the simulator only: the engine (and so zeppelin
-    core attention, which builds one per plan) refuses them before touching a process group."""
-    plan = make_plan("flexsp", [3000, 900, 40, 7], make_cost(nodes=1, gpus_per_node=2))
-    assert plan.attention_kind == "ulysses"
-    with pytest.raises(ValueError) as refused:
-        AttentionEngine(plan, 0, None)
-    message = str(refused.value)
-    assert "\n" not in message and "strategy 'flexsp' is 'ulysses' attention" in message
-    assert "only the simulator models" in message and "'zeppelin'" in message
-    assert "'flexsp'," not in message.split("one of")[1]
-
-
 # ----------------------------------------------------------------------------- LOCAL queue
 
 def test_local_calls_batch_short_sequences_and_run_by_ascending_work():
