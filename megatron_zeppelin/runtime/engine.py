@@ -3,6 +3,8 @@
 ``AttentionEngine(plan, rank, group).forward(q, k, v)`` computes causal self-attention of the
 rank's attention buffer (``Plan.attention[rank]`` order; q ``[tokens, heads, head_dim]``, k/v
 ``[tokens, kv_heads, head_dim]``), with autograd, exactly as if every sequence ran alone.
+What follows is ring attention (``Plan.attention_kind`` ``ring``); a ``ulysses`` plan (FlexSP)
+is handed to ``runtime/ulysses.py`` (all-to-all head parallelism, its own autograd) instead.
 
 Queues and overlap. The rank's groups of a wave run in global order (``Plan.rank_groups``):
 INTER rings, then INTRA rings, then LOCAL sequences. A wave runs in rounds ``r = 0, 1, ...``
@@ -231,7 +233,9 @@ class AttentionEngine:
     sequences shorter than this are batched into calls of at least the work of one sequence of
     this length (``schedule.local_calls``); transport: a ``transport.Transport`` or its name
     (None: ``ZEPPELIN_TRANSPORT``); device: prepare the plan's indices there now (else at the
-    first call, on the inputs' device).
+    first call, on the inputs' device). A ``ulysses`` plan runs on ``group`` through
+    ``ulysses.UlyssesAttention`` (backend, timeout_s, scale, transport and device apply);
+    ``inter_mode``/``route_group`` route ring traffic and have none to route there.
     """
 
     def __init__(self, plan: Plan, rank: int, group: dist.ProcessGroup, *,
@@ -396,6 +400,9 @@ class AttentionEngine:
         autograd.
         """
         phase = Phase(phase)
+        if self.ulysses is not None:
+            raise ValueError(f"run() steps ring attention; this plan of strategy "
+                             f"{self.plan.strategy!r} is Ulysses attention: call forward()")
         warm_up(self._groups, q.device)
         self.prepare(q.device)
         waves, lanes = self._prepared[_canonical(q.device)]
