@@ -9,8 +9,6 @@ stand-in; the staged transport; no host sync inside a call.
 """
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,7 +21,8 @@ from megatron_zeppelin.plan import ring_groups_of
 from megatron_zeppelin.planner import make_plan
 from megatron_zeppelin.runtime.engine import AttentionEngine
 from megatron_zeppelin.runtime.ulysses import head_range, kv_heads_for
-from test_engine import DTYPES, HEAD_DIM, PACKAGE, SYNCS, case, patched, rank_inputs, run_case
+from attention_reference import make_batch
+from test_engine import DTYPES, HEAD_DIM, case, patched, rank_inputs, run_case, sync_counters
 
 pytestmark = pytest.mark.distributed
 
@@ -103,23 +102,12 @@ def _host_syncs(rank: int, plan) -> list[str]:
     install_in_process()
     hits: list[str] = []
 
-    def counting(name, original):
-        def wrapped(self, *args, **kwargs):
-            frame = sys._getframe(1)
-            if frame.f_code.co_filename.startswith(PACKAGE):
-                hits.append(f"{name} at {frame.f_code.co_filename}:{frame.f_lineno}")
-            return original(self, *args, **kwargs)
-        return wrapped
-
-    from attention_reference import make_batch
-
     q, k, v, dout = rank_inputs(plan, rank, make_batch(plan.seqlens, 4, 2, HEAD_DIM, 3),
                                 torch.bfloat16)
     engine = AttentionEngine(plan, rank, dist.group.WORLD, timeout_s=30, backend="native",
                              device="cpu")
     engine.ulysses.index(torch.device("cpu"), 4, 2)  # built ahead, as every call after the first
-    with patched(*[(torch.Tensor, name, lambda original, name=name: counting(name, original))
-                   for name in SYNCS]):
+    with patched(*sync_counters(hits)):
         engine.forward(q, k, v).backward(dout)
     return hits
 

@@ -273,7 +273,7 @@ class AttentionEngine:
         self._groups = [g for g in (group, route_group) if g is not None]
         self.ulysses = None  # FlexSP's plans: all-to-all attention (its module doc)
         if plan.attention_kind == "ulysses":
-            self.ulysses = UlyssesAttention(plan, rank, group, backend=backend, scale=scale,
+            self.ulysses = UlyssesAttention(plan, rank, group, kernel=self._kernel, scale=scale,
                                             transport=self.transport, timeout_s=self.timeout_s)
         self.inter = None if inter_mode == "ring" or self.ulysses else InterQueue(
             plan, rank, route_group, routing=inter_mode == "routed",

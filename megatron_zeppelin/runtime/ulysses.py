@@ -47,12 +47,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.plan import Plan, RingGroup, zigzag_segments
-from megatron_zeppelin.runtime import kernels
 from megatron_zeppelin.runtime.device_index import to_device
 from megatron_zeppelin.runtime.kernels import KernelBackend, Pieces, make_pieces
 from megatron_zeppelin.runtime.transport import Transport
@@ -184,26 +184,25 @@ def _flatten(per_peer: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list[int
 class UlyssesAttention:
     """Ulysses attention of ``plan`` on ``rank`` of the pool's ``group`` (module doc).
 
-    backend: kernel backend (name, object or None: the environment's); scale: softmax scale
-    (None: head_dim ** -0.5); transport / timeout_s: how the all-to-alls travel and the most a
-    gloo wait may take (the engine resolved both).
+    kernel: ``q`` -> the kernel backend for its device and dtype (the engine's, resolved once);
+    scale: softmax scale (None: head_dim ** -0.5); transport / timeout_s: how the all-to-alls
+    travel and the most a gloo wait may take (the engine resolved both).
     """
 
     def __init__(self, plan: Plan, rank: int, group: dist.ProcessGroup, *,
-                 backend: str | KernelBackend | None, scale: float | None, transport: Transport,
-                 timeout_s: float) -> None:
+                 kernel: Callable[[torch.Tensor], KernelBackend], scale: float | None,
+                 transport: Transport, timeout_s: float) -> None:
         if plan.attention_kind != "ulysses":
             raise ValueError(f"UlyssesAttention runs 'ulysses' plans, got "
                              f"{plan.attention_kind!r} attention (strategy {plan.strategy!r})")
         self.plan, self.rank, self.group = plan, rank, group
-        self.backend, self.scale = backend, scale
+        self.kernel, self.scale = kernel, scale
         self.transport, self.timeout_s = transport, timeout_s
         self.tokens = plan.attention_tokens()[rank]
         self.traffic = any(len(g.ring) > 1 for g in plan.ring_groups)
         self._pieces: dict[tuple, dict[int, Pieces]] = {}
         self._local: dict[torch.device, list[_Call]] = {}
         self._indices: dict[tuple, _Index] = {}
-        self._kernels: dict[tuple, KernelBackend] = {}
 
     # ------------------------------------------------------------------ preparation
     def prepare(self, device: torch.device) -> None:
@@ -250,12 +249,6 @@ class UlyssesAttention:
             self._indices[key] = _Index(self.plan, self.rank, heads, kv_heads,
                                         self._pieces[device]).to(device)
         return self._indices[key]
-
-    def kernel(self, q: torch.Tensor) -> KernelBackend:
-        key = (q.device, q.dtype)
-        if key not in self._kernels:
-            self._kernels[key] = kernels.select(self.backend, q)
-        return self._kernels[key]
 
     # ------------------------------------------------------------------ calls
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
