@@ -5,9 +5,12 @@ listed in reverse rank order, a length-1 document, ranks without any token) and 
 planner. Output and dq, dk, dv must match every sequence run alone in float64 within 1e-5
 (fp32): MHA, GQA with KV heads straddling the head split, MQA with KV heads replicated, head
 counts the group size does not divide; the native backend's path in bf16 through the flash
-stand-in; the staged transport; no host sync inside a call.
+stand-in; the staged transport; no host sync inside a call; a silent peer makes the others fail
+within their timeout, naming the all-to-all.
 """
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -91,6 +94,7 @@ def _worker(rank: int, world: int, cases: list, checks: bool) -> dict:
     if checks:
         results["syncs"] = _host_syncs(rank, cases[0]["plan"])
         results["too_many"] = _too_many_ranks(rank, cases[0]["plan"])
+        results["failure"] = _failing_peer(rank, cases[0]["plan"])  # last: breaks the group
     return results
 
 
@@ -123,6 +127,27 @@ def _too_many_ranks(rank: int, plan) -> str:
     return "accepted"
 
 
+FAILURE_TIMEOUT_S = 1.0
+
+
+def _failing_peer(rank: int, plan) -> dict:
+    """Rank 0 never joins the forward's first all-to-all (alive and silent); rank 1 must fail
+    within its timeout with an error naming the all-to-all and the missing rank, not hang."""
+    q, k, v, _ = rank_inputs(plan, rank, make_batch(plan.seqlens, 4, 2, HEAD_DIM, 9),
+                             torch.float32)
+    engine = AttentionEngine(plan, rank, dist.group.WORLD, timeout_s=FAILURE_TIMEOUT_S)
+    if rank == 0:
+        time.sleep(4 * FAILURE_TIMEOUT_S)
+        return {}
+    start = time.perf_counter()
+    try:
+        engine.forward(q, k, v)
+        outcome = "finished"
+    except RuntimeError as exc:
+        outcome = str(exc)
+    return dict(outcome=outcome, seconds=time.perf_counter() - start)
+
+
 def _check(cases, results) -> None:
     for rank, result in enumerate(results):
         for c, got in zip(cases, result["cases"]):
@@ -149,6 +174,10 @@ def test_ulysses_world_of_2():
         assert result["syncs"] == [], f"rank {rank}: host syncs {result['syncs']}"
         assert "a Ulysses group of 2 ranks (0, 1)" in result["too_many"]
         assert "this rank has 1 query heads" in result["too_many"]
+    failure = results[1]["failure"]
+    assert "Ulysses all-to-all (q/k/v) on rank 1 failed" in failure["outcome"], failure
+    assert "expected from ranks [0, 1]" in failure["outcome"], failure
+    assert failure["seconds"] < 10 * FAILURE_TIMEOUT_S, failure
 
 
 def test_ulysses_world_of_4_with_groups_of_every_size():

@@ -298,7 +298,8 @@ def _flat(*tensors: torch.Tensor) -> torch.Tensor:
 
 class _UlyssesFunction(torch.autograd.Function):
     """Autograd of ``UlyssesAttention.forward`` (module doc): saves the head-sharded q, k, v,
-    output and lse of every Ulysses call, and the local calls' inputs and output."""
+    output and lse of every Ulysses call, and the rank's q, k, v and output only where it has
+    local calls (their backward reads them)."""
 
     @staticmethod
     def forward(ctx, q, k, v, attn: UlyssesAttention, scale: float):
@@ -331,25 +332,28 @@ class _UlyssesFunction(torch.autograd.Function):
             attn.wait(pending, idx.q_send_splits, "output")
             out.view(-1, d).index_copy_(0, idx.q_send, back)
             calls = [heads_in, heads_out]
-        ctx.save_for_backward(q, k, v, out, *calls, *local_lse, *lses)
+        ctx.save_for_backward(*((q, k, v, out) if local_lse else ()), *calls, *local_lse, *lses)
         ctx.attn, ctx.scale, ctx.locals, ctx.traffic = attn, scale, len(local_lse), bool(calls)
+        ctx.shapes = (q.shape, k.shape)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        attn, scale = ctx.attn, ctx.scale
-        q, k, v, out, *rest = ctx.saved_tensors
+        attn, scale, (q_shape, k_shape) = ctx.attn, ctx.scale, ctx.shapes
+        rest = list(ctx.saved_tensors)
+        q, k, v, out = rest[:4] if ctx.locals else (None,) * 4
+        rest = rest[4:] if ctx.locals else rest
         heads_in, heads_out = rest[:2] if ctx.traffic else (None, None)
         rest = rest[2:] if ctx.traffic else rest
         local_lse, lses = rest[:ctx.locals], rest[ctx.locals:]
         dout = dout.contiguous()
-        d, kernel, device = q.shape[-1], attn.kernel(q), q.device
-        idx = attn.index(device, q.shape[1], k.shape[1]) if ctx.traffic else None
+        d, kernel, device = q_shape[-1], attn.kernel(dout), dout.device
+        idx = attn.index(device, q_shape[1], k_shape[1]) if ctx.traffic else None
         if idx is not None:
             received, pending = attn.exchange(dout.view(-1, d).index_select(0, idx.q_send),
                                               idx.q_send_splits, idx.q_recv_splits, "dout")
-        flat = q.new_zeros((q.numel() + 2 * k.numel()) // d, d)  # dq|dk|dv: set or added to
-        dq, dk, dv = _split(flat, q, k, v)
+        flat = dout.new_zeros((q_shape.numel() + 2 * k_shape.numel()) // d, d)  # set or added
+        dq, dk, dv = _split(flat, q_shape, k_shape)
         for call, lse in zip(attn._local[device], local_lse):
             r = call.rows
             dq[r], dk[r], dv[r] = kernel.backward(dout[r], q[r], k[r], v[r], out[r], lse,
@@ -372,8 +376,8 @@ class _UlyssesFunction(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def _split(flat: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def _split(flat: torch.Tensor, q_shape: torch.Size, kv_shape: torch.Size):
     """``_flat(q, k, v)``'s inverse: q, k, v shaped views of ``flat``."""
-    nq, nk = q.numel() // q.shape[-1], k.numel() // k.shape[-1]
-    return (flat[:nq].view(q.shape), flat[nq:nq + nk].view(k.shape),
-            flat[nq + nk:].view(v.shape))
+    nq, nk = q_shape.numel() // q_shape[-1], kv_shape.numel() // kv_shape[-1]
+    return (flat[:nq].view(q_shape), flat[nq:nq + nk].view(kv_shape),
+            flat[nq + nk:].view(kv_shape))
