@@ -38,7 +38,8 @@ routing layer (``inter_mode``) routes ring P2P only; Ulysses traffic is this all
 
 Hot path. Every index (element offsets into ``[rows * heads]`` views, the split sizes, the
 groups' varlen offsets) is built on the host once per plan, device and head counts
-(``_Index``, at the first call; ``prepare`` moves what does not depend on the heads ahead),
+(``_Index``; ``prepare``, ahead of the step, builds them for the head counts already seen in
+the process, so only a process's first plan builds them at its first call),
 then each call only gathers (``index_select``), posts the all-to-all (split sizes from the
 host: no host sync), scatters (``index_copy_``/``index_add_``) and calls kernels. On gloo a
 wait is bounded by ``timeout_s``; on NCCL it is a stream join (``transport``).
@@ -56,6 +57,11 @@ from megatron_zeppelin.plan import Plan, RingGroup, zigzag_segments
 from megatron_zeppelin.runtime.device_index import to_device
 from megatron_zeppelin.runtime.kernels import KernelBackend, Pieces, make_pieces
 from megatron_zeppelin.runtime.transport import Transport
+
+
+# (heads, kv_heads) this process has built Ulysses indices for, oldest first: ``prepare``
+# builds a new plan's indices for them ahead of its step (the planning thread's work)
+_HEADS_SEEN: dict[tuple[int, int], None] = {}
 
 
 def head_range(heads: int, size: int, position: int) -> tuple[int, int]:
@@ -206,8 +212,10 @@ class UlyssesAttention:
 
     # ------------------------------------------------------------------ preparation
     def prepare(self, device: torch.device) -> None:
-        """Build the plan's varlen offsets on ``device`` (what does not depend on the heads;
-        the head-dependent indices follow at the first call). Idempotent."""
+        """Build the plan's varlen offsets on ``device`` and its indices for every head count
+        this process has already called Ulysses attention with (``_HEADS_SEEN``: a training
+        run has one, so from its second plan on nothing is built in the step); other head
+        counts are built at their first call. Idempotent."""
         if device in self._local:
             return
         groups = self.plan.rank_groups[self.rank]
@@ -228,6 +236,10 @@ class UlyssesAttention:
                                    rows=slice(offset, offset + share)))
             offset += share
         self._local[device] = local
+        largest = max((len(g.ring) for g in groups), default=1)
+        for heads, kv_heads in list(_HEADS_SEEN) if self.traffic else ():
+            if largest <= heads:
+                self.index(device, heads, kv_heads)
 
     def _segments(self, group: RingGroup):
         position = group.ring.index(self.rank)
@@ -248,6 +260,7 @@ class UlyssesAttention:
             self.prepare(device)
             self._indices[key] = _Index(self.plan, self.rank, heads, kv_heads,
                                         self._pieces[device]).to(device)
+            _HEADS_SEEN.setdefault((heads, kv_heads))
         return self._indices[key]
 
     # ------------------------------------------------------------------ calls
