@@ -57,6 +57,11 @@ def test_heads_split_unevenly_and_kv_heads_follow_their_query_heads():
                     assert (b - a) % len(kept) == 0
                     assert [kept[t // width] for t in range(b - a)] == \
                         [(a + t) // (heads // kv) for t in range(b - a)]
+    for heads, kv, size in ((8, 2, 4), (8, 8, 4), (8, 1, 8), (32, 8, 4), (32, 8, 16)):
+        # the docstring's traffic: a group moves max(g, kv_heads) KV heads when g divides heads
+        moved = sum(len(kv_heads_for(heads, kv, *head_range(heads, size, p)))
+                    for p in range(size))
+        assert moved == max(size, kv), (heads, kv, size, moved)
     assert kv_heads_for(8, 2, 0, 4) == (0,)  # an even split keeps the grouping: no copy
     assert kv_heads_for(8, 1, 3, 6) == (0,)  # MQA: one head, replicated on every rank
     assert kv_heads_for(6, 2, 2, 4) == (0, 1)  # straddles two KV groups
