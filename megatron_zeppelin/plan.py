@@ -142,7 +142,7 @@ class Plan:
     capacity: attention-layout tokens a rank may hold.
     attention_kind: ``ring`` (zigzag ring attention over each task's ring: what the engine
         runs) or ``ulysses`` (all-to-all head parallelism over the task's ranks, FlexSP's
-        sequence parallelism: modelled by the simulator, not run by the engine).
+        sequence parallelism: the engine runs it through ``runtime/ulysses.py``).
     candidate / estimates: for a strategy that scores several candidate plans of the batch
         (``zeppelin``'s portfolio), the candidate returned and every candidate's estimated
         step seconds (``cost_model.estimate_step``), fastest first; empty otherwise.

@@ -3,7 +3,9 @@
 Checked: every token of every sequence is in the attention layout exactly once and in the
 linear layout exactly once; tasks are one per sequence; rings are made of distinct valid ranks,
 their tier matches the nodes they span, sharded sequences have at least 2G tokens; attention
-tokens per rank in each wave respect the capacity; sources match the sequence lengths.
+tokens per rank in each wave respect the capacity; sources match the sequence lengths; the
+attention kind is one the runtime runs. A Ulysses plan's groups hold their rows in the same
+zigzag layout as rings (``runtime/ulysses.py``), so the same checks apply to both kinds.
 """
 from __future__ import annotations
 
@@ -13,6 +15,10 @@ from megatron_zeppelin.segments import Segment, zigzag_share
 
 if TYPE_CHECKING:  # annotations only: plan.py imports this module
     from megatron_zeppelin.plan import Plan
+
+
+# ``Plan.attention_kind``: zigzag ring attention, or Ulysses all-to-all head parallelism (FlexSP)
+ATTENTION_KINDS = ("ring", "ulysses")
 
 
 class PlanError(ValueError):
@@ -54,6 +60,9 @@ def _check_header(plan: "Plan") -> None:
             raise PlanError(f"sequence {i} has length {length}: expected >= 1")
         if src.end - src.start != length or src.start < 0:
             raise PlanError(f"sequence {i} of length {length} has source {src}")
+    if plan.attention_kind not in ATTENTION_KINDS:
+        raise PlanError(f"attention_kind={plan.attention_kind!r} is invalid: expected one of "
+                        f"{list(ATTENTION_KINDS)}")
     if plan.capacity < 1:
         raise PlanError(f"capacity {plan.capacity} is invalid: expected >= 1")
 

@@ -97,19 +97,6 @@ def router_topology(plan) -> RouterTopology:
                           nvlink_latency_s=0.0, nic_byte_per_s=25e9, nic_latency_s=0.0)
 
 
-def test_a_plan_whose_attention_is_not_ring_attention_is_refused_by_name():
-    """FlexSP's Ulysses plans are modelled by the simulator only: the engine (and so zeppelin
-    core attention, which builds one per plan) refuses them before touching a process group."""
-    plan = make_plan("flexsp", [3000, 900, 40, 7], make_cost(nodes=1, gpus_per_node=2))
-    assert plan.attention_kind == "ulysses"
-    with pytest.raises(ValueError) as refused:
-        AttentionEngine(plan, 0, None)
-    message = str(refused.value)
-    assert "\n" not in message and "strategy 'flexsp' is 'ulysses' attention" in message
-    assert "only the simulator models" in message and "'zeppelin'" in message
-    assert "'flexsp'," not in message.split("one of")[1]
-
-
 # ----------------------------------------------------------------------------- LOCAL queue
 
 def test_local_calls_batch_short_sequences_and_run_by_ascending_work():
@@ -295,14 +282,9 @@ SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "
 PACKAGE = os.path.dirname(megatron_zeppelin.__file__)
 
 
-def host_syncs(rank: int, plan, route_group) -> dict:
-    """Forward + backward on prepared engines (rings, LOCAL calls; torch fp32 and the native
-    path in bf16; ring and routed inter-node steps) with every tensor method that reads values
-    back to the host patched: the calls made from the package's code, per case."""
-    from flash_standin import install_in_process
-
-    install_in_process()
-    hits: list[str] = []
+def sync_counters(hits: list[str]) -> list:
+    """``patched`` arguments that append to ``hits`` every call of a tensor method in SYNCS
+    made from the package's code (where, by name, file and line)."""
 
     def counting(name, original):
         def wrapped(self, *args, **kwargs):
@@ -312,6 +294,18 @@ def host_syncs(rank: int, plan, route_group) -> dict:
             return original(self, *args, **kwargs)
         return wrapped
 
+    return [(torch.Tensor, name, lambda original, name=name: counting(name, original))
+            for name in SYNCS]
+
+
+def host_syncs(rank: int, plan, route_group) -> dict:
+    """Forward + backward on prepared engines (rings, LOCAL calls; torch fp32 and the native
+    path in bf16; ring and routed inter-node steps) with every tensor method that reads values
+    back to the host patched: the calls made from the package's code, per case."""
+    from flash_standin import install_in_process
+
+    install_in_process()
+    hits: list[str] = []
     report = {}
     for mode, dtype, backend in (("ring", torch.float32, "torch"),
                                  ("routed", torch.bfloat16, "native")):
@@ -321,8 +315,7 @@ def host_syncs(rank: int, plan, route_group) -> dict:
                                  route_group=route_group, backend=backend, device="cpu",
                                  router_topology=router_topology(plan) if mode == "routed"
                                  else None, local_call_tokens=8)
-        with patched(*[(torch.Tensor, name, lambda original, name=name: counting(name, original))
-                       for name in SYNCS]):
+        with patched(*sync_counters(hits)):
             engine.forward(q, k, v).backward(dout)
         engine.close()
         report[f"{mode}/{backend}"] = list(hits)

@@ -69,6 +69,9 @@ CORRUPTIONS = {
     "a source before the document": (
         lambda: replace(sources=(Segment(0, -1, 7), Segment(1, 0, 4), Segment(2, 0, 2))),
         r"sequence 0 of length 8 has source"),
+    "an attention kind the runtime does not run": (
+        lambda: replace(attention_kind="ulyses"),
+        r"attention_kind='ulyses' is invalid: expected one of \['ring', 'ulysses'\]"),
     "no capacity": (
         lambda: replace(capacity=0),
         r"capacity 0 is invalid: expected >= 1"),

@@ -43,7 +43,8 @@ def test_every_strategy_runs_through_the_cli_the_simulator_and_the_fidelity_plan
     plans = [p for p in fidelity_plans(opts, fidelity_cost(opts)) if p[0] == name]
     assert len(plans) == 1
     plans[0][3].validate()
-    assert (plans[0][3].attention_kind == "ring") == STRATEGIES[name]().runs_on_engine
+    assert plans[0][3].attention_kind == STRATEGIES[name].attention
+    assert STRATEGIES[name]().runs_on_engine
 
 
 def test_registry_rejects_bad_names_options_and_registrations():

@@ -112,8 +112,9 @@ def fidelity_plans(opts: FidelityOptions, cost: CostModel) -> list[tuple[str, in
 
 
 def engine_plans(plans: list[tuple[str, int, str, Plan]]) -> list[tuple[str, int, str, Plan]]:
-    """The plans the attention engine can run (ring attention)."""
-    return [p for p in plans if p[3].attention_kind == "ring"]
+    """The plans the attention engine can run (``Strategy.runs_on_engine``: ring attention and
+    FlexSP's Ulysses attention)."""
+    return [p for p in plans if STRATEGIES[p[0]]().runs_on_engine]
 
 
 class _PlanRun:

@@ -27,8 +27,8 @@ shrink it). Here:
 
 The MILP's counts become sequences: per bucket longest first to the largest sizes it was given,
 inside a size to its least-loaded group. Attention of the plan is Ulysses
-(``Plan.attention_kind``): the simulator models it; the attention engine runs rings only and
-refuses FlexSP plans (``engine.refuse_non_ring``).
+(``Plan.attention_kind``): the simulator models it (``sim/ulysses.py``) and the attention engine
+runs it as all-to-all attention (``runtime/ulysses.py``).
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.options import settings
 from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.plan_checks import ATTENTION_KINDS
 from megatron_zeppelin.planner.common import with_derived_capacity
 
 
@@ -29,9 +30,9 @@ class Strategy:
     """Base of every planning strategy: ``plan(seqlens, cost, config) -> Plan``.
 
     name: the registry key (``zeppelin plan --strategy NAME``); summary: one line for help
-    texts and reports; attention: ``ring`` when the attention engine (``runtime/engine.py``)
-    executes its plans, ``ulysses`` for plans whose attention is all-to-all head parallelism
-    (FlexSP), which only the simulator models; routed: whether the strategy sends its
+    texts and reports; attention: the ``Plan.attention_kind`` of its plans, ``ring`` (zigzag
+    ring attention, ``runtime/engine.py``) or ``ulysses`` (all-to-all head parallelism,
+    FlexSP, ``runtime/ulysses.py``); routed: whether the strategy sends its
     inter-node ring traffic through the routing layer (zeppelin) or the static NICs.
     """
 
@@ -58,7 +59,7 @@ class Strategy:
     @property
     def runs_on_engine(self) -> bool:
         """Whether the attention engine can execute this strategy's plans."""
-        return self.attention == "ring"
+        return self.attention in ATTENTION_KINDS
 
     def label(self) -> str:
         """The name, with the options that differ from their defaults: ``static-cp(cp_size=16)``."""

@@ -4,7 +4,8 @@ One module per piece: ``kernels/`` (kernel backends behind one protocol), ``atte
 (zigzag ring of one group), ``engine`` (three queues, overlapped), ``lanes`` (CPU order vs CUDA
 streams), ``ring_comm`` (the P2P ring helper), ``transport`` (direct or host-staged
 communication), ``inter`` and ``routed_p2p`` (global inter-node steps), ``remap`` (linear <->
-attention layout), ``merge`` (the LSE merge), ``device_index`` (plan indices moved once).
+attention layout), ``merge`` (the LSE merge), ``device_index`` (plan indices moved once),
+``ulysses`` (all-to-all head-parallel attention of FlexSP's plans, behind the engine).
 """
 
 from megatron_zeppelin.runtime.attention import ZigzagLayout, ring_attention

@@ -3,6 +3,8 @@
 ``AttentionEngine(plan, rank, group).forward(q, k, v)`` computes causal self-attention of the
 rank's attention buffer (``Plan.attention[rank]`` order; q ``[tokens, heads, head_dim]``, k/v
 ``[tokens, kv_heads, head_dim]``), with autograd, exactly as if every sequence ran alone.
+What follows is ring attention (``Plan.attention_kind`` ``ring``); a ``ulysses`` plan (FlexSP)
+is handed to ``runtime/ulysses.py`` (all-to-all head parallelism, its own autograd) instead.
 
 Queues and overlap. The rank's groups of a wave run in global order (``Plan.rank_groups``):
 INTER rings, then INTRA rings, then LOCAL sequences. A wave runs in rounds ``r = 0, 1, ...``
@@ -74,6 +76,7 @@ import torch.distributed as dist
 
 from megatron_zeppelin import env
 from megatron_zeppelin.plan import Plan, RingGroup, Tier
+from megatron_zeppelin.plan_checks import ATTENTION_KINDS
 from megatron_zeppelin.router import RouterTopology
 from megatron_zeppelin.runtime import kernels
 from megatron_zeppelin.runtime.attention import (RingGroupRun, StepBlocks, ZigzagLayout,
@@ -84,6 +87,7 @@ from megatron_zeppelin.runtime.kernels import KernelBackend, Pieces, accum_dtype
 from megatron_zeppelin.runtime.lanes import Lanes
 from megatron_zeppelin.runtime.ring_comm import RingComm, RingRequest
 from megatron_zeppelin.runtime.transport import Transport, get_transport
+from megatron_zeppelin.runtime.ulysses import UlyssesAttention
 from megatron_zeppelin.schedule import LOCAL_CALL_TOKENS, Phase, local_calls
 
 INTER_MODES = ("ring", "direct", "routed")
@@ -207,18 +211,13 @@ def _put(x: torch.Tensor, rows, value: torch.Tensor, dim: int = 0) -> None:
         x.index_copy_(dim, rows, value.to(x.dtype))
 
 
-def refuse_non_ring(plan: Plan) -> None:
-    """ValueError unless the plan's attention is ring attention, the only kind this engine
-    runs (FlexSP's ``ulysses`` plans are modelled by the simulator alone)."""
-    if plan.attention_kind == "ring":
-        return
-    from megatron_zeppelin.planner import STRATEGIES
-
-    ring = [name for name, cls in STRATEGIES.items() if cls.attention == "ring"]
-    raise ValueError(f"the attention engine runs ring attention only, and this plan of strategy "
-                     f"{plan.strategy!r} is {plan.attention_kind!r} attention, which only the "
-                     f"simulator models (zeppelin simulate, zeppelin plan --plot): plan with a "
-                     f"strategy that runs on the engine, one of {ring}")
+def refuse_unknown_kind(plan: Plan) -> None:
+    """ValueError unless the engine runs the plan's kind of attention: ``ring`` (this module)
+    or ``ulysses`` (FlexSP's all-to-all attention, ``runtime/ulysses.py``)."""
+    if plan.attention_kind not in ATTENTION_KINDS:
+        raise ValueError(f"plan of strategy {plan.strategy!r} has attention_kind="
+                         f"{plan.attention_kind!r}: the attention engine runs one of "
+                         f"{list(ATTENTION_KINDS)}")
 
 
 class AttentionEngine:
@@ -234,7 +233,9 @@ class AttentionEngine:
     sequences shorter than this are batched into calls of at least the work of one sequence of
     this length (``schedule.local_calls``); transport: a ``transport.Transport`` or its name
     (None: ``ZEPPELIN_TRANSPORT``); device: prepare the plan's indices there now (else at the
-    first call, on the inputs' device).
+    first call, on the inputs' device). A ``ulysses`` plan runs on ``group`` through
+    ``ulysses.UlyssesAttention`` (backend, timeout_s, scale, transport and device apply);
+    ``inter_mode``/``route_group`` route ring traffic and have none to route there.
     """
 
     def __init__(self, plan: Plan, rank: int, group: dist.ProcessGroup, *,
@@ -245,7 +246,7 @@ class AttentionEngine:
                  local_call_tokens: int = LOCAL_CALL_TOKENS,
                  transport: Transport | str | None = None,
                  device: torch.device | str | None = None) -> None:
-        refuse_non_ring(plan)
+        refuse_unknown_kind(plan)
         plan.topology.check_world_size(dist.get_world_size(group))
         if dist.get_rank(group) != rank:
             raise ValueError(f"rank={rank} is not this process's rank in the group "
@@ -270,11 +271,15 @@ class AttentionEngine:
         self.transport = get_transport(transport)
         self.tokens = plan.attention_tokens()[rank]
         self._groups = [g for g in (group, route_group) if g is not None]
-        self.inter = None if inter_mode == "ring" else InterQueue(
+        self.ulysses = None  # FlexSP's plans: all-to-all attention (its module doc)
+        if plan.attention_kind == "ulysses":
+            self.ulysses = UlyssesAttention(plan, rank, group, kernel=self._kernel, scale=scale,
+                                            transport=self.transport, timeout_s=self.timeout_s)
+        self.inter = None if inter_mode == "ring" or self.ulysses else InterQueue(
             plan, rank, route_group, routing=inter_mode == "routed",
             router_topology=router_topology, timeout_s=self.timeout_s,
             transport=self.transport)
-        self.waves = self._build_waves()
+        self.waves = [] if self.ulysses else self._build_waves()
         self._prepared: dict[torch.device, tuple[list[_Wave], Lanes]] = {}
         self._kernels: dict[tuple[torch.device, torch.dtype], KernelBackend] = {}
         if device is not None:
@@ -336,6 +341,8 @@ class AttentionEngine:
         """Move every index tensor of the plan to ``device`` (one copy per dtype) and make
         its lanes; call it ahead of the step (e.g. when the plan arrives). Idempotent."""
         device = _canonical(device)
+        if self.ulysses is not None:
+            self.ulysses.prepare(device)
         if device in self._prepared:
             return
         calls = [c for wave in self.waves for c in wave.local]
@@ -369,6 +376,8 @@ class AttentionEngine:
             raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
                              f"expected [{self.tokens}, heads, head_dim] and [{self.tokens}, "
                              "kv_heads, head_dim] (the rank's attention tokens)")
+        if self.ulysses is not None:
+            return self.ulysses.forward(q, k, v, scale)
         return _EngineFunction.apply(q, k, v, self, scale)
 
     __call__ = forward
@@ -391,6 +400,9 @@ class AttentionEngine:
         autograd.
         """
         phase = Phase(phase)
+        if self.ulysses is not None:
+            raise ValueError(f"run() steps ring attention; this plan of strategy "
+                             f"{self.plan.strategy!r} is Ulysses attention: call forward()")
         warm_up(self._groups, q.device)
         self.prepare(q.device)
         waves, lanes = self._prepared[_canonical(q.device)]
