@@ -46,6 +46,25 @@ def require(cond: bool, what: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{what}={value!r} is invalid: expected {allowed}")
 
 
+def int_at_least(minimum: int):
+    """An argparse ``type`` for an integer flag of at least ``minimum``: a bad value is
+    argparse's one-line error naming the flag (``argument --tp: 0 is invalid: expected an
+    integer >= 1``)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected an integer "
+                                             f">= {minimum}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is invalid: expected an integer "
+                                             f">= {minimum}")
+        return value
+
+    parse.__name__ = f"int_at_least_{minimum}"
+    return parse
+
+
 def settings(section: type) -> list[dataclasses.Field]:
     """The fields of ``section`` declared with ``setting`` (others are not flags)."""
     return [f for f in dataclasses.fields(section) if "help" in f.metadata]
