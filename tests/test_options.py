@@ -81,6 +81,9 @@ def test_a_bad_flag_value_is_one_line_not_a_usage_dump(capsys):
     (["--adam-beta2", "1.5"], r"^--adam-beta2=1.5 is invalid: expected a number in \[0, 1\)"),
     (["--zeppelin-gpus-per-node", "0"], r"^--zeppelin-gpus-per-node=0 is invalid"),
     (["--global-batch-size", "0"], r"^--global-batch-size=0 is invalid: expected >= 1"),
+    (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+     r"^--override-opt_param-scheduler=True is invalid: expected not together with "
+     r"--use-checkpoint-opt_param-scheduler"),
 ])
 def test_out_of_range_training_flags_are_refused_by_name(flags, match):
     with pytest.raises(ConfigError, match=match):
