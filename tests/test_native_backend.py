@@ -233,3 +233,24 @@ def test_the_real_kernel_fails_where_the_stand_in_says_and_the_backend_avoids_it
     torch.testing.assert_close(out.cpu().double(), want_out, atol=2e-2, rtol=0)
     finite = torch.isfinite(want_lse)
     torch.testing.assert_close(lse.cpu().double()[finite], want_lse[finite], atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gradient_tolerances_cover_the_kernels_rounding(dtype):
+    """The GPU check's gradient tolerance (test_gpu.TOL) is at least 1.5x the error model's
+    (flash_rounding: the kernel's roundings emulated) on the very blocks it checks."""
+    from flash_rounding import emulate_piece, exact_piece
+    from test_gpu import CASES, HEAD_DIM, TOL
+
+    worst = 0.0
+    for causal, pieces in CASES.values():
+        q, k, v, cu_q, cu_k = random_block(21, 8, 2, pieces, dtype=dtype, d=HEAD_DIM)
+        dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+        for a, b, c, e in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
+            if b > a and e > c:
+                got = emulate_piece(q[a:b], k[c:e], v[c:e], dout[a:b], causal, HEAD_DIM ** -0.5)
+                want = exact_piece(q[a:b], k[c:e], v[c:e], dout[a:b], causal, HEAD_DIM ** -0.5)
+                worst = max(worst, *(float((x - y).abs().max()) for x, y in
+                                     zip(got[2:], want[1:])))
+    unit = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
+    assert 2 * unit < worst < TOL[dtype]["grad"] / 1.5, worst  # rounding shows, and fits

@@ -31,7 +31,8 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch-tokens", default=None,
                    help="tokens per global batch (2M, 512K; default: --tokens-per-gpu x GPUs)")
     p.add_argument("--tokens-per-gpu", default="64K", help="tokens per GPU per global batch")
-    p.add_argument("--batches", type=int_at_least(1), default=2, help="global batches per setting (mean)")
+    p.add_argument("--batches", type=int_at_least(1), default=2,
+                   help="global batches per setting (mean)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--strategies", nargs="+", default=list(DEFAULT_VARIANTS),
                    help=f"variants to simulate: {list(VARIANTS)}")
