@@ -177,3 +177,16 @@ def test_every_integer_flag_refuses_zero_and_negatives_in_one_line(command, caps
             err = capsys.readouterr().err
             assert code == 2 and err.count("\n") == 1, (flag, value, err)
             assert flag in err and f"{value} is invalid" in err, err
+
+
+@pytest.mark.parametrize("flag,dest", [
+    ("--override-opt_param-scheduler", "override_opt_param_scheduler"),
+    ("--override-opt-param-scheduler", "override_opt_param_scheduler"),
+    ("--use-checkpoint-opt_param-scheduler", "use_checkpoint_opt_param_scheduler"),
+    ("--use-checkpoint-opt-param-scheduler", "use_checkpoint_opt_param_scheduler"),
+])
+def test_megatrons_scheduler_flags_take_both_of_megatrons_spellings(flag, dest):
+    args = train_args.parse_args(TRAIN + [flag])
+    train_args.validate_args(args, 1, None)
+    assert getattr(args, dest) is True
+    assert not getattr(train_args.parse_args(TRAIN), dest)

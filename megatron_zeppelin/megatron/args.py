@@ -171,10 +171,11 @@ class CheckpointArgs:
     override_opt_param_scheduler: bool = setting(
         False, "with --load: the LR and weight-decay schedule of these flags replaces the "
         "checkpoint's (Megatron-LM's flag; the step count still comes from the checkpoint)",
-        flag="--override-opt_param-scheduler")
+        flag="--override-opt_param-scheduler", aliases=("--override-opt-param-scheduler",))
     use_checkpoint_opt_param_scheduler: bool = setting(
         False, "with --load: keep the checkpoint's LR and weight-decay schedule, whatever these "
-        "flags say (Megatron-LM's flag)", flag="--use-checkpoint-opt_param-scheduler")
+        "flags say (Megatron-LM's flag)", flag="--use-checkpoint-opt_param-scheduler",
+        aliases=("--use-checkpoint-opt-param-scheduler",))
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "save_interval")
