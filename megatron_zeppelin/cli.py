@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Sequence
 from megatron_zeppelin.config import ConfigError, ZeppelinConfig, load_setup
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.limits import refuse_untrainable
-from megatron_zeppelin.options import Parser, add_flags, dest_of, flag_of, from_flags, settings
+from megatron_zeppelin.options import (Parser, add_flags, dest_of, flag_of, from_flags,
+                                       int_at_least, settings)
 
 if TYPE_CHECKING:
     from megatron_zeppelin.planner.registry import Strategy
@@ -24,11 +25,12 @@ def add_setup_args(p: argparse.ArgumentParser, nodes_nargs: str | None = None) -
     """--model --cluster --nodes --hardware --tp and the planner options."""
     p.add_argument("--model", required=True, help="model YAML path or shipped name (llama-7b)")
     p.add_argument("--cluster", required=True, help="cluster YAML path or shipped name")
-    p.add_argument("--nodes", type=int, nargs=nodes_nargs, default=None,
+    p.add_argument("--nodes", type=int_at_least(1), nargs=nodes_nargs, default=None,
                    help="number of nodes (default: the cluster YAML's)")
     p.add_argument("--hardware", default=None, help="hardware profile YAML (default: the "
                    "cluster's `hardware:` entry)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per rank")
+    p.add_argument("--tp", type=int_at_least(1), default=1,
+                   help="tensor-parallel size per rank (divides the GPUs per node)")
     add_flags(p.add_argument_group("planner options"), ZeppelinConfig)
 
 

@@ -157,8 +157,9 @@ class ClusterSpec:
 
     def topology(self, tp: int = 1) -> Topology:
         """Planner ranks: one per tensor-parallel group (``tp`` GPUs) of each node."""
-        require(self.gpus_per_node % tp == 0, "tensor_model_parallel_size", tp,
-                f"a divisor of gpus_per_node={self.gpus_per_node}")
+        require(isinstance(tp, int) and tp >= 1 and self.gpus_per_node % tp == 0,
+                "tensor_model_parallel_size", tp,
+                f"a positive divisor of gpus_per_node={self.gpus_per_node}")
         return Topology(nodes=self.nodes, gpus_per_node=self.gpus_per_node // tp)
 
 

@@ -31,10 +31,12 @@ from megatron_zeppelin.errors import ConfigError
 
 
 def setting(default: Any, help: str, *, flag: str | None = None,
-            choices: Iterable[Any] | None = None, metavar: str | None = None) -> Any:
-    """A dataclass field that is also a command-line flag and a YAML key."""
+            choices: Iterable[Any] | None = None, metavar: str | None = None,
+            aliases: Iterable[str] = ()) -> Any:
+    """A dataclass field that is also a command-line flag and a YAML key (``aliases``: other
+    spellings of the flag, as Megatron-LM accepts them)."""
     meta = {"help": help, "flag": flag, "choices": tuple(choices) if choices else None,
-            "metavar": metavar}
+            "metavar": metavar, "aliases": tuple(aliases)}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -44,6 +46,25 @@ def require(cond: bool, what: str, value: Any, allowed: str) -> None:
     rewords to the flag)."""
     if not cond:
         raise ConfigError(f"{what}={value!r} is invalid: expected {allowed}")
+
+
+def int_at_least(minimum: int):
+    """An argparse ``type`` for an integer flag of at least ``minimum``: a bad value is
+    argparse's one-line error naming the flag (``argument --tp: 0 is invalid: expected an
+    integer >= 1``)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected an integer "
+                                             f">= {minimum}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is invalid: expected an integer "
+                                             f">= {minimum}")
+        return value
+
+    parse.__name__ = f"int_at_least_{minimum}"
+    return parse
 
 
 def settings(section: type) -> list[dataclasses.Field]:
@@ -81,15 +102,16 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, section
         default = defaults.get(f.name, f.default)
         meta = f.metadata
         extra = {"help": _help(meta["help"], default, kind), "dest": dest_of(f, prefix)}
+        names = (flag_of(f, prefix), *meta.get("aliases", ()))
         if kind is bool:
-            parser.add_argument(flag_of(f, prefix), action=argparse.BooleanOptionalAction,
+            parser.add_argument(*names, action=argparse.BooleanOptionalAction,
                                 default=default, **extra)
             continue
         if meta["choices"]:
             extra["choices"] = meta["choices"]
         if meta["metavar"]:
             extra["metavar"] = meta["metavar"]
-        parser.add_argument(flag_of(f, prefix), type=kind, default=default, **extra)
+        parser.add_argument(*names, type=kind, default=default, **extra)
 
 
 def _help(text: str, default: Any, kind: type) -> str:

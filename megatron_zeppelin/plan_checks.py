@@ -9,12 +9,27 @@ zigzag layout as rings (``runtime/ulysses.py``), so the same checks apply to bot
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from megatron_zeppelin.segments import Segment, zigzag_share
 
-if TYPE_CHECKING:  # annotations only: plan.py imports this module
-    from megatron_zeppelin.plan import Plan
+
+class CheckedPlan(Protocol):
+    """What the checks read of a ``plan.Plan`` (described here, not imported: ``plan.py``
+    imports this module, and the package has no import circles)."""
+
+    topology: Any  # plan.Topology: world_size, tier_of(ring)
+    seqlens: tuple[int, ...]
+    sources: tuple[Segment, ...]
+    tasks: tuple[Any, ...]  # plan.AttentionTask: seq, ring, tier, wave
+    linear: tuple[tuple[Segment, ...], ...]
+    capacity: int
+
+    @property
+    def attention(self) -> tuple[tuple[Segment, ...], ...]: ...
+
+    @property
+    def num_waves(self) -> int: ...
 
 
 # ``Plan.attention_kind``: zigzag ring attention, or Ulysses all-to-all head parallelism (FlexSP)
@@ -25,7 +40,7 @@ class PlanError(ValueError):
     """A plan breaks the contract (lost or duplicated tokens, bad ring, capacity exceeded)."""
 
 
-def check_plan(plan: "Plan") -> None:
+def check_plan(plan: CheckedPlan) -> None:
     _check_header(plan)
     _check_tasks(plan)
     _check_cover("attention", plan.attention, plan.seqlens)
@@ -38,7 +53,7 @@ def check_plan(plan: "Plan") -> None:
                                 f"capacity {plan.capacity}")
 
 
-def wave_tokens(plan: "Plan") -> list[list[int]]:
+def wave_tokens(plan: CheckedPlan) -> list[list[int]]:
     """Attention tokens per rank in each wave (waves run one after another)."""
     out = [[0] * plan.topology.world_size for _ in range(plan.num_waves)]
     for task in plan.tasks:
@@ -48,7 +63,7 @@ def wave_tokens(plan: "Plan") -> list[list[int]]:
     return out
 
 
-def _check_header(plan: "Plan") -> None:
+def _check_header(plan: CheckedPlan) -> None:
     world = plan.topology.world_size
     if len(plan.linear) != world:
         raise PlanError(f"linear layout has {len(plan.linear)} ranks, topology has {world}")
@@ -67,7 +82,7 @@ def _check_header(plan: "Plan") -> None:
         raise PlanError(f"capacity {plan.capacity} is invalid: expected >= 1")
 
 
-def _check_tasks(plan: "Plan") -> None:
+def _check_tasks(plan: CheckedPlan) -> None:
     world = plan.topology.world_size
     for i, task in enumerate(plan.tasks):
         if task.seq != i:

@@ -10,6 +10,22 @@ float64 and checks every argument the way the real kernel's contract demands, so
 injects it (``install``) runs the native backend's whole code path: argument building, the
 +inf/-inf LSE conversion, the merge and the backward plumbing. It is never used at run time.
 
+It is as strict as the real kernel (torch 2.11's ``flash_api.cpp``: ``mha_varlen_fwd`` /
+``mha_varlen_bwd``, where the stand-in's checks come from):
+
+* offsets: 1-D, int32, contiguous, on q's device, one more than the pieces (at least one), and
+  ``max_q``/``max_k`` at least the longest piece (the kernel sizes its grid by them and never
+  checks them: a smaller value silently drops rows; a larger one is harmless);
+* head dim a multiple of 8 and at most 256, fp16/bf16, q/k/v of one dtype, last dim contiguous;
+* the backward reads the lse as raw memory (``softmax_lse.data_ptr()``, no shape, dtype or
+  stride check): the stand-in demands exactly a contiguous ``[heads, total_q]`` float32 tensor
+  on q's device, so a transposed, strided or float64 lse fails here instead of giving wrong
+  gradients on a GPU;
+* ``max_q == 1`` with GQA (``heads > kv_heads``): the forward takes its "ngroups swapped" path,
+  ``q.reshape(batch, kv_heads, groups, head_dim)``, which needs one query row per piece: an
+  empty query piece makes that reshape fail (emulated here with the same condition);
+* ``rng_state``/``unused`` are returned on q's device, as the kernel allocates them.
+
 ``calls`` counts the kernel calls, so a test can show that the native path really ran.
 """
 from __future__ import annotations
@@ -17,6 +33,7 @@ from __future__ import annotations
 import torch
 
 HALF = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
 
 
 def _fail(message: str) -> None:
@@ -27,28 +44,47 @@ def _offsets(cu: torch.Tensor, total: int, device: torch.device, name: str,
              longest: int) -> list[int]:
     """Host offsets of ``cu`` after checking the kernel's contract for them (the stand-in may
     read device values; the backend under test may not)."""
-    if cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != device:
-        _fail(f"{name} must be a 1-D int32 tensor on {device}, got {cu.dtype} "
-              f"{tuple(cu.shape)} on {cu.device}")
+    if cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != device or \
+            not cu.is_contiguous() or cu.numel() < 2:
+        _fail(f"{name} must be a contiguous 1-D int32 tensor of at least 2 offsets on {device}, "
+              f"got {cu.dtype} {tuple(cu.shape)} strides {cu.stride()} on {cu.device}")
     host = cu.tolist()
     if host[0] != 0 or host[-1] != total or any(b < a for a, b in zip(host, host[1:])):
         _fail(f"{name}={host} must rise from 0 to {total}")
-    if max((b - a for a, b in zip(host, host[1:])), default=0) != longest:
-        _fail(f"max length {longest} given for {name}={host}")
+    actual = max(b - a for a, b in zip(host, host[1:]))
+    if longest < actual:
+        _fail(f"max length {longest} given for {name}={host}: the kernel would skip the rows "
+              f"past it (longest piece {actual})")
     return host
 
 
 def _check_inputs(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p) -> tuple[list[int], list[int]]:
     if q.dtype not in HALF or k.dtype != q.dtype or v.dtype != q.dtype:
         _fail(f"q/k/v must be one of fp16/bf16, got {q.dtype}/{k.dtype}/{v.dtype}")
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[1] % k.shape[1]:
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[1] % k.shape[1] or \
+            q.shape[2] != k.shape[2]:
         _fail(f"packed shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
-    if any(t.stride(-1) != 1 for t in (q, k, v)):
-        _fail("the last dimension of q/k/v must be contiguous")
+    if q.shape[2] % 8 or q.shape[2] > MAX_HEAD_DIM:
+        _fail(f"head dim {q.shape[2]}: the kernel takes multiples of 8 up to {MAX_HEAD_DIM}")
+    if any(t.stride(-1) != 1 for t in (q, k, v)) or k.device != q.device or \
+            v.device != q.device:
+        _fail("q/k/v must be on one device with a contiguous last dimension")
     if dropout_p != 0.0:
         _fail(f"dropout_p={dropout_p}: the engine never uses dropout")
+    if cu_q.numel() != cu_k.numel():
+        _fail(f"cum_seq_q has {cu_q.numel()} offsets, cum_seq_k {cu_k.numel()}")
     return (_offsets(cu_q, q.shape[0], q.device, "cum_seq_q", max_q),
             _offsets(cu_k, k.shape[0], q.device, "cum_seq_k", max_k))
+
+
+def _check_grouped_single_row(q, k, cu_q: list[int], max_q: int) -> None:
+    """The forward's ``max_q == 1`` GQA path reshapes q to ``[pieces, kv_heads, groups, d]``:
+    every piece must hold exactly one query row (the real kernel fails on an empty one)."""
+    pieces = len(cu_q) - 1
+    if max_q == 1 and q.shape[1] > k.shape[1] and q.shape[0] != pieces:
+        _fail(f"max_q=1 with GQA ({q.shape[1]} heads over {k.shape[1]}) reshapes q "
+              f"{tuple(q.shape)} to [{pieces}, {k.shape[1]}, {q.shape[1] // k.shape[1]}, "
+              f"{q.shape[2]}]: invalid with empty query pieces (the real kernel fails here)")
 
 
 def _scores(q, k, a, b, c, d, causal, scale):
@@ -77,6 +113,7 @@ class StandInFlashOps:
                 window_size_right=None, seqused_k=None, alibi_slopes=None):
         self.calls["forward"] += 1
         cq, ck = _check_inputs(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p)
+        _check_grouped_single_row(query, key, cq, max_q)
         if return_debug_mask or window_size_left is not None or seqused_k is not None:
             _fail("debug mask, windows and seqused_k are not part of the engine's contract")
         scale = query.shape[-1] ** -0.5 if scale is None else scale
@@ -94,8 +131,10 @@ class StandInFlashOps:
             vv = value[c:d].double().repeat_interleave(group, 1)
             out[a:b] = torch.einsum("hqk,khd->qhd", p, vv)
             lse[:, a:b] = piece.masked_fill(~seen, float("inf"))
-        return (out.to(query.dtype), lse.float(), torch.zeros(2, dtype=torch.uint64),
-                torch.zeros((), dtype=torch.uint64), torch.empty(0, dtype=query.dtype))
+        device = query.device
+        return (out.to(query.dtype), lse.float(), torch.zeros(2, dtype=torch.uint64, device=device),
+                torch.zeros((), dtype=torch.uint64, device=device),
+                torch.empty(0, dtype=query.dtype, device=device))
 
     def backward(self, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
                  max_k, dropout_p, is_causal, rng_state, unused, *, scale=None,
@@ -107,9 +146,12 @@ class StandInFlashOps:
                 grad_out.dtype != query.dtype or out.dtype != query.dtype:
             _fail(f"grad_out {grad_out.dtype} {tuple(grad_out.shape)} and out {out.dtype} "
                   f"{tuple(out.shape)} must match q {query.dtype} {tuple(query.shape)}")
-        if logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != (heads, query.shape[0]):
-            _fail(f"logsumexp must be [{heads}, {query.shape[0]}] float32, got "
-                  f"{tuple(logsumexp.shape)} {logsumexp.dtype}")
+        if logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != (heads, query.shape[0]) \
+                or not logsumexp.is_contiguous() or logsumexp.device != query.device:
+            _fail(f"logsumexp must be a contiguous [{heads}, {query.shape[0]}] float32 tensor on "
+                  f"{query.device} (the backward reads it as raw memory), got "
+                  f"{tuple(logsumexp.shape)} {logsumexp.dtype} strides {logsumexp.stride()} on "
+                  f"{logsumexp.device}")
         if torch.isneginf(logsumexp).any() or torch.isnan(logsumexp).any():
             _fail("logsumexp holds -inf/NaN: the kernel marks rows without keys with +inf")
         if rng_state.dtype != torch.uint64 or tuple(rng_state.shape) != (2,) or \

@@ -99,9 +99,11 @@ def test_hardware_interpolates_on_log_length_and_clamps():
         HardwareProfile("h", 100, {}, kernel="fa2")
 
 
-def test_setup_rejects_tp_not_dividing_node():
-    with pytest.raises(ConfigError, match="tensor_model_parallel_size=3"):
-        load_setup("llama-7b", "h200-8nic", tp=3)
+@pytest.mark.parametrize("tp", [3, 0, -2])
+def test_setup_rejects_tp_not_dividing_node(tp):
+    with pytest.raises(ConfigError, match=rf"tensor_model_parallel_size={tp} is invalid: "
+                       "expected a positive divisor of gpus_per_node=8"):
+        load_setup("llama-7b", "h200-8nic", tp=tp)
 
 
 def test_nodes_override():

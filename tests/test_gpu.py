@@ -26,8 +26,17 @@ from test_kernels import (EQUAL, UNEQUAL, assert_backward_matches, random_block,
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
+# Gradient tolerances, from an error model of the kernel (tests/flash_rounding.py: where
+# FlashAttention-2 rounds to the half dtype, emulated on CPU). At GPU-FACTS's setting (d=128,
+# causal, up to 2048 tokens) it gives bf16 dq/dk/dv 1.5e-2/2.3e-2/2.6e-2 where the H100
+# measured 1.7e-2/1.9e-2/3.2e-2 (x0.8-1.2), and fp16 1/8 of bf16 (unit roundoff 2^-11 vs
+# 2^-8). On the blocks below (8 heads over 2, d=64: dk/dv sum 4 rounded heads) it gives, for
+# this draw, bf16 3.7e-2 and fp16 3.7e-3 at worst, and over 200 random draws at most bf16
+# 5.9e-2 and fp16 6.8e-3. fp16: 1.5e-2 is 2x the worst of 200 draws (4x this draw's), so a
+# real kernel 1.2x off the model still passes with room; 1e-2 was 1.5x the worst draw. bf16
+# keeps 6e-2 (1.6x this draw's model error; the worst of 200 draws comes within 2%).
 TOL = {torch.bfloat16: dict(out=2e-2, lse=1e-3, grad=6e-2),
-       torch.float16: dict(out=4e-3, lse=1e-3, grad=1e-2),
+       torch.float16: dict(out=4e-3, lse=1e-3, grad=1.5e-2),
        torch.float32: dict(out=1e-4, lse=1e-4, grad=1e-4)}
 CASES = {"causal equal": (True, EQUAL), "full unequal (empty pieces)": (False, UNEQUAL),
          "causal tq != tk (rows without keys)": (True, UNEQUAL)}

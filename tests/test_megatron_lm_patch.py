@@ -175,3 +175,28 @@ def test_patch_applies_once_wherever_the_checkout_lives(tmp_path, where):
         py_compile.compile(str(target / name), doraise=True)
     pretrain = (target / "pretrain_gpt.py").read_text()
     assert "import megatron_zeppelin" not in pretrain.split("def get_batch")[0]  # lazy only
+
+
+# ----------------------------------------------------------------------------- missing modules
+def _fake_checkout(tmp_path: Path, pretrain: str) -> tuple[Path, Path]:
+    """A tree whose ``pretrain_gpt.py`` is ``pretrain``, and a driver importing it."""
+    (tmp_path / "pretrain_gpt.py").write_text(pretrain)
+    driver = tmp_path / "driver.py"
+    driver.write_text("import os, sys\nsys.path.insert(0, os.getcwd())\nimport pretrain_gpt\n"
+                      "if __name__ == '__main__':\n    raise SystemExit('main ran')\n")
+    return tmp_path, driver
+
+
+def test_a_module_megatron_lm_imports_and_we_lack_is_named_for_a_skip(tmp_path):
+    from megatron_lm_imports import missing_in_log, missing_module
+
+    tree, driver = _fake_checkout(tmp_path, "import colorsys\nimport json\n")
+    assert missing_module(tree, driver) is None
+    assert missing_module(tree, driver, hide=("colorsys",)) == "colorsys"  # as six would be
+    (tmp_path / "pretrain_gpt.py").write_text("from megatron.training.tokenizer import x\n")
+    with pytest.raises(AssertionError, match="Megatron-LM's modules do not import"):
+        missing_module(tree, driver)  # the checkout's own module: a failure, not a skip
+    log = "Traceback ...\nModuleNotFoundError: No module named 'regex'\n"
+    assert missing_in_log(log) == "regex"
+    assert missing_in_log(log.replace("'regex'", "'megatron.legacy'")) is None
+    assert missing_in_log("AssertionError: losses differ") is None

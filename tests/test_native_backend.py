@@ -139,3 +139,118 @@ def test_pieces_record_rows_without_keys():
     empty_k = kernels.make_pieces([0, 2, 4], [0, 2, 2])
     assert empty_k.keyless_rows(False)
     assert empty_k.cu_q_dev.dtype == torch.int32 and empty_k.cu_k_dev.tolist() == [0, 2, 2]
+
+
+# ----------------------------------------------------------------------------- stand-in strictness
+def _raw_call(d=64, heads=4, kv_heads=2, pieces=((3, 3), (2, 4)), dtype=torch.bfloat16):
+    """Kernel arguments of a small block, as the backend builds them."""
+    q, k, v, cu_q, cu_k = random_block(5, heads, kv_heads, list(pieces), dtype=dtype, d=d)
+    meta = kernels.make_pieces(cu_q, cu_k)
+    return q, k, v, meta
+
+
+def test_the_stand_in_fails_loudly_on_what_the_real_kernel_would_misread():
+    from flash_standin import StandInFlashOps
+
+    ops = StandInFlashOps()
+    q, k, v, meta = _raw_call()
+    out, lse, rng, unused, _ = ops.forward(q, k, v, meta.cu_q_dev, meta.cu_k_dev, meta.max_q,
+                                           meta.max_k, 0.0, True, False, scale=0.1)
+    assert rng.device == unused.device == q.device and rng.dtype == torch.uint64
+    dout = torch.randn_like(out)
+
+    def backward(lse_arg):
+        return ops.backward(dout, q, k, v, out, lse_arg, meta.cu_q_dev, meta.cu_k_dev,
+                            meta.max_q, meta.max_k, 0.0, True, rng, unused, scale=0.1)
+
+    backward(lse)
+    strided = torch.empty(lse.shape[1], lse.shape[0]).t().copy_(lse)  # same values, [h, t]
+    assert strided.shape == lse.shape and not strided.is_contiguous()
+    for bad, match in ((strided, "contiguous"), (lse.double(), "float32"),
+                       (lse[:, :-1], r"\[4, 5\]")):
+        with pytest.raises(RuntimeError, match=f"logsumexp must be .*{match}"):
+            backward(bad)
+    cu_q = torch.tensor([0, 9, 3, 9, 5], dtype=torch.int32)[::2]  # [0, 3, 5], stride 2
+    for bad in (cu_q, meta.cu_q_dev.long()):
+        with pytest.raises(RuntimeError, match="cum_seq_q must be a contiguous 1-D int32"):
+            ops.forward(q, k, v, bad, meta.cu_k_dev, 3, 4, 0.0, True, False, scale=0.1)
+    with pytest.raises(RuntimeError, match="max length 2 given .* skip the rows"):
+        ops.forward(q, k, v, meta.cu_q_dev, meta.cu_k_dev, 2, 4, 0.0, True, False, scale=0.1)
+    ops.forward(q, k, v, meta.cu_q_dev, meta.cu_k_dev, 8, 4, 0.0, True, False, scale=0.1)
+    for d in (12, 264):
+        q, k, v, meta = _raw_call(d=d)
+        with pytest.raises(RuntimeError, match=f"head dim {d}: the kernel takes multiples of 8"):
+            ops.forward(q, k, v, meta.cu_q_dev, meta.cu_k_dev, 3, 4, 0.0, True, False)
+
+
+SINGLE_ROWS = [(1, 3), (0, 2), (1, 1), (0, 0), (1, 4)]  # max_q 1 with empty query pieces
+
+
+def test_the_stand_in_fails_like_the_kernel_on_single_row_gqa_with_empty_query_pieces():
+    from flash_standin import StandInFlashOps
+
+    ops = StandInFlashOps()
+    q, k, v, meta = _raw_call(pieces=SINGLE_ROWS)
+    assert meta.max_q == 1
+    with pytest.raises(RuntimeError, match=r"max_q=1 with GQA \(4 heads over 2\) reshapes q "
+                       r"\(3, 4, 64\) to \[5, 2, 2, 64\]"):
+        ops.forward(q, k, v, meta.cu_q_dev, meta.cu_k_dev, 1, meta.max_k, 0.0, True, False)
+    for pieces, kv_heads in ((SINGLE_ROWS, 4), ([(1, 3), (1, 2)], 2)):  # MHA; one row each
+        q, k, v, meta = _raw_call(pieces=pieces, kv_heads=kv_heads)
+        ops.forward(q, k, v, meta.cu_q_dev, meta.cu_k_dev, 1, meta.max_k, 0.0, True, False)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_native_backend_never_sends_single_row_gqa_with_empty_query_pieces(causal, monkeypatch):
+    """The block the kernel's max_q == 1 GQA path cannot take runs (max_q 2 passed) and is
+    exact; a block of one row per piece keeps max_q 1 (the kernel's fast path)."""
+    standin = install(monkeypatch)
+    q, k, v, cu_q, cu_k = random_block(9, 4, 2, SINGLE_ROWS, dtype=torch.bfloat16)
+    out, lse = kernels.block_forward(q, k, v, cu_q, cu_k, causal, 0.3, backend="native")
+    want_out, want_lse = reference_block(q, k, v, cu_q, cu_k, causal, 0.3)
+    torch.testing.assert_close(out.double(), want_out, atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=0)
+    assert_backward_matches(q, k, v, out, lse, cu_q, cu_k, causal, 0.3, "native", 4e-2, seed=2)
+    assert standin.calls == {"forward": 1, "backward": 1}
+    meta = kernels.make_pieces(cu_q, cu_k)
+    assert native.kernel_max_q(meta, 4, 2) == 2 and native.kernel_max_q(meta, 4, 4) == 1
+    assert native.kernel_max_q(kernels.make_pieces([0, 1, 2], [0, 3, 5]), 4, 2) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_real_kernel_fails_where_the_stand_in_says_and_the_backend_avoids_it():
+    """On a GPU: the raw kernel refuses max_q = 1 GQA with an empty query piece (what the
+    stand-in emulates); the native backend runs the same block, exactly."""
+    q, k, v, cu_q, cu_k = random_block(9, 4, 2, SINGLE_ROWS, dtype=torch.bfloat16, d=64)
+    meta = kernels.make_pieces(cu_q, cu_k, "cuda")
+    q, k, v = (t.cuda() for t in (q, k, v))
+    with pytest.raises(RuntimeError):
+        native.AtenFlashOps().forward(q, k, v, meta.cu_q_dev, meta.cu_k_dev, 1, meta.max_k,
+                                      0.0, True, False)
+    out, lse = kernels.block_forward(q, k, v, meta, None, True, 0.125, backend="native")
+    want_out, want_lse = reference_block(q.cpu(), k.cpu(), v.cpu(), cu_q, cu_k, True, 0.125)
+    torch.testing.assert_close(out.cpu().double(), want_out, atol=2e-2, rtol=0)
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse.cpu().double()[finite], want_lse[finite], atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gradient_tolerances_cover_the_kernels_rounding(dtype):
+    """The GPU check's gradient tolerance (test_gpu.TOL) is at least 1.5x the error model's
+    (flash_rounding: the kernel's roundings emulated) on the very blocks it checks."""
+    from flash_rounding import emulate_piece, exact_piece
+    from test_gpu import CASES, HEAD_DIM, TOL
+
+    worst = 0.0
+    for causal, pieces in CASES.values():
+        q, k, v, cu_q, cu_k = random_block(21, 8, 2, pieces, dtype=dtype, d=HEAD_DIM)
+        dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+        for a, b, c, e in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
+            if b > a and e > c:
+                got = emulate_piece(q[a:b], k[c:e], v[c:e], dout[a:b], causal, HEAD_DIM ** -0.5)
+                want = exact_piece(q[a:b], k[c:e], v[c:e], dout[a:b], causal, HEAD_DIM ** -0.5)
+                worst = max(worst, *(float((x - y).abs().max()) for x, y in
+                                     zip(got[2:], want[1:])))
+    unit = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
+    assert 2 * unit < worst < TOL[dtype]["grad"] / 1.5, worst  # rounding shows, and fits

@@ -81,6 +81,9 @@ def test_a_bad_flag_value_is_one_line_not_a_usage_dump(capsys):
     (["--adam-beta2", "1.5"], r"^--adam-beta2=1.5 is invalid: expected a number in \[0, 1\)"),
     (["--zeppelin-gpus-per-node", "0"], r"^--zeppelin-gpus-per-node=0 is invalid"),
     (["--global-batch-size", "0"], r"^--global-batch-size=0 is invalid: expected >= 1"),
+    (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+     r"^--override-opt_param-scheduler=True is invalid: expected not together with "
+     r"--use-checkpoint-opt_param-scheduler"),
 ])
 def test_out_of_range_training_flags_are_refused_by_name(flags, match):
     with pytest.raises(ConfigError, match=match):
@@ -143,3 +146,47 @@ def test_gpus_per_node_defaults_to_torchruns_local_world_size():
     assert PoolLayout.resolve(16, 1, 16, None, local_world_size=8).gpus_per_node == 8
     assert PoolLayout.resolve(16, 1, 4, None, local_world_size=8).gpus_per_node == 4
     assert PoolLayout.resolve(4, 1, 4, None, local_world_size=None).gpus_per_node == 4
+
+
+# the integer flags of `zeppelin plan` / `zeppelin simulate` that take any integer or 0
+ANY_INTEGER = {"--seed"}
+ZERO_ALLOWED = {"--max-megatron-sequences"}  # 0: skip megatron-hybrid-cp at every batch size
+
+
+def _integer_flags(command: str) -> list[str]:
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return [a.option_strings[0] for a in sub.choices[command]._actions if a.option_strings
+            and (a.type is int or getattr(a.type, "__name__", "").startswith("int_at_least"))]
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_every_integer_flag_refuses_zero_and_negatives_in_one_line(command, capsys):
+    """An integer flag at 0 or below is one line naming it, exit status 2 (``--tp 0`` was a
+    ZeroDivisionError traceback); every strategy is asked for, so each strategy option is
+    read."""
+    from megatron_zeppelin.planner.registry import STRATEGIES
+
+    flags = _integer_flags(command)
+    assert {"--tp", "--nodes", "--seed"} <= set(flags) and len(flags) >= 7
+    chosen = ["--strategy", *STRATEGIES] if command == "plan" else []
+    for flag in sorted(set(flags) - ANY_INTEGER):
+        for value in ["-1"] if flag in ZERO_ALLOWED else ["0", "-1"]:
+            code = cli.main([command, "--model", "gpt-tiny", "--cluster", "cpu-2x2", *chosen,
+                             flag, value])
+            err = capsys.readouterr().err
+            assert code == 2 and err.count("\n") == 1, (flag, value, err)
+            assert flag in err and f"{value} is invalid" in err, err
+
+
+@pytest.mark.parametrize("flag,dest", [
+    ("--override-opt_param-scheduler", "override_opt_param_scheduler"),
+    ("--override-opt-param-scheduler", "override_opt_param_scheduler"),
+    ("--use-checkpoint-opt_param-scheduler", "use_checkpoint_opt_param_scheduler"),
+    ("--use-checkpoint-opt-param-scheduler", "use_checkpoint_opt_param_scheduler"),
+])
+def test_megatrons_scheduler_flags_take_both_of_megatrons_spellings(flag, dest):
+    args = train_args.parse_args(TRAIN + [flag])
+    train_args.validate_args(args, 1, None)
+    assert getattr(args, dest) is True
+    assert not getattr(train_args.parse_args(TRAIN), dest)

@@ -184,8 +184,8 @@ def test_bad_inputs_name_the_value():
     (["--global-batch-tokens", "0"], "expected a positive number of tokens"),
     (["--global-batch-tokens", "-5"], "is invalid"),
     (["--strategies", "zeppelin", "warp"], "unknown strategy 'warp'"),
-    (["--nodes", "0"], "--nodes 0 is invalid"),
-    (["--batches", "0"], "--batches 0 is invalid"),
+    (["--nodes", "0"], "argument --nodes: 0 is invalid"),
+    (["--batches", "0"], "argument --batches: 0 is invalid"),
 ])
 def test_simulate_cli_rejects_bad_input(argv, message, capsys):
     base = ["simulate", "--model", "llama-7b", "--cluster", "h200-8nic", "--no-progress"]

@@ -87,3 +87,40 @@ def test_a_checkpoint_crosses_modes_and_pool_sizes(tmp_path):
     for (i, loss), (j, reference) in zip(two, four[2:]):
         assert i == j and loss == pytest.approx(reference, abs=2e-4), (i, loss, reference)
     assert torch.tensor([loss for _, loss in two]).isfinite().all()
+
+
+ZEPPELIN_2 = ["--context-parallel-mode", "zeppelin", "--context-parallel-size", "2",
+              "--zeppelin-gpus-per-node", "2"]
+
+
+def longer_schedule_body(rank: int, world: int, tmp: str) -> None:
+    """A first leg of 4 iterations of an 8-iteration LR schedule (--train-iters 4
+    --lr-decay-iters 8), resumed with --train-iters 8: the weight-decay steps (--train-iters x
+    GBS, as in Megatron-LM) differ, so the resume is refused in one line naming the flags that
+    resolve it; each of them resumes as the uninterrupted 8-iteration run."""
+    from megatron_zeppelin.config import ConfigError
+
+    schedule = FLAGS + ZEPPELIN_2 + ["--lr-decay-iters", "8"]  # --train-iters 4
+    eight = [f if f != "4" or schedule[i - 1] != "--train-iters" else "8"
+             for i, f in enumerate(schedule)]
+    whole = run(world, eight)
+    first = run(world, schedule + ["--save", tmp])
+    with pytest.raises(ConfigError, match=r"^--load: checkpoint .*iter_0000004 was trained with "
+                       r"another LR/weight-decay schedule: --train-iters gives wd_incr_steps=16 "
+                       r"there, 32 now .*--override-opt_param-scheduler .*"
+                       r"--use-checkpoint-opt_param-scheduler"):
+        run(world, eight + ["--load", tmp])
+    override = run(world, eight + ["--load", tmp, "--override-opt_param-scheduler"])
+    # the checkpoint's schedule: --lr 0.05 is ignored
+    kept = run(world, eight + ["--load", tmp, "--use-checkpoint-opt_param-scheduler", "--lr",
+                               "0.05"])
+    if rank == 0:
+        assert deterministic(first) == deterministic(whole[:4])
+        assert [log.iteration for log in override] == [5, 6, 7, 8]
+        assert deterministic(override) == deterministic(whole[4:])
+        assert deterministic(kept) == deterministic(whole[4:])
+        assert 0.001 < whole[7].lr < whole[4].lr < 0.01  # still decaying after iteration 4
+
+
+def test_a_first_leg_of_a_longer_schedule_resumes_with_megatrons_scheduler_flags(tmp_path):
+    run_world(longer_schedule_body, 2, str(tmp_path), start_method="spawn", timeout_s=400)

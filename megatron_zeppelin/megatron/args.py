@@ -111,6 +111,20 @@ class OptimArgs:
             require(0.0 <= value < 1.0, f"optim.{name}", value, "a number in [0, 1)")
 
 
+def schedule(args: argparse.Namespace) -> dict:
+    """The values of megatron-core's ``OptimizerParamScheduler`` these flags give, in samples
+    (iterations x --global-batch-size), as Megatron-LM computes them: LR warmup and decay,
+    and a constant weight decay whose increment spans --train-iters (``wd_incr_steps``).
+    The keys are those of the scheduler's ``state_dict`` (what a checkpoint holds)."""
+    samples = args.global_batch_size
+    return dict(max_lr=args.lr, min_lr=args.min_lr,
+                lr_warmup_steps=args.lr_warmup_iters * samples,
+                lr_decay_steps=(args.lr_decay_iters or args.train_iters) * samples,
+                lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+                end_wd=args.weight_decay, wd_incr_steps=args.train_iters * samples,
+                wd_incr_style="constant")
+
+
 @dataclass(frozen=True)
 class TrainingArgs:
     SECTION = "training"
@@ -154,9 +168,22 @@ class CheckpointArgs:
                                                "folder holds no checkpoint")
     load_optim: bool = setting(True, "with --load: restore the optimizer state and LR schedule")
     load_rng: bool = setting(True, "with --load: restore the RNG states")
+    override_opt_param_scheduler: bool = setting(
+        False, "with --load: the LR and weight-decay schedule of these flags replaces the "
+        "checkpoint's (Megatron-LM's flag; the step count still comes from the checkpoint)",
+        flag="--override-opt_param-scheduler", aliases=("--override-opt-param-scheduler",))
+    use_checkpoint_opt_param_scheduler: bool = setting(
+        False, "with --load: keep the checkpoint's LR and weight-decay schedule, whatever these "
+        "flags say (Megatron-LM's flag)", flag="--use-checkpoint-opt_param-scheduler",
+        aliases=("--use-checkpoint-opt-param-scheduler",))
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "save_interval")
+        require(not (self.override_opt_param_scheduler and
+                     self.use_checkpoint_opt_param_scheduler),
+                "checkpoint.override_opt_param_scheduler", True,
+                "not together with --use-checkpoint-opt_param-scheduler (take the schedule of "
+                "the flags or of the checkpoint, not both)")
 
 
 @dataclass(frozen=True)

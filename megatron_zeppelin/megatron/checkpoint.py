@@ -33,6 +33,7 @@ import queue
 import random
 import shutil
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,11 +72,13 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 @dataclass(frozen=True)
 class Found:
-    """A checkpoint to load: its folder, iteration and DCP metadata (read safely)."""
+    """A checkpoint to load: its folder, iteration, DCP metadata (read safely) and the LR
+    schedule it was trained with (``OptimizerParamScheduler.state_dict``, from common.pt)."""
 
     path: str
     iteration: int
     metadata: Any
+    schedule: dict = dataclasses.field(default_factory=dict)
 
 
 def _refuse(path: str, problem: str) -> ConfigError:
@@ -120,11 +123,13 @@ def inspect(load: str, exit_on_missing: bool) -> Found | None:
                       f"torch.distributed.checkpoint: {exc})") from None
     _check_data_files(path, metadata)
     try:
-        torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=True)
+        common = torch.load(os.path.join(path, "common.pt"), map_location="cpu",
+                            weights_only=True)
     except Exception as exc:  # truncated zip, foreign pickle, missing file
         raise _refuse(path, f"has an unreadable common.pt ({type(exc).__name__}: "
                       f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
-    return Found(path, iteration, metadata)
+    schedule = common.get("opt_param_scheduler") if isinstance(common, dict) else None
+    return Found(path, iteration, metadata, schedule if isinstance(schedule, dict) else {})
 
 
 def _check_data_files(path: str, metadata: Any) -> None:
@@ -258,8 +263,29 @@ def save(root: str, iteration: int, run: Training, extra: dict) -> str:
     return path
 
 
-SCHEDULE_KEYS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
-                 "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style"}
+# the scheduler's values (``args.schedule``) and the flags that set them
+SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
+                  "lr_decay_steps": "--lr-decay-iters (default: --train-iters)",
+                  "lr_decay_style": "--lr-decay-style", "start_wd": "--weight-decay",
+                  "end_wd": "--weight-decay", "wd_incr_steps": "--train-iters",
+                  "wd_incr_style": "--weight-decay"}
+
+
+def check_schedule(found: Found, wanted: dict) -> None:
+    """The LR/weight-decay schedule of the flags (``wanted``, ``args.schedule``) is the
+    checkpoint's, as megatron-core's scheduler asserts on load unless told to take one side
+    (--override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler): refused here, in
+    one line, before any process group exists."""
+    for key, flag in SCHEDULE_FLAGS.items():
+        if key in found.schedule and found.schedule[key] != wanted[key]:
+            raise _refuse(found.path, f"was trained with another LR/weight-decay schedule: {flag} "
+                          f"gives {key}={found.schedule[key]!r} there, {wanted[key]!r} now (steps "
+                          "count samples: iterations x --global-batch-size); resume with that "
+                          "run's flags (to stop a longer run early, give the first leg the full "
+                          "--train-iters and --exit-interval), or pass "
+                          "--override-opt_param-scheduler (this run's schedule) or "
+                          "--use-checkpoint-opt_param-scheduler (the checkpoint's), or "
+                          "--no-load-optim")
 
 
 def load(found: Found, run: Training, load_optim: bool, load_rng: bool) -> dict:
@@ -279,7 +305,6 @@ def load(found: Found, run: Training, load_optim: bool, load_rng: bool) -> dict:
     model = run.model.module.sharded_state_dict()
     request: dict = {"model": model}
     if load_optim:
-        _check_schedule(found, common.get("opt_param_scheduler", {}), run.scheduler)
         request["optimizer"] = run.optimizer.sharded_state_dict(model, is_loading=True)
     same_world = saved.get("world_size") == dist.get_world_size()
     if load_rng and same_world:
@@ -307,14 +332,3 @@ def load(found: Found, run: Training, load_optim: bool, load_rng: bool) -> dict:
               f"({', '.join(restored)}{skipped}; saved in {saved.get('mode', '?')} mode; "
               f"{time.perf_counter() - started:.2f} s)", flush=True)
     return saved
-
-
-def _check_schedule(found: Found, saved: dict, scheduler) -> None:
-    """The LR schedule of the flags is the checkpoint's (or resuming would change it)."""
-    now = scheduler.state_dict()
-    for key, flag in SCHEDULE_KEYS.items():
-        if key in saved and saved[key] != now[key]:
-            raise _refuse(found.path, f"was trained with another LR schedule: {flag} gives "
-                          f"{key}={saved[key]!r} there, {now[key]!r} now (steps count samples: "
-                          "iterations x --global-batch-size); resume with the same schedule, "
-                          "or pass --no-load-optim")

@@ -10,7 +10,8 @@ rank 0, ``fatal.user_error``) instead of one rank failing while the others wait 
 * the corpus (the built-in one, or ``--data-path``'s index and data file) and the overlong
   policy against its longest document;
 * where results go (``--save`` can be created, ``--log-json``'s folder exists);
-* the checkpoint ``--load`` names (``checkpoint.inspect``: format, safety, completeness).
+* the checkpoint ``--load`` names (``checkpoint.inspect``: format, safety, completeness) and
+  the LR/weight-decay schedule it was trained with against the flags' (``check_schedule``).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError
-from megatron_zeppelin.megatron import checkpoint
+from megatron_zeppelin.megatron import args as train_args, checkpoint
 from megatron_zeppelin.megatron.corpus import DocumentSource, check_overlong, open_source
 
 
@@ -88,4 +89,7 @@ def check(args: argparse.Namespace) -> Ready:
     check_overlong(source.lengths(), args.seq_length, args.zeppelin_overlong, what)
     check_outputs(args)
     resume = checkpoint.inspect(args.load, args.exit_on_missing_checkpoint) if args.load else None
+    if resume is not None and args.load_optim and not (
+            args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler):
+        checkpoint.check_schedule(resume, train_args.schedule(args))
     return Ready(source, resume)

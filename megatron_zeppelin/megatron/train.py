@@ -152,19 +152,16 @@ def forward_step(data_iterator, model):
 
 
 def make_scheduler(args: argparse.Namespace, optimizer):
-    """Megatron's LR schedule (megatron-core's ``OptimizerParamScheduler``), in samples as in
-    Megatron-LM: it steps by ``--global-batch-size`` after every iteration."""
+    """Megatron's LR schedule (megatron-core's ``OptimizerParamScheduler``, values from
+    ``args.schedule``), in samples as in Megatron-LM: it steps by ``--global-batch-size`` after
+    every iteration. On ``--load`` it takes the checkpoint's values, or this run's with
+    --override-opt_param-scheduler (preflight refused a mismatch without either flag)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    samples = args.global_batch_size
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * samples,
-        lr_decay_steps=(args.lr_decay_iters or args.train_iters) * samples,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=args.train_iters * samples,
-        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False,
-        override_opt_param_scheduler=False)
+        optimizer, init_lr=0.0, **train_args.schedule(args),
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler)
 
 
 def make_data(args: argparse.Namespace, source: DocumentSource, pool: Pool,

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from megatron_zeppelin.config import ZeppelinConfig
-from megatron_zeppelin.options import add_flags, from_flags
+from megatron_zeppelin.options import add_flags, from_flags, int_at_least
 
 
 def _add_simulate_args(p: argparse.ArgumentParser) -> None:
@@ -22,23 +22,24 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", help="model YAML path or shipped name (llama-7b)")
     p.add_argument("--cluster", help="cluster YAML path or shipped name (a800-4nic)")
-    p.add_argument("--nodes", type=int, nargs="+", default=None,
+    p.add_argument("--nodes", type=int_at_least(1), nargs="+", default=None,
                    help="node counts to sweep (default: the cluster YAML's)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per rank")
+    p.add_argument("--tp", type=int_at_least(1), default=1, help="tensor-parallel size per rank")
     p.add_argument("--workload", nargs="+", default=["github"], help="built-in workloads")
     p.add_argument("--lengths", default=None, help="file with one document length per line "
                    "(one batch; replaces --workload)")
     p.add_argument("--global-batch-tokens", default=None,
                    help="tokens per global batch (2M, 512K; default: --tokens-per-gpu x GPUs)")
     p.add_argument("--tokens-per-gpu", default="64K", help="tokens per GPU per global batch")
-    p.add_argument("--batches", type=int, default=2, help="global batches per setting (mean)")
+    p.add_argument("--batches", type=int_at_least(1), default=2,
+                   help="global batches per setting (mean)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--strategies", nargs="+", default=list(DEFAULT_VARIANTS),
                    help=f"variants to simulate: {list(VARIANTS)}")
     p.add_argument("--baseline", default="static-cp", help="variant speedups are relative to")
     add_flags(p.add_argument_group("planner options"), ZeppelinConfig,
               skip=("routing", "remap"))  # switched per variant
-    p.add_argument("--max-megatron-sequences", type=int, default=MAX_MEGATRON_SEQUENCES,
+    p.add_argument("--max-megatron-sequences", type=int_at_least(0), default=MAX_MEGATRON_SEQUENCES,
                    help="skip megatron-hybrid-cp above this many documents per batch")
     p.add_argument("--plot", default=None, help="folder for speedup and per-rank load PNGs")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -55,8 +56,6 @@ def _settings(args: argparse.Namespace):
         raise ValueError("--model and --cluster are required")
     nodes = args.nodes or [load_cluster(args.cluster).nodes]
     tokens = parse_tokens(args.global_batch_tokens) if args.global_batch_tokens else 0
-    if args.batches < 1:
-        raise ValueError(f"--batches {args.batches} is invalid: expected an integer >= 1")
     return settings_from_args(args.model, args.cluster, nodes, args.workload, args.tp, tokens,
                               parse_tokens(args.tokens_per_gpu), args.batches, args.seed,
                               args.lengths)

@@ -20,6 +20,13 @@ one ``masked_fill`` turns the kernel's ``+inf`` lse into the engine's ``-inf`` (
 backward). The offsets and max lengths come precomputed in ``Pieces``; nothing is read back
 from the device.
 
+One call the kernel cannot take: with ``max_q == 1`` and GQA its forward reshapes q to
+``[pieces, kv_heads, groups, head_dim]`` (a fast path that assumes one query row per piece),
+which fails when a query piece is empty (a ring block whose piece of some sequence holds no
+query row). The backend then passes ``max_q = 2`` (``kernel_max_q``): the kernel sizes its
+grid by ``max_q`` and reads every piece's true length from the offsets, so a larger value only
+turns the fast path off (same results; causal with one row sees every key either way).
+
 ``NativeFlash.ops`` is the kernel the backend calls (``AtenFlashOps``); tests replace it with a
 CPU stand-in of exactly this contract (``tests/flash_standin.py``), so CI runs this module's
 whole code path. At run time the backend calls the real kernel or refuses (``refuses``).
@@ -32,6 +39,15 @@ from megatron_zeppelin.runtime.kernels.base import (HALF, Pieces, lse_from_kerne
                                                     register)
 
 MAX_HEAD_DIM = 256
+
+
+def kernel_max_q(pieces: Pieces, heads: int, kv_heads: int) -> int:
+    """The ``max_q`` to pass the kernel: the longest query piece, but 2 where the kernel's
+    ``max_q == 1`` GQA path would reshape over empty query pieces (module docstring); host
+    facts of the plan only (no device read)."""
+    if pieces.max_q == 1 and heads > kv_heads and pieces.total_q < len(pieces.cu_q) - 1:
+        return 2
+    return pieces.max_q
 
 
 class AtenFlashOps:
@@ -92,7 +108,8 @@ class NativeFlash:
                                                      dtype=torch.float32, device=q.device))
         out, lse, *_ = self.ops.forward(
             q.contiguous(), k.contiguous(), v.contiguous(), pieces.cu_q_dev, pieces.cu_k_dev,
-            pieces.max_q, pieces.max_k, 0.0, causal, False, scale=scale)
+            kernel_max_q(pieces, heads, k.shape[1]), pieces.max_k, 0.0, causal, False,
+            scale=scale)
         if tuple(lse.shape) != (heads, pieces.total_q) or lse.dtype != torch.float32:
             raise RuntimeError(f"aten._flash_attention_forward returned lse {tuple(lse.shape)} "
                                f"{lse.dtype}: the native backend expects [{heads}, "
@@ -106,8 +123,9 @@ class NativeFlash:
         rng_state, unused = self._unused_rng(q.device)
         dq, dk, dv = self.ops.backward(
             dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
-            lse_to_kernel(lse, pieces, causal), pieces.cu_q_dev, pieces.cu_k_dev, pieces.max_q,
-            pieces.max_k, 0.0, causal, rng_state, unused, scale=scale)
+            lse_to_kernel(lse, pieces, causal), pieces.cu_q_dev, pieces.cu_k_dev,
+            kernel_max_q(pieces, q.shape[1], k.shape[1]), pieces.max_k, 0.0, causal, rng_state,
+            unused, scale=scale)
         return dq, dk, dv
 
 
