@@ -162,6 +162,8 @@ class OrderedTransport(Transport):
 
     def post(self, ops: Sequence[P2P], group: dist.ProcessGroup, where: str,
              timeout_s: float) -> Pending:
+        if not ops:
+            return Pending()
         return self._post_kind(list(ops), P2P_KIND, group, where, timeout_s)
 
     def _post_kind(self, ops: list[P2P], kind: int, group, where: str,
