@@ -6,9 +6,11 @@ ZEPPELIN_PLANNER_BACKEND   ``auto`` (default), ``cpp`` or ``python``: which plan
 ZEPPELIN_PLANNER_TIMEOUT_S seconds training waits for the planner process's plan (default 300)
 ZEPPELIN_ATTENTION_BACKEND ``auto`` (default) or a registered kernel backend
                            (``runtime.kernels.choices()``: native, torch, flash_attn, te)
-ZEPPELIN_TRANSPORT         ``direct`` (default: tensors go to torch.distributed as they are) or
+ZEPPELIN_TRANSPORT         ``direct`` (default: tensors go to torch.distributed as they are),
                            ``staged`` (CUDA tensors through host buffers over gloo: several
-                           ranks sharing one GPU, for tests and debugging)
+                           ranks sharing one GPU, for tests and debugging) or ``ordered``
+                           (tests on gloo: messages matched by order per rank pair, as NCCL
+                           does, a mismatch fails loudly; ``runtime/ordered.py``)
 ZEPPELIN_P2P_TIMEOUT_S     seconds a ring/remap exchange may wait on a peer (default 300)
 MEGATRON_LM_PATH           a Megatron-LM checkout, for the patch test and apply script
 LOCAL_WORLD_SIZE           set by torchrun: processes on this node (default GPUs per node)
@@ -25,7 +27,7 @@ from __future__ import annotations
 import os
 
 ROUTER_BACKENDS = ("auto", "cpp", "python")
-TRANSPORTS = ("direct", "staged")
+TRANSPORTS = ("direct", "staged", "ordered")
 PLANNER_BACKENDS = ("auto", "cpp", "python")
 
 

@@ -11,7 +11,8 @@ also records the order of posts, ring steps, polls, LOCAL calls and waits (LOCAL
 the waits for traffic), counts host syncs inside the per-round loop (none allowed), and ends
 with a peer that fails mid-ring while the others wait on the helper thread. Some cases run the
 native backend's code path in bf16 through the kernel stand-in (``flash_standin``) and some
-the staged transport (host buffers, the path of several ranks sharing one GPU).
+the staged transport (host buffers, the path of several ranks sharing one GPU), and some
+the ordered transport (NCCL's matching by order per rank pair and communicator, checked).
 """
 from __future__ import annotations
 
@@ -83,7 +84,9 @@ def plan_of(strategy: str, nodes: int, gpus: int, lengths, **options):
 def case(label, plan, heads=4, kv_heads=2, dtype="float32", modes=("ring",), seed=0,
          local_call_tokens=LOCAL_CALL_TOKENS, backend=None, transport="direct"):
     """backend ``native`` runs the native backend's code path through the kernel stand-in
-    (bf16); transport ``staged`` stages every exchange through host buffers."""
+    (bf16); transport ``staged`` stages every exchange through host buffers, ``ordered``
+    matches messages by order per rank pair and group as NCCL does (``runtime/ordered.py``:
+    an order that only gloo's tags make agree fails)."""
     return dict(label=label, plan=plan, heads=heads, kv_heads=kv_heads, dtype=dtype,
                 modes=modes, seed=seed, local_call_tokens=local_call_tokens, backend=backend,
                 transport=transport)
@@ -412,14 +415,14 @@ def check_tiers(cases, want=("inter", "intra", "local")) -> None:
 def test_engine_world_of_2():
     only_local = [1, 3, 17, 5, 40, 2, 9]
     cases = [
-        case("zeppelin 1x2 long tail", zeppelin_plan(1, 2, 0), kv_heads=2,
-             local_call_tokens=6),
+        case("zeppelin 1x2 long tail, ordered", zeppelin_plan(1, 2, 0), kv_heads=2,
+             local_call_tokens=6, transport="ordered"),
         case("zeppelin 1x2 only local", plan_of("zeppelin", 1, 2, only_local), kv_heads=1),
         case("static-cp 1x2 one sequence", plan_of("static-cp", 1, 2, [101], cp_size=2),
              kv_heads=4, seed=1),
         case("megatron hybrid-cp 1x2 waves",
              plan_of("megatron-hybrid-cp", 1, 2, [400, 150, 90, 33, 17, 8, 5, 1, 1, 60, 23]),
-             seed=2),
+             seed=2, transport="ordered"),
         case("zeppelin 1x2 bf16", zeppelin_plan(1, 2, 1), dtype="bfloat16", seed=3,
              local_call_tokens=3),
         case("zeppelin 1x2 native bf16, staged", zeppelin_plan(1, 2, 0), dtype="bfloat16",
@@ -434,11 +437,11 @@ def test_engine_world_of_2():
 def test_engine_world_of_4_and_failing_peer():
     cases = [
         case("zeppelin 2x2 seed 0", zeppelin_plan(2, 2, 0), modes=("ring", "direct", "routed")),
-        case("zeppelin 2x2 seed 3 MQA", zeppelin_plan(2, 2, 3), kv_heads=1,
-             modes=("ring", "routed"), seed=1, local_call_tokens=5),
+        case("zeppelin 2x2 seed 3 MQA, ordered", zeppelin_plan(2, 2, 3), kv_heads=1,
+             modes=("ring", "routed"), seed=1, local_call_tokens=5, transport="ordered"),
         case("static-cp 2x2 one sequence over all", plan_of("static-cp", 2, 2, [203],
                                                             cp_size=4),
-             modes=("ring", "routed"), seed=2),
+             modes=("ring", "routed"), seed=2, transport="ordered"),
         case("megatron hybrid-cp 2x2", plan_of("megatron-hybrid-cp", 2, 2, long_tail(1, 12, 32)),
              kv_heads=4, seed=3),
         case("zeppelin 2x2 native bf16, staged", zeppelin_plan(2, 2, 0), dtype="bfloat16",
@@ -500,11 +503,13 @@ def check_timeline(rank: int, timeline: dict) -> None:
 def test_engine_world_of_8():
     cases = [
         case("zeppelin 2x4 seed 0", zeppelin_plan(2, 4, 0), modes=("ring", "routed")),
-        case("zeppelin 4x2 seed 2", zeppelin_plan(4, 2, 2), kv_heads=1,
-             modes=("ring", "direct", "routed"), seed=1, local_call_tokens=4),
+        case("zeppelin 4x2 seed 2, ordered", zeppelin_plan(4, 2, 2), kv_heads=1,
+             modes=("ring", "direct", "routed"), seed=1, local_call_tokens=4,
+             transport="ordered"),
         case("static-cp 4x2", plan_of("static-cp", 4, 2, long_tail(4, 12, 90)), seed=2),
-        case("megatron hybrid-cp 2x4", plan_of("megatron-hybrid-cp", 2, 4, long_tail(2, 16, 300)),
-             seed=3),
+        case("megatron hybrid-cp 2x4, ordered",
+             plan_of("megatron-hybrid-cp", 2, 4, long_tail(2, 16, 300)), seed=3,
+             transport="ordered"),
         case("static-cp 4x2 one sequence over all", plan_of("static-cp", 4, 2, [133],
                                                             cp_size=8),
              kv_heads=4, modes=("routed",), seed=4),

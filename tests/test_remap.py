@@ -19,7 +19,8 @@ pytestmark = pytest.mark.distributed
 
 def token_values(plan, layout, width: int = 3) -> torch.Tensor:
     """A distinct row per (sequence, position): [tokens, width] float64, in ``layout`` order."""
-    rows = [torch.tensor([s.seq * 100003.0 + t + k * 0.25 for k in range(width)])
+    rows = [torch.tensor([s.seq * 100003.0 + t + k * 0.25 for k in range(width)],
+                         dtype=torch.float64)
             for s in layout for t in range(s.start, s.end)]
     return torch.stack(rows) if rows else torch.zeros(0, width, dtype=torch.float64)
 
@@ -53,7 +54,7 @@ def check_plans(rank: int, world: int, nodes: int, gpn: int, transport: str) -> 
 
 
 @pytest.mark.parametrize("nodes,gpn,transport", [(2, 2, "direct"), (2, 4, "direct"),
-                                                  (2, 2, "staged")])
+                                                  (2, 2, "staged"), (2, 4, "ordered")])
 def test_remap_moves_rows_exactly_and_inverts_gradients(nodes, gpn, transport):
     run_world(check_plans, nodes * gpn, nodes, gpn, transport)
 

@@ -151,9 +151,11 @@ def worker(rank: int, world: int, gpus: int, gpu_to_nic: tuple[int, ...], out_di
     return report
 
 
-def run_pool(tmp_path: Path, world: int, gpus: int, gpu_to_nic: tuple[int, ...]) -> list[dict]:
-    """Start ``world`` gloo ranks and return their reports."""
-    return run_world(worker, world, gpus, gpu_to_nic, str(tmp_path), timeout_s=120)
+def run_pool(tmp_path: Path, world: int, gpus: int, gpu_to_nic: tuple[int, ...],
+             transport: str = "direct") -> list[dict]:
+    """Start ``world`` gloo ranks (``ZEPPELIN_TRANSPORT=transport``) and return their reports."""
+    return run_world(worker, world, gpus, gpu_to_nic, str(tmp_path), timeout_s=120,
+                     env={"ZEPPELIN_TRANSPORT": transport})
 
 
 def expected_receivers(topology: RouterTopology, seed: int) -> dict[int, list[int]]:
@@ -207,8 +209,11 @@ def assert_input_errors(reports: list[dict], topology: RouterTopology) -> None:
             assert report["missing_send"] is None and report["short_recv"] is None
 
 
-def test_two_nodes_of_two_ranks_deliver_and_routed_times_out(tmp_path: Path) -> None:
-    reports = run_pool(tmp_path, world=4, gpus=2, gpu_to_nic=(0, 1))
+@pytest.mark.parametrize("transport", ["direct", "ordered"])
+def test_two_nodes_of_two_ranks_deliver_and_routed_times_out(tmp_path: Path,
+                                                             transport: str) -> None:
+    """``ordered``: the routed batches also hold under NCCL's matching by order."""
+    reports = run_pool(tmp_path, world=4, gpus=2, gpu_to_nic=(0, 1), transport=transport)
     assert_input_errors(reports, make_topology(2, 2, (0, 1)))
     assert_integrity(reports, make_topology(2, 2, (0, 1)))
     assert reports[0]["relayed_via_rank2"] is True

@@ -6,6 +6,7 @@ import dataclasses
 import torch.distributed as dist
 
 from megatron_zeppelin.parallel import PoolLayout
+from megatron_zeppelin.runtime.lanes import comm_options
 
 
 @dataclasses.dataclass
@@ -34,7 +35,8 @@ def new_pool_groups(layout: PoolLayout) -> Pool:
                          f"{layout.world_size}")
     me, mine = dist.get_rank(), None
     for replica, _, ranks in layout.pools():
-        group, route = dist.new_group(ranks), dist.new_group(ranks)
+        # NCCL's streams of both at high priority (lanes.comm_options; gloo ignores it)
+        group, route = (dist.new_group(ranks, pg_options=comm_options()) for _ in range(2))
         if me in ranks:
             mine = Pool(layout, group, route, replica, ranks.index(me))
     return mine

@@ -52,14 +52,15 @@ Like = list[tuple[tuple[int, ...], torch.dtype]]
 class Block(NamedTuple):
     """One fused varlen call of a ring step.
 
-    q_rows: int64 rows of the group's q buffer, in call order (None: every row, in order);
-    k_rows: rows of the KV block held at this step (None: every row); pieces: the call's
+    q_rows: rows of the group's q buffer, in call order: None (every row, in order), int64
+    indices, or (``device_blocks``) a slice where they form one range (views, no gather);
+    k_rows: rows of the KV block held at this step, likewise; pieces: the call's
     ``kernels.Pieces`` (``kernels`` pair convention); causal: diagonal blocks (END-aligned,
     tq == tk).
     """
 
-    q_rows: torch.Tensor | None
-    k_rows: torch.Tensor | None
+    q_rows: torch.Tensor | slice | None
+    k_rows: torch.Tensor | slice | None
     pieces: Pieces
     causal: bool
 
@@ -132,14 +133,32 @@ class ZigzagLayout:
 
 
 def device_blocks(layout: ZigzagLayout, device: torch.device | str) -> StepBlocks:
-    """Every step's blocks with their indices and offsets on ``device`` (one move)."""
+    """Every step's blocks with their indices and offsets on ``device`` (one move; slices
+    stay slices)."""
     host = [layout.blocks(step) for step in range(layout.ring_size)]
-    flat = [b for step in host for b in step]
-    moved = to_device([t for b in flat for t in (b.q_rows, b.k_rows, b.pieces.cu_q_dev,
-                                                 b.pieces.cu_k_dev)], device)
-    placed = iter([Block(q, k, b.pieces._replace(cu_q_dev=cq, cu_k_dev=ck), b.causal)
+    flat = [b._replace(q_rows=_as_slice(b.q_rows), k_rows=_as_slice(b.k_rows))
+            for step in host for b in step]
+    moved = to_device([_index(t) for b in flat for t in (b.q_rows, b.k_rows, b.pieces.cu_q_dev,
+                                                         b.pieces.cu_k_dev)], device)
+    placed = iter([Block(b.q_rows if q is None else q, b.k_rows if k is None else k,
+                         b.pieces._replace(cu_q_dev=cq, cu_k_dev=ck), b.causal)
                    for b, (q, k, cq, ck) in zip(flat, zip(*[iter(moved)] * 4))])
     return tuple(tuple(next(placed) for _ in step) for step in host)
+
+
+def _index(rows: torch.Tensor | slice | None) -> torch.Tensor | None:
+    """``rows`` when they are an index tensor, else None (nothing to move)."""
+    return rows if isinstance(rows, torch.Tensor) else None
+
+
+def _as_slice(rows: torch.Tensor | None) -> torch.Tensor | slice | None:
+    """Host row indices that form one range as a slice (views, no gather), else as given."""
+    if rows is None or not rows.numel():
+        return rows
+    first = int(rows[0])
+    if torch.equal(rows, torch.arange(first, first + rows.numel(), dtype=rows.dtype)):
+        return slice(first, first + rows.numel())
+    return rows
 
 
 def _offsets(held: list[tuple[int, int]]) -> list[int]:
@@ -186,9 +205,12 @@ def take(x: torch.Tensor, rows: torch.Tensor | slice | None, dim: int = 0) -> to
     return x.index_select(dim, rows)
 
 
-def _add_rows(acc: torch.Tensor, rows: torch.Tensor | None, value: torch.Tensor) -> None:
+def _add_rows(acc: torch.Tensor, rows: torch.Tensor | slice | None, value: torch.Tensor) -> None:
+    """``acc[rows] += value`` (one op: in place on a view, or ``index_add_``)."""
     if rows is None:
         acc.add_(value)
+    elif isinstance(rows, slice):
+        acc[rows].add_(value)
     else:
         acc.index_add_(0, rows, value.to(acc.dtype))
 
@@ -272,9 +294,9 @@ class RingGroupRun:
 
     def _forward_compute(self, step: int) -> None:
         for block in self.blocks[step]:
-            out, lse = self._kernel.forward(
-                take(self.q, block.q_rows), take(self.kv[0], block.k_rows),
-                take(self.kv[1], block.k_rows), block.pieces, block.causal, self.scale)
+            kv = take(self.kv, block.k_rows, 1)  # K and V in one gather
+            out, lse = self._kernel.forward(take(self.q, block.q_rows), kv[0], kv[1],
+                                            block.pieces, block.causal, self.scale)
             merge_into_(self.out_acc, self.lse_acc, out, lse, block.q_rows)
 
     def end_forward(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,11 +321,10 @@ class RingGroupRun:
             return
         fresh = torch.zeros((2, *self.kv.shape[1:]), dtype=self.dq.dtype, device=self.dq.device)
         for block in self.blocks[step]:
-            rows = block.q_rows
+            rows, kv = block.q_rows, take(self.kv, block.k_rows, 1)  # K and V in one gather
             dq, dk, dv = self._kernel.backward(
-                take(self.dout, rows), take(self.q, rows), take(self.kv[0], block.k_rows),
-                take(self.kv[1], block.k_rows), take(self.out, rows), take(self.lse, rows, 1),
-                block.pieces, block.causal, self.scale)
+                take(self.dout, rows), take(self.q, rows), kv[0], kv[1], take(self.out, rows),
+                take(self.lse, rows, 1), block.pieces, block.causal, self.scale)
             _add_rows(self.dq, rows, dq)
             _add_rows(fresh[0], block.k_rows, dk)
             _add_rows(fresh[1], block.k_rows, dv)

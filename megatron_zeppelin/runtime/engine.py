@@ -11,8 +11,9 @@ INTER rings, then INTRA rings, then LOCAL sequences. A wave runs in rounds ``r =
 (``schedule``: which round sends what):
 
 1. post the round's exchanges, in global group order: every INTER and INTRA ring's step-``r``
-   P2P (``RingComm``, async) and, with ``inter_mode`` ``direct``/``routed``, the wave's global
-   inter-node step ``r`` on the worker thread (``inter.InterQueue``);
+   P2P (``RingComm``, async; all of them one batch on the pool's group, ``RingBatch``) and,
+   with ``inter_mode`` ``direct``/``routed``, the wave's global inter-node step ``r`` on the
+   worker thread (``inter.InterQueue``);
 2. compute step ``r`` of every ring (INTER first, then INTRA);
 3. fill the wait with LOCAL work (``lanes``). On CPU: while some exchange of the round is
    still in flight, run the next LOCAL call (``local_calls``: LOCAL sequences, shortest first,
@@ -84,8 +85,8 @@ from megatron_zeppelin.runtime.attention import (RingGroupRun, StepBlocks, Zigza
 from megatron_zeppelin.runtime.device_index import to_device
 from megatron_zeppelin.runtime.inter import InterQueue
 from megatron_zeppelin.runtime.kernels import KernelBackend, Pieces, accum_dtype, make_pieces
-from megatron_zeppelin.runtime.lanes import Lanes
-from megatron_zeppelin.runtime.ring_comm import RingComm, RingRequest
+from megatron_zeppelin.runtime.lanes import Lanes, lanes_for
+from megatron_zeppelin.runtime.ring_comm import RingBatch, RingComm, RingRequest
 from megatron_zeppelin.runtime.transport import Transport, get_transport
 from megatron_zeppelin.runtime.ulysses import UlyssesAttention
 from megatron_zeppelin.schedule import LOCAL_CALL_TOKENS, Phase, local_calls
@@ -338,8 +339,9 @@ class AttentionEngine:
 
     # ------------------------------------------------------------------ preparation
     def prepare(self, device: torch.device | str) -> None:
-        """Move every index tensor of the plan to ``device`` (one copy per dtype) and make
-        its lanes; call it ahead of the step (e.g. when the plan arrives). Idempotent."""
+        """Move every index tensor of the plan to ``device`` (one copy per dtype) and take
+        the device's lanes (``lanes_for``: streams made once per process, not per engine); call
+        it ahead of the step (e.g. when the plan arrives). Idempotent."""
         device = _canonical(device)
         if self.ulysses is not None:
             self.ulysses.prepare(device)
@@ -357,7 +359,7 @@ class AttentionEngine:
         waves = [_Wave([dataclasses.replace(ring, blocks=device_blocks(ring.layout, device))
                         for ring in wave.rings], [placed[id(c)] for c in wave.local])
                  for wave in self.waves]
-        self._prepared[device] = (waves, Lanes(device))
+        self._prepared[device] = (waves, lanes_for(device))
 
     def _kernel(self, q: torch.Tensor) -> KernelBackend:
         """The kernel backend for ``q``'s device and dtype, resolved once."""
@@ -486,9 +488,11 @@ class AttentionEngine:
                 _put(target, rows, grad)
 
     def _post(self, p: _Pass, r: int, global_steps: int) -> _Posted:
-        """Post round ``r``: ring P2P in global group order, then the global inter step."""
+        """Post round ``r``: the ring P2P of every ring, in global group order, as one batch
+        (``RingBatch``: one ``batch_isend_irecv``), then the global inter step."""
         pending, routed_sends = [], {}
         k = p.tensors.k
+        batch = RingBatch(self.transport, self.group, self.timeout_s)
         for ring, run in zip(p.wave.rings, p.runs):
             sends, like = run.sends(p.phase, r), run.recv_like(p.phase, r)
             if ring.routed_send:
@@ -497,8 +501,9 @@ class AttentionEngine:
             if (sends and not ring.routed_send) or (like and not ring.routed_recv):
                 request = ring.comm.exchange(sends, like, r, send=not ring.routed_send,
                                              recv=not ring.routed_recv, phase=p.phase,
-                                             device=k.device)
+                                             device=k.device, batch=batch)
             pending.append((request, like))
+        batch.post(f"wave {p.index} {p.phase.value} step {r} (ring P2P of rank {self.rank})")
         future = None
         if r < global_steps:  # every rank of the pool takes part
             meta = ((k.shape[1], k.shape[2]), k.dtype)

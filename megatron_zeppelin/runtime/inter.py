@@ -18,7 +18,8 @@ dKV accumulator), sent as a 1-D ``uint8`` tensor and cut back into tensors on ar
 schedule, ``routing=False`` -> ``direct_exchange`` (same global step, no proxies). Steps run on
 one worker thread (``InterQueue``), so the engine computes while a step is in flight; the
 thread drives only ``route_group``, a process group of its own (one communicator must not be
-driven from two threads with NCCL). On CUDA the worker queues the step on a stream of its own
+driven from two threads with NCCL). On CUDA the worker queues the step on the device's
+``inter`` lane (``lanes.lanes_for``: one high-priority stream per device and process)
 that first waits for an event recorded on the caller's stream at the post (the payloads are
 packed there), and ``complete`` makes the caller's stream wait for the step's end by event;
 with NCCL neither thread waits for the device.
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from megatron_zeppelin.plan import Plan, RingGroup, Tier
 from megatron_zeppelin.router import Flow, RouterTopology, RouteSchedule, route
 from megatron_zeppelin.runtime.attention import ZigzagLayout, recv_like
+from megatron_zeppelin.runtime.lanes import lanes_for
 from megatron_zeppelin.runtime.routed_p2p import direct_exchange, routed_exchange
 from megatron_zeppelin.runtime.transport import Transport
 from megatron_zeppelin.schedule import Phase, global_steps
@@ -124,7 +126,6 @@ class InterQueue:
                                  for p in range(len(g.ring))] for g in self.groups}
         self._steps: dict[tuple, _Step] = {}
         self._pool: ThreadPoolExecutor | None = None
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def num_steps(self, wave: int, phase: Phase) -> int:
         """Global steps of ``wave``'s inter-node queue in ``phase`` (0 without such rings)."""
@@ -203,10 +204,10 @@ class InterQueue:
             out[key] = unpack(buffer, recv_like(layout, step, phase, *meta), device)
         return out
 
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        return self._streams[device]
+    @staticmethod
+    def _stream(device: torch.device) -> torch.cuda.Stream:
+        """The worker's stream: the device's ``inter`` lane (made once per process)."""
+        return lanes_for(device).inter
 
     @staticmethod
     def complete(future: Future) -> dict[tuple, list[torch.Tensor]]:

@@ -16,33 +16,42 @@ import torch
 
 def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
               lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two partials over disjoint keys: ``(out [t, h, d], lse [h, t])``.
+    """Merge two partials over disjoint keys: ``(out [t, h, d], lse [h, t])``, new tensors.
 
     Computed in the dtype of ``out_a`` (use float32 or float64 accumulators); rows with
     ``lse = -inf`` on both sides stay ``-inf`` with output 0.
     """
-    acc = out_a.dtype
-    lse_a, lse_b = lse_a.to(acc), lse_b.to(acc)
-    lse = torch.logaddexp(lse_a, lse_b)
-    ref = lse.masked_fill(torch.isneginf(lse), 0.0)
-    w_a = torch.exp(lse_a - ref).t().unsqueeze(-1)  # [t, h, 1]
-    w_b = torch.exp(lse_b - ref).t().unsqueeze(-1)
-    return out_a * w_a + out_b.to(acc) * w_b, lse
+    out, lse = out_a.clone(), lse_a.to(out_a.dtype, copy=True)
+    _merge_(out, lse, out_b, lse_b)
+    return out, lse
+
+
+def _merge_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor) -> None:
+    """``(acc_out, acc_lse)`` merged with ``(out, lse)`` in place (views allowed), in 5 ops
+    (6 when ``out`` is not in the accumulator dtype): the weight of the new partial is
+    ``w = exp(lse - logaddexp(acc_lse, lse)) = sigmoid(lse - acc_lse)`` (0 where both are
+    ``-inf``: NaN there), ``acc_out += w (out - acc_out)`` (one ``lerp``: exactly ``out``
+    where ``w = 1``, exactly ``acc_out`` where ``w = 0``), ``acc_lse = logaddexp``."""
+    weight = torch.sub(lse, acc_lse).sigmoid_().nan_to_num_(nan=0.0)
+    acc_out.lerp_(out.to(acc_out.dtype), weight.t().unsqueeze(-1))
+    torch.logaddexp(acc_lse, lse, out=acc_lse)
 
 
 def merge_into_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
-                lse: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-    """Merge the partial ``(out, lse)`` of rows ``rows`` (None: all) into the accumulators.
+                lse: torch.Tensor, rows: torch.Tensor | slice | None = None) -> None:
+    """Merge the partial ``(out, lse)`` of rows ``rows`` into the accumulators, in place.
 
-    acc_out ``[T, h, d]`` and acc_lse ``[h, T]`` are updated in place; ``out [t, h, d]`` and
-    ``lse [h, t]`` hold the partial of rows ``rows`` (int64 ``[t]``, distinct), in that order.
+    acc_out ``[T, h, d]`` and acc_lse ``[h, T]`` (the accumulator dtype); ``out [t, h, d]`` and
+    ``lse [h, t]`` hold the partial of rows ``rows``, in that order: None (all rows) or a slice
+    (merged in place on views: no gather), or int64 ``[t]`` distinct indices (gathered, merged,
+    scattered back: 4 more ops).
     """
-    if rows is None:
-        merged_out, merged_lse = merge_lse(acc_out, acc_lse, out, lse)
-        acc_out.copy_(merged_out)
-        acc_lse.copy_(merged_lse)
+    if rows is None or isinstance(rows, slice):
+        rows = slice(None) if rows is None else rows
+        _merge_(acc_out[rows], acc_lse[:, rows], out, lse)
         return
-    merged_out, merged_lse = merge_lse(acc_out.index_select(0, rows),
-                                       acc_lse.index_select(1, rows), out, lse)
-    acc_out.index_copy_(0, rows, merged_out)
-    acc_lse.index_copy_(1, rows, merged_lse)
+    part_out, part_lse = acc_out.index_select(0, rows), acc_lse.index_select(1, rows)
+    _merge_(part_out, part_lse, out, lse)
+    acc_out.index_copy_(0, rows, part_out)
+    acc_lse.index_copy_(1, rows, part_lse)

@@ -3,7 +3,9 @@
 A ring is an ordered tuple of ranks of a group (Plan rings; for the world group these are
 global ranks). ``RingComm.exchange`` posts one ring step (send to the next rank, receive from
 the previous one) as one P2P batch through the ring's ``Transport`` and returns at once; the
-returned ``RingRequest.wait`` gives the received tensors. On gloo the wait is bounded by
+returned ``RingRequest.wait`` gives the received tensors. Given a ``RingBatch`` it adds the
+step's ops to that batch instead: the engine posts the steps of every ring of a round on one
+group as one ``batch_isend_irecv`` (one NCCL group call, one launch, instead of one per ring). On gloo the wait is bounded by
 ``timeout_s`` (``env.p2p_timeout_s()`` by default) and raises a RuntimeError naming the ring,
 the phase, the step and the peer, so a failed peer never hangs the others forever; on NCCL it
 joins the current stream to NCCL's (see ``transport``). No process group is created here.
@@ -20,6 +22,29 @@ from megatron_zeppelin.runtime.transport import P2P, Pending, Transport, get_tra
 from megatron_zeppelin.schedule import Phase
 
 Like = Sequence[tuple[tuple[int, ...], torch.dtype]]
+
+
+class RingBatch(Pending):
+    """The ring steps of one round on one group, posted as one batch (``post``, once every
+    ring has added its ops, in the same ring order on every rank); ``wait`` runs once however
+    many rings ask (a gloo work must be waited only once)."""
+
+    def __init__(self, transport: Transport, group: dist.ProcessGroup, timeout_s: float) -> None:
+        self.transport, self.group, self.timeout_s = transport, group, timeout_s
+        self.ops: list[P2P] = []
+        self._pending: Pending | None = None
+        self._waited = False
+
+    def post(self, where: str) -> None:
+        self._pending = self.transport.post(self.ops, self.group, where, self.timeout_s)
+
+    def done(self) -> bool:
+        return self._waited or self._pending.done()
+
+    def wait(self) -> None:
+        if not self._waited:
+            self._pending.wait()
+            self._waited = True
 
 
 class RingRequest:
@@ -66,19 +91,32 @@ class RingComm:
 
     def exchange(self, sends: Sequence[torch.Tensor], recv_like: Like, step: int, *,
                  send: bool = True, recv: bool = True, phase: Phase = Phase.FORWARD,
-                 device: torch.device | None = None) -> RingRequest:
+                 device: torch.device | None = None,
+                 batch: RingBatch | None = None) -> RingRequest:
         """Post one step: ``sends`` to the next rank, receive ``recv_like`` (shape, dtype) from
         the previous one into new tensors on ``device`` (default: that of ``sends``, else CPU);
-        ``send``/``recv`` False skips that side. Returns at once."""
+        ``send``/``recv`` False skips that side. Returns at once. ``batch``: add the ops to
+        it instead (posted by its owner, on this ring's group)."""
         if device is None:
             device = sends[0].device if sends else torch.device("cpu")
         received = [torch.empty(shape, dtype=dtype, device=device)
                     for shape, dtype in (recv_like if recv else ())]
         # empty tensors are not sent: both sides derive the shapes from the plan
-        ops = [P2P(True, t.contiguous(), self.next, self.tag, ("send of {} {} to rank {}", tuple(
-            t.shape), t.dtype, self.next)) for t in (sends if send else ()) if t.numel()]
-        ops += [P2P(False, t, self.prev, self.tag, ("receive of {} {} from rank {}", tuple(
-            t.shape), t.dtype, self.prev)) for t in received if t.numel()]
+        ops = [P2P(True, t.contiguous(), self.next, self.tag, (_WHAT, self.name, self.ring,
+                                                                "send", tuple(t.shape), t.dtype,
+                                                                "to", self.next))
+               for t in (sends if send else ()) if t.numel()]
+        ops += [P2P(False, t, self.prev, self.tag, (_WHAT, self.name, self.ring, "receive",
+                                                     tuple(t.shape), t.dtype, "from", self.prev))
+                for t in received if t.numel()]
+        if batch is not None:
+            if batch.group is not self.group:
+                raise ValueError(f"{self.name} ring {self.ring}: a batch of another group")
+            batch.ops += ops
+            return RingRequest(batch, received)
         where = (f"{self.name} ring {self.ring}, {Phase(phase).value} step {step}, "
                  f"rank {self.ring[self.position]}")
         return RingRequest(self.transport.post(ops, self.group, where, self.timeout_s), received)
+
+
+_WHAT = "{} ring {}: {} of {} {} {} rank {}"  # an op's name in errors

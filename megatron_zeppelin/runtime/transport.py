@@ -17,6 +17,9 @@ Every exchange of the runtime (ring steps, ``ring_comm``; routed/direct inter-no
   debugging transport: the host waits for the device before every post. It is never picked by
   itself: ``ZEPPELIN_TRANSPORT=staged`` or ``transport="staged"`` selects it. With CPU tensors
   it stages through plain host buffers (the same path, tested on CPU).
+* ``ordered`` (``runtime/ordered.py``, tests on gloo): messages matched by order per rank pair
+  and process group as NCCL matches them (tags ignored), each checked by a header; a mismatch
+  of order, tag, size, dtype or shape fails loudly naming both ranks and the message index.
 
 Host-side waits on gloo make progress only inside ``work.wait``: ``Pending.done`` starts the
 wait on a helper thread the first time it is asked (the engine asks while it fills the wait
