@@ -41,10 +41,13 @@ _STATE: dict = {}  # Megatron-LM runs one model per process: its PoolRuntime and
 
 
 def _zeppelin_defaults() -> dict[str, object]:
-    """``{dest: default}`` of every ``--zeppelin-*`` flag."""
+    """``{dest: default}`` of every ``--zeppelin-*`` flag (strategy options: None)."""
+    from megatron_zeppelin.planner.registry import option_dests
+
     sections = (ZeppelinConfig, train_args.ZeppelinRuntimeArgs)
-    return {dest_of(f, train_args.ZEPPELIN_PREFIX): f.default
-            for section in sections for f in settings(section) if f.name != "max_seqlen"}
+    return {**{dest_of(f, train_args.ZEPPELIN_PREFIX): f.default
+               for section in sections for f in settings(section) if f.name != "max_seqlen"},
+            **dict.fromkeys(option_dests(train_args.ZEPPELIN_PREFIX))}
 
 
 def check_megatron_lm_args(args: argparse.Namespace) -> None:

@@ -191,8 +191,9 @@ def default_max_seqlen_per_rank(batch: Batch) -> int:
 
 
 _MAX_SEQLEN_PER_RANK_HELP = (
-    "hybrid-dp / megatron-hybrid-cp: Megatron's --max-seqlen-per-dp-cp-rank (default: the "
-    "longest document over one node, at least the mean tokens per rank)")
+    "hybrid-dp / megatron-hybrid-cp / megatron-dynamic-cp: the most tokens of a document a "
+    "rank holds (Megatron's --max-seqlen-per-dp-cp-rank; default: the longest document over "
+    "one node, at least the mean tokens per rank; tune it: zeppelin bench train sweeps it)")
 
 
 @register
@@ -202,7 +203,8 @@ class HybridDP(Strategy):
 
     name = "hybrid-dp"
     summary = "fewest ranks per document (within max_seqlen_per_rank), greedy on work"
-    max_seqlen_per_rank: int | None = setting(None, _MAX_SEQLEN_PER_RANK_HELP)
+    max_seqlen_per_rank: int | None = setting(None, _MAX_SEQLEN_PER_RANK_HELP,
+                                              flag="--max-seqlen-per-dp-cp-rank")
 
     def __post_init__(self) -> None:
         _positive_option(self.name, "max_seqlen_per_rank", self.max_seqlen_per_rank)
