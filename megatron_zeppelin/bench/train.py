@@ -130,7 +130,8 @@ def run_entries(entries: list[Entry], iterations: int, extra: list[str], port: i
         runs = [run_flags(e, iterations, extra) + ["--log-json", os.path.join(tmp, f"{i}.jsonl")]
                 for i, e in enumerate(entries)]  # every step recorded, none printed
         mp.start_processes(_rank, args=(4, port, runs, out), nprocs=4, start_method="spawn")
-        return [(r.get("logs", []), r.get("refused", "")) for r in json.loads(Path(out).read_text())]
+        results = json.loads(Path(out).read_text())
+        return [(r.get("logs", []), r.get("refused", "")) for r in results]
 
 
 def run_flags(entry: Entry, iterations: int, extra: list[str]) -> list[str]:

@@ -61,6 +61,7 @@ def _positive_option(strategy: str, key: str, value: int | None) -> None:
 class StaticCP(Strategy):
     """Every document zigzag over its DP replica's whole CP group (TE/Megatron CP)."""
 
+    te_attention = True
     name = "static-cp"
     summary = "TE/Megatron CP: every document zigzag over its replica's CP group"
     cp_size: int | None = setting(None, "static-cp: ranks per CP group (default: the smallest "
@@ -131,6 +132,7 @@ class StaticCPBest(Strategy):
     divisor of the pool whose groups hold the longest document within the capacity) up to
     ``max_cp_size``, the fastest by the step estimate (``estimate.estimate_tasks``)."""
 
+    te_attention = True
     name = "static-cp-best"
     summary = "static CP at its best size for the batch (every legal size, by the estimate)"
     max_cp_size: int | None = setting(None, "static-cp-best: largest CP size tried (default: "
@@ -201,6 +203,7 @@ _MAX_SEQLEN_PER_RANK_HELP = (
 class HybridDP(Strategy):
     """Fewest ranks that hold each document, greedy on estimated work, longest first."""
 
+    te_attention = True
     name = "hybrid-dp"
     summary = "fewest ranks per document (within max_seqlen_per_rank), greedy on work"
     max_seqlen_per_rank: int | None = setting(None, _MAX_SEQLEN_PER_RANK_HELP,

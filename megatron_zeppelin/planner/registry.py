@@ -33,13 +33,17 @@ class Strategy:
     texts and reports; attention: ``ring`` when the attention engine (``runtime/engine.py``)
     executes its plans, ``ulysses`` for plans whose attention is all-to-all head parallelism
     (FlexSP), which only the simulator models; routed: whether the strategy sends its
-    inter-node ring traffic through the routing layer (zeppelin) or the static NICs.
+    inter-node ring traffic through the routing layer (zeppelin) or the static NICs;
+    te_attention: whether the peer's own system runs its rings with Transformer Engine's CP
+    attention, whose dK/dV travel in the KV dtype (bf16), not in fp32 accumulators (the
+    simulator charges each peer its own: ``SimOptions.dkv_dtype``).
     """
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     attention: ClassVar[str] = "ring"
     routed: ClassVar[bool] = False  # runs its inter-node rings through the routing layer
+    te_attention: ClassVar[bool] = False  # its own system's rings are TE CP (dK/dV in bf16)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
