@@ -68,7 +68,9 @@ def check_megatron_lm_args(args: argparse.Namespace) -> None:
     refused = refusals(args)
     if refused:
         raise ConfigError(refused[0])
-    args.zeppelin_gpus_per_node = pool_layout(args, env.local_world_size()).gpus_per_node
+    layout = pool_layout(args, env.local_world_size())
+    args.zeppelin_gpus_per_node = layout.gpus_per_node
+    train_args.planner_strategy(args, layout.cp)  # --zeppelin-strategy and its options
 
 
 def pool_layout(args: argparse.Namespace, local_world_size: int | None = None) -> PoolLayout:
