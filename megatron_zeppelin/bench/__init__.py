@@ -8,7 +8,7 @@ planning   CPU step with planning alongside (process, thread) vs precomputed  (p
 router     C++ vs Python router time; modelled ring step with and without routing (router.py)
 engine     attention engine vs the same work done locally; local-only vs raw kernels (engine.py)
 kernels    our block call vs the raw kernel, same inputs (ratio, us per call)    (kernels.py)
-train      per-step time of zeppelin vs static mode for the tiny GPT            (train.py)
+train      per-step time of every strategy training the tiny GPT, same data    (train.py)
 fidelity   the real attention engine on gloo ranks vs the simulator             (fidelity.py)
 
 ``zeppelin calibrate`` (calibrate.py) measures this machine and writes a hardware profile.
