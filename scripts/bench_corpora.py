@@ -10,7 +10,8 @@ this runs ``zeppelin bench train --tune --strategies ... -- --data-path CORPUS``
 as 2 nodes x 2, every strategy on the same documents and seed, rounds interleaved, each peer's
 knob swept by measurement first) and keeps its JSON next to the table. The table gives, per
 corpus, each strategy's median step, tokens/s, zeppelin's speedup over it (its median step /
-zeppelin's) and its tuning; then zeppelin's speedup over each peer across the corpora
+zeppelin's), how it placed the sequences (local / ring in a node / ring across nodes: where
+zeppelin loses, this says why) and its tuning; then zeppelin's speedup over each peer across the corpora
 (geometric mean and median) and its wins and losses per corpus. ``static`` (static mode: TE /
 Megatron CP over the whole pool, i.e. both nodes) is the paper's baseline, reported but not
 counted as a peer. A strategy that cannot run is listed with its reason.
@@ -74,15 +75,18 @@ def corpus_table(corpus: str, result: dict) -> list[str]:
     ran, refused = result["strategies"], result.get("refused", {})
     zeppelin = ran["zeppelin"]["median_step_s"] if "zeppelin" in ran else None
     lines = [f"### {corpus}", "", "| strategy | median step (s) | tokens/s | zeppelin speedup "
-             "| final loss | tuning |", "|---|---|---|---|---|---|"]
+             "| final loss | sequences local / intra / inter | tuning |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in ran.items():
         label = f"{name} (the paper's baseline: TE CP over both nodes)" if name == BASELINE \
             else name
         speedup = f"{r['median_step_s'] / zeppelin:.2f}x" if zeppelin else "-"
+        tiers = " / ".join(map(str, r.get("sequences_local_intra_inter", ["-"] * 3)))
         lines.append(f"| {label} | {r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
-                     f"{speedup} | {r['final_loss']:.5f} | {r['tuning'] or 'as given'} |")
+                     f"{speedup} | {r['final_loss']:.5f} | {tiers} | "
+                     f"{r['tuning'] or 'as given'} |")
     for name, reason in refused.items():
-        lines.append(f"| {name} | not run | | | | {reason} |")
+        lines.append(f"| {name} | not run | | | | | {reason} |")
     return lines + [""]
 
 
