@@ -99,3 +99,29 @@ def test_the_corpora_table_counts_wins_and_losses_per_peer_with_geomean_and_medi
     table = "\n".join(bench.corpus_table("arxiv", results["arxiv"]))
     assert "| hybrid-dp | 0.500 | 2,000 | 0.50x | 5.00000 | - / - / - | as given |" in table
     assert "| flexsp | not run |" in table
+
+
+def test_tune_sweeps_each_peers_own_knob_and_keeps_the_fastest():
+    from megatron_zeppelin.bench.train import Entry, tune
+
+    times = {"4096": 3.0, "2048": 1.0, "1024": 2.0, "1": 5.0, "2": 4.0}
+
+    class Runner:  # what tune reads of bench train's runner: measure(entries)
+        def measure(self, entries):
+            for e in entries:
+                value = next(iter(e.options.values()))
+                if value == "4":
+                    e.refused = "--zeppelin-cp-size=4: refused"
+                else:
+                    e.steps_s = [times[value]]
+
+    entries = [parse_entry(s) for s in ("zeppelin", "hybrid-dp", "static-cp",
+                                        "megatron-hybrid-cp:max-seqlen-per-dp-cp-rank=512")]
+    tuned = tune(entries, Runner(), 4096, 4)
+    assert [e.label for e in tuned] == ["zeppelin", "hybrid-dp:max-seqlen-per-dp-cp-rank=2048",
+                                        "static-cp:zeppelin-cp-size=2",
+                                        "megatron-hybrid-cp:max-seqlen-per-dp-cp-rank=512"]
+    assert tuned[1].tuning == ("--max-seqlen-per-dp-cp-rank 2048 (swept: 4096: 3.000 s, "
+                               "2048: 1.000 s, 1024: 2.000 s)")
+    assert tuned[2].tuning.endswith("(swept: 1: 5.000 s, 2: 4.000 s, 4: refused)")
+    assert tuned[0] is entries[0] and tuned[3] is entries[3] and isinstance(tuned[1], Entry)

@@ -188,24 +188,29 @@ def knob(entry: Entry, seq_length: int, pool: int) -> tuple[str, list[int]] | No
     return None
 
 
-def tune(entry: Entry, runner: Runner, seq_length: int, pool: int) -> Entry:
-    """The entry with its knob at the value whose run had the fastest median step (each
-    candidate measured once, in turn); ``tuning`` states the sweep."""
-    found = knob(entry, seq_length, pool)
-    if found is None:
-        return entry
-    flag, values = found
-    tried = [Entry(entry.name, {**entry.options, flag: str(v)}) for v in values]
-    runner.measure(tried)
+def tune(entries: list[Entry], runner: Runner, seq_length: int, pool: int) -> list[Entry]:
+    """Each entry with its knob at the value whose run had the fastest median step (every
+    candidate of every entry measured once, in turn, in one world); ``tuning`` states the
+    sweep. Entries without a knob to tune come back as they are."""
+    knobs = [knob(e, seq_length, pool) for e in entries]
+    tried = [[Entry(e.name, {**e.options, found[0]: str(v)}) for v in found[1]] if found else []
+             for e, found in zip(entries, knobs)]
+    runner.measure([c for candidates in tried for c in candidates])
+    return [chosen(e, found[0], candidates) if found else e
+            for e, found, candidates in zip(entries, knobs, tried)]
+
+
+def chosen(entry: Entry, flag: str, tried: list[Entry]) -> Entry:
+    """The fastest of ``tried`` (``entry`` at each value of ``--flag``), its sweep stated."""
     ran = [c for c in tried if c.steps_s]
     if not ran:
         return tried[0]  # every value refused: the first one's reason is reported
     best = min(ran, key=Entry.median)
-    chosen = Entry(entry.name, best.options)
-    chosen.tuning = (f"--{flag} {best.options[flag]} (swept: " + ", ".join(
+    out = Entry(entry.name, best.options)
+    out.tuning = (f"--{flag} {best.options[flag]} (swept: " + ", ".join(
         f"{c.options[flag]}: " + (f"{c.median():.3f} s" if c.steps_s else "refused")
         for c in tried) + ")")
-    return chosen
+    return out
 
 
 def report(entries: list[Entry], rtol: float) -> tuple[list[str], bool]:
@@ -272,7 +277,7 @@ def bench_train(args: argparse.Namespace) -> int:
           f"strategy, first {args.warmup} of each dropped; same documents and seed for all",
           flush=True)
     if args.tune:
-        entries = [tune(e, runner, seq_length, pool) for e in entries]
+        entries = tune(entries, runner, seq_length, pool)
     for _ in range(args.rounds):  # interleaved: every strategy once per round, in turn
         runner.measure(entries)
     lines, agree = report(entries, args.loss_rtol)
