@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 from megatron_zeppelin.config import ConfigError, ZeppelinConfig, load_setup
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.limits import refuse_untrainable
-from megatron_zeppelin.options import (Parser, add_flags, dest_of, flag_of, from_flags,
-                                       int_at_least, settings)
+from megatron_zeppelin.options import Parser, add_flags, from_flags, int_at_least
 
 if TYPE_CHECKING:
     from megatron_zeppelin.planner.registry import Strategy
@@ -59,38 +58,22 @@ def batch_lengths(args: argparse.Namespace, workload: str) -> list[int]:
 
 def add_strategy_args(p: argparse.ArgumentParser) -> None:
     """--strategy and one flag per strategy option (``--cp-size``, ...), generated from the
-    registered strategies' settings (``options.add_flags``); an option several strategies
-    share is one flag for all of them. The flags default to None (not given): a strategy not
-    told otherwise keeps its own default."""
-    from megatron_zeppelin.planner.registry import STRATEGIES
+    registered strategies' settings (``registry.add_option_flags``)."""
+    from megatron_zeppelin.planner.registry import STRATEGIES, add_option_flags
 
     p.add_argument("--strategy", nargs="+", default=list(STRATEGIES),
                    help=f"strategies to compare: {list(STRATEGIES)}")
-    group = p.add_argument_group("strategy options (each applies to the strategies that take "
-                                 "it)")
-    added: set[str] = set()
-    for cls in STRATEGIES.values():
-        names = {f.name for f in settings(cls)}
-        add_flags(group, cls, skip=added, defaults=dict.fromkeys(names))
-        added |= names
+    add_option_flags(p.add_argument_group("strategy options (each applies to the strategies "
+                                          "that take it)"))
 
 
 def selected_strategies(args: argparse.Namespace) -> list[Strategy]:
     """The ``--strategy`` objects with the options given on the command line (a bad value is
     refused naming its flag); an option none of them takes is refused, naming it and the
     strategies that take it."""
-    from megatron_zeppelin.planner.registry import STRATEGIES, strategy_class
+    from megatron_zeppelin.planner.registry import strategies_from_flags
 
-    chosen = [strategy_class(name) for name in args.strategy]
-    taken = {f.name for cls in chosen for f in settings(cls)}
-    for cls in STRATEGIES.values():
-        for f in settings(cls):
-            if f.name not in taken and getattr(args, dest_of(f)) is not None:
-                owners = [n for n, c in STRATEGIES.items()
-                          if f.name in {g.name for g in settings(c)}]
-                raise ValueError(f"{flag_of(f)} is an option of {owners}, none of which is in "
-                                 f"--strategy {args.strategy}")
-    return [from_flags(cls, args, given_only=True) for cls in chosen]
+    return strategies_from_flags(args.strategy, args)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -262,8 +262,10 @@ class CostKernel:
 
     def ulysses_compute(self, seqlen: float, group: int) -> float:
         """One rank's attention compute of a sequence under Ulysses (DeepSpeed-Ulysses, as
-        FlexSP runs it) over ``group`` ranks: the full length over 1/group of the heads."""
-        return self.attn_coef * seqlen * seqlen / group / self.flops(seqlen)
+        FlexSP runs it) over ``group`` ranks: the full length over the busiest rank's heads,
+        ceil(heads / group) of them (an uneven split where group does not divide them)."""
+        share = -(-self.heads // group) / self.heads
+        return self.attn_coef * seqlen * seqlen * share / self.flops(seqlen)
 
     def ulysses_comm(self, tokens: float, group: int, tier: Tier) -> float:
         """One rank's all-to-alls, all layers, for ``tokens`` tokens it holds in the linear

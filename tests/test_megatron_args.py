@@ -54,11 +54,37 @@ def test_bad_yaml_is_refused_with_the_key(tmp_path, text, match):
     (["--bf16"], 1, "--bf16 with --device cpu"),
     (["--global-batch-size", "3", "--context-parallel-size", "2"], 4,
      r"--global-batch-size=3 must be a multiple of --micro-batch-size x data-parallel size"),
+    (["--zeppelin-strategy", "hybrid-dp"], 1, r"--zeppelin-strategy hybrid-dp: only with "
+                                              r"--context-parallel-mode zeppelin"),
+    (["--context-parallel-mode", "zeppelin", "--zeppelin-strategy", "ring"], 1,
+     r"--zeppelin-strategy='ring' is invalid: expected one of \['static-cp'"),
+    (["--context-parallel-mode", "zeppelin", "--zeppelin-strategy", "megatron-dynamic-cp"], 1,
+     r"megatron-dynamic-cp needs megatron-core's DefaultDynamicCPScheduler"),
+    (["--context-parallel-mode", "zeppelin", "--zeppelin-strategy", "hybrid-dp",
+      "--zeppelin-cp-size", "2"], 1, r"--zeppelin-cp-size is an option of \['static-cp'\], "
+                                     r"none of which is --zeppelin-strategy hybrid-dp"),
+    (["--context-parallel-mode", "zeppelin", "--zeppelin-strategy", "hybrid-dp",
+      "--max-seqlen-per-dp-cp-rank", "0"], 1, r"--max-seqlen-per-dp-cp-rank=0 is invalid: "
+                                              r"expected an integer >= 1"),
 ])
 def test_bad_parallel_settings_are_refused(extra, world, match):
     args = train_args.parse_args(BASE + extra)
     with pytest.raises(ConfigError, match=match):
         train_args.validate_args(args, world_size=world, local_world_size=None)
+
+
+def test_the_strategy_and_its_options_plan_each_micro_batch(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("context_parallel_mode: zeppelin\nzeppelin_strategy: megatron-hybrid-cp\n"
+                   "max_seqlen_per_dp_cp_rank: 96\n")
+    args = train_args.parse_args(BASE + ["--yaml-cfg", str(cfg)])
+    train_args.validate_args(args, world_size=1, local_world_size=None)
+    assert train_args.planner_strategy(args, 4) == ("megatron-hybrid-cp",
+                                                    {"max_seqlen_per_rank": 96})
+    static = train_args.parse_args(BASE)
+    assert train_args.planner_strategy(static, 4) == ("static-cp", {"cp_size": 4})
+    default = train_args.parse_args(BASE + ["--context-parallel-mode", "zeppelin"])
+    assert train_args.planner_strategy(default, 4) == ("zeppelin", {})
 
 
 def test_missing_data_and_required_flags():

@@ -123,6 +123,19 @@ def test_static_mode_refuses_zeppelin_flags_that_would_do_nothing():
                                                    zeppelin_gpus_per_node=8))
 
 
+def test_the_strategy_flags_reach_megatron_lms_parser_and_are_checked():
+    args = megatron_lm_args(zeppelin_strategy="hybrid-dp", max_seqlen_per_dp_cp_rank=2048)
+    lm.check_megatron_lm_args(args)
+    assert train_args.planner_strategy(args, 16) == ("hybrid-dp", {"max_seqlen_per_rank": 2048})
+    with pytest.raises(ConfigError, match=r"--zeppelin-cp-size is an option of \['static-cp'\]"):
+        lm.check_megatron_lm_args(megatron_lm_args(zeppelin_strategy="hybrid-dp",
+                                                   zeppelin_cp_size=2))
+    with pytest.raises(ConfigError, match=r"--max-seqlen-per-dp-cp-rank only applies to "
+                                          r"--context-parallel-mode zeppelin"):
+        lm.check_megatron_lm_args(megatron_lm_args(context_parallel_mode="static",
+                                                   max_seqlen_per_dp_cp_rank=2048))
+
+
 def test_docs_name_every_refused_flag():
     text = (ROOT / "docs" / "megatron-lm.md").read_text()
     missing = [rule.flag for rule in RULES if f"`{rule.flag}" not in text]

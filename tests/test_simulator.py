@@ -241,3 +241,29 @@ def test_simulate_cli_takes_a_lengths_file(tmp_path, capsys):
     lengths.write_text("12\n-3\n")
     assert cli.main(argv) == 2
     assert "length -3 is invalid" in capsys.readouterr().err
+
+
+def test_te_cp_sends_dkv_in_the_kv_dtype_and_the_peers_are_charged_their_own():
+    cost = make_cost(nodes=2)  # bf16: dK/dV accumulators are fp32, TE sends them in bf16
+    lengths = sample_batch("github", 256 * 1024, random.Random(4))
+    plan = make_plan("static-cp", lengths, cost, ZeppelinConfig(), cp_nodes=2)
+    accumulator = simulate(plan, cost, SimOptions(dkv_dtype="accumulator"))
+    kv = simulate(plan, cost, SimOptions(dkv_dtype="kv"))
+    assert kv.iteration_s < accumulator.iteration_s  # inter-node rings move half the dK/dV
+    with pytest.raises(ValueError, match="dkv_dtype='fp8' is invalid"):
+        SimOptions(dkv_dtype="fp8")
+    assert VARIANTS["static-cp-2node"].strategy.te_attention
+    assert not VARIANTS["zeppelin"].strategy.te_attention
+    assert "paper's baseline" in VARIANTS["static-cp-2node"].description
+
+
+def test_hybrid_peers_are_tuned_per_batch_set_and_state_their_cap():
+    setting = Setting("llama-7b", "h200-8nic", 2, "github", tokens=512 * 1024, batches=2)
+    result = run_setting(setting, resolve_variants(["hybrid-dp", "hybrid-dp-tuned"]))
+    plain, tuned = result.get("hybrid-dp"), result.get("hybrid-dp-tuned")
+    assert tuned.note.startswith("cap ") and "swept" in tuned.note
+    assert tuned.iteration_s <= plain.iteration_s * (1 + 1e-9)  # the default is among those swept
+    assert report.geomean_speedup([result], "hybrid-dp", "hybrid-dp-tuned") == \
+        pytest.approx(plain.iteration_s / tuned.iteration_s)
+    assert report.median_speedup([result], "hybrid-dp", "hybrid-dp-tuned") == \
+        pytest.approx(plain.iteration_s / tuned.iteration_s)

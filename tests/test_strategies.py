@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 
 import pytest
@@ -91,7 +92,7 @@ def test_cli_strategy_options_are_typed_settings_whose_errors_name_the_flag(caps
     # an option not given keeps the strategy's default
     args = cli.build_parser().parse_args(
         base + ["--strategy", "zeppelin", "hybrid-dp", "megatron-hybrid-cp", "flexsp",
-                "--no-portfolio", "--max-seqlen-per-rank", "20000"])
+                "--no-portfolio", "--max-seqlen-per-dp-cp-rank", "20000"])
     assert [s.label() for s in cli.selected_strategies(args)] == [
         "zeppelin(portfolio=False)", "hybrid-dp(max_seqlen_per_rank=20000)",
         "megatron-hybrid-cp(max_seqlen_per_rank=20000)", "flexsp"]
@@ -103,7 +104,8 @@ def test_flexsp_solves_a_milp_over_ulysses_groups():
     plan.validate()
     assert plan.attention_kind == "ulysses" and plan.candidate.startswith("milp ")
     sizes = {len(t.ring) for t in plan.tasks}
-    assert all(size & (size - 1) == 0 and cost.heads % size == 0 for size in sizes)
+    gpn = cost.cluster.gpus_per_node
+    assert all(size <= cost.heads and (size <= gpn or size % gpn == 0) for size in sizes)
     ranks = sorted(r for ring in {t.ring for t in plan.tasks} for r in ring)
     assert len(ranks) == len(set(ranks))  # groups are disjoint
     result = simulate(plan, cost)
@@ -218,3 +220,38 @@ def test_every_variant_of_the_sweep_is_a_registered_strategy_object():
     for variant in VARIANTS.values():
         assert isinstance(variant.strategy, Strategy)
         assert variant.strategy.name in STRATEGIES
+
+
+def test_flexsp_group_sizes_are_any_size_up_to_the_heads_inside_a_node_or_whole_nodes():
+    from megatron_zeppelin.planner.flexsp import group_sizes, place_groups
+
+    assert group_sizes(128, 20, 8) == [1, 2, 3, 4, 5, 6, 7, 8, 16]  # 13B at TP 2: 20 heads
+    assert group_sizes(4, 32, 2) == [1, 2, 4]
+    placed = place_groups({16: 1, 8: 1, 3: 2, 2: 1, 1: 4}, 8, 32)
+    assert placed[16] == [tuple(range(16))] and placed[8] == [tuple(range(16, 24))]
+    assert placed[3] == [(24, 25, 26), (27, 28, 29)] and placed[2] == [(30, 31)]
+    assert sorted(r for rings in placed.values() for ring in rings for r in ring) == \
+        list(range(32))
+    spanning = place_groups({3: 2, 2: 1}, 4, 8)  # 3 + 3 + 2 on nodes of 4: the 2 spans
+    assert spanning[3] == [(0, 1, 2), (4, 5, 6)] and spanning[2] == [(3, 7)]
+
+
+def test_flexsp_refuses_an_unplaceable_batch_with_a_capacity_error():
+    from megatron_zeppelin.planner.common import CapacityError
+
+    cost = make_cost("llama-13b", nodes=8, tp=2)  # 32 ranks, 20 heads: groups of <= 20
+    config = ZeppelinConfig(capacity_tokens_per_gpu=1000)
+    with pytest.raises(CapacityError, match=r"flexsp: no Ulysses group size \[1, .*20\] "
+                                            r"holds the sequences of 30000-30000 tokens"):
+        make_plan("flexsp", [30000, 100], cost, config)
+
+
+def test_the_solvers_c_output_goes_to_stderr(capfd):
+    from megatron_zeppelin.planner.flexsp import solver_output_to_stderr
+
+    print("before", flush=True)
+    with solver_output_to_stderr():
+        os.write(1, b"solver log\n")
+    print("after", flush=True)
+    out, err = capfd.readouterr()
+    assert out == "before\nafter\n" and err == "solver log\n"

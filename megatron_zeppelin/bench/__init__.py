@@ -10,7 +10,7 @@ router     C++ vs Python router time; modelled ring step with and without routin
 engine     attention engine vs the same work done locally; local-only and ring path vs raw
            kernels (engine.py, engine_local.py, engine_ring.py)
 kernels    our block call vs the raw kernel, same inputs (ratio, us per call)    (kernels.py)
-train      per-step time of zeppelin vs static mode for the tiny GPT            (train.py)
+train      per-step time of every strategy training the tiny GPT, same data    (train.py)
 fidelity   the real attention engine on gloo ranks vs the simulator             (fidelity.py)
 
 ``zeppelin calibrate`` (calibrate.py) measures this machine and writes a hardware profile.

@@ -1,9 +1,23 @@
-"""``zeppelin bench train``: per-step time of zeppelin vs static mode for the tiny GPT on CPU.
+"""``zeppelin bench train``: per-step time of every strategy training the tiny GPT on CPU.
 
-Both modes run ``scripts/pretrain_gpt.py``'s training loop (``train.main``) on 4 gloo ranks (2
-emulated nodes x 2) with the same seed, so they see the same documents in the same
-micro-batches; the median step time of each mode (first iterations dropped as warm-up) and
-their ratio are printed, side by side.
+Every strategy runs ``scripts/pretrain_gpt.py``'s training loop (``train.main``) on 4 gloo ranks
+(2 emulated nodes x 2) with the same flags and seed, so they read the same documents in the
+same micro-batches; only the plan of each micro-batch differs (``--zeppelin-strategy``;
+``static`` is static mode, TE/Megatron CP over the whole CP group). Rounds are interleaved:
+each round trains every strategy ``--iterations`` steps in turn, so that a drift in the
+machine's load hits every strategy alike; the first ``--warmup`` steps of each run are dropped.
+Printed per strategy: the median step time over all rounds, tokens/s, the final loss and the
+step time's ratio to zeppelin's (> 1: zeppelin is faster). Every strategy must end on the same
+loss (same model, same data; fp32 tolerance ``--loss-rtol``): checked, exit status 1 if not.
+
+A strategy is ``NAME`` or ``NAME:FLAG=VALUE[:FLAG=VALUE]`` with its own training flags (no
+dashes): ``hybrid-dp:max-seqlen-per-dp-cp-rank=2048``, ``static-cp:zeppelin-cp-size=2``.
+``--tune`` tunes each peer's own knob as its users do, by measurement, before the rounds: the
+per-rank cap of hybrid DP / Megatron hybrid and dynamic CP (``--max-seqlen-per-dp-cp-rank``:
+--seq-length / 2^i down to --seq-length / CP size) and static CP's size (every divisor of the
+CP size); each candidate trains ``--iterations`` steps, the fastest median is kept and stated.
+A strategy that cannot run (``flexsp`` until the engine runs Ulysses plans) is reported with
+its one-line reason and left out.
 """
 from __future__ import annotations
 
@@ -11,61 +25,283 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 YAML = ROOT / "configs" / "train" / "gpt-tiny-cpu.yaml"
+STATIC = "static"  # static mode: TE/Megatron CP over the whole CP group
+CAP_FLAG = "max-seqlen-per-dp-cp-rank"
+CAPPED = ("hybrid-dp", "megatron-hybrid-cp", "megatron-dynamic-cp")
 
 
-def _rank(rank: int, world: int, port: int, argv: list[str]) -> None:
+@dataclass
+class Entry:
+    """One strategy as measured: its name, its flags (``FLAG=VALUE``), the tuning stated, and
+    what the runs gave."""
+
+    name: str
+    options: dict[str, str] = field(default_factory=dict)
+    tuning: str = ""
+    steps_s: list[float] = field(default_factory=list)
+    tokens_per_s: list[float] = field(default_factory=list)
+    final_loss: float | None = None
+    tiers: list[int] = field(default_factory=lambda: [0, 0, 0])  # sequences local/intra/inter
+    refused: str = ""
+
+    @property
+    def label(self) -> str:
+        return ":".join([self.name, *(f"{k}={v}" for k, v in self.options.items())])
+
+    def flags(self) -> list[str]:
+        mode = ["--context-parallel-mode", "static"] if self.name == STATIC else \
+            ["--context-parallel-mode", "zeppelin", "--zeppelin-strategy", self.name]
+        return mode + [item for k, v in self.options.items() for item in (f"--{k}", v)]
+
+    def median(self) -> float:
+        """Median step seconds of every run after the warm-up."""
+        return statistics.median(self.steps_s)
+
+
+def parse_entry(text: str) -> Entry:
+    """``NAME[:FLAG=VALUE...]`` -> Entry; ValueError naming a malformed option."""
+    name, *items = text.strip().split(":")
+    options = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key or not value or key.startswith("-"):
+            raise ValueError(f"--strategies {text!r}: option {item!r} is not FLAG=VALUE (a "
+                             "training flag without its dashes, e.g. "
+                             f"hybrid-dp:{CAP_FLAG}=2048)")
+        options[key] = value
+    if not name:
+        raise ValueError(f"--strategies {text!r}: no strategy name")
+    return Entry(name, options)
+
+
+def _rank(rank: int, world: int, port: int, runs: list[list[str]], out: str) -> None:
+    """One rank of the benchmark's world: every run of ``runs`` (pretrain_gpt.py flags) in
+    order, inside one gloo world (as ``train.main`` does, minus the watchdog); rank 0 writes
+    ``[{"logs": [...]} or {"refused": reason}, ...]`` to ``out``."""
     import warnings
 
     warnings.filterwarnings("ignore")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import dataclasses
+
     import torch
+    import torch.distributed as dist
+
+    from megatron_zeppelin.config import ConfigError
+    from megatron_zeppelin.megatron import args as train_args, preflight, train
 
     torch.set_num_threads(1)  # as torchrun does: 4 ranks share this machine's cores
-    from megatron_zeppelin.megatron.train import main
+    sys.stdout = open(os.devnull, "w")  # the runs' banners and log lines: the table says it
+    train.init_process_group(train_args.parse_args(runs[0]))
+    results = []
+    for argv in runs:
+        try:
+            args = train_args.parse_args(argv)
+            layout = train_args.validate_args(args, world, world)
+            ready = preflight.check(args)
+            train.setup_megatron(args)
+            logs = train.train(args, layout, ready)
+            results.append({"logs": [dataclasses.asdict(log) for log in logs]})
+        except ConfigError as exc:  # the same on every rank: this strategy cannot run
+            results.append({"refused": str(exc)})
+        dist.barrier()
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
 
-    main(argv)
 
-
-def run_mode(mode: str, iterations: int, extra: list[str], port: int) -> list[dict]:
-    """Train ``iterations`` steps in ``mode`` on 4 spawned ranks; rank 0's per-step logs."""
+def run_entries(entries: list[Entry], iterations: int, extra: list[str], port: int
+                ) -> list[tuple[list[dict], str]]:
+    """Train ``iterations`` steps of every entry in turn on 4 spawned ranks (one world):
+    per entry, (rank 0's per-step logs, the one-line reason it was refused, or '')."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        log = os.path.join(tmp, "log.jsonl")
-        argv = ["--yaml-cfg", str(YAML), "--context-parallel-mode", mode, "--train-iters",
-                str(iterations), "--log-json", log, "--log-interval", str(iterations + 1),
-                *extra]
-        mp.start_processes(_rank, args=(4, port, argv), nprocs=4, start_method="spawn")
-        return [json.loads(line) for line in Path(log).read_text().splitlines()]
+        out = os.path.join(tmp, "results.json")
+        runs = [run_flags(e, iterations, extra) + ["--log-json", os.path.join(tmp, f"{i}.jsonl")]
+                for i, e in enumerate(entries)]  # every step recorded, none printed
+        mp.start_processes(_rank, args=(4, port, runs, out), nprocs=4, start_method="spawn")
+        results = json.loads(Path(out).read_text())
+        return [(r.get("logs", []), r.get("refused", "")) for r in results]
+
+
+def run_flags(entry: Entry, iterations: int, extra: list[str]) -> list[str]:
+    """pretrain_gpt.py's flags of one run of ``entry``."""
+    return ["--yaml-cfg", str(YAML), "--train-iters", str(iterations), "--log-interval",
+            str(iterations + 1), *extra, *entry.flags()]
+
+
+class Runner:
+    """Runs entries (one spawned world per call, fresh port), recording the steps after the
+    warm-up into each entry."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.port = args, args.port
+
+    def measure(self, entries: list[Entry]) -> None:
+        todo = [e for e in entries if not e.refused]
+        if not todo:
+            return
+        results = run_entries(todo, self.args.iterations, self.args.extra, self.port)
+        self.port += 1
+        warmup = self.args.warmup
+        for entry, (logs, refused) in zip(todo, results):
+            entry.refused = refused
+            if logs:
+                entry.steps_s += [r["seconds"] for r in logs[warmup:]]
+                entry.tokens_per_s += [r["tokens_per_s"] for r in logs[warmup:]]
+                entry.final_loss = logs[-1]["loss"]
+                for i, tier in enumerate(("local", "intra", "inter")):
+                    entry.tiers[i] += sum(r[tier] for r in logs)
+
+
+def training_shape(extra: list[str], iterations: int) -> tuple[int, int]:
+    """(--seq-length, --context-parallel-size) of the runs; the flags every run shares are
+    validated here first (a bad one is refused once, before any process starts)."""
+    from megatron_zeppelin.megatron import args as train_args
+
+    args = train_args.parse_args(run_flags(Entry(STATIC), iterations, extra))
+    train_args.validate_args(args, 4, 4)
+    return args.seq_length, args.context_parallel_size
+
+
+def knob(entry: Entry, seq_length: int, pool: int) -> tuple[str, list[int]] | None:
+    """(flag, candidate values) of the knob users tune for this strategy, unless given."""
+    if entry.name in CAPPED and CAP_FLAG not in entry.options:
+        caps, k = [], 1
+        while k <= pool:
+            caps.append(-(-seq_length // k))
+            k *= 2
+        return CAP_FLAG, caps
+    if entry.name == "static-cp" and not {"zeppelin-cp-size", "zeppelin-cp-nodes"} & \
+            set(entry.options):
+        return "zeppelin-cp-size", [d for d in range(1, pool + 1) if pool % d == 0]
+    return None
+
+
+def tune(entries: list[Entry], runner: Runner, seq_length: int, pool: int) -> list[Entry]:
+    """Each entry with its knob at the value whose run had the fastest median step (every
+    candidate of every entry measured once, in turn, in one world); ``tuning`` states the
+    sweep. Entries without a knob to tune come back as they are."""
+    knobs = [knob(e, seq_length, pool) for e in entries]
+    tried = [[Entry(e.name, {**e.options, found[0]: str(v)}) for v in found[1]] if found else []
+             for e, found in zip(entries, knobs)]
+    runner.measure([c for candidates in tried for c in candidates])
+    return [chosen(e, found[0], candidates) if found else e
+            for e, found, candidates in zip(entries, knobs, tried)]
+
+
+def chosen(entry: Entry, flag: str, tried: list[Entry]) -> Entry:
+    """The fastest of ``tried`` (``entry`` at each value of ``--flag``), its sweep stated."""
+    ran = [c for c in tried if c.steps_s]
+    if not ran:
+        return tried[0]  # every value refused: the first one's reason is reported
+    best = min(ran, key=Entry.median)
+    out = Entry(entry.name, best.options)
+    out.tuning = (f"--{flag} {best.options[flag]} (swept: " + ", ".join(
+        f"{c.options[flag]}: " + (f"{c.median():.3f} s" if c.steps_s else "refused")
+        for c in tried) + ")")
+    return out
+
+
+def report(entries: list[Entry], rtol: float) -> tuple[list[str], bool]:
+    """The table lines and whether every final loss agrees within ``rtol``."""
+    ran = [e for e in entries if e.steps_s]
+    ref = next((e for e in ran if e.name == "zeppelin"), ran[0] if ran else None)
+    lines, agree = [], True
+    width = max((len(e.label) for e in entries), default=8)
+    for e in entries:
+        if not e.steps_s:
+            lines.append(f"{e.label:>{width}}: not run: {e.refused}")
+            continue
+        ratio = e.median() / ref.median()
+        same = abs(e.final_loss - ref.final_loss) <= rtol * abs(ref.final_loss)
+        agree &= same
+        lines.append(f"{e.label:>{width}}: median step {e.median():.3f} s, tokens/s "
+                     f"{statistics.median(e.tokens_per_s):,.0f}, final loss "
+                     f"{e.final_loss:.6f}{'' if same else ' (DIFFERS)'}, step / "
+                     f"{ref.label}'s {ratio:.2f}x" + (f"; tuned: {e.tuning}" if e.tuning else ""))
+    if ran:
+        lines.append(f"final losses {'agree' if agree else 'DIFFER'} within rtol {rtol:g} "
+                     f"({ref.label}: {ref.final_loss:.6f})")
+    return lines, agree
+
+
+def to_json(entries: list[Entry], args: argparse.Namespace) -> dict:
+    """``{"strategies": {NAME: {"median_step_s", "final_loss", "steps_s", ...}}, "refused":
+    {NAME: reason}, ...}``; NAME is the strategy's name (with its options where two entries
+    share a name)."""
+    names = [e.name for e in entries]
+    key = {id(e): e.name if names.count(e.name) == 1 else e.label for e in entries}
+    strategies = {key[id(e)]: {"median_step_s": e.median(), "final_loss": e.final_loss,
+                               "steps_s": e.steps_s,
+                               "tokens_per_s": statistics.median(e.tokens_per_s),
+                               "options": e.options, "tuning": e.tuning,
+                               "sequences_local_intra_inter": e.tiers}
+                  for e in entries if e.steps_s}
+    return {"strategies": strategies, "refused": {key[id(e)]: e.refused for e in entries
+                                                  if not e.steps_s},
+            "iterations": args.iterations, "warmup": args.warmup, "rounds": args.rounds,
+            "flags": args.extra}
 
 
 def bench_train(args: argparse.Namespace) -> int:
-    print(f"tiny GPT ({YAML.name}), 4 gloo ranks as 2 nodes x 2, {args.iterations} steps per "
-          f"mode, first {args.warmup} dropped; same documents in both modes")
-    results = {}
-    for i, mode in enumerate(("static", "zeppelin")):
-        logs = run_mode(mode, args.iterations, args.extra, args.port + i)
-        steps = [r["seconds"] for r in logs[args.warmup:]]
-        results[mode] = statistics.median(steps)
-        print(f"{mode:>9}: median step {results[mode]:.3f} s, tokens/s "
-              f"{statistics.median(r['tokens_per_s'] for r in logs[args.warmup:]):,.0f}, "
-              f"final loss {logs[-1]['loss']:.4f}")
-    print(f"zeppelin speedup over static (median step time ratio): "
-          f"{results['static'] / results['zeppelin']:.2f}x")
-    return 0
+    from megatron_zeppelin.planner.registry import STRATEGIES
+    from megatron_zeppelin.planner import dynamic_cp
+
+    entries = [parse_entry(s) for s in args.strategies.split(",") if s.strip()]
+    known = {STATIC, *STRATEGIES, dynamic_cp.NAME}
+    for e in entries:
+        if e.name not in known:
+            raise ValueError(f"--strategies: unknown strategy {e.name!r}: expected some of "
+                             f"{[STATIC, *STRATEGIES]}")
+    for name, value in (("--iterations", args.iterations), ("--rounds", args.rounds)):
+        if value < 1:
+            raise ValueError(f"{name}={value} is invalid: expected an integer >= 1")
+    if not 0 <= args.warmup < args.iterations:
+        raise ValueError(f"--warmup={args.warmup} is invalid: expected 0 <= it < --iterations "
+                         f"{args.iterations}")
+    runner = Runner(args)
+    seq_length, pool = training_shape(args.extra, args.iterations)
+    print(f"tiny GPT ({YAML.name} + {' '.join(args.extra) or 'no flags'}), 4 gloo ranks as 2 "
+          f"nodes x 2; {args.rounds} interleaved round(s) of {args.iterations} steps per "
+          f"strategy, first {args.warmup} of each dropped; same documents and seed for all",
+          flush=True)
+    if args.tune:
+        entries = tune(entries, runner, seq_length, pool)
+    for _ in range(args.rounds):  # interleaved: every strategy once per round, in turn
+        runner.measure(entries)
+    lines, agree = report(entries, args.loss_rtol)
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps(to_json(entries, args), indent=2) + "\n")
+    return 0 if agree and any(e.steps_s for e in entries) else 1
 
 
 def register(targets: argparse._SubParsersAction) -> None:
-    p = targets.add_parser("train", help="tiny GPT step time: zeppelin vs static (CPU, 4 ranks)")
-    p.add_argument("--iterations", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=2)
+    p = targets.add_parser("train", help="tiny GPT step time of every strategy, same data "
+                           "(CPU, 4 ranks)", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--strategies", default="static,zeppelin",
+                   help="comma-separated NAME[:FLAG=VALUE...]: static (static mode) or "
+                        "registered strategies")
+    p.add_argument("--iterations", type=int, default=12, help="steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="first steps of each run dropped")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved runs per strategy")
+    p.add_argument("--tune", action="store_true",
+                   help="sweep each peer's own knob by measurement first (module doc)")
+    p.add_argument("--loss-rtol", type=float, default=1e-4,
+                   help="relative tolerance of the final losses' agreement (fp32)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
     p.add_argument("--port", type=int, default=29611)
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
     p.set_defaults(func=bench_train)

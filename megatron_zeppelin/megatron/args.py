@@ -26,6 +26,9 @@ from megatron_zeppelin.config import ConfigError, ZeppelinConfig
 from megatron_zeppelin.options import (Parser, add_flags, from_flags, require, setting,
                                        yaml_defaults)
 from megatron_zeppelin.parallel import PoolLayout
+from megatron_zeppelin.planner import STRATEGIES, dynamic_cp
+from megatron_zeppelin.planner.registry import (add_option_flags, given_options, option_dests,
+                                                strategies_from_flags)
 from megatron_zeppelin.runtime.kernels import choices as attention_backends
 
 MODES = ("static", "zeppelin")
@@ -202,6 +205,11 @@ class ZeppelinRuntimeArgs:
     """Zeppelin options that are not planner options (flags ``--zeppelin-<field>``)."""
 
     SECTION = "zeppelin"
+    strategy: str = setting(
+        "zeppelin", "what plans each micro-batch in --context-parallel-mode zeppelin: "
+        f"{sorted({*STRATEGIES, dynamic_cp.NAME})} (the peers as their users run them, on "
+        "the same engine and data; each strategy's options are flags too: --zeppelin-cp-size, "
+        "--max-seqlen-per-dp-cp-rank, ...)")
     cluster: str | None = setting(None, "cluster YAML (path or shipped name) for the planner's "
                                   "cost model")
     hardware: str | None = setting(None, "hardware profile YAML (default: the cluster's)")
@@ -222,6 +230,11 @@ class ZeppelinRuntimeArgs:
     def __post_init__(self) -> None:
         _at_least(self, 1, "gpus_per_node")
         _at_least(self, 0.0, "watchdog_timeout")
+        require(self.strategy in STRATEGIES or self.strategy == dynamic_cp.NAME,
+                "zeppelin.strategy", self.strategy, f"one of {list(STRATEGIES)}")
+        require(self.strategy in STRATEGIES, "zeppelin.strategy", self.strategy,
+                f"one of {list(STRATEGIES)} ({dynamic_cp.NAME} needs megatron-core's "
+                f"{dynamic_cp.CLASS}, which the installed megatron-core does not have)")
 
 
 MEGATRON_SECTIONS = {"model": ModelArgs, "parallel": ParallelArgs, "optim": OptimArgs,
@@ -273,6 +286,28 @@ def add_zeppelin_args(p: argparse.ArgumentParser, with_mode: bool = False) -> No
         add_flags(g, ParallelArgs, only=("context_parallel_mode",))
     add_flags(g, ZeppelinConfig, ZEPPELIN_PREFIX, skip=("max_seqlen",))
     add_flags(g, ZeppelinRuntimeArgs, ZEPPELIN_PREFIX)
+    add_option_flags(p.add_argument_group("zeppelin strategy options (each applies to the "
+                                          "--zeppelin-strategy values that take it)"),
+                     ZEPPELIN_PREFIX)
+
+
+def planner_strategy(args: argparse.Namespace, pool_size: int) -> tuple[str, dict]:
+    """(strategy name, options) that plans each micro-batch of a pool of ``pool_size`` ranks:
+    static mode is static CP over the whole pool; zeppelin mode is ``--zeppelin-strategy``
+    with its option flags (an option it does not take is refused, naming it)."""
+    if args.context_parallel_mode == "static":
+        given = [flag for dest, flag in option_dests(ZEPPELIN_PREFIX).items()
+                 if getattr(args, dest, None) is not None]
+        if getattr(args, "zeppelin_strategy", "zeppelin") != "zeppelin":
+            given.insert(0, f"--zeppelin-strategy {args.zeppelin_strategy}")
+        if given:
+            raise ConfigError(f"{', '.join(given)}: only with --context-parallel-mode zeppelin "
+                              "(static mode is static CP over the whole CP group): drop it or "
+                              "pass --context-parallel-mode zeppelin")
+        return "static-cp", {"cp_size": pool_size}
+    strategy, = strategies_from_flags([args.zeppelin_strategy], args, ZEPPELIN_PREFIX,
+                                      "--zeppelin-strategy")
+    return strategy.name, given_options(strategy)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -350,6 +385,7 @@ def validate_args(args: argparse.Namespace, world_size: int, local_world_size: i
                                 config.runtime.gpus_per_node, local_world_size)
     args.zeppelin_gpus_per_node = layout.gpus_per_node
     layout.micro_batches(args.global_batch_size, args.micro_batch_size)
+    planner_strategy(args, layout.cp)
     if args.bf16 and args.device == "cpu":
         raise ConfigError("--bf16 with --device cpu: megatron-core's bf16 optimizer needs CUDA; "
                           "train in fp32 on CPU")

@@ -41,10 +41,13 @@ _STATE: dict = {}  # Megatron-LM runs one model per process: its PoolRuntime and
 
 
 def _zeppelin_defaults() -> dict[str, object]:
-    """``{dest: default}`` of every ``--zeppelin-*`` flag."""
+    """``{dest: default}`` of every ``--zeppelin-*`` flag (strategy options: None)."""
+    from megatron_zeppelin.planner.registry import option_dests
+
     sections = (ZeppelinConfig, train_args.ZeppelinRuntimeArgs)
-    return {dest_of(f, train_args.ZEPPELIN_PREFIX): f.default
-            for section in sections for f in settings(section) if f.name != "max_seqlen"}
+    return {**{dest_of(f, train_args.ZEPPELIN_PREFIX): f.default
+               for section in sections for f in settings(section) if f.name != "max_seqlen"},
+            **dict.fromkeys(option_dests(train_args.ZEPPELIN_PREFIX))}
 
 
 def check_megatron_lm_args(args: argparse.Namespace) -> None:
@@ -65,7 +68,9 @@ def check_megatron_lm_args(args: argparse.Namespace) -> None:
     refused = refusals(args)
     if refused:
         raise ConfigError(refused[0])
-    args.zeppelin_gpus_per_node = pool_layout(args, env.local_world_size()).gpus_per_node
+    layout = pool_layout(args, env.local_world_size())
+    args.zeppelin_gpus_per_node = layout.gpus_per_node
+    train_args.planner_strategy(args, layout.cp)  # --zeppelin-strategy and its options
 
 
 def pool_layout(args: argparse.Namespace, local_world_size: int | None = None) -> PoolLayout:

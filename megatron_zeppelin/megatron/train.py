@@ -33,6 +33,7 @@ from megatron_zeppelin.megatron.watchdog import Watchdog, start_watchdog
 from megatron_zeppelin.megatron.model import build_gpt_model, make_transformer_config
 from megatron_zeppelin.megatron.spec import get_gpt_layer_zeppelin_spec
 from megatron_zeppelin.parallel import PoolLayout
+from megatron_zeppelin.planner.registry import strategy_class
 from megatron_zeppelin.planner.service import PlanFunction, PlannerService
 from megatron_zeppelin.router import RouterTopology
 
@@ -60,15 +61,28 @@ def make_cost_model(args: argparse.Namespace, spec: ModelSpec, layout: PoolLayou
 def make_planner(args: argparse.Namespace, cost: CostModel, layout: PoolLayout) -> PlanFunction:
     """lengths -> Plan for one micro-batch of the pool (deterministic: same on every rank;
     picklable, so that the planner process can run it)."""
-    config = train_args.zeppelin_config(args)
-    if args.context_parallel_mode == "zeppelin":
-        return PlanFunction("zeppelin", cost, config, validate=args.zeppelin_validate_plan)
-    return PlanFunction("static-cp", cost, config, options={"cp_size": layout.cp},
+    name, options = train_args.planner_strategy(args, layout.cp)
+    return PlanFunction(name, cost, train_args.zeppelin_config(args), options=options,
                         validate=args.zeppelin_validate_plan)
 
 
-def build_state(args: argparse.Namespace, pool: Pool, cost: CostModel) -> ZeppelinAttentionState:
-    routed = args.context_parallel_mode == "zeppelin" and args.zeppelin_routing and \
+def check_strategy(args: argparse.Namespace, planner: PlanFunction,
+                   state: ZeppelinAttentionState) -> None:
+    """Plan one document of ``--seq-length`` tokens and build its attention runtime (the
+    engine's own checks), so that a strategy this run cannot execute is refused before
+    training, in one line, with the planner's or the engine's reason."""
+    try:
+        state.prepare(planner([args.seq_length]))
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(f"--zeppelin-strategy {planner.strategy} cannot run here: "
+                          f"{str(exc).splitlines()[0]}") from None
+
+
+def build_state(args: argparse.Namespace, pool: Pool, cost: CostModel, planner: PlanFunction
+                ) -> ZeppelinAttentionState:
+    """The attention state of the pool: inter-node rings go through the routing layer when the
+    strategy routes them (zeppelin) and ``--zeppelin-routing`` is on."""
+    routed = strategy_class(planner.strategy).routed and args.zeppelin_routing and \
         cost.cluster.nodes > 1
     backend = None if args.zeppelin_attention_backend == "auto" else args.zeppelin_attention_backend
     # routing works on pool ranks: with TP, a pool rank is a TP group of its node
@@ -102,7 +116,9 @@ def build_pool_runtime(args: argparse.Namespace, layout: PoolLayout, spec: Model
     pool = new_pool_groups(layout)
     cost = make_cost_model(args, spec, layout)
     planner = make_planner(args, cost, layout)
-    return PoolRuntime(pool, cost, build_state(args, pool, cost), planner)
+    state = build_state(args, pool, cost, planner)
+    check_strategy(args, planner, state)
+    return PoolRuntime(pool, cost, state, planner)
 
 
 def build_training(args: argparse.Namespace, state: ZeppelinAttentionState, spec: ModelSpec):

@@ -61,6 +61,7 @@ def _positive_option(strategy: str, key: str, value: int | None) -> None:
 class StaticCP(Strategy):
     """Every document zigzag over its DP replica's whole CP group (TE/Megatron CP)."""
 
+    te_attention = True
     name = "static-cp"
     summary = "TE/Megatron CP: every document zigzag over its replica's CP group"
     cp_size: int | None = setting(None, "static-cp: ranks per CP group (default: the smallest "
@@ -131,6 +132,7 @@ class StaticCPBest(Strategy):
     divisor of the pool whose groups hold the longest document within the capacity) up to
     ``max_cp_size``, the fastest by the step estimate (``estimate.estimate_tasks``)."""
 
+    te_attention = True
     name = "static-cp-best"
     summary = "static CP at its best size for the batch (every legal size, by the estimate)"
     max_cp_size: int | None = setting(None, "static-cp-best: largest CP size tried (default: "
@@ -191,8 +193,9 @@ def default_max_seqlen_per_rank(batch: Batch) -> int:
 
 
 _MAX_SEQLEN_PER_RANK_HELP = (
-    "hybrid-dp / megatron-hybrid-cp: Megatron's --max-seqlen-per-dp-cp-rank (default: the "
-    "longest document over one node, at least the mean tokens per rank)")
+    "hybrid-dp / megatron-hybrid-cp / megatron-dynamic-cp: the most tokens of a document a "
+    "rank holds (Megatron's --max-seqlen-per-dp-cp-rank; default: the longest document over "
+    "one node, at least the mean tokens per rank; tune it: zeppelin bench train sweeps it)")
 
 
 @register
@@ -200,9 +203,11 @@ _MAX_SEQLEN_PER_RANK_HELP = (
 class HybridDP(Strategy):
     """Fewest ranks that hold each document, greedy on estimated work, longest first."""
 
+    te_attention = True
     name = "hybrid-dp"
     summary = "fewest ranks per document (within max_seqlen_per_rank), greedy on work"
-    max_seqlen_per_rank: int | None = setting(None, _MAX_SEQLEN_PER_RANK_HELP)
+    max_seqlen_per_rank: int | None = setting(None, _MAX_SEQLEN_PER_RANK_HELP,
+                                              flag="--max-seqlen-per-dp-cp-rank")
 
     def __post_init__(self) -> None:
         _positive_option(self.name, "max_seqlen_per_rank", self.max_seqlen_per_rank)

@@ -7,9 +7,14 @@ sequence is assigned to one group, minimising the slowest group's time under the
 as a mixed-integer linear program (the paper solves it with SCIP, with sequence bucketing to
 shrink it). Here:
 
-* group sizes d: powers of two dividing the pool and the heads per rank (Ulysses splits
-  heads); any multiset of sizes summing to the pool tiles it with aligned blocks (largest
-  first), so only the sum is constrained;
+* group sizes d: every size up to the query heads per rank (Ulysses splits the heads over the
+  group, unevenly where d does not divide them: the busiest rank holds ceil(heads / d), as
+  ``CostKernel.ulysses_compute`` charges), inside a node (d <= GPUs per node) or of whole
+  nodes (a multiple of it) so that a group's tier is known; FlexSP's paper fixes no power of
+  two. Only the sum of the sizes is constrained: groups of whole nodes come first, the others
+  are packed into the remaining nodes (first fit, largest first); a multiset that cannot be
+  packed without a group spanning two nodes gets that group as it falls (its tier, INTER, is
+  what the simulator charges, the MILP's estimate having assumed INTRA);
 * buckets: sequences in at most ``buckets`` buckets of similar length (equal ratios of the
   length range: the paper's sequence bucketing); ``t_bd``, a bucket's per-rank time per
   sequence in a group of size d, is the mean over its sequences of attention at the full length
@@ -32,8 +37,11 @@ runs it as all-to-all attention (``runtime/ulysses.py``).
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -86,14 +94,26 @@ def length_buckets(seqlens: Sequence[int], count: int) -> list[list[int]]:
     return [b for b in out if b]
 
 
-def group_sizes(world: int, heads: int) -> list[int]:
-    """Powers of two dividing both the pool size and the heads per rank."""
-    sizes, d = [], 1
-    while d <= world:
-        if world % d == 0 and heads % d == 0:
-            sizes.append(d)
-        d *= 2
-    return sizes
+def group_sizes(world: int, heads: int, gpus_per_node: int | None = None) -> list[int]:
+    """Ulysses group sizes of a pool of ``world`` ranks: every size up to the query heads per
+    rank, inside a node or of whole nodes of ``gpus_per_node`` (default: one node, the pool)."""
+    gpn = gpus_per_node or world
+    return [d for d in range(1, min(world, heads) + 1) if d <= gpn or d % gpn == 0]
+
+
+@contextlib.contextmanager
+def solver_output_to_stderr():
+    """What the solver's C code prints on file descriptor 1 goes to 2 meanwhile, so that it
+    never mixes into a command's output (``zeppelin simulate --json``)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 class _Columns:
@@ -159,10 +179,18 @@ class _Problem:
     def __init__(self, batch: Batch, cost: CostModel, buckets: int) -> None:
         self.batch, self.cost = batch, cost
         topo = batch.topology
-        self.sizes = group_sizes(topo.world_size, cost.heads)
+        self.sizes = group_sizes(topo.world_size, cost.heads, topo.gpus_per_node)
         self.buckets = length_buckets(batch.seqlens, buckets)
         self.times = [[self._mean_time(members, d) for d in self.sizes]
                       for members in self.buckets]
+        for members, row in zip(self.buckets, self.times):
+            if all(t == math.inf for t in row):
+                raise CapacityError(
+                    f"flexsp: no Ulysses group size {self.sizes} holds the sequences of "
+                    f"{min(batch.seqlens[i] for i in members)}-"
+                    f"{max(batch.seqlens[i] for i in members)} tokens within the capacity "
+                    f"{batch.capacity} tokens per rank (a group is at most the "
+                    f"{cost.heads} query heads per rank)")
 
     def tier(self, d: int) -> Tier:
         gpn = self.batch.topology.gpus_per_node
@@ -198,10 +226,12 @@ class _Problem:
         objective = np.zeros(v.count)
         objective[v.c] = 1.0
         started = time.perf_counter()
-        result = milp(objective, integrality=integrality,
-                      bounds=Bounds(np.zeros(v.count), self._upper(v, big)),
-                      constraints=LinearConstraint(rows.matrix(v.count), rows.lo, rows.hi),
-                      options={"time_limit": time_limit_s, "mip_rel_gap": 1e-3})
+        with solver_output_to_stderr():
+            result = milp(objective, integrality=integrality,
+                          bounds=Bounds(np.zeros(v.count), self._upper(v, big)),
+                          constraints=LinearConstraint(rows.matrix(v.count), rows.lo, rows.hi),
+                          options={"time_limit": time_limit_s, "mip_rel_gap": 1e-3,
+                                   "disp": False})
         if result.x is None:
             raise CapacityError(f"flexsp: the MILP found no assignment within the capacity "
                                 f"{self.batch.capacity} tokens per rank ({result.message})")
@@ -256,17 +286,13 @@ class _Problem:
         return upper
 
     def assign(self, groups: list[int], per_size: list[list[int]]) -> list[AttentionTask]:
-        """Groups tile the pool largest first (aligned blocks); each bucket's sequences go to
+        """Groups tile the pool (``place_groups``); each bucket's sequences go to
         the sizes the MILP gave them, longest to the largest size; inside a size, longest
         first to its least-loaded group."""
         topo, seqlens = self.batch.topology, self.batch.seqlens
-        blocks: list[list[tuple[float, int]]] = []  # per size: heap of (load, first rank)
-        offset = 0
-        for j in sorted(range(len(self.sizes)), key=lambda j: -self.sizes[j]):
-            d = self.sizes[j]
-            blocks.append([(0.0, offset + i * d) for i in range(groups[j])])
-            offset += groups[j] * d
-        by_size = {d: blocks[i] for i, d in enumerate(sorted(self.sizes, reverse=True))}
+        by_size = {d: [(0.0, ring) for ring in rings]
+                   for d, rings in place_groups(dict(zip(self.sizes, groups)),
+                                                 topo.gpus_per_node, topo.world_size).items()}
         for heap in by_size.values():
             heapq.heapify(heap)
         tasks: list[AttentionTask | None] = [None] * len(seqlens)
@@ -276,9 +302,33 @@ class _Problem:
             for j in sorted(range(len(self.sizes)), key=lambda j: -self.sizes[j]):
                 d, count = self.sizes[j], per_size[b][j]
                 for seq in ordered[start:start + count]:
-                    load, first = heapq.heappop(by_size[d])
-                    heapq.heappush(by_size[d], (load + self.seq_time(seqlens[seq], d), first))
-                    ring = tuple(range(first, first + d))
+                    load, ring = heapq.heappop(by_size[d])
+                    heapq.heappush(by_size[d], (load + self.seq_time(seqlens[seq], d), ring))
                     tasks[seq] = AttentionTask(seq, ring, topo.tier_of(ring))
                 start += count
         return tasks
+
+
+def place_groups(counts: dict[int, int], gpus_per_node: int, world: int
+                 ) -> dict[int, list[tuple[int, ...]]]:
+    """The ranks of every group (``counts``: groups per size, sizes summing to ``world``):
+    groups of whole nodes first, then the others largest first, each into the first node
+    with room for all of it, else (no node has) on the lowest free ranks, spanning nodes."""
+    nodes = world // gpus_per_node
+    free = [list(range(n * gpus_per_node, (n + 1) * gpus_per_node)) for n in range(nodes)]
+    out: dict[int, list[tuple[int, ...]]] = {d: [] for d in counts}
+    node = 0
+    for d in sorted((d for d in counts if d % gpus_per_node == 0), reverse=True):
+        for _ in range(counts[d]):
+            out[d].append(tuple(range(node * gpus_per_node, node * gpus_per_node + d)))
+            for n in range(node, node + d // gpus_per_node):
+                free[n] = []
+            node += d // gpus_per_node
+    for d in sorted((d for d in counts if d % gpus_per_node), reverse=True):
+        for _ in range(counts[d]):
+            fits = next((f for f in free if len(f) >= d), None)
+            ranks = fits[:d] if fits is not None else sorted(r for f in free for r in f)[:d]
+            out[d].append(tuple(ranks))
+            for f in free:
+                f[:] = [r for r in f if r not in ranks]
+    return out

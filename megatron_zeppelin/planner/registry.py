@@ -19,7 +19,8 @@ from typing import Any, ClassVar, Sequence
 
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
-from megatron_zeppelin.options import settings
+from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.options import add_flags, dest_of, flag_of, from_flags, settings
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.plan_checks import ATTENTION_KINDS
 from megatron_zeppelin.planner.common import with_derived_capacity
@@ -33,13 +34,17 @@ class Strategy:
     texts and reports; attention: the ``Plan.attention_kind`` of its plans, ``ring`` (zigzag
     ring attention, ``runtime/engine.py``) or ``ulysses`` (all-to-all head parallelism,
     FlexSP, ``runtime/ulysses.py``); routed: whether the strategy sends its
-    inter-node ring traffic through the routing layer (zeppelin) or the static NICs.
+    inter-node ring traffic through the routing layer (zeppelin) or the static NICs;
+    te_attention: whether the peer's own system runs its rings with Transformer Engine's CP
+    attention, whose dK/dV travel in the KV dtype (bf16), not in fp32 accumulators (the
+    simulator charges each peer its own: ``SimOptions.dkv_dtype``).
     """
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     attention: ClassVar[str] = "ring"
     routed: ClassVar[bool] = False  # runs its inter-node rings through the routing layer
+    te_attention: ClassVar[bool] = False  # its own system's rings are TE CP (dK/dV in bf16)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -114,3 +119,48 @@ def make_plan(strategy: str | Strategy, seqlens: Sequence[int], cost: CostModel,
                              "on the object")
         return strategy.plan(seqlens, cost, config)
     return get_strategy(strategy, **options).plan(seqlens, cost, config)
+
+
+def add_option_flags(parser, prefix: str = "", taken: Sequence[str] = ()) -> None:
+    """One flag per strategy option of every registered strategy (``--<prefix><option>``, or
+    the option's own ``flag``), defaulting to None (not given: the strategy keeps its own
+    default); an option several strategies share is one flag for all of them. Options whose
+    flag ``parser`` already has, or listed in ``taken`` (flag strings), are left out: the
+    parser's own flag of that name is read instead (Megatron-LM's, say)."""
+    added = {f.name for cls in STRATEGIES.values() for f in settings(cls)
+             if flag_of(f, prefix) in set(taken) | set(getattr(parser, "_option_string_actions",
+                                                                 {}))}
+    for cls in STRATEGIES.values():
+        names = {f.name for f in settings(cls)}
+        add_flags(parser, cls, prefix, skip=added, defaults=dict.fromkeys(names))
+        added |= names
+
+
+def option_dests(prefix: str = "") -> dict[str, str]:
+    """``{dest: flag}`` of every strategy option flag (``add_option_flags``)."""
+    return {dest_of(f, prefix): flag_of(f, prefix)
+            for cls in STRATEGIES.values() for f in settings(cls)}
+
+
+def strategies_from_flags(names: Sequence[str], args: Any, prefix: str = "",
+                          asked: str = "--strategy") -> list[Strategy]:
+    """The strategies ``names`` with the option flags given in ``args`` (a bad value refused
+    naming its flag); an option given that none of them takes is refused naming the flag,
+    the strategies that take it and ``asked`` (the flag that chose the strategies)."""
+    chosen = [strategy_class(name) for name in names]
+    taken = {f.name for cls in chosen for f in settings(cls)}
+    for cls in STRATEGIES.values():
+        for f in settings(cls):
+            if f.name not in taken and getattr(args, dest_of(f, prefix), None) is not None:
+                owners = [n for n, c in STRATEGIES.items()
+                          if f.name in {g.name for g in settings(c)}]
+                raise ConfigError(f"{flag_of(f, prefix)} is an option of {owners}, none of "
+                                  f"which is {asked} {' '.join(names)}")
+    return [from_flags(cls, args, prefix, given_only=True) for cls in chosen]
+
+
+def given_options(strategy: Strategy) -> dict[str, Any]:
+    """The options of ``strategy`` that differ from their defaults (``get_strategy(name,
+    **given_options(s))`` rebuilds it)."""
+    return {f.name: getattr(strategy, f.name) for f in dataclasses.fields(strategy)
+            if getattr(strategy, f.name) != f.default}

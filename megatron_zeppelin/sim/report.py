@@ -7,6 +7,7 @@ compute, no exposed communication).
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Sequence
 
@@ -62,7 +63,7 @@ def format_setting(result: SettingResult, baseline: str = BASELINE,
 
 
 def format_summary(results: Sequence[SettingResult], baseline: str = BASELINE,
-                   others: Sequence[str] = ("megatron-hybrid-cp", "hybrid-dp"),
+                   others: Sequence[str] = ("megatron-hybrid-cp-tuned", "hybrid-dp-tuned"),
                    markdown: bool = False) -> str:
     """One row per setting: zeppelin's time, its speedup over the baseline and others, gap."""
     rows = [["setting", "GPUs", "zeppelin s", f"vs {baseline}",
@@ -76,17 +77,29 @@ def format_summary(results: Sequence[SettingResult], baseline: str = BASELINE,
     return _table(rows, markdown)
 
 
-def mean_speedup(results: Sequence[SettingResult], over: str, label: str = "zeppelin"
-                 ) -> float | None:
-    """Arithmetic mean over settings of ``label``'s speedup over ``over`` (None if none)."""
-    values = [v for r in results if (v := r.speedup(label, over)) is not None]
-    return sum(values) / len(values) if values else None
+def speedups(results: Sequence[SettingResult], over: str, label: str = "zeppelin"
+             ) -> list[float]:
+    """``label``'s speedup over ``over`` in every setting where both ran."""
+    return [v for r in results if (v := r.speedup(label, over)) is not None]
 
 
-def mean_gap(results: Sequence[SettingResult], label: str = "zeppelin") -> float | None:
-    """Mean over settings of ``label``'s iteration time / the lower bound."""
-    values = [r.get(label).iteration_s / r.lower_bound_s for r in results if r.get(label)]
-    return sum(values) / len(values) if values else None
+def geomean_speedup(results: Sequence[SettingResult], over: str, label: str = "zeppelin"
+                    ) -> float | None:
+    """Geometric mean over settings of ``label``'s speedup over ``over`` (None if none)."""
+    return geomean(speedups(results, over, label))
+
+
+def median_speedup(results: Sequence[SettingResult], over: str, label: str = "zeppelin"
+                   ) -> float | None:
+    """Median over settings of ``label``'s speedup over ``over`` (None if none)."""
+    values = speedups(results, over, label)
+    return statistics.median(values) if values else None
+
+
+def geomean_gap(results: Sequence[SettingResult], label: str = "zeppelin") -> float | None:
+    """Geometric mean over settings of ``label``'s iteration time / the lower bound."""
+    return geomean([r.get(label).iteration_s / r.lower_bound_s for r in results
+                    if r.get(label)])
 
 
 def geomean(values: Sequence[float]) -> float | None:

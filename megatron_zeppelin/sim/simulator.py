@@ -45,6 +45,9 @@ from megatron_zeppelin.sim.rounds import (INTER_MODES, LOCAL_POLICIES, Links, Pa
                                           RingCosts, simulate_pass)
 
 
+DKV_DTYPES = ("accumulator", "kv")
+
+
 @dataclass(frozen=True)
 class SimOptions:
     """inter_mode: how inter-node ring hops travel, as the engine's ``inter_mode``: ``ring``
@@ -54,12 +57,16 @@ class SimOptions:
     importable) or ``analytic`` (network.py's model). local_policy: ``engine`` (as
     ``runtime/engine.py``: LOCAL calls start only while a round's exchanges are in flight,
     the rest after the last round), ``share`` (the earlier engine: a fixed LOCAL share per
-    round) or ``fill`` (LOCAL work fills the waits exactly: an idealised engine)."""
+    round) or ``fill`` (LOCAL work fills the waits exactly: an idealised engine).
+    dkv_dtype: what dK/dV travel the rings in: ``accumulator`` (the zeppelin engine's fp32
+    accumulators) or ``kv`` (the KV dtype, as Transformer Engine's CP sends them: static CP and
+    Megatron's hybrid/dynamic CP, ``Strategy.te_attention``)."""
 
     inter_mode: str = "ring"
     overlap_grad_reduce: bool = True
     router: str = "auto"
     local_policy: str = "engine"
+    dkv_dtype: str = "accumulator"
 
     def __post_init__(self) -> None:
         if self.local_policy not in LOCAL_POLICIES:
@@ -68,6 +75,9 @@ class SimOptions:
         if self.inter_mode not in INTER_MODES:
             raise ValueError(f"inter_mode={self.inter_mode!r} is invalid: expected one of "
                              f"{list(INTER_MODES)}")
+        if self.dkv_dtype not in DKV_DTYPES:
+            raise ValueError(f"dkv_dtype={self.dkv_dtype!r} is invalid: expected one of "
+                             f"{list(DKV_DTYPES)}")
         if self.router not in STEP_TIME_MODELS:
             raise ValueError(f"router={self.router!r} is invalid: expected one of "
                              f"{list(STEP_TIME_MODELS)}")
@@ -200,7 +210,8 @@ def simulate_waves(plan: Plan, cost: CostModel, options: SimOptions, work: Work
         bwd = compute * hw.attention_bwd_ratio + a2a
         return [_WaveTimes((layers * fwd).tolist(), (layers * bwd).tolist(),
                            (layers * compute * (1.0 + hw.attention_bwd_ratio)).tolist())]
-    acc_bytes = 8 if cost.model.bytes_per_element > 4 else 4  # fp32 (fp64) dKV accumulators
+    acc_bytes = cost.model.bytes_per_element if options.dkv_dtype == "kv" else \
+        8 if cost.model.bytes_per_element > 4 else 4  # fp32 (fp64) dKV accumulators
     launch = hw.kernel_overhead_us * 1e-6
     fwd_spec = PassSpec(False, 1.0, acc_bytes / cost.model.bytes_per_element, launch)
     bwd_spec = PassSpec(True, hw.attention_bwd_ratio, fwd_spec.acc_per_kv_byte, launch)

@@ -37,6 +37,7 @@ class Variant:
     remap: bool = True
     description: str = ""
     local_policy: str = "engine"
+    tune_cap: bool = False  # sweep max_seqlen_per_rank per batch set (``tuned_runs``)
 
 
 def _variants() -> dict[str, Variant]:
@@ -58,8 +59,14 @@ def _variants() -> dict[str, Variant]:
                 description="zeppelin's hierarchical plan alone, with the remap, no portfolio "
                 "(the planner before this change: the same plans bit for bit)"),
         Variant("static-cp-2node", static(cp_nodes=2),
-                description="TE CP over groups of two nodes (inter-node rings, the paper's "
-                "Fig. 12)"),
+                description="TE CP over groups of two nodes (inter-node rings, dK/dV in "
+                "bf16): the paper's baseline (Fig. 12), not a peer"),
+        Variant("hybrid-dp-tuned", STRATEGIES["hybrid-dp"](), tune_cap=True,
+                description="hybrid DP with --max-seqlen-per-dp-cp-rank swept per batch set, "
+                "the fastest kept (as its users tune it)"),
+        Variant("megatron-hybrid-cp-tuned", STRATEGIES["megatron-hybrid-cp"](), tune_cap=True,
+                description="Megatron hybrid CP with --max-seqlen-per-dp-cp-rank swept per "
+                "batch set, the fastest kept (as its users tune it)"),
         Variant("static-cp-routed", static(cp_nodes=2), True,
                 description="TE CP over two nodes with the routing layer (routing alone)"),
     ):
@@ -69,7 +76,8 @@ def _variants() -> dict[str, Variant]:
 
 VARIANTS: dict[str, Variant] = _variants()
 DEFAULT_VARIANTS = ("zeppelin", "zeppelin-no-routing", "zeppelin-no-remap", "static-cp",
-                    "static-cp-best", "hybrid-dp", "megatron-hybrid-cp", "flexsp", "hydraulis")
+                    "static-cp-best", "hybrid-dp-tuned", "megatron-hybrid-cp-tuned", "flexsp",
+                    "hydraulis")
 
 
 @dataclass(frozen=True)
@@ -190,12 +198,63 @@ def plan_and_simulate(variant: Variant, lengths: list[int], cost: CostModel,
     """Plan one batch with ``variant`` and simulate the plan."""
     config = replace(config, routing=variant.routing, remap=variant.remap)
     options = SimOptions(inter_mode="routed" if variant.routing else "ring",
-                         local_policy=variant.local_policy)
+                         local_policy=variant.local_policy,
+                         dkv_dtype="kv" if variant.strategy.te_attention else "accumulator")
     started = time.perf_counter()
     plan = variant.strategy.plan(lengths, cost, config)
     plan_ms = (time.perf_counter() - started) * 1e3
     return Run(simulate(plan, cost, options, variant.label), plan_ms, plan.strategy,
                plan.candidate)
+
+
+def variant_runs(variant: Variant, batches: list[list[int]], cost: CostModel,
+                 config: ZeppelinConfig) -> list[Run]:
+    return [plan_and_simulate(variant, lengths, cost, config) for lengths in batches]
+
+
+def cap_candidates(batches: list[list[int]], ranks: int) -> list[int]:
+    """--max-seqlen-per-dp-cp-rank values a user sweeps, largest first: the longest document
+    over 1, 2, 4, ... ranks (Megatron's suggested start, longest / CP, among them), down to
+    ``MIN_CAP`` tokens or the longest over every rank of the pool."""
+    longest, caps, k = max(max(b) for b in batches), [], 1
+    while k <= ranks and (not caps or -(-longest // k) >= MIN_CAP):
+        caps.append(-(-longest // k))
+        k *= 2
+    return caps
+
+
+MIN_CAP = 1024  # the smallest cap the sweep tries (tokens per rank)
+
+
+def tuned_runs(variant: Variant, batches: list[list[int]], cost: CostModel,
+               config: ZeppelinConfig) -> tuple[list[Run], str]:
+    """The runs of ``variant`` at the cap (``max_seqlen_per_rank``) with the least mean
+    simulated iteration over the batch set, and a note stating it and the sweep. Caps are
+    tried largest first and the sweep stops after two in a row slower than the best."""
+    def mean(runs: list[Run]) -> float:
+        return sum(r.result.iteration_s for r in runs) / len(runs)
+
+    tried: dict[int, list[Run] | None] = {}
+    best, worse = None, 0
+    for cap in cap_candidates(batches, cost.cluster.world_size // cost.tp):
+        tuned = replace(variant, strategy=replace(variant.strategy, max_seqlen_per_rank=cap))
+        try:
+            tried[cap] = variant_runs(tuned, batches, cost, config)
+        except CapacityError:
+            tried[cap] = None
+            continue
+        if best is None or mean(tried[cap]) < mean(tried[best]):
+            best, worse = cap, 0
+        else:
+            worse += 1
+            if worse == 2:
+                break
+    if best is None:
+        raise CapacityError(f"{variant.label}: no --max-seqlen-per-dp-cp-rank of "
+                            f"{sorted(tried)} places the batches")
+    swept = ", ".join(f"{cap}: {mean(runs):.3g} s" if runs else f"{cap}: no fit"
+                      for cap, runs in tried.items())
+    return tried[best], f"cap {best} (swept {swept})"
 
 
 def run_setting(setting: Setting, variants: Sequence[Variant],
@@ -216,19 +275,19 @@ def run_setting(setting: Setting, variants: Sequence[Variant],
             if tick:
                 tick()
             continue
-        runs = []
         try:
-            for lengths in batches:
-                runs.append(plan_and_simulate(variant, lengths, cost, config))
-                if tick:
-                    tick()
+            runs, note = tuned_runs(variant, batches, cost, config) if variant.tune_cap else \
+                (variant_runs(variant, batches, cost, config), "")
         except CapacityError as exc:  # this strategy cannot place the batch: say so
             skipped.append((variant.label, f"cannot place the batch: {exc}"))
             continue
+        finally:
+            if tick:
+                tick()
         results.append(VariantResult(
             variant.label, sum(r.result.iteration_s for r in runs) / len(runs),
             sum(bounds) / len(bounds), sum(r.plan_ms for r in runs) / len(runs),
-            runs[0].result, runs[0].candidate or runs[0].plan_name,
+            runs[0].result, note or runs[0].candidate or runs[0].plan_name,
             tuple(r.candidate for r in runs if r.candidate)))
     return SettingResult(setting, cost.cluster.world_size, sum(map(len, batches)) / len(batches),
                          sum(map(sum, batches)) / len(batches), sum(bounds) / len(bounds),

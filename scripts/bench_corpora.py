@@ -1,0 +1,170 @@
+#!/usr/bin/env python
+"""Measure every strategy training the tiny GPT on the three corpora; write a Markdown table.
+
+    python scripts/bench_corpora.py                      # the measurement (quiet machine!)
+    python scripts/bench_corpora.py --smoke              # 3 steps, 1 round, no tuning: a try
+    python scripts/bench_corpora.py --output docs/bench-corpora.md
+
+For each corpus of ``scripts/make_corpora.py`` (written to ``--corpora`` first when missing)
+this runs ``zeppelin bench train --tune --strategies ... -- --data-path CORPUS`` (4 gloo ranks
+as 2 nodes x 2, every strategy on the same documents and seed, rounds interleaved, each peer's
+knob swept by measurement first) and keeps its JSON next to the table. The table gives, per
+corpus, each strategy's median step, tokens/s, zeppelin's speedup over it (its median step /
+zeppelin's), how it placed the sequences (local / ring in a node / ring across nodes: where
+zeppelin loses, this says why) and its tuning; then zeppelin's speedup over each peer across the corpora
+(geometric mean and median) and its wins and losses per corpus. ``static`` (static mode: TE /
+Megatron CP over the whole pool, i.e. both nodes) is the paper's baseline, reported but not
+counted as a peer. A strategy that cannot run is listed with its reason.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+BASELINE = "static"  # two-node TE CP: the paper's baseline, not a peer
+STRATEGIES = ("static", "zeppelin", "static-cp", "static-cp-best", "hybrid-dp",
+              "megatron-hybrid-cp", "megatron-dynamic-cp", "hydraulis", "flexsp")
+# per corpus: flags that keep a micro-batch at 16K tokens and its longest documents whole
+CORPUS_FLAGS = {"longtail": [], "arxiv": [],
+                "prolong": ["--seq-length", "8192", "--micro-batch-size", "2"]}
+
+
+def strategies() -> list[str]:
+    """The strategies measured: ``STRATEGIES`` minus megatron-dynamic-cp where the installed
+    megatron-core lacks it (said in the table)."""
+    from megatron_zeppelin.planner import STRATEGIES as REGISTERED
+
+    return [s for s in STRATEGIES if s == BASELINE or s in REGISTERED]
+
+
+def ensure_corpora(folder: Path) -> None:
+    missing = [name for name in CORPUS_FLAGS if not (folder / f"{name}.idx").exists()]
+    if missing:
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_corpora.py"), "--output",
+                        str(folder), "--corpus", *missing], check=True)
+
+
+def measure(corpus: str, folder: Path, out: Path, args: argparse.Namespace) -> dict:
+    """``zeppelin bench train`` on one corpus; its JSON."""
+    command = [sys.executable, "-m", "megatron_zeppelin.cli", "bench", "train",
+               "--strategies", ",".join(strategies()), "--iterations", str(args.iterations),
+               "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--json", str(out),
+               *(["--tune"] if args.tune else []), "--", "--data-path", str(folder / corpus),
+               *CORPUS_FLAGS[corpus]]
+    print("$ " + " ".join(command), flush=True)
+    done = subprocess.run(command, cwd=ROOT)
+    if done.returncode not in (0, 1):  # 1: the losses differ, which the table shows
+        raise SystemExit(f"bench train on {corpus} failed (exit status {done.returncode})")
+    return json.loads(out.read_text())
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def corpus_table(corpus: str, result: dict) -> list[str]:
+    """One corpus: a row per strategy (zeppelin's speedup over it: its median / zeppelin's)."""
+    ran, refused = result["strategies"], result.get("refused", {})
+    zeppelin = ran["zeppelin"]["median_step_s"] if "zeppelin" in ran else None
+    lines = [f"### {corpus}", "", "| strategy | median step (s) | tokens/s | zeppelin speedup "
+             "| final loss | sequences local / intra / inter | tuning |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in ran.items():
+        label = f"{name} (the paper's baseline: TE CP over both nodes)" if name == BASELINE \
+            else name
+        speedup = f"{r['median_step_s'] / zeppelin:.2f}x" if zeppelin else "-"
+        tiers = " / ".join(map(str, r.get("sequences_local_intra_inter", ["-"] * 3)))
+        lines.append(f"| {label} | {r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+                     f"{speedup} | {r['final_loss']:.5f} | {tiers} | "
+                     f"{r['tuning'] or 'as given'} |")
+    for name, reason in refused.items():
+        lines.append(f"| {name} | not run | | | | | {reason} |")
+    return lines + [""]
+
+
+def speedups(results: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """``{peer: {corpus: zeppelin's speedup}}`` over every peer that ran (not the baseline)."""
+    out: dict[str, dict[str, float]] = {}
+    for corpus, result in results.items():
+        ran = result["strategies"]
+        if "zeppelin" not in ran:
+            continue
+        mine = ran["zeppelin"]["median_step_s"]
+        for name, r in ran.items():
+            if name not in ("zeppelin", BASELINE):
+                out.setdefault(name, {})[corpus] = r["median_step_s"] / mine
+    return out
+
+
+def summary(results: dict[str, dict]) -> list[str]:
+    """Zeppelin vs each peer across corpora (geomean, median, wins/losses), vs the best peer
+    of each corpus, and vs the paper's baseline."""
+    per_peer = speedups(results)
+    corpora = list(results)
+    lines = ["| zeppelin vs | " + " | ".join(corpora) + " | geomean | median | wins / losses |",
+             "|---" * (len(corpora) + 4) + "|"]
+    rows = dict(per_peer)
+    best = {c: min(v[c] for v in per_peer.values() if c in v) for c in corpora
+            if any(c in v for v in per_peer.values())}
+    rows["best peer of each corpus"] = best
+    for c, result in results.items():
+        ran = result["strategies"]
+        if BASELINE in ran and "zeppelin" in ran:
+            rows.setdefault(f"{BASELINE} (paper's baseline)", {})[c] = \
+                ran[BASELINE]["median_step_s"] / ran["zeppelin"]["median_step_s"]
+    for name, values in rows.items():
+        got = list(values.values())
+        wins, losses = sum(v > 1 for v in got), sum(v < 1 for v in got)
+        lines.append(f"| {name} | " + " | ".join(f"{values[c]:.2f}x" if c in values else "-"
+                                                  for c in corpora) +
+                     f" | {geomean(got):.2f}x | {statistics.median(got):.2f}x | "
+                     f"{wins} / {losses} |")
+    return lines
+
+
+def report(results: dict[str, dict], args: argparse.Namespace) -> str:
+    head = ["## Measured: every strategy training the tiny GPT on CPU (4 gloo ranks, 2 x 2)", "",
+            f"`python scripts/bench_corpora.py` ({args.rounds} interleaved rounds of "
+            f"{args.iterations} steps per strategy, first {args.warmup} dropped"
+            f"{', each peer tuned by measurement first' if args.tune else ', no tuning'}). "
+            "Speedup = the strategy's median step / zeppelin's (> 1: zeppelin is faster). "
+            f"`{BASELINE}` is static mode, TE/Megatron CP over the whole pool (both nodes): "
+            "the paper's baseline, not counted as a peer.", ""]
+    body = [line for corpus, result in results.items() for line in corpus_table(corpus, result)]
+    return "\n".join(head + body + ["### Across corpora", ""] + summary(results)) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--corpora", default=str(ROOT / "build" / "corpora"))
+    p.add_argument("--corpus", nargs="+", default=list(CORPUS_FLAGS), choices=list(CORPUS_FLAGS))
+    p.add_argument("--output", default=str(ROOT / "build" / "bench" / "corpora.md"))
+    p.add_argument("--iterations", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-tune", dest="tune", action="store_false")
+    p.add_argument("--smoke", action="store_true", help="3 steps, 1 round, no tuning")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.iterations, args.warmup, args.rounds, args.tune = 3, 1, 1, False
+    folder, output = Path(args.corpora), Path(args.output)
+    ensure_corpora(folder)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    results = {c: measure(c, folder, output.with_name(f"{output.stem}-{c}.json"), args)
+               for c in args.corpus}
+    text = report(results, args)
+    output.write_text(text)
+    print(text + f"\nwrote {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
