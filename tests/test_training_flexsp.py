@@ -3,12 +3,10 @@ planned by ``PlanFunction("flexsp", ...)`` (Ulysses groups of several sizes, run
 all-to-all attention), trains with the losses and gradient norms of static CP on the same
 documents and seed.
 
-Until ``--zeppelin-strategy`` lands, the run swaps the zeppelin mode's planner for FlexSP's by
-patching ``train.make_planner``; with the flag, the patch becomes ``--zeppelin-strategy flexsp``.
+The run chooses FlexSP's planner with ``--zeppelin-strategy flexsp`` and validates every plan.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
@@ -17,27 +15,16 @@ from test_training_resume import FLAGS, run
 
 pytestmark = pytest.mark.distributed
 
-# a small capacity: the longer documents must be split over Ulysses groups of several ranks.
-# No --zeppelin-validate-plan: FlexSP's assignment inside a size class may put a group a few
-# tokens over the capacity (the MILP bounds a class's tokens, not each group's); the plans are
-# checked below with the capacity lifted.
+# a small capacity: the longer documents must be split over Ulysses groups of several ranks;
+# every plan is validated (each group within the capacity)
 ZEPPELIN_4 = ["--context-parallel-mode", "zeppelin", "--context-parallel-size", "4",
-              "--zeppelin-gpus-per-node", "2", "--zeppelin-capacity-tokens-per-gpu", "300"]
+              "--zeppelin-gpus-per-node", "2", "--zeppelin-capacity-tokens-per-gpu", "300",
+              "--zeppelin-strategy", "flexsp", "--zeppelin-validate-plan"]
 STATIC_4 = ["--context-parallel-mode", "static", "--context-parallel-size", "4",
             "--zeppelin-gpus-per-node", "2"]
 
 
-def _flexsp_planner(args, cost, layout):
-    """``train.make_planner`` for FlexSP (what ``--zeppelin-strategy flexsp`` will give)."""
-    from megatron_zeppelin.megatron import args as train_args
-    from megatron_zeppelin.planner.service import PlanFunction
-
-    return PlanFunction("flexsp", cost, train_args.zeppelin_config(args),
-                        validate=args.zeppelin_validate_plan)
-
-
 def flexsp_body(rank: int, world: int) -> dict:
-    from megatron_zeppelin.megatron import train
     from megatron_zeppelin.runtime import engine
 
     static = run(world, FLAGS + STATIC_4)
@@ -46,12 +33,10 @@ def flexsp_body(rank: int, world: int) -> dict:
 
     def recording(self, plan, *args, **kwargs):
         original_init(self, plan, *args, **kwargs)
-        dataclasses.replace(plan, capacity=sum(plan.seqlens)).validate()
         kinds.append((plan.strategy, plan.attention_kind,
                       max(len(g.ring) for g in plan.ring_groups)))
 
     engine.AttentionEngine.__init__ = recording
-    train.make_planner = _flexsp_planner
     flexsp = run(world, FLAGS + ZEPPELIN_4)
     return dict(static=[(log.iteration, log.loss, log.grad_norm) for log in static],
                 flexsp=[(log.iteration, log.loss, log.grad_norm) for log in flexsp],

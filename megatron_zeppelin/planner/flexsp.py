@@ -30,15 +30,15 @@ shrink it). Here:
   formulation took HiGHS minutes with large gaps.) A time limit bounds the solve and the best
   solution found is used; the plan's ``candidate`` records the status, gap and solve time.
 
-The MILP's counts become sequences: per bucket longest first to the largest sizes it was given,
-inside a size to its least-loaded group. Attention of the plan is Ulysses
+The MILP's counts become sequences: per bucket longest first to the largest sizes it was given;
+then, longest first over the batch, each to the least-loaded group of its size with room for
+its per-rank share (another size where none has room; a ``CapacityError`` where no group has). Attention of the plan is Ulysses
 (``Plan.attention_kind``): the simulator models it (``sim/ulysses.py``) and the attention engine
 runs it as all-to-all attention (``runtime/ulysses.py``).
 """
 from __future__ import annotations
 
 import contextlib
-import heapq
 import math
 import os
 import sys
@@ -287,26 +287,45 @@ class _Problem:
 
     def assign(self, groups: list[int], per_size: list[list[int]]) -> list[AttentionTask]:
         """Groups tile the pool (``place_groups``); each bucket's sequences go to
-        the sizes the MILP gave them, longest to the largest size; inside a size, longest
-        first to its least-loaded group."""
-        topo, seqlens = self.batch.topology, self.batch.seqlens
-        by_size = {d: [(0.0, ring) for ring in rings]
+        the sizes the MILP gave them, longest to the largest size; then, longest sequence
+        first over the whole batch, each to the least-loaded group of its size with room for the sequence's per-rank share (the MILP
+        bounds a size's tokens, not each group's: ``_place`` keeps every group within the
+        capacity)."""
+        seqlens = self.batch.seqlens
+        by_size = {d: [[0.0, 0, ring] for ring in rings]
                    for d, rings in place_groups(dict(zip(self.sizes, groups)),
-                                                 topo.gpus_per_node, topo.world_size).items()}
-        for heap in by_size.values():
-            heapq.heapify(heap)
-        tasks: list[AttentionTask | None] = [None] * len(seqlens)
+                                                 self.batch.topology.gpus_per_node,
+                                                 self.batch.topology.world_size).items()}
+        size_of: dict[int, int] = {}
         for b, members in enumerate(self.buckets):
             ordered = sorted(members, key=lambda i: -seqlens[i])
             start = 0
             for j in sorted(range(len(self.sizes)), key=lambda j: -self.sizes[j]):
-                d, count = self.sizes[j], per_size[b][j]
-                for seq in ordered[start:start + count]:
-                    load, ring = heapq.heappop(by_size[d])
-                    heapq.heappush(by_size[d], (load + self.seq_time(seqlens[seq], d), ring))
-                    tasks[seq] = AttentionTask(seq, ring, topo.tier_of(ring))
-                start += count
+                size_of.update((seq, self.sizes[j])
+                               for seq in ordered[start:start + per_size[b][j]])
+                start += per_size[b][j]
+        tasks: list[AttentionTask | None] = [None] * len(seqlens)
+        for seq in sorted(size_of, key=lambda i: (-seqlens[i], i)):  # longest first: packs
+            tasks[seq] = self._place(seq, size_of[seq], by_size)
         return tasks
+
+    def _place(self, seq: int, d: int, by_size: dict[int, list[list]]) -> AttentionTask:
+        """The least-loaded group of size ``d`` with room for the sequence's per-rank share;
+        where none has room, the least-loaded group of any other size that can hold and split
+        it (largest size first); none at all is a ``CapacityError`` naming the sequence."""
+        s, capacity = self.batch.seqlens[seq], self.batch.capacity
+        others = sorted((e for e in by_size if e != d), reverse=True)
+        for size in [d] + others:
+            share = zigzag_share_bound(s, size)
+            room = [g for g in by_size.get(size, ()) if g[1] + share <= capacity
+                    and (size == 1 or s >= 2 * size)]
+            if room:
+                group = min(room, key=lambda g: g[0])
+                group[0] += self.seq_time(s, size)
+                group[1] += share
+                return AttentionTask(seq, group[2], self.batch.topology.tier_of(group[2]))
+        raise CapacityError(f"flexsp: no Ulysses group has room for sequence {seq} ({s} tokens) "
+                            f"within the capacity {capacity} tokens per rank")
 
 
 def place_groups(counts: dict[int, int], gpus_per_node: int, world: int
