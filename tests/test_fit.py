@@ -11,7 +11,7 @@ import pytest
 
 from conftest import make_cost
 from megatron_zeppelin import fit
-from megatron_zeppelin.config import ZeppelinConfig, interp, load_hardware
+from megatron_zeppelin.config import ZeppelinConfig, load_hardware
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.estimate import estimate_step
 from megatron_zeppelin.plan import Plan, Tier
@@ -179,5 +179,5 @@ def test_host_work_per_ring_step_is_in_the_estimate_of_both_backends(setup, monk
                      dataclasses.replace(truth.hardware, ring_step_overhead_us=0.0), base.tp)
     plan = make_plan("static-cp", batches(base, 1, seed=6)[0], none, ZeppelinConfig())
     extra = estimate_step(plan, truth).attention_s - estimate_step(plan, none).attention_s
-    assert extra >= 8 * truth.kernel.ring_step_s * 0.999  # one ring of 8 steps at least
-    assert interp(0.0, (0.0,), (1.0,)) == 1.0
+    steps = max(len(t.ring) for t in plan.tasks)  # a rank's rings: G steps each, at least one
+    assert steps > 1 and extra >= steps * truth.kernel.ring_step_s * 0.999
