@@ -82,6 +82,7 @@ class ZeppelinAttentionState:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.rank = dist.get_rank(pool_group)
+        self.probe = None  # runtime.probe.Probe when the profile is fitted (train.py sets it)
         self._runtime: _Runtime | None = None
         self._ahead: dict[int, _Runtime] = {}  # id(plan) -> runtime prepared ahead
         self._lock = threading.Lock()
@@ -113,6 +114,7 @@ class ZeppelinAttentionState:
                                  route_group=self.route_group,
                                  router_topology=self.router_topology, transport=self.transport,
                                  device=device)
+        engine.probe = self.probe
         remap = None
         if remapped:
             remap = build_remap_index(plan, self.rank, transport=self.transport,

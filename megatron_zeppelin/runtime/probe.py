@@ -1,0 +1,115 @@
+"""Per-micro-batch measurements for the online profile fit (``fit.py``), and the agreement of
+the fitted coefficients over ranks.
+
+``Probe`` times what the estimate predicts while the engine runs (``AttentionEngine.probe``):
+each attention kernel call (LOCAL calls and ring steps: phase, query chunk length, forward
+FLOPs), each ring exchange the ring waited for (tier, bytes, seconds post -> completion: CPU
+only), the engine's host work per ring step (host round time minus the kernel calls and waits
+timed on the host), and the micro-batch's linear time (``linear``). On CPU every span is
+``time.perf_counter`` around synchronous work. On CUDA a span is two events recorded on the
+current stream; they are read one micro-batch later (``take`` queries them: an event not yet
+done stays queued), so the probe adds no host synchronisation. Links are not timed on CUDA
+(the transfer runs on NCCL's stream; the fit keeps the profile's link figures there).
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_zeppelin import fit
+
+
+class Probe:
+    """One rank's measurements since the last ``take`` (module doc)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.data = fit.Measurements()
+        self._queued: list[tuple[object, object, tuple]] = []  # CUDA: (start, end, record)
+        self.busy_s = 0.0  # host seconds inside timed kernel calls and waits (CPU)
+        self.engine_s = 0.0  # engine seconds this micro-batch (linear is the remainder)
+
+    def start(self):
+        """A span's start: perf_counter on CPU, an event recorded on the current stream on
+        CUDA."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, started, record: tuple) -> None:
+        """End the span begun at ``started``; ``record``: ("attention", phase, length,
+        squares), ("engine",) (a whole engine phase) or ("linear", tokens) (a micro-batch:
+        its time less the engine's)."""
+        if not self.cuda:
+            seconds = time.perf_counter() - started
+            if record[0] == "attention":
+                self.busy_s += seconds
+            self._add(record, seconds)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._queued.append((started, end, record))
+
+    def attention(self, started, phase: str, lengths: Sequence[float]) -> None:
+        """End a kernel call over query chunks of ``lengths`` tokens (each causal, its own
+        keys): length = sum of squares over sum, FLOPs per unit head (scaled in ``_add``)."""
+        squares = sum(n * n for n in lengths)
+        self.stop(started, ("attention", phase, squares / max(1.0, sum(lengths)), squares))
+
+    def link(self, tier: str, nbytes: float, posted_s: float, waited_s: float) -> None:
+        """A ring exchange (CPU): posted at ``posted_s`` (perf_counter), completed now after a
+        host wait of ``waited_s``; kept as a transfer time only when the ring waited."""
+        self.busy_s += waited_s
+        if waited_s > 0.0 and nbytes > 0:
+            self.data.link.append((tier, float(nbytes), time.perf_counter() - posted_s))
+
+    def ring_round(self, started_s: float, busy_before: float) -> None:
+        """End of a ring round begun at host time ``started_s``: its host work."""
+        host = time.perf_counter() - started_s - (self.busy_s - busy_before)
+        self.data.ring_host.append(max(0.0, host))
+
+    def _add(self, record: tuple, seconds: float) -> None:
+        if record[0] == "attention":
+            _, phase, length, squares = record
+            self.data.attention.append((phase, length, self.flops_per_square * squares,
+                                        seconds))
+        elif record[0] == "engine":
+            self.engine_s += seconds
+        else:
+            self.data.linear.append((record[1], max(0.0, seconds - self.engine_s)))
+            self.engine_s = 0.0
+
+    flops_per_square = 0.0  # 2 x heads x head_dim of this rank's calls (set by the engine)
+
+    def take(self) -> fit.Measurements:
+        """What completed since the last call (CUDA: the events done by now; none waited)."""
+        keep = []
+        for started, end, record in self._queued:
+            if end.query():
+                self._add(record, started.elapsed_time(end) / 1e3)
+            else:
+                keep.append((started, end, record))
+        self._queued = keep
+        out, self.data = self.data, fit.Measurements()
+        return out
+
+
+def agree(summary: Sequence[float], group: dist.ProcessGroup) -> list[float]:
+    """Every rank's ``fit.summarize`` vector -> the combined coefficients, computed on the
+    group's first rank and broadcast from it: every rank returns the same doubles. A
+    collective over ``group`` (bounded by its timeout); float64 on the host (gloo) or on the
+    current CUDA device (NCCL)."""
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    mine = torch.tensor(list(summary), dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    first = dist.get_global_rank(group, 0)
+    out = torch.tensor(fit.combine([t.tolist() for t in every]), dtype=torch.float64,
+                       device=device) if dist.get_rank() == first else torch.empty_like(mine)
+    dist.broadcast(out, src=first, group=group)
+    return out.tolist()
