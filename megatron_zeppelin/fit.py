@@ -16,7 +16,9 @@ What is measured (``runtime/probe.py`` takes it per micro-batch; ``Measurements`
 
 Fit (``summarize`` on each rank, ``combine`` across ranks, ``to_profile``): attention FLOP/s per
 length of the prior's table (the prior's figure times the median measured/prior ratio of the
-calls nearest that length in log; lengths with no call: times the median of those ratios);
+calls nearest that length in log; lengths with no call: times the median of those ratios;
+calls shorter than the table's first length are left out: their time is the call's fixed
+cost, which the table, clamped below its first length, would spread over every longer call);
 the backward/forward ratio (median of backward seconds over the fitted forward time); the
 linear seconds per token (median ratio) -> ``gemm_tflops``; bandwidth and latency of each
 tier (Theil-Sen line seconds = latency + bytes / bandwidth: the median of pairwise slopes,
@@ -98,8 +100,9 @@ def summarize(m: Measurements, prior: HardwareProfile) -> list[float]:
     (per layer and phase)."""
     logs = prior.log_lengths
     by_length: list[list[float]] = [[] for _ in logs]
+    shortest = prior.attention_tflops[0][0]
     for phase, length, flops, seconds in m.attention:  # measured / prior FLOP/s per call
-        if phase == "forward" and seconds > 0 and length >= 1:
+        if phase == "forward" and seconds > 0 and length >= shortest:
             by_length[_nearest(length, logs)].append(
                 flops / seconds / prior.attention_flops_per_s(length))
     rates = [_median(v) * base if len(v) >= MIN_SAMPLES else math.nan
@@ -107,7 +110,7 @@ def summarize(m: Measurements, prior: HardwareProfile) -> list[float]:
     fitted = _attention_table(rates, prior)
     ratios = [seconds * interp(math.log(length), logs, fitted) / flops
               for phase, length, flops, seconds in m.attention
-              if phase == "backward" and flops > 0 and length >= 1]
+              if phase == "backward" and flops > 0 and length >= shortest]
     out = rates + [_median(ratios) if len(ratios) >= MIN_SAMPLES else math.nan]
     per_token = [s / n for n, s in m.linear if n > 0]
     out.append(_median(per_token) if len(per_token) >= MIN_SAMPLES else math.nan)

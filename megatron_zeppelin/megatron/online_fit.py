@@ -1,7 +1,8 @@
 """The hardware profile fitted during training (``--zeppelin-fit-interval N``; issue 19).
 
 Every micro-batch is measured by the engine's ``runtime.probe.Probe`` (``watch`` adds each
-micro-batch's linear span). Every N iterations each rank summarizes its measurements
+micro-batch's linear span). Every N iterations each rank adds active link samples (``probe.ping_links``: a link no plan
+uses is measured too), summarizes its measurements
 (``fit.summarize``), rank 0 combines all ranks' summaries and broadcasts the coefficients
 (``probe.agree``: one profile on every rank), and every rank's data iterator hands the planner a
 ``PlanFunction`` on the new profile, which plans from the same micro-batch index on every rank
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from megatron_zeppelin import fit
 from megatron_zeppelin.cost_model import CostModel
-from megatron_zeppelin.runtime.probe import Probe, agree
+from megatron_zeppelin.runtime.probe import Probe, agree, ping_links
 
 
 class OnlineFit:
@@ -26,8 +27,9 @@ class OnlineFit:
     engines get the probe); ``planner``: the pool's ``PlanFunction``; ``logger``: its cost
     model follows the profile in force."""
 
-    def __init__(self, args, state, planner, data, logger, device: str) -> None:
+    def __init__(self, args, pool, state, planner, data, logger, device: str) -> None:
         self.args, self.planner, self.data, self.logger = args, planner, data, logger
+        self.pool = pool
         self.probe = Probe(device)
         state.probe = self.probe
         self.measured = fit.Measurements()
@@ -57,6 +59,8 @@ class OnlineFit:
         self.measured.add(self.probe.take())
         if iteration % self.args.zeppelin_fit_interval:
             return
+        per_node = self.cost.cluster.topology(self.cost.tp).gpus_per_node  # pool ranks
+        self.measured.link.extend(ping_links(self.pool.group, per_node))
         prior = self.cost.hardware
         coefficients = agree(fit.summarize(self.measured, prior), dist.group.WORLD)
         profile = fit.to_profile(coefficients, prior, self.cost,

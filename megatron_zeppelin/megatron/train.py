@@ -238,7 +238,7 @@ def train(args: argparse.Namespace, layout: PoolLayout, ready: preflight.Ready,
         _, pool_rank, tp_rank = layout.position(dist.get_rank())
         logger = Logger(args, runtime.cost, dist.get_rank() == 0, sampler.stats,
                         counts_plans=pool_rank == 0 and tp_rank == 0, pools=layout.dp)
-        online = OnlineFit(args, runtime.state, runtime.planner, data, logger, device) \
+        online = OnlineFit(args, runtime.pool, runtime.state, runtime.planner, data, logger, device) \
             if args.zeppelin_fit_interval else None
         try:
             loop(args, layout, run, data, logger, start, online)

@@ -99,6 +99,52 @@ class Probe:
         return out
 
 
+PING_BYTES = (1 << 14, 1 << 18, 1 << 21)  # the active link samples' message sizes
+PING_REPEATS = 3
+
+
+def _partner(index: int, count: int) -> int | None:
+    """Pairs (0, 1), (2, 3), ... of ``count``; None for the last of an odd count."""
+    other = index + 1 if index % 2 == 0 else index - 1
+    return other if other < count else None
+
+
+def ping_links(group: dist.ProcessGroup, gpus_per_node: int) -> list[tuple[str, float, float]]:
+    """Active link samples, taken at a refit (every rank of ``group`` calls it): each rank
+    ping-pongs ``PING_BYTES`` messages with a partner in its node (``intra``) and one in a
+    paired node (``inter``), so that a link no plan uses (believed too slow) is measured
+    too. Returns (tier, bytes, one-way seconds) samples; blocking (on CUDA: synchronised),
+    which is why it runs only at a refit. Layout: pool ranks node-major, ``gpus_per_node``
+    per node."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    node, local = divmod(rank, gpus_per_node)
+    partners = {"intra": _partner(local, gpus_per_node)}
+    other_node = _partner(node, world // gpus_per_node)
+    partners["inter"] = None if other_node is None else other_node * gpus_per_node + local
+    partners["intra"] = None if partners["intra"] is None else node * gpus_per_node + \
+        partners["intra"]
+    cuda = dist.get_backend(group) == "nccl"
+    samples = []
+    for tier, peer in partners.items():
+        if peer is None:
+            continue
+        peer_global = dist.get_global_rank(group, peer)
+        for nbytes in PING_BYTES:
+            buf = torch.zeros(nbytes // 4, dtype=torch.float32, device="cuda" if cuda else "cpu")
+            for _ in range(PING_REPEATS + 1):  # the first round warms the pair up
+                if cuda:
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+                first, second = (dist.send, dist.recv) if rank < peer else (dist.recv, dist.send)
+                first(buf, peer_global, group=group)
+                second(buf, peer_global, group=group)
+                if cuda:
+                    torch.cuda.synchronize()
+                samples.append((tier, float(nbytes), (time.perf_counter() - started) / 2))
+            del samples[-PING_REPEATS - 1]
+    return samples
+
+
 def agree(summary: Sequence[float], group: dist.ProcessGroup) -> list[float]:
     """Every rank's ``fit.summarize`` vector -> the combined coefficients, computed on the
     group's first rank and broadcast from it: every rank returns the same doubles. A
