@@ -5,14 +5,18 @@ What is measured (``runtime/probe.py`` takes it per micro-batch; ``Measurements`
 
 * ``attention``: one attention kernel call: its phase (forward / backward), its query chunk
   length (a LOCAL call: its tokens' sum of squares over their sum; a ring step: s / G), its
-  forward FLOPs in the cost model's convention (``2 a d c^2`` per sequence, causal) and seconds;
+  forward FLOPs in the cost model's convention (``2 a d c^2`` per sequence, causal), seconds
+  and tier (``local`` / ``intra`` / ``inter``);
 * ``linear``: a micro-batch's tokens on this rank and the seconds of everything but attention
   and remap (forward + backward);
 * ``link``: one ring exchange that was exposed (the ring waited for it, so its time is the
   transfer's): tier (``intra`` / ``inter``), bytes per layer and phase, seconds from post to
   completion;
 * ``ring_host``: the engine's host work of one ring step (round time minus the kernels and the
-  waits), seconds per layer and phase.
+  waits), seconds per layer and phase;
+* ``exposed``: every ring exchange's host wait (tier, seconds; zero when hidden) and ``remap``:
+  each remap all-to-all (bytes sent, seconds): reported (``breakdown``), priced through the
+  link figures.
 
 Fit (``summarize`` on each rank, ``combine`` across ranks, ``to_profile``): attention FLOP/s per
 length of the prior's table (the prior's figure times the median measured/prior ratio of the
@@ -50,16 +54,31 @@ class Measurements:
     """One rank's measurements since the run began (bounded: the newest ``MAX_SAMPLES`` of
     each kind). Tuples as in the module doc."""
 
-    attention: list[tuple[str, float, float, float]] = field(default_factory=list)
+    attention: list[tuple[str, float, float, float, str]] = field(default_factory=list)
     linear: list[tuple[float, float]] = field(default_factory=list)
     link: list[tuple[str, float, float]] = field(default_factory=list)
     ring_host: list[float] = field(default_factory=list)
+    exposed: list[tuple[str, float]] = field(default_factory=list)
+    remap: list[tuple[float, float]] = field(default_factory=list)
 
     def add(self, other: "Measurements") -> None:
-        for name in ("attention", "linear", "link", "ring_host"):
+        for name in KINDS:
             mine = getattr(self, name)
             mine.extend(getattr(other, name))
             del mine[:max(0, len(mine) - MAX_SAMPLES)]
+
+    def breakdown(self) -> dict[str, float]:
+        """Seconds in each part the estimate prices (sums over what is held): attention per
+        tier, linear, remap, exposed communication, host work of the ring steps."""
+        out = {f"attention_{tier}": sum(r[3] for r in self.attention if r[4] == tier)
+               for tier in TIERS}
+        out.update(linear=sum(s for _, s in self.linear), remap=sum(s for _, s in self.remap),
+                   exposed=sum(s for _, s in self.exposed), ring_host=sum(self.ring_host))
+        return out
+
+
+KINDS = ("attention", "linear", "link", "ring_host", "exposed", "remap")
+TIERS = ("local", "intra", "inter")
 
 
 def _median(values: Sequence[float]) -> float:
@@ -101,7 +120,7 @@ def summarize(m: Measurements, prior: HardwareProfile) -> list[float]:
     logs = prior.log_lengths
     by_length: list[list[float]] = [[] for _ in logs]
     shortest = prior.attention_tflops[0][0]
-    for phase, length, flops, seconds in m.attention:  # measured / prior FLOP/s per call
+    for phase, length, flops, seconds, _ in m.attention:  # measured / prior FLOP/s per call
         if phase == "forward" and seconds > 0 and length >= shortest:
             by_length[_nearest(length, logs)].append(
                 flops / seconds / prior.attention_flops_per_s(length))
@@ -109,7 +128,7 @@ def summarize(m: Measurements, prior: HardwareProfile) -> list[float]:
              for v, base in zip(by_length, prior.flops_per_s)]
     fitted = _attention_table(rates, prior)
     ratios = [seconds * interp(math.log(length), logs, fitted) / flops
-              for phase, length, flops, seconds in m.attention
+              for phase, length, flops, seconds, _ in m.attention
               if phase == "backward" and flops > 0 and length >= shortest]
     out = rates + [_median(ratios) if len(ratios) >= MIN_SAMPLES else math.nan]
     per_token = [s / n for n, s in m.linear if n > 0]

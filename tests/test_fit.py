@@ -65,9 +65,10 @@ def measure(plan: Plan, truth: CostModel, rng: random.Random, outliers: float = 
         fwd = flops / hw.attention_flops_per_s(chunk)
         for r in task.ring:
             m = per[r]
-            m.attention.append(("forward", chunk, flops, noisy(fwd, r)))
+            tier = task.tier.name.lower()
+            m.attention.append(("forward", chunk, flops, noisy(fwd, r), tier))
             m.attention.append(("backward", chunk, flops,
-                                noisy(fwd * hw.attention_bwd_ratio, r)))
+                                noisy(fwd * hw.attention_bwd_ratio, r), tier))
             if g == 1:
                 continue
             name, rate, latency = links[task.tier]
@@ -115,7 +116,7 @@ def test_the_fit_recovers_known_coefficients_despite_outliers_and_a_stalled_rank
             for mine, new in zip(ranks, measure(plan, truth, rng, stalled=3)):
                 mine.add(new)
     for mine in ranks:  # calls shorter than the table: their fixed cost is left out
-        mine.attention.extend([("forward", 20.0, 1e6, 1e-3)] * 50)
+        mine.attention.extend([("forward", 20.0, 1e6, 1e-3, "local")] * 50)
     got = fit.refit(ranks, wrong, start)
     want = truth.hardware
     for (n, a), (_, b) in zip(got.attention_tflops, want.attention_tflops):

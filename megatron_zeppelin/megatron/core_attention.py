@@ -119,6 +119,7 @@ class ZeppelinAttentionState:
         if remapped:
             remap = build_remap_index(plan, self.rank, transport=self.transport,
                                       timeout_s=self.timeout_s)
+            remap = dataclasses.replace(remap, probe=self.probe)
             remap = remap.to(device) if device is not None else remap
         return _Runtime(plan, remap, engine)
 

@@ -33,6 +33,7 @@ class OnlineFit:
         self.probe = Probe(device)
         state.probe = self.probe
         self.measured = fit.Measurements()
+        self.window = fit.Measurements()  # since the last refit: the breakdown printed
         self.cost: CostModel = planner.cost
         self.switches: list[tuple[int, int]] = []  # (iteration fitted at, micro-batch index)
         self._span = None
@@ -56,9 +57,13 @@ class OnlineFit:
         """After an iteration: collect, and every ``--zeppelin-fit-interval`` refit and
         switch (a collective over all ranks, called by every rank at the same iteration)."""
         self.finish()
-        self.measured.add(self.probe.take())
+        taken = self.probe.take()
+        self.measured.add(taken)
+        self.window.add(taken)
         if iteration % self.args.zeppelin_fit_interval:
             return
+        parts, micro = self.window.breakdown(), max(1, len(self.window.linear))
+        self.window = fit.Measurements()
         per_node = self.cost.cluster.topology(self.cost.tp).gpus_per_node  # pool ranks
         self.measured.link.extend(ping_links(self.pool.group, per_node))
         prior = self.cost.hardware
@@ -70,8 +75,10 @@ class OnlineFit:
         self.switches.append((iteration, index))
         self.logger.cost = self.cost
         if dist.get_rank() == 0:
+            measured = ", ".join(f"{k} {1e3 * v / micro:.1f}" for k, v in parts.items())
             print(f"hardware profile refitted at iteration {iteration}: plans from micro-batch "
-                  f"{index} on use it ({describe(profile)})", flush=True)
+                  f"{index} on use it ({describe(profile)}); rank 0 measured per micro-batch "
+                  f"(ms): {measured}", flush=True)
             if self.args.zeppelin_profile_out:
                 fit.save_profile(profile, self.args.zeppelin_profile_out,
                                  f"iteration {iteration}")

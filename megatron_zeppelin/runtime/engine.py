@@ -444,7 +444,8 @@ class AttentionEngine:
                         if probe:  # a step: each sequence's s / G queries (cost model)
                             g, seqlens = len(ring.group.ring), self.plan.seqlens
                             probe.attention(started, p.phase.name.lower(),
-                                            [seqlens[s] / g for s in ring.group.seqs])
+                                            [seqlens[s] / g for s in ring.group.seqs],
+                                            ring.group.tier.name.lower())
             if queue:
                 fill(queue, posted.in_flight, lambda call: self._local(p, call))
             with p.lanes.ring():
@@ -482,7 +483,7 @@ class AttentionEngine:
         started = self.probe.start() if self.probe else None
         self._local_call(p, call, t, rows)
         if self.probe:
-            self.probe.attention(started, p.phase.name.lower(), call.lengths)
+            self.probe.attention(started, p.phase.name.lower(), call.lengths, "local")
 
     def _local_call(self, p: _Pass, call: LocalCall, t: _Tensors, rows) -> None:
         if p.phase is Phase.FORWARD:

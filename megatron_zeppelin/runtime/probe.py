@@ -3,13 +3,15 @@ the fitted coefficients over ranks.
 
 ``Probe`` times what the estimate predicts while the engine runs (``AttentionEngine.probe``):
 each attention kernel call (LOCAL calls and ring steps: phase, query chunk length, forward
-FLOPs), each ring exchange the ring waited for (tier, bytes, seconds post -> completion: CPU
-only), the engine's host work per ring step (host round time minus the kernel calls and waits
-timed on the host), and the micro-batch's linear time (``linear``). On CPU every span is
-``time.perf_counter`` around synchronous work. On CUDA a span is two events recorded on the
-current stream; they are read one micro-batch later (``take`` queries them: an event not yet
-done stays queued), so the probe adds no host synchronisation. Links are not timed on CUDA
-(the transfer runs on NCCL's stream; the fit keeps the profile's link figures there).
+FLOPs, tier), each ring exchange's host wait (exposed communication) and, when the ring
+waited, its transfer (tier, bytes, seconds post -> completion), the engine's host work per
+ring step (host round time minus the kernel calls and waits timed on the host), each remap
+all-to-all (``RemapIndex.probe``), and the micro-batch's linear time (``linear``: its span
+less the engine's and the remap's). On CPU every span is ``time.perf_counter`` around
+synchronous work. On CUDA a span is two events recorded on the current stream; they are read
+one micro-batch later (``take`` queries them: an event not yet done stays queued), so the
+probe adds no host synchronisation; ring exchanges are not timed there (the transfer runs on
+NCCL's stream), so links come from ``ping_links`` at each refit only.
 """
 from __future__ import annotations
 
@@ -43,8 +45,8 @@ class Probe:
 
     def stop(self, started, record: tuple) -> None:
         """End the span begun at ``started``; ``record``: ("attention", phase, length,
-        squares), ("engine",) (a whole engine phase) or ("linear", tokens) (a micro-batch:
-        its time less the engine's)."""
+        squares, tier), ("engine",) (a whole engine phase), ("remap", bytes sent) or
+        ("linear", tokens) (a micro-batch: its time less the engine's and the remap's)."""
         if not self.cuda:
             seconds = time.perf_counter() - started
             if record[0] == "attention":
@@ -55,16 +57,19 @@ class Probe:
         end.record()
         self._queued.append((started, end, record))
 
-    def attention(self, started, phase: str, lengths: Sequence[float]) -> None:
+    def attention(self, started, phase: str, lengths: Sequence[float], tier: str) -> None:
         """End a kernel call over query chunks of ``lengths`` tokens (each causal, its own
-        keys): length = sum of squares over sum, FLOPs per unit head (scaled in ``_add``)."""
+        keys) of ``tier``: length = sum of squares over sum, FLOPs per unit head (scaled in
+        ``_add``)."""
         squares = sum(n * n for n in lengths)
-        self.stop(started, ("attention", phase, squares / max(1.0, sum(lengths)), squares))
+        self.stop(started, ("attention", phase, squares / max(1.0, sum(lengths)), squares,
+                            tier))
 
     def link(self, tier: str, nbytes: float, posted_s: float, waited_s: float) -> None:
         """A ring exchange (CPU): posted at ``posted_s`` (perf_counter), completed now after a
-        host wait of ``waited_s``; kept as a transfer time only when the ring waited."""
+        host wait of ``waited_s`` (exposed); a transfer time only when the ring waited."""
         self.busy_s += waited_s
+        self.data.exposed.append((tier, waited_s))
         if waited_s > 0.0 and nbytes > 0:
             self.data.link.append((tier, float(nbytes), time.perf_counter() - posted_s))
 
@@ -75,11 +80,14 @@ class Probe:
 
     def _add(self, record: tuple, seconds: float) -> None:
         if record[0] == "attention":
-            _, phase, length, squares = record
+            _, phase, length, squares, tier = record
             self.data.attention.append((phase, length, self.flops_per_square * squares,
-                                        seconds))
+                                        seconds, tier))
         elif record[0] == "engine":
             self.engine_s += seconds
+        elif record[0] == "remap":
+            self.engine_s += seconds
+            self.data.remap.append((record[1], seconds))
         else:
             self.data.linear.append((record[1], max(0.0, seconds - self.engine_s)))
             self.engine_s = 0.0
