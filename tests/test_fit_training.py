@@ -94,3 +94,34 @@ def test_a_run_fits_switches_every_rank_alike_and_writes_the_profile(tmp_path, p
 def test_bad_fit_flags_are_refused_naming_the_flag(extra, match):
     with pytest.raises(ConfigError, match=match):
         train_args.validate_args(train_args.parse_args(FLAGS + extra), 4, None)
+
+
+def test_the_probe_splits_a_micro_batch_into_what_the_estimate_prices():
+    import time
+
+    from megatron_zeppelin.runtime.probe import Probe
+
+    probe = Probe("cpu")
+    probe.flops_per_square = 2.0 * 4 * 16  # heads x head_dim of the calls
+    micro = probe.start()
+    engine = probe.start()
+    round_s, busy = time.perf_counter(), probe.busy_s
+    call = probe.start()
+    time.sleep(0.1)
+    probe.attention(call, "forward", [30.0, 10.0], "intra")
+    probe.link("intra", 4096.0, time.perf_counter() - 0.01, 0.005)
+    probe.ring_round(round_s, busy)
+    probe.stop(engine, ("engine",))
+    remap = probe.start()
+    probe.stop(remap, ("remap", 1024.0))
+    time.sleep(0.01)
+    probe.stop(micro, ("linear", 40))
+    got = probe.take()
+    (phase, length, flops, seconds, tier), = got.attention
+    assert (phase, length, tier) == ("forward", 25.0, "intra")  # (900 + 100) / 40
+    assert flops == 128.0 * 1000 and seconds >= 0.1
+    assert got.link[0][:2] == ("intra", 4096.0) and got.exposed == [("intra", 0.005)]
+    assert 0.0 <= got.ring_host[0] < seconds  # the kernel and the wait are not host work
+    (tokens, linear), = got.linear
+    assert tokens == 40 and 0.01 <= linear < 0.08  # the engine (>= 0.1 s) left out
+    assert got.remap[0][0] == 1024.0 and probe.take().attention == []
