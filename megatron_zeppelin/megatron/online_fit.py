@@ -1,8 +1,8 @@
 """The hardware profile fitted during training (``--zeppelin-fit-interval N``; issue 19).
 
 Every micro-batch is measured by the engine's ``runtime.probe.Probe`` (``watch`` adds each
-micro-batch's linear span). Every N iterations each rank adds active link samples (``probe.ping_links``: a link no plan
-uses is measured too), summarizes its measurements
+micro-batch's linear span). Every N iterations each rank adds active link samples
+(``probe.ping_links``: a link no plan uses is measured too) and summarizes its measurements
 (``fit.summarize``), rank 0 combines all ranks' summaries and broadcasts the coefficients
 (``probe.agree``: one profile on every rank), and every rank's data iterator hands the planner a
 ``PlanFunction`` on the new profile, which plans from the same micro-batch index on every rank
