@@ -44,7 +44,7 @@ from megatron_zeppelin.config import HardwareProfile, interp, write_yaml
 from megatron_zeppelin.cost_model import FWD_BWD_LINEAR, CostModel
 
 LINK_TIERS = ("intra", "inter")
-MAX_SAMPLES = 512  # per kind and rank: the newest are kept (the run's current state)
+MAX_SAMPLES = 4096  # per kind and rank: the newest are kept (a few micro-batches of calls)
 MAX_PAIRS = 64  # points a Theil-Sen fit pairs up (spread over the length range)
 MIN_SAMPLES = 3  # fewer measurements of a coefficient keep the prior's value
 
