@@ -99,9 +99,10 @@ double Costs::dkv_tail(double chunk, int tier, bool use_routing) const {
 }
 
 double Costs::task_time(double seqlen, i64 ring, int tier, bool use_routing) const {
-  const double c = compute(seqlen, ring);
+  double c = compute(seqlen, ring);
   if (ring == 1) return c;
   const double g = static_cast<double>(ring);
+  c = c + g * ring_step_s;  // the engine's host work per ring step
   return c + (g - 1) * std::max(0.0, comm(seqlen / g, tier, use_routing) - c / g);
 }
 

@@ -116,8 +116,9 @@ Estimate estimate_tasks(const Problem& pb, const Tasks& tasks, const std::vector
   }
   std::vector<double> per_round(groups.size());
   for (size_t i = 0; i < groups.size(); ++i) {
-    const RingGroup& grp = groups[i];
+    RingGroup& grp = groups[i];
     const double g = static_cast<double>(grp.members->size());
+    grp.compute = grp.compute + g * k.ring_step_s;  // the engine's host work per ring step
     const double hidden =
         (g - 1) * std::max(0.0, k.comm(grp.share, grp.tier, pb.routing) - grp.compute / g) +
         k.dkv_tail(grp.share, grp.tier, pb.routing);

@@ -171,6 +171,10 @@ class HardwareProfile:
     TFLOP/s; lengths in between interpolate on log(length), outside clamp to the ends.
     ``kernel`` (required, keyword): the attention kernel the figures describe
     (``ATTENTION_KERNELS``); ``hardware_for`` picks the profile of the kernel that will run.
+    ``ring_step_overhead_us``: the engine's host work per ring step and layer, forward and
+    backward together (0: not modelled). ``intra_*`` / ``inter_*``: measured link figures
+    (a profile fitted during training, ``fit.py``) that replace the cluster's nominal NVLink /
+    NIC bandwidth and latency in the cost model (``links``); None keeps the cluster's.
     """
 
     name: str
@@ -182,6 +186,11 @@ class HardwareProfile:
     p2p_latency_us: float | None = None
     source: str = ""
     kernel: str = field(kw_only=True)
+    ring_step_overhead_us: float = field(default=0.0, kw_only=True)
+    intra_gbyte_per_s: float | None = field(default=None, kw_only=True)
+    intra_latency_us: float | None = field(default=None, kw_only=True)
+    inter_gbit_per_s: float | None = field(default=None, kw_only=True)
+    inter_latency_us: float | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         require(self.kernel in ATTENTION_KERNELS, "hardware.kernel", self.kernel,
@@ -200,10 +209,22 @@ class HardwareProfile:
             require(length > 0 and tflops > 0, "hardware.attention_tflops", {length: tflops},
                     "positive lengths and positive TFLOP/s")
         object.__setattr__(self, "attention_tflops", tuple(sorted(table)))
-        for key in ("p2p_gbyte_per_s", "p2p_latency_us"):
+        for key in ("p2p_gbyte_per_s", "p2p_latency_us", "intra_latency_us",
+                    "inter_latency_us", "ring_step_overhead_us"):
             if getattr(self, key) is not None:
                 require(getattr(self, key) >= 0, f"hardware.{key}", getattr(self, key),
                         "a number >= 0")
+        for key in ("intra_gbyte_per_s", "inter_gbit_per_s"):
+            if getattr(self, key) is not None:
+                _positive(f"hardware.{key}", getattr(self, key))
+
+    def links(self, cluster: "ClusterSpec") -> "ClusterSpec":
+        """``cluster`` with this profile's measured link figures in place of its own."""
+        keys = {"nvlink_gbyte_per_s": self.intra_gbyte_per_s,
+                "nvlink_latency_us": self.intra_latency_us,
+                "nic_gbit_per_s": self.inter_gbit_per_s, "nic_latency_us": self.inter_latency_us}
+        changes = {k: v for k, v in keys.items() if v is not None and getattr(cluster, k) != v}
+        return dataclasses.replace(cluster, **changes) if changes else cluster
 
     @property
     def log_lengths(self) -> tuple[float, ...]:
@@ -376,6 +397,25 @@ def read_yaml(path: Path) -> dict:
         raise ConfigError(f"{path}: expected a YAML mapping at top level, got "
                           f"{type(data).__name__}")
     return data
+
+
+def write_yaml(obj, path: str | Path, comment: str) -> Path:
+    """A profile or cluster as YAML (the loaders' keys, None left out), with a comment header;
+    the loaders read it back."""
+    data = {}
+    for key, value in obj.__dict__.items():
+        if value is None:
+            continue
+        if key == "attention_tflops":
+            value = {int(n): float(t) for n, t in value}
+        elif isinstance(value, tuple):
+            value = list(value)
+        data[key] = value
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = "".join(f"# {line}\n" for line in comment.splitlines())
+    path.write_text(header + yaml.safe_dump(data, sort_keys=False, width=100))
+    return path
 
 
 def load_model(name_or_path: str | os.PathLike) -> ModelSpec:

@@ -45,6 +45,8 @@ class CostModel:
             raise ValueError(f"tensor_model_parallel_size={self.tp} must divide "
                              f"num_attention_heads={self.model.num_attention_heads} and "
                              f"gpus_per_node={self.cluster.gpus_per_node}")
+        # a measured profile's link figures replace the cluster's nominal ones everywhere
+        object.__setattr__(self, "cluster", self.hardware.links(self.cluster))
         object.__setattr__(self, "kernel", CostKernel.of(self))  # derived once, at construction
 
     # ------------------------------------------------------------------ dimensions
@@ -181,7 +183,9 @@ class CostKernel:
     comm(c, tier, routed): one ring step's forward KV and backward KV + fp32 dK/dV of a chunk
     of c tokens, all layers: over NVLink (INTRA), the GPU's NIC, or routed over every NIC
     (``routed_message_seconds`` on a log grid, interpolated in log-log).
-    task_time(s, G): compute + (G - 1) * max(0, comm - compute / G) (exposed ring traffic).
+    task_time(s, G): compute + G * ring_step_s + (G - 1) * max(0, comm - compute / G -
+    ring_step_s) (exposed ring traffic; ring_step_s: the engine's host work per ring step, all
+    layers, forward + backward, ``HardwareProfile.ring_step_overhead_us``).
     """
 
     attn_coef: float
@@ -203,6 +207,7 @@ class CostKernel:
     kv_heads: int
     ranks_per_node: int
     nic_share_byte_per_s: float  # one GPU's share of its node's NICs
+    ring_step_s: float = 0.0  # host work per ring step, all layers, fwd + bwd
 
     @classmethod
     def of(cls, cost: "CostModel") -> "CostKernel":
@@ -221,7 +226,8 @@ class CostKernel:
             linear_per_token=cost.linear_time(1),
             head_bytes=float(m.head_dim * m.bytes_per_element), heads=cost.heads,
             kv_heads=cost.kv_heads, ranks_per_node=c.gpus_per_node // cost.tp,
-            nic_share_byte_per_s=c.nic_byte_per_s * len(set(c.gpu_to_nic)) / c.gpus_per_node)
+            nic_share_byte_per_s=c.nic_byte_per_s * len(set(c.gpu_to_nic)) / c.gpus_per_node,
+            ring_step_s=hw.ring_step_overhead_us * 1e-6 * m.num_layers)
 
     def flops(self, chunk: float) -> float:
         """Achieved attention FLOP/s at a query chunk of ``chunk`` tokens."""
@@ -290,6 +296,7 @@ class CostKernel:
         compute = self.compute(seqlen, ring)
         if ring == 1:
             return compute
+        compute = compute + ring * self.ring_step_s
         return compute + (ring - 1) * max(0.0, self.comm(seqlen / ring, tier, routed)
                                           - compute / ring)
 

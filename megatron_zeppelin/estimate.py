@@ -6,7 +6,8 @@ cost kernel's per-task times (``CostKernel``; the C++ planner twin evaluates the
 expressions in the same order, so the portfolio picks the same candidate in both backends):
 
 * per wave w and rank r: ``ring`` = the compute of its ring groups (tasks sharing a ring run
-  as one fused call per step, G > 1), ``exposed`` = each group's exchange per step (the KV of
+  as one fused call per step, G > 1) plus the engine's host work per ring step
+  (``CostKernel.ring_step_s``, G per group), ``exposed`` = each group's exchange per step (the KV of
   all its sequences, ``CostKernel.comm``) not hidden behind that step's compute, G - 1 times,
   and the backward's last dK/dV return (``CostKernel.dkv_tail``);
   ``local`` = the compute of its LOCAL tasks; the engine runs LOCAL work while ring traffic is
@@ -83,7 +84,9 @@ def estimate_tasks(tasks: Sequence[AttentionTask], seqlens: Sequence[int], topol
         g = len(members)
         if ulysses:
             compute, hidden = compute + kernel.ulysses_comm(share, g, tier), 0.0
-        else:  # one fused exchange per ring step, overlapped with that step's compute
+        else:  # one fused exchange per ring step, overlapped with that step's compute (and
+            # the engine's host work per step)
+            compute = compute + g * kernel.ring_step_s
             hidden = (g - 1) * max(0.0, kernel.comm(share, tier, routed) - compute / g) + \
                 kernel.dkv_tail(share, tier, routed)
         for r in members:

@@ -99,6 +99,7 @@ def test_the_data_iterator_takes_its_plans_from_the_process():
 def test_layers_below_the_runtime_import_no_torch():
     modules = ["megatron_zeppelin.plan", "megatron_zeppelin.plan_checks",
                "megatron_zeppelin.cost_model", "megatron_zeppelin.estimate",
+               "megatron_zeppelin.fit",
                "megatron_zeppelin.config", "megatron_zeppelin.planner",
                "megatron_zeppelin.planner.service", "megatron_zeppelin.router",
                "megatron_zeppelin.sim.simulator", "megatron_zeppelin.sim.sweep",

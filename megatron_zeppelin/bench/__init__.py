@@ -12,6 +12,7 @@ engine     attention engine vs the same work done locally; local-only and ring p
 kernels    our block call vs the raw kernel, same inputs (ratio, us per call)    (kernels.py)
 train      per-step time of every strategy training the tiny GPT, same data    (train.py)
 fidelity   the real attention engine on gloo ranks vs the simulator             (fidelity.py)
+online     online profile fit: probe overhead, estimate error before/after      (online.py)
 
 ``zeppelin calibrate`` (calibrate.py) measures this machine and writes a hardware profile.
 This package is the top of the layer order: it may import every other layer.
@@ -24,7 +25,7 @@ import statistics
 import time
 from typing import Callable
 
-TARGETS = ("planner", "planning", "router", "engine", "kernels", "train", "fidelity")
+TARGETS = ("planner", "planning", "router", "engine", "kernels", "train", "fidelity", "online")
 
 
 def median_ms(fn: Callable[[], object], repeats: int, budget_s: float) -> tuple[float, int]:

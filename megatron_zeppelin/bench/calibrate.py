@@ -39,11 +39,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import yaml
 
 from megatron_zeppelin.bench.p2p_link import (DEFAULT_P2P_BYTES, P2PSample, collect, fit_line,
                                               measure_p2p)
-from megatron_zeppelin.config import ClusterSpec, HardwareProfile, ModelSpec
+from megatron_zeppelin.config import ClusterSpec, HardwareProfile, ModelSpec, write_yaml
 
 __all__ = ["CalibrateOptions", "ComputeSample", "P2PSample", "build_cluster", "build_profile",
            "calibrate", "collect", "fit_line", "measure_p2p", "time_attention", "time_gemm",
@@ -328,24 +327,6 @@ def _memory_gib() -> float:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):
         return 8.0
-
-
-def write_yaml(obj, path: str | Path, comment: str) -> Path:
-    """A profile or cluster as YAML (the loaders' keys), with a comment header."""
-    data = {}
-    for key, value in obj.__dict__.items():
-        if value is None:
-            continue
-        if key == "attention_tflops":
-            value = {int(n): float(t) for n, t in value}
-        elif isinstance(value, tuple):
-            value = list(value)
-        data[key] = value
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    header = "".join(f"# {line}\n" for line in comment.splitlines())
-    path.write_text(header + yaml.safe_dump(data, sort_keys=False, width=100))
-    return path
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ group or model exists, refusing bad settings with the flag, the value and what i
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from typing import Sequence
@@ -227,6 +228,14 @@ class ZeppelinRuntimeArgs:
         20.0, "seconds a rank may go without a heartbeat before every other rank stops and "
         "names it (frozen, or killed on another node); 0 turns the watchdog off")
 
+    fit_interval: int = setting(
+        0, "iterations between refits of the hardware profile from this run's measurements "
+        "(runtime/probe.py, fit.py): rank 0 combines every rank's fit and broadcasts it, every "
+        "rank's planner switches at the same micro-batch; 0 turns fitting off")
+    profile_out: str | None = setting(
+        None, "write the fitted hardware profile YAML here after every refit (for "
+        "--zeppelin-hardware of the next run and zeppelin plan/simulate --hardware)")
+
     def __post_init__(self) -> None:
         _at_least(self, 1, "gpus_per_node")
         _at_least(self, 0.0, "watchdog_timeout")
@@ -235,6 +244,13 @@ class ZeppelinRuntimeArgs:
         require(self.strategy in STRATEGIES, "zeppelin.strategy", self.strategy,
                 f"one of {list(STRATEGIES)} ({dynamic_cp.NAME} needs megatron-core's "
                 f"{dynamic_cp.CLASS}, which the installed megatron-core does not have)")
+        _at_least(self, 0, "fit_interval")
+        if self.profile_out is not None:
+            require(self.fit_interval > 0, "zeppelin.profile_out", self.profile_out,
+                    "given only with --zeppelin-fit-interval > 0 (nothing is fitted otherwise)")
+            folder = os.path.dirname(os.path.abspath(self.profile_out))
+            require(os.path.isdir(folder) and os.access(folder, os.W_OK), "zeppelin.profile_out",
+                    self.profile_out, "a file in an existing, writable folder")
 
 
 MEGATRON_SECTIONS = {"model": ModelArgs, "parallel": ParallelArgs, "optim": OptimArgs,

@@ -82,6 +82,7 @@ class ZeppelinAttentionState:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.rank = dist.get_rank(pool_group)
+        self.probe = None  # runtime.probe.Probe when the profile is fitted (train.py sets it)
         self._runtime: _Runtime | None = None
         self._ahead: dict[int, _Runtime] = {}  # id(plan) -> runtime prepared ahead
         self._lock = threading.Lock()
@@ -113,10 +114,12 @@ class ZeppelinAttentionState:
                                  route_group=self.route_group,
                                  router_topology=self.router_topology, transport=self.transport,
                                  device=device)
+        engine.probe = self.probe
         remap = None
         if remapped:
             remap = build_remap_index(plan, self.rank, transport=self.transport,
                                       timeout_s=self.timeout_s)
+            remap = dataclasses.replace(remap, probe=self.probe)
             remap = remap.to(device) if device is not None else remap
         return _Runtime(plan, remap, engine)
 

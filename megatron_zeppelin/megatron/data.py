@@ -99,6 +99,7 @@ class ZeppelinDataIterator:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeppelin-plan") \
             if prefetch else None
         self.ahead: tuple[list[torch.Tensor], Future | Plan] | None = None
+        self.submitted = 0  # micro-batches handed to the planner so far
         self.ahead_position: dict | None = None
 
     def _plan(self, work: int | list[int]) -> Plan:
@@ -114,7 +115,18 @@ class ZeppelinDataIterator:
         lengths = [d.numel() for d in docs]
         # with a service, the planner process plans it meanwhile; the ticket is awaited here
         work = self.service.submit(lengths) if self.service is not None else lengths
+        self.submitted += 1
         return docs, self.pool.submit(self._plan, work) if self.pool else self._plan(work)
+
+    def replan(self, planner: Callable[[list[int]], Plan]) -> int:
+        """Plan with ``planner`` from the next micro-batch submitted on (the one after the
+        micro-batch planned ahead); returns its index (0 = the first this iterator drew).
+        Every rank of a pool calls it at the same point, so all switch at that index."""
+        if self.service is not None:
+            self.service.replace(planner)
+        else:
+            self.planner = planner
+        return self.submitted
 
     def __iter__(self) -> "ZeppelinDataIterator":
         return self

@@ -54,6 +54,13 @@ def _get(args: argparse.Namespace, name: str, default: Any) -> Any:
 STATIC_ONLY = "use --context-parallel-mode static for it"
 
 RULES: tuple[Rule, ...] = (
+    Rule("--zeppelin-fit-interval", "zeppelin_fit_interval", 0, lambda v, a: v > 0,
+         "the online profile fit runs in scripts/pretrain_gpt.py only (Megatron-LM's loop "
+         "has no measurement hook yet)", "drop the flag, or fit with scripts/pretrain_gpt.py "
+         "and pass its --zeppelin-profile-out file as --zeppelin-hardware"),
+    Rule("--zeppelin-profile-out", "zeppelin_profile_out", None, _set,
+         "nothing is fitted in Megatron-LM's loop (see --zeppelin-fit-interval)",
+         "drop the flag, or fit with scripts/pretrain_gpt.py"),
     Rule("--pipeline-model-parallel-size", "pipeline_model_parallel_size", 1,
          lambda v, a: v > 1, "pipeline parallelism is not implemented for zeppelin pools "
          "(design note: docs/megatron-lm.md#pipeline-parallelism)",

@@ -28,6 +28,7 @@ from megatron_zeppelin.megatron.core_attention import ZeppelinAttentionState, pl
 from megatron_zeppelin.megatron.corpus import DocumentSource, MicroBatchSampler
 from megatron_zeppelin.megatron.data import ZeppelinDataIterator
 from megatron_zeppelin.megatron.groups import Pool, new_pool_groups
+from megatron_zeppelin.megatron.online_fit import OnlineFit
 from megatron_zeppelin.megatron.train_log import Logger, StepLog, banner
 from megatron_zeppelin.megatron.watchdog import Watchdog, start_watchdog
 from megatron_zeppelin.megatron.model import build_gpt_model, make_transformer_config
@@ -250,8 +251,10 @@ def train(args: argparse.Namespace, layout: PoolLayout, ready: preflight.Ready,
         _, pool_rank, tp_rank = layout.position(dist.get_rank())
         logger = Logger(args, runtime.cost, dist.get_rank() == 0, sampler.stats,
                         counts_plans=pool_rank == 0 and tp_rank == 0, pools=layout.dp)
+        online = OnlineFit(args, runtime.pool, runtime.state, runtime.planner, data, logger, device) \
+            if args.zeppelin_fit_interval else None
         try:
-            loop(args, layout, run, data, logger, start)
+            loop(args, layout, run, data, logger, start, online)
         finally:
             data.close()
             logger.close()
@@ -273,9 +276,11 @@ def resume(args: argparse.Namespace, ready: preflight.Ready, run: checkpoint.Tra
 
 
 def loop(args: argparse.Namespace, layout: PoolLayout, run: checkpoint.Training,
-         data: ZeppelinDataIterator, logger: Logger, start: int) -> None:
+         data: ZeppelinDataIterator, logger: Logger, start: int,
+         online: OnlineFit | None = None) -> None:
     """Iterations ``start + 1 .. --train-iters``: step, LR schedule, log line, checkpoints
-    (every --save-interval, at --exit-interval and at the end)."""
+    (every --save-interval, at --exit-interval and at the end); ``online``: the profile fit
+    measures every micro-batch and refits (``online_fit.py``)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     micro = layout.micro_batches(args.global_batch_size, args.micro_batch_size)
@@ -288,12 +293,17 @@ def loop(args: argparse.Namespace, layout: PoolLayout, run: checkpoint.Training,
         run.model.zero_grad_buffer()
         run.optimizer.zero_grad()
         stored = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=logger.watch(data),
+            forward_step_func=forward_step,
+            data_iterator=logger.watch(online.watch(data) if online else data),
             model=[run.model], num_microbatches=micro, seq_length=0, micro_batch_size=1,
             forward_only=False)
+        if online is not None:
+            online.finish()
         _, grad_norm, _ = run.optimizer.step()
         run.scheduler.step(increment=args.global_batch_size)
         logger.step(iteration, stored, grad_norm, time.perf_counter() - started, lr)
+        if online is not None:
+            online.step(iteration)
         leaving = bool(args.exit_interval) and iteration % args.exit_interval == 0
         interval = bool(args.save_interval) and iteration % args.save_interval == 0
         if args.save and (interval or leaving or iteration == args.train_iters):

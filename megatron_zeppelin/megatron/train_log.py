@@ -44,6 +44,7 @@ class StepLog:
     grad_norm: float
     seconds: float
     chosen: str = ""  # the plans' candidates (zeppelin's portfolio picks one per micro-batch)
+    estimated_s: float = 0.0  # the plans' step estimates, summed (the profile in force)
 
     def line(self, total: int) -> str:
         return (f"iteration {self.iteration:>5}/{total} | lr {self.lr:.3e} | loss "
@@ -52,7 +53,8 @@ class StepLog:
                 f"{self.attention_imbalance:.2f} (est.) | remapped "
                 f"{self.remapped_bytes / 2**20:.2f} MiB | plan {self.chosen} "
                 f"{self.plan_ms:.1f} ms | "
-                f"grad norm {self.grad_norm:.3f} | {self.seconds:.2f} s")
+                f"grad norm {self.grad_norm:.3f} | {self.seconds:.2f} s (est. "
+                f"{self.estimated_s:.2f} s)")
 
 
 class Logger:
@@ -122,7 +124,8 @@ class Logger:
                       *(int(x) for x in totals[3:6].tolist()), totals[2].item() / seconds,
                       imbalance, sum(e.remap_bytes for e in estimates) * self.pools,
                       sum(p.plan_time_s for p in self.plans) * 1e3, float(grad_norm or 0.0),
-                      seconds, chosen_candidates(self.plans))
+                      seconds, chosen_candidates(self.plans),
+                      sum(e.step_s for e in estimates))
         self.history.append(log)
         if iteration % self.args.log_interval == 0:
             print(log.line(self.args.train_iters), flush=True)

@@ -136,6 +136,19 @@ class PlannerService:
                 raise PlannerServiceError(f"micro-batch {ticket}: {self._failure()}") from None
         return ticket
 
+    def replace(self, plan_fn: Callable[[Sequence[int]], Plan]) -> int:
+        """Plan every batch submitted from now on with ``plan_fn`` (e.g. a ``PlanFunction`` on
+        a refitted profile); returns the first ticket it plans."""
+        with self._lock:
+            if self._broken:
+                raise PlannerServiceError(self._broken)
+            try:
+                _send(self._proc.stdin, ("replace", plan_fn))
+            except (BrokenPipeError, OSError, ValueError):
+                raise PlannerServiceError(f"replacing the plan function before micro-batch "
+                                          f"{self._next}: {self._failure()}") from None
+            return self._next
+
     def result(self, ticket: int) -> Plan:
         """The plan of ``ticket``; raises PlannerServiceError if the planner failed on it, the
         process died, or no plan came within ``timeout_s``."""
@@ -222,6 +235,9 @@ def serve(stdin, stdout) -> None:
             ticket, lengths = _receive(stdin)
         except EOFError:
             return
+        if ticket == "replace":  # PlannerService.replace: the batches after it use this one
+            plan_fn = lengths
+            continue
         try:
             reply = (ticket, "ok", plan_fn(lengths))
         except Exception as exc:  # reported to the training process, which raises it

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections import deque
 from concurrent.futures import Future
 from typing import Callable, NamedTuple
@@ -86,6 +87,7 @@ from megatron_zeppelin.runtime.device_index import to_device
 from megatron_zeppelin.runtime.inter import InterQueue
 from megatron_zeppelin.runtime.kernels import KernelBackend, Pieces, accum_dtype, make_pieces
 from megatron_zeppelin.runtime.lanes import Lanes, lanes_for
+from megatron_zeppelin.runtime.probe import Probe
 from megatron_zeppelin.runtime.ring_comm import RingBatch, RingComm, RingRequest
 from megatron_zeppelin.runtime.transport import Transport, get_transport
 from megatron_zeppelin.runtime.ulysses import UlyssesAttention
@@ -163,6 +165,7 @@ class _Posted:
     def __init__(self, requests: list[tuple[RingRequest | None, list]],
                  inter: Future | None) -> None:
         self.requests, self.inter = requests, inter
+        self.at = time.perf_counter()  # when the round was posted (the probe's link times)
 
     def in_flight(self) -> bool:
         """Whether some exchange of the round is still in flight (never blocks)."""
@@ -283,6 +286,7 @@ class AttentionEngine:
         self.waves = [] if self.ulysses else self._build_waves()
         self._prepared: dict[torch.device, tuple[list[_Wave], Lanes]] = {}
         self._kernels: dict[tuple[torch.device, torch.dtype], KernelBackend] = {}
+        self.probe: Probe | None = None  # per-micro-batch measurements (runtime/probe.py)
         if device is not None:
             self.prepare(device)
 
@@ -421,10 +425,15 @@ class AttentionEngine:
         else:
             result = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         tensors, kernel = _Tensors(q, k, v, out, lse, dout), self._kernel(q)
+        if self.probe is not None:
+            self.probe.flops_per_square = 2.0 * q.shape[1] * q.shape[2]
+            started = self.probe.start()
         lanes.begin()
         for index, wave in enumerate(waves):
             self._run_wave(_Pass(phase, index, wave, tensors, result, scale, kernel, lanes))
         lanes.join()
+        if self.probe is not None:
+            self.probe.stop(started, ("engine",))
         return result
 
     def _run_wave(self, p: _Pass) -> None:
@@ -437,16 +446,26 @@ class AttentionEngine:
                 while queue:
                     self._local(p, queue.popleft())
         global_steps = self.inter.num_steps(p.index, p.phase) if self.inter else 0
+        probe = self.probe
         for r in range(max([run.steps(p.phase) for run in p.runs] + [global_steps])):
+            round_s, busy = (time.perf_counter(), probe.busy_s) if probe else (0.0, 0.0)
             with p.lanes.ring():
                 posted = self._post(p, r, global_steps)
-                for run in p.runs:
+                for ring, run in zip(p.wave.rings, p.runs):
                     if r < run.steps(p.phase):
+                        started = probe.start() if probe else None
                         run.compute(p.phase, r)
+                        if probe:  # a step: each sequence's s / G queries (cost model)
+                            g, seqlens = len(ring.group.ring), self.plan.seqlens
+                            probe.attention(started, p.phase.name.lower(),
+                                            [seqlens[s] / g for s in ring.group.seqs],
+                                            ring.group.tier.name.lower())
             if queue:
                 fill(queue, posted.in_flight, lambda call: self._local(p, call))
             with p.lanes.ring():
                 self._complete(p, r, posted)
+            if probe:
+                probe.ring_round(round_s, busy)
         while queue:
             self._local(p, queue.popleft())
         with p.lanes.ring():
@@ -475,6 +494,12 @@ class AttentionEngine:
     def _local(self, p: _Pass, call: LocalCall) -> None:
         """One LOCAL call: its rows of the output and lse, or of dq, dk, dv."""
         t, rows = p.tensors, call.rows
+        started = self.probe.start() if self.probe else None
+        self._local_call(p, call, t, rows)
+        if self.probe:
+            self.probe.attention(started, p.phase.name.lower(), call.lengths, "local")
+
+    def _local_call(self, p: _Pass, call: LocalCall, t: _Tensors, rows) -> None:
         if p.phase is Phase.FORWARD:
             part_out, part_lse = p.kernel.forward(take(t.q, rows), take(t.k, rows),
                                                   take(t.v, rows), call.pieces, True, p.scale)
@@ -514,11 +539,23 @@ class AttentionEngine:
         """Complete round ``r``'s exchanges and hand each ring what it received."""
         routed = self.inter.complete(posted.inter) if posted.inter is not None else {}
         for ring, run, (request, like) in zip(p.wave.rings, p.runs, posted.requests):
+            waited = time.perf_counter()
             received = request.wait() if request is not None else []
+            if self.probe is not None and not self.probe.cuda and request is not None:
+                self._probe_link(ring, run.sends(p.phase, r), posted.at, waited)
             if like and ring.routed_recv:
                 received = routed[ring.group.key]
             if r < run.steps(p.phase):
                 run.receive(p.phase, r, received)
+
+
+    def _probe_link(self, ring: _Ring, sends: list, posted_s: float, waited_s: float) -> None:
+        """A direct ring exchange for the probe: its tier, bytes and time (CPU)."""
+        if ring.routed_send or ring.routed_recv or ring.group.tier == Tier.LOCAL:
+            return
+        nbytes = sum(t.numel() * t.element_size() for t in sends)
+        self.probe.link("intra" if ring.group.tier == Tier.INTRA else "inter", nbytes,
+                        posted_s, time.perf_counter() - waited_s)
 
 
 # NCCL groups this process has already run a collective on (by id; the groups are held, so

@@ -17,6 +17,7 @@ moves the index tensors to the device once per plan (``device_index``), ahead of
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,7 @@ class RemapIndex:
     keep_dst: torch.Tensor
     transport: Transport
     timeout_s: float
+    probe: object = None  # runtime.probe.Probe timing each all-to-all (online profile fit)
 
     def to(self, device: torch.device | str) -> "RemapIndex":
         """The same index with its row tensors on ``device`` (one copy per dtype)."""
@@ -98,6 +100,7 @@ def _exchange(x: torch.Tensor, gather: torch.Tensor, send_splits: tuple[int, ...
               keep_dst: torch.Tensor, out_rows: int, group: dist.ProcessGroup | None,
               idx: RemapIndex) -> torch.Tensor:
     """out[scatter] = all_to_all(x[gather]); out[keep_dst] = x[keep_src]."""
+    started = idx.probe.start() if idx.probe is not None else None
     out = x.new_empty((out_rows, *x.shape[1:]))
     received = x.new_empty((sum(recv_splits), *x.shape[1:]))
     timeout = idx.timeout_s
@@ -116,6 +119,9 @@ def _exchange(x: torch.Tensor, gather: torch.Tensor, send_splits: tuple[int, ...
                            ) from exc
     if received.shape[0]:
         out.index_copy_(0, scatter.to(x.device), received)
+    if started is not None:
+        row_bytes = x.element_size() * math.prod(x.shape[1:])
+        idx.probe.stop(started, ("remap", float(gather.numel() * row_bytes)))
     return out
 
 

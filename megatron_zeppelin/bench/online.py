@@ -1,0 +1,73 @@
+"""``zeppelin bench online``: what the online profile fit costs and what it corrects.
+
+The tiny GPT of ``bench train`` (4 gloo ranks as 2 nodes x 2, same seed: the same documents)
+in zeppelin mode, three ways, ``--repeats`` rounds alternating so that load drifts hit all:
+
+* ``off``: no measurement (``--zeppelin-fit-interval 0``);
+* ``measure``: the probe on every micro-batch, no refit inside the run (interval past the
+  end): the measurement overhead alone, same plans as ``off``;
+* ``fit``: measured and refitted every ``--interval`` iterations (plans change after each
+  switch).
+
+Per way: the median step time (first ``--warmup`` iterations dropped), its overhead over
+``off``, and the median of measured / estimated step time before the first refit and after
+the last (the estimate's error the fit removes). ``--profile-out`` keeps the last fitted
+profile (pass it as ``--zeppelin-hardware`` or ``zeppelin plan --hardware``).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from megatron_zeppelin.bench.train import run_mode
+from megatron_zeppelin.options import require
+
+
+def _ratio(logs: list[dict]) -> str:
+    ratios = [r["seconds"] / r["estimated_s"] for r in logs if r.get("estimated_s")]
+    return f"{statistics.median(ratios):.2f}x" if ratios else "n/a"
+
+
+def bench_online(args: argparse.Namespace) -> int:
+    require(args.interval >= 1, "--interval", args.interval, "an integer >= 1")
+    require(args.iterations >= 2 * args.interval, "--iterations", args.iterations,
+            f"at least 2 x --interval = {2 * args.interval} (a refit, then iterations after it)")
+    require(0 <= args.warmup < args.iterations, "--warmup", args.warmup,
+            f"in [0, --iterations={args.iterations})")
+    require(args.repeats >= 1, "--repeats", args.repeats, "an integer >= 1")
+    ways = {"off": ["--zeppelin-fit-interval", "0"],
+            "measure": ["--zeppelin-fit-interval", str(args.iterations + 1)],
+            "fit": ["--zeppelin-fit-interval", str(args.interval)]
+            + (["--zeppelin-profile-out", args.profile_out] if args.profile_out else [])}
+    print(f"tiny GPT, zeppelin mode, 4 gloo ranks as 2 nodes x 2, {args.iterations} steps per "
+          f"run, first {args.warmup} dropped, {args.repeats} rounds alternating")
+    steps: dict[str, list[float]] = {way: [] for way in ways}
+    logs: dict[str, list[dict]] = {}
+    port = args.port
+    for _ in range(args.repeats):
+        for way, flags in ways.items():
+            logs[way] = run_mode("zeppelin", args.iterations, flags + args.extra, port)
+            port += 1
+            steps[way].extend(r["seconds"] for r in logs[way][args.warmup:])
+    base = statistics.median(steps["off"])
+    for way in ways:
+        median = statistics.median(steps[way])
+        print(f"{way:>8}: median step {median:.4f} s, overhead {100 * (median / base - 1):+.2f}%"
+              f" vs off; measured/estimated step: first {args.interval} iterations "
+              f"{_ratio(logs[way][:args.interval])}, last {args.interval} "
+              f"{_ratio(logs[way][-args.interval:])}")
+    print("measure vs off is the probe's cost (same plans); the target is under 1%")
+    return 0
+
+
+def register(targets: argparse._SubParsersAction) -> None:
+    p = targets.add_parser("online", help="online profile fit: probe overhead and estimate "
+                           "error before/after (CPU, 4 ranks)")
+    p.add_argument("--iterations", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--interval", type=int, default=4, help="refit every N iterations (fit)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile-out", default=None, help="write the fitted profile here")
+    p.add_argument("--port", type=int, default=29711)
+    p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
+    p.set_defaults(func=bench_online)

@@ -1,0 +1,208 @@
+"""The hardware profile fitted to the run (issue 19): measurements taken during training in,
+a ``HardwareProfile`` the planner scores plans by out. Cost-model layer (no torch).
+
+What is measured (``runtime/probe.py`` takes it per micro-batch; ``Measurements`` holds it):
+
+* ``attention``: one attention kernel call: its phase (forward / backward), its query chunk
+  length (a LOCAL call: its tokens' sum of squares over their sum; a ring step: s / G), its
+  forward FLOPs in the cost model's convention (``2 a d c^2`` per sequence, causal), seconds
+  and tier (``local`` / ``intra`` / ``inter``);
+* ``linear``: a micro-batch's tokens on this rank and the seconds of everything but attention
+  and remap (forward + backward);
+* ``link``: one ring exchange that was exposed (the ring waited for it, so its time is the
+  transfer's): tier (``intra`` / ``inter``), bytes per layer and phase, seconds from post to
+  completion;
+* ``ring_host``: the engine's host work of one ring step (round time minus the kernels and the
+  waits), seconds per layer and phase;
+* ``exposed``: every ring exchange's host wait (tier, seconds; zero when hidden) and ``remap``:
+  each remap all-to-all (bytes sent, seconds): reported (``breakdown``), priced through the
+  link figures.
+
+Fit (``summarize`` on each rank, ``combine`` across ranks, ``to_profile``): attention FLOP/s per
+length of the prior's table (the prior's figure times the median measured/prior ratio of the
+calls nearest that length in log; lengths with no call: times the median of those ratios;
+calls shorter than the table's first length are left out: their time is the call's fixed
+cost, which the table, clamped below its first length, would spread over every longer call);
+the backward/forward ratio (median of backward seconds over the fitted forward time); the
+linear seconds per token (median ratio) -> ``gemm_tflops``; bandwidth and latency of each
+tier (Theil-Sen line seconds = latency + bytes / bandwidth: the median of pairwise slopes,
+robust to up to ~29% outliers); host work per ring step (median). Each rank's summary is a
+fixed-length vector (NaN: nothing measured); ``combine`` takes the per-coefficient median over
+ranks, so one stalled rank (everything slow) moves nothing when three or more ranks measured.
+Rank 0 combines and broadcasts (``runtime/probe.agree``): every rank plans with the same
+doubles.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from megatron_zeppelin.config import HardwareProfile, interp, write_yaml
+from megatron_zeppelin.cost_model import FWD_BWD_LINEAR, CostModel
+
+LINK_TIERS = ("intra", "inter")
+MAX_SAMPLES = 4096  # per kind and rank: the newest are kept (a few micro-batches of calls)
+MAX_PAIRS = 64  # points a Theil-Sen fit pairs up (spread over the length range)
+MIN_SAMPLES = 3  # fewer measurements of a coefficient keep the prior's value
+
+
+@dataclass
+class Measurements:
+    """One rank's measurements since the run began (bounded: the newest ``MAX_SAMPLES`` of
+    each kind). Tuples as in the module doc."""
+
+    attention: list[tuple[str, float, float, float, str]] = field(default_factory=list)
+    linear: list[tuple[float, float]] = field(default_factory=list)
+    link: list[tuple[str, float, float]] = field(default_factory=list)
+    ring_host: list[float] = field(default_factory=list)
+    exposed: list[tuple[str, float]] = field(default_factory=list)
+    remap: list[tuple[float, float]] = field(default_factory=list)
+
+    def add(self, other: "Measurements") -> None:
+        for name in KINDS:
+            mine = getattr(self, name)
+            mine.extend(getattr(other, name))
+            del mine[:max(0, len(mine) - MAX_SAMPLES)]
+
+    def breakdown(self) -> dict[str, float]:
+        """Seconds in each part the estimate prices (sums over what is held): attention per
+        tier, linear, remap, exposed communication, host work of the ring steps."""
+        out = {f"attention_{tier}": sum(r[3] for r in self.attention if r[4] == tier)
+               for tier in TIERS}
+        out.update(linear=sum(s for _, s in self.linear), remap=sum(s for _, s in self.remap),
+                   exposed=sum(s for _, s in self.exposed), ring_host=sum(self.ring_host))
+        return out
+
+
+KINDS = ("attention", "linear", "link", "ring_host", "exposed", "remap")
+TIERS = ("local", "intra", "inter")
+
+
+def _median(values: Sequence[float]) -> float:
+    values = [v for v in values if math.isfinite(v)]
+    return statistics.median(values) if values else math.nan
+
+
+def robust_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Theil-Sen fit y = intercept + slope * x: (slope, intercept); NaNs when under
+    ``MIN_SAMPLES`` points or all x equal. Deterministic: at most ``MAX_PAIRS`` points, taken
+    evenly over the points sorted by x."""
+    points = sorted(zip(xs, ys))
+    if len(points) > MAX_PAIRS:
+        step = (len(points) - 1) / (MAX_PAIRS - 1)
+        points = [points[round(i * step)] for i in range(MAX_PAIRS)]
+    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points)
+              for x2, y2 in points[i + 1:] if x2 > x1]
+    if len(points) < MIN_SAMPLES or not slopes:
+        return math.nan, math.nan
+    slope = statistics.median(slopes)
+    return slope, statistics.median(y - slope * x for x, y in points)
+
+
+def _nearest(length: float, log_lengths: Sequence[float]) -> int:
+    x = math.log(length)
+    return min(range(len(log_lengths)), key=lambda i: abs(log_lengths[i] - x))
+
+
+def summary_size(prior: HardwareProfile) -> int:
+    """Length of a summary vector for ``prior``'s length grid."""
+    return len(prior.attention_tflops) + 7
+
+
+def summarize(m: Measurements, prior: HardwareProfile) -> list[float]:
+    """One rank's robust estimates, a vector of floats (NaN: not measured): attention FLOP/s
+    at each of the prior's lengths, backward/forward ratio, linear seconds per token, then
+    per link tier (intra, inter) seconds per byte and latency, then host seconds per ring step
+    (per layer and phase)."""
+    logs = prior.log_lengths
+    by_length: list[list[float]] = [[] for _ in logs]
+    shortest = prior.attention_tflops[0][0]
+    for phase, length, flops, seconds, _ in m.attention:  # measured / prior FLOP/s per call
+        if phase == "forward" and seconds > 0 and length >= shortest:
+            by_length[_nearest(length, logs)].append(
+                flops / seconds / prior.attention_flops_per_s(length))
+    rates = [_median(v) * base if len(v) >= MIN_SAMPLES else math.nan
+             for v, base in zip(by_length, prior.flops_per_s)]
+    fitted = _attention_table(rates, prior)
+    ratios = [seconds * interp(math.log(length), logs, fitted) / flops
+              for phase, length, flops, seconds, _ in m.attention
+              if phase == "backward" and flops > 0 and length >= shortest]
+    out = rates + [_median(ratios) if len(ratios) >= MIN_SAMPLES else math.nan]
+    per_token = [s / n for n, s in m.linear if n > 0]
+    out.append(_median(per_token) if len(per_token) >= MIN_SAMPLES else math.nan)
+    for tier in LINK_TIERS:
+        xs = [b for t, b, _ in m.link if t == tier]
+        out.extend(robust_line(xs, [s for t, _, s in m.link if t == tier]))
+    out.append(_median(m.ring_host) if len(m.ring_host) >= MIN_SAMPLES else math.nan)
+    return out
+
+
+def combine(summaries: Sequence[Sequence[float]]) -> list[float]:
+    """Per coefficient, the median over ranks of the ranks that measured it (NaN: none)."""
+    return [_median(column) for column in zip(*summaries)]
+
+
+def _attention_table(rates: Sequence[float], prior: HardwareProfile) -> tuple[float, ...]:
+    """FLOP/s per prior length: measured where measured, else the prior scaled by the median
+    measured/prior ratio (the prior unchanged when nothing was measured)."""
+    base = prior.flops_per_s
+    scale = _median([r / b for r, b in zip(rates, base)])
+    scale = 1.0 if math.isnan(scale) else scale
+    return tuple(r if math.isfinite(r) and r > 0 else b * scale for r, b in zip(rates, base))
+
+
+def to_profile(coefficients: Sequence[float], prior: HardwareProfile, cost: CostModel,
+               note: str = "") -> HardwareProfile:
+    """The profile of combined ``coefficients`` (``summarize``'s layout); a coefficient not
+    measured (NaN) or not physical (a bandwidth <= 0) keeps ``prior``'s value. ``cost``: the
+    model the run trains (its linear FLOPs per token turn seconds per token into TFLOP/s)."""
+    n = len(prior.attention_tflops)
+    table = _attention_table(coefficients[:n], prior)
+    bwd, per_token, *links, host = coefficients[n:]
+    changes: dict = {}
+    if any(math.isfinite(c) for c in coefficients[:n]):
+        changes["attention_tflops"] = tuple((length, round(f / 1e12, 9)) for (length, _), f
+                                            in zip(prior.attention_tflops, table))
+    if _usable(bwd):
+        changes["attention_bwd_ratio"] = bwd
+    if _usable(per_token):
+        changes["gemm_tflops"] = FWD_BWD_LINEAR * _linear_flops(cost) / per_token / 1e12
+    for tier, (per_byte, latency) in zip(LINK_TIERS, (links[:2], links[2:])):
+        if _usable(per_byte):
+            rate = 1.0 / per_byte  # bytes per second
+            if tier == "intra":
+                changes["intra_gbyte_per_s"] = rate / 1e9
+            else:
+                changes["inter_gbit_per_s"] = rate * 8 / 1e9
+            changes[f"{tier}_latency_us"] = max(0.0, latency) * 1e6 if math.isfinite(latency) \
+                else 0.0
+    if math.isfinite(host):
+        changes["ring_step_overhead_us"] = max(0.0, host) * 2e6  # forward + backward
+    source = f"fitted during training from {prior.name!r}" + (f": {note}" if note else "")
+    return dataclasses.replace(prior, source=source, **changes)
+
+
+def _usable(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+def _linear_flops(cost: CostModel) -> float:
+    """Forward FLOPs of the linear modules and LM head per token (``linear_time``'s)."""
+    m = cost.model
+    return cost.linear_flops_per_token() * m.num_layers + 2.0 * m.hidden_size * m.vocab_size / \
+        cost.tp
+
+
+def refit(measurements: Sequence[Measurements], prior: HardwareProfile, cost: CostModel
+          ) -> HardwareProfile:
+    """Single-process convenience: every rank's measurements -> the combined profile."""
+    return to_profile(combine([summarize(m, prior) for m in measurements]), prior, cost)
+
+
+def save_profile(profile: HardwareProfile, path: str, note: str = "") -> None:
+    """Write ``profile`` as a hardware YAML that ``--zeppelin-hardware`` / ``--hardware`` read."""
+    write_yaml(profile, path, "Fitted during training by megatron-zeppelin (fit.py)"
+               + (f": {note}" if note else ""))

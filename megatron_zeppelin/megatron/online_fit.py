@@ -1,0 +1,95 @@
+"""The hardware profile fitted during training (``--zeppelin-fit-interval N``; issue 19).
+
+Every micro-batch is measured by the engine's ``runtime.probe.Probe`` (``watch`` adds each
+micro-batch's linear span). Every N iterations each rank adds active link samples
+(``probe.ping_links``: a link no plan uses is measured too) and summarizes its measurements
+(``fit.summarize``), rank 0 combines all ranks' summaries and broadcasts the coefficients
+(``probe.agree``: one profile on every rank), and every rank's data iterator hands the planner a
+``PlanFunction`` on the new profile, which plans from the same micro-batch index on every rank
+(``ZeppelinDataIterator.replan``: the one after the micro-batch already planned ahead). The log
+line's step estimate uses the profile in force. ``--zeppelin-profile-out`` gets the profile
+after every refit (rank 0).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import torch.distributed as dist
+
+from megatron_zeppelin import fit
+from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.runtime.probe import Probe, agree, ping_links
+
+
+class OnlineFit:
+    """Measure, refit and switch (module doc). ``state``: the pool's attention state (its
+    engines get the probe); ``planner``: the pool's ``PlanFunction``; ``logger``: its cost
+    model follows the profile in force."""
+
+    def __init__(self, args, pool, state, planner, data, logger, device: str) -> None:
+        self.args, self.planner, self.data, self.logger = args, planner, data, logger
+        self.pool = pool
+        self.probe = Probe(device)
+        state.probe = self.probe
+        self.measured = fit.Measurements()
+        self.window = fit.Measurements()  # since the last refit: the breakdown printed
+        self.cost: CostModel = planner.cost
+        self.switches: list[tuple[int, int]] = []  # (iteration fitted at, micro-batch index)
+        self._span = None
+
+    def watch(self, batches: Iterator) -> Iterator:
+        """``batches`` with each micro-batch's span timed (linear = span less the engine);
+        the span of a micro-batch ends when the next one is drawn or at ``finish``."""
+        for batch in batches:
+            self.finish()
+            self._span = (self.probe.start(), batch.tokens.shape[1])
+            yield batch
+
+    def finish(self) -> None:
+        """End the last micro-batch's span (after the forward-backward pass)."""
+        if self._span is not None:
+            started, tokens = self._span
+            self.probe.stop(started, ("linear", tokens))
+            self._span = None
+
+    def step(self, iteration: int) -> None:
+        """After an iteration: collect, and every ``--zeppelin-fit-interval`` refit and
+        switch (a collective over all ranks, called by every rank at the same iteration)."""
+        self.finish()
+        taken = self.probe.take()
+        self.measured.add(taken)
+        self.window.add(taken)
+        if iteration % self.args.zeppelin_fit_interval:
+            return
+        parts, micro = self.window.breakdown(), max(1, len(self.window.linear))
+        self.window = fit.Measurements()
+        per_node = self.cost.cluster.topology(self.cost.tp).gpus_per_node  # pool ranks
+        self.measured.link.extend(ping_links(self.pool.group, per_node))
+        prior = self.cost.hardware
+        coefficients = agree(fit.summarize(self.measured, prior), dist.group.WORLD)
+        profile = fit.to_profile(coefficients, prior, self.cost,
+                                 f"iteration {iteration}")
+        self.cost = CostModel(self.cost.model, self.cost.cluster, profile, self.cost.tp)
+        index = self.data.replan(dataclasses.replace(self.planner, cost=self.cost))
+        self.switches.append((iteration, index))
+        self.logger.cost = self.cost
+        if dist.get_rank() == 0:
+            measured = ", ".join(f"{k} {1e3 * v / micro:.1f}" for k, v in parts.items())
+            print(f"hardware profile refitted at iteration {iteration}: plans from micro-batch "
+                  f"{index} on use it ({describe(profile)}); rank 0 measured per micro-batch "
+                  f"(ms): {measured}", flush=True)
+            if self.args.zeppelin_profile_out:
+                fit.save_profile(profile, self.args.zeppelin_profile_out,
+                                 f"iteration {iteration}")
+
+
+def describe(profile) -> str:
+    """The fitted figures in one phrase."""
+    peak = max(t for _, t in profile.attention_tflops)
+    links = "".join(f", {name} {value:.3g}" for name, value in (
+        ("intra GB/s", profile.intra_gbyte_per_s), ("inter Gbit/s", profile.inter_gbit_per_s))
+        if value is not None)
+    return (f"attention peak {peak:.3g} TFLOP/s, bwd/fwd {profile.attention_bwd_ratio:.2f}, "
+            f"GEMM {profile.gemm_tflops:.3g} TFLOP/s{links}, ring step "
+            f"{profile.ring_step_overhead_us:.1f} us")

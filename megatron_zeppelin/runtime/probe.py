@@ -1,0 +1,169 @@
+"""Per-micro-batch measurements for the online profile fit (``fit.py``), and the agreement of
+the fitted coefficients over ranks.
+
+``Probe`` times what the estimate predicts while the engine runs (``AttentionEngine.probe``):
+each attention kernel call (LOCAL calls and ring steps: phase, query chunk length, forward
+FLOPs, tier), each ring exchange's host wait (exposed communication) and, when the ring
+waited, its transfer (tier, bytes, seconds post -> completion), the engine's host work per
+ring step (host round time minus the kernel calls and waits timed on the host), each remap
+all-to-all (``RemapIndex.probe``), and the micro-batch's linear time (``linear``: its span
+less the engine's and the remap's). On CPU every span is ``time.perf_counter`` around
+synchronous work. On CUDA a span is two events recorded on the current stream; they are read
+one micro-batch later (``take`` queries them: an event not yet done stays queued), so the
+probe adds no host synchronisation; ring exchanges are not timed there (the transfer runs on
+NCCL's stream), so links come from ``ping_links`` at each refit only.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_zeppelin import fit
+
+
+class Probe:
+    """One rank's measurements since the last ``take`` (module doc)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.data = fit.Measurements()
+        self._queued: list[tuple[object, object, tuple]] = []  # CUDA: (start, end, record)
+        self.busy_s = 0.0  # host seconds inside timed kernel calls and waits (CPU)
+        self.engine_s = 0.0  # engine seconds this micro-batch (linear is the remainder)
+
+    def start(self):
+        """A span's start: perf_counter on CPU, an event recorded on the current stream on
+        CUDA."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, started, record: tuple) -> None:
+        """End the span begun at ``started``; ``record``: ("attention", phase, length,
+        squares, tier), ("engine",) (a whole engine phase), ("remap", bytes sent) or
+        ("linear", tokens) (a micro-batch: its time less the engine's and the remap's)."""
+        if not self.cuda:
+            seconds = time.perf_counter() - started
+            if record[0] == "attention":
+                self.busy_s += seconds
+            self._add(record, seconds)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._queued.append((started, end, record))
+
+    def attention(self, started, phase: str, lengths: Sequence[float], tier: str) -> None:
+        """End a kernel call over query chunks of ``lengths`` tokens (each causal, its own
+        keys) of ``tier``: length = sum of squares over sum, FLOPs per unit head (scaled in
+        ``_add``)."""
+        squares = sum(n * n for n in lengths)
+        self.stop(started, ("attention", phase, squares / max(1.0, sum(lengths)), squares,
+                            tier))
+
+    def link(self, tier: str, nbytes: float, posted_s: float, waited_s: float) -> None:
+        """A ring exchange (CPU): posted at ``posted_s`` (perf_counter), completed now after a
+        host wait of ``waited_s`` (exposed); a transfer time only when the ring waited."""
+        self.busy_s += waited_s
+        self.data.exposed.append((tier, waited_s))
+        if waited_s > 0.0 and nbytes > 0:
+            self.data.link.append((tier, float(nbytes), time.perf_counter() - posted_s))
+
+    def ring_round(self, started_s: float, busy_before: float) -> None:
+        """End of a ring round begun at host time ``started_s``: its host work."""
+        host = time.perf_counter() - started_s - (self.busy_s - busy_before)
+        self.data.ring_host.append(max(0.0, host))
+
+    def _add(self, record: tuple, seconds: float) -> None:
+        if record[0] == "attention":
+            _, phase, length, squares, tier = record
+            self.data.attention.append((phase, length, self.flops_per_square * squares,
+                                        seconds, tier))
+        elif record[0] == "engine":
+            self.engine_s += seconds
+        elif record[0] == "remap":
+            self.engine_s += seconds
+            self.data.remap.append((record[1], seconds))
+        else:
+            self.data.linear.append((record[1], max(0.0, seconds - self.engine_s)))
+            self.engine_s = 0.0
+
+    flops_per_square = 0.0  # 2 x heads x head_dim of this rank's calls (set by the engine)
+
+    def take(self) -> fit.Measurements:
+        """What completed since the last call (CUDA: the events done by now; none waited)."""
+        keep = []
+        for started, end, record in self._queued:
+            if end.query():
+                self._add(record, started.elapsed_time(end) / 1e3)
+            else:
+                keep.append((started, end, record))
+        self._queued = keep
+        out, self.data = self.data, fit.Measurements()
+        return out
+
+
+PING_BYTES = (1 << 14, 1 << 18, 1 << 21)  # the active link samples' message sizes
+PING_REPEATS = 3
+
+
+def _partner(index: int, count: int) -> int | None:
+    """Pairs (0, 1), (2, 3), ... of ``count``; None for the last of an odd count."""
+    other = index + 1 if index % 2 == 0 else index - 1
+    return other if other < count else None
+
+
+def ping_links(group: dist.ProcessGroup, gpus_per_node: int) -> list[tuple[str, float, float]]:
+    """Active link samples, taken at a refit (every rank of ``group`` calls it): each rank
+    ping-pongs ``PING_BYTES`` messages with a partner in its node (``intra``) and one in a
+    paired node (``inter``), so that a link no plan uses (believed too slow) is measured
+    too. Returns (tier, bytes, one-way seconds) samples; blocking (on CUDA: synchronised),
+    which is why it runs only at a refit. Layout: pool ranks node-major, ``gpus_per_node``
+    per node."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    node, local = divmod(rank, gpus_per_node)
+    partners = {"intra": _partner(local, gpus_per_node)}
+    other_node = _partner(node, world // gpus_per_node)
+    partners["inter"] = None if other_node is None else other_node * gpus_per_node + local
+    partners["intra"] = None if partners["intra"] is None else node * gpus_per_node + \
+        partners["intra"]
+    cuda = dist.get_backend(group) == "nccl"
+    samples = []
+    for tier, peer in partners.items():
+        if peer is None:
+            continue
+        peer_global = dist.get_global_rank(group, peer)
+        for nbytes in PING_BYTES:
+            buf = torch.zeros(nbytes // 4, dtype=torch.float32, device="cuda" if cuda else "cpu")
+            for _ in range(PING_REPEATS + 1):  # the first round warms the pair up
+                if cuda:
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+                first, second = (dist.send, dist.recv) if rank < peer else (dist.recv, dist.send)
+                first(buf, peer_global, group=group)
+                second(buf, peer_global, group=group)
+                if cuda:
+                    torch.cuda.synchronize()
+                samples.append((tier, float(nbytes), (time.perf_counter() - started) / 2))
+            del samples[-PING_REPEATS - 1]
+    return samples
+
+
+def agree(summary: Sequence[float], group: dist.ProcessGroup) -> list[float]:
+    """Every rank's ``fit.summarize`` vector -> the combined coefficients, computed on the
+    group's first rank and broadcast from it: every rank returns the same doubles. A
+    collective over ``group`` (bounded by its timeout); float64 on the host (gloo) or on the
+    current CUDA device (NCCL)."""
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    mine = torch.tensor(list(summary), dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    first = dist.get_global_rank(group, 0)
+    out = torch.tensor(fit.combine([t.tolist() for t in every]), dtype=torch.float64,
+                       device=device) if dist.get_rank() == first else torch.empty_like(mine)
+    dist.broadcast(out, src=first, group=group)
+    return out.tolist()

@@ -1,0 +1,127 @@
+"""The online profile fit in training (gloo): ranks agree on one set of coefficients (rank 0's
+combination of everyone's, a stalled rank outvoted), a run measures, refits, switches every
+rank at the same micro-batch and writes a profile the planner reads; bad flags are refused."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from distributed import run_world
+from megatron_zeppelin import fit
+from megatron_zeppelin.config import ConfigError, load_hardware
+from megatron_zeppelin.megatron import args as train_args
+
+pytestmark = pytest.mark.distributed
+
+SUMMARIES = [[1.0, 2.0, math.nan, 4.0], [1.1, math.nan, 3.0, 4.1],
+             [9.0, 20.0, 30.0, 40.0], [0.9, 2.2, 3.2, 3.9]]  # rank 2 stalled: 10x slow
+
+
+def _agree(rank: int, world: int) -> list[float]:
+    import torch.distributed as dist
+
+    from megatron_zeppelin.runtime.probe import agree
+
+    return agree(SUMMARIES[rank], dist.group.WORLD)
+
+
+def test_ranks_agree_on_rank_0s_combination_and_a_stalled_rank_is_outvoted():
+    results = run_world(_agree, 4)
+    assert all(r == results[0] for r in results)  # the same doubles on every rank
+    assert results[0] == fit.combine(SUMMARIES)
+    assert results[0][0] == pytest.approx(1.05) and results[0][2] == pytest.approx(3.2)
+
+
+FLAGS = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "32",
+         "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "64",
+         "--vocab-size", "256", "--seq-length", "512", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--train-iters", "4", "--mock-data",
+         "--zeppelin-overlong", "split", "--zeppelin-cluster", "cpu-2x2", "--seed", "5",
+         "--log-interval", "1", "--context-parallel-mode", "zeppelin",
+         "--context-parallel-size", "4", "--zeppelin-gpus-per-node", "2"]
+
+
+def _train(rank: int, world: int, out: str, process: bool):
+    from megatron_zeppelin.megatron import online_fit, preflight, train
+
+    seen = []
+    step = online_fit.OnlineFit.step
+
+    def recording(self, iteration):
+        step(self, iteration)
+        seen.append((iteration, self.cost.hardware, list(self.switches)))
+
+    online_fit.OnlineFit.step = recording
+    argv = FLAGS + ["--zeppelin-fit-interval", "2", "--zeppelin-profile-out", out]
+    if not process:
+        argv.append("--no-zeppelin-planner-process")
+    args = train_args.parse_args(argv)
+    layout = train_args.validate_args(args, world, None)
+    ready = preflight.check(args)
+    train.setup_megatron(args)
+    logs = train.train(args, layout, ready)
+    return seen, logs
+
+
+@pytest.mark.parametrize("process", [True, False])
+def test_a_run_fits_switches_every_rank_alike_and_writes_the_profile(tmp_path, process):
+    out = str(tmp_path / "fitted.yaml")
+    results = run_world(_train, 4, out, process, start_method="spawn", timeout_s=400)
+    seen = [r[0] for r in results]
+    assert all(s == seen[0] for s in seen)  # same profiles, same switch points, every rank
+    assert [(i, sw) for i, _, sw in seen[0]] == [(1, []), (2, [(2, 5)]), (3, [(2, 5)]),
+                                                 (4, [(2, 5), (4, 9)])]
+    fitted = seen[0][-1][1]
+    assert fitted.source.startswith("fitted during training") and fitted.kernel == "cpu"
+    assert fitted.ring_step_overhead_us > 0  # the engine's host work was measured
+    shipped = load_hardware("cpu")
+    assert fitted.attention_tflops != shipped.attention_tflops
+    assert load_hardware(out) == fitted  # the file holds what the ranks planned with
+    logs = results[0][1]
+    assert len(logs) == 4 and all(log.estimated_s > 0 for log in logs)
+    assert "(est. " in logs[-1].line(4)
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--zeppelin-fit-interval", "-1"], r"--zeppelin-fit-interval=-1 is invalid"),
+    (["--zeppelin-profile-out", "p.yaml"], r"--zeppelin-profile-out='p.yaml' is invalid: "
+                                           r"expected given only with"),
+    (["--zeppelin-fit-interval", "1", "--zeppelin-profile-out", "/nonexistent/p.yaml"],
+     r"--zeppelin-profile-out='/nonexistent/p.yaml' is invalid: expected a file in an "
+     r"existing"),
+])
+def test_bad_fit_flags_are_refused_naming_the_flag(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        train_args.validate_args(train_args.parse_args(FLAGS + extra), 4, None)
+
+
+def test_the_probe_splits_a_micro_batch_into_what_the_estimate_prices():
+    import time
+
+    from megatron_zeppelin.runtime.probe import Probe
+
+    probe = Probe("cpu")
+    probe.flops_per_square = 2.0 * 4 * 16  # heads x head_dim of the calls
+    micro = probe.start()
+    engine = probe.start()
+    round_s, busy = time.perf_counter(), probe.busy_s
+    call = probe.start()
+    time.sleep(0.1)
+    probe.attention(call, "forward", [30.0, 10.0], "intra")
+    probe.link("intra", 4096.0, time.perf_counter() - 0.01, 0.005)
+    probe.ring_round(round_s, busy)
+    probe.stop(engine, ("engine",))
+    remap = probe.start()
+    probe.stop(remap, ("remap", 1024.0))
+    time.sleep(0.01)
+    probe.stop(micro, ("linear", 40))
+    got = probe.take()
+    (phase, length, flops, seconds, tier), = got.attention
+    assert (phase, length, tier) == ("forward", 25.0, "intra")  # (900 + 100) / 40
+    assert flops == 128.0 * 1000 and seconds >= 0.1
+    assert got.link[0][:2] == ("intra", 4096.0) and got.exposed == [("intra", 0.005)]
+    assert 0.0 <= got.ring_host[0] < seconds  # the kernel and the wait are not host work
+    (tokens, linear), = got.linear
+    assert tokens == 40 and 0.01 <= linear < 0.08  # the engine (>= 0.1 s) left out
+    assert got.remap[0][0] == 1024.0 and probe.take().attention == []
