@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from megatron_zeppelin.bench.train import run_mode
+from megatron_zeppelin.bench.train import Entry, run_entries
 from megatron_zeppelin.options import require
 
 
@@ -35,20 +35,24 @@ def bench_online(args: argparse.Namespace) -> int:
     require(0 <= args.warmup < args.iterations, "--warmup", args.warmup,
             f"in [0, --iterations={args.iterations})")
     require(args.repeats >= 1, "--repeats", args.repeats, "an integer >= 1")
-    ways = {"off": ["--zeppelin-fit-interval", "0"],
-            "measure": ["--zeppelin-fit-interval", str(args.iterations + 1)],
-            "fit": ["--zeppelin-fit-interval", str(args.interval)]
-            + (["--zeppelin-profile-out", args.profile_out] if args.profile_out else [])}
+    ways = {"off": {"zeppelin-fit-interval": "0"},
+            "measure": {"zeppelin-fit-interval": str(args.iterations + 1)},
+            "fit": {"zeppelin-fit-interval": str(args.interval),
+                    **({"zeppelin-profile-out": args.profile_out} if args.profile_out else {})}}
     print(f"tiny GPT, zeppelin mode, 4 gloo ranks as 2 nodes x 2, {args.iterations} steps per "
           f"run, first {args.warmup} dropped, {args.repeats} rounds alternating")
     steps: dict[str, list[float]] = {way: [] for way in ways}
     logs: dict[str, list[dict]] = {}
-    port = args.port
-    for _ in range(args.repeats):
-        for way, flags in ways.items():
-            logs[way] = run_mode("zeppelin", args.iterations, flags + args.extra, port)
-            port += 1
-            steps[way].extend(r["seconds"] for r in logs[way][args.warmup:])
+    names = list(ways)
+    for round_ in range(args.repeats):  # one world per round; each way first in turn
+        order = names[round_ % len(names):] + names[:round_ % len(names)]
+        results = run_entries([Entry("zeppelin", ways[way]) for way in order], args.iterations,
+                              args.extra, args.port + round_)
+        for way, (run_logs, refused) in zip(order, results):
+            if refused:
+                raise SystemExit(f"zeppelin bench online: {way}: {refused}")
+            logs[way] = run_logs
+            steps[way].extend(r["seconds"] for r in run_logs[args.warmup:])
     base = statistics.median(steps["off"])
     for way in ways:
         median = statistics.median(steps[way])
