@@ -4,17 +4,29 @@ Layout. A group of sequences ``s_1..s_n`` is attended on a ring of ``G`` ranks. 
 is cut into ``2G`` zigzag chunks (``plan.zigzag_bounds``: sizes differ by at most one, so
 lengths need not divide by 2G); ring position ``p`` holds chunks ``p`` and ``2G-1-p``. The
 rank's group buffer is, sequence after sequence, ``[chunk p, chunk 2G-1-p]`` (Plan.attention
-order); q ``[tokens, heads, head_dim]``, k/v ``[tokens, kv_heads, head_dim]``. A ring of one
+order); q ``[tokens, heads, head_dim]``, k ``[tokens, kv_heads, head_dim]``, v ``[tokens,
+kv_heads, v_head_dim]`` (``v_head_dim`` may differ: multi-latent attention). A ring of one
 (LOCAL) holds whole sequences and runs one causal varlen call.
 
 Forward ring. At step ``t`` position ``p`` holds the KV block of source ``j = (p - t) mod G``
-(KV travels p -> p+1 as one ``[2, tokens_j, kv_heads, head_dim]`` tensor). Causal structure of
+(KV travels p -> p+1 as one ``[tokens_j, kv_heads, head_dim + v_head_dim]`` tensor, k and v
+side by side). Causal structure of
 zigzag chunks, per sequence (``m = 2G-1-p``):
 
 * ``t = 0`` (``j = p``): q chunk p vs kv chunk p and q chunk m vs kv chunk m, each causal on the
   diagonal (one fused call), plus q chunk m vs kv chunk p, full;
 * ``j < p``: both q chunks vs kv chunk j, full (kv chunk 2G-1-j lies after both);
 * ``j > p``: q chunk m vs both kv chunks, full (q chunk p lies before both).
+
+Sliding window (``window=L``, Megatron's ``window_size=(L, 0)``: a query at document position
+``i`` sees keys ``i-L .. i``). Each (q chunk, kv chunk) pair of a step is trimmed to the rows
+that see some key and the keys some row sees (``_window_pair``); a pair with nothing left is
+skipped, so a step whose chunks all lie outside the window computes nothing. A trimmed pair
+whose every key is visible to every row is a full block; the others are bands: with ``s`` the
+distance from the pair's last key to its last query, the END-aligned band ``(L - s, s)``
+(``kernels.base.band``), and pairs of one band share a call. The KV still travels the whole
+ring: in the zigzag layout position ``p - 1`` holds the chunk right after position ``p``'s
+mirror chunk, so the last hop of every KV block is needed whenever both chunks hold tokens.
 
 All sequences of the group go into one varlen call per block (``kernels``), and the partial
 outputs merge with the LSE merge (``merge.merge_into_``) in float32 (float64 for float64).
@@ -55,13 +67,14 @@ class Block(NamedTuple):
     q_rows: int64 rows of the group's q buffer, in call order (None: every row, in order);
     k_rows: rows of the KV block held at this step (None: every row); pieces: the call's
     ``kernels.Pieces`` (``kernels`` pair convention); causal: diagonal blocks (END-aligned,
-    tq == tk).
+    tq == tk); window: the call's ``(left, right)`` band with a sliding window, else None.
     """
 
     q_rows: torch.Tensor | None
     k_rows: torch.Tensor | None
     pieces: Pieces
     causal: bool
+    window: tuple[int, int] | None = None
 
 
 StepBlocks = tuple[tuple[Block, ...], ...]  # per ring step, its blocks
@@ -71,10 +84,12 @@ class ZigzagLayout:
     """Chunk sizes and per-step blocks of one ring group at one ring position.
 
     lengths: tokens of each sequence of the group, in group order; ring_size: G >= 1;
-    position: this rank's ring position in ``[0, G)``.
+    position: this rank's ring position in ``[0, G)``; window: sliding window ``L >= 0`` (a
+    query sees itself and the ``L`` keys before it) or None (full causal).
     """
 
-    def __init__(self, lengths: Sequence[int], ring_size: int, position: int) -> None:
+    def __init__(self, lengths: Sequence[int], ring_size: int, position: int,
+                 window: int | None = None) -> None:
         if not (isinstance(ring_size, int) and ring_size >= 1):
             raise ValueError(f"ring_size={ring_size!r} is invalid: expected an integer >= 1")
         if not (isinstance(position, int) and 0 <= position < ring_size):
@@ -82,7 +97,10 @@ class ZigzagLayout:
         bad = [n for n in lengths if not (isinstance(n, int) and n >= 0)]
         if bad:
             raise ValueError(f"sequence lengths {bad} are invalid: expected integers >= 0")
+        if window is not None and not (isinstance(window, int) and window >= 0):
+            raise ValueError(f"window={window!r} is invalid: expected an integer >= 0 or None")
         self.lengths, self.ring_size, self.position = tuple(lengths), ring_size, position
+        self.window = window
         self._bounds = [zigzag_bounds(n, ring_size) for n in self.lengths]
         self._blocks: dict[int, tuple[Block, ...]] = {}
 
@@ -110,7 +128,17 @@ class ZigzagLayout:
             self._blocks[step] = self._build_blocks(step)
         return self._blocks[step]
 
+    def chunk_spans(self, source: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """Per sequence, the document positions ``[start, end)`` of the two chunks position
+        ``source`` holds, in buffer order (a ring of one: the whole sequence, then nothing)."""
+        if self.ring_size == 1:
+            return [((0, n), (n, n)) for n in self.lengths]
+        mirror = 2 * self.ring_size - 1 - source
+        return [((b[source], b[source + 1]), (b[mirror], b[mirror + 1])) for b in self._bounds]
+
     def _build_blocks(self, step: int) -> tuple[Block, ...]:
+        if self.window is not None:
+            return self._window_blocks(step)
         p, j = self.position, self.source(step)
         mine, theirs = self.held(p), self.held(j)
         q_off, k_off = _offsets(mine), _offsets(theirs)
@@ -130,6 +158,55 @@ class ZigzagLayout:
             blocks = [_block(pairs, False, q_total, k_total)]
         return tuple(b for b in blocks if b is not None)
 
+    def _window_blocks(self, step: int) -> tuple[Block, ...]:
+        """The calls of ``step`` with a sliding window: trimmed pairs grouped by band."""
+        mine, theirs = self.chunk_spans(self.position), self.chunk_spans(self.source(step))
+        q_off, k_off = _offsets(self.held(self.position)), _offsets(self.held(self.source(step)))
+        calls: list[tuple[tuple[int, int] | None, list]] = []
+        for qo, ko, q_chunks, k_chunks in zip(q_off, k_off, mine, theirs):
+            q_rows, k_rows = _chunk_rows(qo, q_chunks), _chunk_rows(ko, k_chunks)
+            for (qa, qb), q_row in zip(q_chunks, q_rows):
+                for (ka, kb), k_row in zip(k_chunks, k_rows):
+                    pair = _window_pair(qa, qb, ka, kb, self.window)
+                    if pair is not None:
+                        (qa2, qb2, ka2, kb2), key = pair
+                        _add_pair(calls, key, (q_row + qa2 - qa, qb2 - qa2,
+                                               k_row + ka2 - ka, kb2 - ka2))
+        q_total, k_total = q_off[-1], k_off[-1]
+        return tuple(_block(pairs, key[1] == 0, q_total, k_total,
+                            None if key == (-1, -1) else key) for key, pairs in calls)
+
+
+def _chunk_rows(offset: int, chunks) -> tuple[int, int]:
+    """Buffer rows where the two chunks of a sequence start."""
+    return offset, offset + chunks[0][1] - chunks[0][0]
+
+
+def _window_pair(qa: int, qb: int, ka: int, kb: int, window: int):
+    """Query positions ``[qa, qb)`` vs key positions ``[ka, kb)`` under causal + window:
+    ``((qa', qb', ka', kb'), band)`` trimmed to the rows that see a key and the keys a row sees
+    (band ``(-1, -1)``: every key visible to every row; else the END-aligned ``(L - s, s)``),
+    or None when no query sees any key."""
+    qa, kb = max(qa, ka), min(kb, qb)      # a query sees keys <= itself
+    qb, ka = min(qb, kb + window), max(ka, qa - window)  # and keys >= itself - L
+    if qa >= qb or ka >= kb:
+        return None
+    if ka >= qb - 1 - window and kb - 1 <= qa:
+        return (qa, qb, ka, kb), (-1, -1)
+    shift = qb - kb
+    return (qa, qb, ka, kb), (window - shift, shift)
+
+
+def _add_pair(calls: list, key, pair: tuple[int, int, int, int]) -> None:
+    """Add ``pair`` to the first call of band ``key`` whose query rows it does not overlap
+    (a call's query rows must be distinct: the merge writes each row once)."""
+    for band_key, pairs in calls:
+        if band_key == key and all(pair[0] + pair[1] <= s or s + n <= pair[0]
+                                   for s, n, _, _ in pairs):
+            pairs.append(pair)
+            return
+    calls.append((key, [pair]))
+
 
 def device_blocks(layout: ZigzagLayout, device: torch.device | str) -> StepBlocks:
     """Every step's blocks with their indices and offsets on ``device`` (one move)."""
@@ -137,7 +214,7 @@ def device_blocks(layout: ZigzagLayout, device: torch.device | str) -> StepBlock
     flat = [b for step in host for b in step]
     moved = to_device([t for b in flat for t in (b.q_rows, b.k_rows, b.pieces.cu_q_dev,
                                                  b.pieces.cu_k_dev)], device)
-    placed = iter([Block(q, k, b.pieces._replace(cu_q_dev=cq, cu_k_dev=ck), b.causal)
+    placed = iter([Block(q, k, b.pieces._replace(cu_q_dev=cq, cu_k_dev=ck), b.causal, b.window)
                    for b, (q, k, cq, ck) in zip(flat, zip(*[iter(moved)] * 4))])
     return tuple(tuple(next(placed) for _ in step) for step in host)
 
@@ -150,7 +227,7 @@ def _offsets(held: list[tuple[int, int]]) -> list[int]:
 
 
 def _block(pairs: list[tuple[int, int, int, int]], causal: bool, q_total: int,
-           k_total: int) -> Block | None:
+           k_total: int, window: tuple[int, int] | None = None) -> Block | None:
     """A block from (q start, q len, k start, k len) pairs; empty pairs dropped."""
     pairs = [pr for pr in pairs if pr[1] > 0 and pr[3] > 0]
     if not pairs:
@@ -161,7 +238,7 @@ def _block(pairs: list[tuple[int, int, int, int]], causal: bool, q_total: int,
         cu_k.append(cu_k[-1] + tk)
     return Block(_rows([(s, n) for s, n, _, _ in pairs], q_total),
                  _rows([(s, n) for _, _, s, n in pairs], k_total), make_pieces(cu_q, cu_k),
-                 causal)
+                 causal, window)
 
 
 def _rows(ranges: list[tuple[int, int]], total: int) -> torch.Tensor | None:
@@ -197,16 +274,16 @@ def recv_like(layout: ZigzagLayout, step: int, phase: Phase, tail: tuple[int, ..
               dtype: torch.dtype) -> Like:
     """(shape, dtype) of what ring position ``layout.position`` receives at ``step``.
 
-    Both phases: the next KV block ``[2, tokens, *tail]`` (``schedule.sends_kv``); backward
+    Both phases: the next KV block ``[tokens, *tail]`` (``schedule.sends_kv``); backward
     also the dKV accumulator of the block held at ``step`` in the accumulator dtype
-    (``schedule.sends_dkv``). ``tail`` is ``(kv_heads, head_dim)``, dtype the KV dtype. What
-    position p+1 receives is exactly what position p sends.
+    (``schedule.sends_dkv``). ``tail`` is ``(kv_heads, head_dim + v_head_dim)`` (k and v side
+    by side), dtype the KV dtype. What position p+1 receives is exactly what position p sends.
     """
     phase, size, like = Phase(phase), layout.ring_size, []
     if sends_kv(size, step):
-        like.append(((2, layout.tokens(layout.source(step + 1)), *tail), dtype))
+        like.append(((layout.tokens(layout.source(step + 1)), *tail), dtype))
     if phase is Phase.BACKWARD and sends_dkv(size, step):
-        like.append(((2, layout.tokens(layout.source(step)), *tail), accum_dtype(dtype)))
+        like.append(((layout.tokens(layout.source(step)), *tail), accum_dtype(dtype)))
     return like
 
 
@@ -242,7 +319,13 @@ class RingGroupRun:
         return kv + ([self.dkv] if phase is Phase.BACKWARD and sends_dkv(size, step) else [])
 
     def recv_like(self, phase: Phase, step: int) -> Like:
-        return recv_like(self.layout, step, phase, tuple(self.kv.shape[2:]), self.kv.dtype)
+        return recv_like(self.layout, step, phase, tuple(self.kv.shape[1:]), self.kv.dtype)
+
+    def _k(self, kv: torch.Tensor) -> torch.Tensor:
+        return kv[..., :self.head_dim]
+
+    def _v(self, kv: torch.Tensor) -> torch.Tensor:
+        return kv[..., self.head_dim:]
 
     def compute(self, phase: Phase, step: int) -> None:
         if phase is Phase.FORWARD:
@@ -259,26 +342,28 @@ class RingGroupRun:
 
     # ------------------------------------------------------------------ forward
     def begin_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """q ``[n, h, d]``, k/v ``[n, g, d]``: this rank's group buffer (n = layout.tokens())."""
+        """q ``[n, h, d]``, k ``[n, g, d]``, v ``[n, g, dv]``: this rank's group buffer (n =
+        layout.tokens())."""
         n = self.layout.tokens()
         if q.shape[0] != n or k.shape[0] != n or v.shape[0] != n:
             raise ValueError(f"group buffers have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens "
                              f"(q/k/v): expected {n} for ring position {self.layout.position}")
         self._begin(q)
         acc = accum_dtype(q.dtype)
-        self.q, self.kv = q, torch.stack((k, v))
-        self.out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+        self.q, self.kv, self.head_dim = q, torch.cat((k, v), dim=-1), k.shape[-1]
+        self.out_acc = torch.zeros((*q.shape[:2], v.shape[-1]), dtype=acc, device=q.device)
         self.lse_acc = torch.full((q.shape[1], n), float("-inf"), dtype=acc, device=q.device)
 
     def _forward_compute(self, step: int) -> None:
         for block in self.blocks[step]:
-            out, lse = self._kernel.forward(
-                take(self.q, block.q_rows), take(self.kv[0], block.k_rows),
-                take(self.kv[1], block.k_rows), block.pieces, block.causal, self.scale)
+            kv = take(self.kv, block.k_rows)
+            out, lse = self._kernel.forward(take(self.q, block.q_rows), self._k(kv), self._v(kv),
+                                            block.pieces, block.causal, self.scale,
+                                            block.window)
             merge_into_(self.out_acc, self.lse_acc, out, lse, block.q_rows)
 
     def end_forward(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out [n, h, d] in q's dtype, lse [h, n] accumulator dtype)``; frees the state."""
+        """``(out [n, h, dv] in q's dtype, lse [h, n] accumulator dtype)``; frees the state."""
         out, lse = self.out_acc.to(self.q.dtype), self.lse_acc
         del self.q, self.kv, self.out_acc, self.lse_acc
         return out, lse
@@ -286,27 +371,28 @@ class RingGroupRun:
     # ------------------------------------------------------------------ backward
     def begin_backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """dout/q/out ``[n, h, d]``, k/v ``[n, g, d]``, lse ``[h, n]`` (the forward's)."""
+        """q ``[n, h, d]``, dout/out ``[n, h, dv]``, k ``[n, g, d]``, v ``[n, g, dv]``, lse
+        ``[h, n]`` (the forward's)."""
         self._begin(q)
         acc = accum_dtype(q.dtype)
         self.dout, self.q, self.out, self.lse = dout.contiguous(), q, out, lse
-        self.kv = torch.stack((k, v))
+        self.kv, self.head_dim = torch.cat((k, v), dim=-1), k.shape[-1]
         self.dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         self.dkv = torch.zeros(self.kv.shape, dtype=acc, device=q.device)
 
     def _backward_compute(self, step: int) -> None:
         if step >= compute_steps(self.layout.ring_size):
             return
-        fresh = torch.zeros((2, *self.kv.shape[1:]), dtype=self.dq.dtype, device=self.dq.device)
+        fresh = torch.zeros(self.kv.shape, dtype=self.dq.dtype, device=self.dq.device)
         for block in self.blocks[step]:
             rows = block.q_rows
+            kv = take(self.kv, block.k_rows)
             dq, dk, dv = self._kernel.backward(
-                take(self.dout, rows), take(self.q, rows), take(self.kv[0], block.k_rows),
-                take(self.kv[1], block.k_rows), take(self.out, rows), take(self.lse, rows, 1),
-                block.pieces, block.causal, self.scale)
+                take(self.dout, rows), take(self.q, rows), self._k(kv), self._v(kv),
+                take(self.out, rows), take(self.lse, rows, 1), block.pieces, block.causal,
+                self.scale, block.window)
             _add_rows(self.dq, rows, dq)
-            _add_rows(fresh[0], block.k_rows, dk)
-            _add_rows(fresh[1], block.k_rows, dv)
+            _add_rows(fresh, block.k_rows, torch.cat((dk, dv), dim=-1))
         self.fresh_dkv = fresh
 
     def _backward_receive(self, step: int, received: Sequence[torch.Tensor]) -> None:
@@ -322,9 +408,10 @@ class RingGroupRun:
             self.kv = kv_next
 
     def end_backward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dq [n, h, d], dk [n, g, d], dv [n, g, d])`` in q's dtype; frees the state."""
+        """``(dq [n, h, d], dk [n, g, d], dv [n, g, dv])`` in q's dtype; frees the state."""
         dtype = self.q.dtype
-        grads = self.dq.to(dtype), self.dkv[0].to(dtype), self.dkv[1].to(dtype)
+        grads = (self.dq.to(dtype), self._k(self.dkv).to(dtype),
+                 self._v(self.dkv).to(dtype))
         del self.dout, self.q, self.out, self.lse, self.kv, self.dq, self.dkv
         self.__dict__.pop("fresh_dkv", None)
         return grads

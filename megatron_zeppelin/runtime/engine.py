@@ -1,8 +1,12 @@
 """The attention engine of one rank: every ring group of a plan, three queues, overlapped.
 
 ``AttentionEngine(plan, rank, group).forward(q, k, v)`` computes causal self-attention of the
-rank's attention buffer (``Plan.attention[rank]`` order; q ``[tokens, heads, head_dim]``, k/v
-``[tokens, kv_heads, head_dim]``), with autograd, exactly as if every sequence ran alone.
+rank's attention buffer (``Plan.attention[rank]`` order; q ``[tokens, heads, head_dim]``, k
+``[tokens, kv_heads, head_dim]``, v ``[tokens, kv_heads, v_head_dim]``: multi-latent attention
+has ``v_head_dim != head_dim``), with autograd, exactly as if every sequence ran alone;
+``forward(..., window=L)`` limits each query to itself and the ``L`` keys before it in its
+document (Megatron's ``window_size=(L, 0)``; per call, so interleaved local/global layers
+share one engine: each window's ring blocks are built once per plan, ``prepare``).
 
 Queues and overlap. The rank's groups of a wave run in global order (``Plan.rank_groups``):
 INTER rings, then INTRA rings, then LOCAL sequences. A wave runs in rounds ``r = 0, 1, ...``
@@ -126,8 +130,8 @@ class _Wave:
 
 
 class _Tensors(NamedTuple):
-    """A phase's inputs: q/out/dout ``[tokens, h, d]``, k/v ``[tokens, g, d]``, lse ``[h,
-    tokens]`` (out, lse and dout: backward only)."""
+    """A phase's inputs: q ``[tokens, h, d]``, out/dout ``[tokens, h, dv]``, k ``[tokens, g,
+    d]``, v ``[tokens, g, dv]``, lse ``[h, tokens]`` (out, lse and dout: backward only)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -149,6 +153,7 @@ class _Pass:
     scale: float
     kernel: KernelBackend
     lanes: Lanes
+    window: tuple[int, int] | None = None  # LOCAL calls' band (base.band), None: causal
     runs: list[RingGroupRun] = dataclasses.field(default_factory=list)
 
 
@@ -186,6 +191,13 @@ def _whole_buffer_call(waves: list[_Wave], tokens: int, inter) -> LocalCall | No
         return None
     call = waves[0].local[0]
     return call if isinstance(call.rows, slice) and call.rows == slice(0, tokens) else None
+
+
+def _windowed(ring: _Ring, window: int | None, device: torch.device) -> _Ring:
+    """``ring`` with its layout for sliding window ``window`` and its blocks on ``device``."""
+    layout = ring.layout if window is None else ZigzagLayout(
+        ring.layout.lengths, ring.layout.ring_size, ring.layout.position, window)
+    return dataclasses.replace(ring, layout=layout, blocks=device_blocks(layout, device))
 
 
 def _canonical(device: torch.device | str) -> torch.device:
@@ -234,7 +246,8 @@ class AttentionEngine:
     sequences shorter than this are batched into calls of at least the work of one sequence of
     this length (``schedule.local_calls``); transport: a ``transport.Transport`` or its name
     (None: ``ZEPPELIN_TRANSPORT``); device: prepare the plan's indices there now (else at the
-    first call, on the inputs' device).
+    first call, on the inputs' device); windows: the sliding windows (None: full causal) whose
+    ring blocks ``prepare`` builds ahead (another window's are built at its first call).
     """
 
     def __init__(self, plan: Plan, rank: int, group: dist.ProcessGroup, *,
@@ -244,7 +257,8 @@ class AttentionEngine:
                  router_topology: RouterTopology | None = None,
                  local_call_tokens: int = LOCAL_CALL_TOKENS,
                  transport: Transport | str | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 windows: tuple[int | None, ...] = (None,)) -> None:
         refuse_non_ring(plan)
         plan.topology.check_world_size(dist.get_world_size(group))
         if dist.get_rank(group) != rank:
@@ -275,7 +289,8 @@ class AttentionEngine:
             router_topology=router_topology, timeout_s=self.timeout_s,
             transport=self.transport)
         self.waves = self._build_waves()
-        self._prepared: dict[torch.device, tuple[list[_Wave], Lanes]] = {}
+        self.windows = tuple(windows)
+        self._prepared: dict[tuple[torch.device, int | None], tuple[list[_Wave], Lanes]] = {}
         self._kernels: dict[tuple[torch.device, torch.dtype], KernelBackend] = {}
         if device is not None:
             self.prepare(device)
@@ -334,10 +349,17 @@ class AttentionEngine:
     # ------------------------------------------------------------------ preparation
     def prepare(self, device: torch.device | str) -> None:
         """Move every index tensor of the plan to ``device`` (one copy per dtype) and make
-        its lanes; call it ahead of the step (e.g. when the plan arrives). Idempotent."""
-        device = _canonical(device)
-        if device in self._prepared:
+        its lanes, for each of ``windows``; call it ahead of the step (e.g. when the plan
+        arrives). Idempotent."""
+        for window in self.windows:
+            self._prepare(_canonical(device), window)
+
+    def _prepare(self, device: torch.device, window: int | None) -> None:
+        """``prepare`` for one sliding window (None: full causal)."""
+        if (device, window) in self._prepared:
             return
+        lanes = next((lane for (where, _), (_, lane) in self._prepared.items()
+                      if where == device), None) or Lanes(device)
         calls = [c for wave in self.waves for c in wave.local]
         moved = iter(to_device([t for c in calls for t in (
             None if isinstance(c.rows, slice) else c.rows, c.pieces.cu_q_dev)], device))
@@ -347,10 +369,9 @@ class AttentionEngine:
             placed[id(call)] = call._replace(rows=call.rows if rows is None else rows,
                                              pieces=call.pieces._replace(cu_q_dev=cu,
                                                                          cu_k_dev=cu))
-        waves = [_Wave([dataclasses.replace(ring, blocks=device_blocks(ring.layout, device))
-                        for ring in wave.rings], [placed[id(c)] for c in wave.local])
-                 for wave in self.waves]
-        self._prepared[device] = (waves, Lanes(device))
+        waves = [_Wave([_windowed(ring, window, device) for ring in wave.rings],
+                       [placed[id(c)] for c in wave.local]) for wave in self.waves]
+        self._prepared[(device, window)] = (waves, lanes)
 
     def _kernel(self, q: torch.Tensor) -> KernelBackend:
         """The kernel backend for ``q``'s device and dtype, resolved once."""
@@ -361,15 +382,20 @@ class AttentionEngine:
 
     # ------------------------------------------------------------------ public API
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                scale: float | None = None) -> torch.Tensor:
-        """Attention output ``[tokens, heads, head_dim]`` of the rank's buffer, with autograd;
-        scale: this call's softmax scale (None: the engine's)."""
-        if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[0] != self.tokens \
+                scale: float | None = None, window: int | None = None) -> torch.Tensor:
+        """Attention output ``[tokens, heads, v_head_dim]`` of the rank's buffer, with
+        autograd; scale: this call's softmax scale (None: the engine's); window: sliding
+        window ``L >= 0`` (None: full causal)."""
+        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or v.shape[:2] != k.shape[:2] \
+                or q.shape[2] != k.shape[2] or q.shape[0] != self.tokens \
                 or k.shape[0] != self.tokens:
             raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
-                             f"expected [{self.tokens}, heads, head_dim] and [{self.tokens}, "
-                             "kv_heads, head_dim] (the rank's attention tokens)")
-        return _EngineFunction.apply(q, k, v, self, scale)
+                             f"expected [{self.tokens}, heads, head_dim], [{self.tokens}, "
+                             f"kv_heads, head_dim] and [{self.tokens}, kv_heads, v_head_dim] "
+                             "(the rank's attention tokens)")
+        if window is not None and not (isinstance(window, int) and window >= 0):
+            raise ValueError(f"window={window!r} is invalid: expected an integer >= 0 or None")
+        return _EngineFunction.apply(q, k, v, self, scale, window)
 
     __call__ = forward
 
@@ -381,10 +407,11 @@ class AttentionEngine:
     # ------------------------------------------------------------------ one phase
     def run(self, phase: Phase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-            dout: torch.Tensor | None = None, scale: float | None = None
-            ) -> tuple[torch.Tensor, ...]:
+            dout: torch.Tensor | None = None, scale: float | None = None,
+            window: int | None = None) -> tuple[torch.Tensor, ...]:
         """One phase on the rank's buffers (layouts as ``forward``; lse ``[heads, tokens]``;
-        scale: None for the engine's, itself None for ``head_dim ** -0.5``).
+        scale: None for the engine's, itself None for ``head_dim ** -0.5``; window: as
+        ``forward``).
 
         ``Phase.FORWARD``: returns ``(out, lse)``. ``Phase.BACKWARD`` (given the forward's
         ``out``/``lse`` and ``dout``): returns ``(dq, dk, dv)``. ``forward`` wraps both in
@@ -392,24 +419,29 @@ class AttentionEngine:
         """
         phase = Phase(phase)
         warm_up(self._groups, q.device)
-        self.prepare(q.device)
-        waves, lanes = self._prepared[_canonical(q.device)]
+        device = _canonical(q.device)
+        self.prepare(device)
+        self._prepare(device, window)
+        waves, lanes = self._prepared[(device, window)]
         scale = next((s for s in (scale, self.scale) if s is not None), q.shape[-1] ** -0.5)
+        band = None if window is None else (window, 0)
         whole = _whole_buffer_call(waves, self.tokens, self.inter)
         if whole is not None:  # one fused call over the whole buffer: its outputs, no copies
             if phase is Phase.FORWARD:
-                return self._kernel(q).forward(q, k, v, whole.pieces, True, scale)
-            return self._kernel(q).backward(dout, q, k, v, out, lse, whole.pieces, True, scale)
+                return self._kernel(q).forward(q, k, v, whole.pieces, True, scale, band)
+            return self._kernel(q).backward(dout, q, k, v, out, lse, whole.pieces, True, scale,
+                                            band)
         if phase is Phase.FORWARD:
-            result = (torch.empty_like(q), torch.empty((q.shape[1], self.tokens),
-                                                       dtype=accum_dtype(q.dtype),
-                                                       device=q.device))
+            result = (q.new_empty((*q.shape[:2], v.shape[2])),
+                      torch.empty((q.shape[1], self.tokens), dtype=accum_dtype(q.dtype),
+                                  device=q.device))
         else:
             result = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         tensors, kernel = _Tensors(q, k, v, out, lse, dout), self._kernel(q)
         lanes.begin()
         for index, wave in enumerate(waves):
-            self._run_wave(_Pass(phase, index, wave, tensors, result, scale, kernel, lanes))
+            self._run_wave(_Pass(phase, index, wave, tensors, result, scale, kernel, lanes,
+                                 band))
         lanes.join()
         return result
 
@@ -463,20 +495,21 @@ class AttentionEngine:
         t, rows = p.tensors, call.rows
         if p.phase is Phase.FORWARD:
             part_out, part_lse = p.kernel.forward(take(t.q, rows), take(t.k, rows),
-                                                  take(t.v, rows), call.pieces, True, p.scale)
+                                                  take(t.v, rows), call.pieces, True, p.scale,
+                                                  p.window)
             _put(p.result[0], rows, part_out)
             _put(p.result[1], rows, part_lse, dim=1)
         else:
             grads = p.kernel.backward(take(t.dout, rows), take(t.q, rows), take(t.k, rows),
                                       take(t.v, rows), take(t.out, rows), take(t.lse, rows, 1),
-                                      call.pieces, True, p.scale)
+                                      call.pieces, True, p.scale, p.window)
             for target, grad in zip(p.result, grads):
                 _put(target, rows, grad)
 
     def _post(self, p: _Pass, r: int, global_steps: int) -> _Posted:
         """Post round ``r``: ring P2P in global group order, then the global inter step."""
         pending, routed_sends = [], {}
-        k = p.tensors.k
+        k, v = p.tensors.k, p.tensors.v
         for ring, run in zip(p.wave.rings, p.runs):
             sends, like = run.sends(p.phase, r), run.recv_like(p.phase, r)
             if ring.routed_send:
@@ -489,7 +522,7 @@ class AttentionEngine:
             pending.append((request, like))
         future = None
         if r < global_steps:  # every rank of the pool takes part
-            meta = ((k.shape[1], k.shape[2]), k.dtype)
+            meta = ((k.shape[1], k.shape[2] + v.shape[2]), k.dtype)  # k and v side by side
             future = self.inter.post(p.index, r, p.phase, routed_sends, meta, k.device)
         return _Posted(pending, future)
 
@@ -526,16 +559,17 @@ class _EngineFunction(torch.autograd.Function):
     """Autograd of ``AttentionEngine.forward``: both phases run the engine's rounds."""
 
     @staticmethod
-    def forward(ctx, q, k, v, engine, scale):
-        out, lse = engine.run(Phase.FORWARD, q.detach(), k.detach(), v.detach(), scale=scale)
+    def forward(ctx, q, k, v, engine, scale, window):
+        out, lse = engine.run(Phase.FORWARD, q.detach(), k.detach(), v.detach(), scale=scale,
+                              window=window)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.engine, ctx.scale = engine, scale
+        ctx.engine, ctx.scale, ctx.window = engine, scale, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.engine.run(Phase.BACKWARD, q, k, v, out, lse, dout.contiguous(),
-                                    scale=ctx.scale)
-        # one entry per forward input: q, k, v, engine, scale
-        return dq, dk, dv, None, None
+                                    scale=ctx.scale, window=ctx.window)
+        # one entry per forward input: q, k, v, engine, scale, window
+        return dq, dk, dv, None, None, None
