@@ -242,3 +242,22 @@ def test_simulated_ring_with_window_and_value_head_dim_through_the_native_backen
     assert simulate_ring(lengths, 3, 4, 2, dtype=torch.bfloat16, backend="native",
                          window=window, v_head_dim=v_head_dim) < 5e-2
     assert standin.calls["forward"] > 0 and standin.calls["backward"] > 0
+
+
+def test_window_bench_counts_the_engine_blocks():
+    """``zeppelin bench window``'s figures: pairs are the blocks' pairs (brute force), middle
+    steps of a short window are skipped, and the trimmed relay never exceeds what is sent."""
+    from megatron_zeppelin.bench.window import block_pairs, ring_figures
+
+    lengths, size = [800, 37, 5], 4
+    for window in (None, 20, 300):
+        figures = ring_figures(lengths, size, window)
+        brute = sum(len(attended_pairs(ZigzagLayout(lengths, size, p, window)))
+                    for p in range(size))
+        assert figures["pairs"] == brute
+        assert figures["needed"] <= figures["sent"] == 3 * sum(lengths)
+        assert sum(block_pairs(b) for b in ZigzagLayout([9], 1, 0, window).blocks(0)) == \
+            sum(min(t, window if window is not None else t) + 1 for t in range(9))
+    assert ring_figures([800], 4, 20)["skipped"] == 6  # of 12 steps after the first
+    assert ring_figures([800], 4, None)["skipped"] == 0
+    assert ring_figures([800], 4, 20)["needed"] < ring_figures([800], 4, None)["needed"]

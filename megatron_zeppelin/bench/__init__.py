@@ -10,6 +10,7 @@ engine     attention engine vs the same work done locally; local-only vs raw ker
 kernels    our block call vs the raw kernel, same inputs (ratio, us per call)    (kernels.py)
 train      per-step time of zeppelin vs static mode for the tiny GPT            (train.py)
 fidelity   the real attention engine on gloo ranks vs the simulator             (fidelity.py)
+window     sliding window: ring compute skipped, KV relay sent vs needed          (window.py)
 
 ``zeppelin calibrate`` (calibrate.py) measures this machine and writes a hardware profile.
 This package is the top of the layer order: it may import every other layer.
@@ -22,7 +23,7 @@ import statistics
 import time
 from typing import Callable
 
-TARGETS = ("planner", "planning", "router", "engine", "kernels", "train", "fidelity")
+TARGETS = ("planner", "planning", "router", "engine", "kernels", "train", "fidelity", "window")
 
 
 def median_ms(fn: Callable[[], object], repeats: int, budget_s: float) -> tuple[float, int]:
