@@ -290,7 +290,8 @@ class AttentionEngine:
             transport=self.transport)
         self.waves = self._build_waves()
         self.windows = tuple(windows)
-        self._prepared: dict[tuple[torch.device, int | None], tuple[list[_Wave], Lanes]] = {}
+        # per device: the waves of each sliding window (None: full causal) and the lanes
+        self._prepared: dict[torch.device, tuple[dict[int | None, list[_Wave]], Lanes]] = {}
         self._kernels: dict[tuple[torch.device, torch.dtype], KernelBackend] = {}
         if device is not None:
             self.prepare(device)
@@ -356,10 +357,8 @@ class AttentionEngine:
 
     def _prepare(self, device: torch.device, window: int | None) -> None:
         """``prepare`` for one sliding window (None: full causal)."""
-        if (device, window) in self._prepared:
+        if window in self._prepared.get(device, ({},))[0]:
             return
-        lanes = next((lane for (where, _), (_, lane) in self._prepared.items()
-                      if where == device), None) or Lanes(device)
         calls = [c for wave in self.waves for c in wave.local]
         moved = iter(to_device([t for c in calls for t in (
             None if isinstance(c.rows, slice) else c.rows, c.pieces.cu_q_dev)], device))
@@ -371,7 +370,7 @@ class AttentionEngine:
                                                                          cu_k_dev=cu))
         waves = [_Wave([_windowed(ring, window, device) for ring in wave.rings],
                        [placed[id(c)] for c in wave.local]) for wave in self.waves]
-        self._prepared[(device, window)] = (waves, lanes)
+        self._prepared.setdefault(device, ({}, Lanes(device)))[0][window] = waves
 
     def _kernel(self, q: torch.Tensor) -> KernelBackend:
         """The kernel backend for ``q``'s device and dtype, resolved once."""
@@ -422,7 +421,8 @@ class AttentionEngine:
         device = _canonical(q.device)
         self.prepare(device)
         self._prepare(device, window)
-        waves, lanes = self._prepared[(device, window)]
+        by_window, lanes = self._prepared[device]
+        waves = by_window[window]
         scale = next((s for s in (scale, self.scale) if s is not None), q.shape[-1] ** -0.5)
         band = None if window is None else (window, 0)
         whole = _whole_buffer_call(waves, self.tokens, self.inter)
