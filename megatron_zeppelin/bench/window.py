@@ -6,11 +6,12 @@ ring group (ring size > 1) and ring position, from the engine's own ring blocks
 
 * attended (query, key) pairs with the window vs full causal attention (the kernels' work);
 * ring steps whose compute is skipped (no block: the held KV lies wholly outside the window);
-* forward KV relay, in tokens per hop and bytes: what the engine sends (every KV block goes the
-  whole ring, window or not) and what a relay that forwards only the rows some later position
-  still needs would send (NOT implemented: figures of what it would save). Whole-block transfer
-  skipping saves nothing in the zigzag layout: position ``p - 1`` holds the chunk right after
-  position ``p``'s mirror chunk, so the last hop of every KV block is needed.
+* KV relay per pass (forward; backward relays the same KV, its dK/dV accumulators keep every
+  row), in bytes: every KV block whole on every hop (no window, or a window without trimming)
+  vs what the engine sends (each hop forwards only the rows some later position still reads,
+  ``ZigzagLayout.held_rows``). Skipping whole transfers saves nothing in the zigzag layout:
+  position ``p - 1`` holds the chunk right after position ``p``'s mirror chunk, so the last hop
+  of every KV block is needed; trimming rows is what saves.
 
 Host arithmetic only (no timing), so the figures are the same on any machine.
 """
@@ -45,11 +46,11 @@ def block_pairs(block) -> int:
 
 
 def needed_rows(layout: ZigzagLayout, step: int) -> set[int]:
-    """Rows of the KV block held at ``step`` that this position's blocks read."""
+    """Rows of the KV block held at ``step`` (held rows) that this position's blocks read."""
     rows: set[int] = set()
     for block in layout.blocks(step):
         if block.k_rows is None:
-            return set(range(layout.tokens(layout.source(step))))
+            return set(range(block.pieces.total_k))
         rows.update(block.k_rows.tolist())
     return rows
 
@@ -57,24 +58,27 @@ def needed_rows(layout: ZigzagLayout, step: int) -> set[int]:
 def ring_figures(lengths: list[int], size: int, window: int | None) -> dict[str, int]:
     """Pairs, skipped steps and relay tokens (sent / needed) of one ring group."""
     layouts = [ZigzagLayout(lengths, size, p, window) for p in range(size)]
-    out = dict(pairs=0, steps=0, skipped=0, sent=0, needed=0)
+    out = dict(pairs=0, steps=0, skipped=0, whole=0, sent=0, needed=0)
     for p, layout in enumerate(layouts):
         for step in range(size):
             blocks = layout.blocks(step)
             out["pairs"] += sum(block_pairs(b) for b in blocks)
             out["steps"] += step > 0
             out["skipped"] += step > 0 and not blocks
+            out["sent"] += layout.relay_tokens(step) if step else 0  # what the engine receives
     for source in range(size):  # the KV block of ``source`` hops source -> source+1 -> ...
         later: set[int] = set()
         for step in range(size - 1, 0, -1):  # the hop into ``step`` carries what is needed
-            later |= needed_rows(layouts[(source + step) % size], step)  # at steps >= it
-            out["sent"] += layouts[source].tokens()
+            position = layouts[(source + step) % size]  # at steps >= it (full-buffer rows)
+            held = position.held_rows(source, step)
+            later |= {r if held is None else held[r] for r in needed_rows(position, step)}
+            out["whole"] += layouts[source].tokens()
             out["needed"] += len(later)
     return out
 
 
 def plan_figures(plan, window: int | None) -> dict[str, int]:
-    total = dict(pairs=0, steps=0, skipped=0, sent=0, needed=0)
+    total = dict(pairs=0, steps=0, skipped=0, whole=0, sent=0, needed=0)
     for group in plan.ring_groups:
         if group.tier == Tier.LOCAL or len(group.ring) == 1:
             continue
@@ -94,7 +98,7 @@ def bench_window(args: argparse.Namespace) -> int:
           f"({sum(lengths):,} tokens, longest {max(lengths):,}) of {args.workload}; KV "
           f"{token_bytes} bytes/token; ring groups only (LOCAL sequences have no ring)")
     print(f"{'strategy':>10} {'window':>7} {'pairs vs full':>14} {'steps skipped':>14} "
-          f"{'relay sent GB':>14} {'trimmed relay GB (not impl.)':>29}")
+          f"{'whole blocks GB':>16} {'engine sends GB':>16}")
     for strategy, options in (("zeppelin", {}), ("static-cp", {"cp_size": args.cp})):
         plan = make_plan(strategy, lengths, cost, setup.zeppelin, **options)
         full = plan_figures(plan, None)
@@ -102,10 +106,10 @@ def bench_window(args: argparse.Namespace) -> int:
             got = plan_figures(plan, window)
             share = got["pairs"] / full["pairs"] if full["pairs"] else 0.0
             skipped = f"{got['skipped']}/{got['steps']}"
-            sent, needed = got["sent"] * token_bytes / 1e9, got["needed"] * token_bytes / 1e9
-            saving = 1 - needed / sent if sent else 0.0
-            print(f"{strategy:>10} {window:>7} {share:>13.1%} {skipped:>14} {sent:>14.3f} "
-                  f"{needed:>14.3f} ({saving:.0%} less)")
+            whole, sent = got["whole"] * token_bytes / 1e9, got["sent"] * token_bytes / 1e9
+            saving = 1 - sent / whole if whole else 0.0
+            print(f"{strategy:>10} {window:>7} {share:>13.1%} {skipped:>14} {whole:>16.3f} "
+                  f"{sent:>16.3f} ({saving:.0%} less)")
     return 0
 
 

@@ -24,9 +24,12 @@ that see some key and the keys some row sees (``_window_pair``); a pair with not
 skipped, so a step whose chunks all lie outside the window computes nothing. A trimmed pair
 whose every key is visible to every row is a full block; the others are bands: with ``s`` the
 distance from the pair's last key to its last query, the END-aligned band ``(L - s, s)``
-(``kernels.base.band``), and pairs of one band share a call. The KV still travels the whole
-ring: in the zigzag layout position ``p - 1`` holds the chunk right after position ``p``'s
-mirror chunk, so the last hop of every KV block is needed whenever both chunks hold tokens.
+(``kernels.base.band``), and pairs of one band share a call. A KV block still makes every hop
+of the ring (in the zigzag layout position ``p - 1`` holds the chunk right after position
+``p``'s mirror chunk, so the last hop is needed whenever both chunks hold tokens), but each hop
+forwards only the rows some later position of its journey still reads (``held_rows``; blocks
+index the held rows, ``relay`` picks the rows to forward). In backward the dK/dV accumulator
+keeps every row of its source (the rows a step read are scattered into it, ``held``).
 
 All sequences of the group go into one varlen call per block (``kernels``), and the partial
 outputs merge with the LSE merge (``merge.merge_into_``) in float32 (float64 for float64).
@@ -46,6 +49,7 @@ facts the simulator prices too.
 """
 from __future__ import annotations
 
+import bisect
 from typing import NamedTuple, Sequence
 
 import torch
@@ -77,7 +81,13 @@ class Block(NamedTuple):
     window: tuple[int, int] | None = None
 
 
-StepBlocks = tuple[tuple[Block, ...], ...]  # per ring step, its blocks
+class StepBlocks(tuple):
+    """Per ring step, its blocks (a tuple of tuples); ``held[step]``: int64 rows of the source's
+    buffer held at ``step`` (None: all) and ``relay[step]``: rows of the held block to forward
+    for ``step + 1`` (None: all), built once per layout and device (``device_blocks``)."""
+
+    held: tuple = ()
+    relay: tuple = ()
 
 
 class ZigzagLayout:
@@ -103,6 +113,7 @@ class ZigzagLayout:
         self.window = window
         self._bounds = [zigzag_bounds(n, ring_size) for n in self.lengths]
         self._blocks: dict[int, tuple[Block, ...]] = {}
+        self._held: dict[tuple[int, int], tuple[int, ...] | None] = {}
 
     def held(self, source: int) -> list[tuple[int, int]]:
         """Per sequence, the sizes of (chunk source, chunk 2G-1-source) position ``source``
@@ -158,11 +169,12 @@ class ZigzagLayout:
             blocks = [_block(pairs, False, q_total, k_total)]
         return tuple(b for b in blocks if b is not None)
 
-    def _window_blocks(self, step: int) -> tuple[Block, ...]:
-        """The calls of ``step`` with a sliding window: trimmed pairs grouped by band."""
-        mine, theirs = self.chunk_spans(self.position), self.chunk_spans(self.source(step))
-        q_off, k_off = _offsets(self.held(self.position)), _offsets(self.held(self.source(step)))
-        calls: list[tuple[tuple[int, int] | None, list]] = []
+    def _window_pairs(self, position: int, source: int) -> list:
+        """``(band, (q row, q len, k row, k len))`` of ``position``'s query chunks vs the KV
+        block of ``source`` under the window (rows of the two full buffers)."""
+        mine, theirs = self.chunk_spans(position), self.chunk_spans(source)
+        q_off, k_off = _offsets(self.held(position)), _offsets(self.held(source))
+        out = []
         for qo, ko, q_chunks, k_chunks in zip(q_off, k_off, mine, theirs):
             q_rows, k_rows = _chunk_rows(qo, q_chunks), _chunk_rows(ko, k_chunks)
             for (qa, qb), q_row in zip(q_chunks, q_rows):
@@ -170,11 +182,54 @@ class ZigzagLayout:
                     pair = _window_pair(qa, qb, ka, kb, self.window)
                     if pair is not None:
                         (qa2, qb2, ka2, kb2), key = pair
-                        _add_pair(calls, key, (q_row + qa2 - qa, qb2 - qa2,
-                                               k_row + ka2 - ka, kb2 - ka2))
-        q_total, k_total = q_off[-1], k_off[-1]
+                        out.append((key, (q_row + qa2 - qa, qb2 - qa2, k_row + ka2 - ka,
+                                          kb2 - ka2)))
+        return out
+
+    def held_rows(self, source: int, step: int) -> tuple[int, ...] | None:
+        """Rows of ``source``'s KV buffer the position holding it at ``step`` receives (every
+        row a position reads at ``step`` or later on its journey), None for all of them (no
+        window, or the owner at step 0). The same on every position of the ring."""
+        if self.window is None or step == 0:
+            return None
+        key = (source, step)
+        if key not in self._held:
+            rows: set[int] = set()
+            for later in range(step, self.ring_size):
+                for _, (_, _, k, n) in self._window_pairs((source + later) % self.ring_size,
+                                                          source):
+                    rows.update(range(k, k + n))
+            full = rows == set(range(self.tokens(source)))
+            self._held[key] = None if full else tuple(sorted(rows))
+        return self._held[key]
+
+    def _window_blocks(self, step: int) -> tuple[Block, ...]:
+        """The calls of ``step`` with a sliding window: trimmed pairs grouped by band, key
+        rows in the held block (``held_rows``)."""
+        source = self.source(step)
+        held = self.held_rows(source, step)
+        calls: list[tuple[tuple[int, int] | None, list]] = []
+        for key, (q_row, qn, k_row, kn) in self._window_pairs(self.position, source):
+            if held is not None:  # a needed range is contiguous in the sorted held rows
+                k_row = bisect.bisect_left(held, k_row)
+            _add_pair(calls, key, (q_row, qn, k_row, kn))
+        q_total = self.tokens()
+        k_total = self.tokens(source) if held is None else len(held)
         return tuple(_block(pairs, key[1] == 0, q_total, k_total,
                             None if key == (-1, -1) else key) for key, pairs in calls)
+
+    def relay_rows(self, step: int) -> tuple[int, ...] | None:
+        """Rows of the block held at ``step`` to forward for ``step + 1`` (None: all)."""
+        source = self.source(step)
+        held, nxt = self.held_rows(source, step), self.held_rows(source, step + 1)
+        if nxt is None:
+            return None
+        return nxt if held is None else tuple(bisect.bisect_left(held, r) for r in nxt)
+
+    def relay_tokens(self, step: int) -> int:
+        """Tokens of the KV block that arrives for ``step`` (step >= 1)."""
+        held = self.held_rows(self.source(step), step)
+        return self.tokens(self.source(step)) if held is None else len(held)
 
 
 def _chunk_rows(offset: int, chunks) -> tuple[int, int]:
@@ -209,14 +264,24 @@ def _add_pair(calls: list, key, pair: tuple[int, int, int, int]) -> None:
 
 
 def device_blocks(layout: ZigzagLayout, device: torch.device | str) -> StepBlocks:
-    """Every step's blocks with their indices and offsets on ``device`` (one move)."""
-    host = [layout.blocks(step) for step in range(layout.ring_size)]
+    """Every step's blocks with their indices and offsets on ``device``, and each step's held
+    and relayed rows (one move)."""
+    size = layout.ring_size
+    host = [layout.blocks(step) for step in range(size)]
     flat = [b for step in host for b in step]
+    rows = [_index(layout.held_rows(layout.source(t), t)) for t in range(size)] + \
+        [_index(layout.relay_rows(t)) if t + 1 < size else None for t in range(size)]
     moved = to_device([t for b in flat for t in (b.q_rows, b.k_rows, b.pieces.cu_q_dev,
-                                                 b.pieces.cu_k_dev)], device)
+                                                 b.pieces.cu_k_dev)] + rows, device)
     placed = iter([Block(q, k, b.pieces._replace(cu_q_dev=cq, cu_k_dev=ck), b.causal, b.window)
-                   for b, (q, k, cq, ck) in zip(flat, zip(*[iter(moved)] * 4))])
-    return tuple(tuple(next(placed) for _ in step) for step in host)
+                   for b, (q, k, cq, ck) in zip(flat, zip(*[iter(moved[:4 * len(flat)])] * 4))])
+    steps = StepBlocks(tuple(next(placed) for _ in step) for step in host)
+    steps.held, steps.relay = tuple(moved[4 * len(flat):][:size]), tuple(moved[-size:])
+    return steps
+
+
+def _index(rows: tuple[int, ...] | None) -> torch.Tensor | None:
+    return None if rows is None else torch.tensor(rows, dtype=torch.int64)
 
 
 def _offsets(held: list[tuple[int, int]]) -> list[int]:
@@ -281,7 +346,7 @@ def recv_like(layout: ZigzagLayout, step: int, phase: Phase, tail: tuple[int, ..
     """
     phase, size, like = Phase(phase), layout.ring_size, []
     if sends_kv(size, step):
-        like.append(((layout.tokens(layout.source(step + 1)), *tail), dtype))
+        like.append(((layout.relay_tokens(step + 1), *tail), dtype))
     if phase is Phase.BACKWARD and sends_dkv(size, step):
         like.append(((layout.tokens(layout.source(step)), *tail), accum_dtype(dtype)))
     return like
@@ -315,7 +380,9 @@ class RingGroupRun:
     # ------------------------------------------------------------------ both phases
     def sends(self, phase: Phase, step: int) -> list[torch.Tensor]:
         size = self.layout.ring_size
-        kv = [self.kv] if sends_kv(size, step) else []
+        relay = self.blocks.relay[step] if sends_kv(size, step) else None
+        kv = [self.kv if relay is None else self.kv.index_select(0, relay)] \
+            if sends_kv(size, step) else []
         return kv + ([self.dkv] if phase is Phase.BACKWARD and sends_dkv(size, step) else [])
 
     def recv_like(self, phase: Phase, step: int) -> Like:
@@ -383,6 +450,7 @@ class RingGroupRun:
     def _backward_compute(self, step: int) -> None:
         if step >= compute_steps(self.layout.ring_size):
             return
+        held = self.blocks.held[step]
         fresh = torch.zeros(self.kv.shape, dtype=self.dq.dtype, device=self.dq.device)
         for block in self.blocks[step]:
             rows = block.q_rows
@@ -393,6 +461,9 @@ class RingGroupRun:
                 self.scale, block.window)
             _add_rows(self.dq, rows, dq)
             _add_rows(fresh, block.k_rows, torch.cat((dk, dv), dim=-1))
+        if held is not None:  # the accumulator keeps every row of the source
+            whole = (self.layout.tokens(self.layout.source(step)), *fresh.shape[1:])
+            fresh = fresh.new_zeros(whole).index_copy_(0, held, fresh)
         self.fresh_dkv = fresh
 
     def _backward_receive(self, step: int, received: Sequence[torch.Tensor]) -> None:

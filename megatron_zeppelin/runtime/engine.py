@@ -522,7 +522,8 @@ class AttentionEngine:
             pending.append((request, like))
         future = None
         if r < global_steps:  # every rank of the pool takes part
-            meta = ((k.shape[1], k.shape[2] + v.shape[2]), k.dtype)  # k and v side by side
+            meta = ((k.shape[1], k.shape[2] + v.shape[2]), k.dtype,  # k and v side by side
+                    None if p.window is None else p.window[0])
             future = self.inter.post(p.index, r, p.phase, routed_sends, meta, k.device)
         return _Posted(pending, future)
 
@@ -531,8 +532,10 @@ class AttentionEngine:
         routed = self.inter.complete(posted.inter) if posted.inter is not None else {}
         for ring, run, (request, like) in zip(p.wave.rings, p.runs, posted.requests):
             received = request.wait() if request is not None else []
-            if like and ring.routed_recv:
-                received = routed[ring.group.key]
+            if like and ring.routed_recv:  # no flow when a window leaves nothing to relay
+                received = routed.get(ring.group.key) or [
+                    torch.empty(shape, dtype=dtype, device=p.tensors.k.device)
+                    for shape, dtype in like]
             if r < run.steps(p.phase):
                 run.receive(p.phase, r, received)
 
