@@ -20,7 +20,7 @@ zigzag chunks, per sequence (``m = 2G-1-p``):
 
 Sliding window (``window=L``, Megatron's ``window_size=(L, 0)``: a query at document position
 ``i`` sees keys ``i-L .. i``). Each (q chunk, kv chunk) pair of a step is trimmed to the rows
-that see some key and the keys some row sees (``_window_pair``); a pair with nothing left is
+that see some key and the keys some row sees (``window.window_pair``); a pair with nothing left is
 skipped, so a step whose chunks all lie outside the window computes nothing. A trimmed pair
 whose every key is visible to every row is a full block; the others are bands: with ``s`` the
 distance from the pair's last key to its last query, the END-aligned band ``(L - s, s)``
@@ -60,6 +60,7 @@ from megatron_zeppelin.runtime.device_index import to_device
 from megatron_zeppelin.runtime.kernels import KernelBackend, Pieces, accum_dtype, make_pieces
 from megatron_zeppelin.runtime.merge import merge_into_
 from megatron_zeppelin.runtime.ring_comm import RingComm
+from megatron_zeppelin.runtime.window import add_pair, chunk_rows, window_pair
 from megatron_zeppelin.schedule import Phase, compute_steps, phase_steps, sends_dkv, sends_kv
 
 Like = list[tuple[tuple[int, ...], torch.dtype]]
@@ -176,10 +177,10 @@ class ZigzagLayout:
         q_off, k_off = _offsets(self.held(position)), _offsets(self.held(source))
         out = []
         for qo, ko, q_chunks, k_chunks in zip(q_off, k_off, mine, theirs):
-            q_rows, k_rows = _chunk_rows(qo, q_chunks), _chunk_rows(ko, k_chunks)
+            q_rows, k_rows = chunk_rows(qo, q_chunks), chunk_rows(ko, k_chunks)
             for (qa, qb), q_row in zip(q_chunks, q_rows):
                 for (ka, kb), k_row in zip(k_chunks, k_rows):
-                    pair = _window_pair(qa, qb, ka, kb, self.window)
+                    pair = window_pair(qa, qb, ka, kb, self.window)
                     if pair is not None:
                         (qa2, qb2, ka2, kb2), key = pair
                         out.append((key, (q_row + qa2 - qa, qb2 - qa2, k_row + ka2 - ka,
@@ -212,7 +213,7 @@ class ZigzagLayout:
         for key, (q_row, qn, k_row, kn) in self._window_pairs(self.position, source):
             if held is not None:  # a needed range is contiguous in the sorted held rows
                 k_row = bisect.bisect_left(held, k_row)
-            _add_pair(calls, key, (q_row, qn, k_row, kn))
+            add_pair(calls, key, (q_row, qn, k_row, kn))
         q_total = self.tokens()
         k_total = self.tokens(source) if held is None else len(held)
         return tuple(_block(pairs, key[1] == 0, q_total, k_total,
@@ -230,37 +231,6 @@ class ZigzagLayout:
         """Tokens of the KV block that arrives for ``step`` (step >= 1)."""
         held = self.held_rows(self.source(step), step)
         return self.tokens(self.source(step)) if held is None else len(held)
-
-
-def _chunk_rows(offset: int, chunks) -> tuple[int, int]:
-    """Buffer rows where the two chunks of a sequence start."""
-    return offset, offset + chunks[0][1] - chunks[0][0]
-
-
-def _window_pair(qa: int, qb: int, ka: int, kb: int, window: int):
-    """Query positions ``[qa, qb)`` vs key positions ``[ka, kb)`` under causal + window:
-    ``((qa', qb', ka', kb'), band)`` trimmed to the rows that see a key and the keys a row sees
-    (band ``(-1, -1)``: every key visible to every row; else the END-aligned ``(L - s, s)``),
-    or None when no query sees any key."""
-    qa, kb = max(qa, ka), min(kb, qb)      # a query sees keys <= itself
-    qb, ka = min(qb, kb + window), max(ka, qa - window)  # and keys >= itself - L
-    if qa >= qb or ka >= kb:
-        return None
-    if ka >= qb - 1 - window and kb - 1 <= qa:
-        return (qa, qb, ka, kb), (-1, -1)
-    shift = qb - kb
-    return (qa, qb, ka, kb), (window - shift, shift)
-
-
-def _add_pair(calls: list, key, pair: tuple[int, int, int, int]) -> None:
-    """Add ``pair`` to the first call of band ``key`` whose query rows it does not overlap
-    (a call's query rows must be distinct: the merge writes each row once)."""
-    for band_key, pairs in calls:
-        if band_key == key and all(pair[0] + pair[1] <= s or s + n <= pair[0]
-                                   for s, n, _, _ in pairs):
-            pairs.append(pair)
-            return
-    calls.append((key, [pair]))
 
 
 def device_blocks(layout: ZigzagLayout, device: torch.device | str) -> StepBlocks:
