@@ -89,6 +89,9 @@ def plan_figures(plan, window: int | None) -> dict[str, int]:
 
 
 def bench_window(args: argparse.Namespace) -> int:
+    bad = [w for w in args.windows if w < 0]
+    if bad:
+        raise ValueError(f"--windows {bad[0]} is invalid: expected a window of >= 0 tokens")
     setup = load_setup(args.model, args.cluster, nodes=args.nodes)
     cost = CostModel(setup.model, setup.cluster, setup.hardware, 1)
     lengths = sample_batch(args.workload, args.tokens, random.Random(args.seed))
