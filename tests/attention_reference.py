@@ -12,33 +12,39 @@ from megatron_zeppelin.plan import Plan
 # ----------------------------------------------------------------------------- reference
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        scale: float) -> torch.Tensor:
-    """Causal attention of one sequence: q ``[s, h, d]``, k/v ``[s, g, d]`` -> ``[s, h, d]``."""
+                        scale: float, window: int | None = None) -> torch.Tensor:
+    """Causal attention of one sequence: q ``[s, h, d]``, k ``[s, g, d]``, v ``[s, g, dv]`` ->
+    ``[s, h, dv]``; window: each query sees itself and the ``window`` keys before it."""
     s, heads, _ = q.shape
     group = heads // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    if window is not None:
+        mask |= torch.ones(s, s, dtype=torch.bool, device=q.device).tril(-window - 1)
     probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 def make_batch(seqlens: Sequence[int], heads: int, kv_heads: int, head_dim: int,
-               seed: int) -> dict[str, list[torch.Tensor]]:
-    """Per sequence float64 q, k, v, dout (the same on every rank for a seed)."""
+               seed: int, v_head_dim: int | None = None) -> dict[str, list[torch.Tensor]]:
+    """Per sequence float64 q, k, v, dout (the same on every rank for a seed); v and dout
+    have ``v_head_dim`` (default ``head_dim``)."""
     gen = torch.Generator().manual_seed(seed)
-    shapes = {"q": heads, "k": kv_heads, "v": kv_heads, "dout": heads}
-    return {name: [torch.randn(n, h, head_dim, generator=gen, dtype=torch.float64)
-                   for n in seqlens] for name, h in shapes.items()}
+    dv = head_dim if v_head_dim is None else v_head_dim
+    shapes = {"q": (heads, head_dim), "k": (kv_heads, head_dim), "v": (kv_heads, dv),
+              "dout": (heads, dv)}
+    return {name: [torch.randn(n, h, d, generator=gen, dtype=torch.float64)
+                   for n in seqlens] for name, (h, d) in shapes.items()}
 
 
 def reference_grads(batch: dict[str, list[torch.Tensor]], seqs: Sequence[int],
-                    scale: float) -> dict[int, dict[str, torch.Tensor]]:
+                    scale: float, window: int | None = None) -> dict[int, dict[str, torch.Tensor]]:
     """out, dq, dk, dv of sequences ``seqs`` (float64), each alone."""
     result = {}
     for s in seqs:
         q, k, v = (batch[n][s].clone().requires_grad_() for n in ("q", "k", "v"))
-        out = reference_attention(q, k, v, scale)
+        out = reference_attention(q, k, v, scale, window)
         out.backward(batch["dout"][s])
         result[s] = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
     return result

@@ -89,14 +89,27 @@ def _check_grouped_single_row(q, k, cu_q: list[int], max_q: int) -> None:
 
 def _scores(q, k, a, b, c, d, causal, scale):
     """float64 scores ``[heads, tq, tk]`` of one piece, bottom-right causal mask applied."""
+def _band(causal, left, right) -> tuple[int, int]:
+    """The kernel's ``(left, right)`` window (None: unbounded; causal forces right = 0)."""
+    left = -1 if left is None else left
+    right = 0 if causal else (-1 if right is None else right)
+    return left, right
+
+
+def _scores(q, k, a, b, c, d, band, scale):
+    """float64 scores ``[heads, tq, tk]`` of one piece, the bottom-right aligned window
+    ``band`` (``-1``: unbounded side) applied."""
     group = q.shape[1] // k.shape[1]
     s = torch.einsum("qhd,khd->hqk", q[a:b].double(),
                      k[c:d].double().repeat_interleave(group, 1)) * scale
-    if causal:
-        tq, tk = b - a, d - c
-        visible = torch.arange(tk)[None, :] <= torch.arange(tq)[:, None] + (tk - tq)
-        s = s.masked_fill(~visible.to(s.device), float("-inf"))
-    return s
+    tq, tk = b - a, d - c
+    row, col = torch.arange(tq)[:, None] + (tk - tq), torch.arange(tk)[None, :]
+    visible = torch.ones(tq, tk, dtype=torch.bool)
+    if band[1] >= 0:
+        visible &= col <= row + band[1]
+    if band[0] >= 0:
+        visible &= col >= row - band[0]
+    return s.masked_fill(~visible.to(s.device), float("-inf"))
 
 
 class StandInFlashOps:
@@ -114,8 +127,9 @@ class StandInFlashOps:
         self.calls["forward"] += 1
         cq, ck = _check_inputs(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p)
         _check_grouped_single_row(query, key, cq, max_q)
-        if return_debug_mask or window_size_left is not None or seqused_k is not None:
-            _fail("debug mask, windows and seqused_k are not part of the engine's contract")
+        if return_debug_mask or seqused_k is not None:
+            _fail("debug mask and seqused_k are not part of the engine's contract")
+        band = _band(is_causal, window_size_left, window_size_right)
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         heads, group = query.shape[1], query.shape[1] // key.shape[1]
         out = torch.zeros(query.shape, dtype=torch.float64)
@@ -124,7 +138,7 @@ class StandInFlashOps:
             a, b, c, d = cq[i], cq[i + 1], ck[i], ck[i + 1]
             if b == a or d == c:
                 continue
-            s = _scores(query, key, a, b, c, d, is_causal, scale)
+            s = _scores(query, key, a, b, c, d, band, scale)
             piece = torch.logsumexp(s, -1)  # [h, tq]; -inf for rows without keys
             seen = torch.isfinite(piece)
             p = torch.exp(s - piece.masked_fill(~seen, 0.0).unsqueeze(-1))
@@ -159,6 +173,7 @@ class StandInFlashOps:
             _fail(f"rng_state {rng_state.dtype} {tuple(rng_state.shape)} / unused {unused.dtype} "
                   f"{tuple(unused.shape)}: expected (2,) uint64 and 0-d uint64")
         scale = query.shape[-1] ** -0.5 if scale is None else scale
+        band = _band(is_causal, window_size_left, window_size_right)
         group = heads // key.shape[1]
         dq = torch.zeros(query.shape, dtype=torch.float64)
         dk = torch.zeros(key.shape, dtype=torch.float64)
@@ -167,7 +182,7 @@ class StandInFlashOps:
             a, b, c, d = cq[i], cq[i + 1], ck[i], ck[i + 1]
             if b == a or d == c:
                 continue
-            s = _scores(query, key, a, b, c, d, is_causal, scale)
+            s = _scores(query, key, a, b, c, d, band, scale)
             p = torch.exp(s - logsumexp[:, a:b].double().unsqueeze(-1))  # +inf rows: 0
             do, o = grad_out[a:b].double(), out[a:b].double()
             delta = (do * o).sum(-1).t()  # [h, tq]

@@ -82,14 +82,16 @@ def plan_of(strategy: str, nodes: int, gpus: int, lengths, **options):
 
 
 def case(label, plan, heads=4, kv_heads=2, dtype="float32", modes=("ring",), seed=0,
-         local_call_tokens=LOCAL_CALL_TOKENS, backend=None, transport="direct"):
+         local_call_tokens=LOCAL_CALL_TOKENS, backend=None, transport="direct", window=None,
+         v_head_dim=None):
     """backend ``native`` runs the native backend's code path through the kernel stand-in
     (bf16); transport ``staged`` stages every exchange through host buffers, ``ordered``
     matches messages by order per rank pair and group as NCCL does (``runtime/ordered.py``:
-    an order that only gloo's tags make agree fails)."""
+    an order that only gloo's tags make agree fails); window: sliding window; v_head_dim: a
+    value head dim other than HEAD_DIM (multi-latent attention)."""
     return dict(label=label, plan=plan, heads=heads, kv_heads=kv_heads, dtype=dtype,
                 modes=modes, seed=seed, local_call_tokens=local_call_tokens, backend=backend,
-                transport=transport)
+                transport=transport, window=window, v_head_dim=v_head_dim)
 
 
 def router_topology(plan) -> RouterTopology:
@@ -147,12 +149,11 @@ def test_simulator_runs_local_calls_while_the_exchanges_are_in_flight():
 
 def rank_inputs(plan, rank, batch, dtype):
     """q, k, v (leaves) and dout of the rank's attention buffer."""
-    heads, kv_heads = batch["q"][0].shape[1], batch["k"][0].shape[1]
     tensors = []
-    for name, h in (("q", heads), ("k", kv_heads), ("v", kv_heads), ("dout", heads)):
+    for name in ("q", "k", "v", "dout"):
         per_seq = dict(enumerate(batch[name]))
         x = (gather_rows(plan, rank, per_seq) if plan.attention[rank]
-             else torch.zeros(0, h, HEAD_DIM, dtype=torch.float64))
+             else torch.zeros(0, *batch[name][0].shape[1:], dtype=torch.float64))
         tensors.append(x.to(dtype))
     for x in tensors[:3]:
         x.requires_grad_()
@@ -162,7 +163,8 @@ def rank_inputs(plan, rank, batch, dtype):
 def run_case(rank, c, mode, route_group):
     """Forward + backward of case ``c`` in ``mode``; max errors against the reference."""
     plan, (dtype, _) = c["plan"], DTYPES[c["dtype"]]
-    batch = make_batch(plan.seqlens, c["heads"], c["kv_heads"], HEAD_DIM, c["seed"])
+    batch = make_batch(plan.seqlens, c["heads"], c["kv_heads"], HEAD_DIM, c["seed"],
+                       c["v_head_dim"])
     batch = {n: [t.to(dtype).double() for t in ts] for n, ts in batch.items()}  # as computed
     q, k, v, dout = rank_inputs(plan, rank, batch, dtype)
     if c["backend"] == "native":
@@ -175,13 +177,13 @@ def run_case(rank, c, mode, route_group):
                              local_call_tokens=c["local_call_tokens"], backend=c["backend"],
                              transport=c["transport"])
     start = time.perf_counter()
-    out = engine.forward(q, k, v)
+    out = engine.forward(q, k, v, window=c["window"])
     out.backward(dout)
     elapsed = time.perf_counter() - start
     engine.close()
     proxied = engine.inter.stats()["proxied_slices"] if engine.inter is not None else 0
     seqs = sorted({s for s, _, _ in plan.attention[rank]})
-    ref = reference_grads(batch, seqs, HEAD_DIM ** -0.5)
+    ref = reference_grads(batch, seqs, HEAD_DIM ** -0.5, c["window"])
     got = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
     return dict(errors=max_errors(plan, rank, got, ref), seconds=elapsed, proxied=proxied)
 
@@ -427,6 +429,8 @@ def test_engine_world_of_2():
              local_call_tokens=3),
         case("zeppelin 1x2 native bf16, staged", zeppelin_plan(1, 2, 0), dtype="bfloat16",
              seed=4, local_call_tokens=6, backend="native", transport="staged"),
+        case("zeppelin 1x2 only local, window 4, value head dim 12",
+             plan_of("zeppelin", 1, 2, only_local), seed=6, window=4, v_head_dim=12),
     ]
     assert all(t.tier.name == "LOCAL" for t in cases[1]["plan"].tasks)
     assert cases[3]["plan"].num_waves > 1
@@ -446,6 +450,11 @@ def test_engine_world_of_4_and_failing_peer():
              kv_heads=4, seed=3),
         case("zeppelin 2x2 native bf16, staged", zeppelin_plan(2, 2, 0), dtype="bfloat16",
              modes=("ring", "routed"), seed=5, backend="native", transport="staged"),
+        case("zeppelin 2x2 window 9, value head dim 4", zeppelin_plan(2, 2, 0),
+             modes=("ring", "routed"), seed=6, window=9, v_head_dim=4, local_call_tokens=5),
+        case("zeppelin 2x2 native bf16, window 30, value head dim 16", zeppelin_plan(2, 2, 3),
+             dtype="bfloat16", modes=("ring",), seed=7, backend="native", window=30,
+             v_head_dim=16),
     ]
     check_tiers(cases)
     assert cases[3]["plan"].num_waves > 1 and cases[0]["plan"].num_waves == 1  # timeline: one

@@ -87,6 +87,36 @@ def test_the_strategy_and_its_options_plan_each_micro_batch(tmp_path):
     assert train_args.planner_strategy(default, 4) == ("zeppelin", {})
 
 
+@pytest.mark.parametrize("extra,match", [
+    (["--window-size", "10,3"], r"--window-size='10,3' is invalid: expected 'L,0' with L >= 0"),
+    (["--window-size", "abc"], r"--window-size='abc' is invalid"),
+    (["--window-size=-2,0"], r"--window-size='-2,0' is invalid"),
+    (["--window-attn-skip-freq", "2"], r"--window-attn-skip-freq=2 without --window-size"),
+    (["--window-size", "8,0", "--window-attn-skip-freq", "[1,0,1]"],
+     r"--window-attn-skip-freq='\[1,0,1\]' is invalid: expected .* per layer \(2 layers"),
+    (["--window-size", "8,0", "--window-attn-skip-freq", "0"],
+     r"--window-attn-skip-freq='0' is invalid: expected an integer >= 1"),
+    (["--multi-latent-attention", "--v-head-dim", "0"], r"--v-head-dim=0 is invalid"),
+])
+def test_bad_attention_settings_are_refused(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        train_args.validate_args(train_args.parse_args(BASE + extra), world_size=1,
+                                 local_world_size=None)
+
+
+def test_attention_settings_become_megatron_config_fields():
+    args = train_args.parse_args(BASE + ["--multi-latent-attention", "--v-head-dim", "8",
+                                         "--window-size", "8,0",
+                                         "--window-attn-skip-freq", "[1,0]"])
+    train_args.validate_args(args, 1, None)
+    attention = train_args.AttentionArgs.from_namespace(args)
+    fields = attention.config_fields(2)
+    assert fields["window_size"] == (8, 0) and fields["window_attn_skip_freq"] == [1, 0]
+    assert fields["multi_latent_attention"] and fields["v_head_dim"] == 8
+    assert attention.windows(2) == (None, 8)
+    assert train_args.AttentionArgs().windows(2) == (None,)
+
+
 def test_missing_data_and_required_flags():
     with pytest.raises(ConfigError, match="no data: pass --mock-data"):
         no_data = train_args.parse_args([x for x in BASE if x != "--mock-data"])

@@ -1,7 +1,9 @@
 """Zeppelin mode as Megatron-LM runs it, without Megatron-LM (CI covers it here): megatron-core's
 CP groups are the pool (Megatron CP 2 in its parallel state), Megatron-like batch fields are cut
 into the linear layout (``lm_batch``), an MoE GPT built from Megatron's spec with core attention
-swapped runs on it; loss (aux loss included) and every gradient match one process."""
+swapped runs on it; loss (aux loss included) and every gradient match one process. The same
+with multi-latent attention (value head dim != query/key head dim, RoPE part by in-document
+position under Megatron's CP group of 2) and interleaved sliding-window layers."""
 from __future__ import annotations
 
 import pytest
@@ -40,13 +42,30 @@ def fields() -> dict:
             "position_ids": positions}
 
 
-def build(layer_spec):
+# multi-latent attention (q/k head dim 6 + 4, v head dim 6) and a window of 5 on layer 1 only
+MLA_SWA = dict(multi_latent_attention=True, q_lora_rank=12, kv_lora_rank=8, qk_head_dim=6,
+               qk_pos_emb_head_dim=4, v_head_dim=6, rope_type="rope", window_size=(5, 0),
+               window_attn_skip_freq=[1, 0])
+VARIANTS = {"gqa": {}, "mla-swa": MLA_SWA}
+
+
+def layer_spec(variant: str):
+    """Megatron's local MoE layer spec (MLA's for the MLA variant)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm",
+                                    multi_latent_attention=bool(VARIANTS[variant]))
+
+
+def build(layer_spec, variant: str = "gqa"):
     """An MoE GPT (4 experts, top-2, aux loss) from Megatron's local spec, fixed init."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import (MLATransformerConfig,
+                                                              TransformerConfig)
 
     from megatron_zeppelin.megatron.packing import PackedGPTModel
 
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+    extra = VARIANTS[variant]
+    config = (MLATransformerConfig if extra else TransformerConfig)(**extra, num_layers=2, hidden_size=32, num_attention_heads=4,
                                num_query_groups=2, ffn_hidden_size=64, num_moe_experts=4,
                                moe_router_topk=2, moe_aux_loss_coeff=aux_loss_coeff(),
                                normalization="RMSNorm",
@@ -81,11 +100,10 @@ def step(model, tokens, labels, mask, positions, params) -> tuple[torch.Tensor, 
     return total.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def pool_body(rank: int, world: int):
+def pool_body(rank: int, world: int, variant: str = "gqa"):
     """Megatron CP = 2 = the pool; each rank trains on its linear layout."""
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_zeppelin.config import ZeppelinConfig
     from megatron_zeppelin.megatron.core_attention import ZeppelinAttentionState
@@ -97,10 +115,9 @@ def pool_body(rank: int, world: int):
 
     setup(cp=world)
     pool = parallel_state.get_context_parallel_group()
-    state = ZeppelinAttentionState(pool, backend="torch")
-    spec = swap_core_attention(get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm"),
-                               state)
-    model = build(spec)
+    state = ZeppelinAttentionState(pool, backend="torch", windows=(None, 5))
+    spec = swap_core_attention(layer_spec(variant), state)
+    model = build(spec, variant)
     data = fields()
     lengths = sample_sequences(data["tokens"], EOD, split_at_eod=True)
     plan = make_plan("zeppelin", lengths, make_cost("llama-7b", "h200-8nic", nodes=1,
@@ -115,18 +132,19 @@ def pool_body(rank: int, world: int):
     return total, grads, batch.tokens.numel()
 
 
-def reference_body(rank: int, world: int):
+def reference_body(rank: int, world: int, variant: str = "gqa"):
     """One process, Megatron CP 1: every sequence whole, exact packed attention."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
     from megatron_zeppelin.megatron.lm_batch import sample_sequences
     from megatron_zeppelin.megatron.model import PackedCoreAttention
-    from megatron_zeppelin.megatron.packing import packed_seq_params_for_documents
+    from megatron_zeppelin.megatron.packing import (PackedMLASelfAttention,
+                                                    packed_seq_params_for_documents)
 
     setup(cp=1)
-    spec = get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm")
+    spec = layer_spec(variant)
+    if VARIANTS[variant]:
+        spec.submodules.self_attention.module = PackedMLASelfAttention
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
-    model = build(spec)
+    model = build(spec, variant)
     data = fields()
     params = packed_seq_params_for_documents(sample_sequences(data["tokens"], EOD, True))
     flat = {k: v.reshape(1, -1) for k, v in data.items()}
@@ -134,9 +152,11 @@ def reference_body(rank: int, world: int):
                 params)
 
 
-def test_moe_on_the_linear_layout_matches_one_process():
-    pool = run_world(pool_body, 2, start_method="spawn", timeout_s=300)
-    (ref_total, ref_grads), = run_world(reference_body, 1, start_method="spawn", timeout_s=300)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_moe_on_the_linear_layout_matches_one_process(variant):
+    pool = run_world(pool_body, 2, variant, start_method="spawn", timeout_s=300)
+    (ref_total, ref_grads), = run_world(reference_body, 1, variant, start_method="spawn",
+                                        timeout_s=300)
     total, grads, _ = pool[0]
     assert sum(tokens for _, _, tokens in pool) == SAMPLES * SEQ
     assert abs(total.item() - ref_total.item()) < 1e-4 * abs(ref_total.item())

@@ -77,7 +77,7 @@ def trigger(rule) -> dict:
               "moe_token_dispatcher_type": "allgather",
               "moe_router_load_balancing_type": "seq_aux_loss",
               "zeppelin_overlong": "split",
-              "hierarchical_context_parallel_sizes": [2, 8], "window_size": (128, 0),
+              "hierarchical_context_parallel_sizes": [2, 8], "window_size": (128, 4),
               "experimental_attention_variant": "dsa", "mtp_num_layers": 1}
     extra = {"moe_token_dispatcher_type": {"expert_model_parallel_size": 2},
              "moe_router_load_balancing_type": {"micro_batch_size": 2}}
@@ -99,6 +99,21 @@ def test_upstream_defaults_that_zeppelin_supports_pass():
                             moe_token_dispatcher_type="alltoall",
                             expert_model_parallel_size=4, use_rope_scaling=True)
     lm.check_megatron_lm_args(args)
+
+
+def test_multi_latent_attention_and_causal_sliding_windows_pass():
+    lm.check_megatron_lm_args(megatron_lm_args(
+        multi_latent_attention=True, apply_rope_fusion=False, window_size=(128, 0),
+        window_attn_skip_freq=[1, 1, 0]))
+    megatron = argparse.Namespace(multi_latent_attention=True, q_lora_rank=None, kv_lora_rank=32,
+                                  qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
+                                  window_size=(128, 0), window_attn_skip_freq=[1, 1, 0])
+    attention = train_args.AttentionArgs.from_namespace(megatron)  # Megatron-LM's values
+    assert attention.windows(3) == (None, 128)
+    assert attention.config_fields(3)["window_size"] == (128, 0)
+    with pytest.raises(ConfigError, match=r"--multi-latent-attention=True .* --no-rope-fusion"):
+        lm.check_megatron_lm_args(megatron_lm_args(multi_latent_attention=True,
+                                                   apply_rope_fusion=True))
 
 
 def test_the_upstream_attention_dropout_default_is_refused_once_with_exit_2(capsys):

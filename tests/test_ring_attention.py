@@ -28,12 +28,20 @@ def held_tokens(lengths, ring_size, position):
             for _, a, b in zigzag_segments(s, n, ring_size, position) for t in range(a, b)]
 
 
+def visible(x: int, y: int, offset: int, block) -> bool:
+    """Whether row ``x`` sees key ``y`` of a piece in ``block`` (END-aligned band)."""
+    left, right = block.window if block.window is not None else (-1, 0 if block.causal else -1)
+    return (right < 0 or y <= x + offset + right) and (left < 0 or y >= x + offset - left)
+
+
 def attended_pairs(layout: ZigzagLayout):
     """Every (query token, key token) some block of some step computes, with multiplicity."""
     lengths, size, p = layout.lengths, layout.ring_size, layout.position
     q_tokens, pairs = held_tokens(lengths, size, p), []
     for step in range(size):
         k_tokens = held_tokens(lengths, size, layout.source(step))
+        relayed = layout.held_rows(layout.source(step), step)  # a window relays fewer rows
+        k_tokens = k_tokens if relayed is None else [k_tokens[r] for r in relayed]
         for block in layout.blocks(step):
             q_rows = block.q_rows.tolist() if block.q_rows is not None else range(len(q_tokens))
             k_rows = block.k_rows.tolist() if block.k_rows is not None else range(len(k_tokens))
@@ -44,7 +52,7 @@ def attended_pairs(layout: ZigzagLayout):
                 ks = [k_tokens[r] for r in k_rows[cu_k[i]:cu_k[i + 1]]]
                 offset = len(ks) - len(qs)
                 pairs += [(a, b) for x, a in enumerate(qs) for y, b in enumerate(ks)
-                          if not block.causal or y <= x + offset]
+                          if visible(x, y, offset, block)]
     return pairs
 
 
@@ -64,9 +72,9 @@ def test_blocks_cover_exactly_the_causal_pairs(ring_size, lengths):
 
 
 def simulate_ring(lengths, ring_size, heads, kv_heads, head_dim=8, seed=0,
-                  dtype=torch.float32, backend=None):
+                  dtype=torch.float32, backend=None, window=None, v_head_dim=None):
     """Forward and backward of every position of a group in one process."""
-    batch = make_batch(lengths, heads, kv_heads, head_dim, seed)
+    batch = make_batch(lengths, heads, kv_heads, head_dim, seed, v_head_dim)
     scale = head_dim ** -0.5
 
     def local(name, p):
@@ -74,7 +82,7 @@ def simulate_ring(lengths, ring_size, heads, kv_heads, head_dim=8, seed=0,
                           for _, a, b in zigzag_segments(s, n, ring_size, p)]).to(dtype)
 
     batch = {name: [t.to(dtype).double() for t in ts] for name, ts in batch.items()}
-    runs = [RingGroupRun(ZigzagLayout(lengths, ring_size, p), scale, backend)
+    runs = [RingGroupRun(ZigzagLayout(lengths, ring_size, p, window), scale, backend)
             for p in range(ring_size)]
     for p, run in enumerate(runs):
         run.begin_forward(local("q", p), local("k", p), local("v", p))
@@ -85,7 +93,7 @@ def simulate_ring(lengths, ring_size, heads, kv_heads, head_dim=8, seed=0,
                            *results[p])
     drive(runs, Phase.BACKWARD)
     grads = [run.end_backward() for run in runs]
-    ref = reference_grads(batch, range(len(lengths)), scale)
+    ref = reference_grads(batch, range(len(lengths)), scale, window)
     errors = []
     for p in range(ring_size):
         want = [torch.cat([ref[s][name][a:b] for s, n in enumerate(lengths)
@@ -104,8 +112,7 @@ def drive(runs, phase):
     for step in range(runs[0].steps(phase)):
         sends = [[t.clone() for t in run.sends(phase, step)] for run in runs]
         for p, run in enumerate(runs):
-            like = recv_like(run.layout, step, phase, (run.kv.shape[2], run.kv.shape[3]),
-                             run.kv.dtype)
+            like = recv_like(run.layout, step, phase, tuple(run.kv.shape[1:]), run.kv.dtype)
             got = [(tuple(t.shape), t.dtype) for t in sends[(p - 1) % size]]
             assert got == [(tuple(s), d) for s, d in like], f"{phase} step {step} position {p}"
         for run in runs:
@@ -192,3 +199,72 @@ def test_ring_attention_on_real_rings_is_exact():
                 assert err is None
                 continue
             assert max(err.values()) < 1e-5, f"rank {rank}, ring {case[0]}: errors {err}"
+
+
+@pytest.mark.parametrize("ring_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("window", [0, 1, 3, 10, 40])
+def test_windowed_blocks_cover_exactly_the_window_pairs(ring_size, window):
+    """Sliding window L: every (query, key) with ``q - L <= k <= q`` of one document is
+    computed exactly once, and no other pair."""
+    lengths = [37, 1, 5, 64, 3, 7]
+    for position in range(ring_size):
+        layout = ZigzagLayout(lengths, ring_size, position, window)
+        got = attended_pairs(layout)
+        want = [((s, t), (s, c)) for s, t in held_tokens(lengths, ring_size, position)
+                for c in range(max(0, t - window), t + 1)]
+        assert len(got) == len(set(got)), f"a pair computed twice at position {position}"
+        assert sorted(got) == sorted(want), f"position {position}: wrong window pairs"
+
+
+def test_a_step_wholly_outside_the_window_computes_nothing():
+    """With a window shorter than a chunk, the middle steps of a ring hold KV no query of the
+    position sees: they have no blocks (their compute is skipped)."""
+    layout = ZigzagLayout([800], 4, 1, window=20)  # chunks of 100 tokens
+    assert [len(layout.blocks(step)) > 0 for step in range(4)] == [True, True, False, True]
+    with pytest.raises(ValueError, match="window=-1"):
+        ZigzagLayout([8], 2, 0, window=-1)
+
+
+@pytest.mark.parametrize("ring_size", [1, 3, 4])
+@pytest.mark.parametrize("window,v_head_dim", [(None, 4), (5, None), (17, 12), (0, None)])
+def test_simulated_ring_with_window_and_value_head_dim_is_exact(ring_size, window, v_head_dim):
+    lengths = [1, 5, 2 * ring_size + 3, 64, 13, 4 * ring_size]
+    assert simulate_ring(lengths, ring_size, 4, 2, window=window, v_head_dim=v_head_dim) < 1e-5
+
+
+@pytest.mark.parametrize("window,v_head_dim", [(None, 4), (6, None), (9, 16)])
+def test_simulated_ring_with_window_and_value_head_dim_through_the_native_backend(
+        window, v_head_dim, monkeypatch):
+    """The native backend pads a different value head dim and passes the window to the
+    kernel (stand-in): within bf16 rounding of float64."""
+    from flash_standin import install
+
+    standin = install(monkeypatch)
+    lengths = [1, 5, 9, 64, 13, 12]
+    assert simulate_ring(lengths, 3, 4, 2, dtype=torch.bfloat16, backend="native",
+                         window=window, v_head_dim=v_head_dim) < 5e-2
+    assert standin.calls["forward"] > 0 and standin.calls["backward"] > 0
+
+
+def test_window_bench_counts_the_engine_blocks():
+    """``zeppelin bench window``'s figures: pairs are the blocks' pairs (brute force), middle
+    steps of a short window are skipped, and the engine relays exactly the rows later
+    positions read (counted independently from their blocks), fewer than whole blocks."""
+    from megatron_zeppelin.bench.window import block_pairs, ring_figures
+
+    lengths, size = [800, 37, 5], 4
+    for window in (None, 20, 300):
+        figures = ring_figures(lengths, size, window)
+        brute = sum(len(attended_pairs(ZigzagLayout(lengths, size, p, window)))
+                    for p in range(size))
+        assert figures["pairs"] == brute
+        assert figures["whole"] == 3 * sum(lengths)  # 3 hops of every block
+        if window is None:  # no window: whole blocks travel (causal zigzag reads them all)
+            assert figures["sent"] == figures["whole"]
+        else:
+            assert figures["needed"] == figures["sent"] < figures["whole"]
+        assert sum(block_pairs(b) for b in ZigzagLayout([9], 1, 0, window).blocks(0)) == \
+            sum(min(t, window if window is not None else t) + 1 for t in range(9))
+    assert ring_figures([800], 4, 20)["skipped"] == 6  # of 12 steps after the first
+    assert ring_figures([800], 4, None)["skipped"] == 0
+    assert ring_figures([800], 4, 20)["sent"] < ring_figures([800], 4, None)["sent"] // 4

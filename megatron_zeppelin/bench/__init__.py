@@ -13,6 +13,7 @@ kernels    our block call vs the raw kernel, same inputs (ratio, us per call)   
 train      per-step time of every strategy training the tiny GPT, same data    (train.py)
 fidelity   the real attention engine on gloo ranks vs the simulator             (fidelity.py)
 online     online profile fit: probe overhead, estimate error before/after      (online.py)
+window     sliding window: ring compute skipped, KV relay sent vs needed          (window.py)
 
 ``zeppelin calibrate`` (calibrate.py) measures this machine and writes a hardware profile.
 This package is the top of the layer order: it may import every other layer.
@@ -25,7 +26,8 @@ import statistics
 import time
 from typing import Callable
 
-TARGETS = ("planner", "planning", "router", "engine", "kernels", "train", "fidelity", "online")
+TARGETS = ("planner", "planning", "router", "engine", "kernels", "train", "fidelity", "online",
+           "window")
 
 
 def median_ms(fn: Callable[[], object], repeats: int, budget_s: float) -> tuple[float, int]:

@@ -16,6 +16,7 @@ group or model exists, refusing bad settings with the flag, the value and what i
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import sys
 from dataclasses import dataclass
@@ -66,6 +67,97 @@ class ModelArgs:
     def __post_init__(self) -> None:
         _at_least(self, 1, "num_layers", "hidden_size", "num_attention_heads",
                   "num_query_groups", "ffn_hidden_size", "vocab_size", "seq_length")
+
+
+def _window_pair(text: str | None) -> tuple[int, int] | None:
+    """``--window-size`` as Megatron-LM parses it (``"L,0"`` or ``"(L,0)"``), or None."""
+    if text is None:
+        return None
+    try:
+        pair = tuple(int(x) for x in str(text).strip("()").split(","))
+    except ValueError:
+        pair = ()
+    require(len(pair) == 2 and pair[0] >= 0 and pair[1] == 0, "attention.window_size", text,
+            "'L,0' with L >= 0: each token sees itself and the L tokens before it (zeppelin "
+            "and static modes run causal attention)")
+    return pair
+
+
+def _skip_freq(text: str | None, num_layers: int | None,
+               what: str = "attention.window_attn_skip_freq") -> int | list[int] | None:
+    """``--window-attn-skip-freq``: an integer N (every N-th layer full attention) or a list
+    of 0/1 per layer (1: sliding window), as megatron-core's ``window_attn_skip_freq``."""
+    if text is None:
+        return None
+    try:
+        value = ast.literal_eval(str(text).strip())
+    except (ValueError, SyntaxError):
+        value = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        require(value >= 1, what, text, "an integer >= 1")
+        return value
+    ok = isinstance(value, (list, tuple)) and all(v in (0, 1) for v in value) and (
+        num_layers is None or len(value) == num_layers)
+    require(ok, what, text, "an integer N >= 1 or a list of 0/1 "
+            f"per layer ({num_layers} layers; 1: sliding window), e.g. [1,1,0]")
+    return list(value)
+
+
+@dataclass(frozen=True)
+class AttentionArgs:
+    """Multi-latent attention and sliding windows, with Megatron-LM's flags and defaults
+    (MLA's RoPE is YaRN with scaling factor 1.0, as Megatron-LM builds it by default)."""
+
+    SECTION = "attention"
+    multi_latent_attention: bool = setting(False, "multi-latent attention (DeepSeek-V2/V3)")
+    q_lora_rank: int | None = setting(None, "MLA: rank of the query's low-rank projection "
+                                      "(default: a full query projection)")
+    kv_lora_rank: int = setting(32, "MLA: rank of the key/value low-rank projection")
+    qk_head_dim: int = setting(128, "MLA: query/key head dim without the RoPE part")
+    qk_pos_emb_head_dim: int = setting(64, "MLA: query/key head dim of the RoPE part")
+    v_head_dim: int = setting(128, "MLA: value head dim")
+    window_size: str | None = setting(None, "sliding-window attention 'L,0': each token sees "
+                                      "itself and the L tokens before it in its document")
+    window_attn_skip_freq: str | None = setting(
+        None, "with --window-size: every N-th layer is full attention (N), or a list of 0/1 "
+        "per layer, 1 = sliding window (e.g. [1,1,1,0])")
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                  "v_head_dim")
+        _window_pair(self.window_size)
+        _skip_freq(self.window_attn_skip_freq, None)
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> "AttentionArgs":
+        """The section from parsed flags (ours; Megatron-LM's namespace has the same names)."""
+        return from_flags(cls, args)
+
+    def config_fields(self, num_layers: int) -> dict:
+        """The ``TransformerConfig``/``MLATransformerConfig`` fields these flags set."""
+        fields = {}
+        if self.window_size is not None:
+            fields.update(window_size=_window_pair(self.window_size),
+                          window_attn_skip_freq=_skip_freq(self.window_attn_skip_freq,
+                                                           num_layers))
+        if self.multi_latent_attention:
+            fields.update(multi_latent_attention=True, q_lora_rank=self.q_lora_rank,
+                          kv_lora_rank=self.kv_lora_rank, qk_head_dim=self.qk_head_dim,
+                          qk_pos_emb_head_dim=self.qk_pos_emb_head_dim,
+                          v_head_dim=self.v_head_dim, rotary_scaling_factor=1.0)
+        return fields
+
+    def windows(self, num_layers: int) -> tuple[int | None, ...]:
+        """The distinct per-layer sliding windows (None: full causal), for the engine."""
+        if self.window_size is None:
+            return (None,)
+        pattern = _skip_freq(self.window_attn_skip_freq, num_layers)
+        if pattern is None:
+            return (_window_pair(self.window_size)[0],)
+        layers = [i % pattern != 0 if isinstance(pattern, int) else bool(pattern[i - 1])
+                  for i in range(1, num_layers + 1)]
+        window = _window_pair(self.window_size)[0]
+        return tuple(sorted({window if w else None for w in layers}, key=lambda w: w or -1))
 
 
 @dataclass(frozen=True)
@@ -253,7 +345,7 @@ class ZeppelinRuntimeArgs:
                     self.profile_out, "a file in an existing, writable folder")
 
 
-MEGATRON_SECTIONS = {"model": ModelArgs, "parallel": ParallelArgs, "optim": OptimArgs,
+MEGATRON_SECTIONS = {"model": ModelArgs, "attention": AttentionArgs, "parallel": ParallelArgs, "optim": OptimArgs,
                      "training": TrainingArgs, "data": DataArgs, "checkpoint": CheckpointArgs,
                      "logging": LoggingArgs}  # flags with Megatron-LM's names
 
@@ -263,6 +355,7 @@ class TrainConfig:
     """The whole tree, built from parsed flags (``from_args``): every section validated."""
 
     model: ModelArgs
+    attention: AttentionArgs
     parallel: ParallelArgs
     optim: OptimArgs
     training: TrainingArgs
@@ -393,6 +486,10 @@ def validate_args(args: argparse.Namespace, world_size: int, local_world_size: i
     if config.optim.lr_warmup_iters >= decay:
         raise ConfigError(f"--lr-warmup-iters={config.optim.lr_warmup_iters} is invalid: expected "
                           f"< --lr-decay-iters {decay} (default: --train-iters)")
+    _skip_freq(args.window_attn_skip_freq, args.num_layers, "--window-attn-skip-freq")
+    if args.window_attn_skip_freq is not None and args.window_size is None:
+        raise ConfigError(f"--window-attn-skip-freq={args.window_attn_skip_freq} without "
+                          "--window-size: pass the window ('L,0') it applies")
     tp = config.parallel.tensor_model_parallel_size
     if config.model.num_attention_heads % tp:
         raise ConfigError(f"--tensor-model-parallel-size={tp} is invalid: expected a divisor of "

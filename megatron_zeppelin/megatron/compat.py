@@ -113,3 +113,18 @@ def batch_on_this_tp_rank(data_iterator: Any) -> dict:
                           "megatron.training.utils.get_batch_on_this_tp_rank; zeppelin's "
                           f"Megatron-LM patch exists for {', '.join(MEGATRON_LM_PATCHED)}")
     return fetch(data_iterator)
+
+
+def fix_mla_without_te() -> None:
+    """megatron-core 0.16's ``multi_latent_attention`` sets ``HAVE_TE = True`` even without
+    Transformer Engine (its TE extension module imports, with mock classes), and then
+    ``MLASelfAttention.__init__`` calls ``isinstance(linear_proj, TELinear)`` on a mock, which
+    raises TypeError: MLA cannot be built without TE. When TE is not importable, say so in that
+    module (``HAVE_TE = False``), as it meant to. A no-op with TE or a version without the flag."""
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention
+
+    if importlib.util.find_spec("transformer_engine") is None and \
+            not isinstance(getattr(multi_latent_attention, "TELinear", None), type):
+        multi_latent_attention.HAVE_TE = False

@@ -2,10 +2,13 @@
 
 Megatron hands core attention q ``[tokens, 1, heads, head_dim]`` and k/v ``[tokens, 1,
 kv_heads, head_dim]`` (after RoPE) in the rank's *linear* layout and expects ``[tokens, 1,
-heads * head_dim]`` back. Zeppelin core attention:
+heads * head_dim]`` back (multi-latent attention: q/k ``[tokens, heads, qk_head_dim +
+qk_pos_emb_head_dim]``, v ``[tokens, heads, v_head_dim]``, 3-D, and ``[tokens, 1, heads *
+v_head_dim]`` back). Zeppelin core attention:
 
 1. moves q, k, v to the attention layout (one all-to-all over the pool: ``runtime/remap.py``);
-2. runs the attention engine on the plan's rings (``runtime/engine.py``);
+2. runs the attention engine on the plan's rings (``runtime/engine.py``), with the layer's
+   sliding window (``model.layer_window``: Megatron's ``window_size`` and per-layer pattern);
 3. moves the output back to the linear layout.
 
 Two classes with Megatron's core-attention constructor and forward signatures:
@@ -31,6 +34,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_zeppelin.config import ClusterSpec, ConfigError, HardwareProfile, hardware_for
+from megatron_zeppelin.megatron.model import layer_window
 from megatron_zeppelin.megatron.packing import ZeppelinPackedSeqParams
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.runtime import kernels
@@ -60,7 +64,8 @@ class ZeppelinAttentionState:
         inter-node rings use plain ring P2P). router_topology: for ``inter_mode='routed'``.
     backend: attention kernel backend (None: ``ZEPPELIN_ATTENTION_BACKEND``); transport:
         ``direct``/``staged`` (None: ``ZEPPELIN_TRANSPORT``); device: where the runtime's
-        index tensors live (None: the inputs' device at the first layer).
+        index tensors live (None: the inputs' device at the first layer); windows: the
+        layers' sliding windows (None: full causal), whose ring blocks are prepared ahead.
     The runtime (remap index + engine, every index tensor on the device) of a micro-batch is
     built once per plan: by ``prepare(plan)`` ahead of the step (the data iterator calls it
     when it has planned the next micro-batch, on its own thread), else by the first layer that
@@ -72,8 +77,10 @@ class ZeppelinAttentionState:
     def __init__(self, pool_group: dist.ProcessGroup, *, backend: str | None = None,
                  inter_mode: str = "ring", route_group: dist.ProcessGroup | None = None,
                  router_topology=None, timeout_s: float | None = None,
-                 transport: str | None = None, device: torch.device | str | None = None) -> None:
+                 transport: str | None = None, device: torch.device | str | None = None,
+                 windows: tuple[int | None, ...] = (None,)) -> None:
         self.pool_group, self.backend, self.inter_mode = pool_group, backend, inter_mode
+        self.windows = tuple(windows)
         self.route_group, self.router_topology, self.timeout_s = route_group, router_topology, \
             timeout_s
         self.transport = get_transport(transport)
@@ -113,7 +120,7 @@ class ZeppelinAttentionState:
                                  timeout_s=self.timeout_s, inter_mode=self.inter_mode,
                                  route_group=self.route_group,
                                  router_topology=self.router_topology, transport=self.transport,
-                                 device=device)
+                                 device=device, windows=self.windows)
         engine.probe = self.probe
         remap = None
         if remapped:
@@ -172,13 +179,16 @@ def planning_hardware(cluster: ClusterSpec, backend: str | None, device: torch.d
 
 
 def zeppelin_attention(state: ZeppelinAttentionState, query: Tensor, key: Tensor, value: Tensor,
-                       params: ZeppelinPackedSeqParams, scale: Optional[float]) -> Tensor:
+                       params: ZeppelinPackedSeqParams, scale: Optional[float],
+                       window: Optional[int] = None) -> Tensor:
     """Remap q/k/v to the attention layout, run the plan's rings, remap the output back.
 
-    query ``[tokens, 1, heads, d]``, key/value ``[tokens, 1, kv_heads, d]`` in the rank's linear
-    layout; returns ``[tokens, 1, heads * d]`` in the linear layout. The last
-    ``params.pad_tokens`` tokens (sequence-parallel padding) belong to no sequence: they skip
-    the remap and the engine, and their output is zero.
+    query ``[tokens, 1, heads, d]``, key ``[tokens, 1, kv_heads, d]``, value ``[tokens, 1,
+    kv_heads, dv]`` (or all 3-D without the 1: packed multi-latent attention) in the rank's
+    linear layout; returns ``[tokens, 1, heads * dv]`` in the linear layout. window: sliding
+    window ``L`` (None: full causal). The last ``params.pad_tokens`` tokens
+    (sequence-parallel padding) belong to no sequence: they skip the remap and the engine, and
+    their output is zero.
     """
     if params.plan is None or params.rank != state.rank:
         raise ValueError(f"zeppelin core attention needs packed params with the plan of this "
@@ -189,16 +199,21 @@ def zeppelin_attention(state: ZeppelinAttentionState, query: Tensor, key: Tensor
         raise ValueError(f"q holds {query.shape[0]} tokens but the packed params describe "
                          f"{real} + {params.pad_tokens} pad tokens")
     runtime = state.runtime(params.plan, query.device)
+    if query.dim() == 3:  # packed multi-latent attention: [tokens, heads, dim]
+        query, key, value = query[:, None], key[:, None], value[:, None]
     heads = query.shape[2]
     q, k, v = query[:real, 0], key[:real, 0], value[:real, 0]
     if runtime.remap is not None:
-        # one all-to-all for q, k and v: [tokens, heads + 2 * kv_heads, d]
-        qkv = to_attention_layout(torch.cat([q, k, v], dim=1), runtime.remap, state.pool_group)
-        q, k, v = qkv.split([heads, k.shape[1], v.shape[1]], dim=1)
-    out = runtime.engine.forward(q.contiguous(), k.contiguous(), v.contiguous(), scale)
+        # one all-to-all for q, k and v: [tokens, heads * d + kv_heads * (d + dv)]
+        shapes = [x.shape[1:] for x in (q, k, v)]
+        qkv = to_attention_layout(torch.cat([x.flatten(1) for x in (q, k, v)], dim=1),
+                                  runtime.remap, state.pool_group)
+        q, k, v = (x.reshape(-1, *shape) for x, shape in zip(
+            qkv.split([shape.numel() for shape in shapes], dim=1), shapes))
+    out = runtime.engine.forward(q.contiguous(), k.contiguous(), v.contiguous(), scale, window)
     if runtime.remap is not None:
         out = to_linear_layout(out, runtime.remap, state.pool_group)
-    out = out.reshape(out.shape[0], 1, heads * query.shape[3])  # explicit: 0 rows happen
+    out = out.reshape(out.shape[0], 1, heads * value.shape[3])  # explicit: 0 rows happen
     if params.pad_tokens:
         out = torch.cat([out, out.new_zeros(params.pad_tokens, 1, out.shape[2])])
     return out
@@ -215,6 +230,7 @@ class ZeppelinCoreAttention(MegatronModule):
                  attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  cp_comm_type: Optional[str] = None, pg_collection=None,
+                 k_channels: Optional[int] = None, v_channels: Optional[int] = None,
                  zeppelin_state: ZeppelinAttentionState | None = None) -> None:
         super().__init__(config=config)
         if zeppelin_state is None:
@@ -225,6 +241,7 @@ class ZeppelinCoreAttention(MegatronModule):
             raise ValueError(f"attn_mask_type={attn_mask_type} is invalid: zeppelin attention "
                              "is causal")
         self.state, self.softmax_scale = zeppelin_state, softmax_scale
+        self.window = layer_window(config, max(1, layer_number))
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None,
@@ -236,7 +253,7 @@ class ZeppelinCoreAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by zeppelin core attention")
         return zeppelin_attention(self.state, query, key, value, packed_seq_params,
-                                  self.softmax_scale)
+                                  self.softmax_scale, self.window)
 
 
 def _refuse_dropout(config: TransformerConfig, attention_dropout: Optional[float]) -> None:
@@ -269,12 +286,15 @@ def te_core_attention_class() -> type:
                 raise ValueError("zeppelin_state=None: build the layer with "
                                  "get_gpt_layer_zeppelin_spec(state)")
             self.zeppelin_state = zeppelin_state
+            self.zeppelin_window = layer_window(config, max(1, kwargs.get(
+                "layer_number", args[0] if args else 1)))
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                     attention_bias=None, packed_seq_params=None, **kwargs):
             if isinstance(packed_seq_params, ZeppelinPackedSeqParams):
                 return zeppelin_attention(self.zeppelin_state, query, key, value,
-                                          packed_seq_params, self.softmax_scale)
+                                          packed_seq_params, self.softmax_scale,
+                                          self.zeppelin_window)
             return super().forward(query, key, value, attention_mask, attn_mask_type,
                                    attention_bias, packed_seq_params, **kwargs)
 

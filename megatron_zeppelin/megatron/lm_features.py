@@ -51,6 +51,12 @@ def _get(args: argparse.Namespace, name: str, default: Any) -> Any:
     return getattr(args, name, default)
 
 
+def _causal_window(value: Any) -> bool:
+    """Whether Megatron's ``window_size`` is ``(L, 0)`` with ``L >= 0`` (or ``-1``: none)."""
+    return isinstance(value, (list, tuple)) and len(value) == 2 and value[0] >= -1 \
+        and value[1] == 0
+
+
 STATIC_ONLY = "use --context-parallel-mode static for it"
 
 RULES: tuple[Rule, ...] = (
@@ -82,12 +88,16 @@ RULES: tuple[Rule, ...] = (
     Rule("--cp-comm-type", "cp_comm_type", ["p2p"],
          lambda v, a: list(v if isinstance(v, (list, tuple)) else [v]) != ["p2p"],
          "it selects static CP's attention communication", STATIC_ONLY),
-    Rule("--multi-latent-attention", "multi_latent_attention", False, _set,
-         "zeppelin core attention implements standard (GQA) attention", STATIC_ONLY),
+    Rule("--multi-latent-attention", "multi_latent_attention", False,
+         lambda v, a: bool(v) and _get(a, "apply_rope_fusion", True),
+         "with RoPE fusion MLA's fused kernels rotate by buffer position 0..n-1, and the packed "
+         "linear layout needs in-document positions", "pass --no-rope-fusion"),
     Rule("--experimental-attention-variant", "experimental_attention_variant", None, _set,
-         "zeppelin core attention implements standard (GQA) attention", STATIC_ONLY),
-    Rule("--window-size", "window_size", None, _set,
-         "zeppelin attention is full causal attention", STATIC_ONLY),
+         "zeppelin core attention implements standard (GQA) and multi-latent attention",
+         STATIC_ONLY),
+    Rule("--window-size", "window_size", None, lambda v, a: _set(v, a) and not _causal_window(v),
+         "zeppelin attention is causal: a window sees the L tokens before each token and none "
+         "after it", "use --window-size L,0 (L >= 0)"),
     Rule("--softmax-type", "softmax_type", "vanilla", lambda v, a: v != "vanilla",
          "zeppelin attention uses the vanilla softmax", STATIC_ONLY),
     Rule("--mtp-num-layers", "mtp_num_layers", None, _set,

@@ -14,6 +14,14 @@ attention_mask, attn_mask_type=, attention_bias=, packed_seq_params=)``. With ou
 head_dim]`` after RoPE, and the result must be ``[tokens, 1, heads * head_dim]`` (per TP rank).
 ``PackedCoreAttention`` is the local, exact version of that contract; the zeppelin attention
 (remap + rings) implements the same one.
+
+Multi-latent attention (``attention_options(multi_latent_attention=True, ...)`` ->
+``MLATransformerConfig``; ``gpt_layer_spec(..., multi_latent_attention=True)``: megatron-core's
+MLA local spec with ``PackedMLASelfAttention``) hands core attention q/k ``[tokens, heads,
+qk_head_dim + qk_pos_emb_head_dim]`` and v ``[tokens, heads, v_head_dim]`` (3-D: MLA squeezes
+the batch dim when packed params are given) and expects ``[tokens, 1, heads * v_head_dim]``.
+Sliding windows: ``window_size=(L, 0)`` with Megatron's per-layer pattern
+``window_attn_skip_freq`` (``layer_window``).
 """
 from __future__ import annotations
 
@@ -31,10 +39,12 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_zeppelin.config import ModelSpec
-from megatron_zeppelin.megatron.packing import PackedGPTModel, ZeppelinPackedSeqParams
+from megatron_zeppelin.megatron.packing import (PackedGPTModel, PackedMLASelfAttention,
+                                                ZeppelinPackedSeqParams)
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 
@@ -45,19 +55,25 @@ def make_transformer_config(spec: ModelSpec, *, normalization: str = "RMSNorm",
                             use_cpu_initialization: bool = False,
                             hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
                             init_method_std: float = 0.02,
-                            tensor_model_parallel_size: int = 1) -> TransformerConfig:
+                            tensor_model_parallel_size: int = 1,
+                            attention: Optional[dict] = None) -> TransformerConfig:
     """``TransformerConfig`` for ``spec``: no biases, no fused kernels, Megatron CP 1.
 
     ``calculate_per_token_loss=True`` makes megatron's schedules divide gradients by the number of
-    tokens of the whole global batch (see ``docs/megatron-cpu-notes.md``).
+    tokens of the whole global batch (see ``docs/megatron-cpu-notes.md``). ``attention``: extra
+    config fields (``window_size``, ``window_attn_skip_freq``, and with
+    ``multi_latent_attention`` the MLA fields, giving an ``MLATransformerConfig``).
     """
+    attention = dict(attention or {})
+    config_class = MLATransformerConfig if attention.get("multi_latent_attention") else \
+        TransformerConfig
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization={normalization!r} is invalid: expected one of "
                          f"{list(NORMALIZATIONS)}")
     if spec.num_experts is not None:
         raise ValueError(f"model.num_experts={spec.num_experts} is not supported by the GPT "
                          "builder yet: expected None (dense model)")
-    return TransformerConfig(
+    return config_class(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads, num_query_groups=spec.kv_heads,
         kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn,
@@ -71,16 +87,35 @@ def make_transformer_config(spec: ModelSpec, *, normalization: str = "RMSNorm",
         tensor_model_parallel_size=tensor_model_parallel_size, context_parallel_size=1,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False)
+        cross_entropy_loss_fusion=False, **attention)
+
+
+def layer_window(config: TransformerConfig, layer_number: int) -> Optional[int]:
+    """The sliding window ``L`` of layer ``layer_number`` (1-based; Megatron's
+    ``window_size=(L, 0)`` and ``window_attn_skip_freq`` pattern), None for full causal
+    attention. ValueError for windows zeppelin attention does not run (``right != 0``)."""
+    if not is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
+                                     layer_number):
+        return None
+    left, right = config.window_size
+    if right != 0 or left < -1:
+        raise ValueError(f"window_size={config.window_size} is invalid for causal attention: "
+                         "expected (L, 0) with L >= 0 (or -1: no window)")
+    return None if left == -1 else left
 
 
 def gpt_layer_spec(core_attention: type, *, normalization: str = "RMSNorm",
-                   qk_layernorm: bool = False) -> ModuleSpec:
-    """megatron-core's local GPT layer spec with ``core_attention`` as the core attention class."""
+                   qk_layernorm: bool = False, multi_latent_attention: bool = False
+                   ) -> ModuleSpec:
+    """megatron-core's local GPT layer spec with ``core_attention`` as the core attention class
+    (multi-latent: MLA's spec with ``PackedMLASelfAttention``)."""
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization={normalization!r} is invalid: expected one of "
                          f"{list(NORMALIZATIONS)}")
-    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm,
+                                    multi_latent_attention=multi_latent_attention)
+    if multi_latent_attention:
+        spec.submodules.self_attention.module = PackedMLASelfAttention
     spec.submodules.self_attention.submodules.core_attention = core_attention
     return spec
 
@@ -92,7 +127,8 @@ def build_gpt_model(spec: ModelSpec, config: TransformerConfig, *, max_sequence_
                     rotary_base: int = 10000) -> PackedGPTModel:
     """A ``PackedGPTModel`` with RoPE; ``layer_spec`` defaults to ``PackedCoreAttention``."""
     if layer_spec is None:
-        layer_spec = gpt_layer_spec(PackedCoreAttention, normalization=config.normalization)
+        layer_spec = gpt_layer_spec(PackedCoreAttention, normalization=config.normalization,
+                                    multi_latent_attention=config.multi_latent_attention)
     return PackedGPTModel(
         config=config, transformer_layer_spec=layer_spec, vocab_size=spec.vocab_size,
         max_sequence_length=max_sequence_length, position_embedding_type="rope",
@@ -104,9 +140,12 @@ def build_gpt_model(spec: ModelSpec, config: TransformerConfig, *, max_sequence_
 class PackedCoreAttention(MegatronModule):
     """Exact causal attention of every packed piece on its own, with GQA (local reference).
 
-    Same constructor and forward signature as megatron-core's ``DotProductAttention``.
+    Same constructor and forward signature as megatron-core's ``DotProductAttention`` (and
+    MLA's ``k_channels``/``v_channels``).
     query: ``[s, b, heads, head_dim]``; key/value: ``[s, b, kv_heads, head_dim]`` (this TP rank's
-    heads; query head ``j`` uses kv head ``j // (heads // kv_heads)``, Megatron's grouping).
+    heads; query head ``j`` uses kv head ``j // (heads // kv_heads)``, Megatron's grouping);
+    value's head dim may differ (MLA), and packed MLA inputs come 3-D ``[s, heads, dim]``.
+    The layer's sliding window (``layer_window``) masks keys more than ``L`` before a query.
     With ``ZeppelinPackedSeqParams`` (b must be 1) each piece ``cu_seqlens[i]:cu_seqlens[i+1]``
     attends causally to itself only, which is exact per-document attention when every piece is a
     whole document; without packed params each batch column is one causal sequence.
@@ -117,20 +156,21 @@ class PackedCoreAttention(MegatronModule):
                  attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  cp_comm_type: Optional[str] = None,
-                 pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+                 pg_collection: Optional[ProcessGroupCollection] = None,
+                 k_channels: Optional[int] = None, v_channels: Optional[int] = None) -> None:
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError(f"context_parallel_size={config.context_parallel_size}: "
                              "PackedCoreAttention runs with Megatron CP 1")
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"attn_mask_type={attn_mask_type}: PackedCoreAttention is causal only")
-        if config.window_size is not None or config.softmax_type != "vanilla":
-            raise ValueError(f"window_size={config.window_size}, softmax_type="
-                             f"{config.softmax_type!r}: only full causal vanilla softmax is "
-                             "supported")
+        if config.softmax_type != "vanilla":
+            raise ValueError(f"softmax_type={config.softmax_type!r}: only the vanilla softmax "
+                             "is supported")
         self.layer_number = max(1, layer_number)
+        self.window = layer_window(config, self.layer_number)
         self.attention_type = attention_type
-        head_dim = config.kv_channels
+        head_dim = config.kv_channels if k_channels is None else k_channels
         # apply_query_key_layer_scaling divides the scale by layer_number and multiplies the
         # scores back inside the softmax: a no-op in exact arithmetic, so it is not applied.
         self.softmax_scale = (1.0 / math.sqrt(head_dim) if softmax_scale is None
@@ -148,6 +188,9 @@ class PackedCoreAttention(MegatronModule):
                              "attention_mask and attention_bias must be None")
         if attn_mask_type not in (None, AttnMaskType.causal):
             raise ValueError(f"attn_mask_type={attn_mask_type}: PackedCoreAttention is causal only")
+        if query.dim() == 3:  # packed MLA: [s, heads, dim]
+            return self.forward(query[:, None], key[:, None], value[:, None], attention_mask,
+                                attn_mask_type, attention_bias, packed_seq_params)
         _check_qkv(query, key, value)
         if packed_seq_params is None:
             columns = [self._attend(query[:, i:i + 1], key[:, i:i + 1], value[:, i:i + 1])
@@ -166,22 +209,27 @@ class PackedCoreAttention(MegatronModule):
         dropout_p = self.dropout_p if self.training else 0.0
         qt, kt, vt = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [1, heads, L, d]
         gqa = qt.shape[1] != kt.shape[1]
+        mask = None
+        if self.window is not None:  # keys i - L .. i (a boolean mask: True = attend)
+            rows = torch.arange(q.shape[0], device=q.device)
+            gap = rows[:, None] - rows[None, :]
+            mask = (gap >= 0) & (gap <= self.window)
+        causal = dict(is_causal=mask is None, attn_mask=mask, scale=self.softmax_scale,
+                      enable_gqa=gqa)
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = F.scaled_dot_product_attention(qt, kt, vt, dropout_p=dropout_p,
-                                                     is_causal=True, scale=self.softmax_scale,
-                                                     enable_gqa=gqa)
+                out = F.scaled_dot_product_attention(qt, kt, vt, dropout_p=dropout_p, **causal)
         else:
-            out = F.scaled_dot_product_attention(qt, kt, vt, dropout_p=dropout_p, is_causal=True,
-                                                 scale=self.softmax_scale, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(qt, kt, vt, dropout_p=dropout_p, **causal)
         return out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
 
 
 def _check_qkv(query: Tensor, key: Tensor, value: Tensor) -> None:
-    if query.dim() != 4 or key.shape != value.shape or key.dim() != 4:
+    if query.dim() != 4 or key.shape[:3] != value.shape[:3] or key.dim() != 4 or \
+            value.dim() != 4:
         raise ValueError(f"q/k/v shapes {tuple(query.shape)}/{tuple(key.shape)}/"
-                         f"{tuple(value.shape)} are invalid: expected [s, b, heads, head_dim] and "
-                         "[s, b, kv_heads, head_dim]")
+                         f"{tuple(value.shape)} are invalid: expected [s, b, heads, head_dim], "
+                         "[s, b, kv_heads, head_dim] and [s, b, kv_heads, v_head_dim]")
     if query.shape[:2] != key.shape[:2] or query.shape[3] != key.shape[3]:
         raise ValueError(f"q shape {tuple(query.shape)} does not match k/v shape "
                          f"{tuple(key.shape)}")

@@ -26,6 +26,14 @@ How RoPE gets those positions, without forking megatron-core 0.16.1:
   ``[tokens, 1, 1, rot_dim]``, so token ``i`` is rotated by its in-document position.
   ``qkv_format='sbhd'`` keeps q/k/v as ``[tokens, 1, heads, head_dim]`` through ``SelfAttention``
   (no ``thd`` squeeze, no per-sequence ``cu_seqlens`` RoPE split, no Megatron-CP slicing).
+* Multi-latent attention builds its RoPE inside the attention module
+  (``MLASelfAttention.get_query_key_value_tensors``: ``self.rotary_pos_emb(rotary_seq_len)``,
+  then ``[0:tokens]`` and the bshd apply on ``[tokens, heads, qk_pos_emb_head_dim]``, squeezed
+  because packed params are given), and ``TransformerLayer`` passes it no position ids.
+  ``PackedGPTModel.forward`` puts the batch's position ids on the packed params
+  (``ZeppelinPackedSeqParams.positions``) and ``PackedMLASelfAttention`` gathers that table by
+  them for the call: ``[tokens, 1, rot_dim]``, the full (never CP-sliced) table's rows, so the
+  RoPE part of q and k rotates by in-document position too.
 """
 from __future__ import annotations
 
@@ -37,7 +45,9 @@ from torch import Tensor
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
+from megatron_zeppelin.megatron.compat import fix_mla_without_te
 from megatron_zeppelin.plan import Plan, Segment
 from megatron_zeppelin.runtime.device_index import to_device
 
@@ -81,12 +91,15 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
     cp_group: a one-rank group, so that RoPE is never sliced for Megatron's own CP (in
         Megatron-LM's zeppelin mode Megatron keeps its CP groups: they are the pools).
     qkv_format is always ``'sbhd'``: q/k/v stay ``[tokens, 1, heads, head_dim]``.
+    positions: ``[1, tokens]`` in-document position ids of the buffer, set by
+        ``PackedGPTModel.forward`` for attention that builds its own RoPE (multi-latent).
     """
 
     segments: tuple[Segment, ...] = ()
     plan: Optional[Plan] = None
     rank: Optional[int] = None
     pad_tokens: int = 0
+    positions: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         if self.qkv_format != QKV_FORMAT:
@@ -205,18 +218,17 @@ class PackedGPTModel(GPTModel):
     position_ids [1, tokens], attention_mask=None, ..., packed_seq_params=params)`` rotates token
     ``i`` by ``position_ids[0, i]`` (see the module docstring); learned absolute position
     embeddings read the same ``position_ids``. Any other call is plain ``GPTModel``.
-    Multi-latent attention and mRoPE build their rotary inputs elsewhere and are refused.
+    Multi-latent attention gets the same positions (``PackedMLASelfAttention``); mRoPE builds
+    its rotary inputs elsewhere and is refused.
     Megatron's own CP size may be > 1 (Megatron-LM keeps its CP groups as the zeppelin pools):
     zeppelin-packed params carry a one-rank ``cp_group`` so RoPE is not sliced for it.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.config.multi_latent_attention or self.position_embedding_type == "mrope":
+        if self.position_embedding_type == "mrope":
             raise ValueError("PackedGPTModel supports position_embedding_type 'rope'/'yarn'/"
-                             "'learned_absolute'/'none' without MLA; got "
-                             f"{self.position_embedding_type!r}, "
-                             f"multi_latent_attention={self.config.multi_latent_attention}")
+                             f"'learned_absolute'/'none'; got {self.position_embedding_type!r}")
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
                 *args: Any, packed_seq_params: PackedSeqParams = None,
@@ -229,6 +241,8 @@ class PackedGPTModel(GPTModel):
                 and self.config.num_moe_experts):
             padding_mask = torch.zeros_like(input_ids, dtype=torch.bool)
             padding_mask[:, padding_mask.shape[1] - packed_seq_params.pad_tokens:] = True
+        if isinstance(packed_seq_params, ZeppelinPackedSeqParams):
+            packed_seq_params.positions = position_ids
         return super().forward(input_ids, position_ids, attention_mask, *args,
                                packed_seq_params=packed_seq_params, padding_mask=padding_mask,
                                **kwargs)
@@ -247,3 +261,39 @@ class PackedGPTModel(GPTModel):
             raise ValueError("position_ids=None: zeppelin-packed batches need in-document "
                              "position ids [1, tokens] for RoPE")
         return (out[0], gather_rotary_pos_emb(rotary_pos_emb, position_ids)) + tuple(out[2:])
+
+
+class PackedMLASelfAttention(MLASelfAttention):
+    """Megatron's ``MLASelfAttention`` whose RoPE part rotates by in-document position on
+    zeppelin-packed batches (``ZeppelinPackedSeqParams.positions``, see the module docstring);
+    any other call is Megatron's own."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        fix_mla_without_te()
+        super().__init__(*args, **kwargs)
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
+                                    position_ids=None, packed_seq_params=None, *args, **kwargs):
+        if not isinstance(packed_seq_params, ZeppelinPackedSeqParams):
+            return super().get_query_key_value_tensors(hidden_states, key_value_states,
+                                                       position_ids, packed_seq_params, *args,
+                                                       **kwargs)
+        positions = packed_seq_params.positions
+        if positions is None:
+            raise ValueError("zeppelin-packed params without positions: multi-latent attention "
+                             "runs inside PackedGPTModel, which sets them")
+        rotary, table_of = self.rotary_pos_emb, self.rotary_pos_emb.forward
+
+        def gathered(max_seq_len: int, *unused, **also_unused):
+            out = table_of(max_seq_len, packed_seq=True)  # the whole table, never CP-sliced
+            table = out[0] if isinstance(out, tuple) else out
+            rows = gather_rotary_pos_emb(table, positions)[:, 0]  # [tokens, 1, rot_dim]
+            return (rows, *out[1:]) if isinstance(out, tuple) else rows
+
+        rotary.forward = gathered  # this call only: nn.Module.__call__ reads self.forward
+        try:
+            return super().get_query_key_value_tensors(hidden_states, key_value_states,
+                                                       position_ids, packed_seq_params, *args,
+                                                       **kwargs)
+        finally:
+            del rotary.forward

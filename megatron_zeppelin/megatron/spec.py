@@ -5,7 +5,8 @@
 and ``--spec`` models) and returns a copy in which every self-attention's core attention is
 zeppelin's: ``ZeppelinCoreAttention`` where Megatron's local ``DotProductAttention`` was, the
 ``TEDotProductAttention`` subclass where TE's was. Everything else (norms, MLP or MoE, qk norms,
-linear layers) stays what Megatron chose. ``get_gpt_layer_zeppelin_spec(state)`` is the swap
+linear layers) stays what Megatron chose; a multi-latent ``MLASelfAttention`` becomes
+``PackedMLASelfAttention`` (its RoPE part by in-document position, ``packing.py``). ``get_gpt_layer_zeppelin_spec(state)`` is the swap
 applied to Megatron's TE or local GPT layer spec. The shared ``ZeppelinAttentionState`` reaches
 every layer through ``ModuleSpec.params``.
 """
@@ -16,6 +17,7 @@ from typing import Any
 
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_zeppelin.errors import ConfigError
@@ -23,6 +25,7 @@ from megatron_zeppelin.megatron.core_attention import (ZeppelinAttentionState,
                                                        ZeppelinCoreAttention,
                                                        te_core_attention_class)
 from megatron_zeppelin.megatron.model import gpt_layer_spec
+from megatron_zeppelin.megatron.packing import PackedMLASelfAttention
 
 
 def transformer_engine_available() -> bool:
@@ -60,10 +63,12 @@ def _swap_layer(layer: Any, state: ZeppelinAttentionState, where: str) -> Any:
     if cls is None or getattr(cls, "__name__", "") == "IdentityOp":
         return layer
     if not (isinstance(attention, ModuleSpec) and isinstance(cls, type)
-            and issubclass(cls, SelfAttention)):
+            and issubclass(cls, (SelfAttention, MLASelfAttention))):
         raise ConfigError(f"{where}: self-attention {getattr(cls, '__name__', cls)!r} is not "
-                          "Megatron's SelfAttention; zeppelin mode swaps the core attention of "
-                          "SelfAttention layers only")
+                          "Megatron's SelfAttention or MLASelfAttention; zeppelin mode swaps the "
+                          "core attention of those layers only")
+    if issubclass(cls, MLASelfAttention):
+        attention.module = PackedMLASelfAttention
     attention.submodules.core_attention = _zeppelin_core_attention(
         attention.submodules.core_attention, state, where)
     return layer
@@ -84,9 +89,10 @@ def swap_core_attention(spec: Any, state: ZeppelinAttentionState,
 
 
 def get_gpt_layer_zeppelin_spec(state: ZeppelinAttentionState, *, use_te: bool | None = None,
-                                normalization: str = "RMSNorm",
-                                qk_layernorm: bool = False) -> ModuleSpec:
-    """A transformer layer spec whose core attention is zeppelin's (TE subclass when TE is used).
+                                normalization: str = "RMSNorm", qk_layernorm: bool = False,
+                                multi_latent_attention: bool = False) -> ModuleSpec:
+    """A transformer layer spec whose core attention is zeppelin's (TE subclass when TE is used;
+    ``multi_latent_attention``: Megatron's MLA spec).
 
     use_te: None picks TE when importable; True without TE raises ImportError naming the extra.
     """
@@ -97,8 +103,10 @@ def get_gpt_layer_zeppelin_spec(state: ZeppelinAttentionState, *, use_te: bool |
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec)
 
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=qk_layernorm, multi_latent_attention=multi_latent_attention)
     else:
         spec = gpt_layer_spec(DotProductAttention, normalization=normalization,
-                              qk_layernorm=qk_layernorm)
+                              qk_layernorm=qk_layernorm,
+                              multi_latent_attention=multi_latent_attention)
     return swap_core_attention(spec, state)

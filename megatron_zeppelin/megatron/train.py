@@ -92,7 +92,8 @@ def build_state(args: argparse.Namespace, pool: Pool, cost: CostModel, planner: 
         pool.group, backend=backend, inter_mode="routed" if routed else "ring",
         route_group=pool.route_group if routed else None,
         router_topology=RouterTopology.from_cluster(cluster) if routed else None,
-        device=args.device)
+        device=args.device, windows=train_args.AttentionArgs.from_namespace(args).windows(
+            args.num_layers))
 
 
 @dataclasses.dataclass
@@ -129,13 +130,16 @@ def build_training(args: argparse.Namespace, state: ZeppelinAttentionState, spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    attention = train_args.AttentionArgs.from_namespace(args)
     config = make_transformer_config(spec, normalization=args.normalization,
                                      calculate_per_token_loss=True,
                                      use_cpu_initialization=args.device == "cpu",
                                      tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                     params_dtype=torch.bfloat16 if args.bf16 else torch.float32)
-    layer_spec = get_gpt_layer_zeppelin_spec(state, normalization=args.normalization,
-                                             use_te=None if args.device == "cuda" else False)
+                                     params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                                     attention=attention.config_fields(args.num_layers))
+    layer_spec = get_gpt_layer_zeppelin_spec(
+        state, normalization=args.normalization, use_te=None if args.device == "cuda" else False,
+        multi_latent_attention=attention.multi_latent_attention)
     module = build_gpt_model(spec, config, max_sequence_length=args.seq_length,
                              layer_spec=layer_spec,
                              pg_collection=ProcessGroupCollection.use_mpu_process_groups())

@@ -1,10 +1,15 @@
 """The attention engine of one rank: every ring group of a plan, three queues, overlapped.
 
 ``AttentionEngine(plan, rank, group).forward(q, k, v)`` computes causal self-attention of the
-rank's attention buffer (``Plan.attention[rank]`` order; q ``[tokens, heads, head_dim]``, k/v
-``[tokens, kv_heads, head_dim]``), with autograd, exactly as if every sequence ran alone.
+rank's attention buffer (``Plan.attention[rank]`` order; q ``[tokens, heads, head_dim]``, k
+``[tokens, kv_heads, head_dim]``, v ``[tokens, kv_heads, v_head_dim]``: multi-latent attention
+has ``v_head_dim != head_dim``), with autograd, exactly as if every sequence ran alone;
+``forward(..., window=L)`` limits each query to itself and the ``L`` keys before it in its
+document (Megatron's ``window_size=(L, 0)``; per call, so interleaved local/global layers
+share one engine: each window's ring blocks are built once per plan, ``prepare``).
 What follows is ring attention (``Plan.attention_kind`` ``ring``); a ``ulysses`` plan (FlexSP)
-is handed to ``runtime/ulysses.py`` (all-to-all head parallelism, its own autograd) instead.
+is handed to ``runtime/ulysses.py`` (all-to-all head parallelism, its own autograd) instead
+(full causal attention with one head dim: a window or a different value head dim is refused).
 
 Queues and overlap. The rank's groups of a wave run in global order (``Plan.rank_groups``):
 INTER rings, then INTRA rings, then LOCAL sequences. A wave runs in rounds ``r = 0, 1, ...``
@@ -133,8 +138,8 @@ class _Wave:
 
 
 class _Tensors(NamedTuple):
-    """A phase's inputs: q/out/dout ``[tokens, h, d]``, k/v ``[tokens, g, d]``, lse ``[h,
-    tokens]`` (out, lse and dout: backward only)."""
+    """A phase's inputs: q ``[tokens, h, d]``, out/dout ``[tokens, h, dv]``, k ``[tokens, g,
+    d]``, v ``[tokens, g, dv]``, lse ``[h, tokens]`` (out, lse and dout: backward only)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -156,6 +161,7 @@ class _Pass:
     scale: float
     kernel: KernelBackend
     lanes: Lanes
+    window: tuple[int, int] | None = None  # LOCAL calls' band (base.band), None: causal
     runs: list[RingGroupRun] = dataclasses.field(default_factory=list)
 
 
@@ -194,6 +200,13 @@ def _whole_buffer_call(waves: list[_Wave], tokens: int, inter) -> LocalCall | No
         return None
     call = waves[0].local[0]
     return call if isinstance(call.rows, slice) and call.rows == slice(0, tokens) else None
+
+
+def _windowed(ring: _Ring, window: int | None, device: torch.device) -> _Ring:
+    """``ring`` with its layout for sliding window ``window`` and its blocks on ``device``."""
+    layout = ring.layout if window is None else ZigzagLayout(
+        ring.layout.lengths, ring.layout.ring_size, ring.layout.position, window)
+    return dataclasses.replace(ring, layout=layout, blocks=device_blocks(layout, device))
 
 
 def _canonical(device: torch.device | str) -> torch.device:
@@ -237,9 +250,11 @@ class AttentionEngine:
     sequences shorter than this are batched into calls of at least the work of one sequence of
     this length (``schedule.local_calls``); transport: a ``transport.Transport`` or its name
     (None: ``ZEPPELIN_TRANSPORT``); device: prepare the plan's indices there now (else at the
-    first call, on the inputs' device). A ``ulysses`` plan runs on ``group`` through
-    ``ulysses.UlyssesAttention`` (backend, timeout_s, scale, transport and device apply);
-    ``inter_mode``/``route_group`` route ring traffic and have none to route there.
+    first call, on the inputs' device); windows: the sliding windows (None: full causal) whose
+    ring blocks ``prepare`` builds ahead (another window's are built at its first call). A
+    ``ulysses`` plan runs on ``group`` through ``ulysses.UlyssesAttention`` (backend,
+    timeout_s, scale, transport and device apply); ``inter_mode``/``route_group`` route ring
+    traffic and have none to route there.
     """
 
     def __init__(self, plan: Plan, rank: int, group: dist.ProcessGroup, *,
@@ -249,7 +264,8 @@ class AttentionEngine:
                  router_topology: RouterTopology | None = None,
                  local_call_tokens: int = LOCAL_CALL_TOKENS,
                  transport: Transport | str | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 windows: tuple[int | None, ...] = (None,)) -> None:
         refuse_unknown_kind(plan)
         plan.topology.check_world_size(dist.get_world_size(group))
         if dist.get_rank(group) != rank:
@@ -284,7 +300,9 @@ class AttentionEngine:
             router_topology=router_topology, timeout_s=self.timeout_s,
             transport=self.transport)
         self.waves = [] if self.ulysses else self._build_waves()
-        self._prepared: dict[torch.device, tuple[list[_Wave], Lanes]] = {}
+        self.windows = tuple(windows)
+        # per device: the waves of each sliding window (None: full causal) and the lanes
+        self._prepared: dict[torch.device, tuple[dict[int | None, list[_Wave]], Lanes]] = {}
         self._kernels: dict[tuple[torch.device, torch.dtype], KernelBackend] = {}
         self.probe: Probe | None = None  # per-micro-batch measurements (runtime/probe.py)
         if device is not None:
@@ -344,12 +362,18 @@ class AttentionEngine:
     # ------------------------------------------------------------------ preparation
     def prepare(self, device: torch.device | str) -> None:
         """Move every index tensor of the plan to ``device`` (one copy per dtype) and take
-        the device's lanes (``lanes_for``: streams made once per process, not per engine); call
-        it ahead of the step (e.g. when the plan arrives). Idempotent."""
+        the device's lanes (``lanes_for``: streams made once per process, not per engine), for
+        each of ``windows``; call it ahead of the step (e.g. when the plan arrives).
+        Idempotent."""
         device = _canonical(device)
         if self.ulysses is not None:
             self.ulysses.prepare(device)
-        if device in self._prepared:
+        for window in self.windows:
+            self._prepare(device, window)
+
+    def _prepare(self, device: torch.device, window: int | None) -> None:
+        """``prepare`` for one sliding window (None: full causal)."""
+        if window in self._prepared.get(device, ({},))[0]:
             return
         calls = [c for wave in self.waves for c in wave.local]
         moved = iter(to_device([t for c in calls for t in (
@@ -360,10 +384,9 @@ class AttentionEngine:
             placed[id(call)] = call._replace(rows=call.rows if rows is None else rows,
                                              pieces=call.pieces._replace(cu_q_dev=cu,
                                                                          cu_k_dev=cu))
-        waves = [_Wave([dataclasses.replace(ring, blocks=device_blocks(ring.layout, device))
-                        for ring in wave.rings], [placed[id(c)] for c in wave.local])
-                 for wave in self.waves]
-        self._prepared[device] = (waves, lanes_for(device))
+        waves = [_Wave([_windowed(ring, window, device) for ring in wave.rings],
+                       [placed[id(c)] for c in wave.local]) for wave in self.waves]
+        self._prepared.setdefault(device, ({}, lanes_for(device)))[0][window] = waves
 
     def _kernel(self, q: torch.Tensor) -> KernelBackend:
         """The kernel backend for ``q``'s device and dtype, resolved once."""
@@ -374,17 +397,27 @@ class AttentionEngine:
 
     # ------------------------------------------------------------------ public API
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                scale: float | None = None) -> torch.Tensor:
-        """Attention output ``[tokens, heads, head_dim]`` of the rank's buffer, with autograd;
-        scale: this call's softmax scale (None: the engine's)."""
-        if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[0] != self.tokens \
+                scale: float | None = None, window: int | None = None) -> torch.Tensor:
+        """Attention output ``[tokens, heads, v_head_dim]`` of the rank's buffer, with
+        autograd; scale: this call's softmax scale (None: the engine's); window: sliding
+        window ``L >= 0`` (None: full causal)."""
+        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or v.shape[:2] != k.shape[:2] \
+                or q.shape[2] != k.shape[2] or q.shape[0] != self.tokens \
                 or k.shape[0] != self.tokens:
             raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
-                             f"expected [{self.tokens}, heads, head_dim] and [{self.tokens}, "
-                             "kv_heads, head_dim] (the rank's attention tokens)")
+                             f"expected [{self.tokens}, heads, head_dim], [{self.tokens}, "
+                             f"kv_heads, head_dim] and [{self.tokens}, kv_heads, v_head_dim] "
+                             "(the rank's attention tokens)")
+        if window is not None and not (isinstance(window, int) and window >= 0):
+            raise ValueError(f"window={window!r} is invalid: expected an integer >= 0 or None")
         if self.ulysses is not None:
+            if window is not None or v.shape[2] != q.shape[2]:
+                raise ValueError(f"a {self.plan.strategy} plan (Ulysses attention) runs full "
+                                 f"causal attention with one head dim: window={window!r}, "
+                                 f"v head dim {v.shape[2]} vs q/k {q.shape[2]} are not "
+                                 "supported there; use a ring strategy")
             return self.ulysses.forward(q, k, v, scale)
-        return _EngineFunction.apply(q, k, v, self, scale)
+        return _EngineFunction.apply(q, k, v, self, scale, window)
 
     __call__ = forward
 
@@ -396,10 +429,11 @@ class AttentionEngine:
     # ------------------------------------------------------------------ one phase
     def run(self, phase: Phase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-            dout: torch.Tensor | None = None, scale: float | None = None
-            ) -> tuple[torch.Tensor, ...]:
+            dout: torch.Tensor | None = None, scale: float | None = None,
+            window: int | None = None) -> tuple[torch.Tensor, ...]:
         """One phase on the rank's buffers (layouts as ``forward``; lse ``[heads, tokens]``;
-        scale: None for the engine's, itself None for ``head_dim ** -0.5``).
+        scale: None for the engine's, itself None for ``head_dim ** -0.5``; window: as
+        ``forward``).
 
         ``Phase.FORWARD``: returns ``(out, lse)``. ``Phase.BACKWARD`` (given the forward's
         ``out``/``lse`` and ``dout``): returns ``(dq, dk, dv)``. ``forward`` wraps both in
@@ -410,18 +444,23 @@ class AttentionEngine:
             raise ValueError(f"run() steps ring attention; this plan of strategy "
                              f"{self.plan.strategy!r} is Ulysses attention: call forward()")
         warm_up(self._groups, q.device)
-        self.prepare(q.device)
-        waves, lanes = self._prepared[_canonical(q.device)]
+        device = _canonical(q.device)
+        self.prepare(device)
+        self._prepare(device, window)
+        by_window, lanes = self._prepared[device]
+        waves = by_window[window]
         scale = next((s for s in (scale, self.scale) if s is not None), q.shape[-1] ** -0.5)
+        band = None if window is None else (window, 0)
         whole = _whole_buffer_call(waves, self.tokens, self.inter)
         if whole is not None:  # one fused call over the whole buffer: its outputs, no copies
             if phase is Phase.FORWARD:
-                return self._kernel(q).forward(q, k, v, whole.pieces, True, scale)
-            return self._kernel(q).backward(dout, q, k, v, out, lse, whole.pieces, True, scale)
+                return self._kernel(q).forward(q, k, v, whole.pieces, True, scale, band)
+            return self._kernel(q).backward(dout, q, k, v, out, lse, whole.pieces, True, scale,
+                                            band)
         if phase is Phase.FORWARD:
-            result = (torch.empty_like(q), torch.empty((q.shape[1], self.tokens),
-                                                       dtype=accum_dtype(q.dtype),
-                                                       device=q.device))
+            result = (q.new_empty((*q.shape[:2], v.shape[2])),
+                      torch.empty((q.shape[1], self.tokens), dtype=accum_dtype(q.dtype),
+                                  device=q.device))
         else:
             result = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         tensors, kernel = _Tensors(q, k, v, out, lse, dout), self._kernel(q)
@@ -430,7 +469,8 @@ class AttentionEngine:
             started = self.probe.start()
         lanes.begin()
         for index, wave in enumerate(waves):
-            self._run_wave(_Pass(phase, index, wave, tensors, result, scale, kernel, lanes))
+            self._run_wave(_Pass(phase, index, wave, tensors, result, scale, kernel, lanes,
+                                 band))
         lanes.join()
         if self.probe is not None:
             self.probe.stop(started, ("engine",))
@@ -502,13 +542,14 @@ class AttentionEngine:
     def _local_call(self, p: _Pass, call: LocalCall, t: _Tensors, rows) -> None:
         if p.phase is Phase.FORWARD:
             part_out, part_lse = p.kernel.forward(take(t.q, rows), take(t.k, rows),
-                                                  take(t.v, rows), call.pieces, True, p.scale)
+                                                  take(t.v, rows), call.pieces, True, p.scale,
+                                                  p.window)
             _put(p.result[0], rows, part_out)
             _put(p.result[1], rows, part_lse, dim=1)
         else:
             grads = p.kernel.backward(take(t.dout, rows), take(t.q, rows), take(t.k, rows),
                                       take(t.v, rows), take(t.out, rows), take(t.lse, rows, 1),
-                                      call.pieces, True, p.scale)
+                                      call.pieces, True, p.scale, p.window)
             for target, grad in zip(p.result, grads):
                 _put(target, rows, grad)
 
@@ -516,7 +557,7 @@ class AttentionEngine:
         """Post round ``r``: the ring P2P of every ring, in global group order, as one batch
         (``RingBatch``: one ``batch_isend_irecv``), then the global inter step."""
         pending, routed_sends = [], {}
-        k = p.tensors.k
+        k, v = p.tensors.k, p.tensors.v
         batch = RingBatch(self.transport, self.group, self.timeout_s)
         for ring, run in zip(p.wave.rings, p.runs):
             sends, like = run.sends(p.phase, r), run.recv_like(p.phase, r)
@@ -531,7 +572,8 @@ class AttentionEngine:
         batch.post(f"wave {p.index} {p.phase.value} step {r} (ring P2P of rank {self.rank})")
         future = None
         if r < global_steps:  # every rank of the pool takes part
-            meta = ((k.shape[1], k.shape[2]), k.dtype)
+            meta = ((k.shape[1], k.shape[2] + v.shape[2]), k.dtype,  # k and v side by side
+                    None if p.window is None else p.window[0])
             future = self.inter.post(p.index, r, p.phase, routed_sends, meta, k.device)
         return _Posted(pending, future)
 
@@ -543,8 +585,10 @@ class AttentionEngine:
             received = request.wait() if request is not None else []
             if self.probe is not None and not self.probe.cuda and request is not None:
                 self._probe_link(ring, run.sends(p.phase, r), posted.at, waited)
-            if like and ring.routed_recv:
-                received = routed[ring.group.key]
+            if like and ring.routed_recv:  # no flow when a window leaves nothing to relay
+                received = routed.get(ring.group.key) or [
+                    torch.empty(shape, dtype=dtype, device=p.tensors.k.device)
+                    for shape, dtype in like]
             if r < run.steps(p.phase):
                 run.receive(p.phase, r, received)
 
@@ -580,16 +624,17 @@ class _EngineFunction(torch.autograd.Function):
     """Autograd of ``AttentionEngine.forward``: both phases run the engine's rounds."""
 
     @staticmethod
-    def forward(ctx, q, k, v, engine, scale):
-        out, lse = engine.run(Phase.FORWARD, q.detach(), k.detach(), v.detach(), scale=scale)
+    def forward(ctx, q, k, v, engine, scale, window):
+        out, lse = engine.run(Phase.FORWARD, q.detach(), k.detach(), v.detach(), scale=scale,
+                              window=window)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.engine, ctx.scale = engine, scale
+        ctx.engine, ctx.scale, ctx.window = engine, scale, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.engine.run(Phase.BACKWARD, q, k, v, out, lse, dout.contiguous(),
-                                    scale=ctx.scale)
-        # one entry per forward input: q, k, v, engine, scale
-        return dq, dk, dv, None, None
+                                    scale=ctx.scale, window=ctx.window)
+        # one entry per forward input: q, k, v, engine, scale, window
+        return dq, dk, dv, None, None, None

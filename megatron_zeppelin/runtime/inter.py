@@ -122,8 +122,7 @@ class InterQueue:
         self.routing, self.topology, self.timeout_s = routing, router_topology, timeout_s
         self.transport = transport
         self.groups = [g for g in plan.ring_groups if g.tier == Tier.INTER]
-        self._layouts = {g.key: [ZigzagLayout([plan.seqlens[s] for s in g.seqs], len(g.ring), p)
-                                 for p in range(len(g.ring))] for g in self.groups}
+        self._layouts: dict[tuple, list[ZigzagLayout]] = {}  # (group key, window) -> per position
         self._steps: dict[tuple, _Step] = {}
         self._pool: ThreadPoolExecutor | None = None
 
@@ -144,7 +143,8 @@ class InterQueue:
         ``complete`` has been called with it.
 
         sends: group key -> the tensors this rank sends at this step, for its groups whose
-        outgoing hop crosses nodes; meta: ``((kv_heads, head_dim), KV dtype)``.
+        outgoing hop crosses nodes; meta: ``((kv_heads, head_dim + v_head_dim), KV dtype,
+        sliding window or None)`` (a window trims the relayed KV rows: ``recv_like``).
         """
         phase = Phase(phase)
         plan = self._step(wave, step, phase, meta)
@@ -200,9 +200,19 @@ class InterQueue:
         out = {}
         for f, buffer in got.items():
             key, position = plan.index[f]
-            layout = self._layouts[key][(position + 1) % len(self._layouts[key])]
-            out[key] = unpack(buffer, recv_like(layout, step, phase, *meta), device)
+            layouts = self._group_layouts(key, meta[2])
+            layout = layouts[(position + 1) % len(layouts)]
+            out[key] = unpack(buffer, recv_like(layout, step, phase, *meta[:2]), device)
         return out
+
+    def _group_layouts(self, key: tuple, window: int | None) -> list[ZigzagLayout]:
+        """Every ring position's layout of INTER group ``key`` under ``window`` (cached)."""
+        if (key, window) not in self._layouts:
+            group = next(g for g in self.groups if g.key == key)
+            lengths = [self.plan.seqlens[s] for s in group.seqs]
+            self._layouts[(key, window)] = [ZigzagLayout(lengths, len(group.ring), p, window)
+                                            for p in range(len(group.ring))]
+        return self._layouts[(key, window)]
 
     @staticmethod
     def _stream(device: torch.device) -> torch.cuda.Stream:
@@ -230,9 +240,10 @@ class InterQueue:
             for group in self.groups:
                 if group.wave != wave:
                     continue
-                layouts = self._layouts[group.key]
+                layouts = self._group_layouts(group.key, meta[2])
                 for p in range(len(group.ring)):
-                    size = nbytes(recv_like(layouts[(p + 1) % len(layouts)], step, phase, *meta))
+                    size = nbytes(recv_like(layouts[(p + 1) % len(layouts)], step, phase,
+                                            *meta[:2]))
                     if size and self.crosses(group, p):
                         index[len(flows)] = (group.key, p)
                         flows.append(Flow(group.ring[p], group.ring[(p + 1) % len(group.ring)],

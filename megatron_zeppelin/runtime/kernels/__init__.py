@@ -26,15 +26,15 @@ from typing import Sequence
 
 import torch
 
-from megatron_zeppelin.runtime.kernels.base import (AUTO, KernelBackend, Pieces, accum_dtype,
-                                                    check_block, choices, configured, get,
+from megatron_zeppelin.runtime.kernels.base import (AUTO, KernelBackend, Pieces, Window,
+                                                    accum_dtype, check_block, choices, configured, get,
                                                     make_pieces, names, register, select)
 
 BACKEND_MODULES = ("native", "torch_math", "flash_attn", "te")
 for _module in BACKEND_MODULES:
     importlib.import_module(f"{__name__}.{_module}")
 
-__all__ = ["AUTO", "KernelBackend", "Pieces", "accum_dtype", "backend_for", "block_backward",
+__all__ = ["AUTO", "KernelBackend", "Pieces", "Window", "accum_dtype", "backend_for", "block_backward",
            "block_forward",
            "check_block", "choices", "configured", "get", "make_pieces", "names", "register",
            "resolve_backend", "select"]
@@ -47,36 +47,38 @@ def _pieces(q: torch.Tensor, cu_q: Sequence[int] | Pieces, cu_k: Sequence[int] |
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   cu_q: Sequence[int] | Pieces, cu_k: Sequence[int] | None, causal: bool,
-                  scale: float, backend: str | KernelBackend | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one varlen block: ``(out [tq, h, d] q.dtype, lse [h, tq])``.
+                  scale: float, backend: str | KernelBackend | None = None,
+                  window: Window | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one varlen block: ``(out [tq, h, dv] q.dtype, lse [h, tq])``.
 
     ``cu_q``/``cu_k``: host offsets (or ``cu_q`` a ``Pieces`` and ``cu_k`` None); ``scale``
     multiplies the scores (usually ``head_dim ** -0.5``); ``backend``: a name, ``auto``, a
-    backend object, or None for the environment's choice.
+    backend object, or None for the environment's choice; ``window``: ``(left, right)`` band
+    (``base.band``).
     """
     pieces = _pieces(q, cu_q, cu_k)
     check_block(q, k, v, pieces)
-    return select(backend, q).forward(q, k, v, pieces, causal, scale)
+    return select(backend, q).forward(q, k, v, pieces, causal, scale, window)
 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, cu_q: Sequence[int] | Pieces,
                    cu_k: Sequence[int] | None, causal: bool, scale: float,
-                   backend: str | KernelBackend | None = None
+                   backend: str | KernelBackend | None = None, window: Window | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one block ``(dq [tq, h, d], dk [tk, g, d], dv [tk, g, d])``, input dtype.
+    """Gradients of one block ``(dq [tq, h, d], dk [tk, g, d], dv [tk, g, dv])``, input dtype.
 
     ``out [tq, h, d]`` and ``lse [h, tq]`` are the rows' FINAL output and logsumexp (merged over
     every block the rows attend), ``dout`` the gradient of that final output.
     """
     pieces = _pieces(q, cu_q, cu_k)
     check_block(q, k, v, pieces)
-    if dout.shape != q.shape or out.shape != q.shape or lse.shape != (q.shape[1], q.shape[0]):
-        raise ValueError(f"dout {tuple(dout.shape)}, out {tuple(out.shape)} must have q's shape "
-                         f"{tuple(q.shape)} and lse {tuple(lse.shape)} must be "
+    shape = (*q.shape[:2], v.shape[2])
+    if dout.shape != shape or out.shape != shape or lse.shape != (q.shape[1], q.shape[0]):
+        raise ValueError(f"dout {tuple(dout.shape)}, out {tuple(out.shape)} must be {shape} "
+                         f"([tq, heads, v_head_dim]) and lse {tuple(lse.shape)} must be "
                          f"{(q.shape[1], q.shape[0])} ([heads, tq])")
-    return select(backend, q).backward(dout, q, k, v, out, lse, pieces, causal, scale)
+    return select(backend, q).backward(dout, q, k, v, out, lse, pieces, causal, scale, window)
 
 
 def backend_for(choice: str | None, device: torch.device | str, dtype: torch.dtype,

@@ -11,10 +11,20 @@ ring step ``tq == tk`` and this is the plain lower triangle; ``causal=False`` is
 A row that sees no key (``tq > tk``, or an empty key piece) gets output 0 and lse ``-inf``
 (backends whose kernel says ``+inf``, flash-attn's convention, convert at their boundary).
 
-Layouts: ``q``/``out``/``dout``/``dq`` ``[tq, heads, head_dim]``; ``k``/``v``/``dk``/``dv``
-``[tk, kv_heads, head_dim]`` with ``kv_heads`` dividing ``heads`` (GQA/MQA: query head ``i``
-uses KV head ``i // (heads // kv_heads)``, Megatron's grouping); ``lse`` ``[heads, tq]`` natural
-log of the softmax denominator, float32 (float64 for float64 inputs).
+Sliding windows: ``window=(left, right)`` (None: the band ``causal`` says) limits query row
+``r`` of a piece to keys ``c`` with ``r + tk - tq - left <= c <= r + tk - tq + right``, the
+bottom-right aligned band of flash-attn, torch's varlen flash kernel and Transformer Engine
+(``-1``: unbounded on that side). ``causal`` is the band ``(-1, 0)``; Megatron's
+``window_size=(L, 0)`` on a diagonal block is ``(L, 0)``. ``band(causal, window)`` resolves it.
+
+Layouts: ``q``/``dq`` ``[tq, heads, head_dim]``; ``k``/``dk`` ``[tk, kv_heads, head_dim]``;
+``v``/``dv`` ``[tk, kv_heads, v_head_dim]`` and ``out``/``dout`` ``[tq, heads, v_head_dim]``
+(``v_head_dim`` may differ from ``head_dim``: multi-latent attention), with ``kv_heads``
+dividing ``heads`` (GQA/MQA: query head ``i`` uses KV head ``i // (heads // kv_heads)``,
+Megatron's grouping); ``lse`` ``[heads, tq]`` natural log of the softmax denominator, float32
+(float64 for float64 inputs). Kernels that need one head dim for q, k and v (flash kernels)
+zero-pad the smaller one (``pad_head_dims``): zero value columns give zero output columns, zero
+query/key columns leave the scores unchanged.
 
 ``backward`` takes the FINAL (merged over all blocks) ``out`` and ``lse`` of the rows, so its
 gradients are this block's exact contribution to the full attention's gradients: the softmax
@@ -101,11 +111,32 @@ def make_pieces(cu_q: Sequence[int], cu_k: Sequence[int],
                   torch.tensor(ck, dtype=torch.int32, device=device))
 
 
+Window = tuple[int, int]
+
+
+def band(causal: bool, window: Window | None) -> Window:
+    """The ``(left, right)`` band of a call (``-1``: unbounded; see the module docstring)."""
+    if window is not None:
+        return window
+    return (-1, 0) if causal else (-1, -1)
+
+
+def pad_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: torch.Tensor,
+                  multiple: int = 1) -> list[torch.Tensor]:
+    """q, k, v (then ``rest``: out/dout ``[t, h, v_head_dim]``) zero-padded to one head dim,
+    the larger of the two rounded up to ``multiple``, contiguous (unchanged when equal)."""
+    dim = max(q.shape[-1], v.shape[-1])
+    dim += -dim % multiple
+    return [(x if x.shape[-1] == dim else torch.nn.functional.pad(x, (0, dim - x.shape[-1])))
+            .contiguous() for x in (q, k, v, *rest)]
+
+
 def check_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: Pieces) -> None:
     """Validate a block's shapes against its pieces (ValueError naming the bad value)."""
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or v.shape[:2] != k.shape[:2]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected "
-                         "q [tq, heads, head_dim] and k, v [tk, kv_heads, head_dim]")
+                         "q [tq, heads, head_dim], k [tk, kv_heads, head_dim] and v [tk, "
+                         "kv_heads, v_head_dim]")
     heads, kv_heads = q.shape[1], k.shape[1]
     if kv_heads < 1 or heads % kv_heads or q.shape[2] != k.shape[2]:
         raise ValueError(f"kv_heads={kv_heads} must divide heads={heads} and head dims must match"
@@ -159,12 +190,14 @@ class KernelBackend(Protocol):
         (host facts only: never reads tensor values)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: Pieces,
-                causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out [tq, h, d] q.dtype, lse [h, tq] accumulator dtype)``."""
+                causal: bool, scale: float, window: Window | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [tq, h, v_head_dim] q.dtype, lse [h, tq] accumulator dtype)``."""
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, pieces: Pieces, causal: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 scale: float, window: Window | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` in the input dtype, given the rows' FINAL ``out`` and ``lse``."""
 
 

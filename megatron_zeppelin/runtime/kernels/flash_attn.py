@@ -4,7 +4,11 @@
 ``flash_attn.flash_attn_interface._flash_attn_varlen_forward`` / ``_flash_attn_varlen_backward``,
 which return and take ``softmax_lse`` ``[heads, total_q]``. flash-attn marks a row without keys
 with lse ``+inf``; it is mapped to ``-inf`` here and back (only for blocks whose pieces leave
-such rows). Head dims are padded to a multiple of 8 as flash-attn requires. Only ever chosen
+such rows). Head dims are padded to a multiple of 8 as flash-attn requires, and a value head
+dim different from the query/key one (multi-latent attention) to the larger of the two
+(``base.pad_head_dims``: flash-attn 2 takes one head dim). Sliding windows go to the kernel as
+flash-attn documents them: ``window_size=(left, right)`` (2.6) or ``window_size_left/right``
+(2.7+), bottom-right aligned, ``-1`` unbounded (``base.band``). Only ever chosen
 explicitly (``auto`` picks ``native``, the same FlashAttention-2 code that every CUDA torch has).
 """
 from __future__ import annotations
@@ -13,18 +17,12 @@ import inspect
 
 import torch
 
-from megatron_zeppelin.runtime.kernels.base import (OptionalCudaBackend, Pieces, lse_from_kernel,
-                                                    lse_to_kernel, register)
+from megatron_zeppelin.runtime.kernels.base import (OptionalCudaBackend, Pieces, Window, band,
+                                                    lse_from_kernel, lse_to_kernel,
+                                                    pad_head_dims, register)
 
 
-def _pad8(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    d = tensors[0].shape[-1]
-    if d % 8 == 0:
-        return [t.contiguous() for t in tensors]
-    return [torch.nn.functional.pad(t, (0, 8 - d % 8)).contiguous() for t in tensors]
-
-
-def flash_kwargs(fn, positional: int, **kwargs) -> dict:
+def flash_kwargs(fn, positional: int, window: Window = (-1, -1), **kwargs) -> dict:
     """Keyword arguments that fit this flash-attn version of ``fn``: 2.7+ takes
     window_size_left/right, 2.6 a window_size pair (softcap where the signature has it);
     parameters without a default that the caller does not set (block_table, ...) get None."""
@@ -33,9 +31,9 @@ def flash_kwargs(fn, positional: int, **kwargs) -> dict:
     except (TypeError, ValueError):
         params = {}
     if "window_size" in params:
-        kwargs["window_size"] = (-1, -1)
+        kwargs["window_size"] = tuple(window)
     else:
-        kwargs.update(window_size_left=-1, window_size_right=-1)
+        kwargs.update(window_size_left=window[0], window_size_right=window[1])
     if "softcap" in params or not params:
         kwargs["softcap"] = 0.0
     for name, param in list(params.items())[positional:]:
@@ -64,27 +62,29 @@ class FlashAttn(OptionalCudaBackend):
     description = "flash-attn 2.6+ varlen kernels (CUDA, fp16/bf16; pip extra flash-attn)"
     module, package, extra = "flash_attn.flash_attn_interface", "flash_attn", "flash-attn"
 
-    def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float):
-        d = q.shape[-1]
-        qp, kp, vp = _pad8(q, k, v)
+    def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float,
+                window: Window | None = None):
+        qp, kp, vp = pad_head_dims(q, k, v, multiple=8)
         fn = self.load()._flash_attn_varlen_forward
         out, lse = out_and_lse(fn(qp, kp, vp, pieces.cu_q_dev, pieces.cu_k_dev, pieces.max_q,
                                   pieces.max_k,
-                                  **flash_kwargs(fn, 7, dropout_p=0.0, softmax_scale=scale,
-                                                 causal=causal, alibi_slopes=None,
-                                                 return_softmax=False)))
-        return out[..., :d].contiguous(), lse_from_kernel(lse, pieces, causal)
+                                  **flash_kwargs(fn, 7, band(causal, window), dropout_p=0.0,
+                                                 softmax_scale=scale, causal=causal,
+                                                 alibi_slopes=None, return_softmax=False)))
+        keyless = causal or window is not None
+        return out[..., :v.shape[-1]].contiguous(), lse_from_kernel(lse, pieces, keyless)
 
-    def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float):
-        d = q.shape[-1]
-        dop, qp, kp, vp, op = _pad8(dout, q, k, v, out)
+    def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float,
+                 window: Window | None = None):
+        qp, kp, vp, dop, op = pad_head_dims(q, k, v, dout, out, multiple=8)
         dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
         fn = self.load()._flash_attn_varlen_backward
-        fn(dop, qp, kp, vp, op, lse_to_kernel(lse, pieces, causal), dq, dk, dv,
-           pieces.cu_q_dev, pieces.cu_k_dev, pieces.max_q, pieces.max_k,
-           **flash_kwargs(fn, 13, dropout_p=0.0, softmax_scale=scale, causal=causal,
-                          alibi_slopes=None, deterministic=False, rng_state=None))
-        return dq[..., :d], dk[..., :d], dv[..., :d]
+        fn(dop, qp, kp, vp, op, lse_to_kernel(lse, pieces, causal or window is not None), dq,
+           dk, dv, pieces.cu_q_dev, pieces.cu_k_dev, pieces.max_q, pieces.max_k,
+           **flash_kwargs(fn, 13, band(causal, window), dropout_p=0.0, softmax_scale=scale,
+                          causal=causal, alibi_slopes=None, deterministic=False,
+                          rng_state=None))
+        return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
 
 
 BACKEND = register(FlashAttn())

@@ -14,6 +14,15 @@ int32 ``cum_seq`` offsets on the device, causal aligned bottom-right (the engine
 lse ``[heads, total_q]`` float32 with ``+inf`` for a row that sees no key, ``rng_state`` a
 ``(2,)`` uint64 and ``unused`` a 0-d uint64 tensor (zeros serve the backward without dropout).
 
+Its FlashAttention-2 code needs one head dim for q, k and v (torch's SDPA checks it as "Q/K/V
+should have the same head size"; the CPU flash kernel refuses it with that message): a value
+head dim different from the query/key one (multi-latent attention, e.g. 192/128) is zero-padded
+to the larger (``base.pad_head_dims``; zero value columns make zero output columns, zero q/k
+columns leave the scores unchanged) and the output and gradients sliced back, at the cost of
+the padded FLOPs and copies. Sliding windows go to the kernel as ``window_size_left/right``
+(``base.band``; bottom-right aligned, ``-1`` unbounded), and the head-dim limit
+(``MAX_HEAD_DIM``) applies to the padded dim.
+
 What the block call adds to the raw kernel: nothing per call but the kernel itself, unless the
 block's pieces leave rows without keys (a host fact of the plan, ``Pieces.keyless_rows``): then
 one ``masked_fill`` turns the kernel's ``+inf`` lse into the engine's ``-inf`` (and back for the
@@ -35,8 +44,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_zeppelin.runtime.kernels.base import (HALF, Pieces, lse_from_kernel, lse_to_kernel,
-                                                    register)
+from megatron_zeppelin.runtime.kernels.base import (HALF, Pieces, Window, band, lse_from_kernel,
+                                                    lse_to_kernel, pad_head_dims, register)
 
 MAX_HEAD_DIM = 256
 
@@ -89,7 +98,7 @@ class NativeFlash:
     def refuses(self, q: torch.Tensor) -> str | None:
         if q.dtype not in HALF:
             return f"needs fp16/bf16 tensors, got {q.dtype}"
-        d = q.shape[-1]
+        d = q.shape[-1]  # a different value head dim is padded to the larger (MLA)
         if d % 8 or d > MAX_HEAD_DIM:
             return f"needs a head dim that is a multiple of 8 and <= {MAX_HEAD_DIM}, got {d}"
         return self.ops.refuses(q)
@@ -101,32 +110,44 @@ class NativeFlash:
                                  torch.zeros((), dtype=torch.uint64, device=device))
         return self._rng[device]
 
-    def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float):
+    def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float,
+                window: Window | None = None):
         heads = q.shape[1]
         if pieces.total_q == 0 or pieces.total_k == 0:
-            return (torch.zeros_like(q), torch.full((heads, q.shape[0]), float("-inf"),
-                                                     dtype=torch.float32, device=q.device))
+            return (q.new_zeros((q.shape[0], heads, v.shape[-1])),
+                    torch.full((heads, q.shape[0]), float("-inf"), dtype=torch.float32,
+                               device=q.device))
         out, lse, *_ = self.ops.forward(
-            q.contiguous(), k.contiguous(), v.contiguous(), pieces.cu_q_dev, pieces.cu_k_dev,
+            *pad_head_dims(q, k, v), pieces.cu_q_dev, pieces.cu_k_dev,
             kernel_max_q(pieces, heads, k.shape[1]), pieces.max_k, 0.0, causal, False,
-            scale=scale)
+            scale=scale, **_window(causal, window))
+        out = out[..., :v.shape[-1]]
         if tuple(lse.shape) != (heads, pieces.total_q) or lse.dtype != torch.float32:
             raise RuntimeError(f"aten._flash_attention_forward returned lse {tuple(lse.shape)} "
                                f"{lse.dtype}: the native backend expects [{heads}, "
                                f"{pieces.total_q}] float32 (torch {torch.__version__}); use "
                                "backend 'flash_attn' or 'torch'")
-        return out, lse_from_kernel(lse, pieces, causal)
+        return out, lse_from_kernel(lse, pieces, causal or window is not None)
 
-    def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float):
+    def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float,
+                 window: Window | None = None):
         if pieces.total_q == 0 or pieces.total_k == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         rng_state, unused = self._unused_rng(q.device)
+        qp, kp, vp, dop, op = pad_head_dims(q, k, v, dout, out)
         dq, dk, dv = self.ops.backward(
-            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
-            lse_to_kernel(lse, pieces, causal), pieces.cu_q_dev, pieces.cu_k_dev,
-            kernel_max_q(pieces, q.shape[1], k.shape[1]), pieces.max_k, 0.0, causal, rng_state,
-            unused, scale=scale)
-        return dq, dk, dv
+            dop, qp, kp, vp, op, lse_to_kernel(lse, pieces, causal or window is not None),
+            pieces.cu_q_dev, pieces.cu_k_dev, kernel_max_q(pieces, q.shape[1], k.shape[1]),
+            pieces.max_k, 0.0, causal, rng_state, unused, scale=scale, **_window(causal, window))
+        return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
+
+
+def _window(causal: bool, window: Window | None) -> dict:
+    """The kernel's window keywords: none without a window (its default, full band)."""
+    if window is None:
+        return {}
+    left, right = band(causal, window)
+    return {"window_size_left": left, "window_size_right": right}
 
 
 BACKEND = register(NativeFlash())

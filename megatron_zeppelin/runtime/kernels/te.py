@@ -4,15 +4,20 @@
 ``transformer_engine.pytorch.cpp_extensions.fused_attn``'s ``fused_attn_fwd`` / ``fused_attn_bwd``
 with layout ``thd_thd_thd`` and mask ``padding_causal_bottom_right`` or ``padding``. Its softmax
 stats are ``[total_q, heads, 1]`` (cuDNN >= 9.6) or ``[batch, heads, max_q, 1]`` before,
-converted to and from ``[heads, tq]``; rows without keys carry ``+inf`` there. No dropout is
+converted to and from ``[heads, tq]``; rows without keys carry ``+inf`` there. Sliding windows
+go as TE documents ``window_size=(left, right)``: query ``i`` sees keys ``[i + sk - sq - left,
+i + sk - sq + right]`` (bottom-right aligned, ``-1`` unbounded; ``base.band``); a band with
+``right > 0`` uses mask ``padding`` with that window. A value head dim different from the
+query/key one (multi-latent attention) is passed as it is: TE's THD fused attention takes
+``head_dim_qk != head_dim_v`` (cuDNN arbitrary-seqlen backend). No dropout is
 used, so the RNG state passed back is unused (zeros). Only ever chosen explicitly.
 """
 from __future__ import annotations
 
 import torch
 
-from megatron_zeppelin.runtime.kernels.base import (OptionalCudaBackend, Pieces, lse_from_kernel,
-                                                    lse_to_kernel, register)
+from megatron_zeppelin.runtime.kernels.base import (OptionalCudaBackend, Pieces, Window, band,
+                                                    lse_from_kernel, lse_to_kernel, register)
 
 
 def stats_packed() -> bool:
@@ -51,13 +56,14 @@ def lse_to_te(lse: torch.Tensor, pieces: Pieces) -> torch.Tensor:
     return stats
 
 
-def _common(pieces: Pieces, causal: bool, scale: float) -> dict:
+def _common(pieces: Pieces, causal: bool, scale: float, window: Window | None) -> dict:
     """Keyword arguments shared by TE's forward and backward."""
+    left, right = band(causal, window)
     return dict(cu_seqlens_q_padded=pieces.cu_q_dev, cu_seqlens_kv_padded=pieces.cu_k_dev,
                 attn_scale=scale, dropout=0.0, qkv_layout="thd_thd_thd",
                 attn_bias_type="no_bias",
-                attn_mask_type="padding_causal_bottom_right" if causal else "padding",
-                window_size=(-1, 0) if causal else (-1, -1))
+                attn_mask_type="padding_causal_bottom_right" if right == 0 else "padding",
+                window_size=(left, right))
 
 
 class TransformerEngine(OptionalCudaBackend):
@@ -69,27 +75,31 @@ class TransformerEngine(OptionalCudaBackend):
     module = "transformer_engine.pytorch.cpp_extensions.fused_attn"
     package, extra = "transformer_engine", "te"
 
-    def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float):
+    def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float,
+                window: Window | None = None):
         te = self.load()
         out, aux = te.fused_attn_fwd(True, pieces.max_q, pieces.max_k, pieces.cu_q_dev,
                                      pieces.cu_k_dev, q.contiguous(), k.contiguous(),
                                      v.contiguous(), q.dtype,
                                      te.FusedAttnBackend["F16_arbitrary_seqlen"],
-                                     **_common(pieces, causal, scale))
-        return out, lse_from_kernel(lse_from_te(aux[0], pieces, q.shape[1]), pieces, causal)
+                                     **_common(pieces, causal, scale, window))
+        keyless = causal or window is not None
+        return out, lse_from_kernel(lse_from_te(aux[0], pieces, q.shape[1]), pieces, keyless)
 
-    def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float):
+    def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float,
+                 window: Window | None = None):
         te = self.load()
         from transformer_engine.pytorch.constants import TE_DType
 
-        stats = lse_to_te(lse_to_kernel(lse, pieces, causal), pieces)
+        stats = lse_to_te(lse_to_kernel(lse, pieces, causal or window is not None), pieces)
         unused_rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
         grads = te.fused_attn_bwd(pieces.max_q, pieces.max_k, pieces.cu_q_dev, pieces.cu_k_dev,
                                   q.contiguous(), k.contiguous(), v.contiguous(),
                                   out.contiguous(), dout.contiguous(), q.dtype,
                                   TE_DType[dout.dtype], [stats, unused_rng_state],
                                   te.FusedAttnBackend["F16_arbitrary_seqlen"],
-                                  deterministic=False, **_common(pieces, causal, scale))
+                                  deterministic=False,
+                                  **_common(pieces, causal, scale, window))
         return grads[0], grads[1], grads[2]
 
 

@@ -3,20 +3,40 @@
 Per pair of pieces: on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ backward),
 which returns and accepts the logsumexp; elsewhere, and for causal pairs with ``tq != tk``, an
 exact math path (scores materialised per pair in row chunks, accumulated in float32, float64
-for float64). On CUDA this is the slow path (``base.select`` warns once when ``auto`` lands
+for float64). Sliding windows (``base.band``) take the math path, masked. The CPU flash kernel
+needs one head dim for q, k and v: a different value head dim (multi-latent attention) is
+zero-padded there (``base.pad_head_dims``); the math path takes it as it is. On CUDA this is the slow path (``base.select`` warns once when ``auto`` lands
 here): fp32/fp64 tensors and head dims the native kernel refuses.
 """
 from __future__ import annotations
 
 import torch
 
-from megatron_zeppelin.runtime.kernels.base import Pieces, accum_dtype, register
+from megatron_zeppelin.runtime.kernels.base import (Pieces, Window, accum_dtype, band,
+                                                    pad_head_dims, register)
 
 MATH_SCORE_ELEMENTS = 1 << 26  # scores the math path materialises at once (fp32: 256 MiB)
 
 
-def _use_aten_cpu(q: torch.Tensor, tq: int, tk: int, causal: bool) -> bool:
-    return q.device.type == "cpu" and (not causal or tq == tk)
+def _use_aten_cpu(q: torch.Tensor, tq: int, tk: int, causal: bool,
+                  window: Window | None) -> bool:
+    return q.device.type == "cpu" and window is None and (not causal or tq == tk)
+
+
+def _cpu_flash_forward(q, k, v, causal, scale):
+    """``(out [tq, h, dv], lse [h, tq])`` of one pair by the CPU flash kernel."""
+    qp, kp, vp = pad_head_dims(_bhsd(q), _bhsd(k), _bhsd(v))
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qp, kp, vp, 0.0, causal,
+                                                                         scale=scale)
+    return o[0, ..., :v.shape[-1]].transpose(0, 1), lse[0]
+
+
+def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
+    """``(dq, dk, dv)`` of one pair by the CPU flash kernel (``lse [h, tq]``)."""
+    qp, kp, vp, dop, op = pad_head_dims(*(_bhsd(x) for x in (q, k, v, dout, out)))
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dop, qp, kp, vp, op, lse.unsqueeze(0).contiguous(), 0.0, causal, scale=scale)
+    return tuple(g[0, ..., :x.shape[-1]].transpose(0, 1) for g, x in zip(grads, (q, k, v)))
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -47,34 +67,32 @@ class TorchMath:
     def refuses(self, q: torch.Tensor) -> str | None:
         return None
 
-    def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float):
+    def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float,
+                window: Window | None = None):
         tq_all, heads, _ = q.shape
-        out = torch.zeros_like(q)
+        out = q.new_zeros((tq_all, heads, v.shape[-1]))
         lse = torch.full((heads, tq_all), float("-inf"), dtype=accum_dtype(q.dtype),
                          device=q.device)
         for qs, ks in _pairs(pieces):
-            if _use_aten_cpu(q, qs.stop - qs.start, ks.stop - ks.start, causal):
-                o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    _bhsd(q[qs]), _bhsd(k[ks]), _bhsd(v[ks]), 0.0, causal, scale=scale)
-                out[qs] = o[0].transpose(0, 1)
-                lse[:, qs] = l[0]
+            if _use_aten_cpu(q, qs.stop - qs.start, ks.stop - ks.start, causal, window):
+                out[qs], lse[:, qs] = _cpu_flash_forward(q[qs], k[ks], v[ks], causal, scale)
             else:
-                out[qs], lse[:, qs] = _math_forward(q[qs], k[ks], v[ks], causal, scale)
+                out[qs], lse[:, qs] = _math_forward(q[qs], k[ks], v[ks], band(causal, window),
+                                                    scale)
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float):
+    def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float,
+                 window: Window | None = None):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         # a row that sees no key anywhere has lse -inf: +inf makes its probabilities 0
         lse = lse.to(accum_dtype(q.dtype)).masked_fill(torch.isneginf(lse), float("inf"))
         for qs, ks in _pairs(pieces):
-            if _use_aten_cpu(q, qs.stop - qs.start, ks.stop - ks.start, causal):
-                gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    _bhsd(dout[qs]), _bhsd(q[qs]), _bhsd(k[ks]), _bhsd(v[ks]), _bhsd(out[qs]),
-                    lse[:, qs].unsqueeze(0).contiguous(), 0.0, causal, scale=scale)
-                dq[qs], dk[ks], dv[ks] = (g[0].transpose(0, 1) for g in (gq, gk, gv))
+            if _use_aten_cpu(q, qs.stop - qs.start, ks.stop - ks.start, causal, window):
+                dq[qs], dk[ks], dv[ks] = _cpu_flash_backward(dout[qs], q[qs], k[ks], v[ks],
+                                                             out[qs], lse[:, qs], causal, scale)
             else:
                 dq[qs], dk[ks], dv[ks] = _math_backward(dout[qs], q[qs], k[ks], v[ks], out[qs],
-                                                        lse[:, qs], causal, scale)
+                                                        lse[:, qs], band(causal, window), scale)
         return dq, dk, dv
 
 
@@ -84,29 +102,36 @@ def _row_chunks(tq: int, tk: int, heads: int) -> list[tuple[int, int]]:
     return [(a, min(tq, a + rows)) for a in range(0, tq, rows)]
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, row0: int,
+def _scores(q: torch.Tensor, k: torch.Tensor, window: Window, scale: float, row0: int,
             tq: int) -> torch.Tensor:
     """Scores ``[kv_heads, group, rows, tk]`` of query rows ``row0..`` of a ``tq``-row piece,
-    in the accumulation dtype, causal (END-aligned) mask applied."""
+    in the accumulation dtype, the END-aligned band ``window`` (``base.band``) applied."""
     rows, heads, d = q.shape
     tk, kv_heads, _ = k.shape
     acc = accum_dtype(q.dtype)
     qg = q.to(acc).reshape(rows, kv_heads, heads // kv_heads, d)
     s = torch.einsum("qgrd,kgd->grqk", qg, k.to(acc)) * scale
-    if causal:
-        r = torch.arange(row0, row0 + rows, device=q.device).unsqueeze(1)
+    left, right = window
+    if left >= 0 or right >= 0:
+        r = torch.arange(row0, row0 + rows, device=q.device).unsqueeze(1) + (tk - tq)
         c = torch.arange(tk, device=q.device).unsqueeze(0)
-        s = s.masked_fill(c > r + (tk - tq), float("-inf"))
+        hidden = torch.zeros((rows, tk), dtype=torch.bool, device=q.device)
+        if right >= 0:
+            hidden |= c > r + right
+        if left >= 0:
+            hidden |= c < r - left
+        s = s.masked_fill(hidden, float("-inf"))
     return s
 
 
-def _math_forward(q, k, v, causal, scale):
-    """Exact attention of one pair: ``(out [tq, h, d], lse [h, tq])``, row chunk by chunk."""
-    tq, heads, d = q.shape
-    out = torch.empty_like(q)
+def _math_forward(q, k, v, window, scale):
+    """Exact attention of one pair: ``(out [tq, h, dv], lse [h, tq])``, row chunk by chunk."""
+    tq, heads, _ = q.shape
+    d = v.shape[-1]
+    out = q.new_empty((tq, heads, d))
     lse = torch.empty((heads, tq), dtype=accum_dtype(q.dtype), device=q.device)
     for a, b in _row_chunks(tq, k.shape[0], heads):
-        s = _scores(q[a:b], k, causal, scale, a, tq)
+        s = _scores(q[a:b], k, window, scale, a, tq)
         chunk_lse = torch.logsumexp(s, dim=-1)  # [g, r, rows]; -inf for rows without keys
         p = torch.exp(s - chunk_lse.masked_fill(torch.isneginf(chunk_lse), 0.0).unsqueeze(-1))
         out[a:b] = torch.einsum("grqk,kgd->qgrd", p, v.to(s.dtype)).reshape(b - a, heads, d)
@@ -114,20 +139,22 @@ def _math_forward(q, k, v, causal, scale):
     return out, lse
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, scale):
+def _math_backward(dout, q, k, v, out, lse, window, scale):
     """Exact gradients of one pair given the rows' final ``out`` and ``lse`` (+inf: no keys)."""
     tq, heads, d = q.shape
+    dv_dim = v.shape[-1]
     kv_heads, acc = k.shape[1], accum_dtype(q.dtype)
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     kf, vf = k.to(acc), v.to(acc)
     for a, b in _row_chunks(tq, k.shape[0], heads):
-        s = _scores(q[a:b], k, causal, scale, a, tq)
+        s = _scores(q[a:b], k, window, scale, a, tq)
         rows = (b - a, kv_heads, heads // kv_heads, d)
+        v_rows = (*rows[:3], dv_dim)
         p = torch.exp(s - lse[:, a:b].to(acc).reshape(kv_heads, -1, b - a).unsqueeze(-1))
-        do = dout[a:b].to(acc).reshape(rows)
-        delta = (do * out[a:b].to(acc).reshape(rows)).sum(-1).permute(1, 2, 0)  # [g, r, rows]
+        do = dout[a:b].to(acc).reshape(v_rows)
+        delta = (do * out[a:b].to(acc).reshape(v_rows)).sum(-1).permute(1, 2, 0)  # [g, r, rows]
         dv += torch.einsum("grqk,qgrd->kgd", p, do)
         ds = p * (torch.einsum("qgrd,kgd->grqk", do, vf) - delta.unsqueeze(-1)) * scale
         dq[a:b] = torch.einsum("grqk,kgd->qgrd", ds, kf).reshape(b - a, heads, d)

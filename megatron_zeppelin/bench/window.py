@@ -1,0 +1,129 @@
+"""``zeppelin bench window``: what a sliding window saves on the rings of real plans.
+
+For one batch planned by each strategy (zeppelin, static CP) and each window ``L``, over every
+ring group (ring size > 1) and ring position, from the engine's own ring blocks
+(``ZigzagLayout(..., window)``, the blocks the engine runs):
+
+* attended (query, key) pairs with the window vs full causal attention (the kernels' work);
+* ring steps whose compute is skipped (no block: the held KV lies wholly outside the window);
+* KV relay per pass (forward; backward relays the same KV, its dK/dV accumulators keep every
+  row), in bytes: every KV block whole on every hop (no window, or a window without trimming)
+  vs what the engine sends (each hop forwards only the rows some later position still reads,
+  ``ZigzagLayout.held_rows``). Skipping whole transfers saves nothing in the zigzag layout:
+  position ``p - 1`` holds the chunk right after position ``p``'s mirror chunk, so the last hop
+  of every KV block is needed; trimming rows is what saves.
+
+Host arithmetic only (no timing), so the figures are the same on any machine.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+
+from megatron_zeppelin.config import load_setup
+from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.planner import make_plan
+from megatron_zeppelin.plan import Tier
+from megatron_zeppelin.runtime.attention import ZigzagLayout
+from megatron_zeppelin.sim.workloads import sample_batch
+
+
+def block_pairs(block) -> int:
+    """(query, key) pairs one block attends (END-aligned band of ``kernels.base``)."""
+    left, right = block.window if block.window is not None else (
+        -1, 0 if block.causal else -1)
+    total = 0
+    cq, ck = block.pieces.cu_q, block.pieces.cu_k
+    for i in range(len(cq) - 1):
+        tq, tk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+        aligned = torch.arange(tq) + (tk - tq)
+        lo = (aligned - left).clamp(min=0) if left >= 0 else torch.zeros(tq, dtype=torch.long)
+        hi = (aligned + right).clamp(max=tk - 1) if right >= 0 else torch.full((tq,), tk - 1)
+        total += int((hi - lo + 1).clamp(min=0).sum())
+    return total
+
+
+def needed_rows(layout: ZigzagLayout, step: int) -> set[int]:
+    """Rows of the KV block held at ``step`` (held rows) that this position's blocks read."""
+    rows: set[int] = set()
+    for block in layout.blocks(step):
+        if block.k_rows is None:
+            return set(range(block.pieces.total_k))
+        rows.update(block.k_rows.tolist())
+    return rows
+
+
+def ring_figures(lengths: list[int], size: int, window: int | None) -> dict[str, int]:
+    """Pairs, skipped steps and relay tokens (sent / needed) of one ring group."""
+    layouts = [ZigzagLayout(lengths, size, p, window) for p in range(size)]
+    out = dict(pairs=0, steps=0, skipped=0, whole=0, sent=0, needed=0)
+    for p, layout in enumerate(layouts):
+        for step in range(size):
+            blocks = layout.blocks(step)
+            out["pairs"] += sum(block_pairs(b) for b in blocks)
+            out["steps"] += step > 0
+            out["skipped"] += step > 0 and not blocks
+            out["sent"] += layout.relay_tokens(step) if step else 0  # what the engine receives
+    for source in range(size):  # the KV block of ``source`` hops source -> source+1 -> ...
+        later: set[int] = set()
+        for step in range(size - 1, 0, -1):  # the hop into ``step`` carries what is needed
+            position = layouts[(source + step) % size]  # at steps >= it (full-buffer rows)
+            held = position.held_rows(source, step)
+            later |= {r if held is None else held[r] for r in needed_rows(position, step)}
+            out["whole"] += layouts[source].tokens()
+            out["needed"] += len(later)
+    return out
+
+
+def plan_figures(plan, window: int | None) -> dict[str, int]:
+    total = dict(pairs=0, steps=0, skipped=0, whole=0, sent=0, needed=0)
+    for group in plan.ring_groups:
+        if group.tier == Tier.LOCAL or len(group.ring) == 1:
+            continue
+        figures = ring_figures([plan.seqlens[s] for s in group.seqs], len(group.ring), window)
+        for key, value in figures.items():
+            total[key] += value
+    return total
+
+
+def bench_window(args: argparse.Namespace) -> int:
+    bad = [w for w in args.windows if w < 0]
+    if bad:
+        raise ValueError(f"--windows {bad[0]} is invalid: expected a window of >= 0 tokens")
+    setup = load_setup(args.model, args.cluster, nodes=args.nodes)
+    cost = CostModel(setup.model, setup.cluster, setup.hardware, 1)
+    lengths = sample_batch(args.workload, args.tokens, random.Random(args.seed))
+    spec = setup.model
+    token_bytes = 2 * spec.kv_heads * spec.head_dim * spec.bytes_per_element  # k and v
+    print(f"{args.model} on {args.nodes} x {args.cluster}, {len(lengths)} documents "
+          f"({sum(lengths):,} tokens, longest {max(lengths):,}) of {args.workload}; KV "
+          f"{token_bytes} bytes/token; ring groups only (LOCAL sequences have no ring)")
+    print(f"{'strategy':>10} {'window':>7} {'pairs vs full':>14} {'steps skipped':>14} "
+          f"{'whole blocks GB':>16} {'engine sends GB':>16}")
+    for strategy, options in (("zeppelin", {}), ("static-cp", {"cp_size": args.cp})):
+        plan = make_plan(strategy, lengths, cost, setup.zeppelin, **options)
+        full = plan_figures(plan, None)
+        for window in args.windows:
+            got = plan_figures(plan, window)
+            share = got["pairs"] / full["pairs"] if full["pairs"] else 0.0
+            skipped = f"{got['skipped']}/{got['steps']}"
+            whole, sent = got["whole"] * token_bytes / 1e9, got["sent"] * token_bytes / 1e9
+            saving = 1 - sent / whole if whole else 0.0
+            print(f"{strategy:>10} {window:>7} {share:>13.1%} {skipped:>14} {whole:>16.3f} "
+                  f"{sent:>16.3f} ({saving:.0%} less)")
+    return 0
+
+
+def register(targets: argparse._SubParsersAction) -> None:
+    p = targets.add_parser("window", help="sliding window: ring compute and KV relay saved")
+    p.add_argument("--model", default="llama-7b")
+    p.add_argument("--cluster", default="h200-8nic")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--workload", default="github")
+    p.add_argument("--tokens", type=int, default=262144, help="tokens of the batch")
+    p.add_argument("--cp", type=int, default=16, help="static CP size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--windows", type=int, nargs="+", default=[512, 4096])
+    p.set_defaults(func=bench_window)
