@@ -62,9 +62,9 @@ def test_attention_timer_runs_the_engines_block_call(monkeypatch):
     calls = []
     original = torch_math.TorchMath.forward
 
-    def forward(self, q, k, v, pieces, causal, scale):
+    def forward(self, q, k, v, pieces, causal, scale, window=None):
         calls.append((q.shape[0], pieces.cu_q, causal))
-        return original(self, q, k, v, pieces, causal, scale)
+        return original(self, q, k, v, pieces, causal, scale, window)
 
     monkeypatch.setattr(torch_math.TorchMath, "forward", forward)
     opts = CalibrateOptions(min_time_s=0.0, max_repeats=2, tokens_per_call=192, kv_heads=2)

@@ -83,11 +83,11 @@ class NoKernel:
     def refuses(self, q):
         return None
 
-    def forward(self, q, k, v, pieces, causal, scale):
-        return torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), float("-inf"),
+    def forward(self, q, k, v, pieces, causal, scale, window=None):
+        return q.new_zeros((*q.shape[:2], v.shape[-1])), torch.full((q.shape[1], q.shape[0]), float("-inf"),
                                                dtype=accum_dtype(q.dtype), device=q.device)
 
-    def backward(self, dout, q, k, v, out, lse, pieces, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, pieces, causal, scale, window=None):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 

@@ -70,16 +70,16 @@ class _Counted:
             if self.counter is not None:
                 self.counter.paused = False
 
-    def forward(self, q, k, v, pieces, causal, scale):
+    def forward(self, q, k, v, pieces, causal, scale, window=None):
         if self.null:
-            return (torch.empty_like(q), torch.empty((q.shape[1], q.shape[0]),
-                                                     dtype=accum_dtype(q.dtype)))
-        return self._call("forward", q, k, v, pieces, causal, scale)
+            return (q.new_empty((*q.shape[:2], v.shape[-1])),
+                    torch.empty((q.shape[1], q.shape[0]), dtype=accum_dtype(q.dtype)))
+        return self._call("forward", q, k, v, pieces, causal, scale, window)
 
-    def backward(self, dout, q, k, v, out, lse, pieces, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, pieces, causal, scale, window=None):
         if self.null:
             return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        return self._call("backward", dout, q, k, v, out, lse, pieces, causal, scale)
+        return self._call("backward", dout, q, k, v, out, lse, pieces, causal, scale, window)
 
 
 def _inputs(layout: ZigzagLayout, heads: int, kv_heads: int, dim: int):
