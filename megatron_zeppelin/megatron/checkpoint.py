@@ -143,6 +143,81 @@ def _check_data_files(path: str, metadata: Any) -> None:
                           "save)")
 
 
+def optimizer_metadata(run: "Training") -> dict | None:
+    """``sharded_state_dict`` metadata (saved as the checkpoint's content metadata): the
+    distributed optimizer writes ``fully_reshardable`` state, one tensor per parameter and
+    state in model space, the same keys as the plain optimizers' (``optimizer.state.exp_avg.
+    <param>``), so that its checkpoints load on other DP sizes, in either mode and into the
+    plain optimizer."""
+    if not run.model.ddp_config.use_distributed_optimizer:
+        return None
+    return {"distrib_optim_sharding_type": "fully_reshardable",
+            "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+def _allocate_distributed_state(run: "Training") -> None:
+    """Adam state (zeros, step 0) for a distributed optimizer that has not stepped yet:
+    megatron-core's ``DistributedOptimizer.state_dict`` (without Apex/TE) reads the step from
+    it; the checkpoint's values replace all of it."""
+    if not run.model.ddp_config.use_distributed_optimizer:
+        return
+    for optimizer in getattr(run.optimizer, "chained_optimizers", [run.optimizer]):
+        inner = optimizer.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {"step": torch.tensor(0.0),
+                                          "exp_avg": torch.zeros_like(param),
+                                          "exp_avg_sq": torch.zeros_like(param)}
+
+
+def _saved_distributed(common: dict) -> bool:
+    """Whether the checkpoint's optimizer state was written by the distributed optimizer."""
+    from megatron.core.dist_checkpointing.serialization import load_content_metadata
+
+    metadata = load_content_metadata(preloaded_state_dict=common) or {}
+    return "distrib_optim_sharding_type" in metadata
+
+
+def _check_optimizer_kind(found: Found, common: dict, run: "Training") -> None:
+    """Optimizer state loads from the distributed optimizer into either optimizer (fp32:
+    ``convert_optimizer_state``); the other crossings are refused in one line."""
+    saved, now = _saved_distributed(common), run.model.ddp_config.use_distributed_optimizer
+    if saved == now:
+        return
+    if not saved:
+        raise _refuse(found.path, "holds the plain optimizer's state: loading it with "
+                      "--use-distributed-optimizer is not supported (megatron-core 0.16.1's "
+                      "distributed optimizer restores its fp32 main parameters and Adam step "
+                      "from its own checkpoint layout only); resume without "
+                      "--use-distributed-optimizer, or pass --no-load-optim")
+    if run.model.config.bf16:
+        raise _refuse(found.path, "holds the distributed optimizer's state: loading it "
+                      "without --use-distributed-optimizer is supported in fp32 only "
+                      "(megatron-core's bf16 optimizer keeps fp32 main parameters in another "
+                      "layout); pass --use-distributed-optimizer or --no-load-optim")
+
+
+def convert_optimizer_state(state: dict, saved_distributed: bool, run: "Training") -> None:
+    """Loaded optimizer state (in place) into the layout the plain fp32 optimizer's
+    ``load_state_dict`` expects when the distributed optimizer saved it. The tensors are the
+    same (Adam's ``exp_avg``/``exp_avg_sq`` per parameter in model space,
+    ``fully_reshardable``); the rest differs: the distributed optimizer keeps
+    ``{optimizer: {param_groups (with step)}, param_state, ...}``, the plain one
+    ``{state: {..., common_step}, param_groups}``."""
+    if not saved_distributed or run.model.ddp_config.use_distributed_optimizer:
+        return
+    groups = state.pop("optimizer")["param_groups"]
+    asked = state["param_groups"]
+    state["param_groups"] = [{**{k: v for k, v in g.items() if k != "step"},
+                              "params": a["params"]} for g, a in zip(groups, asked)]
+    steps = {g["step"] for g in groups if "step" in g}
+    if steps:
+        state["state"]["common_step"] = torch.tensor(float(steps.pop()))
+    for key in ("param_state", "param_state_sharding_type"):
+        state.pop(key, None)
+
+
 def check_shapes(found: Found, sharded: dict) -> None:
     """Every tensor of ``sharded`` (a sharded state dict, factories applied) is in the
     checkpoint with the same global shape; else the checkpoint is for another model."""
@@ -240,11 +315,13 @@ def save(root: str, iteration: int, run: Training, extra: dict) -> str:
         os.makedirs(path)
     dist.barrier()
     model = run.model.module.sharded_state_dict()
-    state = {"model": model, "optimizer": run.optimizer.sharded_state_dict(model),
+    metadata = optimizer_metadata(run)
+    state = {"model": model,
+             "optimizer": run.optimizer.sharded_state_dict(model, metadata=metadata),
              "rng_state": _rng_object(run.device), "iteration": iteration,
              "checkpoint_version": CHECKPOINT_VERSION,
              "opt_param_scheduler": run.scheduler.state_dict(), "zeppelin": extra}
-    dist_checkpointing.save(state, path)
+    dist_checkpointing.save(state, path, content_metadata=metadata)
     dist.barrier()
     if dist.get_rank() == 0:
         tmp = os.path.join(root, TRACKER + ".tmp")
@@ -272,15 +349,21 @@ def load(found: Found, run: Training, load_optim: bool, load_rng: bool) -> dict:
     common = dist_checkpointing.load_common_state_dict(found.path)
     saved = common.get("zeppelin", {})
     probe = {"model": run.model.module.sharded_state_dict()}  # factories applied: shapes
+    metadata = optimizer_metadata(run)
     if load_optim:
-        probe["optimizer"] = run.optimizer.sharded_state_dict(probe["model"], is_loading=True)
+        _allocate_distributed_state(run)
+        probe["optimizer"] = run.optimizer.sharded_state_dict(probe["model"], is_loading=True,
+                                                              metadata=metadata)
     apply_factories(probe)
     check_shapes(found, probe)
     model = run.model.module.sharded_state_dict()
     request: dict = {"model": model}
     if load_optim:
         _check_schedule(found, common.get("opt_param_scheduler", {}), run.scheduler)
-        request["optimizer"] = run.optimizer.sharded_state_dict(model, is_loading=True)
+        _check_optimizer_kind(found, common, run)
+        request["optimizer"] = run.optimizer.sharded_state_dict(model, is_loading=True,
+                                                                metadata=metadata)
+
     same_world = saved.get("world_size") == dist.get_world_size()
     if load_rng and same_world:
         request["rng_state"] = _rng_object(None)
@@ -293,6 +376,7 @@ def load(found: Found, run: Training, load_optim: bool, load_rng: bool) -> dict:
     run.model.module.load_state_dict(loaded["model"])
     restored = ["model"]
     if load_optim:
+        convert_optimizer_state(loaded["optimizer"], _saved_distributed(common), run)
         run.optimizer.load_state_dict(loaded["optimizer"])
         run.scheduler.load_state_dict(common["opt_param_scheduler"])
         restored += ["optimizer", "LR schedule"]

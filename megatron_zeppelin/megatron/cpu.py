@@ -101,7 +101,18 @@ def _to_method(args: tuple, kwargs: dict) -> Any:
     return torch.Tensor.to(*args, **kwargs)
 
 
+def _type_method(args: tuple, kwargs: dict) -> Any:
+    """``Tensor.type()`` (no target type) of a CPU tensor: the name its CUDA twin has
+    (``'torch.cuda.FloatTensor'``), which megatron-core's optimizers test parameters
+    against; ``Tensor.type(dtype)`` converts as usual."""
+    name = torch.Tensor.type(*args, **kwargs)
+    if len(args) == 1 and not kwargs and isinstance(name, str) and ".cuda." not in name:
+        return name.replace("torch.", "torch.cuda.", 1)
+    return name
+
+
 _METHOD_REDIRECTS: dict[Callable, Callable[[tuple, dict], Any]] = {
+    torch.Tensor.type: _type_method,
     torch.Tensor.cuda: _identity_method,
     torch.Tensor.pin_memory: _identity_method,
     torch.Tensor.to: _to_method,
@@ -299,6 +310,25 @@ def _cpu_clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_no
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def _keep_adam_step(original: Callable) -> Callable:
+    """``DistributedOptimizer._set_main_param_and_optimizer_states`` copies every entry of the
+    parameter's optimizer state from the loaded tensors, but the ``fully_reshardable`` loader
+    leaves torch Adam's ``step`` out of them (it restores the step from the param groups):
+    without Apex/TE (always on CPU) the copy fails with KeyError 'step'. The step stays."""
+
+    @functools.wraps(original)
+    def replacement(self, model_param: Any, tensors: dict) -> None:
+        if "step" not in tensors:
+            index, order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[index]["params"][order]
+            step = self.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step.clone()}
+        return original(self, model_param, tensors)
+
+    return replacement
+
+
 # ----------------------------------------------------------------------------- patch registry
 @dataclass
 class _Patch:
@@ -336,6 +366,12 @@ def _patch_specs() -> list[tuple[str, str, Callable[[Any], Any]]]:
          lambda _: _cpu_clip_grad_by_total_norm_fp32),
         ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining", run_on_cpu),
         ("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__", run_on_cpu),
+        ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
+         run_on_cpu),
+        ("megatron.core.optimizer.distrib_optimizer",
+         "DistributedOptimizer.get_parameter_state_dp_zero", run_on_cpu),
+        ("megatron.core.optimizer.distrib_optimizer",
+         "DistributedOptimizer._set_main_param_and_optimizer_states", _keep_adam_step),
         ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", run_on_cpu),
         ("megatron.core.optimizer.clip_grads", "count_zeros_fp32", run_on_cpu),
         ("megatron.core.utils", "local_multi_tensor_l2_norm", run_on_cpu),

@@ -125,15 +125,17 @@ def build_training(args: argparse.Namespace, state: ZeppelinAttentionState, spec
     if args.device == "cuda":
         module.cuda()
     model = DistributedDataParallel(
-        config, DistributedDataParallelConfig(overlap_grad_reduce=args.overlap_grad_reduce),
-        module)
+        config, DistributedDataParallelConfig(
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            use_distributed_optimizer=args.use_distributed_optimizer), module)
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr,
                         weight_decay=args.weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-                        clip_grad=args.clip_grad, bf16=args.bf16), [model])
+                        clip_grad=args.clip_grad, bf16=args.bf16,
+                        use_distributed_optimizer=args.use_distributed_optimizer), [model])
     return model, optimizer
 
 
