@@ -351,6 +351,7 @@ def load(found: Found, run: Training, load_optim: bool, load_rng: bool) -> dict:
     probe = {"model": run.model.module.sharded_state_dict()}  # factories applied: shapes
     metadata = optimizer_metadata(run)
     if load_optim:
+        _check_optimizer_kind(found, common, run)
         _allocate_distributed_state(run)
         probe["optimizer"] = run.optimizer.sharded_state_dict(probe["model"], is_loading=True,
                                                               metadata=metadata)
@@ -360,7 +361,6 @@ def load(found: Found, run: Training, load_optim: bool, load_rng: bool) -> dict:
     request: dict = {"model": model}
     if load_optim:
         _check_schedule(found, common.get("opt_param_scheduler", {}), run.scheduler)
-        _check_optimizer_kind(found, common, run)
         request["optimizer"] = run.optimizer.sharded_state_dict(model, is_loading=True,
                                                                 metadata=metadata)
 
