@@ -187,9 +187,9 @@ def _check_optimizer_kind(found: Found, common: dict, run: "Training") -> None:
         return
     if not saved:
         raise _refuse(found.path, "holds the plain optimizer's state: loading it with "
-                      "--use-distributed-optimizer is not supported (megatron-core 0.16.1's "
-                      "distributed optimizer restores its fp32 main parameters and Adam step "
-                      "from its own checkpoint layout only); resume without "
+                      "--use-distributed-optimizer is not supported (the plain fp32 "
+                      "optimizer saves no main parameters and another state layout, and no "
+                      "conversion here resumed exactly); resume without "
                       "--use-distributed-optimizer, or pass --no-load-optim")
     if run.model.config.bf16:
         raise _refuse(found.path, "holds the distributed optimizer's state: loading it "
