@@ -1,7 +1,8 @@
 """--use-distributed-optimizer on 4 gloo ranks (Megatron's DistributedOptimizer, Adam state
 sharded over DP x CP): zeppelin mode gives the plain optimizer's losses and gradient norms;
 its checkpoint (zeppelin) resumes in static mode with the distributed optimizer and with the
-plain one exactly as the uninterrupted run; a plain checkpoint loaded with the distributed
+plain one exactly as the uninterrupted run (iteration 3 checks the Adam state and step the
+resumed optimizer carries); a plain checkpoint loaded with the distributed
 optimizer, and --use-megatron-fsdp, are refused in one line."""
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.distributed
 FLAGS = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "32",
          "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "64",
          "--vocab-size", "256", "--seq-length", "512", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--train-iters", "2", "--mock-data",
+         "--global-batch-size", "4", "--train-iters", "3", "--mock-data",
          "--zeppelin-overlong", "split", "--zeppelin-cluster", "cpu-2x2", "--seed", "5",
          "--lr", "0.01", "--log-interval", "1", "--no-zeppelin-planner-process"]
 ZEPPELIN = ["--context-parallel-mode", "zeppelin", "--context-parallel-size", "4",
@@ -53,7 +54,7 @@ def body(rank: int, world: int, tmp: str) -> None:
                        "--use-distributed-optimizer is not supported"):
         run(world, FLAGS + ZEPPELIN + DISTRIBUTED + ["--load", f"{tmp}/p1"])
     if rank == 0:
-        assert [it for it, _, _ in sharded] == [1, 2]
+        assert [it for it, _, _ in sharded] == [1, 2, 3]
         assert close(sharded, plain), (sharded, plain)  # the same training, Adam sharded
         assert close(static_sharded, plain[1:]), (static_sharded, plain)
         assert close(static_plain, plain[1:]), (static_plain, plain)

@@ -155,22 +155,6 @@ def optimizer_metadata(run: "Training") -> dict | None:
             "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
-def _allocate_distributed_state(run: "Training") -> None:
-    """Adam state (zeros, step 0) for a distributed optimizer that has not stepped yet:
-    megatron-core's ``DistributedOptimizer.state_dict`` (without Apex/TE) reads the step from
-    it; the checkpoint's values replace all of it."""
-    if not run.model.ddp_config.use_distributed_optimizer:
-        return
-    for optimizer in getattr(run.optimizer, "chained_optimizers", [run.optimizer]):
-        inner = optimizer.optimizer
-        for group in inner.param_groups:
-            for param in group["params"]:
-                if not inner.state[param]:
-                    inner.state[param] = {"step": torch.tensor(0.0),
-                                          "exp_avg": torch.zeros_like(param),
-                                          "exp_avg_sq": torch.zeros_like(param)}
-
-
 def _saved_distributed(common: dict) -> bool:
     """Whether the checkpoint's optimizer state was written by the distributed optimizer."""
     from megatron.core.dist_checkpointing.serialization import load_content_metadata
@@ -352,7 +336,6 @@ def load(found: Found, run: Training, load_optim: bool, load_rng: bool) -> dict:
     metadata = optimizer_metadata(run)
     if load_optim:
         _check_optimizer_kind(found, common, run)
-        _allocate_distributed_state(run)
         probe["optimizer"] = run.optimizer.sharded_state_dict(probe["model"], is_loading=True,
                                                               metadata=metadata)
     apply_factories(probe)

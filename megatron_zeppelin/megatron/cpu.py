@@ -312,11 +312,14 @@ def _cpu_clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_no
 
 def _keep_adam_step(original: Callable) -> Callable:
     """``DistributedOptimizer._set_main_param_and_optimizer_states`` copies every entry of the
-    parameter's optimizer state from the loaded tensors, but the ``fully_reshardable`` loader
-    leaves torch Adam's ``step`` out of them (it restores the step from the param groups):
-    without Apex/TE (always on CPU) the copy fails with KeyError 'step'. The step stays."""
+    parameter's optimizer state from the loaded tensors, but the loaders leave torch Adam's
+    ``step`` out of them (it is restored from the param groups): without Apex/TE (always on
+    CPU) the copy fails with KeyError 'step'; the step stays. With fp32 parameters the main
+    parameter is a view of the model's (a leaf that requires grad), which the
+    ``dp_reshardable`` loader copies into outside ``no_grad``: the copy runs under it."""
 
     @functools.wraps(original)
+    @torch.no_grad()
     def replacement(self, model_param: Any, tensors: dict) -> None:
         if "step" not in tensors:
             index, order = self.model_param_group_index_map[model_param]
@@ -325,6 +328,43 @@ def _keep_adam_step(original: Callable) -> Callable:
             if step is not None:
                 tensors = {**tensors, "step": step.clone()}
         return original(self, model_param, tensors)
+
+    return replacement
+
+
+def _adam_state_before_first_step(original: Callable) -> Callable:
+    """``DistributedOptimizer.state_dict`` without Apex/TE reads torch Adam's ``step`` from
+    the per-parameter state, which torch creates at the first step: before it (a checkpoint
+    loaded at start-up asks for the state dict to load into) it fails on ``assert
+    len(steps) == 1``. The state torch's first step would create (zeros, step 0) is made
+    first; the loaded values replace it, and a first step from it is torch's own."""
+
+    @functools.wraps(original)
+    def replacement(self) -> dict:
+        inner = self.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {"step": torch.tensor(0.0),
+                                          "exp_avg": torch.zeros_like(param),
+                                          "exp_avg_sq": torch.zeros_like(param)}
+        return original(self)
+
+    return replacement
+
+
+def _own_adam_steps(original: Callable) -> Callable:
+    """``DistributedOptimizer.load_state_dict`` without Apex/TE gives every parameter's torch
+    Adam state the same ``step`` tensor; torch increments each parameter's step in place, so
+    a shared one advances once per parameter and every bias correction after a resume is
+    wrong. Each parameter gets its own copy."""
+
+    @functools.wraps(original)
+    def replacement(self, state_dict: dict) -> None:
+        original(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
 
     return replacement
 
@@ -372,6 +412,10 @@ def _patch_specs() -> list[tuple[str, str, Callable[[Any], Any]]]:
          "DistributedOptimizer.get_parameter_state_dp_zero", run_on_cpu),
         ("megatron.core.optimizer.distrib_optimizer",
          "DistributedOptimizer._set_main_param_and_optimizer_states", _keep_adam_step),
+        ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.state_dict",
+         _adam_state_before_first_step),
+        ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict",
+         _own_adam_steps),
         ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", run_on_cpu),
         ("megatron.core.optimizer.clip_grads", "count_zeros_fp32", run_on_cpu),
         ("megatron.core.utils", "local_multi_tensor_l2_norm", run_on_cpu),
