@@ -53,9 +53,17 @@ A replaced function is swapped in its defining module and in every loaded ``mega
 module that bound it by name (``from .clip_grads import clip_grad_by_total_norm_fp32``,
 ``l2_norm_impl = local_multi_tensor_l2_norm``), found by identity.
 
-Not bridged (not on our path; they fail loudly): the fp16/bf16 ``MixedPrecisionOptimizer`` and
-the ``DistributedOptimizer`` (literal "cuda" buffers in ``MixedPrecisionOptimizer.__init__`` and
-``param.type() == 'torch.cuda.FloatTensor'`` checks), CUDA streams/events
+5. The fp32 ``DistributedOptimizer`` (``--use-distributed-optimizer``): its ``__init__`` and
+   ``get_parameter_state_dp_zero`` run under the device redirect, which also makes
+   ``Tensor.type()`` name a CPU tensor's CUDA twin (its ``param.type() ==
+   'torch.cuda.FloatTensor'`` checks); gloo does the reduce-scatter and all-gather. Three
+   megatron-core paths without Apex/TE are mended: ``state_dict`` before the first step
+   (torch Adam's state made as its first step would), ``load_state_dict`` (each parameter
+   its own ``step`` tensor, not one shared) and ``_set_main_param_and_optimizer_states``
+   (keeps ``step``; copies under ``no_grad``).
+
+Not bridged (not on our path; they fail loudly): the fp16/bf16 ``MixedPrecisionOptimizer``
+(literal "cuda" buffers), Megatron-FSDP (CUDA streams), CUDA streams/events
 (``num_distributed_optimizer_instances > 1``, the combined 1F1B schedule, ``StragglerDetector``),
 the pipeline-parallel schedules, ``torch.autocast("cuda")`` (``enable_autocast``) and the
 ``torch.compile``-decorated fused kernels (keep the ``*_fusion`` config flags off on CPU).
