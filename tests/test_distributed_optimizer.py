@@ -2,8 +2,8 @@
 sharded over DP x CP): zeppelin mode gives the plain optimizer's losses and gradient norms;
 its checkpoint (zeppelin) resumes in static mode with the distributed optimizer and with the
 plain one exactly as the uninterrupted run (iteration 3 checks the Adam state and step the
-resumed optimizer carries); a plain checkpoint loaded with the distributed
-optimizer, and --use-megatron-fsdp, are refused in one line."""
+resumed optimizer carries); a plain checkpoint (static) resumes with the distributed
+optimizer (zeppelin) too; --use-megatron-fsdp is refused in one line."""
 from __future__ import annotations
 
 import pytest
@@ -42,22 +42,19 @@ def close(a: list[tuple], b: list[tuple], tol: float = 1e-6) -> bool:
 
 
 def body(rank: int, world: int, tmp: str) -> None:
-    from megatron_zeppelin.config import ConfigError
-
     plain = run(world, FLAGS + ZEPPELIN)
     sharded = run(world, FLAGS + ZEPPELIN + DISTRIBUTED + ["--save", f"{tmp}/d"])
     run(world, FLAGS + ZEPPELIN + DISTRIBUTED + ["--save", f"{tmp}/d1", "--exit-interval", "1"])
     static_sharded = run(world, FLAGS + STATIC + DISTRIBUTED + ["--load", f"{tmp}/d1"])
     static_plain = run(world, FLAGS + STATIC + ["--load", f"{tmp}/d1"])
     run(world, FLAGS + STATIC + ["--save", f"{tmp}/p1", "--exit-interval", "1"])
-    with pytest.raises(ConfigError, match="plain optimizer's state: loading it with "
-                       "--use-distributed-optimizer is not supported"):
-        run(world, FLAGS + ZEPPELIN + DISTRIBUTED + ["--load", f"{tmp}/p1"])
+    from_plain = run(world, FLAGS + ZEPPELIN + DISTRIBUTED + ["--load", f"{tmp}/p1"])
     if rank == 0:
         assert [it for it, _, _ in sharded] == [1, 2, 3]
         assert close(sharded, plain), (sharded, plain)  # the same training, Adam sharded
         assert close(static_sharded, plain[1:]), (static_sharded, plain)
         assert close(static_plain, plain[1:]), (static_plain, plain)
+        assert close(from_plain, plain[1:]), (from_plain, plain)
 
 
 def test_distributed_optimizer_is_exact_and_its_checkpoints_cross_modes(tmp_path):
