@@ -33,3 +33,15 @@ def test_the_custom_loop_trains_like_the_script():
     assert all(l == losses[0] for l in losses)  # every rank logs the same global mean
     assert len(losses[0]) == 2
     assert all(5.0 < loss < 6.0 for loss in losses[0])  # 256 tokens: ln 256 = 5.55 at init
+
+
+def test_runtime_options_refuse_unknown_names_and_modes():
+    from megatron_zeppelin import api
+
+    options = api.runtime_options(512, "static", "cpu", zeppelin_cluster="cpu-2x2")
+    assert (options.seq_length, options.context_parallel_mode, options.zeppelin_cluster) == \
+        (512, "static", "cpu-2x2")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['zeppelin_clustr'\]"):
+        api.runtime_options(512, zeppelin_clustr="cpu-2x2")
+    with pytest.raises(ValueError, match="mode='ring' is invalid"):
+        api.runtime_options(512, "ring")
