@@ -172,6 +172,13 @@ class ParallelArgs:
         True, "reduce each gradient bucket (DP x CP) as soon as its backward is done, "
         "overlapping the last micro-batch's backward (Megatron DDP; --no-overlap-grad-reduce: "
         "one exposed reduction after the backward, Megatron-LM's default)")
+    use_distributed_optimizer: bool = setting(
+        False, "shard the Adam state and fp32 main parameters over the data-parallel group "
+        "(DP x CP: Megatron's DistributedOptimizer; gradients are reduce-scattered, parameters "
+        "all-gathered after the step)")
+    use_megatron_fsdp: bool = setting(
+        False, "Megatron-FSDP (megatron-core's fully sharded data parallel); refused with the "
+        "reason where it cannot run (see docs/training.md)")
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "tensor_model_parallel_size", "context_parallel_size")
@@ -499,6 +506,12 @@ def validate_args(args: argparse.Namespace, world_size: int, local_world_size: i
     args.zeppelin_gpus_per_node = layout.gpus_per_node
     layout.micro_batches(args.global_batch_size, args.micro_batch_size)
     planner_strategy(args, layout.cp)
+    if args.use_megatron_fsdp:
+        raise ConfigError(f"--use-megatron-fsdp is not supported (--device {args.device}): "
+                          "megatron-core 0.16.1's Megatron-FSDP creates CUDA streams when it "
+                          "wraps the model (no CPU/gloo run, so no exactness test here) and "
+                          "has not run with zeppelin pools; use --use-distributed-optimizer "
+                          "(ZeRO-1: Adam state and main parameters sharded over DP x CP)")
     if args.bf16 and args.device == "cpu":
         raise ConfigError("--bf16 with --device cpu: megatron-core's bf16 optimizer needs CUDA; "
                           "train in fp32 on CPU")

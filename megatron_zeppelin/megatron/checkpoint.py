@@ -148,6 +148,129 @@ def _check_data_files(path: str, metadata: Any) -> None:
                           "save)")
 
 
+def optimizer_metadata(run: "Training") -> dict | None:
+    """``sharded_state_dict`` metadata (saved as the checkpoint's content metadata): the
+    distributed optimizer writes ``fully_reshardable`` state, one tensor per parameter and
+    state in model space, the same keys as the plain optimizers' (``optimizer.state.exp_avg.
+    <param>``), so that its checkpoints load on other DP sizes, in either mode and into the
+    plain optimizer."""
+    if not run.model.ddp_config.use_distributed_optimizer:
+        return None
+    return {"distrib_optim_sharding_type": "fully_reshardable",
+            "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+def _saved_distributed(common: dict) -> bool:
+    """Whether the checkpoint's optimizer state was written by the distributed optimizer."""
+    from megatron.core.dist_checkpointing.serialization import load_content_metadata
+
+    metadata = load_content_metadata(preloaded_state_dict=common) or {}
+    return "distrib_optim_sharding_type" in metadata
+
+
+def _check_optimizer_kind(found: Found, common: dict, run: "Training") -> None:
+    """Optimizer state crosses between the distributed and the plain optimizer in fp32
+    (``convert_optimizer_state``); megatron-core's bf16 optimizer keeps its fp32 main
+    parameters in another layout, so a crossing with bf16 is refused in one line."""
+    saved, now = _saved_distributed(common), run.model.ddp_config.use_distributed_optimizer
+    if saved != now and run.model.config.bf16:
+        kind, flag = ("distributed", "without") if saved else ("plain", "with")
+        raise _refuse(found.path, f"holds the {kind} optimizer's state: loading it {flag} "
+                      "--use-distributed-optimizer is supported in fp32 only (megatron-core's "
+                      "bf16 optimizers keep fp32 main parameters in other layouts); use the "
+                      "same --use-distributed-optimizer setting, or pass --no-load-optim")
+
+
+MAIN_PARAMS = "optimizer.state.param."  # the distributed optimizer's fp32 main parameters
+
+
+def _main_params_from_model(common: dict, run: "Training") -> bool:
+    """A plain fp32 checkpoint loaded into the distributed optimizer: its main parameters
+    are the model's weights (the plain fp32 optimizer steps the model's own tensors)."""
+    return run.model.ddp_config.use_distributed_optimizer and not _saved_distributed(common)
+
+
+def _take_main_params(sharded: dict, found: Found) -> None:
+    """Keep the main-parameter tensors the checkpoint lacks out of the read (in place: each
+    becomes a local object, returned as it is by DCP, which reads a tensor once per rank;
+    the model reads these ones); ``_give_main_params`` fills them after the load."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+
+    saved = found.metadata.state_dict_metadata
+
+    def keep(value):
+        key = getattr(value, "key", None)
+        if isinstance(key, str) and key.startswith(MAIN_PARAMS) and key not in saved:
+            return LocalNonpersistentObject(value)
+        return value
+
+    dict_list_map_inplace(keep, sharded["optimizer"])
+
+
+def _shard_identity(value, prefix: str = "") -> tuple | None:
+    """(key without ``prefix``, global offset) of a sharded tensor or factory: unique in a
+    checkpoint (a key alone is not: layers share one key, stacked along a layer axis)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    if isinstance(value, ShardedTensorFactory):
+        built = value.build()
+        value = built[0] if isinstance(built, list) else built
+    if not isinstance(value, ShardedTensor) or not value.key.startswith(prefix):
+        return None
+    return value.key[len(prefix):], tuple(value.global_offset)
+
+
+def _model_shards(model: dict) -> dict:
+    """``{shard identity: model state-dict name}`` of a model's sharded state dict."""
+    return {_shard_identity(t): name for name, t in model.items()}
+
+
+def _give_main_params(loaded: dict, names: dict) -> None:
+    """Replace what ``_take_main_params`` kept with copies of the loaded model weights
+    (``names``: ``_model_shards`` of the model request)."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+
+    def give(value):
+        shard = _shard_identity(value, MAIN_PARAMS)
+        return value if shard is None else loaded["model"][names[shard]].detach().clone()
+
+    dict_list_map_inplace(give, loaded["optimizer"])
+
+
+def convert_optimizer_state(state: dict, saved_distributed: bool, run: "Training") -> None:
+    """Loaded optimizer state (in place) into the layout ``run.optimizer.load_state_dict``
+    expects when the other optimizer kind saved it (fp32). The tensors are the
+    same (Adam's ``exp_avg``/``exp_avg_sq`` per parameter in model space,
+    ``fully_reshardable``); the rest differs: the distributed optimizer keeps
+    ``{optimizer: {param_groups (with step)}, param_state, ...}``, the plain one
+    ``{state: {..., common_step}, param_groups}``."""
+    distributed = run.model.ddp_config.use_distributed_optimizer
+    if saved_distributed == distributed:
+        return
+    if distributed:  # plain -> distributed: hyper-parameters and the step from the plain state
+        step = state.get("state", {}).get("common_step")
+        groups = [{k: v for k, v in g.items() if k != "params"}
+                  for g in state.pop("param_groups", [])]
+        for group in groups:
+            if step is not None:
+                group["step"] = int(step)
+        state.pop("state", None)
+        state["optimizer"] = {"param_groups": groups}
+        sharding = optimizer_metadata(run)["distrib_optim_sharding_type"]
+        state["param_state_sharding_type"] = sharding
+        return
+    groups = state.pop("optimizer")["param_groups"]
+    asked = state["param_groups"]
+    state["param_groups"] = [{**{k: v for k, v in g.items() if k != "step"},
+                              "params": a["params"]} for g, a in zip(groups, asked)]
+    steps = {g["step"] for g in groups if "step" in g}
+    if steps:
+        state["state"]["common_step"] = torch.tensor(float(steps.pop()))
+    for key in ("param_state", "param_state_sharding_type"):
+        state.pop(key, None)
+
+
 def check_shapes(found: Found, sharded: dict) -> None:
     """Every tensor of ``sharded`` (a sharded state dict, factories applied) is in the
     checkpoint with the same global shape; else the checkpoint is for another model."""
@@ -245,11 +368,13 @@ def save(root: str, iteration: int, run: Training, extra: dict) -> str:
         os.makedirs(path)
     dist.barrier()
     model = run.model.module.sharded_state_dict()
-    state = {"model": model, "optimizer": run.optimizer.sharded_state_dict(model),
+    metadata = optimizer_metadata(run)
+    state = {"model": model,
+             "optimizer": run.optimizer.sharded_state_dict(model, metadata=metadata),
              "rng_state": _rng_object(run.device), "iteration": iteration,
              "checkpoint_version": CHECKPOINT_VERSION,
              "opt_param_scheduler": run.scheduler.state_dict(), "zeppelin": extra}
-    dist_checkpointing.save(state, path)
+    dist_checkpointing.save(state, path, content_metadata=metadata)
     dist.barrier()
     if dist.get_rank() == 0:
         tmp = os.path.join(root, TRACKER + ".tmp")
@@ -298,14 +423,25 @@ def load(found: Found, run: Training, load_optim: bool, load_rng: bool) -> dict:
     common = dist_checkpointing.load_common_state_dict(found.path)
     saved = common.get("zeppelin", {})
     probe = {"model": run.model.module.sharded_state_dict()}  # factories applied: shapes
+    metadata = optimizer_metadata(run)
     if load_optim:
-        probe["optimizer"] = run.optimizer.sharded_state_dict(probe["model"], is_loading=True)
+        _check_optimizer_kind(found, common, run)
+        probe["optimizer"] = run.optimizer.sharded_state_dict(probe["model"], is_loading=True,
+                                                              metadata=metadata)
     apply_factories(probe)
+    from_model = load_optim and _main_params_from_model(common, run)
+    if from_model:
+        _take_main_params(probe, found)
     check_shapes(found, probe)
     model = run.model.module.sharded_state_dict()
     request: dict = {"model": model}
     if load_optim:
-        request["optimizer"] = run.optimizer.sharded_state_dict(model, is_loading=True)
+        request["optimizer"] = run.optimizer.sharded_state_dict(model, is_loading=True,
+                                                                metadata=metadata)
+        if from_model:
+            _take_main_params(request, found)
+    names = _model_shards(model) if from_model else {}
+
     same_world = saved.get("world_size") == dist.get_world_size()
     if load_rng and same_world:
         request["rng_state"] = _rng_object(None)
@@ -315,9 +451,12 @@ def load(found: Found, run: Training, load_optim: bool, load_rng: bool) -> dict:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise _refuse(found.path, f"cannot be loaded: {type(exc).__name__}: "
                       f"{first[:300]}") from None
+    if from_model:
+        _give_main_params(loaded, names)
     run.model.module.load_state_dict(loaded["model"])
     restored = ["model"]
     if load_optim:
+        convert_optimizer_state(loaded["optimizer"], _saved_distributed(common), run)
         run.optimizer.load_state_dict(loaded["optimizer"])
         run.scheduler.load_state_dict(common["opt_param_scheduler"])
         restored += ["optimizer", "LR schedule"]

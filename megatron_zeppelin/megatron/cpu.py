@@ -53,9 +53,17 @@ A replaced function is swapped in its defining module and in every loaded ``mega
 module that bound it by name (``from .clip_grads import clip_grad_by_total_norm_fp32``,
 ``l2_norm_impl = local_multi_tensor_l2_norm``), found by identity.
 
-Not bridged (not on our path; they fail loudly): the fp16/bf16 ``MixedPrecisionOptimizer`` and
-the ``DistributedOptimizer`` (literal "cuda" buffers in ``MixedPrecisionOptimizer.__init__`` and
-``param.type() == 'torch.cuda.FloatTensor'`` checks), CUDA streams/events
+5. The fp32 ``DistributedOptimizer`` (``--use-distributed-optimizer``): its ``__init__`` and
+   ``get_parameter_state_dp_zero`` run under the device redirect, which also makes
+   ``Tensor.type()`` name a CPU tensor's CUDA twin (its ``param.type() ==
+   'torch.cuda.FloatTensor'`` checks); gloo does the reduce-scatter and all-gather. Three
+   megatron-core paths without Apex/TE are mended: ``state_dict`` before the first step
+   (torch Adam's state made as its first step would), ``load_state_dict`` (each parameter
+   its own ``step`` tensor, not one shared) and ``_set_main_param_and_optimizer_states``
+   (keeps ``step``; copies under ``no_grad``).
+
+Not bridged (not on our path; they fail loudly): the fp16/bf16 ``MixedPrecisionOptimizer``
+(literal "cuda" buffers), Megatron-FSDP (CUDA streams), CUDA streams/events
 (``num_distributed_optimizer_instances > 1``, the combined 1F1B schedule, ``StragglerDetector``),
 the pipeline-parallel schedules, ``torch.autocast("cuda")`` (``enable_autocast``) and the
 ``torch.compile``-decorated fused kernels (keep the ``*_fusion`` config flags off on CPU).
@@ -101,7 +109,18 @@ def _to_method(args: tuple, kwargs: dict) -> Any:
     return torch.Tensor.to(*args, **kwargs)
 
 
+def _type_method(args: tuple, kwargs: dict) -> Any:
+    """``Tensor.type()`` (no target type) of a CPU tensor: the name its CUDA twin has
+    (``'torch.cuda.FloatTensor'``), which megatron-core's optimizers test parameters
+    against; ``Tensor.type(dtype)`` converts as usual."""
+    name = torch.Tensor.type(*args, **kwargs)
+    if len(args) == 1 and not kwargs and isinstance(name, str) and ".cuda." not in name:
+        return name.replace("torch.", "torch.cuda.", 1)
+    return name
+
+
 _METHOD_REDIRECTS: dict[Callable, Callable[[tuple, dict], Any]] = {
+    torch.Tensor.type: _type_method,
     torch.Tensor.cuda: _identity_method,
     torch.Tensor.pin_memory: _identity_method,
     torch.Tensor.to: _to_method,
@@ -299,6 +318,65 @@ def _cpu_clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_no
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def _keep_adam_step(original: Callable) -> Callable:
+    """``DistributedOptimizer._set_main_param_and_optimizer_states`` copies every entry of the
+    parameter's optimizer state from the loaded tensors, but the loaders leave torch Adam's
+    ``step`` out of them (it is restored from the param groups): without Apex/TE (always on
+    CPU) the copy fails with KeyError 'step'; the step stays. With fp32 parameters the main
+    parameter is a view of the model's (a leaf that requires grad), which the
+    ``dp_reshardable`` loader copies into outside ``no_grad``: the copy runs under it."""
+
+    @functools.wraps(original)
+    @torch.no_grad()
+    def replacement(self, model_param: Any, tensors: dict) -> None:
+        if "step" not in tensors:
+            index, order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[index]["params"][order]
+            step = self.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step.clone()}
+        return original(self, model_param, tensors)
+
+    return replacement
+
+
+def _adam_state_before_first_step(original: Callable) -> Callable:
+    """``DistributedOptimizer.state_dict`` without Apex/TE reads torch Adam's ``step`` from
+    the per-parameter state, which torch creates at the first step: before it (a checkpoint
+    loaded at start-up asks for the state dict to load into) it fails on ``assert
+    len(steps) == 1``. The state torch's first step would create (zeros, step 0) is made
+    first; the loaded values replace it, and a first step from it is torch's own."""
+
+    @functools.wraps(original)
+    def replacement(self) -> dict:
+        inner = self.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {"step": torch.tensor(0.0),
+                                          "exp_avg": torch.zeros_like(param),
+                                          "exp_avg_sq": torch.zeros_like(param)}
+        return original(self)
+
+    return replacement
+
+
+def _own_adam_steps(original: Callable) -> Callable:
+    """``DistributedOptimizer.load_state_dict`` without Apex/TE gives every parameter's torch
+    Adam state the same ``step`` tensor; torch increments each parameter's step in place, so
+    a shared one advances once per parameter and every bias correction after a resume is
+    wrong. Each parameter gets its own copy."""
+
+    @functools.wraps(original)
+    def replacement(self, state_dict: dict) -> None:
+        original(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+    return replacement
+
+
 # ----------------------------------------------------------------------------- patch registry
 @dataclass
 class _Patch:
@@ -336,6 +414,16 @@ def _patch_specs() -> list[tuple[str, str, Callable[[Any], Any]]]:
          lambda _: _cpu_clip_grad_by_total_norm_fp32),
         ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining", run_on_cpu),
         ("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__", run_on_cpu),
+        ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
+         run_on_cpu),
+        ("megatron.core.optimizer.distrib_optimizer",
+         "DistributedOptimizer.get_parameter_state_dp_zero", run_on_cpu),
+        ("megatron.core.optimizer.distrib_optimizer",
+         "DistributedOptimizer._set_main_param_and_optimizer_states", _keep_adam_step),
+        ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.state_dict",
+         _adam_state_before_first_step),
+        ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict",
+         _own_adam_steps),
         ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", run_on_cpu),
         ("megatron.core.optimizer.clip_grads", "count_zeros_fp32", run_on_cpu),
         ("megatron.core.utils", "local_multi_tensor_l2_norm", run_on_cpu),

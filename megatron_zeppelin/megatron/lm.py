@@ -111,12 +111,12 @@ def _state(args: argparse.Namespace) -> dict:
 
     from megatron_zeppelin.megatron.lm_batch import PoolStats
     from megatron_zeppelin.megatron.groups import new_tp_host_group
-    from megatron_zeppelin.megatron.train import build_pool_runtime
+    from megatron_zeppelin.api import pool_runtime_from_args
 
     layout = pool_layout(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     options = argparse.Namespace(**{**vars(args), "device": device})  # Megatron has no --device
-    runtime = build_pool_runtime(options, layout, _model_spec(args))
+    runtime = pool_runtime_from_args(options, layout, _model_spec(args))
     megatron_cp = parallel_state.get_context_parallel_global_ranks()
     mine = layout.pool_ranks(*layout.position(torch.distributed.get_rank())[::2])
     if list(megatron_cp) != mine:
@@ -133,11 +133,11 @@ def zeppelin_gpt_model(args: argparse.Namespace, transformer_layer_spec):
     spec Megatron chose with every core attention swapped, built as a ``PackedGPTModel`` (same
     constructor as ``GPTModel``, RoPE by position id on packed batches)."""
     from megatron_zeppelin.megatron.packing import PackedGPTModel
-    from megatron_zeppelin.megatron.spec import swap_core_attention
+    from megatron_zeppelin.api import swap_core_attention
 
     where = f"--spec {' '.join(args.spec)}" if getattr(args, "spec", None) else \
         "Megatron's GPT layer spec"
-    spec = swap_core_attention(transformer_layer_spec, _state(args)["runtime"].state, where)
+    spec = swap_core_attention(transformer_layer_spec, _state(args)["runtime"], where)
     return PackedGPTModel, spec
 
 

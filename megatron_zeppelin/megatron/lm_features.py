@@ -149,6 +149,10 @@ RULES: tuple[Rule, ...] = (
     Rule("--use-tp-pp-dp-mapping", "use_tp_pp_dp_mapping", False, _set,
          "pools are Megatron's CP groups in its default rank order (TP, CP, DP)",
          "drop the flag"),
+    Rule("--use-megatron-fsdp", "use_megatron_fsdp", False, _set,
+         "zeppelin pools have not run with Megatron-FSDP (megatron-core 0.16.1's FSDP creates "
+         "CUDA streams, so it has no CPU/gloo exactness test)",
+         "use --use-distributed-optimizer (tested exact in zeppelin mode)"),
     Rule("--zeppelin-overlong", "zeppelin_overlong", "error", lambda v, a: v != "error",
          "Megatron-LM's samples hold at most --seq-length tokens, so no sequence is ever longer "
          "than the planner's limit", "drop the flag"),

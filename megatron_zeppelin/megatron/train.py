@@ -20,19 +20,18 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_zeppelin import env
+from megatron_zeppelin import api, env
 from megatron_zeppelin.config import ConfigError, ModelSpec, load_cluster, load_hardware
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.megatron import args as train_args, checkpoint, fatal, preflight
 from megatron_zeppelin.megatron.core_attention import ZeppelinAttentionState, planning_hardware
 from megatron_zeppelin.megatron.corpus import DocumentSource, MicroBatchSampler
 from megatron_zeppelin.megatron.data import ZeppelinDataIterator
-from megatron_zeppelin.megatron.groups import Pool, new_pool_groups
+from megatron_zeppelin.megatron.groups import Pool
 from megatron_zeppelin.megatron.online_fit import OnlineFit
 from megatron_zeppelin.megatron.train_log import Logger, StepLog, banner
 from megatron_zeppelin.megatron.watchdog import Watchdog, start_watchdog
 from megatron_zeppelin.megatron.model import build_gpt_model, make_transformer_config
-from megatron_zeppelin.megatron.spec import get_gpt_layer_zeppelin_spec
 from megatron_zeppelin.parallel import PoolLayout
 from megatron_zeppelin.planner.registry import strategy_class
 from megatron_zeppelin.planner.service import PlanFunction, PlannerService
@@ -115,7 +114,7 @@ def build_pool_runtime(args: argparse.Namespace, layout: PoolLayout, spec: Model
     """Wire one pool (every rank calls it, in the same order: it creates every pool's process
     groups): groups -> cost model -> attention state -> planner. ``args``: the training
     flags (``args.py``); Megatron-LM's namespace needs ``device`` added (``lm.py``)."""
-    pool = new_pool_groups(layout)
+    pool = api.process_groups(layout)
     cost = make_cost_model(args, spec, layout)
     planner = make_planner(args, cost, layout)
     state = build_state(args, pool, cost, planner)
@@ -137,24 +136,26 @@ def build_training(args: argparse.Namespace, state: ZeppelinAttentionState, spec
                                      tensor_model_parallel_size=args.tensor_model_parallel_size,
                                      params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
                                      attention=attention.config_fields(args.num_layers))
-    layer_spec = get_gpt_layer_zeppelin_spec(
-        state, normalization=args.normalization, use_te=None if args.device == "cuda" else False,
-        multi_latent_attention=attention.multi_latent_attention)
+    layer_spec = api.layer_spec(state, normalization=args.normalization,
+                                use_te=None if args.device == "cuda" else False,
+                                multi_latent_attention=attention.multi_latent_attention)
     module = build_gpt_model(spec, config, max_sequence_length=args.seq_length,
                              layer_spec=layer_spec,
                              pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     if args.device == "cuda":
         module.cuda()
     model = DistributedDataParallel(
-        config, DistributedDataParallelConfig(overlap_grad_reduce=args.overlap_grad_reduce),
-        module)
+        config, DistributedDataParallelConfig(
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            use_distributed_optimizer=args.use_distributed_optimizer), module)
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr,
                         weight_decay=args.weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-                        clip_grad=args.clip_grad, bf16=args.bf16), [model])
+                        clip_grad=args.clip_grad, bf16=args.bf16,
+                        use_distributed_optimizer=args.use_distributed_optimizer), [model])
     return model, optimizer
 
 
@@ -163,13 +164,7 @@ def forward_step(data_iterator, model):
     batch = next(data_iterator)
     losses = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
                    packed_seq_params=batch.packed_seq_params)
-
-    def loss_func(output: torch.Tensor):
-        total = (output.float() * batch.loss_mask).sum()
-        count = batch.loss_mask.sum().to(torch.int)
-        return total, count, {"lm loss": torch.stack([total.detach(), count.float()])}
-
-    return losses, loss_func
+    return losses, api.loss_func(batch)
 
 
 def make_scheduler(args: argparse.Namespace, optimizer):
@@ -185,15 +180,15 @@ def make_scheduler(args: argparse.Namespace, optimizer):
         override_opt_param_scheduler=args.override_opt_param_scheduler)
 
 
-def make_data(args: argparse.Namespace, source: DocumentSource, pool: Pool,
-              planner: PlanFunction, device, position: dict | None,
-              prepare=None) -> tuple[ZeppelinDataIterator, MicroBatchSampler]:
+def make_data(args: argparse.Namespace, source: DocumentSource, runtime: PoolRuntime,
+              device, position: dict | None) -> tuple[ZeppelinDataIterator, MicroBatchSampler]:
     """Micro-batches of MBS x seq-length tokens per pool (Megatron's meaning: a CP group runs
     MBS samples of seq-length tokens; an iteration GBS x seq-length tokens), from one global
     stream dealt to the pools; documents longer than --seq-length follow --zeppelin-overlong.
     ``position``: a checkpoint's data position to continue from. Plans come from the planner
-    process (``--zeppelin-planner-process``, the default) or a thread of this one; ``prepare``
-    builds each plan's attention runtime ahead, on the iterator's worker thread."""
+    process (``--zeppelin-planner-process``, the default) or a thread of this one; each plan's
+    attention runtime is prepared ahead, on the iterator's worker thread."""
+    pool, planner = runtime.pool, runtime.planner
     sampler = MicroBatchSampler(source, args.micro_batch_size * args.seq_length, args.seed,
                                 args.seq_length, args.zeppelin_overlong,
                                 pools=pool.layout.dp, pool=pool.index)
@@ -204,8 +199,8 @@ def make_data(args: argparse.Namespace, source: DocumentSource, pool: Pool,
                   "its beginning", flush=True)
     if args.zeppelin_planner_process:
         planner = PlannerService(planner)
-    return ZeppelinDataIterator(sampler, planner, pool.rank, device=device, prepare=prepare,
-                                max_position=args.seq_length), sampler
+    return api.planned_micro_batches(sampler, runtime, device, planner=planner,
+                                     max_position=args.seq_length), sampler
 
 
 def init_process_group(args: argparse.Namespace) -> None:
@@ -250,8 +245,7 @@ def train(args: argparse.Namespace, layout: PoolLayout, ready: preflight.Ready,
         if dist.get_rank() == 0:
             print(banner(args, layout, model.module, ready.source, watchdog_line), flush=True)
         start, position = resume(args, ready, run)
-        data, sampler = make_data(args, ready.source, runtime.pool, runtime.planner, device,
-                                  position, prepare=runtime.state.prepare)
+        data, sampler = make_data(args, ready.source, runtime, device, position)
         _, pool_rank, tp_rank = layout.position(dist.get_rank())
         logger = Logger(args, runtime.cost, dist.get_rank() == 0, sampler.stats,
                         counts_plans=pool_rank == 0 and tp_rank == 0, pools=layout.dp)
