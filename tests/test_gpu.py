@@ -15,6 +15,8 @@ Tolerances follow GPU-FACTS (bf16 vs float64: output 7.7e-3, lse 1.7e-6, dq/dk/d
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -129,9 +131,7 @@ def test_hot_path_does_not_sync_the_host():
             for p in range(3)]
     tensors = [[torch.randn(run.layout.tokens(), h, HEAD_DIM, device="cuda",
                             dtype=torch.bfloat16) for h in (8, 2, 2)] for run in runs]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:  # every block of every round of every ring position, both phases
+    with _host_syncs_fail():  # every block of every round of every ring position, both phases
         for run, (q, k, v) in zip(runs, tensors):
             run.begin_forward(q, k, v)
             _all_rounds(run, Phase.FORWARD)
@@ -139,8 +139,6 @@ def test_hot_path_does_not_sync_the_host():
             run.begin_backward(torch.ones_like(out), q, k, v, out, lse)
             _all_rounds(run, Phase.BACKWARD)
             run.end_backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert not dist.is_initialized()
 
 
@@ -152,6 +150,18 @@ def _all_rounds(run, phase) -> None:
         run.compute(phase, step)
         run.receive(phase, step, [torch.zeros(shape, dtype=dtype, device="cuda")
                                   for shape, dtype in run.recv_like(phase, step)])
+
+
+@contextlib.contextmanager
+def _host_syncs_fail():
+    """Inside: every synchronising CUDA call raises (``set_sync_debug_mode("error")``), the
+    device drained first so that nothing earlier is blamed."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def _sync_free_engine(rank: int, world: int) -> None:
@@ -169,12 +179,8 @@ def _sync_free_engine(rank: int, world: int) -> None:
     kv = torch.randn(plan.attention_tokens()[0], 2, HEAD_DIM, device="cuda",
                      dtype=torch.bfloat16, requires_grad=True)
     dout = torch.randn_like(q)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _host_syncs_fail():
         engine.forward(q, kv, kv).backward(dout)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(q.grad).all()
 
 
@@ -207,12 +213,8 @@ def _sync_free_nccl_rings(rank: int, world: int) -> int:
                      requires_grad=True)
     dout = torch.randn_like(q)
     engine.forward(q, kv, kv).backward(dout)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _host_syncs_fail():
         engine.forward(q, kv, kv).backward(dout)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     engine.close()
     return sum(len(g.ring) > 1 for g in plan.ring_groups)

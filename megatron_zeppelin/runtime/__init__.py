@@ -1,7 +1,8 @@
 """Runtime over torch.distributed: ring attention engine, remapping layer, routed P2P.
 
 One module per piece: ``kernels/`` (kernel backends behind one protocol), ``attention``
-(zigzag ring of one group), ``engine`` (three queues, overlapped), ``lanes`` (CPU order vs CUDA
+(zigzag ring of one group), ``engine`` (three queues, overlapped; ``waves``: its
+waves, rings and LOCAL calls of a plan), ``lanes`` (CPU order vs CUDA
 streams), ``ring_comm`` (the P2P ring helper), ``transport`` (direct or host-staged
 communication; ``ordered``: NCCL's order matching checked on gloo, for tests), ``inter`` and
 ``routed_p2p`` (global inter-node steps), ``remap`` (linear <-> attention layout), ``merge``

@@ -72,7 +72,6 @@ makes its first call together.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -82,59 +81,24 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin import env
-from megatron_zeppelin.plan import Plan, RingGroup, Tier
+from megatron_zeppelin.plan import Plan, Tier
 from megatron_zeppelin.plan_checks import ATTENTION_KINDS
 from megatron_zeppelin.router import RouterTopology
 from megatron_zeppelin.runtime import kernels
-from megatron_zeppelin.runtime.attention import (RingGroupRun, StepBlocks, ZigzagLayout,
-                                                 device_blocks, take)
+from megatron_zeppelin.runtime.attention import RingGroupRun, take
 from megatron_zeppelin.runtime.device_index import to_device
 from megatron_zeppelin.runtime.inter import InterQueue
-from megatron_zeppelin.runtime.kernels import KernelBackend, Pieces, accum_dtype, make_pieces
+from megatron_zeppelin.runtime.kernels import KernelBackend, accum_dtype
 from megatron_zeppelin.runtime.lanes import Lanes, lanes_for
 from megatron_zeppelin.runtime.probe import Probe
-from megatron_zeppelin.runtime.ring_comm import RingBatch, RingComm, RingRequest
+from megatron_zeppelin.runtime.ring_comm import RingBatch, RingRequest
 from megatron_zeppelin.runtime.transport import Transport, get_transport
 from megatron_zeppelin.runtime.ulysses import UlyssesAttention
-from megatron_zeppelin.schedule import LOCAL_CALL_TOKENS, Phase, local_calls
+from megatron_zeppelin.runtime.waves import (LocalCall, Ring, Wave, build_waves,
+                                             whole_buffer_call, windowed)
+from megatron_zeppelin.schedule import LOCAL_CALL_TOKENS, Phase
 
 INTER_MODES = ("ring", "direct", "routed")
-
-
-@dataclasses.dataclass
-class _Ring:
-    """A ring group of this rank: rows ``[start, end)`` of the buffer, layout, comm, and its
-    blocks on the prepared device."""
-
-    group: RingGroup
-    start: int
-    end: int
-    layout: ZigzagLayout
-    comm: RingComm
-    routed_send: bool = False  # outgoing hop goes through the global inter-node step
-    routed_recv: bool = False  # incoming hop likewise
-    blocks: StepBlocks | None = None
-
-
-class LocalCall(NamedTuple):
-    """One causal varlen call of LOCAL sequences.
-
-    lengths: tokens of its sequences in call order; rows: their rows of the rank's buffer in
-    that order (a slice when contiguous, else int64 indices on the prepared device); pieces:
-    ``kernels.Pieces`` with ``cu = (0, n_1, n_1 + n_2, ...)`` for queries and keys; work: sum
-    of s^2.
-    """
-
-    lengths: tuple[int, ...]
-    rows: slice | torch.Tensor
-    pieces: Pieces
-    work: int
-
-
-@dataclasses.dataclass
-class _Wave:
-    rings: list[_Ring]
-    local: list[LocalCall]  # in run order
 
 
 class _Tensors(NamedTuple):
@@ -155,7 +119,7 @@ class _Pass:
 
     phase: Phase
     index: int
-    wave: _Wave
+    wave: Wave
     tensors: _Tensors
     result: tuple[torch.Tensor, ...]
     scale: float
@@ -190,23 +154,6 @@ def fill(queue: deque, in_flight: Callable[[], bool], run: Callable[[LocalCall],
         run(queue.popleft())
         ran += 1
     return ran
-
-
-def _whole_buffer_call(waves: list[_Wave], tokens: int, inter) -> LocalCall | None:
-    """The rank's only work when it is one LOCAL call over its whole buffer (one wave, no
-    ring, no global step), else None."""
-    if len(waves) != 1 or waves[0].rings or len(waves[0].local) != 1 or (
-            inter is not None and inter.num_steps(0, Phase.FORWARD)):
-        return None
-    call = waves[0].local[0]
-    return call if isinstance(call.rows, slice) and call.rows == slice(0, tokens) else None
-
-
-def _windowed(ring: _Ring, window: int | None, device: torch.device) -> _Ring:
-    """``ring`` with its layout for sliding window ``window`` and its blocks on ``device``."""
-    layout = ring.layout if window is None else ZigzagLayout(
-        ring.layout.lengths, ring.layout.ring_size, ring.layout.position, window)
-    return dataclasses.replace(ring, layout=layout, blocks=device_blocks(layout, device))
 
 
 def _canonical(device: torch.device | str) -> torch.device:
@@ -299,65 +246,15 @@ class AttentionEngine:
             plan, rank, route_group, routing=inter_mode == "routed",
             router_topology=router_topology, timeout_s=self.timeout_s,
             transport=self.transport)
-        self.waves = [] if self.ulysses else self._build_waves()
+        self.waves = [] if self.ulysses else build_waves(
+            plan, rank, group, self.inter, local_call_tokens, self.timeout_s, self.transport)
         self.windows = tuple(windows)
         # per device: the waves of each sliding window (None: full causal) and the lanes
-        self._prepared: dict[torch.device, tuple[dict[int | None, list[_Wave]], Lanes]] = {}
+        self._prepared: dict[torch.device, tuple[dict[int | None, list[Wave]], Lanes]] = {}
         self._kernels: dict[tuple[torch.device, torch.dtype], KernelBackend] = {}
         self.probe: Probe | None = None  # per-micro-batch measurements (runtime/probe.py)
         if device is not None:
             self.prepare(device)
-
-    def _build_waves(self) -> list[_Wave]:
-        """The rank's rings and LOCAL calls per wave, indices on the host."""
-        waves = [_Wave([], []) for _ in range(self.plan.num_waves)]
-        index = {g.key: i for i, g in enumerate(self.plan.ring_groups)}
-        offset, local = 0, []
-        for group in self.plan.rank_groups[self.rank]:
-            lengths = [self.plan.seqlens[s] for s in group.seqs]
-            position = group.ring.index(self.rank)
-            layout = ZigzagLayout(lengths, len(group.ring), position)
-            start, offset = offset, offset + layout.tokens()
-            if group.tier == Tier.LOCAL:
-                local.append((group.wave, lengths, start))
-                continue
-            comm = RingComm(group.ring, self.rank, self.group, tag=index[group.key],
-                            name=f"{group.tier.name} group {group.key}", timeout_s=self.timeout_s,
-                            transport=self.transport)
-            ring = _Ring(group, start, offset, layout, comm)
-            if self.inter is not None and group.tier == Tier.INTER:
-                ring.routed_send = self.inter.crosses(group, position)
-                ring.routed_recv = self.inter.crosses(group, (position - 1) % len(group.ring))
-            waves[group.wave].rings.append(ring)
-        if offset != self.tokens:
-            raise RuntimeError(f"rank {self.rank}: ring groups hold {offset} tokens, the plan's "
-                               f"attention layout {self.tokens}")
-        for wave, lengths, start in local:
-            quiet = not waves[wave].rings and not (self.inter and self.inter.num_steps(
-                wave, Phase.FORWARD))
-            waves[wave].local.extend(self._local_calls(lengths, start, quiet))
-        return waves
-
-    def _local_calls(self, lengths: list[int], start: int, fused: bool) -> list[LocalCall]:
-        """The calls of a LOCAL group whose buffer rows begin at ``start`` (run order):
-        ``local_calls``, or one call of the whole group (``fused``: a wave in which this rank
-        has no traffic, so no wait to fill)."""
-        if not lengths:
-            return []
-        starts = list(itertools.accumulate(lengths, initial=start))
-        groups = [tuple(range(len(lengths)))] if fused else local_calls(lengths,
-                                                                         self.local_call_tokens)
-        calls = []
-        for seqs in groups:
-            ranges = [(starts[i], starts[i + 1]) for i in seqs]
-            if all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])):
-                rows = slice(ranges[0][0], ranges[-1][1])
-            else:
-                rows = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in ranges])
-            sizes = tuple(lengths[i] for i in seqs)
-            cu = tuple(itertools.accumulate(sizes, initial=0))
-            calls.append(LocalCall(sizes, rows, make_pieces(cu, cu), sum(n * n for n in sizes)))
-        return calls
 
     # ------------------------------------------------------------------ preparation
     def prepare(self, device: torch.device | str) -> None:
@@ -384,7 +281,7 @@ class AttentionEngine:
             placed[id(call)] = call._replace(rows=call.rows if rows is None else rows,
                                              pieces=call.pieces._replace(cu_q_dev=cu,
                                                                          cu_k_dev=cu))
-        waves = [_Wave([_windowed(ring, window, device) for ring in wave.rings],
+        waves = [Wave([windowed(ring, window, device) for ring in wave.rings],
                        [placed[id(c)] for c in wave.local]) for wave in self.waves]
         self._prepared.setdefault(device, ({}, lanes_for(device)))[0][window] = waves
 
@@ -451,7 +348,7 @@ class AttentionEngine:
         waves = by_window[window]
         scale = next((s for s in (scale, self.scale) if s is not None), q.shape[-1] ** -0.5)
         band = None if window is None else (window, 0)
-        whole = _whole_buffer_call(waves, self.tokens, self.inter)
+        whole = whole_buffer_call(waves, self.tokens, self.inter)
         if whole is not None:  # one fused call over the whole buffer: its outputs, no copies
             if phase is Phase.FORWARD:
                 return self._kernel(q).forward(q, k, v, whole.pieces, True, scale, band)
@@ -593,7 +490,7 @@ class AttentionEngine:
                 run.receive(p.phase, r, received)
 
 
-    def _probe_link(self, ring: _Ring, sends: list, posted_s: float, waited_s: float) -> None:
+    def _probe_link(self, ring: Ring, sends: list, posted_s: float, waited_s: float) -> None:
         """A direct ring exchange for the probe: its tier, bytes and time (CPU)."""
         if ring.routed_send or ring.routed_recv or ring.group.tier == Tier.LOCAL:
             return

@@ -1,0 +1,137 @@
+"""The engine's static structure of one plan on one rank: its waves, rings and LOCAL calls.
+
+``build_waves`` turns ``Plan.rank_groups[rank]`` into ``Wave``s (run order: INTER, INTRA rings,
+then LOCAL calls), each ring with its ``ZigzagLayout`` (rows ``[start, end)`` of the rank's
+attention buffer ``[tokens, heads, head_dim]``) and ``RingComm``; LOCAL sequences become varlen
+calls (``schedule.local_calls``). Indices are host tensors here; ``windowed`` gives a ring its
+sliding-window layout and moves its blocks to the device (``engine.AttentionEngine.prepare``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_zeppelin.plan import Plan, RingGroup, Tier
+from megatron_zeppelin.runtime.attention import StepBlocks, ZigzagLayout, device_blocks
+from megatron_zeppelin.runtime.kernels import Pieces, make_pieces
+from megatron_zeppelin.runtime.ring_comm import RingComm
+from megatron_zeppelin.runtime.transport import Transport
+from megatron_zeppelin.schedule import Phase, local_calls
+
+
+@dataclasses.dataclass
+class Ring:
+    """A ring group of this rank: rows ``[start, end)`` of the buffer, layout, comm, and its
+    blocks on the prepared device."""
+
+    group: RingGroup
+    start: int
+    end: int
+    layout: ZigzagLayout
+    comm: RingComm
+    routed_send: bool = False  # outgoing hop goes through the global inter-node step
+    routed_recv: bool = False  # incoming hop likewise
+    blocks: StepBlocks | None = None
+
+
+class LocalCall(NamedTuple):
+    """One causal varlen call of LOCAL sequences.
+
+    lengths: tokens of its sequences in call order; rows: their rows of the rank's buffer in
+    that order (a slice when contiguous, else int64 indices on the prepared device); pieces:
+    ``kernels.Pieces`` with ``cu = (0, n_1, n_1 + n_2, ...)`` for queries and keys; work: sum
+    of s^2.
+    """
+
+    lengths: tuple[int, ...]
+    rows: slice | torch.Tensor
+    pieces: Pieces
+    work: int
+
+
+@dataclasses.dataclass
+class Wave:
+    """One wave of this rank: its rings and its LOCAL calls."""
+
+    rings: list[Ring]
+    local: list[LocalCall]  # in run order
+
+
+def whole_buffer_call(waves: list[Wave], tokens: int, inter) -> LocalCall | None:
+    """The rank's only work when it is one LOCAL call over its whole buffer (one wave, no
+    ring, no global step), else None."""
+    if len(waves) != 1 or waves[0].rings or len(waves[0].local) != 1 or (
+            inter is not None and inter.num_steps(0, Phase.FORWARD)):
+        return None
+    call = waves[0].local[0]
+    return call if isinstance(call.rows, slice) and call.rows == slice(0, tokens) else None
+
+
+def windowed(ring: Ring, window: int | None, device: torch.device) -> Ring:
+    """``ring`` with its layout for sliding window ``window`` and its blocks on ``device``."""
+    layout = ring.layout if window is None else ZigzagLayout(
+        ring.layout.lengths, ring.layout.ring_size, ring.layout.position, window)
+    return dataclasses.replace(ring, layout=layout, blocks=device_blocks(layout, device))
+
+
+def build_waves(plan: Plan, rank: int, pg: dist.ProcessGroup, inter, local_call_tokens: int,
+                timeout_s: float, transport: Transport) -> list[Wave]:
+    """``rank``'s rings and LOCAL calls per wave of ``plan``, indices on the host: ring groups
+    in global order with their layout and ``RingComm`` on process group ``pg``; ``inter`` (an
+    ``InterQueue`` or None) decides which hops go through the global inter-node step; LOCAL
+    groups become calls of ``local_call_tokens`` (one call where the wave has no traffic)."""
+    waves = [Wave([], []) for _ in range(plan.num_waves)]
+    index = {g.key: i for i, g in enumerate(plan.ring_groups)}
+    offset, local = 0, []
+    for group in plan.rank_groups[rank]:
+        lengths = [plan.seqlens[s] for s in group.seqs]
+        position = group.ring.index(rank)
+        layout = ZigzagLayout(lengths, len(group.ring), position)
+        start, offset = offset, offset + layout.tokens()
+        if group.tier == Tier.LOCAL:
+            local.append((group.wave, lengths, start))
+            continue
+        comm = RingComm(group.ring, rank, pg, tag=index[group.key],
+                        name=f"{group.tier.name} group {group.key}", timeout_s=timeout_s,
+                        transport=transport)
+        ring = Ring(group, start, offset, layout, comm)
+        if inter is not None and group.tier == Tier.INTER:
+            ring.routed_send = inter.crosses(group, position)
+            ring.routed_recv = inter.crosses(group, (position - 1) % len(group.ring))
+        waves[group.wave].rings.append(ring)
+    tokens = plan.attention_tokens()[rank]
+    if offset != tokens:
+        raise RuntimeError(f"rank {rank}: ring groups hold {offset} tokens, the plan's "
+                           f"attention layout {tokens}")
+    for wave, lengths, start in local:
+        quiet = not waves[wave].rings and not (inter and inter.num_steps(
+            wave, Phase.FORWARD))
+        waves[wave].local.extend(local_calls_of(lengths, start, quiet, local_call_tokens))
+    return waves
+
+
+def local_calls_of(lengths: list[int], start: int, fused: bool, local_call_tokens: int
+                   ) -> list[LocalCall]:
+    """The calls of a LOCAL group whose buffer rows begin at ``start`` (run order):
+    ``local_calls``, or one call of the whole group (``fused``: a wave in which this rank
+    has no traffic, so no wait to fill)."""
+    if not lengths:
+        return []
+    starts = list(itertools.accumulate(lengths, initial=start))
+    groups = [tuple(range(len(lengths)))] if fused else local_calls(lengths,
+                                                                     local_call_tokens)
+    calls = []
+    for seqs in groups:
+        ranges = [(starts[i], starts[i + 1]) for i in seqs]
+        if all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])):
+            rows = slice(ranges[0][0], ranges[-1][1])
+        else:
+            rows = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in ranges])
+        sizes = tuple(lengths[i] for i in seqs)
+        cu = tuple(itertools.accumulate(sizes, initial=0))
+        calls.append(LocalCall(sizes, rows, make_pieces(cu, cu), sum(n * n for n in sizes)))
+    return calls
