@@ -87,8 +87,6 @@ def _check_grouped_single_row(q, k, cu_q: list[int], max_q: int) -> None:
               f"{q.shape[2]}]: invalid with empty query pieces (the real kernel fails here)")
 
 
-def _scores(q, k, a, b, c, d, causal, scale):
-    """float64 scores ``[heads, tq, tk]`` of one piece, bottom-right causal mask applied."""
 def _band(causal, left, right) -> tuple[int, int]:
     """The kernel's ``(left, right)`` window (None: unbounded; causal forces right = 0)."""
     left = -1 if left is None else left
