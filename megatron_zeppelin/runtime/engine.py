@@ -231,7 +231,6 @@ class AttentionEngine:
             kernels.get(backend)  # a bad name fails here, not in the first step
         self.plan, self.rank, self.group = plan, rank, group
         self.backend, self.scale, self.inter_mode = backend, scale, inter_mode
-        self.local_call_tokens = local_call_tokens
         self.timeout_s = env.p2p_timeout_s() if timeout_s is None else float(timeout_s)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s!r} is invalid: expected seconds > 0")
