@@ -23,7 +23,7 @@ RUN pip install --no-cache-dir --no-deps "megatron-core==${MCORE_VERSION}" \
         "pytest>=8" "hypothesis>=6" \
  && pip install --no-cache-dir --no-deps --no-build-isolation -e . \
  && python -c "import megatron_zeppelin._router_cpp, megatron_zeppelin._planner_cpp, megatron.core; \
-from megatron_zeppelin.megatron import compat; compat.check_megatron_core(); print('megatron-zeppelin ready')"
+from megatron_zeppelin.megatron.common import compat; compat.check_megatron_core(); print('megatron-zeppelin ready')"
 
 ENV PYTHONUNBUFFERED=1
 CMD ["zeppelin", "--help"]

@@ -48,7 +48,7 @@ setup(
     cmdclass={"build_ext": build_ext},
     install_requires=[
         "torch>=2.6",
-        "megatron-core>=0.16.1,<0.20",  # range: megatron/compat.py; CI tests 0.16.1
+        "megatron-core>=0.16.1,<0.20",  # range: megatron/common/compat.py; CI tests 0.16.1
         "numpy",
         "scipy>=1.9",  # FlexSP's MILP: scipy.optimize.milp (HiGHS)
         "pyyaml>=6",

@@ -22,8 +22,8 @@ def main(iterations: int = 2) -> list[float]:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron_zeppelin.megatron.cpu import enable_cpu_mode
-    from megatron_zeppelin.megatron.model import build_gpt_model, make_transformer_config
+    from megatron_zeppelin.megatron.common.cpu import enable_cpu_mode
+    from megatron_zeppelin.megatron.common.model import build_gpt_model, make_transformer_config
 
     enable_cpu_mode()  # CPU/gloo only; on GPUs leave it out and use device="cuda"
     parallel_state.initialize_model_parallel()  # Megatron CP 1: the pools are zeppelin's

@@ -11,7 +11,9 @@ down to ``sim/`` imports no torch (``docs/architecture.md`` has the picture):
     router/                                     NIC-aware routing schedule (Python + C++ twin)
     sim/                                        cluster simulator, workloads, reports
     runtime/                                    torch.distributed: engine, kernels, rings, remap
-    megatron/                                   Megatron-Core integration and training loop
+    megatron/loop/                              our training loop (scripts/pretrain_gpt.py)
+    megatron/lm/                                Megatron-LM's pretrain_gpt.py glue (patches/)
+    megatron/common/                            Megatron-Core pieces both use: attention, spec, data
     bench/                                      all measurement: benchmarks, calibration, fidelity
     cli                                         the ``zeppelin`` command
 """

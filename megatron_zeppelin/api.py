@@ -1,7 +1,7 @@
 """Public API: zeppelin context parallelism in your own Megatron-Core training loop.
 
-What ``scripts/pretrain_gpt.py`` (``megatron/train.py``) and the Megatron-LM glue
-(``megatron/lm.py``) use, in one place (``docs/api.md`` shows a whole loop):
+What ``scripts/pretrain_gpt.py`` (``megatron/loop/train.py``) and the Megatron-LM glue
+(``megatron/lm/glue.py``) use, in one place (``docs/api.md`` shows a whole loop):
 
 * ``pool_runtime(layout, model, seq_length=...)``: the process groups of the pools
   (``PoolLayout``: a pool = the CP ranks of one data-parallel replica and TP rank), the
@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.config import ModelSpec
-from megatron_zeppelin.megatron.data import MicroBatch, ZeppelinDataIterator
-from megatron_zeppelin.megatron.groups import Pool, new_pool_groups
+from megatron_zeppelin.megatron.common.data import MicroBatch, ZeppelinDataIterator
+from megatron_zeppelin.megatron.common.groups import Pool, new_pool_groups
 from megatron_zeppelin.parallel import PoolLayout
 
 MODES = ("zeppelin", "static")
@@ -51,7 +51,7 @@ def runtime_options(seq_length: int, mode: str = "zeppelin", device: str = "cuda
     defaults of every flag, then ``flags`` by destination name (``zeppelin_cluster=``,
     ``zeppelin_attention_backend=``, ``zeppelin_capacity_tokens_per_gpu=``, ``bf16=``...).
     An unknown name is a ``ValueError`` naming it."""
-    from megatron_zeppelin.megatron import args as train_args
+    from megatron_zeppelin.megatron.loop import args as train_args
 
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is invalid: expected one of {list(MODES)}")
@@ -76,7 +76,7 @@ def pool_runtime(layout: PoolLayout, model: ModelSpec, *, seq_length: int,
 
 def pool_runtime_from_args(args: argparse.Namespace, layout: PoolLayout, model: ModelSpec):
     """``pool_runtime`` from a parsed namespace (ours, or Megatron-LM's with ``device``)."""
-    from megatron_zeppelin.megatron.train import build_pool_runtime
+    from megatron_zeppelin.megatron.loop.train import build_pool_runtime
 
     return build_pool_runtime(args, layout, model)
 
@@ -90,7 +90,7 @@ def layer_spec(runtime: Any, *, use_te: bool | None = None, normalization: str =
     """Megatron's GPT layer spec (TE when ``use_te`` or importable, else local) with zeppelin
     core attention (multi-latent attention's self-attention with ``multi_latent_attention``);
     ``runtime``: a ``PoolRuntime`` or its attention state."""
-    from megatron_zeppelin.megatron.spec import get_gpt_layer_zeppelin_spec
+    from megatron_zeppelin.megatron.common.spec import get_gpt_layer_zeppelin_spec
 
     return get_gpt_layer_zeppelin_spec(_state(runtime), use_te=use_te,
                                        normalization=normalization, qk_layernorm=qk_layernorm,
@@ -99,7 +99,7 @@ def layer_spec(runtime: Any, *, use_te: bool | None = None, normalization: str =
 
 def swap_core_attention(spec: Any, runtime: Any, where: str = "the layer spec"):
     """A copy of any Megatron layer or block spec with zeppelin core attention."""
-    from megatron_zeppelin.megatron.spec import swap_core_attention as swap
+    from megatron_zeppelin.megatron.common.spec import swap_core_attention as swap
 
     return swap(spec, _state(runtime), where)
 

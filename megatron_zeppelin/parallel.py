@@ -8,8 +8,8 @@ tokens and their own heads. Nodes hold ``gpus_per_node`` consecutive GPUs, so a 
 ``cp * tp / gpus_per_node`` nodes with ``gpus_per_node / tp`` pool ranks each: the planner's
 ``Topology``.
 
-Training (``megatron/train.py``), the Megatron-LM glue (``megatron/lm.py``) and the tests
-derive every group, topology and count from one ``PoolLayout`` (``megatron/groups.py`` builds
+Training (``megatron/loop/train.py``), the Megatron-LM glue (``megatron/lm/glue.py``) and the tests
+derive every group, topology and count from one ``PoolLayout`` (``megatron/common/groups.py`` builds
 the process groups). Standard library only.
 """
 from __future__ import annotations

@@ -38,7 +38,7 @@ SCALE = 8
 def corpus_lengths(name: str, tokens: int, scale: int, seed: int) -> list[int]:
     """Document lengths of corpus ``name``: the built-in corpus's own, or drawn from its
     workload (divided by ``scale``, at least 1 token) until ``tokens`` are reached."""
-    from megatron_zeppelin.megatron.corpus import BuiltinCorpus
+    from megatron_zeppelin.megatron.loop.corpus import BuiltinCorpus
     from megatron_zeppelin.sim.workloads import get_workload
 
     if CORPORA[name] is None:
@@ -57,7 +57,7 @@ def write_corpus(prefix: Path, lengths: list[int]) -> int:
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from megatron_zeppelin.megatron.corpus import _StdlibText
+    from megatron_zeppelin.megatron.loop.corpus import _StdlibText
 
     text, offset = _StdlibText(), 0
     builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.uint16)

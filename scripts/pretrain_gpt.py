@@ -5,7 +5,7 @@
 
 Flags follow Megatron-LM's names (``--num-layers``, ``--context-parallel-size``, ...); see
 ``python scripts/pretrain_gpt.py --help``. The training loop lives in
-``megatron_zeppelin.megatron.train``; exit status 2 is a user error (one line, from rank 0),
+``megatron_zeppelin.megatron.loop.train``; exit status 2 is a user error (one line, from rank 0),
 1 a fault (every surviving rank names the failed one): ``docs/training.md``.
 
 Imports stay under the ``__main__`` guard: megatron-core's checkpoint writer starts a helper
@@ -26,10 +26,10 @@ def quiet_known_warnings() -> None:
 
 
 if __name__ == "__main__":
-    from megatron_zeppelin.megatron import fatal
+    from megatron_zeppelin.megatron.loop import fatal
 
     fatal.take_sigterm()  # before torch starts threads: a launcher's SIGTERM names a dead peer
     quiet_known_warnings()
-    from megatron_zeppelin.megatron.train import main
+    from megatron_zeppelin.megatron.loop.train import main
 
     sys.exit(fatal.run(main))

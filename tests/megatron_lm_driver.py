@@ -13,7 +13,7 @@ each rank's batches held and what the checkpoint step did.
 
 What replaces Megatron-LM's CUDA-only start-up on CPU (each is a CPU-only stand-in, listed in
 ``docs/megatron-lm.md``): ``initialize_megatron`` (gloo instead of NCCL, no fused-kernel build),
-megatron-core's CPU bridge (``megatron_zeppelin.megatron.cpu``), no-op CUDA streams/events and
+megatron-core's CPU bridge (``megatron_zeppelin.megatron.common.cpu``), no-op CUDA streams/events and
 memory statistics, CPU RNG for ``torch.cuda.get_rng_state``, ``get_device_arch_version``
 (asked by ``validate_args`` for its CUDA_DEVICE_MAX_CONNECTIONS check) and split sizes made
 numpy for the alltoall token dispatcher (it converts them only when they were on a GPU).
@@ -50,7 +50,7 @@ from megatron.training.arguments import parse_args, validate_args  # noqa: E402
 from megatron.training.checkpointing import save_checkpoint  # noqa: E402
 from megatron.training.global_vars import get_timers, set_global_variables  # noqa: E402
 
-from megatron_zeppelin.megatron.cpu import enable_cpu_mode, run_on_cpu  # noqa: E402
+from megatron_zeppelin.megatron.common.cpu import enable_cpu_mode, run_on_cpu  # noqa: E402
 
 
 class _NoOp:

@@ -1,7 +1,7 @@
 """The public API (``megatron_zeppelin.api``): docs/api.md's custom training loop is
 ``examples/custom_loop.py`` verbatim, and it trains on 4 gloo ranks, where every
 rank logs the same global per-token loss. (Exactness of the same API calls against one
-process: ``tests/test_megatron_zeppelin.py``, through ``megatron/train.py``.)"""
+process: ``tests/test_megatron_zeppelin.py``, through ``megatron/loop/train.py``.)"""
 from __future__ import annotations
 
 import pathlib

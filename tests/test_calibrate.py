@@ -155,7 +155,7 @@ def test_shipped_profiles_say_which_kernel_and_clusters_resolve_the_one_that_run
 def test_training_plans_with_the_profile_of_the_kernel_that_runs():
     import torch
 
-    from megatron_zeppelin.megatron.core_attention import planning_hardware
+    from megatron_zeppelin.megatron.common.core_attention import planning_hardware
 
     cpu = planning_hardware(load_cluster("cpu-2x2"), "auto", "cpu", torch.float32, 64)
     assert cpu.kernel == "cpu"

@@ -16,7 +16,7 @@ def _prepared_ahead(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from megatron_zeppelin.megatron.core_attention import ZeppelinAttentionState
+    from megatron_zeppelin.megatron.common.core_attention import ZeppelinAttentionState
     from megatron_zeppelin.planner import make_plan
 
     cost = make_cost("gpt-tiny", "h200-8nic", nodes=1, gpus_per_node=2)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_zeppelin.config import ConfigError
-from megatron_zeppelin.megatron.corpus import (BuiltinCorpus, DocumentStream, MicroBatchSampler,
+from megatron_zeppelin.megatron.loop.corpus import (BuiltinCorpus, DocumentStream, MicroBatchSampler,
                                                check_overlong)
 
 
@@ -125,7 +125,7 @@ def test_the_data_iterator_position_excludes_the_micro_batch_planned_ahead():
     from conftest import make_cost
 
     from megatron_zeppelin.config import ZeppelinConfig
-    from megatron_zeppelin.megatron.data import ZeppelinDataIterator
+    from megatron_zeppelin.megatron.common.data import ZeppelinDataIterator
     from megatron_zeppelin.planner import make_plan
 
     cost = make_cost("gpt-tiny", "cpu-2x2", nodes=2)

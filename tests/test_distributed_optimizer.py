@@ -27,7 +27,7 @@ DISTRIBUTED = ["--use-distributed-optimizer"]
 def run(world: int, argv: list[str]) -> list[tuple]:
     """One ``pretrain_gpt.py`` run in the gloo world: (iteration, loss, grad norm) per
     iteration on rank 0."""
-    from megatron_zeppelin.megatron import args as train_args, preflight, train
+    from megatron_zeppelin.megatron.loop import args as train_args, preflight, train
 
     args = train_args.parse_args(argv)
     layout = train_args.validate_args(args, world, None)
@@ -63,7 +63,7 @@ def test_distributed_optimizer_is_exact_and_its_checkpoints_cross_modes(tmp_path
 
 def test_megatron_fsdp_is_refused_naming_the_flag():
     from megatron_zeppelin.config import ConfigError
-    from megatron_zeppelin.megatron import args as train_args
+    from megatron_zeppelin.megatron.loop import args as train_args
 
     args = train_args.parse_args(FLAGS + ZEPPELIN + ["--use-megatron-fsdp"])
     with pytest.raises(ConfigError, match="--use-megatron-fsdp is not supported"):

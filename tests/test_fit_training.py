@@ -10,7 +10,7 @@ import pytest
 from distributed import run_world
 from megatron_zeppelin import fit
 from megatron_zeppelin.config import ConfigError, load_hardware
-from megatron_zeppelin.megatron import args as train_args
+from megatron_zeppelin.megatron.loop import args as train_args
 
 pytestmark = pytest.mark.distributed
 
@@ -43,7 +43,7 @@ FLAGS = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "32",
 
 
 def _train(rank: int, world: int, out: str, process: bool):
-    from megatron_zeppelin.megatron import online_fit, preflight, train
+    from megatron_zeppelin.megatron.loop import online_fit, preflight, train
 
     seen = []
     step = online_fit.OnlineFit.step

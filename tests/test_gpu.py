@@ -275,7 +275,7 @@ def _gpt_on_one_gpu(rank: int, world: int) -> dict:
     """test_megatron_zeppelin's zeppelin step with --device cuda on one GPU (fp32: the engine
     runs the exact math path on CUDA; ranks exchange through the staged transport)."""
     import test_megatron_zeppelin as cpu_test
-    from megatron_zeppelin.megatron import args as train_args, train
+    from megatron_zeppelin.megatron.loop import args as train_args, train
 
     torch.cuda.set_device(0)
     _uncoalesced_gloo_grad_reduce()
@@ -311,8 +311,8 @@ def _uncoalesced_gloo_grad_reduce() -> None:
 
 def _gpu_reference(module, docs):
     """One process on the GPU: every document whole; mean per-token loss and grads."""
-    from megatron_zeppelin.megatron.model import build_gpt_model
-    from megatron_zeppelin.megatron.packing import packed_seq_params_for_documents
+    from megatron_zeppelin.megatron.common.model import build_gpt_model
+    from megatron_zeppelin.megatron.common.packing import packed_seq_params_for_documents
 
     ref = build_gpt_model(module.spec, module.config, max_sequence_length=1024).cuda()
     ref.load_state_dict(module.state_dict())

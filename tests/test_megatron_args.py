@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_zeppelin.config import ConfigError
-from megatron_zeppelin.megatron import args as train_args
+from megatron_zeppelin.megatron.loop import args as train_args
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = sorted((ROOT / "configs" / "train").glob("*.yaml"))
@@ -140,7 +140,7 @@ def test_the_script_asks_for_torchrun():
 
 
 def test_transformer_engine_missing_names_the_extra():
-    from megatron_zeppelin.megatron.core_attention import te_core_attention_class
+    from megatron_zeppelin.megatron.common.core_attention import te_core_attention_class
 
     pytest.importorskip("megatron.core")
     try:

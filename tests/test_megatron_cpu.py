@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.config import ModelSpec
-from megatron_zeppelin.megatron import cpu
-from megatron_zeppelin.megatron.model import (PackedCoreAttention, build_gpt_model,
+from megatron_zeppelin.megatron.common import cpu
+from megatron_zeppelin.megatron.common.model import (PackedCoreAttention, build_gpt_model,
                                               make_transformer_config)
-from megatron_zeppelin.megatron.packing import (ZeppelinPackedSeqParams, gather_rotary_pos_emb,
+from megatron_zeppelin.megatron.common.packing import (ZeppelinPackedSeqParams, gather_rotary_pos_emb,
                                                 packed_seq_params_for_documents,
                                                 packed_seq_params_for_rank,
                                                 packed_seq_params_from_segments)

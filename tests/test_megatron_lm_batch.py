@@ -1,13 +1,13 @@
-"""Megatron-LM's micro-batch in zeppelin's linear layout (``megatron/lm_batch.py``), the
+"""Megatron-LM's micro-batch in zeppelin's linear layout (``megatron/lm/batch.py``), the
 sequence-parallel padding through core attention, and the core-attention swap of Megatron's
-specs (``megatron/spec.py``)."""
+specs (``megatron/common/spec.py``)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from megatron_zeppelin.config import ConfigError
-from megatron_zeppelin.megatron.lm_batch import (HostBatchTap, PoolStats, host_lengths,
+from megatron_zeppelin.megatron.lm.batch import (HostBatchTap, PoolStats, host_lengths,
                                                  linear_batch, linear_index, sample_sequences)
 from megatron_zeppelin.plan import AttentionTask, Plan, Segment, Tier, Topology
 
@@ -45,7 +45,7 @@ def _tp_lengths(rank: int, world: int) -> list[int]:
     """TP rank 0 reads the batch, TP rank 1 receives its lengths over the gloo TP group."""
     import torch.distributed as dist
 
-    from megatron_zeppelin.megatron.groups import new_tp_host_group
+    from megatron_zeppelin.megatron.common.groups import new_tp_host_group
     from megatron_zeppelin.parallel import PoolLayout
 
     group = new_tp_host_group(PoolLayout(world, 2, 1, 2))
@@ -124,9 +124,9 @@ def pad_body(rank: int, world: int) -> None:
     """One rank, a one-rank pool: zeppelin attention on pieces + pad tokens equals it without
     the pads; the pads' output is zero."""
     import torch.distributed as dist
-    from megatron_zeppelin.megatron.core_attention import (ZeppelinAttentionState,
+    from megatron_zeppelin.megatron.common.core_attention import (ZeppelinAttentionState,
                                                            zeppelin_attention)
-    from megatron_zeppelin.megatron.packing import packed_seq_params_for_rank
+    from megatron_zeppelin.megatron.common.packing import packed_seq_params_for_rank
 
     plan = Plan(strategy="hand", topology=Topology(1, 1), seqlens=(5, 3),
                 sources=(Segment(0, 0, 5), Segment(1, 0, 3)),
@@ -160,8 +160,8 @@ def test_every_attention_layer_of_a_moe_block_spec_gets_zeppelin_core_attention(
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from megatron_zeppelin.megatron.core_attention import ZeppelinCoreAttention
-    from megatron_zeppelin.megatron.spec import swap_core_attention
+    from megatron_zeppelin.megatron.common.core_attention import ZeppelinCoreAttention
+    from megatron_zeppelin.megatron.common.spec import swap_core_attention
 
     state = object()
     block = TransformerBlockSubmodules(layer_specs=[  # what Megatron's MoE block spec holds
@@ -183,7 +183,7 @@ def test_every_attention_layer_of_a_moe_block_spec_gets_zeppelin_core_attention(
 def test_an_unknown_core_attention_is_refused_by_name():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_zeppelin.megatron.spec import swap_core_attention
+    from megatron_zeppelin.megatron.common.spec import swap_core_attention
 
     spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = torch.nn.Identity

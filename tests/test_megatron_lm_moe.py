@@ -19,7 +19,7 @@ def aux_loss_coeff() -> float:
     """0.01 where one process is the reference for the aux loss: megatron-core 0.19 multiplies
     each rank's aux loss by the TP x CP size (in static CP too), so a pool of 2 then matches
     static CP 2, which no CPU can run, not one process; the loss itself is compared anyway."""
-    from megatron_zeppelin.megatron.compat import megatron_core_version
+    from megatron_zeppelin.megatron.common.compat import megatron_core_version
 
     return 0.01 if megatron_core_version()[:2] == (0, 16) else 0.0
 
@@ -62,7 +62,7 @@ def build(layer_spec, variant: str = "gqa"):
     from megatron.core.transformer.transformer_config import (MLATransformerConfig,
                                                               TransformerConfig)
 
-    from megatron_zeppelin.megatron.packing import PackedGPTModel
+    from megatron_zeppelin.megatron.common.packing import PackedGPTModel
 
     extra = VARIANTS[variant]
     config = (MLATransformerConfig if extra else TransformerConfig)(**extra, num_layers=2, hidden_size=32, num_attention_heads=4,
@@ -85,7 +85,7 @@ def setup(cp: int):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from megatron_zeppelin.megatron.cpu import enable_cpu_mode
+    from megatron_zeppelin.megatron.common.cpu import enable_cpu_mode
 
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(context_parallel_size=cp)
@@ -106,9 +106,9 @@ def pool_body(rank: int, world: int, variant: str = "gqa"):
     from megatron.core import parallel_state
 
     from megatron_zeppelin.config import ZeppelinConfig
-    from megatron_zeppelin.megatron.core_attention import ZeppelinAttentionState
-    from megatron_zeppelin.megatron.lm_batch import linear_batch, sample_sequences
-    from megatron_zeppelin.megatron.spec import swap_core_attention
+    from megatron_zeppelin.megatron.common.core_attention import ZeppelinAttentionState
+    from megatron_zeppelin.megatron.lm.batch import linear_batch, sample_sequences
+    from megatron_zeppelin.megatron.common.spec import swap_core_attention
     from megatron_zeppelin.planner import make_plan
 
     from conftest import make_cost
@@ -134,9 +134,9 @@ def pool_body(rank: int, world: int, variant: str = "gqa"):
 
 def reference_body(rank: int, world: int, variant: str = "gqa"):
     """One process, Megatron CP 1: every sequence whole, exact packed attention."""
-    from megatron_zeppelin.megatron.lm_batch import sample_sequences
-    from megatron_zeppelin.megatron.model import PackedCoreAttention
-    from megatron_zeppelin.megatron.packing import (PackedMLASelfAttention,
+    from megatron_zeppelin.megatron.lm.batch import sample_sequences
+    from megatron_zeppelin.megatron.common.model import PackedCoreAttention
+    from megatron_zeppelin.megatron.common.packing import (PackedMLASelfAttention,
                                                     packed_seq_params_for_documents)
 
     setup(cp=1)

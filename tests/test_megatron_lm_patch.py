@@ -1,4 +1,4 @@
-"""The Megatron-LM patch, its apply script and the glue's checks (``megatron/lm.py``).
+"""The Megatron-LM patch, its apply script and the glue's checks (``megatron/lm/glue.py``).
 
 Tests that need a Megatron-LM checkout (tag core_v0.16.1) read MEGATRON_LM_PATH (through
 ``megatron_zeppelin.env``) and are skipped without it; the checkout itself is never modified.
@@ -15,11 +15,12 @@ import pytest
 
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError
-from megatron_zeppelin.megatron import args as train_args, lm
-from megatron_zeppelin.megatron.compat import (MEGATRON_CORE_BELOW, MEGATRON_CORE_MIN,
+from megatron_zeppelin.megatron.loop import args as train_args
+from megatron_zeppelin.megatron.lm import glue as lm
+from megatron_zeppelin.megatron.common.compat import (MEGATRON_CORE_BELOW, MEGATRON_CORE_MIN,
                                                check_cpu_bridge, check_megatron_core,
                                                megatron_core_version, parse_version)
-from megatron_zeppelin.megatron.lm_features import RULES
+from megatron_zeppelin.megatron.lm.features import RULES
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "apply_megatron_patch.sh"

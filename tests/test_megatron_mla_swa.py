@@ -20,7 +20,7 @@ VARIANTS = {"mla": MLA, "swa": SWA, "mla+swa": MLA + ("--window-size", "12,0")}
 def variants_body(rank: int, world: int, names: list[str], tmp: str) -> None:
     from test_megatron_zeppelin import FLAGS, compare, documents, run_mode
 
-    from megatron_zeppelin.megatron import args as train_args, train
+    from megatron_zeppelin.megatron.loop import args as train_args, train
 
     train.setup_megatron(train_args.parse_args(FLAGS))
     docs = documents()

@@ -25,8 +25,8 @@ def documents() -> list[torch.Tensor]:
 
 def reference(module, docs):
     """One process: every document whole, exact packed attention; mean per-token loss + grads."""
-    from megatron_zeppelin.megatron.model import build_gpt_model
-    from megatron_zeppelin.megatron.packing import packed_seq_params_for_documents
+    from megatron_zeppelin.megatron.common.model import build_gpt_model
+    from megatron_zeppelin.megatron.common.packing import packed_seq_params_for_documents
 
     ref = build_gpt_model(module.spec, module.config, max_sequence_length=1024)
     ref.load_state_dict(module.state_dict())
@@ -48,8 +48,8 @@ def run_mode(mode: str, rank: int, save: str | None = None, load: str | None = N
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_zeppelin.megatron import args as train_args, checkpoint, train
-    from megatron_zeppelin.megatron.data import slice_rank
+    from megatron_zeppelin.megatron.loop import args as train_args, checkpoint, train
+    from megatron_zeppelin.megatron.common.data import slice_rank
 
     args = train_args.parse_args(FLAGS + ["--context-parallel-mode", mode, *extra] +
                                  (["--load", load] if load else []))
@@ -98,7 +98,7 @@ def compare(loss, grads, module, docs, what):
 
 
 def equivalence_body(rank: int, world: int, tmp: str) -> None:
-    from megatron_zeppelin.megatron import args as train_args, train
+    from megatron_zeppelin.megatron.loop import args as train_args, train
 
     args = train_args.parse_args(FLAGS)
     train.setup_megatron(args)
@@ -123,7 +123,7 @@ def test_zeppelin_and_static_modes_match_one_process_and_share_checkpoints(tmp_p
 
 
 def empty_rank_body(rank: int, world: int) -> None:
-    from megatron_zeppelin.megatron import args as train_args, train
+    from megatron_zeppelin.megatron.loop import args as train_args, train
 
     args = train_args.parse_args(FLAGS)
     train.setup_megatron(args)
@@ -170,7 +170,7 @@ def gather_tensor_parallel(module, tensors: dict) -> dict:
 
 
 def tensor_parallel_body(rank: int, world: int, tmp: str) -> None:
-    from megatron_zeppelin.megatron import args as train_args, train
+    from megatron_zeppelin.megatron.loop import args as train_args, train
 
     args = train_args.parse_args(FLAGS + list(TP_FLAGS))
     train.setup_megatron(args)
@@ -183,8 +183,8 @@ def tensor_parallel_body(rank: int, world: int, tmp: str) -> None:
 
 
 def tensor_parallel_reference_body(rank: int, world: int, tmp: str) -> None:
-    from megatron_zeppelin.megatron import args as train_args, train
-    from megatron_zeppelin.megatron.model import make_transformer_config
+    from megatron_zeppelin.megatron.loop import args as train_args, train
+    from megatron_zeppelin.megatron.common.model import make_transformer_config
 
     args = train_args.parse_args(FLAGS)
     train.setup_megatron(args)

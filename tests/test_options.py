@@ -9,7 +9,7 @@ import pytest
 
 from megatron_zeppelin import cli
 from megatron_zeppelin.config import ConfigError, ZeppelinConfig
-from megatron_zeppelin.megatron import args as train_args
+from megatron_zeppelin.megatron.loop import args as train_args
 from megatron_zeppelin.options import settings
 from megatron_zeppelin.parallel import PoolLayout
 from megatron_zeppelin.sim import cli as sim_cli

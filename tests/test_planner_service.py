@@ -79,7 +79,7 @@ def test_a_planner_that_cannot_be_sent_is_refused():
 def test_the_data_iterator_takes_its_plans_from_the_process():
     import torch
 
-    from megatron_zeppelin.megatron.data import ZeppelinDataIterator
+    from megatron_zeppelin.megatron.common.data import ZeppelinDataIterator
 
     cost = make_cost(nodes=1, gpus_per_node=2)
     docs = [[torch.arange(n) for n in lengths] for lengths in LENGTHS]

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.distributed
 def _logged(rank: int, world: int, json_path: str | None) -> list[int]:
     import torch
 
-    from megatron_zeppelin.megatron.corpus import DocumentStats
-    from megatron_zeppelin.megatron.train_log import Logger
+    from megatron_zeppelin.megatron.loop.corpus import DocumentStats
+    from megatron_zeppelin.megatron.loop.train_log import Logger
 
     args = argparse.Namespace(log_interval=3, train_iters=7, log_json=json_path,
                               tensorboard_dir=None)

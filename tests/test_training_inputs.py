@@ -16,7 +16,7 @@ import torch
 
 from megatron_zeppelin import cli
 from megatron_zeppelin.config import ConfigError
-from megatron_zeppelin.megatron import args as train_args, checkpoint, fatal, preflight
+from megatron_zeppelin.megatron.loop import args as train_args, checkpoint, fatal, preflight
 
 ROOT = Path(__file__).resolve().parent.parent
 README_YAML = str(ROOT / "configs" / "train" / "gpt-tiny-cpu.yaml")
@@ -237,7 +237,7 @@ class Groups:
 def test_the_lr_schedule_is_megatrons(style, expected):
     """Warmup from 0 over 2 iterations, then decay to --min-lr at iteration 6 (steps count
     samples: iterations x global batch)."""
-    from megatron_zeppelin.megatron.train import make_scheduler
+    from megatron_zeppelin.megatron.loop.train import make_scheduler
 
     args = train_args.parse_args(BASE + ["--lr", "1.0", "--min-lr", "0.1", "--lr-warmup-iters",
                                          "2", "--lr-decay-style", style, "--lr-decay-iters",

@@ -25,7 +25,7 @@ ZEPPELIN_4 = ["--context-parallel-mode", "zeppelin", "--context-parallel-size", 
 def run(world: int, argv: list[str]) -> list:
     """One ``pretrain_gpt.py`` run inside an existing gloo world: validation, preflight,
     Megatron setup and the training loop; rank 0's per-iteration logs."""
-    from megatron_zeppelin.megatron import args as train_args, preflight, train
+    from megatron_zeppelin.megatron.loop import args as train_args, preflight, train
 
     args = train_args.parse_args(argv)
     layout = train_args.validate_args(args, world, None)

@@ -39,7 +39,7 @@ def test_every_strategy_trains_to_static_modes_loss(tmp_path, capsys):
     """On an ArXiv-like corpus written by scripts/make_corpora.py (Megatron's indexed format)."""
     corpora = script("make_corpora")
     assert corpora.main(["--output", str(tmp_path), "--corpus", "arxiv", "--tokens", "96K"]) == 0
-    from megatron_zeppelin.megatron.corpus import IndexedDocuments
+    from megatron_zeppelin.megatron.loop.corpus import IndexedDocuments
 
     assert list(IndexedDocuments(str(tmp_path / "arxiv")).lengths()) == \
         corpora.corpus_lengths("arxiv", 96 * 1024, corpora.SCALE, 0)

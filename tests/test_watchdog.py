@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from megatron_zeppelin.megatron.watchdog import Watchdog
+from megatron_zeppelin.megatron.loop.watchdog import Watchdog
 
 TIMEOUT = 4.0  # heartbeats every 1 s
 

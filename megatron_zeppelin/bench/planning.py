@@ -76,7 +76,7 @@ class _Step:
 
 
 def _iterator(way: str, args, cost: CostModel, config: ZeppelinConfig, plans: list):
-    from megatron_zeppelin.megatron.data import ZeppelinDataIterator
+    from megatron_zeppelin.megatron.common.data import ZeppelinDataIterator
     from megatron_zeppelin.planner.service import PlanFunction, PlannerService
 
     plan_fn = PlanFunction("zeppelin", cost, config)

@@ -97,7 +97,7 @@ def _rank(rank: int, world: int, port: int, runs: list[list[str]], out: str) -> 
     import torch.distributed as dist
 
     from megatron_zeppelin.config import ConfigError
-    from megatron_zeppelin.megatron import args as train_args, preflight, train
+    from megatron_zeppelin.megatron.loop import args as train_args, preflight, train
 
     torch.set_num_threads(1)  # as torchrun does: 4 ranks share this machine's cores
     sys.stdout = open(os.devnull, "w")  # the runs' banners and log lines: the table says it
@@ -167,7 +167,7 @@ class Runner:
 def training_shape(extra: list[str], iterations: int) -> tuple[int, int]:
     """(--seq-length, --context-parallel-size) of the runs; the flags every run shares are
     validated here first (a bad one is refused once, before any process starts)."""
-    from megatron_zeppelin.megatron import args as train_args
+    from megatron_zeppelin.megatron.loop import args as train_args
 
     args = train_args.parse_args(run_flags(Entry(STATIC), iterations, extra))
     train_args.validate_args(args, 4, 4)

@@ -1,5 +1,5 @@
 """The overlong policy: what becomes of a document longer than the longest allowed, written
-once for the planner (``common.prepare``) and the data pipeline (``megatron/data.py``), with
+once for the planner (``common.prepare``) and the data pipeline (``megatron/common/data.py``), with
 one report type (``plan.OverlongReport``; nothing is split or dropped without being counted).
 
 Policies (``config.OVERLONG_POLICIES``): ``error`` refuses the document, naming it; ``drop``

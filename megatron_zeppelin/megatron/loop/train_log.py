@@ -23,7 +23,7 @@ from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.estimate import estimate_plan
-from megatron_zeppelin.megatron.corpus import DocumentSource, DocumentStats, describe_lengths
+from megatron_zeppelin.megatron.loop.corpus import DocumentSource, DocumentStats, describe_lengths
 from megatron_zeppelin.parallel import PoolLayout
 
 TIERS = ("local", "intra", "inter")

@@ -47,7 +47,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-from megatron_zeppelin.megatron.compat import fix_mla_without_te
+from megatron_zeppelin.megatron.common.compat import fix_mla_without_te
 from megatron_zeppelin.plan import Plan, Segment
 from megatron_zeppelin.runtime.device_index import to_device
 

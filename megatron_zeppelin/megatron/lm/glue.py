@@ -32,8 +32,8 @@ import torch
 
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError, ModelSpec, ZeppelinConfig
-from megatron_zeppelin.megatron import args as train_args
-from megatron_zeppelin.megatron.lm_features import refusals
+from megatron_zeppelin.megatron.loop import args as train_args
+from megatron_zeppelin.megatron.lm.features import refusals
 from megatron_zeppelin.options import dest_of, settings
 from megatron_zeppelin.parallel import PoolLayout
 
@@ -109,8 +109,8 @@ def _state(args: argparse.Namespace) -> dict:
         return _STATE
     from megatron.core import parallel_state
 
-    from megatron_zeppelin.megatron.lm_batch import PoolStats
-    from megatron_zeppelin.megatron.groups import new_tp_host_group
+    from megatron_zeppelin.megatron.lm.batch import PoolStats
+    from megatron_zeppelin.megatron.common.groups import new_tp_host_group
     from megatron_zeppelin.api import pool_runtime_from_args
 
     layout = pool_layout(args)
@@ -132,7 +132,7 @@ def zeppelin_gpt_model(args: argparse.Namespace, transformer_layer_spec):
     """``(model class, layer spec)`` for Megatron-LM's ``gpt_builder`` in zeppelin mode: the
     spec Megatron chose with every core attention swapped, built as a ``PackedGPTModel`` (same
     constructor as ``GPTModel``, RoPE by position id on packed batches)."""
-    from megatron_zeppelin.megatron.packing import PackedGPTModel
+    from megatron_zeppelin.megatron.common.packing import PackedGPTModel
     from megatron_zeppelin.api import swap_core_attention
 
     where = f"--spec {' '.join(args.spec)}" if getattr(args, "spec", None) else \
@@ -159,8 +159,8 @@ def get_batch(data_iterator, vp_stage=None):
     """
     from megatron.training import get_args, get_tokenizer
 
-    from megatron_zeppelin.megatron.compat import batch_on_this_tp_rank
-    from megatron_zeppelin.megatron.lm_batch import HostBatchTap, host_lengths, linear_batch
+    from megatron_zeppelin.megatron.common.compat import batch_on_this_tp_rank
+    from megatron_zeppelin.megatron.lm.batch import HostBatchTap, host_lengths, linear_batch
 
     args = get_args()
     state = _state(args)

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError
-from megatron_zeppelin.megatron import args as train_args, checkpoint
-from megatron_zeppelin.megatron.corpus import DocumentSource, check_overlong, open_source
+from megatron_zeppelin.megatron.loop import args as train_args, checkpoint
+from megatron_zeppelin.megatron.loop.corpus import DocumentSource, check_overlong, open_source
 
 
 @dataclass(frozen=True)

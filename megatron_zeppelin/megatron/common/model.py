@@ -43,7 +43,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_zeppelin.config import ModelSpec
-from megatron_zeppelin.megatron.packing import (PackedGPTModel, PackedMLASelfAttention,
+from megatron_zeppelin.megatron.common.packing import (PackedGPTModel, PackedMLASelfAttention,
                                                 ZeppelinPackedSeqParams)
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")

@@ -33,7 +33,7 @@ import time
 from typing import Callable
 
 from megatron_zeppelin.config import ConfigError
-from megatron_zeppelin.megatron import fatal
+from megatron_zeppelin.megatron.loop import fatal
 
 WATCHED_NEIGHBOURS = 4
 

@@ -34,8 +34,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_zeppelin.config import ClusterSpec, ConfigError, HardwareProfile, hardware_for
-from megatron_zeppelin.megatron.model import layer_window
-from megatron_zeppelin.megatron.packing import ZeppelinPackedSeqParams
+from megatron_zeppelin.megatron.common.model import layer_window
+from megatron_zeppelin.megatron.common.packing import ZeppelinPackedSeqParams
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.runtime import kernels
 from megatron_zeppelin.runtime.engine import AttentionEngine

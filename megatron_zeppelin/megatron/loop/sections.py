@@ -1,36 +1,15 @@
-"""Command line and YAML of ``scripts/pretrain_gpt.py``: one typed tree, Megatron-LM's names.
-
-``TrainConfig`` is a tree of sections (frozen dataclasses: model, parallel, optim, training,
-data, checkpoint, logging, zeppelin planner options, zeppelin runtime). Every field is declared
-once with ``options.setting``; the argparse flags, the YAML keys of ``--yaml-cfg`` and the
-validation messages are generated from it (``options.py``). Megatron's flags keep Megatron's
-names (``--num-layers``); the planner options are ``ZeppelinConfig``'s fields as
-``--zeppelin-<field>`` (the same fields ``zeppelin plan`` takes as ``--<field>``), and
-Megatron-LM's own parser gets the zeppelin flags from ``add_zeppelin_args`` through the patch.
-
-``--yaml-cfg FILE`` supplies values for any flag (keys are flag names with ``_`` or ``-``;
-unknown keys and values of the wrong type are refused naming the file); flags given on the
-command line win. ``validate_args`` builds the tree and the ``PoolLayout`` before any process
-group or model exists, refusing bad settings with the flag, the value and what is allowed.
-"""
+"""The sections of ``TrainConfig`` (``args.py``): frozen dataclasses whose fields are declared
+once with ``options.setting`` (flag, YAML key, default, check). Megatron-LM's names; each section
+validates itself in ``__post_init__`` and names the flag, the value and what is allowed."""
 from __future__ import annotations
 
 import argparse
 import ast
 import os
-import sys
 from dataclasses import dataclass
-from typing import Sequence
 
-import yaml
-
-from megatron_zeppelin.config import ConfigError, ZeppelinConfig
-from megatron_zeppelin.options import (Parser, add_flags, from_flags, require, setting,
-                                       yaml_defaults)
-from megatron_zeppelin.parallel import PoolLayout
+from megatron_zeppelin.options import from_flags, require, setting
 from megatron_zeppelin.planner import STRATEGIES, dynamic_cp
-from megatron_zeppelin.planner.registry import (add_option_flags, given_options, option_dests,
-                                                strategies_from_flags)
 from megatron_zeppelin.runtime.kernels import choices as attention_backends
 
 MODES = ("static", "zeppelin")
@@ -83,7 +62,7 @@ def _window_pair(text: str | None) -> tuple[int, int] | None:
     return pair
 
 
-def _skip_freq(text: str | None, num_layers: int | None,
+def skip_freq(text: str | None, num_layers: int | None,
                what: str = "attention.window_attn_skip_freq") -> int | list[int] | None:
     """``--window-attn-skip-freq``: an integer N (every N-th layer full attention) or a list
     of 0/1 per layer (1: sliding window), as megatron-core's ``window_attn_skip_freq``."""
@@ -126,7 +105,7 @@ class AttentionArgs:
         _at_least(self, 1, "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                   "v_head_dim")
         _window_pair(self.window_size)
-        _skip_freq(self.window_attn_skip_freq, None)
+        skip_freq(self.window_attn_skip_freq, None)
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> "AttentionArgs":
@@ -138,7 +117,7 @@ class AttentionArgs:
         fields = {}
         if self.window_size is not None:
             fields.update(window_size=_window_pair(self.window_size),
-                          window_attn_skip_freq=_skip_freq(self.window_attn_skip_freq,
+                          window_attn_skip_freq=skip_freq(self.window_attn_skip_freq,
                                                            num_layers))
         if self.multi_latent_attention:
             fields.update(multi_latent_attention=True, q_lora_rank=self.q_lora_rank,
@@ -151,7 +130,7 @@ class AttentionArgs:
         """The distinct per-layer sliding windows (None: full causal), for the engine."""
         if self.window_size is None:
             return (None,)
-        pattern = _skip_freq(self.window_attn_skip_freq, num_layers)
+        pattern = skip_freq(self.window_attn_skip_freq, num_layers)
         if pattern is None:
             return (_window_pair(self.window_size)[0],)
         layers = [i % pattern != 0 if isinstance(pattern, int) else bool(pattern[i - 1])
@@ -350,172 +329,3 @@ class ZeppelinRuntimeArgs:
             folder = os.path.dirname(os.path.abspath(self.profile_out))
             require(os.path.isdir(folder) and os.access(folder, os.W_OK), "zeppelin.profile_out",
                     self.profile_out, "a file in an existing, writable folder")
-
-
-MEGATRON_SECTIONS = {"model": ModelArgs, "attention": AttentionArgs, "parallel": ParallelArgs, "optim": OptimArgs,
-                     "training": TrainingArgs, "data": DataArgs, "checkpoint": CheckpointArgs,
-                     "logging": LoggingArgs}  # flags with Megatron-LM's names
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """The whole tree, built from parsed flags (``from_args``): every section validated."""
-
-    model: ModelArgs
-    attention: AttentionArgs
-    parallel: ParallelArgs
-    optim: OptimArgs
-    training: TrainingArgs
-    data: DataArgs
-    checkpoint: CheckpointArgs
-    logging: LoggingArgs
-    zeppelin: ZeppelinConfig
-    runtime: ZeppelinRuntimeArgs
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
-        sections = {name: from_flags(section, args)
-                    for name, section in MEGATRON_SECTIONS.items()}
-        return cls(**sections, zeppelin=zeppelin_config(args),
-                   runtime=from_flags(ZeppelinRuntimeArgs, args, ZEPPELIN_PREFIX))
-
-
-def zeppelin_config(args: argparse.Namespace) -> ZeppelinConfig:
-    """The planner options of a training run (ours or Megatron-LM's): ``--zeppelin-*`` flags,
-    documents up to ``--seq-length``."""
-    return from_flags(ZeppelinConfig, args, ZEPPELIN_PREFIX, max_seqlen=args.seq_length)
-
-
-def add_megatron_args(p: argparse.ArgumentParser) -> None:
-    """The Megatron-LM flags the script understands (same names and meanings)."""
-    g = p.add_argument_group("megatron")
-    for section in MEGATRON_SECTIONS.values():
-        add_flags(g, section)
-    g.add_argument("--yaml-cfg", default=None, help="YAML file with values for these flags")
-
-
-def add_zeppelin_args(p: argparse.ArgumentParser, with_mode: bool = False) -> None:
-    """``--zeppelin-*``: the planner options and the zeppelin runtime options; ``with_mode``
-    also ``--context-parallel-mode`` (for Megatron-LM's parser, through the patch)."""
-    g = p.add_argument_group("zeppelin")
-    if with_mode:
-        add_flags(g, ParallelArgs, only=("context_parallel_mode",))
-    add_flags(g, ZeppelinConfig, ZEPPELIN_PREFIX, skip=("max_seqlen",))
-    add_flags(g, ZeppelinRuntimeArgs, ZEPPELIN_PREFIX)
-    add_option_flags(p.add_argument_group("zeppelin strategy options (each applies to the "
-                                          "--zeppelin-strategy values that take it)"),
-                     ZEPPELIN_PREFIX)
-
-
-def planner_strategy(args: argparse.Namespace, pool_size: int) -> tuple[str, dict]:
-    """(strategy name, options) that plans each micro-batch of a pool of ``pool_size`` ranks:
-    static mode is static CP over the whole pool; zeppelin mode is ``--zeppelin-strategy``
-    with its option flags (an option it does not take is refused, naming it)."""
-    if args.context_parallel_mode == "static":
-        given = [flag for dest, flag in option_dests(ZEPPELIN_PREFIX).items()
-                 if getattr(args, dest, None) is not None]
-        if getattr(args, "zeppelin_strategy", "zeppelin") != "zeppelin":
-            given.insert(0, f"--zeppelin-strategy {args.zeppelin_strategy}")
-        if given:
-            raise ConfigError(f"{', '.join(given)}: only with --context-parallel-mode zeppelin "
-                              "(static mode is static CP over the whole CP group): drop it or "
-                              "pass --context-parallel-mode zeppelin")
-        return "static-cp", {"cp_size": pool_size}
-    strategy, = strategies_from_flags([args.zeppelin_strategy], args, ZEPPELIN_PREFIX,
-                                      "--zeppelin-strategy")
-    return strategy.name, given_options(strategy)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="pretrain_gpt.py", allow_abbrev=False,  # as Megatron-LM's parser
-               description="GPT pretraining on megatron-core with zeppelin CP")
-    add_megatron_args(p)
-    add_zeppelin_args(p)
-    return p
-
-
-def apply_yaml(parser: argparse.ArgumentParser, path: str) -> None:
-    """Make the YAML file's values the parser's defaults (command-line flags still win)."""
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"--yaml-cfg {path!r} does not exist") from None
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"--yaml-cfg {path!r} cannot be read: {exc}") from None
-    parser.set_defaults(**yaml_defaults(parser, data, path, ignore=("yaml_cfg",)))
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
-    first, _ = parser.parse_known_args(argv)
-    if first.yaml_cfg:
-        apply_yaml(parser, first.yaml_cfg)
-    args = parser.parse_args(argv)
-    resolve_data_source(args, sys.argv[1:] if argv is None else list(argv))
-    return args
-
-
-def resolve_data_source(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    """``--mock-data`` and ``--data-path`` are one choice (the corpus): the one given on the
-    command line replaces the other from ``--yaml-cfg`` (so ``--data-path`` works with the
-    README's YAML, which sets ``mock_data: true``); both on the command line is an error.
-    ``args.data_note`` says what was replaced (printed in the startup banner)."""
-    given = {flag for flag in ("--mock-data", "--data-path")
-             for token in argv if token == flag or token.startswith(flag + "=")}
-    args.data_note = None
-    if given == {"--mock-data", "--data-path"}:
-        raise ConfigError("--mock-data and --data-path are both given: pass one (the built-in "
-                          "corpus, or a Megatron indexed dataset)")
-    if given == {"--data-path"} and args.mock_data:
-        args.mock_data = False
-        args.data_note = f"--data-path replaces mock_data: true of {args.yaml_cfg}"
-    elif given == {"--mock-data"} and args.data_path:
-        args.data_note = f"--mock-data replaces data_path: {args.data_path} of {args.yaml_cfg}"
-        args.data_path = None
-
-
-def validate_args(args: argparse.Namespace, world_size: int, local_world_size: int | None
-                  ) -> PoolLayout:
-    """Refuse bad settings with the flag, the value and what is allowed (before training);
-    returns the pool layout (``args.zeppelin_gpus_per_node`` is set to its node size)."""
-    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                 "global_batch_size", "train_iters"):
-        if getattr(args, flag) is None:
-            raise ConfigError(f"--{flag.replace('_', '-')} is required (flag or --yaml-cfg key)")
-    config = TrainConfig.from_args(args)
-    if not args.mock_data and not args.data_path:
-        raise ConfigError("no data: pass --mock-data (built-in corpus) or --data-path PREFIX")
-    if args.mock_data and args.data_path:
-        raise ConfigError(f"--mock-data and --data-path={args.data_path!r} are both set (in "
-                          f"{args.yaml_cfg or 'the flags'}): pass one")
-    decay = config.optim.lr_decay_iters or config.training.train_iters
-    if config.optim.lr_warmup_iters >= decay:
-        raise ConfigError(f"--lr-warmup-iters={config.optim.lr_warmup_iters} is invalid: expected "
-                          f"< --lr-decay-iters {decay} (default: --train-iters)")
-    _skip_freq(args.window_attn_skip_freq, args.num_layers, "--window-attn-skip-freq")
-    if args.window_attn_skip_freq is not None and args.window_size is None:
-        raise ConfigError(f"--window-attn-skip-freq={args.window_attn_skip_freq} without "
-                          "--window-size: pass the window ('L,0') it applies")
-    tp = config.parallel.tensor_model_parallel_size
-    if config.model.num_attention_heads % tp:
-        raise ConfigError(f"--tensor-model-parallel-size={tp} is invalid: expected a divisor of "
-                          f"--num-attention-heads {args.num_attention_heads}")
-    layout = PoolLayout.resolve(world_size, tp, config.parallel.context_parallel_size,
-                                config.runtime.gpus_per_node, local_world_size)
-    args.zeppelin_gpus_per_node = layout.gpus_per_node
-    layout.micro_batches(args.global_batch_size, args.micro_batch_size)
-    planner_strategy(args, layout.cp)
-    if args.use_megatron_fsdp:
-        raise ConfigError(f"--use-megatron-fsdp is not supported (--device {args.device}): "
-                          "megatron-core 0.16.1's Megatron-FSDP creates CUDA streams when it "
-                          "wraps the model (no CPU/gloo run, so no exactness test here) and "
-                          "has not run with zeppelin pools; use --use-distributed-optimizer "
-                          "(ZeRO-1: Adam state and main parameters sharded over DP x CP)")
-    if args.bf16 and args.device == "cpu":
-        raise ConfigError("--bf16 with --device cpu: megatron-core's bf16 optimizer needs CUDA; "
-                          "train in fp32 on CPU")
-    if args.mock_data and (args.vocab_size or 0) < 256:
-        raise ConfigError(f"--vocab-size={args.vocab_size}: the built-in byte corpus needs "
-                          ">= 256")
-    return layout

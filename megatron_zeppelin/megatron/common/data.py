@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from megatron_zeppelin.megatron.packing import ZeppelinPackedSeqParams, packed_seq_params_for_rank
+from megatron_zeppelin.megatron.common.packing import ZeppelinPackedSeqParams, packed_seq_params_for_rank
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.service import PlannerService
 from megatron_zeppelin.runtime.device_index import to_device

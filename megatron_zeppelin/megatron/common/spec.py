@@ -21,11 +21,11 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.megatron.core_attention import (ZeppelinAttentionState,
+from megatron_zeppelin.megatron.common.core_attention import (ZeppelinAttentionState,
                                                        ZeppelinCoreAttention,
                                                        te_core_attention_class)
-from megatron_zeppelin.megatron.model import gpt_layer_spec
-from megatron_zeppelin.megatron.packing import PackedMLASelfAttention
+from megatron_zeppelin.megatron.common.model import gpt_layer_spec
+from megatron_zeppelin.megatron.common.packing import PackedMLASelfAttention
 
 
 def transformer_engine_available() -> bool:

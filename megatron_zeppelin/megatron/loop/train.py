@@ -23,15 +23,15 @@ import torch.distributed as dist
 from megatron_zeppelin import api, env
 from megatron_zeppelin.config import ConfigError, ModelSpec, load_cluster, load_hardware
 from megatron_zeppelin.cost_model import CostModel
-from megatron_zeppelin.megatron import args as train_args, checkpoint, fatal, preflight
-from megatron_zeppelin.megatron.core_attention import ZeppelinAttentionState, planning_hardware
-from megatron_zeppelin.megatron.corpus import DocumentSource, MicroBatchSampler
-from megatron_zeppelin.megatron.data import ZeppelinDataIterator
-from megatron_zeppelin.megatron.groups import Pool
-from megatron_zeppelin.megatron.online_fit import OnlineFit
-from megatron_zeppelin.megatron.train_log import Logger, StepLog, banner
-from megatron_zeppelin.megatron.watchdog import Watchdog, start_watchdog
-from megatron_zeppelin.megatron.model import build_gpt_model, make_transformer_config
+from megatron_zeppelin.megatron.loop import args as train_args, checkpoint, preflight
+from megatron_zeppelin.megatron.common.core_attention import ZeppelinAttentionState, planning_hardware
+from megatron_zeppelin.megatron.loop.corpus import DocumentSource, MicroBatchSampler
+from megatron_zeppelin.megatron.common.data import ZeppelinDataIterator
+from megatron_zeppelin.megatron.common.groups import Pool
+from megatron_zeppelin.megatron.loop.online_fit import OnlineFit
+from megatron_zeppelin.megatron.loop.train_log import Logger, StepLog, banner
+from megatron_zeppelin.megatron.loop.watchdog import Watchdog, start_watchdog
+from megatron_zeppelin.megatron.common.model import build_gpt_model, make_transformer_config
 from megatron_zeppelin.parallel import PoolLayout
 from megatron_zeppelin.planner.registry import strategy_class
 from megatron_zeppelin.planner.service import PlanFunction, PlannerService
@@ -220,7 +220,7 @@ def setup_megatron(args: argparse.Namespace) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
     if args.device == "cpu":
-        from megatron_zeppelin.megatron.cpu import enable_cpu_mode
+        from megatron_zeppelin.megatron.common.cpu import enable_cpu_mode
 
         enable_cpu_mode()
     if parallel_state.model_parallel_is_initialized():

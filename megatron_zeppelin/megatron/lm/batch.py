@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_zeppelin.megatron.packing import ZeppelinPackedSeqParams, packed_seq_params_for_rank
+from megatron_zeppelin.megatron.common.packing import ZeppelinPackedSeqParams, packed_seq_params_for_rank
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.runtime.device_index import to_device
 

@@ -81,7 +81,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_zeppelin.megatron.compat import (CPU_BRIDGE_SERIES, check_cpu_bridge,
+from megatron_zeppelin.megatron.common.compat import (CPU_BRIDGE_SERIES, check_cpu_bridge,
                                                cpu_bridge_missing_names, cpu_bridge_redirects)
 
 _CPU = torch.device("cpu")
