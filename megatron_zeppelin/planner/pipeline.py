@@ -103,10 +103,12 @@ def stage_order(stage: int, pp: int, microbatches: int, vpp: int = 1
 
 
 def pipeline_step(forward: Sequence[Sequence[float]], backward: Sequence[Sequence[float]],
-                  pp: int, vpp: int = 1, p2p_s: float = 0.0) -> PipelineTimeline:
+                  pp: int, vpp: int = 1, p2p_s: float | Sequence[float] = 0.0
+                  ) -> PipelineTimeline:
     """The timeline of one training step (module doc). ``forward[m][v]`` / ``backward[m][v]``:
     seconds of micro-batch ``m`` through virtual stage ``v = chunk * pp + stage`` (``pp * vpp``
-    entries each); ``p2p_s``: the transfer between consecutive virtual stages."""
+    entries each); ``p2p_s``: the transfer between consecutive virtual stages, one for all
+    micro-batches or one per micro-batch (its activations, or their gradients)."""
     stages = pp * vpp
     count = len(forward)
     if count < 1 or len(backward) != count:
@@ -118,11 +120,14 @@ def pipeline_step(forward: Sequence[Sequence[float]], backward: Sequence[Sequenc
             raise ValueError(f"{name}[{bad[0]}] is invalid: expected {stages} times >= 0 "
                              f"(pp={pp} x vpp={vpp} virtual stages)")
     check_microbatches(count, pp, vpp)
+    p2p = [float(p2p_s)] * count if isinstance(p2p_s, (int, float)) else list(p2p_s)
+    if len(p2p) != count or min(p2p) < 0:
+        raise ValueError(f"p2p_s has {len(p2p)} entries: expected {count} times >= 0")
     orders = [stage_order(s, pp, count, vpp) for s in range(pp)]
-    return _run(orders, forward, backward, pp, stages, p2p_s)
+    return _run(orders, forward, backward, pp, stages, p2p)
 
 
-def _run(orders, forward, backward, pp: int, stages: int, p2p_s: float) -> PipelineTimeline:
+def _run(orders, forward, backward, pp: int, stages: int, p2p: list[float]) -> PipelineTimeline:
     """Event-driven execution of every stage's ``orders`` (list scheduling in fixed order)."""
     done: dict[tuple[bool, int, int], float] = {}  # (backward, micro-batch, virtual stage)
     clock, nxt, busy = [0.0] * pp, [0] * pp, [0.0] * pp
@@ -134,7 +139,7 @@ def _run(orders, forward, backward, pp: int, stages: int, p2p_s: float) -> Pipel
             while nxt[s] < len(orders[s]):
                 back, m, c = orders[s][nxt[s]]
                 v = c * pp + s
-                ready = _ready(done, back, m, v, stages, p2p_s)
+                ready = _ready(done, back, m, v, stages, p2p[m])
                 if ready is None:
                     break
                 start = max(clock[s], ready)
