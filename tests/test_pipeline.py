@@ -146,3 +146,119 @@ def test_balancing_refuses_what_it_cannot_place():
         balance_microbatches([5, 5], 3, quadratic())
     with pytest.raises(ValueError, match="document 1 has length 0"):
         balance_microbatches([5, 0, 4], 2, quadratic())
+
+
+# --------------------------------------------------------------------------- pricing and CLI
+
+from megatron_zeppelin import cli  # noqa: E402
+from megatron_zeppelin.config import ConfigError, PipelineSpec, ZeppelinConfig  # noqa: E402
+from megatron_zeppelin.planner import STRATEGIES  # noqa: E402
+from megatron_zeppelin.planner.pipeline_cost import (MicrobatchCost, estimate_pipeline,  # noqa
+                                                     price, stage_of)
+from megatron_zeppelin.sim.pipeline import run_pipeline_setting  # noqa: E402
+from megatron_zeppelin.sim.sweep import Setting, resolve_variants  # noqa: E402
+
+from conftest import make_cost  # noqa: E402
+
+
+def test_a_stage_holds_its_share_of_layers_and_gpus():
+    cost = make_cost("llama-7b", "h200-8nic", nodes=4)
+    stage = stage_of(cost, PipelineSpec(pp=2, vpp=2))
+    assert stage.cost.model.num_layers == 16 and stage.cost.cluster.world_size == 16
+    assert stage.ranks == 16 and 0 < stage.head_share < 0.5
+    assert stage.p2p_byte_per_s == cost.cluster.nic_byte_per_s * 8 / 8  # one NIC per GPU
+    inside = stage_of(make_cost("llama-7b", "h200-8nic", nodes=1), PipelineSpec(pp=4))
+    assert inside.cost.cluster.world_size == 2 and \
+        inside.p2p_byte_per_s == cost.cluster.nvlink_byte_per_s
+    with pytest.raises(ConfigError, match="--pp=8 is invalid: expected a divisor of the 4 "):
+        stage_of(make_cost("llama-7b", "h200-8nic", nodes=1, gpus_per_node=4), PipelineSpec(pp=8))
+
+
+def test_price_is_the_schedule_plus_the_head_and_the_exposed_all_reduce():
+    stage = stage_of(make_cost("gpt-tiny", "cpu-2x2", nodes=2), PipelineSpec(pp=2))
+    costs = [MicrobatchCost(1.0, 2.0, 0.0, 0.0, 0.0)] * 4
+    result = price(stage, [[0], [1], [2], [3]], costs)
+    assert result.timeline.step_s == pytest.approx((4 + 1) * 3.0)
+    assert result.step_s == pytest.approx(result.timeline.step_s + result.grad_s)
+    headed = price(stage, [[0], [1], [2], [3]], [MicrobatchCost(1.0, 2.0, 0.5, 1.0, 0.0)] * 4)
+    assert headed.timeline.busy_s == (pytest.approx(12.0), pytest.approx(18.0))
+
+
+def test_the_estimate_plans_every_document_once_per_stage():
+    cost = make_cost("llama-7b", "h200-8nic", nodes=2)
+    rng = random.Random(3)
+    lengths = skewed(rng, 120)
+    spec = PipelineSpec(pp=2, microbatches=4)
+    result = estimate_pipeline(lengths, STRATEGIES["zeppelin"](), cost, ZeppelinConfig(), spec)
+    assert sorted(i for g in result.microbatches for i in g) == list(range(len(lengths)))
+    assert result.step_s >= max(result.timeline.busy_s) > 0
+    assert len(result.timeline.steps) == 2 * 4 * 2
+
+
+def test_the_simulated_sweep_runs_every_variant_and_order():
+    setting = Setting("llama-7b", "h200-8nic", 2, "arxiv", tokens=256 * 1024, batches=1)
+    result = run_pipeline_setting(setting, resolve_variants(["zeppelin", "static-cp",
+                                                             "hybrid-dp-tuned"]),
+                                  ZeppelinConfig(), PipelineSpec(pp=2, vpp=2, microbatches=4),
+                                  ("balanced", "arrival"))
+    assert {(r.label, r.order) for r in result.rows} == {
+        (v, o) for v in ("zeppelin", "static-cp") for o in ("balanced", "arrival")}
+    assert result.skipped[0][0] == "hybrid-dp-tuned"
+    assert all(0.0 <= r.bubble < 1.0 and r.step_s > 0 for r in result.rows)
+
+
+PLAN = ["plan", "--model", "llama-7b", "--cluster", "h200-8nic", "--nodes", "2",
+        "--strategy", "zeppelin", "--global-batch-tokens", "256K"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--pp", "3"], "--pp=3 is invalid: expected a divisor of num_layers=32 (llama-7b)"),
+    (["--pp", "2", "--vpp", "3"], "--vpp=3 is invalid: expected pp x vpp dividing num_layers"),
+    (["--pp", "0"], "--pp=0 is invalid: expected a positive integer"),
+    (["--vpp", "2"], "--vpp=2 is invalid: expected 1 when pp is 1"),
+    (["--pp", "2", "--vpp", "2", "--microbatches", "5"], "--microbatches=5 is invalid: "
+     "expected a multiple of pp=2"),
+    (["--microbatches", "4"], "--microbatches and --microbatch-order apply only with --pp"),
+    (["--pp", "32"], "--pp=32 is invalid: expected a divisor of the 16 ranks"),
+    (["--pp", "2", "--microbatch-order", "random"], "invalid choice: 'random'"),
+    (["--pp", "2", "--microbatches", "4096"], "cannot fill 4096 micro-batches"),
+])
+def test_plan_cli_rejects_bad_pipeline_flags(argv, message, capsys):
+    assert cli.main(PLAN + argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_simulate_cli_rejects_bad_pipeline_flags(capsys):
+    base = ["simulate", "--model", "llama-7b", "--cluster", "h200-8nic", "--nodes", "2",
+            "--no-progress", "--strategies", "zeppelin", "--baseline", "zeppelin"]
+    assert cli.main(base + ["--pp", "3"]) == 2
+    assert "--pp=3 is invalid" in capsys.readouterr().err
+    assert cli.main(base + ["--pp", "2", "--json"]) == 2
+    assert "--json are not available with --pp" in capsys.readouterr().err
+
+
+def test_plan_cli_prints_the_pipeline_estimate(capsys):
+    assert cli.main(PLAN + ["--pp", "2", "--microbatches", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "PP=2 VPP=1" in out and "4 micro-batches (balanced)" in out and "zeppelin" in out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_what_a_packing_loader_placed_is_always_placed(seed):
+    """Documents packed greedily in arrival order into M micro-batches of ``capacity`` tokens
+    (megatron/corpus.py's MicroBatchSampler) are placed again, within the capacity."""
+    rng = random.Random(seed)
+    capacity, m = 4096, 8
+    lengths, held, runs = [], 0, 1
+    while True:
+        n = min(capacity, max(1, int(rng.paretovariate(1.2) * 200)))
+        if held + n > capacity:
+            if runs == m:
+                break
+            runs, held = runs + 1, 0
+        lengths.append(n)
+        held += n
+    groups = balance_microbatches(lengths, m, quadratic(), capacity=capacity, pp=4)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(g and sum(lengths[i] for i in g) <= capacity for g in groups)

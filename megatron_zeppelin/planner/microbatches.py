@@ -7,9 +7,11 @@ Policy (``balance_microbatches``):
 1. **A feasible start.** Documents, heaviest first (their cost alone, then length, then index),
    each go to the micro-batch with the least summed cost that has room for it (empty ones
    first, so none stays empty). If a capacity leaves a document nowhere, the start is
-   first-fit by tokens (longest first), then arrival order cut into ``M`` runs; if none of the
-   three places every document, ``ValueError`` names the document, its length, the capacity
-   and ``M``.
+   first-fit by tokens (longest first), then arrival order cut into ``M`` runs of about equal
+   tokens, then arrival order with each run filled to the capacity (as
+   ``megatron/corpus.py``'s ``MicroBatchSampler`` packs: documents a packing loader placed in
+   ``M`` micro-batches are always placed); if none places every document, ``ValueError``
+   names the longest document, its length, the capacity and ``M``.
 2. **Local search on the real cost.** The costliest micro-batch gives one document to, or swaps
    one with, another micro-batch (cheapest first) when that lowers the larger of the two
    costs; repeated until no such move exists or ``max_evaluations`` calls of ``cost`` are
@@ -107,6 +109,8 @@ def _start(lengths: Sequence[int], count: int, cost: Cost, capacity: int | None
     if groups is None:
         groups = _arrival(lengths, count, capacity)
     if groups is None:
+        groups = _arrival(lengths, count, capacity, shares=False)
+    if groups is None:
         i = max(range(len(lengths)), key=lambda j: (lengths[j], -j))
         raise ValueError(f"cannot place {len(lengths)} documents ({sum(lengths)} tokens, "
                          f"longest: document {i} of {lengths[i]} tokens) in {count} "
@@ -131,13 +135,17 @@ def _greedy(order: list[int], lengths: Sequence[int], weight: list[float], count
     return groups if all(groups) else None
 
 
-def _arrival(lengths: Sequence[int], count: int, capacity: int | None) -> list[list[int]] | None:
-    """Arrival order cut into ``count`` runs near equal token shares (None: capacity broken)."""
+def _arrival(lengths: Sequence[int], count: int, capacity: int | None, shares: bool = True
+             ) -> list[list[int]] | None:
+    """Arrival order cut into ``count`` runs near equal token shares, or (``shares=False``)
+    each run filled to ``capacity`` as a packing loader fills it (None: capacity broken or a
+    run left empty)."""
     total, groups, run, seen, held = sum(lengths), [[] for _ in range(count)], 0, 0, 0
     for i, n in enumerate(lengths):
-        must = len(lengths) - i <= count - 1 - run  # the later runs need the rest
+        must = shares and len(lengths) - i <= count - 1 - run  # the later runs need the rest
         full = capacity is not None and held + n > capacity
-        if groups[run] and run + 1 < count and (must or full or seen >= total * (run + 1) / count):
+        share = shares and seen >= total * (run + 1) / count
+        if groups[run] and run + 1 < count and (must or full or share):
             run, held = run + 1, 0
         groups[run].append(i)
         seen, held = seen + n, held + n

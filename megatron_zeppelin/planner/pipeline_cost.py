@@ -23,7 +23,7 @@ inside one.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from megatron_zeppelin.config import ConfigError, PipelineSpec, ZeppelinConfig
 from megatron_zeppelin.cost_model import FWD_BWD_LINEAR, CostModel
@@ -121,10 +121,18 @@ def split_batch(lengths: Sequence[int], stage: Stage) -> list[list[int]]:
     spec, cost = stage.spec, stage.cost
     if spec.microbatch_order == "arrival":
         return arrival_microbatches(lengths, spec.num_microbatches)
-    layers = cost.model.num_layers
-    balance = work_cost(lambda n: cost.attention_time(n) * layers, cost.linear_time, stage.ranks)
-    return balance_microbatches(lengths, spec.num_microbatches, balance, pp=spec.pp,
+    return balance_microbatches(lengths, spec.num_microbatches,
+                                microbatch_work_cost(cost, stage.ranks), pp=spec.pp,
                                 vpp=spec.vpp, backward_ratio=FWD_BWD_LINEAR - 1.0)
+
+
+def microbatch_work_cost(cost: CostModel, ranks: int) -> Callable[[Sequence[int]], float]:
+    """The cost ``balance_microbatches`` balances by: a micro-batch's balanced-compute seconds
+    on ``ranks`` ranks of ``cost`` (every layer's attention of each document + the linear
+    modules of all its tokens, over the ranks); strategy-agnostic, cheap, and the same on
+    every rank that holds the same cost model."""
+    layers = cost.model.num_layers
+    return work_cost(lambda n: cost.attention_time(n) * layers, cost.linear_time, ranks)
 
 
 def price(stage: Stage, groups: Sequence[Sequence[int]], costs: Sequence[MicrobatchCost]
