@@ -29,6 +29,7 @@ function of the lengths it is given (``work_cost`` is).
 """
 from __future__ import annotations
 
+import heapq
 from typing import Callable, Sequence
 
 from megatron_zeppelin.planner.pipeline import check_microbatches, pipeline_step
@@ -123,15 +124,20 @@ def _greedy(order: list[int], lengths: Sequence[int], weight: list[float], count
     """Each document (in ``order``) to the empty, else least-loaded, micro-batch with room
     (ties: lowest index); None when one finds no room."""
     groups: list[list[int]] = [[] for _ in range(count)]
-    load, tokens = [0.0] * count, [0] * count
+    tokens = [0] * count
+    heap = [(False, 0.0, g) for g in range(count)]  # (non-empty, load, index), all current
     for i in order:
-        room = [g for g in range(count) if capacity is None or tokens[g] + lengths[i] <= capacity]
-        if not room:
+        skipped = []
+        while heap and capacity is not None and tokens[heap[0][2]] + lengths[i] > capacity:
+            skipped.append(heapq.heappop(heap))
+        if not heap:
             return None
-        g = min(room, key=lambda k: (bool(groups[k]), load[k], k))
+        _, load, g = heapq.heappop(heap)
         groups[g].append(i)
-        load[g] += weight[i]
         tokens[g] += lengths[i]
+        heapq.heappush(heap, (True, load + weight[i], g))
+        for entry in skipped:
+            heapq.heappush(heap, entry)
     return groups if all(groups) else None
 
 
