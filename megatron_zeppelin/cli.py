@@ -11,7 +11,7 @@ import random
 import sys
 from typing import TYPE_CHECKING, Sequence
 
-from megatron_zeppelin.config import ConfigError, ZeppelinConfig, load_setup
+from megatron_zeppelin.config import ConfigError, PipelineSpec, ZeppelinConfig, load_setup
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.limits import refuse_untrainable
 from megatron_zeppelin.options import Parser, add_flags, from_flags, int_at_least
@@ -76,15 +76,32 @@ def selected_strategies(args: argparse.Namespace) -> list[Strategy]:
     return strategies_from_flags(args.strategy, args)
 
 
+def add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    """--pp --vpp --microbatches --microbatch-order (``PipelineSpec``)."""
+    add_flags(p.add_argument_group("pipeline parallelism (priced by planner/pipeline.py)"),
+              PipelineSpec)
+
+
+def pipeline_spec(args: argparse.Namespace) -> PipelineSpec:
+    """The ``PipelineSpec`` of the flags; the micro-batch flags are refused without --pp."""
+    spec = from_flags(PipelineSpec, args)
+    if spec.pp == 1 and (args.microbatches is not None or args.microbatch_order != "balanced"):
+        raise ValueError("--microbatches and --microbatch-order apply only with --pp >= 2")
+    return spec
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from megatron_zeppelin.planner.report import format_table, summarize
 
     strategies = selected_strategies(args)
     config = zeppelin_config(args)
+    spec = pipeline_spec(args)
     setup = load_setup(args.model, args.cluster, args.nodes, args.hardware, config, args.tp)
     cost = CostModel(setup.model, setup.cluster, setup.hardware, setup.tp)
     lengths = batch_lengths(args, args.workload)
     refuse_untrainable(lengths, setup.model, setup.cluster, args.lengths or "the batch")
+    if spec.pp > 1:
+        return plan_pipeline(lengths, strategies, cost, config, spec, args.json)
     plans, routed = [], []
     for strategy in strategies:
         plan = strategy.plan(lengths, cost, config)
@@ -106,6 +123,36 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"({setup.cluster.world_size} GPUs, TP={setup.tp}): {len(lengths)} documents, "
               f"{sum(lengths)} tokens, longest {max(lengths)}")
         print(format_table(summaries))
+    return 0
+
+
+def plan_pipeline(lengths: list[int], strategies: list[Strategy], cost: CostModel,
+                  config: ZeppelinConfig, spec: PipelineSpec, as_json: bool) -> int:
+    """``zeppelin plan --pp N``: each strategy's estimated step under the pipeline, with
+    ``spec``'s micro-batch order and with arrival order."""
+    from dataclasses import replace
+
+    from megatron_zeppelin.planner.pipeline_cost import estimate_pipeline
+
+    rows = []
+    for strategy in strategies:
+        mine = estimate_pipeline(lengths, strategy, cost, config, spec)
+        arrival = estimate_pipeline(lengths, strategy, cost, config,
+                                    replace(spec, microbatch_order="arrival"))
+        rows.append({"strategy": strategy.name, "step_s": mine.step_s, "bubble": mine.bubble,
+                     "grad_s": mine.grad_s, "arrival_step_s": arrival.step_s,
+                     "microbatches": [list(g) for g in mine.microbatches]})
+    if as_json:
+        print(json.dumps({"pp": spec.pp, "vpp": spec.vpp, "order": spec.microbatch_order,
+                          "plans": rows}, indent=2))
+        return 0
+    print(f"{cost.model.name} on {cost.cluster.nodes} x {cost.cluster.name} PP={spec.pp} "
+          f"VPP={spec.vpp}: {len(lengths)} documents in {spec.num_microbatches} micro-batches "
+          f"({spec.microbatch_order}), estimated")
+    print(f"{'strategy':20} {'step s':>9} {'bubble':>7} {'grad s':>7} {'arrival s':>10}")
+    for r in rows:
+        print(f"{r['strategy']:20} {r['step_s']:9.3f} {r['bubble']:7.1%} {r['grad_s']:7.3f} "
+              f"{r['arrival_step_s']:10.3f}")
     return 0
 
 
@@ -132,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_setup_args(p)
     add_workload_args(p)
     add_strategy_args(p)
+    add_pipeline_args(p)
     p.add_argument("--validate", action="store_true", help="also run Plan.validate()")
     p.add_argument("--plot", default=None, metavar="FILE",
                    help="draw the batch as ranks x time for every strategy side by side (PNG; "

@@ -19,7 +19,7 @@ import yaml
 
 from megatron_zeppelin import env
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.options import require, setting
+from megatron_zeppelin.options import require, reword, setting
 from megatron_zeppelin.plan import Topology
 
 OVERLONG_POLICIES = ("error", "split", "drop")
@@ -311,6 +311,63 @@ class ZeppelinConfig:
         require(isinstance(self.balance_slack, (int, float)) and
                 0.0 <= self.balance_slack <= 1.0, "zeppelin.balance_slack", self.balance_slack,
                 "a number in [0, 1]")
+
+
+MICROBATCH_ORDERS = ("balanced", "arrival")
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """Pipeline parallelism as the planner and simulator price it (``planner/pipeline.py``):
+    ``pp`` stages of ``num_layers / pp`` layers each (Megatron's rank order: a stage is a
+    contiguous block of GPUs / pp), ``vpp`` model chunks per stage (interleaved schedule),
+    ``microbatches`` per global batch, formed by ``balance_microbatches`` (``balanced``) or in
+    arrival order (``arrival``). ``pp == 1``: no pipeline (the other fields are unused)."""
+
+    SECTION = "pipeline"
+
+    pp: int = setting(1, "pipeline-parallel stages (Megatron's --pipeline-model-parallel-size);"
+                      " layers split evenly over them")
+    vpp: int = setting(1, "model chunks per stage: Megatron's interleaved schedule (layers / "
+                       "(pp x vpp) = --num-layers-per-virtual-pipeline-stage); needs pp >= 2")
+    microbatches: int | None = setting(None, "micro-batches per global batch (default: 4 x pp;"
+                                       " a multiple of pp when vpp > 1)")
+    microbatch_order: str = setting("balanced", "how documents are grouped into micro-batches:"
+                                    " balanced for the pipeline, or in arrival order (equal "
+                                    "tokens)", choices=MICROBATCH_ORDERS)
+
+    def __post_init__(self) -> None:
+        _positive_int("pipeline.pp", self.pp)
+        _positive_int("pipeline.vpp", self.vpp)
+        require(self.vpp == 1 or self.pp >= 2, "pipeline.vpp", self.vpp,
+                "1 when pp is 1 (the interleaved schedule needs pp >= 2)")
+        if self.microbatches is not None:
+            _positive_int("pipeline.microbatches", self.microbatches)
+            require(self.vpp == 1 or self.microbatches % self.pp == 0, "pipeline.microbatches",
+                    self.microbatches, f"a multiple of pp={self.pp} with vpp={self.vpp} "
+                    "(megatron-core's interleaved schedule)")
+        require(self.microbatch_order in MICROBATCH_ORDERS, "pipeline.microbatch_order",
+                self.microbatch_order, f"one of {list(MICROBATCH_ORDERS)}")
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches or 4 * self.pp
+
+    def check(self, model: ModelSpec, ranks: int) -> None:
+        """Raise ``ConfigError`` unless ``model``'s layers and ``ranks`` (GPUs / TP) split
+        evenly over the stages and chunks (the error names the flag: ``--pp=3 is invalid``)."""
+        try:
+            self._check(model, ranks)
+        except ConfigError as exc:
+            raise ConfigError(reword(str(exc), PipelineSpec)) from None
+
+    def _check(self, model: ModelSpec, ranks: int) -> None:
+        require(model.num_layers % self.pp == 0, "pipeline.pp", self.pp,
+                f"a divisor of num_layers={model.num_layers} ({model.name})")
+        require(model.num_layers % (self.pp * self.vpp) == 0, "pipeline.vpp", self.vpp,
+                f"pp x vpp dividing num_layers={model.num_layers} ({model.name}), pp={self.pp}")
+        require(ranks % self.pp == 0, "pipeline.pp", self.pp,
+                f"a divisor of the {ranks} ranks (GPUs / TP)")
 
 
 # ----------------------------------------------------------------------------- YAML loading

@@ -41,6 +41,11 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
               skip=("routing", "remap"))  # switched per variant
     p.add_argument("--max-megatron-sequences", type=int_at_least(0), default=MAX_MEGATRON_SEQUENCES,
                    help="skip megatron-hybrid-cp above this many documents per batch")
+    from megatron_zeppelin.cli import add_pipeline_args
+
+    add_pipeline_args(p)
+    p.add_argument("--compare-orders", action="store_true",
+                   help="with --pp: also simulate arrival-order micro-batches")
     p.add_argument("--plot", default=None, help="folder for speedup and per-rank load PNGs")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -70,8 +75,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.baseline not in [v.label for v in variants]:
         raise ValueError(f"--baseline {args.baseline!r} is not among --strategies "
                          f"{args.strategies}")
+    from megatron_zeppelin.cli import pipeline_spec
+
+    spec = pipeline_spec(args)
     settings = _settings(args)
     config = from_flags(ZeppelinConfig, args, routing=True, remap=True)
+    if spec.pp > 1:
+        return _simulate_pipeline(args, variants, settings, config, spec)
     bar = _progress(len(settings) * len(variants) * args.batches, args.no_progress)
     results = [run_setting(s, variants, config, args.max_megatron_sequences, bar.update)
                for s in settings]
@@ -84,6 +94,23 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(report.format_summary(results, args.baseline))
     if args.plot:
         _write_plots(results, Path(args.plot), args.baseline)
+    return 0
+
+
+def _simulate_pipeline(args, variants, settings, config, spec) -> int:
+    """``zeppelin simulate --pp N``: the pipeline sweep (``sim/pipeline.py``)."""
+    from megatron_zeppelin.sim import pipeline
+
+    if args.plot or args.json:
+        raise ValueError("--plot and --json are not available with --pp (tables only)")
+    orders = ("balanced", "arrival") if args.compare_orders else (spec.microbatch_order,)
+    bar = _progress(len(settings) * len(variants) * len(orders), args.no_progress)
+    results = [pipeline.run_pipeline_setting(s, variants, config, spec, orders, bar.update)
+               for s in settings]
+    bar.close()
+    for r in results:
+        print(pipeline.format_pipeline_setting(r, args.baseline) + "\n")
+    print(pipeline.format_pipeline_summary(results, args.baseline))
     return 0
 
 

@@ -25,7 +25,8 @@ What it models (times in seconds, bytes per GPU; ``network.py`` holds the links)
 * Gradient all-reduce of the parameters over the pool (hierarchical ring). Assumption: it
   overlaps the backward of the last wave (Megatron ``--overlap-grad-reduce``) and only the part
   longer than that backward is exposed; ``overlap_grad_reduce=False`` exposes all of it.
-* Not modelled: pipeline parallelism, tensor-parallel collectives, NVLink contention between
+* Pipeline parallelism is priced on top, per micro-batch and stage (``sim/pipeline.py``).
+* Not modelled: tensor-parallel collectives, NVLink contention between
   the routing layer's dispatch/combine legs and intra-node rings, host-side overheads of the
   engine (Python per round), memory limits.
 """
