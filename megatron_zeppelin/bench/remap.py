@@ -19,10 +19,13 @@ attention-balanced layout leaves without the remap (max / mean tokens per rank, 
 the micro-batches, replayed through the same planner), the tokens the remap moves per
 micro-batch, the remap's exchanges per step measured alone (the forward pair, q, k, v there
 and the output back, timed on 4 gloo ranks as the runtime runs it, slowest rank, x 2 for the
-backward, x layers) against what the estimate charges for them (``StepEstimate.remap_s``),
+backward, x layers; also by point-to-point pairs, ``ZEPPELIN_REMAP_EXCHANGE=pairs``) against
+what the estimate charges for them (``StepEstimate.remap_s``),
 the median step of each run and its spread (min-max of the per-round medians), remap /
 no-remap and remap / zeppelin, and the portfolio's picks. The final losses of the three runs
-must agree (same model, same data: the remap is exact), else exit status 1.
+must agree (same model, same data: the remap is exact), else exit status 1. The training runs use the exchange
+``ZEPPELIN_REMAP_EXCHANGE`` selects (default ``all-to-all``): run the target under each to
+compare them in training.
 
 The corpora are written to a temporary folder: documents of stdlib text whose order after
 the stream's shuffle (``--seed``) is the designed one, so that every micro-batch is exactly
@@ -180,8 +183,8 @@ def _exchange_rank(rank: int, world: int, port: int, cases: list, reps: int, out
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     medians = []
-    for plan, qkv_width, out_width in cases:
-        idx = build_remap_index(plan, rank)
+    for plan, qkv_width, out_width, exchange in cases:
+        idx = build_remap_index(plan, rank, exchange=exchange)
         qkv = torch.randn(idx.linear_rows, qkv_width)
         attn_out = torch.randn(idx.attention_rows, out_width)
         times = []
@@ -202,7 +205,9 @@ def _exchange_rank(rank: int, world: int, port: int, cases: list, reps: int, out
 def exchange_costs(replayed: dict, port: int, reps: int, plans: int = 4) -> dict:
     """Per setting: the remap's exchanges per step as measured (the forward pair, slowest
     rank, x 2 for the backward's reversed pair, x layers; median over the first ``plans``
-    remapping plans) and as the estimate charges them (``StepEstimate.remap_s``)."""
+    remapping plans), by all-to-all (``measured``) and by point-to-point between the ranks
+    that move rows (``measured_pairs``, ``ZEPPELIN_REMAP_EXCHANGE=pairs``), and as the
+    estimate charges them (``StepEstimate.remap_s``)."""
     import torch.multiprocessing as mp
 
     from megatron_zeppelin.estimate import estimate_step
@@ -213,8 +218,9 @@ def exchange_costs(replayed: dict, port: int, reps: int, plans: int = 4) -> dict
         m = cost.model
         widths = ((cost.heads + 2 * cost.kv_heads) * m.head_dim, cost.heads * m.head_dim)
         chosen = [p for p in rep["remap_plans"] if p.linear != p.attention][:plans]
-        cases += [(p, *widths) for p in chosen]
-        owners += [(name, p, cost) for p in chosen]
+        for exchange, key in (("all-to-all", "measured"), ("pairs", "measured_pairs")):
+            cases += [(p, *widths, exchange) for p in chosen]
+            owners += [(name, key, p, cost) for p in chosen]
     if not cases:
         return {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -223,10 +229,11 @@ def exchange_costs(replayed: dict, port: int, reps: int, plans: int = 4) -> dict
                            start_method="spawn")
         seconds = json.loads(Path(out).read_text())
     found: dict[str, dict[str, list[float]]] = {}
-    for (name, plan, cost), pair in zip(owners, seconds):
-        entry = found.setdefault(name, {"measured": [], "estimated": []})
-        entry["measured"].append(pair * 2 * cost.model.num_layers)
-        entry["estimated"].append(estimate_step(plan, cost).remap_s)
+    for (name, key, plan, cost), pair in zip(owners, seconds):
+        entry = found.setdefault(name, {"measured": [], "measured_pairs": [], "estimated": []})
+        entry[key].append(pair * 2 * cost.model.num_layers)
+        if key == "measured":
+            entry["estimated"].append(estimate_step(plan, cost).remap_s)
     return {name: {k: statistics.median(v) for k, v in e.items()} for name, e in found.items()}
 
 
@@ -294,7 +301,8 @@ def line(f: dict) -> str:
     runs = ", ".join(f"{v} {med[v]:.3f} s [{spread[v][0]:.3f}-{spread[v][1]:.3f}]" for v in med)
     picks = ", ".join(f"{k} x{n}" for k, n in f["planner_picks"].items())
     ex = f["remap_exchange_s_per_step"]
-    exchange = (f"remap exchanges {ex['measured'] * 1e3:.1f} ms/step measured vs "
+    exchange = (f"remap exchanges {ex['measured'] * 1e3:.1f} ms/step measured "
+                f"({ex['measured_pairs'] * 1e3:.1f} ms by pairs) vs "
                 f"{ex['estimated'] * 1e3:.2f} ms estimated; " if ex else "")
     return (f"{f['setting']}: tokens max/mean without remap {f['token_imbalance_no_remap']:.2f}, "
             f"remap moves {f['remap_moved_tokens']:,.0f} tokens/micro-batch; {exchange}{runs}; "
