@@ -20,10 +20,10 @@ the micro-batches, replayed through the same planner), the tokens the remap move
 micro-batch, the remap's exchanges per step measured alone (the forward pair, q, k, v there
 and the output back, timed on 4 gloo ranks as the runtime runs it, slowest rank, x 2 for the
 backward, x layers; also by point-to-point pairs, ``ZEPPELIN_REMAP_EXCHANGE=pairs``) against
-what the estimate charges for them (``StepEstimate.remap_s``),
-the median step of each run and its spread (min-max of the per-round medians), remap /
-no-remap and remap / zeppelin, and the portfolio's picks. The final losses of the three runs
-must agree (same model, same data: the remap is exact), else exit status 1. The training runs use the exchange
+what the estimate charges for them (``StepEstimate.remap_s``), the median step of each run
+and its spread (min-max of the per-round medians), remap / no-remap and remap / zeppelin, and
+the portfolio's picks. The final losses of the three runs must agree (same model, same data:
+the remap is exact), else exit status 1. The training runs use the exchange that
 ``ZEPPELIN_REMAP_EXCHANGE`` selects (default ``all-to-all``): run the target under each to
 compare them in training.
 
@@ -109,6 +109,7 @@ class _Run(Entry):
     def __init__(self, label: str, switches: list[str]) -> None:
         super().__init__("zeppelin")
         self.run_label, self.switches = label, switches
+        self.picks = ""  # the candidates its plans ran, as the log names them
 
     def flags(self) -> list[str]:
         return super().flags() + self.switches
@@ -272,8 +273,7 @@ def measure(settings: list[Setting], args: argparse.Namespace, port: int, turn: 
             run.steps_s += steps
             run.final_loss = logs[-1]["loss"]
             s.per_round.setdefault(run.run_label, []).append(statistics.median(steps))
-            if run.run_label == "zeppelin":
-                run.tuning = ", ".join(sorted({r["chosen"] for r in logs}))
+            run.picks = ", ".join(sorted({r["chosen"] for r in logs}))
     return port
 
 
@@ -291,7 +291,7 @@ def summary(s: Setting, replayed: dict, exchange: dict | None, rtol: float) -> d
             "remap_over_no_remap": med["remap"] / med["no-remap"],
             "remap_over_zeppelin": med["remap"] / med["zeppelin"],
             "remap_exchange_s_per_step": exchange or {},
-            "planner_picks": replayed["picks"], "logged_picks": s.runs["zeppelin"].tuning,
+            "planner_picks": replayed["picks"], "logged_picks": s.runs["zeppelin"].picks,
             "final_losses": {v: r.final_loss for v, r in s.runs.items()},
             "losses_agree": agree}
 
