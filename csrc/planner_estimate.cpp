@@ -92,6 +92,22 @@ double remap_a2a_seconds(const Problem& pb, const std::vector<Move>& moves) {
   return time;
 }
 
+// estimate.remap_fixed_seconds
+double remap_fixed_seconds(const Problem& pb, const std::vector<Move>& moves) {
+  if (moves.empty()) return 0.0;
+  bool cross = false, inside = false;
+  for (const Move& m : moves) {
+    if (m.src / pb.gpn != m.dst / pb.gpn) {
+      cross = true;
+    } else {
+      inside = true;
+    }
+  }
+  const double latency = std::max(cross ? pb.costs.nic_latency_s : 0.0,
+                                  inside ? pb.costs.nvlink_latency_s : 0.0);
+  return 2.0 * static_cast<double>(pb.costs.layers) * latency + 2.0 * pb.costs.ring_step_s;
+}
+
 }  // namespace
 
 Estimate estimate_tasks(const Problem& pb, const Tasks& tasks, const std::vector<i64>* linear,
@@ -143,7 +159,8 @@ Estimate estimate_tasks(const Problem& pb, const Tasks& tasks, const std::vector
     for (i64 n : *linear) lin = std::max(lin, per_token * static_cast<double>(n));
     est.linear = lin;
     est.attention = 0.0 + *std::max_element(att.begin(), att.end());
-    est.remap = remap_a2a_seconds(pb, moves) * 2.0 * static_cast<double>(k.layers);
+    est.remap = remap_a2a_seconds(pb, moves) * 2.0 * static_cast<double>(k.layers) +
+                remap_fixed_seconds(pb, moves);
     last_bwd = est.linear * bwd_lin + *std::max_element(att.begin(), att.end()) * bwd_att;
   } else {
     i64 crit = 0;

@@ -12,6 +12,9 @@ ZEPPELIN_TRANSPORT         ``direct`` (default: tensors go to torch.distributed 
                            (tests on gloo: messages matched by order per rank pair, as NCCL
                            does, a mismatch fails loudly; ``runtime/ordered.py``)
 ZEPPELIN_P2P_TIMEOUT_S     seconds a ring/remap exchange may wait on a peer (default 300)
+ZEPPELIN_REMAP_EXCHANGE    ``all-to-all`` (default: one all_to_all_single over the pool) or
+                           ``pairs`` (point-to-point between the ranks that move rows only;
+                           ``runtime/remap.py``)
 MEGATRON_LM_PATH           a Megatron-LM checkout, for the patch test and apply script
 LOCAL_WORLD_SIZE           set by torchrun: processes on this node (default GPUs per node)
 LOCAL_RANK                 set by torchrun: this process's index on its node (its GPU)
@@ -29,6 +32,7 @@ import os
 ROUTER_BACKENDS = ("auto", "cpp", "python")
 TRANSPORTS = ("direct", "staged", "ordered")
 PLANNER_BACKENDS = ("auto", "cpp", "python")
+REMAP_EXCHANGES = ("all-to-all", "pairs")
 
 
 def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -63,6 +67,11 @@ def attention_backend(choices: tuple[str, ...]) -> str:
 def transport() -> str:
     """``ZEPPELIN_TRANSPORT``: how tensors reach torch.distributed (``TRANSPORTS``)."""
     return _choice("ZEPPELIN_TRANSPORT", "direct", TRANSPORTS)
+
+
+def remap_exchange() -> str:
+    """``ZEPPELIN_REMAP_EXCHANGE``: how the remap moves rows (``REMAP_EXCHANGES``)."""
+    return _choice("ZEPPELIN_REMAP_EXCHANGE", "all-to-all", REMAP_EXCHANGES)
 
 
 def p2p_timeout_s() -> float:

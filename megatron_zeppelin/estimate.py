@@ -19,7 +19,8 @@ expressions in the same order, so the portfolio picks the same candidate in both
   tasks sharing a ring are summed first, then added to each member (one pass per ring);
 * remap: one all-to-all per layer forward and backward (q, k, v there, the output back;
   the reverse in backward) over NVLink inside nodes and the static NICs across, the busiest
-  link setting its time (``remap_a2a_seconds``);
+  link setting its time (``remap_a2a_seconds``), plus the second exchange's latency and the
+  engine's host work per exchange (``remap_fixed_seconds``);
 * step: with the remap ``max linear + sum over waves of max attention + remap``; without it
   ``sum over waves of max (linear + attention)``; plus the gradient all-reduce time not hidden
   behind the last backward (``grad_allreduce_seconds``).
@@ -142,7 +143,9 @@ def _step(att: list[list[float]], tokens: list[list[float]], linear_tokens: Sequ
     if linear_tokens is not None:
         lin = [per_token * n for n in linear_tokens]
         linear, attention = max(lin), add_up(max(a) for a in att)
-        remap = remap_a2a_seconds(moves, topology, cost) * 2.0 * kernel.layers
+        moves = list(moves)
+        remap = remap_a2a_seconds(moves, topology, cost) * 2.0 * kernel.layers + \
+            remap_fixed_seconds(moves, topology, cost)
         last_bwd = linear * bwd_lin + max(att[-1]) * bwd_att
         rank_lin = tuple(lin)
     else:
@@ -226,6 +229,24 @@ def remap_a2a_seconds(moves: Iterable[Move], topology: Topology, cost: CostModel
     if nic:
         times.append(nic / cluster.nic_byte_per_s + cluster.nic_latency_us * 1e-6)
     return max(times)
+
+
+def remap_fixed_seconds(moves: Sequence[Move], topology: Topology, cost: CostModel) -> float:
+    """What one step's remap pays besides ``remap_a2a_seconds`` x 2 x layers (0 without
+    moves): per layer and direction the remap is two exchanges (q, k, v there, the output
+    back, attention between them), and ``remap_a2a_seconds`` prices their bytes with one link
+    latency, so the second one's latency (of the slowest link the moves use); and the
+    engine's host work of its 4 exchanges per layer (gather, post, wait, scatter), priced as
+    a ring step's exchange: 2 x ``CostKernel.ring_step_s`` (one exchange forward and one
+    backward, all layers)."""
+    if not moves:
+        return 0.0
+    kernel, gpn = cost.kernel, topology.gpus_per_node
+    cross = any(src // gpn != dst // gpn for src, dst, _ in moves)
+    inside = any(src // gpn == dst // gpn for src, dst, _ in moves)
+    latency = max(kernel.nic_latency_s if cross else 0.0,
+                  kernel.nvlink_latency_s if inside else 0.0)
+    return 2.0 * kernel.layers * latency + 2.0 * kernel.ring_step_s
 
 
 def parameter_count(cost: CostModel) -> int:

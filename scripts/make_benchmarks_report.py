@@ -401,6 +401,12 @@ def measured_lines(path: str | None) -> list[str]:
             "written:", "", *[("#" + line if line.startswith("#") else line) for line in text]]
 
 
+def remap_lines() -> list[str]:
+    """``docs/remap.md`` as written: when the remapping layer pays (``zeppelin bench remap``)."""
+    path = ROOT / "docs" / "remap.md"
+    return ["", *path.read_text().strip().splitlines()] if path.exists() else []
+
+
 def intro_lines(seconds: float, args) -> list[str]:
     """How the file was made; the measured table; what the simulator models."""
     return [
@@ -421,6 +427,7 @@ def intro_lines(seconds: float, args) -> list[str]:
         "GPU cluster. The measured comparisons are the table below and the CPU fidelity check.",
         "",
         *measured_lines(args.measured),
+        *remap_lines(),
         "",
         "## What the simulator models",
         "",

@@ -26,18 +26,33 @@ def token_values(plan, layout, width: int = 3) -> torch.Tensor:
 
 
 def make_plans(nodes: int, gpn: int):
+    """Remapping plans (the hierarchical placement with the remap, not the portfolio's pick,
+    which is often a plan without it)."""
     rng = random.Random(nodes * 10 + gpn)
     cost = make_cost("gpt-tiny", nodes=nodes, gpus_per_node=gpn)
     for trial in range(3):
         lengths = [rng.choice([1, 3, 17, 64, 150, 600]) for _ in range(rng.randint(3, 25))]
         config = ZeppelinConfig(capacity_tokens_per_gpu=max(64, 3 * sum(lengths) // (nodes * gpn)))
-        yield make_plan("zeppelin", lengths, cost, config)
-    yield make_plan("zeppelin", [900, 5, 5, 5], cost)  # one long document: big node imbalance
+        yield make_plan("zeppelin", lengths, cost, config, portfolio=False)
+    # one long document: big node imbalance
+    yield make_plan("zeppelin", [900, 5, 5, 5], cost, portfolio=False)
+    # linear-heavy (a 30B model's linear time per token): the remap crosses nodes on 2 x 2
+    heavy = make_cost("llama-30b", nodes=nodes, gpus_per_node=gpn)
+    yield make_plan("zeppelin", [4000, 300, 300, 300, 5, 5], heavy, portfolio=False)
 
 
-def check_plans(rank: int, world: int, nodes: int, gpn: int, transport: str) -> None:
+@pytest.mark.parametrize("nodes,gpn", [(2, 2), (2, 4)])
+def test_the_plans_move_rows_inside_and_across_nodes(nodes, gpn):
+    moved = [[t for t in p.transfers if t.src != t.dst] for p in make_plans(nodes, gpn)]
+    assert any(t.src // gpn == t.dst // gpn for ts in moved for t in ts)
+    if gpn == 2:
+        assert any(t.src // gpn != t.dst // gpn for ts in moved for t in ts)
+
+
+def check_plans(rank: int, world: int, nodes: int, gpn: int, transport: str,
+                exchange: str = "all-to-all") -> None:
     for plan in make_plans(nodes, gpn):
-        idx = build_remap_index(plan, rank, transport=transport)
+        idx = build_remap_index(plan, rank, transport=transport, exchange=exchange)
         assert idx.transport.name == transport
         lin = token_values(plan, plan.linear[rank]).requires_grad_(True)
         att = to_attention_layout(lin, idx)
@@ -53,10 +68,18 @@ def check_plans(rank: int, world: int, nodes: int, gpn: int, transport: str) -> 
         assert crossing.item() == plan.remap_cross_node_tokens()
 
 
-@pytest.mark.parametrize("nodes,gpn,transport", [(2, 2, "direct"), (2, 4, "direct"),
-                                                  (2, 2, "staged"), (2, 4, "ordered")])
-def test_remap_moves_rows_exactly_and_inverts_gradients(nodes, gpn, transport):
-    run_world(check_plans, nodes * gpn, nodes, gpn, transport)
+@pytest.mark.parametrize("nodes,gpn,transport,exchange", [
+    (2, 2, "direct", "all-to-all"), (2, 4, "direct", "all-to-all"),
+    (2, 2, "staged", "all-to-all"), (2, 4, "ordered", "all-to-all"),
+    (2, 2, "direct", "pairs"), (2, 4, "ordered", "pairs")])
+def test_remap_moves_rows_exactly_and_inverts_gradients(nodes, gpn, transport, exchange):
+    run_world(check_plans, nodes * gpn, nodes, gpn, transport, exchange)
+
+
+def test_an_unknown_exchange_is_refused_naming_it():
+    plan = next(make_plans(2, 2))
+    with pytest.raises(ValueError, match="exchange='ring'.*all-to-all"):
+        build_remap_index(plan, 0, exchange="ring")
 
 
 def lose_one_rank(rank: int, world: int, how: str) -> None:

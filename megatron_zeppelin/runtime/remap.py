@@ -11,7 +11,11 @@ linear buffer is the i-th token of its ``Plan.linear[rank]`` segments, likewise 
 Ranks of the plan are ranks of ``group`` (the Zeppelin pool: data x context parallel).
 
 The all-to-all goes through a ``transport.Transport`` (``ZEPPELIN_TRANSPORT``; ``staged`` for
-several ranks on one GPU); the kept rows are copied while it is in flight. ``RemapIndex.to``
+several ranks on one GPU); the kept rows are copied while it is in flight. ``exchange``
+``pairs`` (``ZEPPELIN_REMAP_EXCHANGE``) posts the same rows as point-to-point sends and
+receives between the ranks that move rows only: a rank that neither sends nor receives posts
+nothing and waits for no one (the all-to-all is a collective of the whole pool, every rank
+meets every other one four times per layer). ``RemapIndex.to``
 moves the index tensors to the device once per plan (``device_index``), ahead of the step.
 """
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch.distributed as dist
 from megatron_zeppelin import env
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.runtime.device_index import to_device
-from megatron_zeppelin.runtime.transport import Transport, get_transport
+from megatron_zeppelin.runtime.transport import P2P, Transport, get_transport
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class RemapIndex:
     recv_rows: where received rows land in the attention buffer, grouped by source rank.
     keep_src / keep_dst: kept rows, linear buffer -> attention buffer.
     transport / timeout_s: how the all-to-all travels and the most it may wait (read once).
+    exchange: ``all-to-all`` or ``pairs`` (module doc).
     """
 
     rank: int
@@ -52,6 +57,7 @@ class RemapIndex:
     transport: Transport
     timeout_s: float
     probe: object = None  # runtime.probe.Probe timing each all-to-all (online profile fit)
+    exchange: str = "all-to-all"
 
     def to(self, device: torch.device | str) -> "RemapIndex":
         """The same index with its row tensors on ``device`` (one copy per dtype)."""
@@ -66,12 +72,18 @@ class RemapIndex:
 
 
 def build_remap_index(plan: Plan, rank: int, *, transport: Transport | str | None = None,
-                      timeout_s: float | None = None) -> RemapIndex:
+                      timeout_s: float | None = None, exchange: str | None = None
+                      ) -> RemapIndex:
     """The remap of ``rank`` from ``Plan.transfers`` (sorted by (src, dst, dst_offset));
-    transport / timeout_s: None reads ``ZEPPELIN_TRANSPORT`` / ``ZEPPELIN_P2P_TIMEOUT_S``."""
+    transport / timeout_s / exchange: None reads ``ZEPPELIN_TRANSPORT`` /
+    ``ZEPPELIN_P2P_TIMEOUT_S`` / ``ZEPPELIN_REMAP_EXCHANGE``."""
     world = plan.topology.world_size
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is invalid: the plan has ranks [0, {world})")
+    exchange = env.remap_exchange() if exchange is None else exchange
+    if exchange not in env.REMAP_EXCHANGES:
+        raise ValueError(f"exchange={exchange!r} is invalid: expected one of "
+                         f"{list(env.REMAP_EXCHANGES)}")
     send, recv, keep_src, keep_dst = [], [], [], []
     send_splits, recv_splits = [0] * world, [0] * world
     for t in plan.transfers:
@@ -88,7 +100,8 @@ def build_remap_index(plan: Plan, rank: int, *, transport: Transport | str | Non
     return RemapIndex(rank, plan.linear_tokens()[rank], plan.attention_tokens()[rank],
                       _cat(send), tuple(send_splits), _cat(recv), tuple(recv_splits),
                       _cat(keep_src), _cat(keep_dst), get_transport(transport),
-                      env.p2p_timeout_s() if timeout_s is None else float(timeout_s))
+                      env.p2p_timeout_s() if timeout_s is None else float(timeout_s),
+                      exchange=exchange)
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -105,9 +118,14 @@ def _exchange(x: torch.Tensor, gather: torch.Tensor, send_splits: tuple[int, ...
     received = x.new_empty((sum(recv_splits), *x.shape[1:]))
     timeout = idx.timeout_s
     where = f"remap all-to-all on rank {idx.rank}"
-    pending = idx.transport.all_to_all(received, x.index_select(0, gather.to(x.device)),
-                                         list(recv_splits), list(send_splits), group, where,
-                                         timeout)
+    sent = x.index_select(0, gather.to(x.device))
+    if idx.exchange == "pairs":
+        pending = idx.transport.post(_pair_ops(sent, send_splits, received, recv_splits),
+                                     group if group is not None else dist.group.WORLD, where,
+                                     timeout)
+    else:
+        pending = idx.transport.all_to_all(received, sent, list(recv_splits), list(send_splits),
+                                           group, where, timeout)
     if keep_src.numel():
         out.index_copy_(0, keep_dst.to(x.device), x.index_select(0, keep_src.to(x.device)))
     try:
@@ -123,6 +141,18 @@ def _exchange(x: torch.Tensor, gather: torch.Tensor, send_splits: tuple[int, ...
         row_bytes = x.element_size() * math.prod(x.shape[1:])
         idx.probe.stop(started, ("remap", float(gather.numel() * row_bytes)))
     return out
+
+
+def _pair_ops(sent: torch.Tensor, send_splits: tuple[int, ...], received: torch.Tensor,
+              recv_splits: tuple[int, ...]) -> list[P2P]:
+    """The all-to-all's rows as one send per peer that gets rows and one receive per peer
+    that sends some (``sent`` / ``received`` grouped by peer in rank order)."""
+    ops = []
+    for send, rows, splits in ((True, sent, send_splits), (False, received, recv_splits)):
+        for peer, part in enumerate(rows.split(list(splits))):
+            if splits[peer]:
+                ops.append(P2P(send, part, peer, 0, ("remap rows with rank {}", peer)))
+    return ops
 
 
 def _forward(x: torch.Tensor, idx: RemapIndex, group) -> torch.Tensor:
