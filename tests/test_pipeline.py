@@ -247,7 +247,7 @@ def test_plan_cli_prints_the_pipeline_estimate(capsys):
 @pytest.mark.parametrize("seed", range(4))
 def test_what_a_packing_loader_placed_is_always_placed(seed):
     """Documents packed greedily in arrival order into M micro-batches of ``capacity`` tokens
-    (megatron/corpus.py's MicroBatchSampler) are placed again, within the capacity."""
+    (megatron/loop/corpus.py's MicroBatchSampler) are placed again, within the capacity."""
     rng = random.Random(seed)
     capacity, m = 4096, 8
     lengths, held, runs = [], 0, 1

@@ -130,8 +130,8 @@ def designed_lengths(pattern: str, micro_batches: int, seed: int) -> list[int]:
 
 def micro_batches(flags: list[str], count: int) -> list[list[int]]:
     """The first ``count`` micro-batches' lengths of a run with ``flags``, as it packs them."""
-    from megatron_zeppelin.megatron import args as train_args
-    from megatron_zeppelin.megatron.corpus import MicroBatchSampler, open_source
+    from megatron_zeppelin.megatron.loop import args as train_args
+    from megatron_zeppelin.megatron.loop.corpus import MicroBatchSampler, open_source
 
     args = train_args.parse_args(flags)
     sampler = MicroBatchSampler(open_source(args.mock_data, args.data_path),
@@ -145,7 +145,7 @@ def replay(flags: list[str], batches: list[list[int]]) -> dict:
     imbalance (max / mean per rank), the tokens the remap moves, the portfolio's picks and
     the estimate's remap / no-remap ratio."""
     from megatron_zeppelin.estimate import estimate_step
-    from megatron_zeppelin.megatron import args as train_args, train
+    from megatron_zeppelin.megatron.loop import args as train_args, train
 
     out = {"token_imbalance": [], "moved_tokens": [], "estimate_ratio": [], "picks": {}}
     plan_of = {}

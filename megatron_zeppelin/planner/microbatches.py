@@ -9,7 +9,7 @@ Policy (``balance_microbatches``):
    first, so none stays empty). If a capacity leaves a document nowhere, the start is
    first-fit by tokens (longest first), then arrival order cut into ``M`` runs of about equal
    tokens, then arrival order with each run filled to the capacity (as
-   ``megatron/corpus.py``'s ``MicroBatchSampler`` packs: documents a packing loader placed in
+   ``megatron/loop/corpus.py``'s ``MicroBatchSampler`` packs: documents a packing loader placed in
    ``M`` micro-batches are always placed); if none places every document, ``ValueError``
    names the longest document, its length, the capacity and ``M``.
 2. **Local search on the real cost.** The costliest micro-batch gives one document to, or swaps
