@@ -15,7 +15,8 @@ fidelity   the real attention engine on gloo ranks vs the simulator             
 online     online profile fit: probe overhead, estimate error before/after      (online.py)
 window     sliding window: ring compute skipped, KV relay sent vs needed          (window.py)
 
-``zeppelin calibrate`` (calibrate.py) measures this machine and writes a hardware profile.
+``zeppelin calibrate`` (calibrate.py) measures this machine and writes a hardware profile;
+``zeppelin calibrate-sim`` (calibrate_sim.py) the simulator's own profile (``configs/sim/``).
 This package is the top of the layer order: it may import every other layer.
 """
 from __future__ import annotations
@@ -62,6 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     targets = p.add_subparsers(dest="target", required=True)
     for name in TARGETS:
         importlib.import_module(f"megatron_zeppelin.bench.{name}").register(targets)
-    from megatron_zeppelin.bench import calibrate
+    from megatron_zeppelin.bench import calibrate, calibrate_sim
 
     calibrate.register(sub)
+    calibrate_sim.register(sub)

@@ -82,6 +82,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         for r in results:
             print(report.format_setting(r, args.baseline) + "\n")
         print(report.format_summary(results, args.baseline))
+        batches = sum(len(r.results[0].batch_s) for r in results if r.results)
+        print(f"\nper batch ({batches} batches: {args.batches} per setting from --seed "
+              f"{args.seed}), zeppelin vs each peer, judged by the simulator's own step model; "
+              "a batch within 1% is a tie:")
+        print(report.format_win_loss(results))
+        print(report.describe_profiles(results))
     if args.plot:
         _write_plots(results, Path(args.plot), args.baseline)
     return 0

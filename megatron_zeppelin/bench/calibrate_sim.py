@@ -1,0 +1,301 @@
+"""``zeppelin calibrate-sim``: micro-measurements on this machine -> the simulator's own profile
+(``sim/profile.py``, e.g. ``configs/sim/cpu-2x2.yaml``).
+
+Measured for a model shape (``--model``, default the tiny GPT the CPU cluster trains), in 4
+forked processes of one thread at once (the way 4 gloo ranks share this machine's cores;
+medians over the processes, each point the fastest of its runs):
+
+* attention forward and backward through the engine's block call (``calibrate.time_attention``)
+  at query lengths 16..``--max-length``: the forward TFLOP/s table and the backward / forward
+  ratio *per length*; one 16-token call -> ``attention_call_us``;
+* the layer's GEMMs (``calibrate.time_gemm``) -> ``gemm_tflops``; one 16-token GEMM ->
+  ``gemm_call_us``;
+* a layer's non-GEMM kernels (two RMSNorms, rotary on q and k, SwiGLU, two residual adds),
+  forward + backward, at two token counts -> ``nongemm_layer_us`` + ``nongemm_ns_per_token``;
+* the head's (embedding, final RMSNorm, cross-entropy over the logits) likewise;
+* Adam (+ gradient-norm clipping) over 1x and 4x the model's parameters -> the optimizer line.
+
+On 4 gloo ranks: ``all_reduce`` at three sizes -> the all-reduce line; P2P ping-pong
+(``p2p_link``) -> the links (one host: intra = inter); the attention engine on a plan of short
+documents in a 4-rank ring, whose time beyond the model of everything else is the engine's host
+work per ring step (``ring_step_us``).
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import platform
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from megatron_zeppelin.bench.calibrate import CalibrateOptions, _timed, time_attention, time_gemm
+from megatron_zeppelin.bench.p2p_link import collect, fit_line, measure_p2p
+from megatron_zeppelin.config import ModelSpec, load_model
+from megatron_zeppelin.sim.profile import SimProfile
+
+CALL_TOKENS = 16
+LINE_TOKENS = (1024, 4096)
+
+
+def _line(setup, fn, opts: CalibrateOptions, sizes) -> tuple[float, float]:
+    """(intercept s, slope s per unit) of the fastest times of ``fn(setup(size))`` at
+    ``sizes`` (the inputs made outside the timed region)."""
+    times = [_timed(fn, opts, lambda n=n: setup(n)) for n in sizes]
+    slope = (times[-1] - times[0]) / (sizes[-1] - sizes[0])
+    return max(0.0, times[0] - slope * sizes[0]), max(slope, 0.0)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-b, a), dim=-1) * sin
+
+
+def layer_inputs(model: ModelSpec, tokens: int) -> tuple:
+    """Inputs of a layer's non-GEMM kernels on ``tokens`` tokens: x [tokens, hidden], the norm
+    weight, q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim], cos/sin, the MLP's
+    [tokens, 2 ffn]."""
+    h, d = model.hidden_size, model.head_dim
+    return (torch.randn(tokens, h, requires_grad=True), torch.ones(h, requires_grad=True),
+            torch.randn(tokens, model.num_attention_heads, d, requires_grad=True),
+            torch.randn(tokens, model.kv_heads, d, requires_grad=True),
+            torch.randn(tokens, 1, d), torch.randn(tokens, 1, d),
+            torch.randn(tokens, 2 * model.ffn, requires_grad=True))
+
+
+def nongemm_layer(inputs: tuple) -> None:
+    """Forward + backward of a layer's non-GEMM kernels (``layer_inputs``): two RMSNorms and
+    residual adds, rotary on q and k, SwiGLU."""
+    x, w, q, k, cos, sin, mlp = inputs
+    a, b = mlp.chunk(2, dim=-1)
+    y = _rms(x, w) + x
+    y = _rms(y, w) + y
+    out = y.sum() + _rotary(q, cos, sin).sum() + _rotary(k, cos, sin).sum() + \
+        (torch.nn.functional.silu(a) * b).sum()
+    out.backward()
+
+
+def head_inputs(model: ModelSpec, tokens: int) -> tuple:
+    """The embedding table, token ids, norm weight and [tokens, vocab] logits."""
+    return (torch.randn(model.vocab_size, model.hidden_size, requires_grad=True),
+            torch.randint(0, model.vocab_size, (tokens,)),
+            torch.ones(model.hidden_size, requires_grad=True),
+            torch.randn(tokens, model.vocab_size, requires_grad=True))
+
+
+def head_kernels(inputs: tuple) -> None:
+    """Forward + backward of the head's non-GEMM work: embedding lookup, final RMSNorm,
+    cross-entropy over the logits."""
+    table, ids, w, logits = inputs
+    out = _rms(table[ids], w).sum() + torch.nn.functional.cross_entropy(logits, ids)
+    out.backward()
+
+
+def optimizer_line(model: ModelSpec, opts: CalibrateOptions) -> tuple[float, float]:
+    """(fixed s, s per parameter) of an Adam step with gradient-norm clipping."""
+    from megatron_zeppelin.sim.step_model import parameter_count
+
+    params = parameter_count(model)
+    results = []
+    for scale in (1, 4):
+        tensors = [torch.nn.Parameter(torch.randn(params * scale // 8)) for _ in range(8)]
+        for t in tensors:
+            t.grad = torch.randn_like(t)
+        adam = torch.optim.Adam(tensors, lr=1e-3)
+
+        def step(_):
+            torch.nn.utils.clip_grad_norm_(tensors, 1.0)
+            adam.step()
+        results.append((params * scale, _timed(step, opts)))
+    (n0, t0), (n1, t1) = results
+    slope = max((t1 - t0) / (n1 - n0), 0.0)
+    return max(0.0, t0 - slope * n0), slope
+
+
+def measure_kernels(model: ModelSpec, lengths: tuple[int, ...], opts: CalibrateOptions) -> dict:
+    """Every compute figure of the profile in this process (see the module doc)."""
+    torch.set_num_threads(1)
+    att = [time_attention(n, opts) for n in lengths]
+    call = time_attention(CALL_TOKENS, opts)[0]
+    h = model.hidden_size
+    small = torch.randn(CALL_TOKENS, h), torch.randn(h, h)
+    gemm_call = _timed(lambda _: small[0] @ small[1], opts)
+    nongemm = _line(lambda n: layer_inputs(model, n), nongemm_layer, opts, LINE_TOKENS)
+    head = _line(lambda n: head_inputs(model, n), head_kernels, opts, LINE_TOKENS)
+    return {"fwd": [f for f, _ in att], "bwd": [b for _, b in att], "call": call,
+            "gemm_tflops": time_gemm(opts), "gemm_call": gemm_call, "nongemm": nongemm,
+            "head": head, "optimizer": optimizer_line(model, opts)}
+
+
+def _kernel_worker(model, lengths, opts, queue) -> None:
+    queue.put(measure_kernels(model, lengths, opts))
+
+
+def measure_kernels_concurrent(model: ModelSpec, lengths: tuple[int, ...],
+                               opts: CalibrateOptions, processes: int = 4) -> dict:
+    """``measure_kernels`` in ``processes`` forked processes at once; per figure the median."""
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_kernel_worker, args=(model, lengths, opts, queue))
+             for _ in range(processes)]
+    for p in procs:
+        p.start()
+    samples = collect(queue, procs, processes, 1800.0, "calibrate-sim worker")
+    return _median_tree(samples)
+
+
+def _median_tree(samples: list):
+    """The element-wise median of equally shaped nests of dicts, lists, tuples and numbers."""
+    first = samples[0]
+    if isinstance(first, dict):
+        return {k: _median_tree([s[k] for s in samples]) for k in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(_median_tree([s[i] for s in samples]) for i in range(len(first)))
+    return statistics.median(samples)
+
+
+ALLREDUCE_BYTES = (4096, 1048576, 4194304)
+
+
+def _allreduce_worker(rank: int, world: int, port: int, repeats: int, queue) -> None:
+    """One gloo rank: fastest seconds of an ``all_reduce`` per size of ``ALLREDUCE_BYTES``."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=300))
+    try:
+        out = []
+        for nbytes in ALLREDUCE_BYTES:
+            x = torch.ones(nbytes // 4)
+            best = float("inf")
+            for _ in range(repeats + 1):
+                dist.barrier()
+                start = time.perf_counter()
+                dist.all_reduce(x)
+                best = min(best, time.perf_counter() - start)
+            out.append(best)
+        if rank == 0:
+            queue.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_allreduce(world: int = 4, repeats: int = 20) -> tuple[float, float]:
+    """(latency us per ring step, bus GB/s) of a gloo all-reduce over ``world`` processes."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_worker, args=(r, world, port, repeats, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    times = collect(queue, procs, 1, 300.0, "all-reduce measurement")[0]
+    intercept, per_byte = fit_line([float(n) for n in ALLREDUCE_BYTES], times)
+    steps = 2 * (world - 1)
+    return max(0.0, intercept) / steps * 1e6, steps / world / per_byte / 1e9
+
+
+def ring_step_host_us(model: ModelSpec, profile: SimProfile, cluster: str) -> float:
+    """Host work of the engine per ring step: short documents in one 4-rank ring on 4 gloo
+    ranks (``bench.fidelity``'s engine timing, one layer, forward + backward), the measured
+    time beyond the step model's attention with no host work per ring step, per ring step."""
+    from megatron_zeppelin.bench.fidelity import FidelityOptions, fidelity_cost, measure
+    from megatron_zeppelin.config import ZeppelinConfig
+    from megatron_zeppelin.planner.baselines import StaticCP
+    from megatron_zeppelin.sim.step_model import StepOptions, attention_ends
+
+    opts = FidelityOptions(heads=model.num_attention_heads, head_dim=model.head_dim,
+                           repeats=7, cluster=cluster)
+    cost = fidelity_cost(opts)
+    world = cost.cluster.world_size
+    plan = StaticCP(cp_size=world).plan([CALL_TOKENS * world] * 2, cost, ZeppelinConfig())
+    measured = min(measure([("static-cp", 0, "ring", plan)], opts, world)[0])
+    base = replace(profile, ring_step_us=0.0)
+    (fwd, bwd), = attention_ends(plan, cost, base, StepOptions())
+    steps = 2 * world  # one call per ring step, forward and backward
+    return max(0.0, measured - float((fwd + bwd).max())) / steps * 1e6
+
+
+def build_sim_profile(name: str, model: ModelSpec, lengths: tuple[int, ...], k: dict,
+                      p2p, allreduce: tuple[float, float], source: str) -> SimProfile:
+    """The profile from the measured figures (ring host work left 0: measured afterwards)."""
+    call = k["call"]
+    flops = [2.0 * model.num_attention_heads * model.head_dim * n * n for n in lengths]
+    tflops = [(n, f / max(t - call, 1e-3 * t) / 1e12)
+              for n, f, t in zip(lengths, flops, k["fwd"])]
+    ratio = [(n, b / f) for n, f, b in zip(lengths, k["fwd"], k["bwd"])]
+    return SimProfile(
+        name=name, source=source, attention_tflops=tuple(tflops),
+        attention_bwd_ratio=tuple(ratio), attention_call_us=call * 1e6,
+        gemm_tflops=k["gemm_tflops"], gemm_call_us=k["gemm_call"] * 1e6,
+        nongemm_layer_us=k["nongemm"][0] * 1e6, nongemm_ns_per_token=k["nongemm"][1] * 1e9,
+        head_us=k["head"][0] * 1e6, head_ns_per_token=k["head"][1] * 1e9,
+        optimizer_us=k["optimizer"][0] * 1e6, optimizer_ns_per_param=k["optimizer"][1] * 1e9,
+        ring_step_us=0.0, intra_gbyte_per_s=p2p.gbyte_per_s, intra_latency_us=p2p.latency_us,
+        inter_gbyte_per_s=p2p.gbyte_per_s, inter_latency_us=p2p.latency_us,
+        allreduce_gbyte_per_s=allreduce[1], allreduce_latency_us=allreduce[0],
+        nvlink_contention=1.0, measured_hidden=model.hidden_size,
+        measured_vocab=model.vocab_size, unmeasured=("nvlink_contention",))
+
+
+def calibrate_sim(model_name: str, cluster: str, max_length: int) -> SimProfile:
+    """Measure everything (module doc) and return the profile, named after ``cluster``."""
+    model = load_model(model_name)
+    lengths = tuple(n for n in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+                    if n <= max_length)
+    opts = CalibrateOptions(model=model, lengths=lengths, tokens_per_call=0, min_time_s=0.2,
+                            max_repeats=5, concurrency=4)
+    kernels = measure_kernels_concurrent(model, lengths, opts)
+    p2p = measure_p2p()
+    allreduce = measure_allreduce()
+    day = datetime.date.today().isoformat()
+    source = (f"zeppelin calibrate-sim on {platform.node()} ({platform.machine()}, "
+              f"{os.cpu_count()} cores), torch {torch.__version__}, {day}: model {model.name} "
+              f"(heads {model.num_attention_heads}/{model.kv_heads}, head_dim "
+              f"{model.head_dim}, hidden {model.hidden_size}, vocab {model.vocab_size}), fp32, "
+              "4 processes x 1 thread at once, fastest runs, medians over processes; gloo "
+              "P2P ping-pong, 4-rank all-reduce, the engine on a 4-rank ring of short documents; "
+              f"load average {os.getloadavg()[0]:.1f}")
+    profile = build_sim_profile(cluster, model, lengths, kernels, p2p, allreduce, source)
+    return replace(profile, ring_step_us=ring_step_host_us(model, profile, cluster))
+
+
+def cmd_calibrate_sim(args) -> int:
+    from megatron_zeppelin.bench.calibrate import output_path
+
+    path = output_path(args.output, args.force, "simulator profile")
+    started = time.perf_counter()
+    profile = calibrate_sim(args.model, args.cluster, args.max_length)
+    profile.to_yaml(path, "The simulator's own profile (megatron_zeppelin/sim/profile.py), "
+                    "measured by `zeppelin calibrate-sim` (bench/calibrate_sim.py).\n"
+                    + profile.source)
+    print(f"wrote {path} ({time.perf_counter() - started:.0f} s); ring step host work "
+          f"{profile.ring_step_us:.0f} us, attention call {profile.attention_call_us:.0f} us, "
+          f"GEMM {profile.gemm_tflops * 1e3:.1f} GFLOP/s")
+    return 0
+
+
+def register(sub) -> None:
+    c = sub.add_parser("calibrate-sim", help="measure this machine for the simulator's own "
+                       "profile (configs/sim/)", description=__doc__)
+    c.add_argument("--model", default="gpt-tiny", help="model YAML (name or path) whose shape "
+                   "is measured")
+    c.add_argument("--cluster", default="cpu-2x2", help="the emulated cluster (its name names "
+                   "the profile)")
+    c.add_argument("--max-length", type=int, default=4096, help="longest attention length")
+    c.add_argument("--output", default="zeppelin-calibration/sim-cpu-2x2.yaml")
+    c.add_argument("--force", action="store_true", help="overwrite --output")
+    c.set_defaults(func=cmd_calibrate_sim)
