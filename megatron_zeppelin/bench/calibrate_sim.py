@@ -224,9 +224,9 @@ def ring_step_host_us(model: ModelSpec, profile: SimProfile, cluster: str) -> fl
     plan = StaticCP(cp_size=world).plan([CALL_TOKENS * world] * 2, cost, ZeppelinConfig())
     measured = min(measure([("static-cp", 0, "ring", plan)], opts, world)[0])
     base = replace(profile, ring_step_us=0.0)
-    (fwd, bwd), = attention_ends(plan, cost, base, StepOptions())
+    ends, = attention_ends(plan, cost, base, StepOptions())
     steps = 2 * world  # one call per ring step, forward and backward
-    return max(0.0, measured - float((fwd + bwd).max())) / steps * 1e6
+    return max(0.0, measured - float((ends.fwd + ends.bwd).max())) / steps * 1e6
 
 
 def build_sim_profile(name: str, model: ModelSpec, lengths: tuple[int, ...], k: dict,

@@ -152,6 +152,13 @@ def to_json(rows: list[StrategyFidelity], load: tuple[float, float], args) -> di
             "flags": args.extra}
 
 
+def rows_from_json(data: dict) -> list[StrategyFidelity]:
+    """The rows of a ``--json`` file (``to_json``)."""
+    return [StrategyFidelity(label, list(v["measured_s"]), list(v["simulated_s"]),
+                             list(v.get("chosen", [])), v.get("refused", ""))
+            for label, v in data["strategies"].items()]
+
+
 def bench_fidelity_train(args: argparse.Namespace) -> int:
     from megatron_zeppelin.sim.profile import load_sim_profile
 
