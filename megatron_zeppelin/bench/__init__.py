@@ -11,7 +11,8 @@ engine     attention engine vs the same work done locally; local-only and ring p
            kernels (engine.py, engine_local.py, engine_ring.py)
 kernels    our block call vs the raw kernel, same inputs (ratio, us per call)    (kernels.py)
 train      per-step time of every strategy training the tiny GPT, same data    (train.py)
-fidelity   the real attention engine on gloo ranks vs the simulator             (fidelity.py)
+fidelity   measured full training steps vs the simulator's step model (fidelity_train.py;
+           --engine: the attention engine alone, fidelity.py); exits 1 on a missed target
 online     online profile fit: probe overhead, estimate error before/after      (online.py)
 window     sliding window: ring compute skipped, KV relay sent vs needed          (window.py)
 

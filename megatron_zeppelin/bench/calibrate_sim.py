@@ -1,14 +1,16 @@
 """``zeppelin calibrate-sim``: micro-measurements on this machine -> the simulator's own profile
 (``sim/profile.py``, e.g. ``configs/sim/cpu-2x2.yaml``).
 
-Measured for a model shape (``--model``, default the tiny GPT the CPU cluster trains), in 4
-forked processes of one thread at once (the way 4 gloo ranks share this machine's cores;
-medians over the processes, each point the fastest of its runs):
+Compute is measured for a model shape (``--model``, default the tiny GPT the CPU cluster
+trains) in this process, one thread, as the least CPU time (``time.thread_time``) of a few runs:
+other jobs on the cores do not inflate it. The emulated cluster runs 4 ranks of one thread on
+this machine's cores; ``compute_scale`` = ranks / cores (at least 1) states that sharing and
+the step model multiplies compute by it.
 
-* attention forward and backward through the engine's block call (``calibrate.time_attention``)
+* attention forward and backward through the engine's block call (``calibrate.attention_block``)
   at query lengths 16..``--max-length``: the forward TFLOP/s table and the backward / forward
   ratio *per length*; one 16-token call -> ``attention_call_us``;
-* the layer's GEMMs (``calibrate.time_gemm``) -> ``gemm_tflops``; one 16-token GEMM ->
+* the layer's GEMMs (``calibrate.model_gemms``) -> ``gemm_tflops``; one 16-token GEMM ->
   ``gemm_call_us``;
 * a layer's non-GEMM kernels (two RMSNorms, rotary on q and k, SwiGLU, two residual adds),
   forward + backward, at two token counts -> ``nongemm_layer_us`` + ``nongemm_ns_per_token``;
@@ -26,20 +28,60 @@ import datetime
 import multiprocessing
 import os
 import platform
-import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from megatron_zeppelin.bench.calibrate import CalibrateOptions, _timed, time_attention, time_gemm
+from megatron_zeppelin.bench.calibrate import CalibrateOptions, attention_block, model_gemms
 from megatron_zeppelin.bench.p2p_link import collect, fit_line, measure_p2p
 from megatron_zeppelin.config import ModelSpec, load_model
 from megatron_zeppelin.sim.profile import SimProfile
 
 CALL_TOKENS = 16
+RANKS = 4  # the emulated cluster's gloo ranks (cpu-2x2), one thread each
 LINE_TOKENS = (1024, 4096)
+
+
+REPEATS = 5
+
+
+def _timed(fn, opts: CalibrateOptions | None = None, setup=None) -> float:
+    """The least CPU time of this thread over ``REPEATS`` runs of ``fn(setup())`` after a
+    warm-up (setup outside the timed region). CPU time, not wall time: other processes on the
+    cores do not inflate it (the profile's ``compute_scale`` states how the emulated ranks
+    share the cores)."""
+    best = float("inf")
+    for i in range(REPEATS + 1):
+        state = setup() if setup else None
+        start = time.thread_time()
+        fn(state)
+        if i:
+            best = min(best, time.thread_time() - start)
+    return best
+
+
+def time_attention(length: int, opts: CalibrateOptions) -> tuple[float, float]:
+    """(forward, backward) CPU seconds of the engine's block call on one causal document of
+    ``length`` tokens (``calibrate.attention_block``; the backward given the forward's output
+    and lse, as the engine calls it)."""
+    (q, k, v, dout), pieces, backend = attention_block(length, 1, opts)
+    scale = opts.head_dim ** -0.5
+    fwd = _timed(lambda _: backend.forward(q, k, v, pieces, True, scale))
+    out, lse = backend.forward(q, k, v, pieces, True, scale)
+    bwd = _timed(lambda _: backend.backward(dout, q, k, v, out, lse, pieces, True, scale))
+    return fwd, bwd
+
+
+def time_gemm(model: ModelSpec, tokens: int) -> float:
+    """Achieved TFLOP/s (CPU time) of the layer's GEMMs on ``tokens`` tokens, fp32."""
+    flops = seconds = 0.0
+    for m, k, n in model_gemms(model, tokens):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        seconds += _timed(lambda _: a @ b)
+        flops += 2.0 * m * k * n
+    return flops / seconds / 1e12
 
 
 def _line(setup, fn, opts: CalibrateOptions, sizes) -> tuple[float, float]:
@@ -131,35 +173,8 @@ def measure_kernels(model: ModelSpec, lengths: tuple[int, ...], opts: CalibrateO
     nongemm = _line(lambda n: layer_inputs(model, n), nongemm_layer, opts, LINE_TOKENS)
     head = _line(lambda n: head_inputs(model, n), head_kernels, opts, LINE_TOKENS)
     return {"fwd": [f for f, _ in att], "bwd": [b for _, b in att], "call": call,
-            "gemm_tflops": time_gemm(opts), "gemm_call": gemm_call, "nongemm": nongemm,
+            "gemm_tflops": time_gemm(model, opts.gemm_tokens), "gemm_call": gemm_call, "nongemm": nongemm,
             "head": head, "optimizer": optimizer_line(model, opts)}
-
-
-def _kernel_worker(model, lengths, opts, queue) -> None:
-    queue.put(measure_kernels(model, lengths, opts))
-
-
-def measure_kernels_concurrent(model: ModelSpec, lengths: tuple[int, ...],
-                               opts: CalibrateOptions, processes: int = 4) -> dict:
-    """``measure_kernels`` in ``processes`` forked processes at once; per figure the median."""
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_kernel_worker, args=(model, lengths, opts, queue))
-             for _ in range(processes)]
-    for p in procs:
-        p.start()
-    samples = collect(queue, procs, processes, 1800.0, "calibrate-sim worker")
-    return _median_tree(samples)
-
-
-def _median_tree(samples: list):
-    """The element-wise median of equally shaped nests of dicts, lists, tuples and numbers."""
-    first = samples[0]
-    if isinstance(first, dict):
-        return {k: _median_tree([s[k] for s in samples]) for k in first}
-    if isinstance(first, (list, tuple)):
-        return type(first)(_median_tree([s[i] for s in samples]) for i in range(len(first)))
-    return statistics.median(samples)
 
 
 ALLREDUCE_BYTES = (4096, 1048576, 4194304)
@@ -247,7 +262,8 @@ def build_sim_profile(name: str, model: ModelSpec, lengths: tuple[int, ...], k: 
         ring_step_us=0.0, intra_gbyte_per_s=p2p.gbyte_per_s, intra_latency_us=p2p.latency_us,
         inter_gbyte_per_s=p2p.gbyte_per_s, inter_latency_us=p2p.latency_us,
         allreduce_gbyte_per_s=allreduce[1], allreduce_latency_us=allreduce[0],
-        nvlink_contention=1.0, measured_hidden=model.hidden_size,
+        nvlink_contention=1.0, compute_scale=max(1.0, RANKS / (os.cpu_count() or 1)),
+        measured_hidden=model.hidden_size,
         measured_vocab=model.vocab_size, unmeasured=("nvlink_contention",))
 
 
@@ -258,7 +274,7 @@ def calibrate_sim(model_name: str, cluster: str, max_length: int) -> SimProfile:
                     if n <= max_length)
     opts = CalibrateOptions(model=model, lengths=lengths, tokens_per_call=0, min_time_s=0.2,
                             max_repeats=5, concurrency=4)
-    kernels = measure_kernels_concurrent(model, lengths, opts)
+    kernels = measure_kernels(model, lengths, opts)
     p2p = measure_p2p()
     allreduce = measure_allreduce()
     day = datetime.date.today().isoformat()
@@ -266,7 +282,8 @@ def calibrate_sim(model_name: str, cluster: str, max_length: int) -> SimProfile:
               f"{os.cpu_count()} cores), torch {torch.__version__}, {day}: model {model.name} "
               f"(heads {model.num_attention_heads}/{model.kv_heads}, head_dim "
               f"{model.head_dim}, hidden {model.hidden_size}, vocab {model.vocab_size}), fp32, "
-              "4 processes x 1 thread at once, fastest runs, medians over processes; gloo "
+              f"compute as one thread's least CPU time of {REPEATS} runs (x compute_scale: "
+              f"{RANKS} ranks share {os.cpu_count()} cores); gloo "
               "P2P ping-pong, 4-rank all-reduce, the engine on a 4-rank ring of short documents; "
               f"load average {os.getloadavg()[0]:.1f}")
     profile = build_sim_profile(cluster, model, lengths, kernels, p2p, allreduce, source)

@@ -22,6 +22,10 @@ and ``measured_vocab`` and scaled linearly in hidden size / vocabulary for other
 * ``nvlink_contention``: the factor an intra-node ring hop's time grows by when the routing
   layer's dispatch / combine legs use the same NVLink direction in that round (2: fair share).
 
+* ``compute_scale``: every compute term (attention, GEMMs, non-GEMM kernels, head, optimizer)
+  is multiplied by it: the compute figures are one thread's CPU time, and on the emulated CPU
+  cluster several ranks share a core (ranks / cores); 1 on a GPU.
+
 ``unmeasured`` names the fields no measurement backs (they are 0 and say so in every report).
 """
 from __future__ import annotations
@@ -61,6 +65,7 @@ class SimProfile:
     allreduce_gbyte_per_s: float
     allreduce_latency_us: float
     nvlink_contention: float = 1.0
+    compute_scale: float = 1.0
     measured_hidden: int = 0
     measured_vocab: int = 0
     unmeasured: tuple[str, ...] = ()
@@ -83,8 +88,9 @@ class SimProfile:
                     "inter_latency_us", "allreduce_latency_us"):
             require(getattr(self, key) >= 0, f"SimProfile.{key}", getattr(self, key),
                     "a number >= 0")
-        require(self.nvlink_contention >= 1, "SimProfile.nvlink_contention",
-                self.nvlink_contention, "a number >= 1")
+        for key in ("nvlink_contention", "compute_scale"):
+            require(getattr(self, key) >= 1, f"SimProfile.{key}", getattr(self, key),
+                    "a number >= 1")
 
     # ------------------------------------------------------------------ lookups
     def attention_tflops_at(self, chunk) -> np.ndarray:

@@ -121,7 +121,7 @@ def lower_bound(seqlens, cost: CostModel, world: int, profile: SimProfile | None
     profile = profile or profile_of(cost)
     s = np.asarray(seqlens, dtype=np.float64)
     flops = np.asarray([cost.attention_flops(x) for x in s])
-    forward = flops / (profile.best_tflops_up_to(s) * 1e12)
+    forward = flops / (profile.best_tflops_up_to(s) * 1e12) * profile.compute_scale
     attention = float(np.sum(forward * (1.0 + profile.least_ratio_up_to(s)))) * \
         cost.model.num_layers
     fixed = float(step_model.linear_seconds(np.zeros(1), cost, profile)[0])

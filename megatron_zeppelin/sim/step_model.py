@@ -130,7 +130,7 @@ def linear_seconds(tokens: np.ndarray, cost: CostModel, profile: SimProfile) -> 
         tp_comm = 4.0 * layers * np.asarray(
             [allreduce_s(n * m.hidden_size * m.bytes_per_element, tp,
                          profile.intra_latency_us, profile.intra_gbyte_per_s) for n in tokens])
-    return gemm + nongemm + head + tp_comm
+    return (gemm + nongemm + head) * profile.compute_scale + tp_comm
 
 
 class _Work(NamedTuple):
@@ -149,9 +149,10 @@ def build_work(plan: Plan, cost: CostModel, profile: SimProfile) -> list[tuple[_
     s = np.asarray([plan.seqlens[q] for g in groups for q in g.seqs], dtype=np.float64)
     g = np.asarray([len(groups[i].ring) for i in owner], dtype=np.float64)
     flops = 2.0 * cost.heads * cost.model.head_dim * s * s  # cost.attention_flops, vectorised
-    fwd = profile.attention_forward_s(flops / (g * g), s / g)
+    fwd = profile.attention_forward_s(flops / (g * g), s / g) * profile.compute_scale
     bwd = fwd * profile.backward_ratio(s / g)
-    extra = profile.attention_call_us * 1e-6 + profile.ring_step_us * 1e-6
+    extra = profile.attention_call_us * 1e-6 * profile.compute_scale + \
+        profile.ring_step_us * 1e-6
     step_f = np.bincount(owner, fwd, len(groups)) + extra
     step_b = np.bincount(owner, bwd, len(groups)) + extra
     chunk_kv = np.bincount(owner, s / g, len(groups)) * cost.kv_bytes(1)
@@ -198,7 +199,7 @@ def attention_ends(plan: Plan, cost: CostModel, profile: SimProfile, options: St
                   options.local_policy, profile.nvlink_contention)
     bpe = cost.model.bytes_per_element
     acc = bpe if options.dkv_dtype == "kv" else (8 if bpe > 4 else 4)
-    call = profile.attention_call_us * 1e-6
+    call = profile.attention_call_us * 1e-6 * profile.compute_scale
     out = []
     for works in build_work(plan, cost, profile):
         ends = [simulate_pass(work.rings, work.local, plan.topology.world_size,
@@ -303,6 +304,7 @@ def step_time(plans: Sequence[Plan], cost: CostModel, profile: SimProfile,
         allreduce_s(4.0, ranks, profile.allreduce_latency_us, profile.allreduce_gbyte_per_s)
     if options.overlap_grad_reduce and micro:
         sync = max(0.0, sync - micro[-1].last_backward_s)
-    optimizer = profile.optimizer_us * 1e-6 + params * profile.optimizer_ns_per_param * 1e-9
+    optimizer = (profile.optimizer_us * 1e-6 + params * profile.optimizer_ns_per_param * 1e-9) \
+        * profile.compute_scale
     return StepTime(sum(m.seconds for m in micro) + sync + optimizer, micro, sync, optimizer,
                     tuple(d[1] for d in details))

@@ -42,7 +42,8 @@ def ulysses_pass_times(plan: Plan, cost: CostModel, profile: SimProfile
         s = np.asarray([plan.seqlens[q] for q in group.seqs], dtype=np.float64)
         share = -(-heads // size) / heads
         flops = np.asarray([cost.attention_flops(x) for x in s]) * share
-        compute[members] += float(profile.attention_forward_s(flops, s).sum()) + call
+        compute[members] += (float(profile.attention_forward_s(flops, s).sum()) + call) * \
+            profile.compute_scale
         if size == 1:
             continue
         tokens = float(s.sum()) / size
