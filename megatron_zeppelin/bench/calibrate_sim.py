@@ -20,7 +20,9 @@ the step model multiplies compute by it.
 On 4 gloo ranks: ``all_reduce`` at three sizes -> the all-reduce line; P2P ping-pong
 (``p2p_link``) -> the links (one host: intra = inter); the attention engine on a plan of short
 documents in a 4-rank ring, whose time beyond the model of everything else is the engine's host
-work per ring step (``ring_step_us``).
+work per ring step (``ring_step_us``); the tiny GPT trained on 128-token micro-batches (compute
+small), at 1 and 8 micro-batches per step, whose steps beyond the model are the training loop's
+host work per step and per micro-batch (``step_host_us``, ``micro_batch_host_us``).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import datetime
 import multiprocessing
 import os
 import platform
+import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -244,6 +247,36 @@ def ring_step_host_us(model: ModelSpec, profile: SimProfile, cluster: str) -> fl
     return max(0.0, measured - float((ends.fwd + ends.bwd).max())) / steps * 1e6
 
 
+HOST_FLAGS = ["--seq-length", "128", "--micro-batch-size", "1"]
+HOST_MICRO_BATCHES = (1, 8)  # global batch sizes of the two runs (micro-batches per step)
+
+
+def training_host_us(profile: SimProfile, port: int = 29691) -> tuple[float, float]:
+    """(per step, per micro-batch) host work of the training loop outside what the step model
+    counts (Megatron's schedule and modules in Python, data, DDP hooks, the optimizer
+    wrapper): the tiny GPT trained with 128-token micro-batches (compute small), static CP of
+    size 1, at 1 and 8 micro-batches per step; the measured median step beyond the step
+    model's prediction for the same micro-batches, fitted as a line in micro-batches."""
+    from megatron_zeppelin.bench.fidelity_train import replay
+    from megatron_zeppelin.bench.train import Entry, run_entries
+
+    entries = [Entry("static-cp", {"zeppelin-cp-size": "1", "global-batch-size": str(n)})
+               for n in HOST_MICRO_BATCHES]
+    iterations, warmup = 8, 3
+    residual = []
+    for entry, (logs, refused) in zip(entries, run_entries(entries, iterations, HOST_FLAGS,
+                                                            port)):
+        if refused or len(logs) <= warmup:
+            raise RuntimeError(f"calibrate-sim: the host-work training run failed: {refused}")
+        kept = logs[warmup:]
+        simulated = replay(entry, HOST_FLAGS, iterations, kept, profile)
+        residual.append(statistics.median(log["seconds"] - sim
+                                          for log, sim in zip(kept, simulated)))
+    per_micro = max(0.0, (residual[1] - residual[0]) /
+                    (HOST_MICRO_BATCHES[1] - HOST_MICRO_BATCHES[0]))
+    return max(0.0, residual[0] - per_micro * HOST_MICRO_BATCHES[0]) * 1e6, per_micro * 1e6
+
+
 def build_sim_profile(name: str, model: ModelSpec, lengths: tuple[int, ...], k: dict,
                       p2p, allreduce: tuple[float, float], source: str) -> SimProfile:
     """The profile from the measured figures (ring host work left 0: measured afterwards)."""
@@ -287,7 +320,9 @@ def calibrate_sim(model_name: str, cluster: str, max_length: int) -> SimProfile:
               "P2P ping-pong, 4-rank all-reduce, the engine on a 4-rank ring of short documents; "
               f"load average {os.getloadavg()[0]:.1f}")
     profile = build_sim_profile(cluster, model, lengths, kernels, p2p, allreduce, source)
-    return replace(profile, ring_step_us=ring_step_host_us(model, profile, cluster))
+    profile = replace(profile, ring_step_us=ring_step_host_us(model, profile, cluster))
+    step_us, micro_us = training_host_us(profile)
+    return replace(profile, step_host_us=step_us, micro_batch_host_us=micro_us)
 
 
 def cmd_calibrate_sim(args) -> int:

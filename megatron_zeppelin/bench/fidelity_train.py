@@ -60,14 +60,15 @@ class StrategyFidelity:
         return q[-1] / q[0] - 1.0
 
 
-def replay(entry, extra: list[str], iterations: int, logs: list[dict], profile_name: str
+def replay(entry, extra: list[str], iterations: int, logs: list[dict], profile_name
            ) -> list[float]:
     """The simulator's step for every logged step of ``entry``: its micro-batches re-planned
-    with the run's own planner and cost model, then ``step_model.step_time``."""
+    with the run's own planner and cost model, then ``step_model.step_time``;
+    ``profile_name``: a ``configs/sim/`` name, a YAML path or a ``SimProfile``."""
     from megatron_zeppelin.bench.train import run_flags
     from megatron_zeppelin.megatron import args as train_args, train
     from megatron_zeppelin.planner.registry import strategy_class
-    from megatron_zeppelin.sim.profile import load_sim_profile
+    from megatron_zeppelin.sim.profile import SimProfile, load_sim_profile
     from megatron_zeppelin.sim.step_model import StepOptions, step_time
 
     args = train_args.parse_args(run_flags(entry, iterations, extra))
@@ -78,7 +79,8 @@ def replay(entry, extra: list[str], iterations: int, logs: list[dict], profile_n
         cost.cluster.nodes > 1
     options = StepOptions(inter_mode="routed" if routed else "ring",
                           overlap_grad_reduce=bool(args.overlap_grad_reduce))
-    profile = load_sim_profile(profile_name)
+    profile = profile_name if isinstance(profile_name, SimProfile) else \
+        load_sim_profile(profile_name)
     out = []
     for log in logs:
         plans = [planner(list(lengths)) for lengths in log["seqlens"]]

@@ -17,6 +17,8 @@ and ``measured_vocab`` and scaled linearly in hidden size / vocabulary for other
   ``head_us`` + ``head_ns_per_token``;
 * optimizer step (Adam + gradient clipping): ``optimizer_us`` + ``optimizer_ns_per_param``;
 * host work of the attention engine per ring step (per ring, per round): ``ring_step_us``;
+* host work of the training loop (schedule, modules' Python, data, hooks) per step and per
+  micro-batch: ``step_host_us``, ``micro_batch_host_us``;
 * links: P2P inside a node (``intra_*``) and across nodes (``inter_*``), an all-reduce over the
   pool (``allreduce_*``: latency per ring step, bus bandwidth);
 * ``nvlink_contention``: the factor an intra-node ring hop's time grows by when the routing
@@ -66,6 +68,8 @@ class SimProfile:
     allreduce_latency_us: float
     nvlink_contention: float = 1.0
     compute_scale: float = 1.0
+    step_host_us: float = 0.0
+    micro_batch_host_us: float = 0.0
     measured_hidden: int = 0
     measured_vocab: int = 0
     unmeasured: tuple[str, ...] = ()
@@ -84,7 +88,8 @@ class SimProfile:
                     "a positive number")
         for key in ("attention_call_us", "gemm_call_us", "nongemm_layer_us",
                     "nongemm_ns_per_token", "head_us", "head_ns_per_token", "optimizer_us",
-                    "optimizer_ns_per_param", "ring_step_us", "intra_latency_us",
+                    "optimizer_ns_per_param", "ring_step_us", "step_host_us",
+                    "micro_batch_host_us", "intra_latency_us",
                     "inter_latency_us", "allreduce_latency_us"):
             require(getattr(self, key) >= 0, f"SimProfile.{key}", getattr(self, key),
                     "a number >= 0")

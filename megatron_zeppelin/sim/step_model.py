@@ -24,8 +24,8 @@ Per micro-batch, per rank (seconds; ``n`` its linear-layout tokens, ``L`` layers
 
 A micro-batch ends when its slowest rank does (ring and remap traffic synchronise the ranks);
 an iteration is its micro-batches back to back, then the gradient all-reduce (exposed unless
-``overlap_grad_reduce``: then only what outlasts the last micro-batch's backward) and the
-optimizer step. Not modelled: pipeline parallelism, the planner process's CPU use, memory.
+``overlap_grad_reduce``: then only what outlasts the last micro-batch's backward), the
+optimizer step, and the training loop's host work per step and per micro-batch. Not modelled: pipeline parallelism, the planner process's CPU use, memory.
 """
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ class MicroBatchTime:
 
 @dataclass(frozen=True)
 class StepTime:
-    """One iteration: micro-batches back to back, exposed gradient sync, optimizer step."""
+    """One iteration: micro-batches back to back, exposed gradient sync, optimizer step
+    (``optimizer_s`` includes the training loop's host work per step and micro-batch)."""
 
     seconds: float
     micro_batches: tuple[MicroBatchTime, ...]
@@ -306,5 +307,7 @@ def step_time(plans: Sequence[Plan], cost: CostModel, profile: SimProfile,
         sync = max(0.0, sync - micro[-1].last_backward_s)
     optimizer = (profile.optimizer_us * 1e-6 + params * profile.optimizer_ns_per_param * 1e-9) \
         * profile.compute_scale
-    return StepTime(sum(m.seconds for m in micro) + sync + optimizer, micro, sync, optimizer,
+    host = profile.step_host_us * 1e-6 + len(plans) * profile.micro_batch_host_us * 1e-6
+    return StepTime(sum(m.seconds for m in micro) + sync + optimizer + host, micro, sync,
+                    optimizer + host,
                     tuple(d[1] for d in details))
