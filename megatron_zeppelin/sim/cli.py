@@ -113,7 +113,8 @@ def _to_json(result) -> dict:
         for key in ("rank_linear_s", "rank_attention_s", "rank_wait_s"):
             first.pop(key)
         out["results"].append({"label": r.label, "iteration_s": r.iteration_s,
-                               "plan_ms": r.plan_ms, "plan": r.note, "first_batch": first})
+                               "plan_ms": r.plan_ms, "plan": r.note, "batch_s": list(r.batch_s),
+                               "first_batch": first})
     return out
 
 

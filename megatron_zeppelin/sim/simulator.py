@@ -120,7 +120,7 @@ def lower_bound(seqlens, cost: CostModel, world: int, profile: SimProfile | None
     reaches + the linear modules' per-token work) / ranks + one rank's fixed linear costs."""
     profile = profile or profile_of(cost)
     s = np.asarray(seqlens, dtype=np.float64)
-    flops = np.asarray([cost.attention_flops(x) for x in s])
+    flops = cost.attention_flops(s)  # elementwise on the array
     forward = flops / (profile.best_tflops_up_to(s) * 1e12) * profile.compute_scale
     attention = float(np.sum(forward * (1.0 + profile.least_ratio_up_to(s)))) * \
         cost.model.num_layers
