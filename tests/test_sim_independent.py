@@ -104,3 +104,23 @@ def test_a_bad_profile_is_refused_naming_the_key(tmp_path):
         load_sim_profile(path)
     with pytest.raises(ConfigError, match="unknown sim config"):
         load_sim_profile("no-such-cluster")
+
+
+def test_per_batch_wins_ties_losses_geomean_and_median():
+    from megatron_zeppelin.sim import report
+    from megatron_zeppelin.sim.sweep import Setting, SettingResult, VariantResult
+
+    def variant(label, batch_s):
+        return VariantResult(label, sum(batch_s) / len(batch_s), 1.0, 0.0, None,
+                             batch_s=tuple(batch_s))
+
+    setting = Setting("llama-7b", "h200-8nic", 2, "github")
+    results = [SettingResult(setting, 16, 10, 1e6, 1.0, (
+        variant("zeppelin", [1.0, 2.0, 1.0]), variant("static-cp", [2.0, 1.0, 1.005])), ()),
+        SettingResult(setting, 16, 10, 1e6, 1.0, (
+            variant("zeppelin", [1.0]), variant("static-cp", [4.0])), ())]
+    assert report.batch_speedups(results, "static-cp") == pytest.approx([2.0, 0.5, 1.005, 4.0])
+    assert report.win_loss(results, "static-cp") == (2, 1, 1)
+    table = report.format_win_loss(results)
+    assert "2 / 1 / 1" in table and "1.42x" in table  # geomean of 2, 0.5, 1.005, 4
+    assert "1.50x" in table  # median of the four
