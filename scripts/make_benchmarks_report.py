@@ -322,7 +322,8 @@ def fidelity_section(path: str | None) -> list[str]:
         f"`zeppelin bench fidelity` ({shown_path(path)}): every strategy trained the tiny GPT "
         "on 4 gloo ranks (2 emulated nodes x 2, one thread each) on this 2-core machine, "
         f"{data['rounds']} interleaved round(s) of {data['iterations']} steps, the first "
-        f"{data['warmup']} of each dropped; the simulator's step model (its own profile "
+        f"{data['warmup']} of each dropped, load average {data['load_average'][0]:.1f} -> "
+        f"{data['load_average'][1]:.1f}; the simulator's step model (its own profile "
         f"`configs/sim/{data['profile']}.yaml`, measured by `zeppelin calibrate-sim`) "
         "predicted each step from the same micro-batches, re-planned by the run's own "
         "planner. Other jobs on the machine add noise (the spread column).",
