@@ -159,20 +159,6 @@ def load_sim_profile(name_or_path: str | os.PathLike) -> SimProfile:
     return from_dict(SimProfile, data, where=str(path))
 
 
-def sim_profile_for(cluster_name: str, hardware: str) -> SimProfile:
-    """The shipped profile of a cluster (``configs/sim/<cluster>.yaml``), else of its hardware
-    (``configs/sim/<hardware>.yaml``); ConfigError naming both when neither exists."""
-    for name in (cluster_name, hardware):
-        try:
-            return load_sim_profile(name)
-        except ConfigError as exc:
-            if "unknown sim config" not in str(exc):
-                raise
-    raise ConfigError(f"no simulator profile for cluster {cluster_name!r} or hardware "
-                      f"{hardware!r} under configs/sim/; measure one with `zeppelin "
-                      "calibrate-sim --output FILE` and pass it with --sim-profile FILE")
-
-
 def from_planner_profile(cost) -> SimProfile:
     """A profile derived from the planner's hardware profile and cluster (``cost``), for a
     cluster with no ``configs/sim/`` file: NOT independent of the estimate's inputs (the same
