@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 
@@ -150,9 +152,16 @@ def _interp(table: tuple[tuple[int, float], ...], x) -> np.ndarray:
 
 
 def load_sim_profile(name_or_path: str | os.PathLike) -> SimProfile:
-    """``configs/sim/<name>.yaml`` or a path; ConfigError naming the file and key."""
+    """``configs/sim/<name>.yaml`` or a path; ConfigError naming the file and key. Read once
+    per file version (cached on path and modification time: sweeps simulate thousands of
+    plans)."""
     path = resolve_config_path(name_or_path, "sim")
-    data = read_yaml(path)
+    return _load(str(path.resolve()), path.stat().st_mtime_ns)
+
+
+@lru_cache(maxsize=32)
+def _load(path: str, _mtime: int) -> SimProfile:
+    data = read_yaml(Path(path))
     for key in TABLES:
         if isinstance(data.get(key), dict):
             data[key] = sorted(data[key].items())
