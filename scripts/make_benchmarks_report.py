@@ -3,7 +3,7 @@
 
     python scripts/make_benchmarks_report.py                 # the full report, to build/benchmarks/
     python scripts/make_benchmarks_report.py --quick         # a small sweep, to try the script
-    python scripts/make_benchmarks_report.py --fidelity      # + the CPU fidelity check (~2 min)
+    python scripts/make_benchmarks_report.py --fidelity-json F   # + `zeppelin bench fidelity --json F`
     python scripts/make_benchmarks_report.py --output docs/benchmarks.md   # the tracked report
 
 The report goes where ``--output`` says (default ``build/benchmarks/benchmarks.md``, outside the
@@ -12,11 +12,12 @@ tracked files), its images to ``img/`` next to it; regenerating the tracked
 
 Every number in the generated file comes from this run: the paper's settings (LLaMA 3B/7B/13B,
 13B with TP=2, on the three clusters, 16-128 GPUs, ArXiv/GitHub/ProLong64K), an ablation,
-1024-GPU runs, and (with --fidelity) measured vs simulated times of the real attention engine.
+1024-GPU runs, and (with --fidelity-json) measured vs simulated full training steps on CPU.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import sys
@@ -304,44 +305,29 @@ def plots(paper, scale, ablation, img: Path) -> list[str]:
     return lines
 
 
-def fidelity_section(run: bool) -> list[str]:
-    """Calibrate, run the fidelity check and format it (or say it was not run)."""
-    if not run:
-        return ["Not run in this generation (pass `--fidelity`; see `zeppelin bench "
-                "fidelity`)."]
-    import tempfile
+def fidelity_section(path: str | None) -> list[str]:
+    """The measured-vs-simulated full training steps of ``zeppelin bench fidelity --json
+    FILE`` (or say it was not given)."""
+    if not path:
+        return ["Not included in this generation: run `zeppelin bench fidelity --json FILE` "
+                "(measured full training steps vs the simulator's step model) and pass "
+                "`--fidelity-json FILE`."]
+    from megatron_zeppelin.bench import fidelity_train
 
-    from megatron_zeppelin.bench import fidelity
-    from megatron_zeppelin.bench.calibrate import cmd_calibrate, calibrate_defaults
-
-    with tempfile.TemporaryDirectory() as tmp:  # a fresh profile, in the same conditions
-        cmd_calibrate(calibrate_defaults(tmp))
-        result = fidelity.run_fidelity(fidelity.FidelityOptions(
-            hardware=f"{tmp}/cpu.yaml", cluster=f"{tmp}/cpu-cluster.yaml"))
+    data = json.loads(Path(path).read_text())
+    rows = fidelity_train.rows_from_json(data)
+    lines, _ = fidelity_train.format_report(rows, tuple(data["load_average"]), 0.0,
+                                            data["profile"])
     return [
-        "`zeppelin calibrate` (just before) measured a fresh CPU profile and emulated cluster "
-        "(like the shipped `configs/hardware/cpu.yaml`, `configs/clusters/cpu-2x2.yaml`); "
-        "then the real attention engine ran every plan on 4 "
-        "gloo processes (one thread each) on this 2-core machine and the simulator predicted "
-        "the same plans with that profile. Both sides keep the fastest of their runs. The CPU "
-        "emulation shares 2 cores between 4 ranks (a rank that finishes early frees a core for "
-        "the others), and other jobs on the machine add noise; neither exists on a GPU "
-        "cluster.",
-        "", "```", fidelity.format_fidelity(result), "```", "", fidelity_bias(result)]
-
-
-def fidelity_bias(result) -> str:
-    """Whether the errors share a sign, and what the simulator leaves out that explains it."""
-    errors = [r.error for r in result.rows]
-    mean = sum(errors) / len(errors)
-    under = sum(e < 0 for e in errors)
-    return (f"Mean signed error {mean:+.1%}; the simulator is below the measurement in {under} "
-            f"of {len(errors)} plans. Not modelled (see the simulator's docstring): the "
-            "engine's host work per ring step and round (Python, row gathers, LSE merges, "
-            "about 0.1-0.5 ms per step on this CPU), gloo copying messages with the same "
-            "cores that compute, and the inter-node worker thread of routed mode; plans with "
-            "more ring steps (zeppelin, static CP) are under-predicted more than plans that "
-            "are mostly LOCAL (hybrid DP, Megatron hybrid CP).")
+        f"`zeppelin bench fidelity` ({shown_path(path)}): every strategy trained the tiny GPT "
+        "on 4 gloo ranks (2 emulated nodes x 2, one thread each) on this 2-core machine, "
+        f"{data['rounds']} interleaved round(s) of {data['iterations']} steps, the first "
+        f"{data['warmup']} of each dropped, load average {data['load_average'][0]:.1f} -> "
+        f"{data['load_average'][1]:.1f}; the simulator's step model (its own profile "
+        f"`configs/sim/{data['profile']}.yaml`, measured by `zeppelin calibrate-sim`) "
+        "predicted each step from the same micro-batches, re-planned by the run's own "
+        "planner. Other jobs on the machine add noise (the spread column).",
+        "", "```", *lines[1:], "```"]
 
 
 def variant_list() -> list[str]:
@@ -407,13 +393,14 @@ def remap_lines() -> list[str]:
     return ["", *path.read_text().strip().splitlines()] if path.exists() else []
 
 
-def intro_lines(seconds: float, args) -> list[str]:
+def intro_lines(seconds: float, args, paper: list[SettingResult]) -> list[str]:
     """How the file was made; the measured table; what the simulator models."""
     return [
         "# Benchmarks: measured first, then simulated",
         "",
         f"Generated by `python scripts/make_benchmarks_report.py"
-        f"{' --quick' if args.quick else ''}{' --fidelity' if args.fidelity else ''}"
+        f"{' --quick' if args.quick else ''}"
+        f"{' --fidelity-json ' + shown_path(args.fidelity_json) if args.fidelity_json else ''}"
         f"{' --measured ' + shown_path(args.measured) if args.measured else ''}"
         f" --output {shown_path(args.output)}` in "
         f"{seconds:.0f} s on {platform.node()} ({platform.machine()}, Python "
@@ -431,20 +418,30 @@ def intro_lines(seconds: float, args) -> list[str]:
         "",
         "## What the simulator models",
         "",
+        "The simulator is its own model (`sim/step_model.py`), not the planner's estimate: "
+        "it shares no time formula with `estimate.py` and reads its own profile "
+        "(`configs/sim/<cluster>.yaml`; the GPU ones derived from GPU-FACTS.md's H100/H200 "
+        "measurements, host terms unmeasured there; clusters without one fall back to the "
+        "planner's profile and say so below).",
+        "",
         "- linear modules on the linear layout (token-balanced with the remapping layer, the "
-        "attention layout otherwise); attention per ring step at the profile's FLOP/s for "
-        "the chunk length; the attention engine's rounds (`runtime/engine.py`: INTER, INTRA, "
-        "LOCAL queues; each round posts every ring's exchange, computes every ring's step, "
-        "runs LOCAL calls while the exchanges are in flight, then waits);",
+        "attention layout otherwise): GEMMs at the profile's rate plus host work per call, "
+        "non-GEMM kernels (norms, SwiGLU, rotary, residuals), the head (embedding, loss), "
+        "tensor-parallel all-reduces;",
+        "- attention per call at the profile's forward FLOP/s for its query length and "
+        "backward / forward ratio *by length*, host work per call and per ring step; the "
+        "attention engine's rounds (`runtime/engine.py`: INTER, INTRA, LOCAL queues; each "
+        "round posts every ring's exchange, computes every ring's step, runs LOCAL calls while "
+        "the exchanges are in flight, then waits);",
         "- NIC sharing by concurrent cross-node hops with static GPU->NIC affinity, or the "
         "global inter-node steps through the routing layer (`megatron_zeppelin.router`'s "
-        "schedule and time model); backward rings carry the fp32 dKV accumulator as the "
-        "engine does;",
-        "- the remap all-to-all per layer forward and backward (NVLink inside a node, the "
-        "static NICs across nodes); Megatron hybrid CP waves back to back with a barrier; the "
-        "gradient all-reduce (hierarchical ring), overlapped with the last backward;",
-        "- not modelled: pipeline parallelism, tensor-parallel collectives, NVLink contention "
-        "of the routing legs, Python overheads of the engine, memory.",
+        "schedule), intra-node hops slowed by the routing legs' NVLink use; backward rings "
+        "carry the fp32 dKV accumulator as the engine does;",
+        "- the remap's four all-to-alls per layer; Megatron hybrid CP waves back to back; the "
+        "gradient all-reduce (ring), overlapped with the last backward; the optimizer step;",
+        "- not modelled: pipeline parallelism, memory.",
+        "",
+        *report.describe_profiles(paper).splitlines(),
         "",
         f"Global batches: {DEFAULT_TOKENS_PER_GPU // 1024}K tokens per GPU sampled from each "
         "workload (`sim/workloads.py`); each paper setting averages "
@@ -472,6 +469,13 @@ def headline_lines(paper: list[SettingResult]) -> list[str]:
         "(zeppelin-fill): above 1 the engine as written loses time.",
         "",
         headline(per_group(paper)),
+        "",
+        "Per batch (every sampled batch of every paper setting: the seeds' samples), zeppelin "
+        "against each strategy, judged by the simulator's own step model: wins / ties / "
+        "losses (a batch within 1% is a tie), geometric mean and median of the per-batch "
+        "speedup, the worst and best batch:",
+        "",
+        report.format_win_loss(allp, markdown=True),
         "",
         f"The paper reports 2.80x on average over TE CP (up to 6.60x). Goal for this project: "
         f"above 2.80x over static CP, above Megatron's hybrid CP, within 1.15x of the bound. "
@@ -553,7 +557,7 @@ def write_document(out: Path, paper, scale, ablation, image_lines, fidelity_line
                    seconds: float, args) -> None:
     """Assemble docs/benchmarks.md from the sections."""
     lines = [
-        *intro_lines(seconds, args), "",
+        *intro_lines(seconds, args, paper), "",
         *headline_lines(paper), "",
         *portfolio_lines(paper, scale), "",
         *result_lines(paper, scale, ablation), "",
@@ -611,8 +615,9 @@ def main(argv=None) -> int:
                         "build/benchmarks/benchmarks.md, outside the tracked files: pass "
                         "--output docs/benchmarks.md to regenerate the tracked one")
     parser.add_argument("--quick", action="store_true", help="a small sweep (a minute)")
-    parser.add_argument("--fidelity", action="store_true", help="also run the CPU fidelity "
-                        "check (4 gloo processes, ~2 min)")
+    parser.add_argument("--fidelity-json", default=None, metavar="FILE",
+                        help="the JSON of `zeppelin bench fidelity --json FILE` (measured full "
+                        "training steps vs the simulator), formatted into the report")
     parser.add_argument("--batches", type=int, default=2, help="batches per paper setting")
     parser.add_argument("--measured", default=None, help="the Markdown table of "
                         "scripts/bench_corpora.py, put first (measured before simulated)")
@@ -623,7 +628,7 @@ def main(argv=None) -> int:
     scale = sweep(scale_settings(args.quick), MAIN, "1024 GPUs")
     output = Path(args.output)
     images = plots(paper, scale, ablation, output.parent / "img")
-    fidelity_lines = fidelity_section(args.fidelity)
+    fidelity_lines = fidelity_section(args.fidelity_json)
     write_document(output, paper, scale, ablation, images, fidelity_lines,
                    time.perf_counter() - started, args)
     print(f"wrote {output}", file=sys.stderr)

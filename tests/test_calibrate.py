@@ -50,8 +50,8 @@ def test_shipped_cpu_configs_load():
     hardware = load_hardware(cluster.hardware)
     assert cluster.world_size == 4 and hardware.gemm_tflops > 0
     assert "zeppelin calibrate" in hardware.source
-    cost = fidelity_cost(FidelityOptions())
-    assert cost.heads == 4 and cost.model.head_dim == 64
+    cost = fidelity_cost(FidelityOptions())  # the tiny GPT's heads, as configs/sim/cpu-2x2
+    assert cost.heads == 4 and cost.model.head_dim == 16
 
 
 def test_attention_timer_runs_the_engines_block_call(monkeypatch):

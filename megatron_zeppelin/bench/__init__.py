@@ -11,12 +11,14 @@ engine     attention engine vs the same work done locally; local-only and ring p
            kernels (engine.py, engine_local.py, engine_ring.py)
 kernels    our block call vs the raw kernel, same inputs (ratio, us per call)    (kernels.py)
 train      per-step time of every strategy training the tiny GPT, same data    (train.py)
-fidelity   the real attention engine on gloo ranks vs the simulator             (fidelity.py)
+fidelity   measured full training steps vs the simulator's step model (fidelity_train.py;
+           --engine: the attention engine alone, fidelity.py); exits 1 on a missed target
 online     online profile fit: probe overhead, estimate error before/after      (online.py)
 window     sliding window: ring compute skipped, KV relay sent vs needed          (window.py)
 remap      step time with and without the remapping layer where it should pay    (remap.py)
 
-``zeppelin calibrate`` (calibrate.py) measures this machine and writes a hardware profile.
+``zeppelin calibrate`` (calibrate.py) measures this machine and writes a hardware profile;
+``zeppelin calibrate-sim`` (calibrate_sim.py) the simulator's own profile (``configs/sim/``).
 This package is the top of the layer order: it may import every other layer.
 """
 from __future__ import annotations
@@ -63,6 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     targets = p.add_subparsers(dest="target", required=True)
     for name in TARGETS:
         importlib.import_module(f"megatron_zeppelin.bench.{name}").register(targets)
-    from megatron_zeppelin.bench import calibrate
+    from megatron_zeppelin.bench import calibrate, calibrate_sim
 
     calibrate.register(sub)
+    calibrate_sim.register(sub)

@@ -92,6 +92,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         for r in results:
             print(report.format_setting(r, args.baseline) + "\n")
         print(report.format_summary(results, args.baseline))
+        batches = sum(len(r.results[0].batch_s) for r in results if r.results)
+        print(f"\nper batch ({batches} batches: {args.batches} per setting from --seed "
+              f"{args.seed}), zeppelin vs each peer, judged by the simulator's own step model; "
+              "a batch within 1% is a tie:")
+        print(report.format_win_loss(results))
+        print(report.describe_profiles(results))
     if args.plot:
         _write_plots(results, Path(args.plot), args.baseline)
     return 0
@@ -134,7 +140,8 @@ def _to_json(result) -> dict:
         for key in ("rank_linear_s", "rank_attention_s", "rank_wait_s"):
             first.pop(key)
         out["results"].append({"label": r.label, "iteration_s": r.iteration_s,
-                               "plan_ms": r.plan_ms, "plan": r.note, "first_batch": first})
+                               "plan_ms": r.plan_ms, "plan": r.note, "batch_s": list(r.batch_s),
+                               "first_batch": first})
     return out
 
 

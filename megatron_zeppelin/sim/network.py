@@ -8,10 +8,9 @@ bytes are per GPU: with tensor parallelism each of a rank's ``tp`` GPUs moves it
   routing layer: ``megatron_zeppelin.router.route`` when it imports (its schedule's routed time,
   pipelined in the schedule's chunks, and its direct time), else an analytic NIC-contention
   model built from the cluster's links (routed: the same pipeline over an even spread).
-* ``remap_time``: one all-to-all of the remap (linear <-> attention layout) over the static
-  GPU->NIC affinity (an ``all_to_all_single``; NCCL sends through each GPU's own NIC), as
-  ``estimate.remap_a2a_seconds`` prices it; the gradient all-reduce is
-  ``estimate.grad_allreduce_seconds``.
+The remap's all-to-all and the gradient all-reduce are ``step_model.py``'s. Nothing here is
+the planner's estimate (``estimate.py``) or the cost model's routed-transfer formula: the
+analytic routed step is this module's own (``ROUTED_CHUNKS``).
 """
 from __future__ import annotations
 
@@ -21,9 +20,6 @@ from functools import lru_cache
 from typing import Mapping
 
 from megatron_zeppelin.config import ClusterSpec
-from megatron_zeppelin.cost_model import CostModel, RoutedLoad, pipelined_seconds
-from megatron_zeppelin.estimate import plan_moves, remap_a2a_seconds
-from megatron_zeppelin.plan import Plan
 
 # How the simulator times a routed or direct inter-node step: the router's schedule when it
 # imports (``auto``), or the analytic model below. (Not ``env.ROUTER_BACKENDS``, which picks
@@ -120,12 +116,16 @@ def _direct_step_time(cluster: ClusterSpec, items: list[tuple[int, int, float]])
     return max(max(egress.values()), max(ingress.values()))
 
 
+ROUTED_CHUNKS = 4  # the analytic model's pipeline depth of a routed step (an assumption)
+
+
 def _routed_step_time(cluster: ClusterSpec, items: list[tuple[int, int, float]]) -> float:
-    """Every flow spread evenly over the usable NICs of both nodes, priced by the cost model's
-    routed-transfer definition (``cost_model.pipelined_seconds``): per flow, ``nics - 1``
-    slices relayed over NVLink and one slice per NIC; the busiest GPU, NIC and NVLink direction
-    set each phase, and in full batches a GPU's NVLink direction carries its dispatch and its
-    share of the node's relayed combine (the reverse for ingress)."""
+    """Every flow spread evenly over the usable NICs of both nodes: ``nics - 1`` slices relayed
+    over NVLink to proxy GPUs (dispatch), one slice per NIC, relayed again at the far node
+    (combine). Phases: the busiest GPU's NVLink out (dispatch), the busiest NIC (the node's
+    bytes over its NICs), the busiest GPU's NVLink in (combine); pipelined in
+    ``ROUTED_CHUNKS`` chunks, the slowest phase runs throughout and the others add one chunk
+    each; every phase pays its link's latency per chunk."""
     gpn = cluster.gpus_per_node
     nics = len(set(cluster.gpu_to_nic))
     nic_bw, nv_bw = cluster.nic_byte_per_s, cluster.nvlink_byte_per_s
@@ -133,29 +133,17 @@ def _routed_step_time(cluster: ClusterSpec, items: list[tuple[int, int, float]])
     node_in: dict[int, float] = {}
     gpu_out: dict[int, float] = {}
     gpu_in: dict[int, float] = {}
-    sends: dict[int, int] = {}  # flows per source GPU, per destination GPU, per node
-    recvs: dict[int, int] = {}
-    per_node: dict[int, int] = {}
     for src, dst, nbytes in items:
         node_out[src // gpn] = node_out.get(src // gpn, 0.0) + nbytes
         node_in[dst // gpn] = node_in.get(dst // gpn, 0.0) + nbytes
         gpu_out[src] = gpu_out.get(src, 0.0) + nbytes
         gpu_in[dst] = gpu_in.get(dst, 0.0) + nbytes
-        sends[src] = sends.get(src, 0) + 1
-        recvs[dst] = recvs.get(dst, 0) + 1
-        per_node[src // gpn] = per_node.get(src // gpn, 0) + 1
     spread = (nics - 1) / nics
-    g_out, g_in = max(gpu_out.values()) * spread / nv_bw, max(gpu_in.values()) * spread / nv_bw
-    shared = max(max(gpu_out.values()) * spread + max(node_in.values()) / gpn,
-                 max(gpu_in.values()) * spread + max(node_out.values()) / gpn) / nv_bw
-    out_msgs, in_msgs = (nics - 1) * max(sends.values()), (nics - 1) * max(recvs.values())
-    load = RoutedLoad(g_out, out_msgs,
-                      max(max(node_out.values()), max(node_in.values())) / (nics * nic_bw),
-                      max(per_node.values()), g_in, in_msgs, shared, out_msgs + in_msgs)
-    return pipelined_seconds(load, cluster, max(nbytes for _, _, nbytes in items) / nics)
-
-
-def remap_time(plan: Plan, cost: CostModel) -> float:
-    """Seconds of one remap all-to-all of ``plan`` (the estimate's ``remap_a2a_seconds``:
-    NVLink inside a node, the static NICs across, the busiest link setting the time)."""
-    return remap_a2a_seconds(plan_moves(plan), plan.topology, cost)
+    lat_nv, lat_nic = cluster.nvlink_latency_us * 1e-6, cluster.nic_latency_us * 1e-6
+    phases = [max(gpu_out.values()) * spread / nv_bw,
+              max(max(node_out.values()), max(node_in.values())) / (nics * nic_bw),
+              max(gpu_in.values()) * spread / nv_bw]
+    chunks = ROUTED_CHUNKS if nics > 1 else 1
+    latency = (2 * lat_nv + lat_nic) if nics > 1 else lat_nic
+    slowest = max(phases)
+    return slowest + (sum(phases) - slowest) / chunks + chunks * latency

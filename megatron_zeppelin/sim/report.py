@@ -96,6 +96,66 @@ def median_speedup(results: Sequence[SettingResult], over: str, label: str = "ze
     return statistics.median(values) if values else None
 
 
+def batch_speedups(results: Sequence[SettingResult], over: str, label: str = "zeppelin"
+                   ) -> list[float]:
+    """Per batch (every batch of every setting where both ran): ``over``'s simulated iteration
+    / ``label``'s (above 1: ``label`` is faster on that batch)."""
+    out = []
+    for res in results:
+        mine, other = res.get(label), res.get(over)
+        if mine and other:
+            out += [b / a for a, b in zip(mine.batch_s, other.batch_s)]
+    return out
+
+
+def win_loss(results: Sequence[SettingResult], over: str, label: str = "zeppelin",
+             tie: float = 0.01) -> tuple[int, int, int]:
+    """(wins, ties, losses) of ``label`` against ``over`` over every batch: a batch within
+    ``tie`` (1%) either way is a tie."""
+    values = batch_speedups(results, over, label)
+    wins = sum(v > 1 + tie for v in values)
+    losses = sum(v < 1 / (1 + tie) for v in values)
+    return wins, len(values) - wins - losses, losses
+
+
+def format_win_loss(results: Sequence[SettingResult], label: str = "zeppelin",
+                    markdown: bool = False) -> str:
+    """Per peer, over every batch of every setting (the batches are the seeds' samples):
+    ``label``'s wins / ties / losses (1% tie band), geomean and median of its per-batch
+    speedup, and the worst and best batch."""
+    peers = list(dict.fromkeys(r.label for res in results for r in res.results
+                               if r.label != label))
+    rows = [["vs", "batches", "wins / ties / losses", "geomean", "median", "worst", "best"]]
+    for peer in peers:
+        values = batch_speedups(results, peer, label)
+        if not values:
+            continue
+        wins, ties, losses = win_loss(results, peer, label)
+        rows.append([peer, str(len(values)), f"{wins} / {ties} / {losses}",
+                     _fmt(geomean(values)), _fmt(statistics.median(values)),
+                     _fmt(min(values)), _fmt(max(values))])
+    return _table(rows, markdown)
+
+
+def describe_profiles(results: Sequence[SettingResult]) -> str:
+    """One line per cluster: the simulator profile that judged it and what it leaves
+    unmeasured."""
+    from megatron_zeppelin.sim.profile import profile_of
+    from megatron_zeppelin.sim.sweep import setting_cost
+
+    lines, seen = [], set()
+    for res in results:
+        cost = setting_cost(res.setting)
+        if cost.cluster.name in seen:
+            continue
+        seen.add(cost.cluster.name)
+        profile = profile_of(cost)
+        lines.append(f"simulator profile for {cost.cluster.name}: {profile.source}" +
+                     (f"; unmeasured (0): {', '.join(profile.unmeasured)}"
+                      if profile.unmeasured else ""))
+    return "\n".join(lines)
+
+
 def geomean_gap(results: Sequence[SettingResult], label: str = "zeppelin") -> float | None:
     """Geometric mean over settings of ``label``'s iteration time / the lower bound."""
     return geomean([r.get(label).iteration_s / r.lower_bound_s for r in results

@@ -79,6 +79,7 @@ class Links:
     inter_mode: str
     router: str
     local_policy: str = "engine"
+    nvlink_contention: float = 1.0  # intra hop time factor in rounds with a routed global step
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -241,7 +242,8 @@ def simulate_pass(rings: list[RingCosts], local: list[list[tuple[float, float]]]
     state = _RoundState(world)
     for r in range(compute.shape[0]):
         state.arrive = np.full(world, -np.inf)
-        _ring_exchanges(hops, r, spec, links, state, skip_cross=global_mode)
+        _ring_exchanges(hops, r, spec, links, state, skip_cross=global_mode,
+                        contended=links.inter_mode == "routed" and r < global_steps)
         for rings_c, ranks_c in (components if r < global_steps else ()):
             seconds = _global_step(rings_c, r, spec, links, state)
             if seconds > 0:
@@ -306,17 +308,21 @@ def _node_components(inter: list[RingCosts], gpus: GpuMap
 
 
 def _ring_exchanges(hops: _Hops, r: int, spec: PassSpec, links: Links, state: _RoundState,
-                    skip_cross: bool) -> None:
+                    skip_cross: bool, contended: bool = False) -> None:
     """Round ``r``'s ring P2P: a rank waits for its send to the next member and its receive
     from the previous one; a hop starts when both ends have started the round. Cross-node
     hops use the static NICs, shared by all of the round's cross-node hops (``ring`` mode),
-    or are skipped (they travel in the global step)."""
+    or are skipped (they travel in the global step). ``contended``: the round has a routed
+    global step whose dispatch / combine legs share NVLink: intra-node hops take
+    ``links.nvlink_contention`` x their time."""
     n = hops.active(r, spec)
     if n == 0:
         return
     nbytes = round_bytes(hops.sizes, hops.kv, r, spec)[hops.ring[:n]]
     cluster = links.cluster
     times = nbytes / cluster.nvlink_byte_per_s + cluster.nvlink_latency_us * 1e-6
+    if contended:
+        times = times * links.nvlink_contention
     cross = hops.cross[:n] & (nbytes > 0)
     if cross.any():
         times[cross] = -np.inf if skip_cross else _nic_times(hops, n, cross, nbytes, cluster)

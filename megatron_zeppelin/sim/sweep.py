@@ -126,7 +126,8 @@ class Setting:
 class VariantResult:
     """Mean over the batches; ``first`` is the first batch's full result (per-rank loads);
     ``note``: the first batch's plan name (e.g. the static CP size chosen); ``candidates``:
-    every batch's winning candidate (zeppelin's portfolio; empty for other strategies)."""
+    every batch's winning candidate (zeppelin's portfolio; empty for other strategies);
+    ``batch_s``: every batch's simulated iteration (per-batch wins and losses)."""
 
     label: str
     iteration_s: float
@@ -135,6 +136,7 @@ class VariantResult:
     first: SimResult
     note: str = ""
     candidates: tuple[str, ...] = ()
+    batch_s: tuple[float, ...] = ()  # every batch's simulated iteration, in batch order
 
 
 @dataclass(frozen=True)
@@ -288,7 +290,8 @@ def run_setting(setting: Setting, variants: Sequence[Variant],
             variant.label, sum(r.result.iteration_s for r in runs) / len(runs),
             sum(bounds) / len(bounds), sum(r.plan_ms for r in runs) / len(runs),
             runs[0].result, note or runs[0].candidate or runs[0].plan_name,
-            tuple(r.candidate for r in runs if r.candidate)))
+            tuple(r.candidate for r in runs if r.candidate),
+            tuple(r.result.iteration_s for r in runs)))
     return SettingResult(setting, cost.cluster.world_size, sum(map(len, batches)) / len(batches),
                          sum(map(sum, batches)) / len(batches), sum(bounds) / len(bounds),
                          tuple(results), tuple(skipped))

@@ -9,7 +9,7 @@ all-to-alls (DeepSpeed-Ulysses). Every group's all-to-all runs at once: a rank's
 peers in its node take its NVLink, those to other nodes go through its GPU's own NIC, and a
 NIC is shared by every GPU sending (or receiving) through it, so groups spanning nodes slow
 each other down. KV heads are replicated up to the group size (GQA with fewer KV heads than
-ranks), as ``CostKernel.ulysses_comm`` counts them. Groups of one rank are plain local calls.
+ranks). Groups of one rank are plain local calls. Times from the simulator's own profile.
 """
 from __future__ import annotations
 
@@ -17,44 +17,52 @@ import numpy as np
 
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.sim.profile import SimProfile
 
 
-def ulysses_pass_times(plan: Plan, cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
-    """(forward seconds, compute seconds of the forward) per rank, one layer; the backward
-    takes ``attention_bwd_ratio`` x the compute and the same all-to-all bytes."""
-    topo, kernel, cluster = plan.topology, cost.kernel, cost.cluster
+def ulysses_pass_times(plan: Plan, cost: CostModel, profile: SimProfile
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(forward seconds, forward compute, all-to-all seconds of one pass) per rank, one layer,
+    with the simulator's profile (``profile.py``): a group's call runs the full length over
+    ceil(heads / G) of the heads at the profile's rate for that length, plus one call's host
+    work; the backward takes the profile's backward ratio x the compute and the same
+    all-to-all bytes."""
+    topo, cluster = plan.topology, cost.cluster
     world, gpn = topo.world_size, topo.gpus_per_node
+    heads, kv_heads = cost.heads, cost.kv_heads
+    head_bytes = cost.model.head_dim * cost.model.bytes_per_element
     compute = np.zeros(world)
     sent = np.zeros(world)  # bytes each rank sends (and receives) per pass, one layer
     cross = np.zeros(world)  # ... of them to other nodes
     groups = []
-    scale = 1.0 + cost.hardware.attention_bwd_ratio
+    call = profile.attention_call_us * 1e-6
     for group in plan.ring_groups:
         size = len(group.ring)
         members = np.asarray(group.ring)
-        seconds = sum(kernel.ulysses_compute(plan.seqlens[s], size) for s in group.seqs)
-        compute[members] += seconds / kernel.layers / scale
+        s = np.asarray([plan.seqlens[q] for q in group.seqs], dtype=np.float64)
+        share = -(-heads // size) / heads
+        flops = np.asarray([cost.attention_flops(x) for x in s]) * share
+        compute[members] += (float(profile.attention_forward_s(flops, s).sum()) + call) * \
+            profile.compute_scale
         if size == 1:
             continue
-        tokens = sum(plan.seqlens[s] for s in group.seqs) / size
-        per_token = (2 * kernel.heads + 2 * max(kernel.kv_heads, size)) * kernel.head_bytes
+        tokens = float(s.sum()) / size
+        per_token = (2 * heads + 2 * max(kv_heads, size)) * head_bytes
         nodes = members // gpn
         for r, node in zip(members, nodes):
-            peers_out = np.count_nonzero(nodes != node)
             nbytes = per_token * tokens / size  # to each peer, q/k/v there + output back
             sent[r] += nbytes * (size - 1)
-            cross[r] += nbytes * peers_out
+            cross[r] += nbytes * np.count_nonzero(nodes != node)
         groups.append(members)
-    tp = cost.tp  # a rank's tp GPUs each move their heads through their own NIC
-    affinity = np.asarray(cluster.gpu_to_nic).reshape(gpn, tp)
     nic_key = (np.arange(world) // gpn * cluster.nics_per_node)[:, None] + \
-        affinity[np.arange(world) % gpn]
-    nic_load = np.bincount(nic_key.ravel(), np.repeat(cross, tp),
+        np.asarray(cluster.gpu_to_nic).reshape(gpn, cost.tp)[np.arange(world) % gpn]
+    nic_load = np.bincount(nic_key.ravel(), np.repeat(cross, cost.tp),
                            cluster.nodes * cluster.nics_per_node)
     a2a = np.zeros(world)
     for members in groups:
-        nvlink = (sent[members] - cross[members]).max() / cluster.nvlink_byte_per_s
-        nic = nic_load[nic_key[members]].max() / cluster.nic_byte_per_s
-        latency = cluster.nic_latency_us if cross[members].any() else cluster.nvlink_latency_us
-        a2a[members] = max(a2a[members].max(), max(nvlink, nic) + 2 * latency * 1e-6)
-    return compute + a2a, compute
+        intra = (sent[members] - cross[members]).max() / (profile.intra_gbyte_per_s * 1e9)
+        nic = nic_load[nic_key[members]].max() / (profile.inter_gbyte_per_s * 1e9)
+        latency = profile.inter_latency_us if cross[members].any() else \
+            profile.intra_latency_us
+        a2a[members] = max(a2a[members].max(), max(intra, nic) + 2 * latency * 1e-6)
+    return compute + a2a, compute, a2a

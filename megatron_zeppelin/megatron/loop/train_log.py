@@ -45,6 +45,7 @@ class StepLog:
     seconds: float
     chosen: str = ""  # the plans' candidates (zeppelin's portfolio picks one per micro-batch)
     estimated_s: float = 0.0  # the plans' step estimates, summed (the profile in force)
+    seqlens: tuple = ()  # per micro-batch, the planned sequence lengths (replayable)
 
     def line(self, total: int) -> str:
         return (f"iteration {self.iteration:>5}/{total} | lr {self.lr:.3e} | loss "
@@ -125,7 +126,8 @@ class Logger:
                       imbalance, sum(e.remap_bytes for e in estimates) * self.pools,
                       sum(p.plan_time_s for p in self.plans) * 1e3, float(grad_norm or 0.0),
                       seconds, chosen_candidates(self.plans),
-                      sum(e.step_s for e in estimates))
+                      sum(e.step_s for e in estimates),
+                      tuple(tuple(p.seqlens) for p in self.plans))
         self.history.append(log)
         if iteration % self.args.log_interval == 0:
             print(log.line(self.args.train_iters), flush=True)

@@ -1,0 +1,193 @@
+"""``zeppelin bench fidelity``: measured FULL training steps vs the simulator's predicted steps.
+
+Every strategy trains the tiny GPT on the CPU cluster (``bench/train.py``'s runner: 4 gloo
+ranks as 2 emulated nodes x 2, same flags, seed and documents; strategies interleaved in
+rounds so that drifting load hits them alike). Each step's log carries its micro-batches'
+sequence lengths (``StepLog.seqlens``); the bench re-plans them with the run's own planner
+(``train.make_planner``: the same strategy, options and cost model, deterministic) and asks the
+simulator's step model (``sim/step_model.py``, profile ``configs/sim/cpu-2x2.yaml`` unless
+``--sim-profile``) for the step: micro-batches back to back, gradient all-reduce, optimizer.
+
+Printed per strategy: measured median step, simulated median step (over the same steps),
+error = simulated / measured - 1, the spread of the measured steps (p90 / p10 - 1) and the
+machine's load average; overall: the mean |error| and the largest. Exit status 1 when a
+strategy's |error| exceeds the target (15%); ``--json FILE`` writes every step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TARGET_ERROR = 0.15
+DEFAULT_STRATEGIES = ("static,zeppelin,static-cp:zeppelin-cp-size=1,static-cp:zeppelin-cp-size=2,"
+                      "hybrid-dp,hydraulis")
+
+
+@dataclass
+class StrategyFidelity:
+    """One strategy: per measured step, its seconds and the simulator's."""
+
+    label: str
+    measured_s: list[float] = field(default_factory=list)
+    simulated_s: list[float] = field(default_factory=list)
+    chosen: list[str] = field(default_factory=list)
+    refused: str = ""
+
+    @property
+    def measured(self) -> float:
+        return statistics.median(self.measured_s)
+
+    @property
+    def simulated(self) -> float:
+        return statistics.median(self.simulated_s)
+
+    @property
+    def error(self) -> float:
+        """simulated / measured - 1 of the medians."""
+        return self.simulated / self.measured - 1.0
+
+    @property
+    def spread(self) -> float:
+        """p90 / p10 - 1 of the measured steps (the measurement noise)."""
+        if len(self.measured_s) < 2:
+            return 0.0
+        q = statistics.quantiles(self.measured_s, n=10)
+        return q[-1] / q[0] - 1.0
+
+
+def replay(entry, extra: list[str], iterations: int, logs: list[dict], profile_name
+           ) -> list[float]:
+    """The simulator's step for every logged step of ``entry``: its micro-batches re-planned
+    with the run's own planner and cost model, then ``step_model.step_time``;
+    ``profile_name``: a ``configs/sim/`` name, a YAML path or a ``SimProfile``."""
+    from megatron_zeppelin.bench.train import run_flags
+    from megatron_zeppelin.megatron.loop import args as train_args, train
+    from megatron_zeppelin.planner.registry import strategy_class
+    from megatron_zeppelin.sim.profile import SimProfile, load_sim_profile
+    from megatron_zeppelin.sim.step_model import StepOptions, step_time
+
+    args = train_args.parse_args(run_flags(entry, iterations, extra))
+    layout = train_args.validate_args(args, 4, 4)
+    cost = train.make_cost_model(args, train.model_spec(args), layout)
+    planner = train.make_planner(args, cost, layout)
+    routed = strategy_class(planner.strategy).routed and args.zeppelin_routing and \
+        cost.cluster.nodes > 1
+    options = StepOptions(inter_mode="routed" if routed else "ring",
+                          overlap_grad_reduce=bool(args.overlap_grad_reduce))
+    profile = profile_name if isinstance(profile_name, SimProfile) else \
+        load_sim_profile(profile_name)
+    out = []
+    for log in logs:
+        plans = [planner(list(lengths)) for lengths in log["seqlens"]]
+        out.append(step_time(plans, cost, profile, options).seconds)
+    return out
+
+
+def run(args: argparse.Namespace) -> tuple[list[StrategyFidelity], tuple[float, float]]:
+    """Measure every strategy (``--rounds`` interleaved rounds) and replay its steps."""
+    from megatron_zeppelin.bench.train import parse_entry, run_entries
+
+    entries = [parse_entry(s) for s in args.strategies.split(",") if s.strip()]
+    results = {e.label: StrategyFidelity(e.label) for e in entries}
+    load_before = os.getloadavg()[0]
+    port = args.port
+    for _ in range(args.rounds):
+        todo = [e for e in entries if not results[e.label].refused]
+        for entry, (logs, refused) in zip(todo, run_entries(todo, args.iterations, args.extra,
+                                                            port)):
+            fid = results[entry.label]
+            fid.refused = refused
+            kept = logs[args.warmup:]
+            if not kept:
+                continue
+            fid.measured_s += [log["seconds"] for log in kept]
+            fid.chosen += [log.get("chosen", "") for log in kept]
+            fid.simulated_s += replay(entry, args.extra, args.iterations, kept,
+                                      args.sim_profile)
+        port += 1
+    return list(results.values()), (load_before, os.getloadavg()[0])
+
+
+def format_report(rows: list[StrategyFidelity], load: tuple[float, float], seconds: float,
+                  profile: str) -> tuple[list[str], bool]:
+    """The table and whether every strategy is within the target."""
+    lines = [f"fidelity on full training steps: tiny GPT, 4 gloo ranks as 2 nodes x 2, "
+             f"simulator profile {profile}; {seconds:.0f} s, load average {load[0]:.1f} -> "
+             f"{load[1]:.1f} on {os.cpu_count()} cores; error = simulated / measured - 1 of "
+             "the median step; spread = p90 / p10 - 1 of the measured steps",
+             f"{'strategy':<34} {'steps':>5} {'measured s':>10} {'simulated s':>11} "
+             f"{'error':>7} {'spread':>7}"]
+    ran = [r for r in rows if r.measured_s]
+    ok = bool(ran)
+    for r in rows:
+        if not r.measured_s:
+            lines.append(f"{r.label:<34} not run: {r.refused or 'no step after the warm-up'}")
+            continue
+        within = abs(r.error) <= TARGET_ERROR
+        ok &= within
+        lines.append(f"{r.label:<34} {len(r.measured_s):>5} {r.measured:>10.3f} "
+                     f"{r.simulated:>11.3f} {r.error:>+7.1%} {r.spread:>7.0%}"
+                     + ("" if within else "  OUTSIDE"))
+    if ran:
+        errors = [abs(r.error) for r in ran]
+        lines.append(f"overall: mean |error| {statistics.mean(errors):.1%}, largest "
+                     f"{max(errors):.1%}; target {TARGET_ERROR:.0%} per strategy: "
+                     + ("met" if ok else "MISSED"))
+    return lines, ok
+
+
+def to_json(rows: list[StrategyFidelity], load: tuple[float, float], args) -> dict:
+    return {"strategies": {r.label: {"measured_s": r.measured_s, "simulated_s": r.simulated_s,
+                                     "chosen": r.chosen, "refused": r.refused,
+                                     **({"median_measured_s": r.measured,
+                                         "median_simulated_s": r.simulated,
+                                         "error": r.error, "spread": r.spread}
+                                        if r.measured_s else {})}
+                           for r in rows},
+            "load_average": list(load), "target": TARGET_ERROR, "profile": args.sim_profile,
+            "iterations": args.iterations, "warmup": args.warmup, "rounds": args.rounds,
+            "flags": args.extra}
+
+
+def rows_from_json(data: dict) -> list[StrategyFidelity]:
+    """The rows of a ``--json`` file (``to_json``)."""
+    return [StrategyFidelity(label, list(v["measured_s"]), list(v["simulated_s"]),
+                             list(v.get("chosen", [])), v.get("refused", ""))
+            for label, v in data["strategies"].items()]
+
+
+def bench_fidelity_train(args: argparse.Namespace) -> int:
+    from megatron_zeppelin.sim.profile import load_sim_profile
+
+    for name, value, least in (("--iterations", args.iterations, 1), ("--rounds", args.rounds, 1),
+                               ("--warmup", args.warmup, 0)):
+        if value < least:
+            raise ValueError(f"{name}={value} is invalid: expected an integer >= {least}")
+    if args.warmup >= args.iterations:
+        raise ValueError(f"--warmup={args.warmup} is invalid: expected < --iterations "
+                         f"{args.iterations}")
+    load_sim_profile(args.sim_profile)  # a bad profile is refused before any training
+    started = time.perf_counter()
+    rows, load = run(args)
+    lines, ok = format_report(rows, load, time.perf_counter() - started, args.sim_profile)
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps(to_json(rows, load, args), indent=2) + "\n")
+    return 0 if ok else 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
+                   help="comma-separated NAME[:FLAG=VALUE...] as `bench train` takes them")
+    p.add_argument("--iterations", type=int, default=6, help="steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="first steps of each run dropped")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved runs per strategy")
+    p.add_argument("--sim-profile", default="cpu-2x2",
+                   help="the simulator's profile (configs/sim/ name or YAML path)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write every step here")
+    p.add_argument("--port", type=int, default=29651)

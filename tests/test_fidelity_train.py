@@ -1,0 +1,80 @@
+"""``zeppelin bench fidelity`` on full training steps (replay of logged micro-batches through the
+simulator's step model) and ``zeppelin calibrate-sim``'s profile assembly; no timing asserted."""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_zeppelin import cli
+from megatron_zeppelin.bench import calibrate_sim, fidelity_train
+from megatron_zeppelin.bench.fidelity_train import StrategyFidelity, format_report
+from megatron_zeppelin.bench.train import parse_entry
+from megatron_zeppelin.config import load_model
+from megatron_zeppelin.sim.profile import load_sim_profile
+
+
+def test_replay_plans_the_logged_micro_batches_with_the_runs_own_planner():
+    from megatron_zeppelin.bench.train import run_flags
+    from megatron_zeppelin.megatron.loop import args as train_args, train
+    from megatron_zeppelin.sim.step_model import StepOptions, step_time
+
+    logs = [{"seqlens": [[4096, 2000, 100, 3000, 7000], [16000, 384]]},
+            {"seqlens": [[64] * 200, [4096] * 4]}]
+    entry = parse_entry("static-cp:zeppelin-cp-size=2")
+    simulated = fidelity_train.replay(entry, [], 4, logs, "cpu-2x2")
+    args = train_args.parse_args(run_flags(entry, 4, []))
+    layout = train_args.validate_args(args, 4, 4)
+    cost = train.make_cost_model(args, train.model_spec(args), layout)
+    planner = train.make_planner(args, cost, layout)
+    plans = [planner(lengths) for lengths in logs[0]["seqlens"]]
+    assert all(p.strategy.startswith("static-cp(cp=2)") for p in plans)
+    options = StepOptions(overlap_grad_reduce=bool(args.overlap_grad_reduce))  # as trained
+    expected = step_time(plans, cost, load_sim_profile("cpu-2x2"), options).seconds
+    assert simulated[0] == pytest.approx(expected) and len(simulated) == 2
+    assert simulated[0] != pytest.approx(simulated[1])
+
+
+def test_report_marks_a_strategy_outside_the_target_and_round_trips_json():
+    good = StrategyFidelity("zeppelin", [1.0, 1.1, 0.9], [1.05, 1.0, 1.0])
+    bad = StrategyFidelity("hydraulis", [1.0, 1.0], [1.3, 1.3])
+    refused = StrategyFidelity("flexsp", refused="cannot run here")
+    lines, ok = format_report([good, refused], (1.0, 1.0), 10.0, "cpu-2x2")
+    assert ok and "not run: cannot run here" in "\n".join(lines)
+    lines, ok = format_report([good, bad], (1.0, 1.0), 10.0, "cpu-2x2")
+    assert not ok and "OUTSIDE" in lines[3] and "MISSED" in lines[-1]
+    args = SimpleNamespace(sim_profile="cpu-2x2", iterations=6, warmup=2, rounds=2, extra=[])
+    data = json.loads(json.dumps(fidelity_train.to_json([good, bad], (1.0, 2.0), args)))
+    back = fidelity_train.rows_from_json(data)
+    assert [r.error for r in back] == pytest.approx([good.error, bad.error])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--iterations", "0"], "--iterations=0 is invalid"),
+    (["--iterations", "3", "--warmup", "3"], "--warmup=3 is invalid"),
+    (["--sim-profile", "nowhere"], "unknown sim config 'nowhere'"),
+])
+def test_bench_fidelity_rejects_bad_flags_in_one_line(argv, message, capsys):
+    assert cli.main(["bench", "fidelity", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_calibrated_figures_make_a_profile_that_loads_back(tmp_path):
+    model = load_model("gpt-tiny")
+    lengths = (16, 256, 4096)
+    kernels = {"fwd": [1e-4, 1e-3, 0.2], "bwd": [2e-4, 2.5e-3, 0.5], "call": 5e-5,
+               "gemm_tflops": 0.08, "gemm_call": 4e-6, "nongemm": (1e-4, 2e-7),
+               "head": (5e-5, 1e-7), "optimizer": (2e-4, 3e-9)}
+    p2p = SimpleNamespace(gbyte_per_s=4.0, latency_us=50.0)
+    profile = calibrate_sim.build_sim_profile("cpu-x", model, lengths, kernels, p2p,
+                                              (60.0, 1.5), "test figures")
+    assert dict(profile.attention_bwd_ratio)[4096] == pytest.approx(2.5)
+    assert profile.nongemm_ns_per_token == pytest.approx(200.0)
+    profile.to_yaml(tmp_path / "p.yaml", "test")
+    assert load_sim_profile(tmp_path / "p.yaml") == profile
+
+
+def test_the_non_gemm_kernels_run_forward_and_backward():
+    model = load_model("gpt-tiny")
+    calibrate_sim.nongemm_layer(calibrate_sim.layer_inputs(model, 32))
+    calibrate_sim.head_kernels(calibrate_sim.head_inputs(model, 32))
