@@ -79,12 +79,10 @@ def mtp_body(rank: int, world: int, tmp: str) -> None:
     _, static_loss, static_grads, static_module = run_mode("static", rank, load=f"{tmp}/mtp",
                                                            extra=MTP)
     compare(static_loss, static_grads, tracked_mtp_losses(), expected, "static")
-    # the MTP loss really reaches the main model: without its weight the embedding moves
-    _, _, unweighted, _ = run_mode("zeppelin", rank, load=f"{tmp}/mtp",
-                                   extra=MTP[:2] + ("--mtp-loss-scaling-factor", "0"))
-    tracked_mtp_losses()
-    name = "embedding.word_embeddings.weight"
-    assert (unweighted[name] - grads[name]).abs().max().item() > 1e-4
+    # both MTP layers train: gradients 10x the exactness bound
+    for depth in range(2):
+        layer = [g for n, g in grads.items() if n.startswith(f"mtp.layers.{depth}.")]
+        assert layer and max(g.abs().max().item() for g in layer) > 1e-4, depth
 
 
 def test_mtp_matches_static_mode_and_one_process(tmp_path):
