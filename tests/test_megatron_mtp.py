@@ -83,6 +83,29 @@ def mtp_body(rank: int, world: int, tmp: str) -> None:
     for depth in range(2):
         layer = [g for n, g in grads.items() if n.startswith(f"mtp.layers.{depth}.")]
         assert layer and max(g.abs().max().item() for g in layer) > 1e-4, depth
+    refuses_plain_mtp_attention(module.config)
+
+
+def refuses_plain_mtp_attention(config) -> None:
+    """MTP layers built from Megatron's own layer spec (no zeppelin core attention) are refused
+    when the decoder runs zeppelin's; swapped, the same spec builds."""
+    import torch.distributed as dist
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_zeppelin import api
+    from megatron_zeppelin.megatron.common.core_attention import ZeppelinAttentionState
+    from megatron_zeppelin.megatron.common.model import gpt_layer_spec
+    from megatron_zeppelin.megatron.common.packing import PackedGPTModel
+
+    state = ZeppelinAttentionState(dist.group.WORLD)
+    plain = get_gpt_mtp_block_spec(config, gpt_layer_spec(DotProductAttention),
+                                   use_transformer_engine=False)
+    build = dict(config=config, transformer_layer_spec=api.layer_spec(state, use_te=False),
+                 vocab_size=256, max_sequence_length=1024, position_embedding_type="rope")
+    with pytest.raises(ValueError, match=r"MTP layer\(s\) \[1, 2\] have no zeppelin core"):
+        PackedGPTModel(**build, mtp_block_spec=plain)
+    PackedGPTModel(**build, mtp_block_spec=api.swap_core_attention(plain, state))
 
 
 def test_mtp_matches_static_mode_and_one_process(tmp_path):

@@ -236,6 +236,7 @@ class PackedGPTModel(GPTModel):
             mtp.install()
             if self.zeppelin_state is not None:  # the shift is prepared with each plan
                 self.zeppelin_state.shifts = tuple(sorted({*self.zeppelin_state.shifts, 1}))
+                self._check_mtp_attention()
         if self.position_embedding_type == "mrope":
             raise ValueError("PackedGPTModel supports position_embedding_type 'rope'/'yarn'/"
                              f"'learned_absolute'/'none'; got {self.position_embedding_type!r}")
@@ -258,6 +259,18 @@ class PackedGPTModel(GPTModel):
         return super().forward(input_ids, position_ids, attention_mask, *args,
                                packed_seq_params=packed_seq_params, padding_mask=padding_mask,
                                **kwargs)
+
+    def _check_mtp_attention(self) -> None:
+        """ValueError unless every MTP layer runs zeppelin core attention (a spec built from
+        Megatron's own layer spec would attend each piece alone on zeppelin batches)."""
+        layers = getattr(getattr(self, "mtp", None), "layers", ())
+        plain = [i + 1 for i, layer in enumerate(layers)
+                 if not any(getattr(m, "zeppelin_state", None) is not None
+                            for m in layer.modules())]
+        if plain:
+            raise ValueError(f"MTP layer(s) {plain} have no zeppelin core attention: build them "
+                             "from the zeppelin layer spec or pass mtp_block_spec="
+                             "api.swap_core_attention(<MTP block spec>, runtime)")
 
     def _mtp_shift(self, params: ZeppelinPackedSeqParams, device: torch.device) -> mtp.PlanShift:
         """The plan's shift by one within documents on this rank, for MTP (``mtp.py``)."""
