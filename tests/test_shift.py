@@ -9,6 +9,9 @@ import random
 
 import pytest
 import torch
+# imported once here: the forked ranks share it (megatron-core's import dominates on 2 cores)
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.multi_token_prediction import roll_tensor
 
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.plan import Segment
@@ -59,9 +62,6 @@ def random_plans(world: int):
 def megatron_rolled(values: torch.Tensor, seqlens, k: int) -> torch.Tensor:
     """megatron-core's one-process packed roll, ``k`` times, of ``values`` ``[..., tokens]``
     holding every document whole, in order."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.transformer.multi_token_prediction import roll_tensor
-
     cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
     for _ in range(k):
