@@ -137,6 +137,16 @@ def _harness_option(flag: str) -> str | None:
     return value
 
 
+def mtp_losses() -> list[float]:
+    """This iteration's ``mtp_i loss`` values, computed by Megatron-LM's own logging helper."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    found: dict = {}
+    MTPLossLoggingHelper.track_mtp_metrics(1 / get_num_microbatches(), 0, None, None, found)
+    return [float(found[f"mtp_{i + 1} loss"]) for i in range(len(found))]
+
+
 def main() -> None:
     out_path, stop = _harness_option("--harness-out"), _harness_option("--harness-stop")
     sys.argv[0] = "pretrain_gpt.py"
@@ -181,6 +191,8 @@ def main() -> None:
         result["tokens_per_iteration"].append(int(total[0]) // args.tensor_model_parallel_size)
         result["rank_tokens"].append(per_rank)
         result["pad_tokens"] += int(total[1])
+        if args.mtp_num_layers:  # as Megatron-LM's training_log: reduced, then cleared
+            result.setdefault("mtp_losses", []).append(mtp_losses())
     if args.do_valid and args.eval_iters:  # every rank: TP ranks > 0 have no iterator
         evaluated = run_on_cpu(T.evaluate)(P.forward_step, valid_it, model, None, config)
         result["valid_loss"] = float(evaluated[0]["lm loss"])

@@ -79,7 +79,7 @@ def trigger(rule) -> dict:
               "moe_router_load_balancing_type": "seq_aux_loss",
               "zeppelin_overlong": "split",
               "hierarchical_context_parallel_sizes": [2, 8], "window_size": (128, 4),
-              "experimental_attention_variant": "dsa", "mtp_num_layers": 1}
+              "experimental_attention_variant": "dsa"}
     extra = {"moe_token_dispatcher_type": {"expert_model_parallel_size": 2},
              "moe_router_load_balancing_type": {"micro_batch_size": 2}}
     return {rule.name: values.get(rule.name, True), **extra.get(rule.name, {})}

@@ -132,6 +132,21 @@ def test_zeppelin_trains_like_static_with_the_same_batch_and_memory(tree, tmp_pa
     assert zeppelin["pad_tokens"] == 0
 
 
+def test_multi_token_prediction_trains_like_static(tree, tmp_path):
+    """--mtp-num-layers 2 on whole samples split over a pool of 2: the shifted ids and labels of
+    a rank's last tokens come from the other rank; losses, gradient norms (MTP layers
+    included) and Megatron's logged "mtp_i loss" match static mode's."""
+    flags = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3",
+             "--position-embedding-type", "rope"]
+    zeppelin = run(tree, tmp_path, "zeppelin", 2, *ZEPPELIN, "--context-parallel-size", "2",
+                   *flags)
+    static = run(tree, tmp_path, "static", 2, *STATIC, *flags)
+    assert_same_training(zeppelin, static)
+    assert len(zeppelin["mtp_losses"]) == 3 and all(len(v) == 2 for v in zeppelin["mtp_losses"])
+    for mine, theirs in zip(zeppelin["mtp_losses"], static["mtp_losses"]):
+        assert mine == pytest.approx(theirs, rel=2e-6)
+
+
 def test_moe_experts_on_the_linear_layout_match_one_process(tree, tmp_path):
     # no z-loss: Megatron divides its coefficient by the TP x CP size (static CP too), so a
     # pool's z-loss is not one process's

@@ -41,6 +41,7 @@ from megatron_zeppelin.runtime import kernels
 from megatron_zeppelin.runtime.engine import AttentionEngine
 from megatron_zeppelin.runtime.remap import RemapIndex, build_remap_index, to_attention_layout, \
     to_linear_layout
+from megatron_zeppelin.runtime.shift import ShiftIndex, build_shift_index
 from megatron_zeppelin.runtime.transport import get_transport
 
 
@@ -50,6 +51,7 @@ class _Runtime:
     remap: RemapIndex | None
     engine: AttentionEngine
     ready: torch.cuda.Event | None = None  # CUDA: the end of its index copies (prepare)
+    shifts: dict[int, ShiftIndex] = dataclasses.field(default_factory=dict)  # k -> MTP shift
 
 
 # runtimes prepared ahead kept when a plan that was not prepared is used (bounded memory)
@@ -66,6 +68,8 @@ class ZeppelinAttentionState:
         ``direct``/``staged`` (None: ``ZEPPELIN_TRANSPORT``); device: where the runtime's
         index tensors live (None: the inputs' device at the first layer); windows: the
         layers' sliding windows (None: full causal), whose ring blocks are prepared ahead.
+    shifts: the shifts within documents (``runtime/shift.py``) prepared with each plan's runtime
+        (multi-token prediction sets ``(1,)``: ``shift_index``).
     The runtime (remap index + engine, every index tensor on the device) of a micro-batch is
     built once per plan: by ``prepare(plan)`` ahead of the step (the data iterator calls it
     when it has planned the next micro-batch, on its own thread), else by the first layer that
@@ -90,6 +94,7 @@ class ZeppelinAttentionState:
         self.device = device
         self.rank = dist.get_rank(pool_group)
         self.probe = None  # runtime.probe.Probe when the profile is fitted (train.py sets it)
+        self.shifts: tuple[int, ...] = ()  # PackedGPTModel sets (1,) when it has MTP layers
         self._runtime: _Runtime | None = None
         self._ahead: dict[int, _Runtime] = {}  # id(plan) -> runtime prepared ahead
         self._lock = threading.Lock()
@@ -128,7 +133,24 @@ class ZeppelinAttentionState:
                                       timeout_s=self.timeout_s)
             remap = dataclasses.replace(remap, probe=self.probe)
             remap = remap.to(device) if device is not None else remap
-        return _Runtime(plan, remap, engine)
+        shifts = {k: self._shift(plan, k, device) for k in self.shifts}
+        return _Runtime(plan, remap, engine, shifts=shifts)
+
+    def _shift(self, plan: Plan, k: int, device) -> ShiftIndex:
+        index = build_shift_index(plan, self.rank, k, transport=self.transport,
+                                  timeout_s=self.timeout_s)
+        return index.to(device) if device is not None else index
+
+    def shift_index(self, plan: Plan, device: torch.device, k: int = 1) -> ShiftIndex:
+        """The shift by ``k`` within documents of ``plan``'s linear layout on this rank, built
+        with the plan's runtime (ahead, when ``k`` is in ``shifts``), else now."""
+        runtime = self.runtime(plan, device)
+        index = runtime.shifts.get(k)
+        if index is None:
+            index = runtime.shifts[k] = self._shift(plan, k, device)
+        if index.local_src.device.type != torch.device(device).type:  # prepared on the host
+            index = runtime.shifts[k] = index.to(device)
+        return index
 
     def runtime(self, plan: Plan, device: torch.device) -> _Runtime:
         if self._runtime is not None and self._runtime.plan is plan:
@@ -241,6 +263,7 @@ class ZeppelinCoreAttention(MegatronModule):
             raise ValueError(f"attn_mask_type={attn_mask_type} is invalid: zeppelin attention "
                              "is causal")
         self.state, self.softmax_scale = zeppelin_state, softmax_scale
+        self.zeppelin_state = zeppelin_state  # the name PackedGPTModel finds it by (as TE's)
         self.window = layer_window(config, max(1, layer_number))
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],

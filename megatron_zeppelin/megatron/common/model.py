@@ -43,6 +43,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_zeppelin.config import ModelSpec
+from megatron_zeppelin.megatron.common import mtp
 from megatron_zeppelin.megatron.common.packing import (PackedGPTModel, PackedMLASelfAttention,
                                                 ZeppelinPackedSeqParams)
 
@@ -56,13 +57,15 @@ def make_transformer_config(spec: ModelSpec, *, normalization: str = "RMSNorm",
                             hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
                             init_method_std: float = 0.02,
                             tensor_model_parallel_size: int = 1,
-                            attention: Optional[dict] = None) -> TransformerConfig:
+                            attention: Optional[dict] = None,
+                            mtp: Optional[dict] = None) -> TransformerConfig:
     """``TransformerConfig`` for ``spec``: no biases, no fused kernels, Megatron CP 1.
 
     ``calculate_per_token_loss=True`` makes megatron's schedules divide gradients by the number of
     tokens of the whole global batch (see ``docs/megatron-cpu-notes.md``). ``attention``: extra
     config fields (``window_size``, ``window_attn_skip_freq``, and with
-    ``multi_latent_attention`` the MLA fields, giving an ``MLATransformerConfig``).
+    ``multi_latent_attention`` the MLA fields, giving an ``MLATransformerConfig``); ``mtp``:
+    multi-token prediction's (``mtp_num_layers``, ``mtp_loss_scaling_factor``).
     """
     attention = dict(attention or {})
     config_class = MLATransformerConfig if attention.get("multi_latent_attention") else \
@@ -87,7 +90,7 @@ def make_transformer_config(spec: ModelSpec, *, normalization: str = "RMSNorm",
         tensor_model_parallel_size=tensor_model_parallel_size, context_parallel_size=1,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False, **attention)
+        cross_entropy_loss_fusion=False, **attention, **(mtp or {}))
 
 
 def layer_window(config: TransformerConfig, layer_number: int) -> Optional[int]:
@@ -124,8 +127,10 @@ def build_gpt_model(spec: ModelSpec, config: TransformerConfig, *, max_sequence_
                     layer_spec: Optional[ModuleSpec] = None,
                     pg_collection: Optional[ProcessGroupCollection] = None,
                     share_embeddings_and_output_weights: bool = False,
-                    rotary_base: int = 10000) -> PackedGPTModel:
-    """A ``PackedGPTModel`` with RoPE; ``layer_spec`` defaults to ``PackedCoreAttention``."""
+                    rotary_base: int = 10000, mtp_use_te: bool = False) -> PackedGPTModel:
+    """A ``PackedGPTModel`` with RoPE; ``layer_spec`` defaults to ``PackedCoreAttention``.
+    With ``config.mtp_num_layers`` its MTP layers are megatron-core's around ``layer_spec``
+    (``mtp_use_te``: Transformer Engine's norms and projection, as the layer spec's)."""
     if layer_spec is None:
         layer_spec = gpt_layer_spec(PackedCoreAttention, normalization=config.normalization,
                                     multi_latent_attention=config.multi_latent_attention)
@@ -134,7 +139,8 @@ def build_gpt_model(spec: ModelSpec, config: TransformerConfig, *, max_sequence_
         max_sequence_length=max_sequence_length, position_embedding_type="rope",
         rotary_base=rotary_base, parallel_output=True,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-        pg_collection=pg_collection)
+        pg_collection=pg_collection,
+        mtp_block_spec=mtp.mtp_block_spec(config, layer_spec, use_transformer_engine=mtp_use_te))
 
 
 class PackedCoreAttention(MegatronModule):

@@ -47,6 +47,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
+from megatron_zeppelin.megatron.common import mtp
 from megatron_zeppelin.megatron.common.compat import fix_mla_without_te
 from megatron_zeppelin.plan import Plan, Segment
 from megatron_zeppelin.runtime.device_index import to_device
@@ -93,6 +94,8 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
     qkv_format is always ``'sbhd'``: q/k/v stay ``[tokens, 1, heads, head_dim]``.
     positions: ``[1, tokens]`` in-document position ids of the buffer, set by
         ``PackedGPTModel.forward`` for attention that builds its own RoPE (multi-latent).
+    mtp_shift: ``mtp.PlanShift``, the plan's shift by one within documents across the pool,
+        set by ``PackedGPTModel.forward`` when the model has MTP layers (``mtp.py``).
     """
 
     segments: tuple[Segment, ...] = ()
@@ -100,6 +103,7 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
     rank: Optional[int] = None
     pad_tokens: int = 0
     positions: Optional[Tensor] = None
+    mtp_shift: Optional[Any] = None
 
     def __post_init__(self) -> None:
         if self.qkv_format != QKV_FORMAT:
@@ -226,6 +230,13 @@ class PackedGPTModel(GPTModel):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.zeppelin_state = next((m.zeppelin_state for m in self.modules()
+                                    if getattr(m, "zeppelin_state", None) is not None), None)
+        if self.config.mtp_num_layers:
+            mtp.install()
+            if self.zeppelin_state is not None:  # the shift is prepared with each plan
+                self.zeppelin_state.shifts = tuple(sorted({*self.zeppelin_state.shifts, 1}))
+                self._check_mtp_attention()
         if self.position_embedding_type == "mrope":
             raise ValueError("PackedGPTModel supports position_embedding_type 'rope'/'yarn'/"
                              f"'learned_absolute'/'none'; got {self.position_embedding_type!r}")
@@ -243,9 +254,33 @@ class PackedGPTModel(GPTModel):
             padding_mask[:, padding_mask.shape[1] - packed_seq_params.pad_tokens:] = True
         if isinstance(packed_seq_params, ZeppelinPackedSeqParams):
             packed_seq_params.positions = position_ids
+            if self.config.mtp_num_layers and packed_seq_params.plan is not None:
+                packed_seq_params.mtp_shift = self._mtp_shift(packed_seq_params, input_ids.device)
         return super().forward(input_ids, position_ids, attention_mask, *args,
                                packed_seq_params=packed_seq_params, padding_mask=padding_mask,
                                **kwargs)
+
+    def _check_mtp_attention(self) -> None:
+        """ValueError unless every MTP layer runs zeppelin core attention (a spec built from
+        Megatron's own layer spec would attend each piece alone on zeppelin batches)."""
+        layers = getattr(getattr(self, "mtp", None), "layers", ())
+        plain = [i + 1 for i, layer in enumerate(layers)
+                 if not any(getattr(m, "zeppelin_state", None) is not None
+                            for m in layer.modules())]
+        if plain:
+            raise ValueError(f"MTP layer(s) {plain} have no zeppelin core attention: build them "
+                             "from the zeppelin layer spec or pass mtp_block_spec="
+                             "api.swap_core_attention(<MTP block spec>, runtime)")
+
+    def _mtp_shift(self, params: ZeppelinPackedSeqParams, device: torch.device) -> mtp.PlanShift:
+        """The plan's shift by one within documents on this rank, for MTP (``mtp.py``)."""
+        state = self.zeppelin_state
+        if state is None or params.rank != state.rank:
+            raise ValueError("multi-token prediction on a zeppelin plan needs the model built with "
+                             "zeppelin core attention (api.layer_spec) of this rank's pool; got "
+                             f"{'no zeppelin state' if state is None else f'pool rank {state.rank}'}"
+                             f" for the plan of rank {params.rank}")
+        return mtp.PlanShift(state.shift_index(params.plan, device, 1), state.pool_group)
 
     def _preprocess(self, input_ids: Tensor, position_ids: Tensor, decoder_input: Tensor = None,
                     inference_context: Any = None, packed_seq_params: PackedSeqParams = None,

@@ -57,7 +57,12 @@ def _zeppelin_core_attention(core: Any, state: ZeppelinAttentionState, where: st
 
 def _swap_layer(layer: Any, state: ZeppelinAttentionState, where: str) -> Any:
     """One transformer layer spec with its self-attention's core attention swapped (a layer
-    without attention, ``IdentityOp``, is kept as it is)."""
+    without attention, ``IdentityOp``, is kept as it is; a multi-token prediction layer's
+    transformer layer is swapped)."""
+    mtp_layer = getattr(getattr(layer, "submodules", None), "transformer_layer", None)
+    if mtp_layer is not None:
+        layer.submodules.transformer_layer = _swap_layer(mtp_layer, state, f"{where} (MTP)")
+        return layer
     attention = getattr(getattr(layer, "submodules", None), "self_attention", None)
     cls = _module_of(attention)
     if cls is None or getattr(cls, "__name__", "") == "IdentityOp":
@@ -76,8 +81,9 @@ def _swap_layer(layer: Any, state: ZeppelinAttentionState, where: str) -> Any:
 
 def swap_core_attention(spec: Any, state: ZeppelinAttentionState,
                         where: str = "the layer spec") -> Any:
-    """A copy of ``spec`` (layer ``ModuleSpec`` or ``TransformerBlockSubmodules``) whose
-    self-attention layers run zeppelin core attention. ``where`` names the spec's origin in
+    """A copy of ``spec`` (layer ``ModuleSpec``, ``TransformerBlockSubmodules`` or the
+    ``MultiTokenPredictionBlockSubmodules`` of MTP layers) whose self-attention layers run
+    zeppelin core attention. ``where`` names the spec's origin in
     errors (e.g. ``--spec my.module``)."""
     spec = copy.deepcopy(spec)
     layers = getattr(spec, "layer_specs", None)

@@ -100,8 +100,6 @@ RULES: tuple[Rule, ...] = (
          "after it", "use --window-size L,0 (L >= 0)"),
     Rule("--softmax-type", "softmax_type", "vanilla", lambda v, a: v != "vanilla",
          "zeppelin attention uses the vanilla softmax", STATIC_ONLY),
-    Rule("--mtp-num-layers", "mtp_num_layers", None, _set,
-         "multi-token prediction shifts labels across the linear layout's pieces", STATIC_ONLY),
     Rule("--use-legacy-models", "use_legacy_models", False, _set,
          "the zeppelin model is a megatron-core GPTModel", "drop --use-legacy-models"),
     Rule("--transformer-impl", "transformer_impl", "transformer_engine",

@@ -129,16 +129,26 @@ def _state(args: argparse.Namespace) -> dict:
 
 
 def zeppelin_gpt_model(args: argparse.Namespace, transformer_layer_spec):
-    """``(model class, layer spec)`` for Megatron-LM's ``gpt_builder`` in zeppelin mode: the
-    spec Megatron chose with every core attention swapped, built as a ``PackedGPTModel`` (same
-    constructor as ``GPTModel``, RoPE by position id on packed batches)."""
+    """``(model constructor, layer spec)`` for Megatron-LM's ``gpt_builder`` in zeppelin mode:
+    the spec Megatron chose with every core attention swapped, built as a ``PackedGPTModel``
+    (same constructor as ``GPTModel``, RoPE by position id on packed batches); the MTP block
+    spec Megatron built from its own layer spec (``--mtp-num-layers``) gets zeppelin core
+    attention too."""
     from megatron_zeppelin.megatron.common.packing import PackedGPTModel
     from megatron_zeppelin.api import swap_core_attention
 
+    runtime = _state(args)["runtime"]
     where = f"--spec {' '.join(args.spec)}" if getattr(args, "spec", None) else \
         "Megatron's GPT layer spec"
-    spec = swap_core_attention(transformer_layer_spec, _state(args)["runtime"], where)
-    return PackedGPTModel, spec
+    spec = swap_core_attention(transformer_layer_spec, runtime, where)
+
+    def build(*model_args, mtp_block_spec=None, **kwargs) -> PackedGPTModel:
+        if mtp_block_spec is not None:
+            mtp_block_spec = swap_core_attention(mtp_block_spec, runtime,
+                                                 "Megatron's MTP block spec")
+        return PackedGPTModel(*model_args, mtp_block_spec=mtp_block_spec, **kwargs)
+
+    return build, spec
 
 
 def _log_every(args: argparse.Namespace) -> int:

@@ -42,10 +42,24 @@ class ModelArgs:
     seq_length: int | None = setting(None, "tokens of a sample (Megatron's meaning: a CP group "
                                      "runs micro-batch x seq-length tokens); also the longest "
                                      "document, longer ones follow --zeppelin-overlong")
+    mtp_num_layers: int | None = setting(None, "multi-token prediction: MTP layers, each "
+                                         "predicting one token further (DeepSeek-V3; default: "
+                                         "none)")
+    mtp_loss_scaling_factor: float = setting(0.1, "multi-token prediction: weight of the mean "
+                                             "of the MTP losses in the training loss")
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "num_layers", "hidden_size", "num_attention_heads",
-                  "num_query_groups", "ffn_hidden_size", "vocab_size", "seq_length")
+                  "num_query_groups", "ffn_hidden_size", "vocab_size", "seq_length",
+                  "mtp_num_layers")
+        _at_least(self, 0, "mtp_loss_scaling_factor")
+
+    def mtp_fields(self) -> dict:
+        """The ``TransformerConfig`` fields of multi-token prediction (none without it)."""
+        if self.mtp_num_layers is None:
+            return {}
+        return {"mtp_num_layers": self.mtp_num_layers,
+                "mtp_loss_scaling_factor": self.mtp_loss_scaling_factor}
 
 
 def _window_pair(text: str | None) -> tuple[int, int] | None:

@@ -32,6 +32,8 @@ from megatron_zeppelin.megatron.loop.online_fit import OnlineFit
 from megatron_zeppelin.megatron.loop.train_log import Logger, StepLog, banner
 from megatron_zeppelin.megatron.loop.watchdog import Watchdog, start_watchdog
 from megatron_zeppelin.megatron.common.model import build_gpt_model, make_transformer_config
+from megatron_zeppelin.megatron.common.spec import transformer_engine_available
+from megatron_zeppelin.options import from_flags
 from megatron_zeppelin.parallel import PoolLayout
 from megatron_zeppelin.planner.registry import strategy_class
 from megatron_zeppelin.planner.service import PlanFunction, PlannerService
@@ -130,18 +132,20 @@ def build_training(args: argparse.Namespace, state: ZeppelinAttentionState, spec
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     attention = train_args.AttentionArgs.from_namespace(args)
+    use_te = transformer_engine_available() if args.device == "cuda" else False
     config = make_transformer_config(spec, normalization=args.normalization,
                                      calculate_per_token_loss=True,
                                      use_cpu_initialization=args.device == "cpu",
                                      tensor_model_parallel_size=args.tensor_model_parallel_size,
                                      params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-                                     attention=attention.config_fields(args.num_layers))
-    layer_spec = api.layer_spec(state, normalization=args.normalization,
-                                use_te=None if args.device == "cuda" else False,
+                                     attention=attention.config_fields(args.num_layers),
+                                     mtp=from_flags(train_args.ModelArgs, args).mtp_fields())
+    layer_spec = api.layer_spec(state, normalization=args.normalization, use_te=use_te,
                                 multi_latent_attention=attention.multi_latent_attention)
     module = build_gpt_model(spec, config, max_sequence_length=args.seq_length,
                              layer_spec=layer_spec,
-                             pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+                             pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+                             mtp_use_te=use_te)
     if args.device == "cuda":
         module.cuda()
     model = DistributedDataParallel(
@@ -160,10 +164,11 @@ def build_training(args: argparse.Namespace, state: ZeppelinAttentionState, spec
 
 
 def forward_step(data_iterator, model):
-    """Megatron forward_step_func: per-token loss sum and token count of this rank's share."""
+    """Megatron forward_step_func: per-token loss sum and token count of this rank's share
+    (the loss mask also masks multi-token prediction's shifted labels, as in Megatron-LM)."""
     batch = next(data_iterator)
     losses = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
-                   packed_seq_params=batch.packed_seq_params)
+                   loss_mask=batch.loss_mask, packed_seq_params=batch.packed_seq_params)
     return losses, api.loss_func(batch)
 
 

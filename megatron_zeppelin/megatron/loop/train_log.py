@@ -46,10 +46,12 @@ class StepLog:
     chosen: str = ""  # the plans' candidates (zeppelin's portfolio picks one per micro-batch)
     estimated_s: float = 0.0  # the plans' step estimates, summed (the profile in force)
     seqlens: tuple = ()  # per micro-batch, the planned sequence lengths (replayable)
+    mtp_losses: tuple[float, ...] = ()  # Megatron's "mtp_1 loss", ... (--mtp-num-layers)
 
     def line(self, total: int) -> str:
+        mtp = "".join(f" | mtp_{i + 1} loss {v:.4f}" for i, v in enumerate(self.mtp_losses))
         return (f"iteration {self.iteration:>5}/{total} | lr {self.lr:.3e} | loss "
-                f"{self.loss:.4f} | sequences local/intra/inter {self.local}/{self.intra}/"
+                f"{self.loss:.4f}{mtp} | sequences local/intra/inter {self.local}/{self.intra}/"
                 f"{self.inter} | tokens/s {self.tokens_per_s:,.0f} | attention imbalance "
                 f"{self.attention_imbalance:.2f} (est.) | remapped "
                 f"{self.remapped_bytes / 2**20:.2f} MiB | plan {self.chosen} "
@@ -114,8 +116,10 @@ class Logger:
         args = self.args
         if iteration % args.log_interval and iteration != args.train_iters \
                 and not args.log_json and not args.tensorboard_dir:
+            mtp_losses(args, stored, None, iteration, logged=False)
             return None
         totals = self._totals(stored)
+        mtp = mtp_losses(args, stored, self.writer, iteration, logged=True)
         if not self.printing:
             return None
         estimates = [estimate_plan(p, self.cost) for p in self.plans]
@@ -127,7 +131,7 @@ class Logger:
                       sum(p.plan_time_s for p in self.plans) * 1e3, float(grad_norm or 0.0),
                       seconds, chosen_candidates(self.plans),
                       sum(e.step_s for e in estimates),
-                      tuple(tuple(p.seqlens) for p in self.plans))
+                      tuple(tuple(p.seqlens) for p in self.plans), mtp)
         self.history.append(log)
         if iteration % self.args.log_interval == 0:
             print(log.line(self.args.train_iters), flush=True)
@@ -149,6 +153,28 @@ class Logger:
                   f"({d.dropped_tokens:,} tokens)", flush=True)
         if self.writer is not None:
             self.writer.close()
+
+
+def mtp_losses(args: argparse.Namespace, stored: list[dict], writer, iteration: int,
+               logged: bool) -> tuple[float, ...]:
+    """The iteration's multi-token prediction losses as Megatron-LM logs them
+    (``MTPLossLoggingHelper.track_mtp_metrics``: each depth's loss per micro-batch, averaged
+    over the data-parallel x context-parallel ranks and the micro-batches; ``writer``:
+    TensorBoard's ``mtp_1 loss``...). Every rank calls it every iteration: the losses are
+    reduced (a collective) when ``logged``, else only cleared."""
+    if not getattr(args, "mtp_num_layers", None):
+        return ()
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    if "values" not in MTPLossLoggingHelper.tracker:
+        return ()
+    if not logged:
+        MTPLossLoggingHelper.clean_loss_in_tracker()
+        return ()
+    found: dict = {}
+    MTPLossLoggingHelper.track_mtp_metrics(1 / max(1, len(stored)), iteration, writer,
+                                           total_loss_dict=found)
+    return tuple(float(found[f"mtp_{i + 1} loss"]) for i in range(args.mtp_num_layers))
 
 
 def chosen_candidates(plans) -> str:
