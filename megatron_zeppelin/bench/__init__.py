@@ -14,6 +14,7 @@ train      per-step time of every strategy training the tiny GPT, same data    (
 fidelity   the real attention engine on gloo ranks vs the simulator             (fidelity.py)
 online     online profile fit: probe overhead, estimate error before/after      (online.py)
 window     sliding window: ring compute skipped, KV relay sent vs needed          (window.py)
+decisions  the portfolio's pick vs every candidate measured per micro-batch     (decisions.py)
 
 ``zeppelin calibrate`` (calibrate.py) measures this machine and writes a hardware profile.
 This package is the top of the layer order: it may import every other layer.
@@ -27,7 +28,7 @@ import time
 from typing import Callable
 
 TARGETS = ("planner", "planning", "router", "engine", "kernels", "train", "fidelity", "online",
-           "window")
+           "window", "decisions")
 
 
 def median_ms(fn: Callable[[], object], repeats: int, budget_s: float) -> tuple[float, int]:
