@@ -150,7 +150,8 @@ def bench_decisions(args: argparse.Namespace) -> int:
           "untimed round(s); fwd + bwd + grad all-reduce, slowest rank, median", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "decisions.json")
-        run_world(argv, vars(args) | {"extra": None}, out)
+        run_world(argv, vars(args) | {"extra": None, "func": None, "port": args.port or
+                                      free_port()}, out)
         measured = json.loads(Path(out).read_text())
     decisions = [decide(**m) for m in measured]
     for d in decisions:
@@ -163,6 +164,14 @@ def bench_decisions(args: argparse.Namespace) -> int:
             "flags": args.extra, "batches": args.batches, "stride": args.stride,
             "repeats": args.repeats, "warmup": args.warmup}, indent=2) + "\n")
     return 0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _validate(argv: list[str]) -> None:
@@ -183,6 +192,7 @@ def register(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed steps per candidate")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
-    p.add_argument("--port", type=int, default=29651)
+    p.add_argument("--port", type=int, default=0,
+                   help="the ranks' rendezvous port (0: a free one)")
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
     p.set_defaults(func=bench_decisions)

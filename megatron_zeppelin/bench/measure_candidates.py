@@ -29,12 +29,21 @@ def _rank(rank: int, world: int, argv: list[str], options: dict, out: str) -> No
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(options["port"]), OMP_NUM_THREADS="1")
     import torch
+
+    torch.set_num_threads(1)  # as torchrun does: 4 ranks share this machine's cores
+    sys.stdout = open(os.devnull, "w")
+    try:
+        _measure(rank, world, argv, options, out)
+    except BaseException as exc:  # the failing rank names itself (the others see it close)
+        print(f"bench decisions: rank {rank} failed: {exc!r}", file=sys.stderr, flush=True)
+        raise
+
+
+def _measure(rank: int, world: int, argv: list[str], options: dict, out: str) -> None:
     import torch.distributed as dist
 
     from megatron_zeppelin.megatron import args as train_args, preflight, train
 
-    torch.set_num_threads(1)  # as torchrun does: 4 ranks share this machine's cores
-    sys.stdout = open(os.devnull, "w")
     args = train_args.parse_args(argv)
     layout = train_args.validate_args(args, world, world)
     ready = preflight.check(args)
