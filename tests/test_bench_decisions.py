@@ -32,8 +32,13 @@ def test_pick_accuracy_and_regret_on_a_synthetic_case():
     assert wrong.spearman == pytest.approx(0.5)
     right = decide(1, [8], names, [1.0, 2.0, 3.0], [1.0, 1.5, 3.0], "a")
     assert right.right and right.regret == 0.0 and right.spearman == pytest.approx(1.0)
+    near = decide(2, [8], names, [1.0, 2.0, 3.0], [1.04, 1.0, 3.0], "a", noise=0.2)
+    assert not near.right and near.regret == pytest.approx(0.04) and near.noise == 0.2
+    assert summarize([near], tolerance=0.05)["pick_within_tolerance_pct"] == 100.0
+    assert summarize([near], tolerance=0.03)["pick_within_tolerance_pct"] == 0.0
     s = summarize([wrong, right, right, right])
     assert s["pick_accuracy_pct"] == pytest.approx(75.0)
+    assert s["pick_within_tolerance_pct"] == pytest.approx(75.0)
     assert s["median_regret"] == 0.0 and s["max_regret"] == pytest.approx(1.0)
     assert s["geomean_regret"] == pytest.approx(2 ** 0.25 - 1)
     assert s["median_spearman"] == pytest.approx(1.0)
@@ -47,6 +52,8 @@ def test_pick_accuracy_and_regret_on_a_synthetic_case():
 def test_bench_decisions_refuses_bad_input_in_one_line(capsys):
     assert cli.main(["bench", "decisions", "--batches", "0"]) == 2
     assert "--batches=0 is invalid" in capsys.readouterr().err
+    assert cli.main(["bench", "decisions", "--tolerance", "1.5"]) == 2
+    assert "--tolerance=1.5 is invalid" in capsys.readouterr().err
     assert cli.main(["bench", "decisions", "--", "--lr-warmup-iters", "-1"]) == 2
     assert "--lr-warmup-iters" in capsys.readouterr().err
 
@@ -58,7 +65,7 @@ def test_every_candidate_of_a_micro_batch_is_measured(tmp_path, capsys):
              "--seq-length", "512", "--micro-batch-size", "2", "--global-batch-size", "4",
              "--seed", "3", "--no-zeppelin-planner-process"]
     code = cli.main(["bench", "decisions", "--batches", "1", "--stride", "2", "--repeats", "1",
-                     "--warmup", "0", "--json", str(out), "--port", "29671", "--", *flags])
+                     "--warmup", "0", "--json", str(out), "--", *flags])
     printed = capsys.readouterr().out
     assert code == 0, printed
     result = json.loads(out.read_text())
@@ -70,7 +77,10 @@ def test_every_candidate_of_a_micro_batch_is_measured(tmp_path, capsys):
     assert all(t > 0 for t in batch["measured_s"] + batch["estimated_s"])
     # the pick is the lowest estimate (ties: the earlier candidate), as the portfolio decides
     best = min(range(len(names)), key=lambda i: (batch["estimated_s"][i], i))
-    assert names[best] == batch["pick"]
+    assert batch["pick"] in names and names[best] == batch["pick"]
+    # identical plans are measured once, under their names joined by '='
+    singles = [n for name in names for n in name.split("=")]
+    assert len(singles) == len(set(singles))
     assert result["summary"]["pick_accuracy_pct"] in (0.0, 100.0)
     assert math.isclose(result["summary"]["median_regret"], batch["regret"])
     assert "pick = measured fastest in" in printed and "<- pick" in printed

@@ -13,8 +13,9 @@ Printed per micro-batch: each candidate's estimate and measurement, the portfoli
 (``Plan.candidate``, the configured planner backend) and the measured fastest, the pick's regret
 (its measured step / the fastest's - 1) and Spearman's rank correlation of estimates vs
 measurements (ties share their mean rank). Summary: pick accuracy (the share of micro-batches
-whose pick is the measured fastest), median and geometric-mean regret (geomean of
-1 + regret, minus 1), median correlation. ``--json FILE`` writes all of it.
+whose pick is the measured fastest; and within ``--tolerance`` of it, since candidates closer
+than the machine's noise are a coin toss), the repeats' spread, median and geometric-mean
+regret (geomean of 1 + regret, minus 1), median correlation. ``--json FILE`` writes all of it.
 """
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ class Decision:
     fastest: str
     regret: float
     spearman: float | None
+    noise: float = 0.0  # median over candidates of (slowest - fastest repeat) / median
 
     @property
     def right(self) -> bool:
@@ -84,24 +86,31 @@ class Decision:
 
 
 def decide(index: int, lengths: Sequence[int], names: Sequence[str],
-           estimated: Sequence[float], measured: Sequence[float], pick: str) -> Decision:
+           estimated: Sequence[float], measured: Sequence[float], pick: str,
+           noise: float = 0.0) -> Decision:
     """Score one micro-batch's pick against the measurements (``names`` aligned with both)."""
     if pick not in names:
         raise ValueError(f"the pick {pick!r} is not among the candidates {list(names)}")
     best = min(range(len(names)), key=lambda i: (measured[i], i))
     regret = measured[names.index(pick)] / measured[best] - 1.0
     return Decision(index, tuple(lengths), tuple(names), tuple(estimated), tuple(measured),
-                    pick, names[best], regret, spearman(estimated, measured))
+                    pick, names[best], regret, spearman(estimated, measured), noise)
 
 
-def summarize(decisions: Sequence[Decision]) -> dict:
-    """Pick accuracy (%), median and geomean regret, median and mean Spearman correlation."""
+def summarize(decisions: Sequence[Decision], tolerance: float = 0.05) -> dict:
+    """Pick accuracy (%), and the share of picks within ``tolerance`` of the measured fastest
+    (candidates closer than the machine's noise are a coin toss), median and geomean regret,
+    median and mean Spearman correlation, median noise of the repeats."""
     if not decisions:
         raise ValueError("no micro-batch measured")
     regrets = [d.regret for d in decisions]
     corr = [d.spearman for d in decisions if d.spearman is not None]
     return {"micro_batches": len(decisions),
             "pick_accuracy_pct": 100.0 * sum(d.right for d in decisions) / len(decisions),
+            "tolerance": tolerance,
+            "pick_within_tolerance_pct": 100.0 * sum(d.regret <= tolerance for d in decisions)
+            / len(decisions),
+            "median_noise": statistics.median(d.noise for d in decisions),
             "median_regret": statistics.median(regrets),
             "geomean_regret": math.exp(statistics.fmean(math.log1p(r) for r in regrets)) - 1,
             "max_regret": max(regrets),
@@ -115,7 +124,8 @@ def lines_of(decision: Decision) -> list[str]:
     head = (f"micro-batch {decision.index}: {len(decision.lengths)} sequences, longest "
             f"{max(decision.lengths)}; pick {decision.pick} "
             f"({'the measured fastest' if decision.right else 'fastest: ' + decision.fastest}"
-            f"), regret {100 * decision.regret:+.1f}%, Spearman {rho}")
+            f"), regret {100 * decision.regret:+.1f}%, Spearman {rho}; repeats' spread "
+            f"{100 * decision.noise:.0f}%")
     width = max(len(n) for n in decision.names)
     rows = [f"  {n:>{width}}: estimate {1e3 * e:8.1f} ms, measured {1e3 * m:8.1f} ms "
             f"({m / e:4.2f}x)" + (" <- pick" if n == decision.pick else "")
@@ -127,9 +137,12 @@ def summary_line(s: dict) -> str:
     corr = "n/a" if s["median_spearman"] is None else \
         f"{s['median_spearman']:+.2f} (mean {s['mean_spearman']:+.2f})"
     return (f"{s['micro_batches']} micro-batches: pick = measured fastest in "
-            f"{s['pick_accuracy_pct']:.0f}%; regret median {100 * s['median_regret']:+.1f}%, "
+            f"{s['pick_accuracy_pct']:.0f}%, within {100 * s['tolerance']:.0f}% of it in "
+            f"{s['pick_within_tolerance_pct']:.0f}%; regret median "
+            f"{100 * s['median_regret']:+.1f}%, "
             f"geomean {100 * s['geomean_regret']:+.1f}%, max {100 * s['max_regret']:+.1f}%; "
-            f"Spearman estimate vs measured: median {corr}")
+            f"Spearman estimate vs measured: median {corr}; repeats' spread (median) "
+            f"{100 * s['median_noise']:.0f}%")
 
 
 def bench_decisions(args: argparse.Namespace) -> int:
@@ -139,6 +152,8 @@ def bench_decisions(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name}={getattr(args, name)} is invalid: expected an "
                              "integer >= 1")
+    if not 0 <= args.tolerance < 1:
+        raise ValueError(f"--tolerance={args.tolerance} is invalid: expected 0 <= it < 1")
     if args.warmup < 0:
         raise ValueError(f"--warmup={args.warmup} is invalid: expected an integer >= 0")
     argv = ["--yaml-cfg", str(YAML), *args.extra, "--context-parallel-mode", "zeppelin",
@@ -156,7 +171,7 @@ def bench_decisions(args: argparse.Namespace) -> int:
     decisions = [decide(**m) for m in measured]
     for d in decisions:
         print("\n".join(lines_of(d)))
-    s = summarize(decisions)
+    s = summarize(decisions, args.tolerance)
     print(summary_line(s))
     if args.json:
         Path(args.json).write_text(json.dumps({
@@ -191,6 +206,8 @@ def register(targets: argparse._SubParsersAction) -> None:
                    help="measure every STRIDE-th micro-batch of the stream")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per candidate")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    p.add_argument("--tolerance", type=float, default=0.05,
+                   help="a pick within this fraction of the measured fastest is also counted")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
     p.add_argument("--port", type=int, default=0,
                    help="the ranks' rendezvous port (0: a free one)")

@@ -79,16 +79,19 @@ def sampled(args, source, runtime, options):
 def candidate_plans(lengths: list[int], planner) -> tuple[object, list[tuple[str, object]]]:
     """(the portfolio's plan, [(name, plan) of every candidate]) of one micro-batch; the
     candidates are the Python reference's (``portfolio.candidates``), the pick the configured
-    backend's (``Plan.candidate``)."""
+    backend's (``Plan.candidate``). Candidates that are the same plan (same tasks and linear
+    layout: e.g. hybrid DP and Hydraulis when both keep every sequence local) are measured
+    once, under their names joined by ``=``."""
     from megatron_zeppelin.planner.common import assemble, prepare
     from megatron_zeppelin.planner.portfolio import candidates
 
     chosen = planner(lengths)
     batch = prepare(lengths, planner.cost.cluster.topology(planner.cost.tp), planner.config)
-    plans = [(c.name, assemble(NAME_OF_STRATEGY, batch, c.tasks, c.linear, candidate=c.name))
-             for c in candidates(batch, planner.cost, planner.config)]
-    return chosen, plans
-
+    same: dict[str, tuple[list[str], object]] = {}
+    for c in candidates(batch, planner.cost, planner.config):
+        plan = assemble(NAME_OF_STRATEGY, batch, c.tasks, c.linear, candidate=c.name)
+        same.setdefault(repr((plan.tasks, plan.linear)), ([], plan))[0].append(c.name)
+    return chosen, [("=".join(names), plan) for names, plan in same.values()]
 
 
 def measure_batch(index: int, docs, args, runtime, model, options: dict) -> dict:
@@ -96,8 +99,10 @@ def measure_batch(index: int, docs, args, runtime, model, options: dict) -> dict
     round-robin (module doc)."""
     lengths = [d.numel() for d in docs]
     chosen, plans = candidate_plans(lengths, runtime.planner)
-    estimates = dict(chosen.estimates)
-    missing = [name for name, _ in plans if name not in estimates]
+    estimates = {merged: dict(chosen.estimates).get(merged.split("=")[0])
+                 for merged, _ in plans}
+    pick = next(m for m, _ in plans if chosen.candidate in m.split("="))
+    missing = [name for name, value in estimates.items() if value is None]
     if missing:
         raise RuntimeError(f"candidates {missing} have no estimate in the portfolio's plan "
                            f"(its candidates: {list(estimates)})")
@@ -108,9 +113,11 @@ def measure_batch(index: int, docs, args, runtime, model, options: dict) -> dict
             if repeat >= options["warmup"]:
                 times[name].append(seconds)
     names = [name for name, _ in plans]
+    noise = statistics.median((max(t) - min(t)) / statistics.median(t) for t in times.values())
     return {"index": index, "lengths": lengths, "names": names,
             "estimated": [estimates[n] for n in names],
-            "measured": [statistics.median(times[n]) for n in names], "pick": chosen.candidate}
+            "measured": [statistics.median(times[n]) for n in names], "pick": pick,
+            "noise": noise}
 
 
 def timed_step(plan, docs, args, runtime, model) -> float:
