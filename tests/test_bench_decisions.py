@@ -78,8 +78,8 @@ def test_every_candidate_of_a_micro_batch_is_measured(tmp_path, capsys):
     # the pick is the lowest estimate (ties: the earlier candidate), as the portfolio decides
     best = min(range(len(names)), key=lambda i: (batch["estimated_s"][i], i))
     assert batch["pick"] in names and names[best] == batch["pick"]
-    # identical plans are measured once, under their names joined by '='
-    singles = [n for name in names for n in name.split("=")]
+    # identical plans are measured once, under their names joined by '/'
+    singles = [n for name in names for n in name.split("/")]
     assert len(singles) == len(set(singles))
     assert result["summary"]["pick_accuracy_pct"] in (0.0, 100.0)
     assert math.isclose(result["summary"]["median_regret"], batch["regret"])

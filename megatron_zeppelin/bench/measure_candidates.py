@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 NAME_OF_STRATEGY = "zeppelin"  # the plans' strategy field
+SAME = "/"  # joins the names of candidates that are the same plan
 
 
 def run_world(argv: list[str], options: dict, out: str) -> None:
@@ -81,7 +82,7 @@ def candidate_plans(lengths: list[int], planner) -> tuple[object, list[tuple[str
     candidates are the Python reference's (``portfolio.candidates``), the pick the configured
     backend's (``Plan.candidate``). Candidates that are the same plan (same tasks and linear
     layout: e.g. hybrid DP and Hydraulis when both keep every sequence local) are measured
-    once, under their names joined by ``=``."""
+    once, under their names joined by ``SAME`` ("/")."""
     from megatron_zeppelin.planner.common import assemble, prepare
     from megatron_zeppelin.planner.portfolio import candidates
 
@@ -91,7 +92,7 @@ def candidate_plans(lengths: list[int], planner) -> tuple[object, list[tuple[str
     for c in candidates(batch, planner.cost, planner.config):
         plan = assemble(NAME_OF_STRATEGY, batch, c.tasks, c.linear, candidate=c.name)
         same.setdefault(repr((plan.tasks, plan.linear)), ([], plan))[0].append(c.name)
-    return chosen, [("=".join(names), plan) for names, plan in same.values()]
+    return chosen, [(SAME.join(names), plan) for names, plan in same.values()]
 
 
 def measure_batch(index: int, docs, args, runtime, model, options: dict) -> dict:
@@ -99,9 +100,9 @@ def measure_batch(index: int, docs, args, runtime, model, options: dict) -> dict
     round-robin (module doc)."""
     lengths = [d.numel() for d in docs]
     chosen, plans = candidate_plans(lengths, runtime.planner)
-    estimates = {merged: dict(chosen.estimates).get(merged.split("=")[0])
+    estimates = {merged: dict(chosen.estimates).get(merged.split(SAME)[0])
                  for merged, _ in plans}
-    pick = next(m for m, _ in plans if chosen.candidate in m.split("="))
+    pick = next(m for m, _ in plans if chosen.candidate in m.split(SAME))
     missing = [name for name, value in estimates.items() if value is None]
     if missing:
         raise RuntimeError(f"candidates {missing} have no estimate in the portfolio's plan "
