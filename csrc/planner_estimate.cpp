@@ -144,6 +144,12 @@ Estimate estimate_tasks(const Problem& pb, const Tasks& tasks, const std::vector
     est.linear = lin;
     est.attention = 0.0 + *std::max_element(att.begin(), att.end());
     est.remap = remap_a2a_seconds(pb, moves) * 2.0 * static_cast<double>(k.layers);
+    for (const Move& m : moves) {
+      if (m.tokens > 0 && m.src != m.dst) {  // the remap's host work (HardwareProfile)
+        est.remap = est.remap + k.remap_step_s;
+        break;
+      }
+    }
     last_bwd = est.linear * bwd_lin + *std::max_element(att.begin(), att.end()) * bwd_att;
   } else {
     i64 crit = 0;

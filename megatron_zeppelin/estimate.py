@@ -19,7 +19,8 @@ expressions in the same order, so the portfolio picks the same candidate in both
   tasks sharing a ring are summed first, then added to each member (one pass per ring);
 * remap: one all-to-all per layer forward and backward (q, k, v there, the output back;
   the reverse in backward) over NVLink inside nodes and the static NICs across, the busiest
-  link setting its time (``remap_a2a_seconds``);
+  link setting its time (``remap_a2a_seconds``), plus its host work when any token moves
+  (``CostKernel.remap_step_s``);
 * step: with the remap ``max linear + sum over waves of max attention + remap``; without it
   ``sum over waves of max (linear + attention)``; plus the gradient all-reduce time not hidden
   behind the last backward (``grad_allreduce_seconds``).
@@ -142,7 +143,10 @@ def _step(att: list[list[float]], tokens: list[list[float]], linear_tokens: Sequ
     if linear_tokens is not None:
         lin = [per_token * n for n in linear_tokens]
         linear, attention = max(lin), add_up(max(a) for a in att)
+        moves = list(moves)
         remap = remap_a2a_seconds(moves, topology, cost) * 2.0 * kernel.layers
+        if any(m.tokens > 0 and m.src != m.dst for m in moves):
+            remap += kernel.remap_step_s  # the remap's host work (HardwareProfile)
         last_bwd = linear * bwd_lin + max(att[-1]) * bwd_att
         rank_lin = tuple(lin)
     else:
