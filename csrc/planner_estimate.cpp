@@ -242,6 +242,10 @@ Choice portfolio(const Problem& pb) {
   jobs.emplace_back([&pb] { return place_hierarchical(pb, true); });
   candidates.push_back(Candidate{"hybrid-dp", true});
   jobs.emplace_back([&pb] { return hybrid_dp_tasks(pb, default_max_seqlen_per_rank(pb)); });
+  if (pb.capacity > default_max_seqlen_per_rank(pb)) {  // portfolio.widest_hybrid
+    candidates.push_back(Candidate{"hybrid-dp(cap=" + std::to_string(pb.capacity) + ")", true});
+    jobs.emplace_back([&pb] { return hybrid_dp_tasks(pb, pb.capacity); });
+  }
   candidates.push_back(Candidate{"hydraulis", true});
   jobs.emplace_back([&pb] { return hydraulis_tasks(pb).first; });
   const i64 world = pb.world();
