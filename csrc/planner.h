@@ -28,6 +28,7 @@ struct Costs {
   std::vector<double> routed_log_sizes, routed_log_times;
   double linear_per_token = 0;
   double ring_step_s = 0;  // host work per ring step, all layers, fwd + bwd
+  double remap_step_s = 0;  // the remap's host work per micro-batch, all layers, fwd + bwd
 
   double flops(double chunk) const;
   double compute(double seqlen, i64 ring) const;

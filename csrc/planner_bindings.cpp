@@ -39,6 +39,7 @@ Problem make_problem(const py::tuple& t) {
   c.routed_log_times = k[12].cast<std::vector<double>>();
   c.linear_per_token = k[13].cast<double>();
   c.ring_step_s = k[14].cast<double>();
+  c.remap_step_s = k[15].cast<double>();
   pb.routing = t[5].cast<bool>();
   pb.remap = t[6].cast<bool>();
   pb.slack = t[7].cast<double>();

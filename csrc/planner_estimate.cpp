@@ -94,18 +94,19 @@ double remap_a2a_seconds(const Problem& pb, const std::vector<Move>& moves) {
 
 // estimate.remap_fixed_seconds
 double remap_fixed_seconds(const Problem& pb, const std::vector<Move>& moves) {
-  if (moves.empty()) return 0.0;
   bool cross = false, inside = false;
   for (const Move& m : moves) {
+    if (m.tokens <= 0 || m.src == m.dst) continue;
     if (m.src / pb.gpn != m.dst / pb.gpn) {
       cross = true;
     } else {
       inside = true;
     }
   }
+  if (!cross && !inside) return 0.0;
   const double latency = std::max(cross ? pb.costs.nic_latency_s : 0.0,
                                   inside ? pb.costs.nvlink_latency_s : 0.0);
-  return 2.0 * static_cast<double>(pb.costs.layers) * latency + 2.0 * pb.costs.ring_step_s;
+  return 2.0 * static_cast<double>(pb.costs.layers) * latency + pb.costs.remap_step_s;
 }
 
 }  // namespace
@@ -253,6 +254,10 @@ Choice portfolio(const Problem& pb) {
   jobs.emplace_back([&pb] { return place_hierarchical(pb, true); });
   candidates.push_back(Candidate{"hybrid-dp", true});
   jobs.emplace_back([&pb] { return hybrid_dp_tasks(pb, default_max_seqlen_per_rank(pb)); });
+  if (pb.capacity > default_max_seqlen_per_rank(pb)) {  // portfolio.widest_hybrid
+    candidates.push_back(Candidate{"hybrid-dp(cap=" + std::to_string(pb.capacity) + ")", true});
+    jobs.emplace_back([&pb] { return hybrid_dp_tasks(pb, pb.capacity); });
+  }
   candidates.push_back(Candidate{"hydraulis", true});
   jobs.emplace_back([&pb] { return hydraulis_tasks(pb).first; });
   const i64 world = pb.world();

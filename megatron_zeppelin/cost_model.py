@@ -208,6 +208,7 @@ class CostKernel:
     ranks_per_node: int
     nic_share_byte_per_s: float  # one GPU's share of its node's NICs
     ring_step_s: float = 0.0  # host work per ring step, all layers, fwd + bwd
+    remap_step_s: float = 0.0  # the remap's host work per micro-batch, all layers, fwd + bwd
 
     @classmethod
     def of(cls, cost: "CostModel") -> "CostKernel":
@@ -227,7 +228,8 @@ class CostKernel:
             head_bytes=float(m.head_dim * m.bytes_per_element), heads=cost.heads,
             kv_heads=cost.kv_heads, ranks_per_node=c.gpus_per_node // cost.tp,
             nic_share_byte_per_s=c.nic_byte_per_s * len(set(c.gpu_to_nic)) / c.gpus_per_node,
-            ring_step_s=hw.ring_step_overhead_us * 1e-6 * m.num_layers)
+            ring_step_s=hw.ring_step_overhead_us * 1e-6 * m.num_layers,
+            remap_step_s=hw.remap_overhead_us * 1e-6 * m.num_layers)
 
     def flops(self, chunk: float) -> float:
         """Achieved attention FLOP/s at a query chunk of ``chunk`` tokens."""

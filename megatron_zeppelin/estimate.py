@@ -19,8 +19,9 @@ expressions in the same order, so the portfolio picks the same candidate in both
   tasks sharing a ring are summed first, then added to each member (one pass per ring);
 * remap: one all-to-all per layer forward and backward (q, k, v there, the output back;
   the reverse in backward) over NVLink inside nodes and the static NICs across, the busiest
-  link setting its time (``remap_a2a_seconds``), plus the second exchange's latency and the
-  engine's host work per exchange (``remap_fixed_seconds``);
+  link setting its time (``remap_a2a_seconds``), plus, when any token moves, the second
+  exchange's latency and the remap's host work (``CostKernel.remap_step_s``, the
+  profile's ``remap_overhead_us``): ``remap_fixed_seconds``;
 * step: with the remap ``max linear + sum over waves of max attention + remap``; without it
   ``sum over waves of max (linear + attention)``; plus the gradient all-reduce time not hidden
   behind the last backward (``grad_allreduce_seconds``).
@@ -232,21 +233,21 @@ def remap_a2a_seconds(moves: Iterable[Move], topology: Topology, cost: CostModel
 
 
 def remap_fixed_seconds(moves: Sequence[Move], topology: Topology, cost: CostModel) -> float:
-    """What one step's remap pays besides ``remap_a2a_seconds`` x 2 x layers (0 without
+    """What one step's remap pays besides ``remap_a2a_seconds`` x 2 x layers (0 when no token
     moves): per layer and direction the remap is two exchanges (q, k, v there, the output
     back, attention between them), and ``remap_a2a_seconds`` prices their bytes with one link
-    latency, so the second one's latency (of the slowest link the moves use); and the
-    engine's host work of its 4 exchanges per layer (gather, post, wait, scatter), priced as
-    a ring step's exchange: 2 x ``CostKernel.ring_step_s`` (one exchange forward and one
-    backward, all layers)."""
+    latency, so the second one's latency (of the slowest link the moves use); and the remap's
+    host work, all layers, forward and backward (``CostKernel.remap_step_s``: the hardware
+    profile's ``remap_overhead_us``, measured by the runtime's probe)."""
+    moves = [m for m in moves if m.tokens > 0 and m.src != m.dst]
     if not moves:
         return 0.0
     kernel, gpn = cost.kernel, topology.gpus_per_node
-    cross = any(src // gpn != dst // gpn for src, dst, _ in moves)
-    inside = any(src // gpn == dst // gpn for src, dst, _ in moves)
+    cross = any(m.src // gpn != m.dst // gpn for m in moves)
+    inside = any(m.src // gpn == m.dst // gpn for m in moves)
     latency = max(kernel.nic_latency_s if cross else 0.0,
                   kernel.nvlink_latency_s if inside else 0.0)
-    return 2.0 * kernel.layers * latency + 2.0 * kernel.ring_step_s
+    return 2.0 * kernel.layers * latency + kernel.remap_step_s
 
 
 def parameter_count(cost: CostModel) -> int:

@@ -4,6 +4,7 @@
     python scripts/bench_corpora.py                      # the measurement (quiet machine!)
     python scripts/bench_corpora.py --smoke              # 3 steps, 1 round, no tuning: a try
     python scripts/bench_corpora.py --output docs/bench-corpora.md
+    python scripts/bench_corpora.py --best-peers --rounds 5   # zeppelin vs the best peers only
 
 For each corpus of ``scripts/make_corpora.py`` (written to ``--corpora`` first when missing)
 this runs ``zeppelin bench train --tune --strategies ... -- --data-path CORPUS`` (4 gloo ranks
@@ -32,6 +33,12 @@ sys.path.insert(0, str(ROOT))
 BASELINE = "static"  # two-node TE CP: the paper's baseline, not a peer
 STRATEGIES = ("static", "zeppelin", "static-cp", "static-cp-best", "hybrid-dp",
               "megatron-hybrid-cp", "megatron-dynamic-cp", "hydraulis", "flexsp")
+# per corpus: the fastest peers measured (docs/bench-corpora.md), at their tuned knobs:
+# --best-peers measures zeppelin against these alone, without the sweep
+HYBRID_4K = "hybrid-dp:max-seqlen-per-dp-cp-rank=4096"
+BEST_PEERS = {"longtail": ["static-cp:zeppelin-cp-size=1", HYBRID_4K],
+              "arxiv": ["static-cp:zeppelin-cp-size=1", HYBRID_4K],
+              "prolong": ["static-cp:zeppelin-cp-size=2", HYBRID_4K]}
 # per corpus: flags that keep a micro-batch at 16K tokens and its longest documents whole
 CORPUS_FLAGS = {"longtail": [], "arxiv": [],
                 "prolong": ["--seq-length", "8192", "--micro-batch-size", "2"]}
@@ -54,10 +61,12 @@ def ensure_corpora(folder: Path) -> None:
 
 def measure(corpus: str, folder: Path, out: Path, args: argparse.Namespace) -> dict:
     """``zeppelin bench train`` on one corpus; its JSON."""
+    chosen = ["zeppelin", *BEST_PEERS[corpus]] if args.best_peers else strategies()
     command = [sys.executable, "-m", "megatron_zeppelin.cli", "bench", "train",
-               "--strategies", ",".join(strategies()), "--iterations", str(args.iterations),
+               "--strategies", ",".join(chosen), "--iterations", str(args.iterations),
                "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--json", str(out),
-               *(["--tune"] if args.tune else []), "--", "--data-path", str(folder / corpus),
+               *(["--tune"] if args.tune and not args.best_peers else []), "--",
+               "--data-path", str(folder / corpus),
                *CORPUS_FLAGS[corpus]]
     print("$ " + " ".join(command), flush=True)
     done = subprocess.run(command, cwd=ROOT)
@@ -75,19 +84,36 @@ def corpus_table(corpus: str, result: dict) -> list[str]:
     ran, refused = result["strategies"], result.get("refused", {})
     zeppelin = ran["zeppelin"]["median_step_s"] if "zeppelin" in ran else None
     lines = [f"### {corpus}", "", "| strategy | median step (s) | tokens/s | zeppelin speedup "
-             "| final loss | sequences local / intra / inter | tuning |",
-             "|---|---|---|---|---|---|---|"]
+             "| per round | final loss | sequences local / intra / inter | tuning |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in ran.items():
         label = f"{name} (the paper's baseline: TE CP over both nodes)" if name == BASELINE \
             else name
         speedup = f"{r['median_step_s'] / zeppelin:.2f}x" if zeppelin else "-"
         tiers = " / ".join(map(str, r.get("sequences_local_intra_inter", ["-"] * 3)))
+        spread = round_ratios(result, name)
+        spread = f"{min(spread):.2f}-{max(spread):.2f}x" if spread else "-"
         lines.append(f"| {label} | {r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
-                     f"{speedup} | {r['final_loss']:.5f} | {tiers} | "
+                     f"{speedup} | {spread} | {r['final_loss']:.5f} | {tiers} | "
                      f"{r['tuning'] or 'as given'} |")
     for name, reason in refused.items():
-        lines.append(f"| {name} | not run | | | | | {reason} |")
+        lines.append(f"| {name} | not run | | | | | | {reason} |")
     return lines + [""]
+
+
+def round_ratios(result: dict, name: str) -> list[float]:
+    """Zeppelin's speedup over ``name`` in each interleaved round (the strategy's median step
+    of the round / zeppelin's): the spread the machine's load left (empty for zeppelin)."""
+    ran = result["strategies"]
+    if name == "zeppelin" or "steps_s" not in ran.get("zeppelin", {}):
+        return []
+    per = result["iterations"] - result["warmup"]
+
+    def rounds(steps: list[float]) -> list[float]:
+        return [statistics.median(steps[i:i + per]) for i in range(0, len(steps), per)]
+
+    return [a / b for a, b in zip(rounds(ran[name]["steps_s"]),
+                                  rounds(ran["zeppelin"]["steps_s"]))]
 
 
 def speedups(results: dict[str, dict]) -> dict[str, dict[str, float]]:
@@ -130,11 +156,17 @@ def summary(results: dict[str, dict]) -> list[str]:
     return lines
 
 
+def tuning_note(args: argparse.Namespace) -> str:
+    if args.best_peers:
+        return ", no tuning; zeppelin vs the best peers of each corpus at their tuned knobs"
+    return ", each peer tuned by measurement first" if args.tune else ", no tuning"
+
+
 def report(results: dict[str, dict], args: argparse.Namespace) -> str:
     head = ["## Measured: every strategy training the tiny GPT on CPU (4 gloo ranks, 2 x 2)", "",
             f"`python scripts/bench_corpora.py` ({args.rounds} interleaved rounds of "
             f"{args.iterations} steps per strategy, first {args.warmup} dropped"
-            f"{', each peer tuned by measurement first' if args.tune else ', no tuning'}). "
+            f"{tuning_note(args)}). "
             "Speedup = the strategy's median step / zeppelin's (> 1: zeppelin is faster). "
             f"`{BASELINE}` is static mode, TE/Megatron CP over the whole pool (both nodes): "
             "the paper's baseline, not counted as a peer.", ""]
@@ -152,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-tune", dest="tune", action="store_false")
     p.add_argument("--smoke", action="store_true", help="3 steps, 1 round, no tuning")
+    p.add_argument("--best-peers", action="store_true",
+                   help="zeppelin vs each corpus's fastest peers only (BEST_PEERS, tuned knobs "
+                        "fixed, no sweep)")
     args = p.parse_args(argv)
     if args.smoke:
         args.iterations, args.warmup, args.rounds, args.tune = 3, 1, 1, False

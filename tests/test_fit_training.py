@@ -3,13 +3,14 @@ combination of everyone's, a stalled rank outvoted), a run measures, refits, swi
 rank at the same micro-batch and writes a profile the planner reads; bad flags are refused."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
 from distributed import run_world
 from megatron_zeppelin import fit
-from megatron_zeppelin.config import ConfigError, load_hardware
+from megatron_zeppelin.config import ConfigError, load_hardware, write_yaml
 from megatron_zeppelin.megatron.loop import args as train_args
 
 pytestmark = pytest.mark.distributed
@@ -53,7 +54,8 @@ def _train(rank: int, world: int, out: str, process: bool):
         seen.append((iteration, self.cost.hardware, list(self.switches)))
 
     online_fit.OnlineFit.step = recording
-    argv = FLAGS + ["--zeppelin-fit-interval", "2", "--zeppelin-profile-out", out]
+    argv = FLAGS + ["--zeppelin-fit-interval", "2", "--zeppelin-profile-out", out,
+                    "--zeppelin-hardware", out + ".prior.yaml"]
     if not process:
         argv.append("--no-zeppelin-planner-process")
     args = train_args.parse_args(argv)
@@ -67,6 +69,12 @@ def _train(rank: int, world: int, out: str, process: bool):
 @pytest.mark.parametrize("process", [True, False])
 def test_a_run_fits_switches_every_rank_alike_and_writes_the_profile(tmp_path, process):
     out = str(tmp_path / "fitted.yaml")
+    # the prior: the shipped CPU profile without host work per ring step or remap and with
+    # the 1024^3 GEMM rate (what calibrate measures), so that the plans ring and remap and
+    # every coefficient is measured
+    prior = dataclasses.replace(load_hardware("cpu"), gemm_tflops=0.08,
+                                ring_step_overhead_us=0.0, remap_overhead_us=0.0)
+    write_yaml(prior, out + ".prior.yaml", "test prior")
     results = run_world(_train, 4, out, process, start_method="spawn", timeout_s=400)
     seen = [r[0] for r in results]
     assert all(s == seen[0] for s in seen)  # same profiles, same switch points, every rank
@@ -75,8 +83,7 @@ def test_a_run_fits_switches_every_rank_alike_and_writes_the_profile(tmp_path, p
     fitted = seen[0][-1][1]
     assert fitted.source.startswith("fitted during training") and fitted.kernel == "cpu"
     assert fitted.ring_step_overhead_us > 0  # the engine's host work was measured
-    shipped = load_hardware("cpu")
-    assert fitted.attention_tflops != shipped.attention_tflops
+    assert fitted.attention_tflops != prior.attention_tflops
     assert load_hardware(out) == fitted  # the file holds what the ranks planned with
     logs = results[0][1]
     assert len(logs) == 4 and all(log.estimated_s > 0 for log in logs)

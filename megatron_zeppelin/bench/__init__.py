@@ -16,6 +16,7 @@ fidelity   measured full training steps vs the simulator's step model (fidelity_
 online     online profile fit: probe overhead, estimate error before/after      (online.py)
 window     sliding window: ring compute skipped, KV relay sent vs needed          (window.py)
 remap      step time with and without the remapping layer where it should pay    (remap.py)
+decisions  the portfolio's pick vs every candidate measured per micro-batch     (decisions.py)
 
 ``zeppelin calibrate`` (calibrate.py) measures this machine and writes a hardware profile;
 ``zeppelin calibrate-sim`` (calibrate_sim.py) the simulator's own profile (``configs/sim/``).
@@ -30,7 +31,7 @@ import time
 from typing import Callable
 
 TARGETS = ("planner", "planning", "router", "engine", "kernels", "train", "fidelity", "online",
-           "window", "remap")
+           "window", "remap", "decisions")
 
 
 def median_ms(fn: Callable[[], object], repeats: int, budget_s: float) -> tuple[float, int]:

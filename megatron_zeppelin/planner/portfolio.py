@@ -11,7 +11,8 @@ closed form of what the simulator models):
   modules of its tokens, without the remap (the linear modules then run where attention does).
   The remap is thus decided per batch (only ``hierarchical`` when ``config.remap`` is off);
 * the peers' plans as fallbacks, when they keep every rank within the capacity: ``hybrid-dp``
-  (``baselines.HybridDP``), ``hydraulis`` (``hydraulis.Hydraulis``: heterogeneous CP
+  (``baselines.HybridDP``) at Megatron's default cap and at the capacity (``hybrid-dp(cap=C)``,
+  where wider than the default), ``hydraulis`` (``hydraulis.Hydraulis``: heterogeneous CP
   replicas) and static CP (``baselines.StaticCP``) at every CP size that divides the pool, up
   to two nodes (wider static CP never won in the report's settings and costs the most to
   build).
@@ -118,11 +119,15 @@ def candidates(batch: Batch, cost: CostModel, config: ZeppelinConfig) -> list[Ca
         out.append(remapped(batch, cost, place_hierarchical(batch, cost, config),
                             "hierarchical+remap"))
     out.append(Candidate("hierarchical", place_hierarchical(batch, cost, config, True)))
-    try:
-        per_rank = default_max_seqlen_per_rank(batch)
-        out.append(Candidate("hybrid-dp", hybrid_dp_tasks(batch, cost, per_rank)))
-    except CapacityError:
-        pass  # no fallback where hybrid DP cannot place the batch within the capacity
+    per_rank = default_max_seqlen_per_rank(batch)
+    caps = [(per_rank, "hybrid-dp")]
+    if batch.capacity > per_rank:
+        caps.append((batch.capacity, widest_hybrid(batch)))
+    for cap, name in caps:
+        try:
+            out.append(Candidate(name, hybrid_dp_tasks(batch, cost, cap)))
+        except CapacityError:
+            pass  # no fallback where hybrid DP cannot place the batch within the capacity
     try:
         out.append(Candidate("hydraulis", hydraulis_tasks(batch, cost)[0]))
     except CapacityError:
@@ -133,6 +138,12 @@ def candidates(batch: Batch, cost: CostModel, config: ZeppelinConfig) -> list[Ca
                 zigzag_share_bound(max(batch.seqlens), cp) <= batch.capacity:
             out.append(Candidate(f"static-cp(cp={cp})", static_cp_tasks(batch, cp)))
     return [c for c in out if within_capacity(c.tasks, batch)]
+
+
+def widest_hybrid(batch: Batch) -> str:
+    """The name of hybrid DP at the widest per-rank cap, the capacity (every sequence that
+    fits one rank local: the cap its users tune to on the CPU cluster, docs/bench-corpora.md)."""
+    return f"hybrid-dp(cap={batch.capacity})"
 
 
 def remapped(batch: Batch, cost: CostModel, tasks: list[AttentionTask], name: str

@@ -1,0 +1,215 @@
+"""``zeppelin bench decisions``: is the portfolio's pick the measured-fastest candidate?
+
+Zeppelin's portfolio (``planner/portfolio.py``) scores every candidate plan of a micro-batch by
+its step estimate and keeps the lowest. This benchmark measures every candidate instead: on 4
+gloo ranks (2 emulated nodes x 2, the tiny GPT of ``bench train``, the same training flags), for
+``--batches`` micro-batches sampled from the corpus (every ``--stride``-th of the stream), each
+candidate's plan runs a real training step through the engine (forward + backward of one
+micro-batch and the gradient all-reduce, no optimizer step; the slowest rank's time). The
+candidates run round-robin, ``--repeats`` times each after ``--warmup`` untimed rounds, so that
+the machine's load hits them alike; a candidate's time is its median.
+
+Printed per micro-batch: each candidate's estimate and measurement, the portfolio's pick
+(``Plan.candidate``, the configured planner backend) and the measured fastest, the pick's regret
+(its measured step / the fastest's - 1) and Spearman's rank correlation of estimates vs
+measurements (ties share their mean rank). Summary: pick accuracy (the share of micro-batches
+whose pick is the measured fastest; and within ``--tolerance`` of it, since candidates closer
+than the machine's noise are a coin toss), the repeats' spread, median and geometric-mean
+regret (geomean of 1 + regret, minus 1), median correlation. ``--json FILE`` writes all of it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+from megatron_zeppelin.bench.train import YAML
+
+NAME = "zeppelin"  # the strategy whose portfolio is judged
+
+
+def ranks(values: Sequence[float]) -> list[float]:
+    """1-based ranks of ``values`` (ascending), ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2.0 + 1.0
+        i = j + 1
+    return out
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Spearman's rank correlation (Pearson's of the ranks); None below 2 values or when
+    either side is constant."""
+    if len(xs) != len(ys):
+        raise ValueError(f"spearman: {len(xs)} estimates but {len(ys)} measurements")
+    if len(xs) < 2:
+        return None
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx = sum((a - mx) ** 2 for a in rx)
+    syy = sum((b - my) ** 2 for b in ry)
+    return None if sxx == 0 or syy == 0 else sxy / math.sqrt(sxx * syy)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One micro-batch: candidates (names, estimated and measured median step seconds), the
+    portfolio's pick, the measured fastest, the pick's regret and the rank correlation."""
+
+    index: int
+    lengths: tuple[int, ...]
+    names: tuple[str, ...]
+    estimated_s: tuple[float, ...]
+    measured_s: tuple[float, ...]
+    pick: str
+    fastest: str
+    regret: float
+    spearman: float | None
+    noise: float = 0.0  # median over candidates of (slowest - fastest repeat) / median
+
+    @property
+    def right(self) -> bool:
+        return self.pick == self.fastest
+
+
+def decide(index: int, lengths: Sequence[int], names: Sequence[str],
+           estimated: Sequence[float], measured: Sequence[float], pick: str,
+           noise: float = 0.0) -> Decision:
+    """Score one micro-batch's pick against the measurements (``names`` aligned with both)."""
+    if pick not in names:
+        raise ValueError(f"the pick {pick!r} is not among the candidates {list(names)}")
+    best = min(range(len(names)), key=lambda i: (measured[i], i))
+    regret = measured[names.index(pick)] / measured[best] - 1.0
+    return Decision(index, tuple(lengths), tuple(names), tuple(estimated), tuple(measured),
+                    pick, names[best], regret, spearman(estimated, measured), noise)
+
+
+def summarize(decisions: Sequence[Decision], tolerance: float = 0.05) -> dict:
+    """Pick accuracy (%), and the share of picks within ``tolerance`` of the measured fastest
+    (candidates closer than the machine's noise are a coin toss), median and geomean regret,
+    median and mean Spearman correlation, median noise of the repeats."""
+    if not decisions:
+        raise ValueError("no micro-batch measured")
+    regrets = [d.regret for d in decisions]
+    corr = [d.spearman for d in decisions if d.spearman is not None]
+    return {"micro_batches": len(decisions),
+            "pick_accuracy_pct": 100.0 * sum(d.right for d in decisions) / len(decisions),
+            "tolerance": tolerance,
+            "pick_within_tolerance_pct": 100.0 * sum(d.regret <= tolerance for d in decisions)
+            / len(decisions),
+            "median_noise": statistics.median(d.noise for d in decisions),
+            "median_regret": statistics.median(regrets),
+            "geomean_regret": math.exp(statistics.fmean(math.log1p(r) for r in regrets)) - 1,
+            "max_regret": max(regrets),
+            "median_spearman": statistics.median(corr) if corr else None,
+            "mean_spearman": statistics.fmean(corr) if corr else None}
+
+
+def lines_of(decision: Decision) -> list[str]:
+    """The printed block of one micro-batch."""
+    rho = "n/a" if decision.spearman is None else f"{decision.spearman:+.2f}"
+    head = (f"micro-batch {decision.index}: {len(decision.lengths)} sequences, longest "
+            f"{max(decision.lengths)}; pick {decision.pick} "
+            f"({'the measured fastest' if decision.right else 'fastest: ' + decision.fastest}"
+            f"), regret {100 * decision.regret:+.1f}%, Spearman {rho}; repeats' spread "
+            f"{100 * decision.noise:.0f}%")
+    width = max(len(n) for n in decision.names)
+    rows = [f"  {n:>{width}}: estimate {1e3 * e:8.1f} ms, measured {1e3 * m:8.1f} ms "
+            f"({m / e:4.2f}x)" + (" <- pick" if n == decision.pick else "")
+            for n, e, m in zip(decision.names, decision.estimated_s, decision.measured_s)]
+    return [head, *rows]
+
+
+def summary_line(s: dict) -> str:
+    corr = "n/a" if s["median_spearman"] is None else \
+        f"{s['median_spearman']:+.2f} (mean {s['mean_spearman']:+.2f})"
+    return (f"{s['micro_batches']} micro-batches: pick = measured fastest in "
+            f"{s['pick_accuracy_pct']:.0f}%, within {100 * s['tolerance']:.0f}% of it in "
+            f"{s['pick_within_tolerance_pct']:.0f}%; regret median "
+            f"{100 * s['median_regret']:+.1f}%, "
+            f"geomean {100 * s['geomean_regret']:+.1f}%, max {100 * s['max_regret']:+.1f}%; "
+            f"Spearman estimate vs measured: median {corr}; repeats' spread (median) "
+            f"{100 * s['median_noise']:.0f}%")
+
+
+def bench_decisions(args: argparse.Namespace) -> int:
+    from megatron_zeppelin.bench.measure_candidates import run_world
+
+    for name in ("batches", "stride", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name}={getattr(args, name)} is invalid: expected an "
+                             "integer >= 1")
+    if not 0 <= args.tolerance < 1:
+        raise ValueError(f"--tolerance={args.tolerance} is invalid: expected 0 <= it < 1")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup={args.warmup} is invalid: expected an integer >= 0")
+    argv = ["--yaml-cfg", str(YAML), *args.extra, "--context-parallel-mode", "zeppelin",
+            "--zeppelin-strategy", NAME]
+    _validate(argv)
+    print(f"tiny GPT ({YAML.name} + {' '.join(args.extra) or 'no flags'}), 4 gloo ranks as 2 "
+          f"nodes x 2; {args.batches} micro-batch(es), every {args.stride}th of the stream; "
+          f"each candidate {args.repeats} timed step(s) round-robin after {args.warmup} "
+          "untimed round(s); fwd + bwd + grad all-reduce, slowest rank, median", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "decisions.json")
+        run_world(argv, vars(args) | {"extra": None, "func": None, "port": args.port or
+                                      free_port()}, out)
+        measured = json.loads(Path(out).read_text())
+    decisions = [decide(**m) for m in measured]
+    for d in decisions:
+        print("\n".join(lines_of(d)))
+    s = summarize(decisions, args.tolerance)
+    print(summary_line(s))
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "summary": s, "micro_batches": [asdict(d) | {"right": d.right} for d in decisions],
+            "flags": args.extra, "batches": args.batches, "stride": args.stride,
+            "repeats": args.repeats, "warmup": args.warmup}, indent=2) + "\n")
+    return 0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _validate(argv: list[str]) -> None:
+    """The training flags, checked once before any process starts (ConfigError: exit 2)."""
+    from megatron_zeppelin.megatron.loop import args as train_args
+
+    args = train_args.parse_args(argv)
+    train_args.validate_args(args, 4, 4)
+
+
+def register(targets: argparse._SubParsersAction) -> None:
+    p = targets.add_parser("decisions", help="the portfolio's pick vs every candidate "
+                           "measured per micro-batch (CPU, 4 ranks)", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", type=int, default=8, help="micro-batches measured")
+    p.add_argument("--stride", type=int, default=3,
+                   help="measure every STRIDE-th micro-batch of the stream")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per candidate")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    p.add_argument("--tolerance", type=float, default=0.05,
+                   help="a pick within this fraction of the measured fastest is also counted")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
+    p.add_argument("--port", type=int, default=0,
+                   help="the ranks' rendezvous port (0: a free one)")
+    p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
+    p.set_defaults(func=bench_decisions)
