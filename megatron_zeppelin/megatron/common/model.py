@@ -56,7 +56,10 @@ def make_transformer_config(spec: ModelSpec, *, normalization: str = "RMSNorm",
                             hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
                             init_method_std: float = 0.02,
                             tensor_model_parallel_size: int = 1,
-                            attention: Optional[dict] = None) -> TransformerConfig:
+                            attention: Optional[dict] = None,
+                            pipeline_model_parallel_size: int = 1,
+                            virtual_pipeline_model_parallel_size: Optional[int] = None
+                            ) -> TransformerConfig:
     """``TransformerConfig`` for ``spec``: no biases, no fused kernels, Megatron CP 1.
 
     ``calculate_per_token_loss=True`` makes megatron's schedules divide gradients by the number of
@@ -85,6 +88,13 @@ def make_transformer_config(spec: ModelSpec, *, normalization: str = "RMSNorm",
         use_cpu_initialization=use_cpu_initialization,
         calculate_per_token_loss=calculate_per_token_loss,
         tensor_model_parallel_size=tensor_model_parallel_size, context_parallel_size=1,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        pipeline_dtype=params_dtype if pipeline_model_parallel_size > 1 else None,
+        variable_seq_lengths=pipeline_model_parallel_size > 1,
+        # megatron-core refuses the (default) allgather MoE dispatcher with variable lengths;
+        # this builder is dense (no experts: refused above), so the dispatcher is never built
+        moe_token_dispatcher_type="alltoall" if pipeline_model_parallel_size > 1 else "allgather",
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False, **attention)
@@ -124,8 +134,12 @@ def build_gpt_model(spec: ModelSpec, config: TransformerConfig, *, max_sequence_
                     layer_spec: Optional[ModuleSpec] = None,
                     pg_collection: Optional[ProcessGroupCollection] = None,
                     share_embeddings_and_output_weights: bool = False,
-                    rotary_base: int = 10000) -> PackedGPTModel:
-    """A ``PackedGPTModel`` with RoPE; ``layer_spec`` defaults to ``PackedCoreAttention``."""
+                    rotary_base: int = 10000, pre_process: bool = True,
+                    post_process: bool = True, vp_stage: Optional[int] = None
+                    ) -> PackedGPTModel:
+    """A ``PackedGPTModel`` with RoPE; ``layer_spec`` defaults to ``PackedCoreAttention``.
+    pre_process / post_process / vp_stage: the pipeline stage's part (Megatron's meanings:
+    embedding on the first stage, output layer and loss on the last, model chunk index)."""
     if layer_spec is None:
         layer_spec = gpt_layer_spec(PackedCoreAttention, normalization=config.normalization,
                                     multi_latent_attention=config.multi_latent_attention)
@@ -134,7 +148,8 @@ def build_gpt_model(spec: ModelSpec, config: TransformerConfig, *, max_sequence_
         max_sequence_length=max_sequence_length, position_embedding_type="rope",
         rotary_base=rotary_base, parallel_output=True,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-        pg_collection=pg_collection)
+        pg_collection=pg_collection, pre_process=pre_process, post_process=post_process,
+        vp_stage=vp_stage)
 
 
 class PackedCoreAttention(MegatronModule):
