@@ -13,7 +13,10 @@ a stage received 103 tokens for a micro-batch of 109). ``OrderedP2PCommunicator`
 shapes the way megatron-core sends the tensors themselves without batching (``_p2p_ops``:
 even stages send first, odd stages receive first, and with two stages one direction goes over
 the world group, so the two directions never meet), and ``schedule_kwargs`` turns the
-batched tensor path off for the same reason.
+batched tensor path off for the same reason. With virtual stages it also sets
+``overlap_p2p_comm`` as Megatron-LM does (one direction per call; Megatron-LM refuses the
+interleaved schedule on 2 stages without it, and without it a 2-stage run with 2 micro-batches
+deadlocked here).
 """
 from __future__ import annotations
 
@@ -50,14 +53,18 @@ class OrderedP2PCommunicator(P2PCommunicator):
 def schedule_kwargs(config) -> dict:
     """Extra arguments of ``get_forward_backward_func()(...)`` for a pipelined model (PP > 1):
     the ordered communicator and megatron's process groups; sets ``config.batch_p2p_comm``
-    off (tensors go through ``_p2p_ops``, ordered as the shapes). ``{}`` without a pipeline."""
+    off (tensors go through ``_p2p_ops``, ordered as the shapes) and, with virtual stages,
+    ``overlap_p2p_comm`` on. ``{}`` without a pipeline."""
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     if config.pipeline_model_parallel_size == 1:
         return {}
+    # Megatron-LM's settings: the interleaved schedule overlaps its P2P, one direction per
+    # call (without the overlap, 2 stages would send both ways between the same 2 ranks in
+    # one call, which Megatron-LM refuses and which deadlocked here with 2 micro-batches)
+    config.overlap_p2p_comm = bool(config.virtual_pipeline_model_parallel_size)
     config.batch_p2p_comm = False
-    config.overlap_p2p_comm = False
     groups = ProcessGroupCollection.use_mpu_process_groups(
         required_pgs=["tp", "cp", "pp", "embd", "pos_embd", "dp_cp"])
     communicator = OrderedP2PCommunicator(

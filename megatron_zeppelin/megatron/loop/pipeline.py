@@ -58,6 +58,13 @@ def check(args: argparse.Namespace, layout: PoolLayout) -> None:
                           f"--pipeline-model-parallel-size {pp}")
 
 
+def runtimes_in_flight(layout: PoolLayout, chunks: int) -> int:
+    """Attention runtimes worth keeping for reuse (``ZeppelinAttentionState.keep_used``): the
+    interleaved schedule runs a group of ``pp`` micro-batches on chunk c, then the same group
+    on chunk c+1; 1F1B never returns to an earlier micro-batch's forward (0)."""
+    return layout.pp if chunks > 1 else 0
+
+
 class ChunkViews:
     """``chunks`` iterators over one stream: each yields the stream's items in order, each
     item drawn once (the first view to reach it draws it) and dropped when every view has

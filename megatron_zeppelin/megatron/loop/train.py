@@ -271,6 +271,7 @@ def train(args: argparse.Namespace, layout: PoolLayout, ready: preflight.Ready,
     runtime = build_pool_runtime(args, layout, spec)
     try:
         chunks, optimizer = build_stage(args, runtime.state, spec)
+        runtime.state.keep_used = pipeline.runtimes_in_flight(layout, len(chunks))
         device = "cuda" if args.device == "cuda" else "cpu"
         run = checkpoint.Training(chunks, optimizer, make_scheduler(args, optimizer), device)
         if dist.get_rank() == 0:
