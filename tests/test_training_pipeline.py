@@ -142,28 +142,33 @@ RESUME = [*RESUME_FLAGS, "--num-layers", "4", "--seq-length", "256", "--micro-ba
           "--global-batch-size", "2", "--context-parallel-mode", "zeppelin",
           "--context-parallel-size", "2", "--pipeline-model-parallel-size", "2", *VIRTUAL]
 
-def resume_body(rank: int, world: int, tmp: str) -> None:
+def leg_body(rank: int, world: int, argv: list[str]) -> list | None:
+    """One ``pretrain_gpt.py`` run in its own world (as users run them): rank 0's logs."""
     from test_training_resume import deterministic, run
 
-    from megatron_zeppelin.config import ConfigError
-    from megatron_zeppelin.megatron.loop import args as train_args, preflight
-
-    whole = run(world, RESUME)
-    first = run(world, RESUME + ["--save", tmp, "--save-interval", "2", "--exit-interval", "2"])
-    second = run(world, RESUME + ["--load", tmp])
-    if rank == 0:
-        assert [log.iteration for log in second] == [3, 4]
-        assert deterministic(first + second) == deterministic(whole)
-    plain = [f for f in RESUME if f not in VIRTUAL]
-    args = train_args.parse_args(plain + ["--load", tmp])
-    train_args.validate_args(args, world, None)
-    with pytest.raises(ConfigError, match="saved with --pipeline-model-parallel-size 2 and 2 "
-                       "model chunk"):
-        preflight.check(args)
+    logs = run(world, argv)
+    return deterministic(logs) if rank == 0 else None
 
 
 def test_resume_with_virtual_pipeline_repeats_the_uninterrupted_run(tmp_path):
-    run_world(resume_body, 4, str(tmp_path), start_method="spawn", timeout_s=600)
+    from megatron_zeppelin.config import ConfigError
+    from megatron_zeppelin.megatron.loop import args as train_args, preflight
+
+    def leg(argv):
+        return run_world(leg_body, 4, argv, start_method="spawn", timeout_s=600)[0]
+
+    save = str(tmp_path)
+    whole = leg(RESUME)
+    first = leg(RESUME + ["--save", save, "--save-interval", "2", "--exit-interval", "2"])
+    second = leg(RESUME + ["--load", save])
+    assert [log[0] for log in second] == [3, 4]
+    assert first + second == whole
+    plain = RESUME[:-len(VIRTUAL)]  # another pipeline shape (no virtual stages): one line
+    args = train_args.parse_args(plain + ["--load", save])
+    train_args.validate_args(args, 4, None)
+    with pytest.raises(ConfigError, match="saved with --pipeline-model-parallel-size 2 and 2 "
+                       "model chunk"):
+        preflight.check(args)
 
 
 def refusal(extra: list[str], world: int = 4) -> str:
