@@ -75,7 +75,10 @@ class ZeppelinAttentionState:
     when it has planned the next micro-batch, on its own thread), else by the first layer that
     sees the plan. The runtime of the previous plan is closed when the next one is used; the
     runtimes prepared for later plans are kept (the iterator may prepare micro-batch i+1
-    before micro-batch i reaches its first layer).
+    before micro-batch i reaches its first layer). ``keep_used``: how many runtimes of plans
+    used before stay ready for reuse (0: none); Megatron's interleaved pipeline schedule runs
+    model chunk c+1 on micro-batches chunk c ran just before, so it sets the micro-batches in
+    flight (``builds`` counts the runtimes built).
     """
 
     def __init__(self, pool_group: dist.ProcessGroup, *, backend: str | None = None,
@@ -97,6 +100,8 @@ class ZeppelinAttentionState:
         self.shifts: tuple[int, ...] = ()  # PackedGPTModel sets (1,) when it has MTP layers
         self._runtime: _Runtime | None = None
         self._ahead: dict[int, _Runtime] = {}  # id(plan) -> runtime prepared ahead
+        self.keep_used, self.builds = 0, 0
+        self._used: dict[int, _Runtime] = {}  # id(plan) -> runtime used before, oldest first
         self._lock = threading.Lock()
 
     def prepare(self, plan: Plan) -> None:
@@ -120,6 +125,7 @@ class ZeppelinAttentionState:
 
     def _build(self, plan: Plan, device) -> _Runtime:
         """The plan's remap index and engine (the softmax scale is each call's: ``forward``)."""
+        self.builds += 1
         remapped = plan.linear != plan.attention
         engine = AttentionEngine(plan, self.rank, self.pool_group, backend=self.backend,
                                  timeout_s=self.timeout_s, inter_mode=self.inter_mode,
@@ -155,6 +161,13 @@ class ZeppelinAttentionState:
     def runtime(self, plan: Plan, device: torch.device) -> _Runtime:
         if self._runtime is not None and self._runtime.plan is plan:
             return self._runtime
+        used = self._used.pop(id(plan), None)
+        if used is not None and used.plan is plan:
+            self._retire()
+            self._runtime = used
+            return used
+        if used is not None:
+            used.engine.close()
         with self._lock:  # runtimes are prepared, and used, in the order of the plans
             keys = list(self._ahead)
             older = keys[:keys.index(id(plan))] if id(plan) in self._ahead else \
@@ -163,7 +176,7 @@ class ZeppelinAttentionState:
             ahead = self._ahead.pop(id(plan), None)  # the next plans' runtimes stay
         for old in stale:
             old.engine.close()
-        self.close()
+        self._retire()
         if ahead is None or ahead.plan is not plan:
             if ahead is not None:
                 ahead.engine.close()
@@ -175,7 +188,21 @@ class ZeppelinAttentionState:
         self._runtime = ahead
         return self._runtime
 
+    def _retire(self) -> None:
+        """Put the current runtime aside for reuse (``keep_used``), else close it."""
+        if self._runtime is None:
+            return
+        if self.keep_used:
+            self._used[id(self._runtime.plan)] = self._runtime
+            while len(self._used) > self.keep_used:
+                self._used.pop(next(iter(self._used))).engine.close()
+        else:
+            self._runtime.engine.close()
+        self._runtime = None
+
     def close(self) -> None:
+        while self._used:
+            self._used.popitem()[1].engine.close()
         if self._runtime is not None:
             self._runtime.engine.close()
             self._runtime = None

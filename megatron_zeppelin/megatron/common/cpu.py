@@ -37,7 +37,9 @@ schedules and the fp32 ``get_megatron_optimizer`` (Adam), gradient clipping incl
 3. Functions whose CUDA use is a literal ``device="cuda"`` / ``.cuda()`` inline in a larger body
    run under ``CudaToCpuMode`` (a ``TorchFunctionMode`` that redirects CUDA devices to CPU,
    drops ``pin_memory`` and makes ``Tensor.cuda()`` the identity), only while they run:
-   ``schedules.forward_backward_no_pipelining`` (``total_num_tokens`` on "cuda"),
+   ``schedules.forward_backward_no_pipelining`` and the two pipelining schedules (1F1B,
+   interleaved: ``total_num_tokens`` on "cuda"; their P2P shape and activation buffers use
+   ``current_device()``, bridged above; gloo runs the sends and receives),
    ``FP32Optimizer.__init__`` (``_scale``), ``clip_grads.get_grad_norm_fp32`` /
    ``count_zeros_fp32`` (scratch buffers), ``utils.local_multi_tensor_l2_norm`` (its result) and
    ``dist_checkpointing.serialization.save`` / ``load`` (``state_dict_saver`` and
@@ -65,7 +67,7 @@ module that bound it by name (``from .clip_grads import clip_grad_by_total_norm_
 Not bridged (not on our path; they fail loudly): the fp16/bf16 ``MixedPrecisionOptimizer``
 (literal "cuda" buffers), Megatron-FSDP (CUDA streams), CUDA streams/events
 (``num_distributed_optimizer_instances > 1``, the combined 1F1B schedule, ``StragglerDetector``),
-the pipeline-parallel schedules, ``torch.autocast("cuda")`` (``enable_autocast``) and the
+``overlap_p2p_comm`` of the interleaved schedule, ``torch.autocast("cuda")`` (``enable_autocast``) and the
 ``torch.compile``-decorated fused kernels (keep the ``*_fusion`` config flags off on CPU).
 """
 from __future__ import annotations
@@ -413,6 +415,10 @@ def _patch_specs() -> list[tuple[str, str, Callable[[Any], Any]]]:
         ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
          lambda _: _cpu_clip_grad_by_total_norm_fp32),
         ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining", run_on_cpu),
+        ("megatron.core.pipeline_parallel.schedules",
+         "forward_backward_pipelining_without_interleaving", run_on_cpu),
+        ("megatron.core.pipeline_parallel.schedules",
+         "forward_backward_pipelining_with_interleaving", run_on_cpu),
         ("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__", run_on_cpu),
         ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
          run_on_cpu),

@@ -58,7 +58,10 @@ def make_transformer_config(spec: ModelSpec, *, normalization: str = "RMSNorm",
                             init_method_std: float = 0.02,
                             tensor_model_parallel_size: int = 1,
                             attention: Optional[dict] = None,
-                            mtp: Optional[dict] = None) -> TransformerConfig:
+                            mtp: Optional[dict] = None,
+                            pipeline_model_parallel_size: int = 1,
+                            virtual_pipeline_model_parallel_size: Optional[int] = None
+                            ) -> TransformerConfig:
     """``TransformerConfig`` for ``spec``: no biases, no fused kernels, Megatron CP 1.
 
     ``calculate_per_token_loss=True`` makes megatron's schedules divide gradients by the number of
@@ -88,6 +91,13 @@ def make_transformer_config(spec: ModelSpec, *, normalization: str = "RMSNorm",
         use_cpu_initialization=use_cpu_initialization,
         calculate_per_token_loss=calculate_per_token_loss,
         tensor_model_parallel_size=tensor_model_parallel_size, context_parallel_size=1,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        pipeline_dtype=params_dtype if pipeline_model_parallel_size > 1 else None,
+        variable_seq_lengths=pipeline_model_parallel_size > 1,
+        # megatron-core refuses the (default) allgather MoE dispatcher with variable lengths;
+        # this builder is dense (no experts: refused above), so the dispatcher is never built
+        moe_token_dispatcher_type="alltoall" if pipeline_model_parallel_size > 1 else "allgather",
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False, **attention, **(mtp or {}))
@@ -127,10 +137,14 @@ def build_gpt_model(spec: ModelSpec, config: TransformerConfig, *, max_sequence_
                     layer_spec: Optional[ModuleSpec] = None,
                     pg_collection: Optional[ProcessGroupCollection] = None,
                     share_embeddings_and_output_weights: bool = False,
-                    rotary_base: int = 10000, mtp_use_te: bool = False) -> PackedGPTModel:
+                    rotary_base: int = 10000, mtp_use_te: bool = False,
+                    pre_process: bool = True, post_process: bool = True,
+                    vp_stage: Optional[int] = None) -> PackedGPTModel:
     """A ``PackedGPTModel`` with RoPE; ``layer_spec`` defaults to ``PackedCoreAttention``.
     With ``config.mtp_num_layers`` its MTP layers are megatron-core's around ``layer_spec``
-    (``mtp_use_te``: Transformer Engine's norms and projection, as the layer spec's)."""
+    (``mtp_use_te``: Transformer Engine's norms and projection, as the layer spec's).
+    pre_process / post_process / vp_stage: the pipeline stage's part (Megatron's meanings:
+    embedding on the first stage, output layer and loss on the last, model chunk index)."""
     if layer_spec is None:
         layer_spec = gpt_layer_spec(PackedCoreAttention, normalization=config.normalization,
                                     multi_latent_attention=config.multi_latent_attention)
@@ -139,7 +153,8 @@ def build_gpt_model(spec: ModelSpec, config: TransformerConfig, *, max_sequence_
         max_sequence_length=max_sequence_length, position_embedding_type="rope",
         rotary_base=rotary_base, parallel_output=True,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-        pg_collection=pg_collection,
+        pg_collection=pg_collection, pre_process=pre_process, post_process=post_process,
+        vp_stage=vp_stage,
         mtp_block_spec=mtp.mtp_block_spec(config, layer_spec, use_transformer_engine=mtp_use_te))
 
 

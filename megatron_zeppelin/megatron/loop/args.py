@@ -28,6 +28,7 @@ from megatron_zeppelin.parallel import PoolLayout
 from megatron_zeppelin.planner.registry import (add_option_flags, given_options, option_dests,
                                                 strategies_from_flags)
 
+from megatron_zeppelin.megatron.loop import pipeline
 from megatron_zeppelin.megatron.loop.sections import (
     MODES, ZEPPELIN_PREFIX, AttentionArgs, CheckpointArgs, DataArgs, LoggingArgs, ModelArgs,
     OptimArgs, ParallelArgs, TrainingArgs, ZeppelinRuntimeArgs, schedule, skip_freq)
@@ -187,9 +188,11 @@ def validate_args(args: argparse.Namespace, world_size: int, local_world_size: i
         raise ConfigError(f"--tensor-model-parallel-size={tp} is invalid: expected a divisor of "
                           f"--num-attention-heads {args.num_attention_heads}")
     layout = PoolLayout.resolve(world_size, tp, config.parallel.context_parallel_size,
-                                config.runtime.gpus_per_node, local_world_size)
+                                config.runtime.gpus_per_node, local_world_size,
+                                config.parallel.pipeline_model_parallel_size)
     args.zeppelin_gpus_per_node = layout.gpus_per_node
     layout.micro_batches(args.global_batch_size, args.micro_batch_size)
+    pipeline.check(args, layout)
     planner_strategy(args, layout.cp)
     if args.use_megatron_fsdp:
         raise ConfigError(f"--use-megatron-fsdp is not supported (--device {args.device}): "

@@ -79,6 +79,7 @@ class Found:
     iteration: int
     metadata: Any
     schedule: dict = dataclasses.field(default_factory=dict)
+    saved: dict = dataclasses.field(default_factory=dict)  # common.pt's ``zeppelin`` entry
 
 
 def _refuse(path: str, problem: str) -> ConfigError:
@@ -129,7 +130,23 @@ def inspect(load: str, exit_on_missing: bool) -> Found | None:
         raise _refuse(path, f"has an unreadable common.pt ({type(exc).__name__}: "
                       f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
     schedule = common.get("opt_param_scheduler") if isinstance(common, dict) else None
-    return Found(path, iteration, metadata, schedule if isinstance(schedule, dict) else {})
+    saved = common.get("zeppelin") if isinstance(common, dict) else None
+    return Found(path, iteration, metadata, schedule if isinstance(schedule, dict) else {},
+                 saved if isinstance(saved, dict) else {})
+
+
+def check_pipeline(found: Found, pp: int, chunks: int) -> None:
+    """The checkpoint was saved with this ``--pipeline-model-parallel-size`` and as many
+    virtual chunks per stage: the model's state is keyed per chunk (``model``, or ``model0``,
+    ``model1``... with virtual stages, Megatron-LM's keys) and the RNG shards per rank, so
+    another pipeline shape is refused before any process group exists."""
+    saved_pp, saved_chunks = found.saved.get("pp", 1), found.saved.get("vpp_chunks", 1)
+    if (saved_pp, saved_chunks) != (pp, chunks):
+        raise _refuse(found.path, f"was saved with --pipeline-model-parallel-size {saved_pp} "
+                      f"and {saved_chunks} model chunk(s) per stage, this run has {pp} and "
+                      f"{chunks}: loading across pipeline shapes is not supported; resume "
+                      "with the same --pipeline-model-parallel-size and "
+                      "--num-layers-per-virtual-pipeline-stage")
 
 
 def _check_data_files(path: str, metadata: Any) -> None:
@@ -154,7 +171,7 @@ def optimizer_metadata(run: "Training") -> dict | None:
     state in model space, the same keys as the plain optimizers' (``optimizer.state.exp_avg.
     <param>``), so that its checkpoints load on other DP sizes, in either mode and into the
     plain optimizer."""
-    if not run.model.ddp_config.use_distributed_optimizer:
+    if not run.chunks[0].ddp_config.use_distributed_optimizer:
         return None
     return {"distrib_optim_sharding_type": "fully_reshardable",
             "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
@@ -172,8 +189,8 @@ def _check_optimizer_kind(found: Found, common: dict, run: "Training") -> None:
     """Optimizer state crosses between the distributed and the plain optimizer in fp32
     (``convert_optimizer_state``); megatron-core's bf16 optimizer keeps its fp32 main
     parameters in another layout, so a crossing with bf16 is refused in one line."""
-    saved, now = _saved_distributed(common), run.model.ddp_config.use_distributed_optimizer
-    if saved != now and run.model.config.bf16:
+    saved, now = _saved_distributed(common), run.chunks[0].ddp_config.use_distributed_optimizer
+    if saved != now and run.chunks[0].config.bf16:
         kind, flag = ("distributed", "without") if saved else ("plain", "with")
         raise _refuse(found.path, f"holds the {kind} optimizer's state: loading it {flag} "
                       "--use-distributed-optimizer is supported in fp32 only (megatron-core's "
@@ -187,7 +204,8 @@ MAIN_PARAMS = "optimizer.state.param."  # the distributed optimizer's fp32 main 
 def _main_params_from_model(common: dict, run: "Training") -> bool:
     """A plain fp32 checkpoint loaded into the distributed optimizer: its main parameters
     are the model's weights (the plain fp32 optimizer steps the model's own tensors)."""
-    return run.model.ddp_config.use_distributed_optimizer and not _saved_distributed(common)
+    return run.chunks[0].ddp_config.use_distributed_optimizer and \
+        not _saved_distributed(common)
 
 
 def _take_main_params(sharded: dict, found: Found) -> None:
@@ -221,9 +239,11 @@ def _shard_identity(value, prefix: str = "") -> tuple | None:
     return value.key[len(prefix):], tuple(value.global_offset)
 
 
-def _model_shards(model: dict) -> dict:
-    """``{shard identity: model state-dict name}`` of a model's sharded state dict."""
-    return {_shard_identity(t): name for name, t in model.items()}
+def _model_shards(models: dict) -> dict:
+    """``{shard identity: (chunk key, state-dict name)}`` of the chunks' sharded state dicts
+    (``model_state``)."""
+    return {_shard_identity(t): (key, name) for key, model in models.items()
+            for name, t in model.items()}
 
 
 def _give_main_params(loaded: dict, names: dict) -> None:
@@ -233,7 +253,10 @@ def _give_main_params(loaded: dict, names: dict) -> None:
 
     def give(value):
         shard = _shard_identity(value, MAIN_PARAMS)
-        return value if shard is None else loaded["model"][names[shard]].detach().clone()
+        if shard is None:
+            return value
+        key, name = names[shard]
+        return loaded[key][name].detach().clone()
 
     dict_list_map_inplace(give, loaded["optimizer"])
 
@@ -245,7 +268,7 @@ def convert_optimizer_state(state: dict, saved_distributed: bool, run: "Training
     ``fully_reshardable``); the rest differs: the distributed optimizer keeps
     ``{optimizer: {param_groups (with step)}, param_state, ...}``, the plain one
     ``{state: {..., common_step}, param_groups}``."""
-    distributed = run.model.ddp_config.use_distributed_optimizer
+    distributed = run.chunks[0].ddp_config.use_distributed_optimizer
     if saved_distributed == distributed:
         return
     if distributed:  # plain -> distributed: hyper-parameters and the step from the plain state
@@ -347,12 +370,31 @@ def _in_process_write_results() -> None:
 
 @dataclass
 class Training:
-    """What a checkpoint holds, live: the DDP model, its optimizer and LR scheduler."""
+    """What a checkpoint holds, live: the DDP model chunks of this pipeline stage (one
+    without virtual stages), their optimizer and LR scheduler."""
 
-    model: Any
+    chunks: list
     optimizer: Any
     scheduler: Any
     device: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunks, list):
+            self.chunks = [self.chunks]  # one DDP model
+
+    @property
+    def model(self) -> Any:
+        """The only chunk (no pipeline, or one chunk per stage); else the first."""
+        return self.chunks[0]
+
+
+def model_state(run: Training) -> dict:
+    """The sharded state dicts of the model chunks, under Megatron-LM's keys: ``model``, or
+    ``model0``, ``model1``... with virtual pipeline stages (each chunk's keys are global:
+    megatron-core offsets its layers by stage and chunk)."""
+    if len(run.chunks) == 1:
+        return {"model": run.chunks[0].module.sharded_state_dict()}
+    return {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(run.chunks)}
 
 
 def save(root: str, iteration: int, run: Training, extra: dict) -> str:
@@ -367,10 +409,10 @@ def save(root: str, iteration: int, run: Training, extra: dict) -> str:
         shutil.rmtree(path, ignore_errors=True)  # a partial save of the same iteration
         os.makedirs(path)
     dist.barrier()
-    model = run.model.module.sharded_state_dict()
+    models = model_state(run)
     metadata = optimizer_metadata(run)
-    state = {"model": model,
-             "optimizer": run.optimizer.sharded_state_dict(model, metadata=metadata),
+    state = {**models,
+             "optimizer": run.optimizer.sharded_state_dict(models, metadata=metadata),
              "rng_state": _rng_object(run.device), "iteration": iteration,
              "checkpoint_version": CHECKPOINT_VERSION,
              "opt_param_scheduler": run.scheduler.state_dict(), "zeppelin": extra}
@@ -422,25 +464,25 @@ def load(found: Found, run: Training, load_optim: bool, load_rng: bool) -> dict:
     started = time.perf_counter()
     common = dist_checkpointing.load_common_state_dict(found.path)
     saved = common.get("zeppelin", {})
-    probe = {"model": run.model.module.sharded_state_dict()}  # factories applied: shapes
+    probe = model_state(run)  # factories applied: shapes
     metadata = optimizer_metadata(run)
     if load_optim:
         _check_optimizer_kind(found, common, run)
-        probe["optimizer"] = run.optimizer.sharded_state_dict(probe["model"], is_loading=True,
+        probe["optimizer"] = run.optimizer.sharded_state_dict(dict(probe), is_loading=True,
                                                               metadata=metadata)
     apply_factories(probe)
     from_model = load_optim and _main_params_from_model(common, run)
     if from_model:
         _take_main_params(probe, found)
     check_shapes(found, probe)
-    model = run.model.module.sharded_state_dict()
-    request: dict = {"model": model}
+    models = model_state(run)
+    request: dict = dict(models)
     if load_optim:
-        request["optimizer"] = run.optimizer.sharded_state_dict(model, is_loading=True,
+        request["optimizer"] = run.optimizer.sharded_state_dict(models, is_loading=True,
                                                                 metadata=metadata)
         if from_model:
             _take_main_params(request, found)
-    names = _model_shards(model) if from_model else {}
+    names = _model_shards(models) if from_model else {}
 
     same_world = saved.get("world_size") == dist.get_world_size()
     if load_rng and same_world:
@@ -453,7 +495,8 @@ def load(found: Found, run: Training, load_optim: bool, load_rng: bool) -> dict:
                       f"{first[:300]}") from None
     if from_model:
         _give_main_params(loaded, names)
-    run.model.module.load_state_dict(loaded["model"])
+    for key, chunk in zip(models, run.chunks):
+        chunk.module.load_state_dict(loaded[key])
     restored = ["model"]
     if load_optim:
         convert_optimizer_state(loaded["optimizer"], _saved_distributed(common), run)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError
-from megatron_zeppelin.megatron.loop import args as train_args, checkpoint
+from megatron_zeppelin.megatron.loop import args as train_args, checkpoint, pipeline
 from megatron_zeppelin.megatron.loop.corpus import DocumentSource, check_overlong, open_source
 
 
@@ -89,6 +89,9 @@ def check(args: argparse.Namespace) -> Ready:
     check_overlong(source.lengths(), args.seq_length, args.zeppelin_overlong, what)
     check_outputs(args)
     resume = checkpoint.inspect(args.load, args.exit_on_missing_checkpoint) if args.load else None
+    if resume is not None:
+        checkpoint.check_pipeline(resume, args.pipeline_model_parallel_size,
+                                  pipeline.virtual_size(args) or 1)
     if resume is not None and args.load_optim and not (
             args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler):
         checkpoint.check_schedule(resume, train_args.schedule(args))

@@ -158,6 +158,12 @@ class ParallelArgs:
     SECTION = "parallel"
     tensor_model_parallel_size: int = setting(1, "tensor-parallel size")
     context_parallel_size: int = setting(1, "context-parallel size: the ranks of a pool")
+    pipeline_model_parallel_size: int = setting(
+        1, "pipeline stages (Megatron's 1F1B schedule; every stage plans each micro-batch from "
+        "the same document lengths, so all run the same plan)")
+    num_layers_per_virtual_pipeline_stage: int | None = setting(
+        None, "layers per virtual pipeline stage: each stage holds (layers / PP) / N model "
+        "chunks and runs Megatron's interleaved schedule (needs PP > 1)")
     context_parallel_mode: str = setting(
         "static", "static: every document zigzag over the CP group (TE/Megatron CP); zeppelin: "
         "hierarchical partitioning, routing and remapping", choices=MODES)
@@ -174,7 +180,8 @@ class ParallelArgs:
         "reason where it cannot run (see docs/training.md)")
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "tensor_model_parallel_size", "context_parallel_size")
+        _at_least(self, 1, "tensor_model_parallel_size", "context_parallel_size",
+                  "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,12 @@ import torch.distributed as dist
 from megatron_zeppelin import api, env
 from megatron_zeppelin.config import ConfigError, ModelSpec, load_cluster, load_hardware
 from megatron_zeppelin.cost_model import CostModel
-from megatron_zeppelin.megatron.loop import args as train_args, checkpoint, preflight
+from megatron_zeppelin.megatron.loop import args as train_args, checkpoint, pipeline, preflight
 from megatron_zeppelin.megatron.common.core_attention import ZeppelinAttentionState, planning_hardware
 from megatron_zeppelin.megatron.loop.corpus import DocumentSource, MicroBatchSampler
 from megatron_zeppelin.megatron.common.data import ZeppelinDataIterator
 from megatron_zeppelin.megatron.common.groups import Pool
+from megatron_zeppelin.megatron.common.pipeline_p2p import schedule_kwargs
 from megatron_zeppelin.megatron.loop.online_fit import OnlineFit
 from megatron_zeppelin.megatron.loop.train_log import Logger, StepLog, banner
 from megatron_zeppelin.megatron.loop.watchdog import Watchdog, start_watchdog
@@ -124,43 +125,70 @@ def build_pool_runtime(args: argparse.Namespace, layout: PoolLayout, spec: Model
     return PoolRuntime(pool, cost, state, planner)
 
 
-def build_training(args: argparse.Namespace, state: ZeppelinAttentionState, spec: ModelSpec):
-    """Model (Megatron DDP around a PackedGPTModel with zeppelin core attention) + optimizer."""
-    from megatron.core.distributed import (DistributedDataParallel,
-                                           DistributedDataParallelConfig, finalize_model_grads)
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+def build_chunks(args: argparse.Namespace, state: ZeppelinAttentionState, spec: ModelSpec):
+    """This stage's model chunks (a PackedGPTModel with zeppelin core attention each: one per
+    stage, or one per virtual stage, ``pipeline.py``) and their shared config."""
+    from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     attention = train_args.AttentionArgs.from_namespace(args)
     use_te = transformer_engine_available() if args.device == "cuda" else False
+    chunks = pipeline.virtual_size(args)
     config = make_transformer_config(spec, normalization=args.normalization,
                                      calculate_per_token_loss=True,
                                      use_cpu_initialization=args.device == "cpu",
                                      tensor_model_parallel_size=args.tensor_model_parallel_size,
                                      params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
                                      attention=attention.config_fields(args.num_layers),
-                                     mtp=from_flags(train_args.ModelArgs, args).mtp_fields())
+                                     mtp=from_flags(train_args.ModelArgs, args).mtp_fields(),
+                                     pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                                     virtual_pipeline_model_parallel_size=chunks)
     layer_spec = api.layer_spec(state, normalization=args.normalization, use_te=use_te,
                                 multi_latent_attention=attention.multi_latent_attention)
-    module = build_gpt_model(spec, config, max_sequence_length=args.seq_length,
-                             layer_spec=layer_spec,
-                             pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-                             mtp_use_te=use_te)
-    if args.device == "cuda":
-        module.cuda()
-    model = DistributedDataParallel(
+    modules = []
+    for vp_stage in range(chunks) if chunks else [None]:
+        module = build_gpt_model(
+            spec, config, max_sequence_length=args.seq_length, layer_spec=layer_spec,
+            pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+            pre_process=parallel_state.is_pipeline_first_stage(False, vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(False, vp_stage),
+            vp_stage=vp_stage, mtp_use_te=use_te)
+        modules.append(module.cuda() if args.device == "cuda" else module)
+    return config, modules
+
+
+def build_training(args: argparse.Namespace, state: ZeppelinAttentionState, spec: ModelSpec):
+    """(Megatron DDP model, optimizer) of a run with one model chunk per stage (no virtual
+    pipeline stages: ``build_stage`` returns every chunk)."""
+    chunks, optimizer = build_stage(args, state, spec)
+    if len(chunks) != 1:
+        raise ValueError(f"{len(chunks)} model chunks (virtual pipeline stages): use "
+                         "build_stage")
+    return chunks[0], optimizer
+
+
+def build_stage(args: argparse.Namespace, state: ZeppelinAttentionState, spec: ModelSpec):
+    """This stage's model chunks (Megatron DDP around each of ``build_chunks``) + optimizer."""
+    from megatron.core.distributed import (DistributedDataParallel,
+                                           DistributedDataParallelConfig, finalize_model_grads)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config, modules = build_chunks(args, state, spec)
+    chunks = [DistributedDataParallel(
         config, DistributedDataParallelConfig(
             overlap_grad_reduce=args.overlap_grad_reduce,
-            use_distributed_optimizer=args.use_distributed_optimizer), module)
-    config.no_sync_func = model.no_sync
+            use_distributed_optimizer=args.use_distributed_optimizer), module,
+        disable_bucketing=index > 0) for index, module in enumerate(modules)]
+    config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else \
+        [chunk.no_sync for chunk in chunks]
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr,
                         weight_decay=args.weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
                         clip_grad=args.clip_grad, bf16=args.bf16,
-                        use_distributed_optimizer=args.use_distributed_optimizer), [model])
-    return model, optimizer
+                        use_distributed_optimizer=args.use_distributed_optimizer), chunks)
+    return chunks, optimizer
 
 
 def forward_step(data_iterator, model):
@@ -231,7 +259,9 @@ def setup_megatron(args: argparse.Namespace) -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size)
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=pipeline.virtual_size(args))
     torch.manual_seed(args.seed)
     get_cuda_rng_tracker().reset()
     model_parallel_cuda_manual_seed(args.seed)
@@ -244,16 +274,20 @@ def train(args: argparse.Namespace, layout: PoolLayout, ready: preflight.Ready,
     spec = model_spec(args)
     runtime = build_pool_runtime(args, layout, spec)
     try:
-        model, optimizer = build_training(args, runtime.state, spec)
+        chunks, optimizer = build_stage(args, runtime.state, spec)
+        runtime.state.keep_used = pipeline.runtimes_in_flight(layout, len(chunks))
         device = "cuda" if args.device == "cuda" else "cpu"
-        run = checkpoint.Training(model, optimizer, make_scheduler(args, optimizer), device)
+        run = checkpoint.Training(chunks, optimizer, make_scheduler(args, optimizer), device)
         if dist.get_rank() == 0:
-            print(banner(args, layout, model.module, ready.source, watchdog_line), flush=True)
+            print(banner(args, layout, [c.module for c in chunks], ready.source, watchdog_line),
+                  flush=True)
         start, position = resume(args, ready, run)
         data, sampler = make_data(args, ready.source, runtime, device, position)
         _, pool_rank, tp_rank = layout.position(dist.get_rank())
+        first_stage = layout.stage(dist.get_rank()) == 0
         logger = Logger(args, runtime.cost, dist.get_rank() == 0, sampler.stats,
-                        counts_plans=pool_rank == 0 and tp_rank == 0, pools=layout.dp)
+                        counts_plans=pool_rank == 0 and tp_rank == 0 and first_stage,
+                        pools=layout.dp)
         online = OnlineFit(args, runtime.pool, runtime.state, runtime.planner, data, logger, device) \
             if args.zeppelin_fit_interval else None
         try:
@@ -287,19 +321,22 @@ def loop(args: argparse.Namespace, layout: PoolLayout, run: checkpoint.Training,
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     micro = layout.micro_batches(args.global_batch_size, args.micro_batch_size)
+    pipelined = schedule_kwargs(run.model.config)
     if start >= args.train_iters and dist.get_rank() == 0:
         print(f"the checkpoint is at iteration {start}, --train-iters is {args.train_iters}: "
               "nothing to train", flush=True)
     for iteration in range(start + 1, args.train_iters + 1):
         started = time.perf_counter()
         lr = run.optimizer.param_groups[0]["lr"]
-        run.model.zero_grad_buffer()
+        for chunk in run.chunks:
+            chunk.zero_grad_buffer()
         run.optimizer.zero_grad()
+        stream = logger.watch(online.watch(data) if online else data)
         stored = get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=logger.watch(online.watch(data) if online else data),
-            model=[run.model], num_microbatches=micro, seq_length=0, micro_batch_size=1,
-            forward_only=False)
+            data_iterator=pipeline.data_iterators(stream, len(run.chunks)),
+            model=run.chunks, num_microbatches=micro, seq_length=args.seq_length,
+            micro_batch_size=1, forward_only=False, **pipelined)
         if online is not None:
             online.finish()
         _, grad_norm, _ = run.optimizer.step()
@@ -321,7 +358,8 @@ def loop(args: argparse.Namespace, layout: PoolLayout, run: checkpoint.Training,
 def save(args: argparse.Namespace, run: checkpoint.Training, layout: PoolLayout,
          data: ZeppelinDataIterator, iteration: int) -> None:
     extra = {"format": 1, "mode": args.context_parallel_mode, "world_size": layout.world_size,
-             "tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "data": data.state_dict()}
+             "tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": layout.pp,
+             "vpp_chunks": len(run.chunks), "data": data.state_dict()}
     checkpoint.save(args.save, iteration, run, extra)
 
 

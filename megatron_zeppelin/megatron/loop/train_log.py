@@ -193,10 +193,10 @@ def parameter_count(module: torch.nn.Module, tp: int) -> int:
                for p in module.parameters())
 
 
-def banner(args: argparse.Namespace, layout: PoolLayout, module: torch.nn.Module,
+def banner(args: argparse.Namespace, layout: PoolLayout, modules: list[torch.nn.Module],
            source: DocumentSource, watchdog: str) -> str:
     """The startup banner: mode, sizes, pool topology, model, corpus, batch, schedule,
-    checkpoints, watchdog."""
+    checkpoints, watchdog. ``modules``: this rank's model chunks (pipeline stage 0's with PP)."""
     local = env.local_world_size() or layout.gpus_per_node
     emulated = ("emulated nodes of CPU processes" if args.device == "cpu" else
                 "nodes emulated inside real ones" if layout.gpus_per_node < local else
@@ -211,14 +211,18 @@ def banner(args: argparse.Namespace, layout: PoolLayout, module: torch.nn.Module
                                  args.save_interval else "") + " and at the end"
             if args.save else f"not saved (no --save{unused})")
     kv = args.num_query_groups or args.num_attention_heads
+    pipe = f" x PP {layout.pp}" if layout.pp > 1 else ""
+    if len(modules) > 1:
+        pipe += f" ({len(modules)} virtual stages each)"
     lines = [
         f"mode: {args.context_parallel_mode} | world {layout.world_size} = TP {layout.tp} x "
-        f"CP {layout.cp} x DP {layout.dp} | a pool spans {layout.nodes} node(s) x "
+        f"CP {layout.cp} x DP {layout.dp}{pipe} | a pool spans {layout.nodes} node(s) x "
         f"{layout.ranks_per_node} rank(s) ({emulated}; --zeppelin-gpus-per-node "
         f"{layout.gpus_per_node}) | device {args.device}",
         f"model: GPT, {args.num_layers} layers, hidden {args.hidden_size}, heads "
         f"{args.num_attention_heads} (KV {kv}), vocab {args.vocab_size}: "
-        f"{parameter_count(module, layout.tp):,} parameters",
+        f"{sum(parameter_count(m, layout.tp) for m in modules):,} parameters"
+        f"{' on pipeline stage 0' if layout.pp > 1 else ''}",
         f"corpus: {data}",
         f"batch: {args.global_batch_size} samples x {args.seq_length:,} tokens per iteration, "
         f"{layout.micro_batches(args.global_batch_size, args.micro_batch_size)} micro-batch(es) "
