@@ -264,7 +264,7 @@ def register(targets) -> None:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     fidelity_train.add_arguments(p)
     p.add_argument("--engine", action="store_true", help="time the attention engine alone "
-                   f"(target {TARGET_ERROR:.0%}) instead of full training steps")
+                   f"(target {TARGET_ERROR * 100:.0f} percent) instead of full training steps")
     p.add_argument("--batches", type=int, default=2, help="--engine: global batches")
     p.add_argument("--tokens", default="32K", help="--engine: tokens per batch")
     p.add_argument("--seed", type=int, default=0, help="--engine: batch seed")
