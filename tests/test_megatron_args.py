@@ -47,7 +47,7 @@ def test_bad_yaml_is_refused_with_the_key(tmp_path, text, match):
 
 @pytest.mark.parametrize("extra,world,match", [
     (["--context-parallel-size", "3"], 4, r"--context-parallel-size=3 is invalid: expected a "
-                                          r"divisor of world size / TP = 4"),
+                                          r"divisor of world size / \(TP x PP\) = 4"),
     (["--context-parallel-size", "4", "--zeppelin-gpus-per-node", "3"], 4,
      r"CP x TP = 4 GPUs must be whole nodes of --zeppelin-gpus-per-node=3"),
     (["--tensor-model-parallel-size", "3"], 6, r"--tensor-model-parallel-size=3 is invalid"),
