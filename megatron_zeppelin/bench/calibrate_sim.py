@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from megatron_zeppelin.bench.calibrate import CalibrateOptions, attention_block, model_gemms
-from megatron_zeppelin.bench.p2p_link import collect, fit_line, measure_p2p
+from megatron_zeppelin.bench.p2p_link import collect, fit_line, free_port, measure_p2p
 from megatron_zeppelin.config import ModelSpec, load_model
 from megatron_zeppelin.sim.profile import SimProfile
 
@@ -209,11 +209,7 @@ def _allreduce_worker(rank: int, world: int, port: int, repeats: int, queue) -> 
 
 def measure_allreduce(world: int = 4, repeats: int = 20) -> tuple[float, float]:
     """(latency us per ring step, bus GB/s) of a gloo all-reduce over ``world`` processes."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_allreduce_worker, args=(r, world, port, repeats, queue))

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+from megatron_zeppelin.bench.p2p_link import free_port
 from megatron_zeppelin.bench.train import YAML
 
 NAME = "zeppelin"  # the strategy whose portfolio is judged
@@ -179,14 +180,6 @@ def bench_decisions(args: argparse.Namespace) -> int:
             "flags": args.extra, "batches": args.batches, "stride": args.stride,
             "repeats": args.repeats, "warmup": args.warmup}, indent=2) + "\n")
     return 0
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _validate(argv: list[str]) -> None:

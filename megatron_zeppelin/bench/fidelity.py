@@ -20,7 +20,6 @@ import datetime
 import multiprocessing
 import os
 import random
-import socket
 import time
 from dataclasses import dataclass
 
@@ -28,7 +27,7 @@ from megatron_zeppelin.config import ModelSpec, ZeppelinConfig, load_cluster, lo
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner import STRATEGIES
-from megatron_zeppelin.bench.calibrate import collect
+from megatron_zeppelin.bench.p2p_link import collect, free_port
 from megatron_zeppelin.sim.simulator import SimOptions, attention_time
 from megatron_zeppelin.sim.workloads import sample_batch
 
@@ -191,9 +190,7 @@ def _rank_main(rank: int, world: int, port: int, plans, opts: FidelityOptions, q
 
 def measure(plans, opts: FidelityOptions, world: int) -> list[list[float]]:
     """Per plan, the seconds of each timed run on ``world`` forked gloo processes."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, plans, opts, queue))

@@ -79,11 +79,7 @@ def _p2p_worker(rank: int, port: int, sizes: tuple[int, ...], repeats: int, queu
 
 def measure_p2p(sizes: tuple[int, ...] = DEFAULT_P2P_BYTES, repeats: int = 5) -> P2PSample:
     """One-way gloo send/recv time between 2 processes on this host; fitted bandwidth/latency."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_p2p_worker, args=(r, port, sizes, repeats, queue))
@@ -93,6 +89,15 @@ def measure_p2p(sizes: tuple[int, ...] = DEFAULT_P2P_BYTES, repeats: int = 5) ->
     times = collect(queue, procs, 1, 300.0, "P2P measurement")[0]
     latency, per_byte = fit_line([float(n) for n in sizes], list(times))
     return P2PSample(tuple(sizes), times, 1e-9 / per_byte, max(0.0, latency) * 1e6)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the rendezvous of forked/spawned gloo ranks)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
