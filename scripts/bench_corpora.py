@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from megatron_zeppelin.sim.report import geomean  # noqa: E402
 
 BASELINE = "static"  # two-node TE CP: the paper's baseline, not a peer
 STRATEGIES = ("static", "zeppelin", "static-cp", "static-cp-best", "hybrid-dp",
@@ -73,10 +74,6 @@ def measure(corpus: str, folder: Path, out: Path, args: argparse.Namespace) -> d
     if done.returncode not in (0, 1):  # 1: the losses differ, which the table shows
         raise SystemExit(f"bench train on {corpus} failed (exit status {done.returncode})")
     return json.loads(out.read_text())
-
-
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def corpus_table(corpus: str, result: dict) -> list[str]:

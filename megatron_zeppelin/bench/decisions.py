@@ -31,6 +31,7 @@ from typing import Sequence
 
 from megatron_zeppelin.bench.p2p_link import free_port
 from megatron_zeppelin.bench.train import YAML
+from megatron_zeppelin.sim.report import geomean
 
 NAME = "zeppelin"  # the strategy whose portfolio is judged
 
@@ -113,7 +114,7 @@ def summarize(decisions: Sequence[Decision], tolerance: float = 0.05) -> dict:
             / len(decisions),
             "median_noise": statistics.median(d.noise for d in decisions),
             "median_regret": statistics.median(regrets),
-            "geomean_regret": math.exp(statistics.fmean(math.log1p(r) for r in regrets)) - 1,
+            "geomean_regret": geomean([1.0 + r for r in regrets]) - 1,
             "max_regret": max(regrets),
             "median_spearman": statistics.median(corr) if corr else None,
             "mean_spearman": statistics.fmean(corr) if corr else None}
