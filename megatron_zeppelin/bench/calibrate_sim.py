@@ -4,8 +4,8 @@
 Compute is measured for a model shape (``--model``, default the tiny GPT the CPU cluster
 trains) in this process, one thread, as the least CPU time (``time.thread_time``) of a few runs:
 other jobs on the cores do not inflate it. The emulated cluster runs 4 ranks of one thread on
-this machine's cores; ``compute_scale`` = ranks / cores (at least 1) states that sharing and
-the step model multiplies compute by it.
+this machine's cores; ``compute_scale`` is that sharing, measured (``contention.py``: a layer's
+compute run by 4 processes at once against alone), and the step model multiplies compute by it.
 
 * attention forward and backward through the engine's block call (``calibrate.attention_block``)
   at query lengths 16..``--max-length``: the forward TFLOP/s table and the backward / forward
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from megatron_zeppelin.bench.calibrate import CalibrateOptions, attention_block, model_gemms
+from megatron_zeppelin.bench.contention import layer_work, measure_compute_scale
 from megatron_zeppelin.bench.p2p_link import collect, fit_line, free_port, measure_p2p
 from megatron_zeppelin.config import ModelSpec, load_model
 from megatron_zeppelin.sim.profile import SimProfile
@@ -291,9 +292,8 @@ def build_sim_profile(name: str, model: ModelSpec, lengths: tuple[int, ...], k: 
         ring_step_us=0.0, intra_gbyte_per_s=p2p.gbyte_per_s, intra_latency_us=p2p.latency_us,
         inter_gbyte_per_s=p2p.gbyte_per_s, inter_latency_us=p2p.latency_us,
         allreduce_gbyte_per_s=allreduce[1], allreduce_latency_us=allreduce[0],
-        nvlink_contention=1.0, compute_scale=max(1.0, RANKS / (os.cpu_count() or 1)),
-        measured_hidden=model.hidden_size,
-        measured_vocab=model.vocab_size, unmeasured=("nvlink_contention",))
+        nvlink_contention=1.0, compute_scale=k["compute_scale"],
+        measured_hidden=model.hidden_size, measured_vocab=model.vocab_size, unmeasured=("nvlink_contention",))
 
 
 def calibrate_sim(model_name: str, cluster: str, max_length: int) -> SimProfile:
@@ -304,6 +304,8 @@ def calibrate_sim(model_name: str, cluster: str, max_length: int) -> SimProfile:
     opts = CalibrateOptions(model=model, lengths=lengths, tokens_per_call=0, min_time_s=0.2,
                             max_repeats=5, concurrency=4)
     kernels = measure_kernels(model, lengths, opts)
+    alone = _timed(lambda _, work=layer_work(model): work())
+    kernels["compute_scale"], shared = measure_compute_scale(model, RANKS, alone)
     p2p = measure_p2p()
     allreduce = measure_allreduce()
     day = datetime.date.today().isoformat()
@@ -311,8 +313,10 @@ def calibrate_sim(model_name: str, cluster: str, max_length: int) -> SimProfile:
               f"{os.cpu_count()} cores), torch {torch.__version__}, {day}: model {model.name} "
               f"(heads {model.num_attention_heads}/{model.kv_heads}, head_dim "
               f"{model.head_dim}, hidden {model.hidden_size}, vocab {model.vocab_size}), fp32, "
-              f"compute as one thread's least CPU time of {REPEATS} runs (x compute_scale: "
-              f"{RANKS} ranks share {os.cpu_count()} cores); gloo "
+              f"compute as one thread's least CPU time of {REPEATS} runs, x compute_scale "
+              f"{kernels['compute_scale']:.2f}: a layer's compute {alone * 1e3:.1f} ms alone, "
+              f"{statistics.median(shared) * 1e3:.1f} ms (median) when {RANKS} processes run it "
+              f"at once on {os.cpu_count()} cores; gloo "
               "P2P ping-pong, 4-rank all-reduce, the engine on a 4-rank ring of short documents; "
               f"load average {os.getloadavg()[0]:.1f}")
     profile = build_sim_profile(cluster, model, lengths, kernels, p2p, allreduce, source)

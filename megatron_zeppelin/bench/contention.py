@@ -1,0 +1,69 @@
+"""How much slower compute runs when the emulated cluster's ranks share this machine's cores.
+
+The simulator's profile measures every compute term alone, as one thread's least CPU time
+(``calibrate_sim``), and multiplies them by ``compute_scale``. Assuming that scale is ranks /
+cores misses what sharing costs beyond the cores' count (caches, memory bandwidth, the
+scheduler, a typical run against the fastest one). Here it is measured: a layer's compute (its
+GEMMs and its non-GEMM kernels, forward and backward, the model's shape) timed alone in this
+process as ``calibrate_sim`` times it, then by ``ranks`` forked processes at once, each the
+median wall time of its runs; the scale is the median over ranks of that median over the time
+alone (at least 1).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import time
+
+import torch
+
+from megatron_zeppelin.bench.p2p_link import collect
+from megatron_zeppelin.config import ModelSpec
+
+WORK_TOKENS = 1024  # tokens of the layer's compute timed (the CPU cluster's micro-batch scale)
+
+
+def layer_work(model: ModelSpec):
+    """A no-argument callable running one layer's compute on ``WORK_TOKENS`` tokens: the GEMMs
+    of ``calibrate.model_gemms`` and ``calibrate_sim.nongemm_layer`` (fresh inputs per call
+    are made outside it: the inputs are re-used, their gradients accumulate)."""
+    from megatron_zeppelin.bench.calibrate import model_gemms
+    from megatron_zeppelin.bench.calibrate_sim import layer_inputs, nongemm_layer
+
+    gemms = [(torch.randn(m, k), torch.randn(k, n))
+             for m, k, n in model_gemms(model, WORK_TOKENS)]
+    inputs = layer_inputs(model, WORK_TOKENS)
+
+    def run() -> None:
+        for a, b in gemms:
+            a @ b
+        nongemm_layer(inputs)
+    return run
+
+
+def _worker(model: ModelSpec, runs: int, barrier, queue) -> None:
+    """One emulated rank: the median wall seconds of ``runs`` runs, started together."""
+    torch.set_num_threads(1)
+    work = layer_work(model)
+    work()  # warm-up
+    barrier.wait(timeout=120)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    queue.put(statistics.median(times))
+
+
+def measure_compute_scale(model: ModelSpec, ranks: int, alone_s: float, runs: int = 20
+                          ) -> tuple[float, list[float]]:
+    """(scale, per-rank median seconds): ``ranks`` processes run ``layer_work`` at once;
+    ``alone_s``: its least CPU time in one thread with nothing beside it."""
+    ctx = multiprocessing.get_context("fork")
+    queue, barrier = ctx.Queue(), ctx.Barrier(ranks)
+    procs = [ctx.Process(target=_worker, args=(model, runs, barrier, queue))
+             for _ in range(ranks)]
+    for p in procs:
+        p.start()
+    shared = collect(queue, procs, ranks, 300.0, "compute-sharing measurement")
+    return max(1.0, statistics.median(shared) / alone_s), shared
