@@ -14,9 +14,9 @@ What is measured (``runtime/probe.py`` takes it per micro-batch; ``Measurements`
   completion;
 * ``ring_host``: the engine's host work of one ring step (round time minus the kernels and the
   waits), seconds per layer and phase;
-* ``exposed``: every ring exchange's host wait (tier, seconds; zero when hidden) and ``remap``:
-  each remap all-to-all (bytes sent, seconds): reported (``breakdown``), priced through the
-  link figures.
+* ``exposed``: every ring exchange's host wait (tier, seconds; zero when hidden): reported
+  (``breakdown``);
+* ``remap``: each remap all-to-all (bytes sent, seconds), ``REMAP_EXCHANGES`` per layer.
 
 Fit (``summarize`` on each rank, ``combine`` across ranks, ``to_profile``): attention FLOP/s per
 length of the prior's table (the prior's figure times the median measured/prior ratio of the
@@ -26,7 +26,10 @@ cost, which the table, clamped below its first length, would spread over every l
 the backward/forward ratio (median of backward seconds over the fitted forward time); the
 linear seconds per token (median ratio) -> ``gemm_tflops``; bandwidth and latency of each
 tier (Theil-Sen line seconds = latency + bytes / bandwidth: the median of pairwise slopes,
-robust to up to ~29% outliers); host work per ring step (median). Each rank's summary is a
+robust to up to ~29% outliers); host work per ring step (median); the remap's host work per
+layer (``remap_overhead_us``): ``REMAP_EXCHANGES`` x the median all-to-all's time beyond its
+bytes at the prior's in-node link where it states one (only where plans remapped: else the
+prior's). Each rank's summary is a
 fixed-length vector (NaN: nothing measured); ``combine`` takes the per-coefficient median over
 ranks, so one stalled rank (everything slow) moves nothing when three or more ranks measured.
 Rank 0 combines and broadcasts (``runtime/probe.agree``): every rank plans with the same
@@ -47,6 +50,7 @@ LINK_TIERS = ("intra", "inter")
 MAX_SAMPLES = 4096  # per kind and rank: the newest are kept (a few micro-batches of calls)
 MAX_PAIRS = 64  # points a Theil-Sen fit pairs up (spread over the length range)
 MIN_SAMPLES = 3  # fewer measurements of a coefficient keep the prior's value
+REMAP_EXCHANGES = 4  # remap all-to-alls per layer: q/k/v there and the output back, fwd + bwd
 
 
 @dataclass
@@ -109,14 +113,14 @@ def _nearest(length: float, log_lengths: Sequence[float]) -> int:
 
 def summary_size(prior: HardwareProfile) -> int:
     """Length of a summary vector for ``prior``'s length grid."""
-    return len(prior.attention_tflops) + 7
+    return len(prior.attention_tflops) + 8
 
 
 def summarize(m: Measurements, prior: HardwareProfile) -> list[float]:
     """One rank's robust estimates, a vector of floats (NaN: not measured): attention FLOP/s
     at each of the prior's lengths, backward/forward ratio, linear seconds per token, then
-    per link tier (intra, inter) seconds per byte and latency, then host seconds per ring step
-    (per layer and phase)."""
+    per link tier (intra, inter) seconds per byte and latency, host seconds per ring step
+    (per layer and phase), then host seconds per remap all-to-all."""
     logs = prior.log_lengths
     by_length: list[list[float]] = [[] for _ in logs]
     shortest = prior.attention_tflops[0][0]
@@ -137,6 +141,10 @@ def summarize(m: Measurements, prior: HardwareProfile) -> list[float]:
         xs = [b for t, b, _ in m.link if t == tier]
         out.extend(robust_line(xs, [s for t, _, s in m.link if t == tier]))
     out.append(_median(m.ring_host) if len(m.ring_host) >= MIN_SAMPLES else math.nan)
+    latency = (prior.intra_latency_us or 0.0) * 1e-6  # the in-node link, where stated
+    per_byte = 1e-9 / prior.intra_gbyte_per_s if prior.intra_gbyte_per_s else 0.0
+    beyond = [s - latency - b * per_byte for b, s in m.remap]
+    out.append(_median(beyond) if len(beyond) >= MIN_SAMPLES else math.nan)
     return out
 
 
@@ -161,7 +169,7 @@ def to_profile(coefficients: Sequence[float], prior: HardwareProfile, cost: Cost
     model the run trains (its linear FLOPs per token turn seconds per token into TFLOP/s)."""
     n = len(prior.attention_tflops)
     table = _attention_table(coefficients[:n], prior)
-    bwd, per_token, *links, host = coefficients[n:]
+    bwd, per_token, *links, host, remap = coefficients[n:]
     changes: dict = {}
     if any(math.isfinite(c) for c in coefficients[:n]):
         changes["attention_tflops"] = tuple((length, round(f / 1e12, 9)) for (length, _), f
@@ -181,6 +189,8 @@ def to_profile(coefficients: Sequence[float], prior: HardwareProfile, cost: Cost
                 else 0.0
     if math.isfinite(host):
         changes["ring_step_overhead_us"] = max(0.0, host) * 2e6  # forward + backward
+    if math.isfinite(remap):
+        changes["remap_overhead_us"] = max(0.0, remap) * REMAP_EXCHANGES * 1e6
     source = f"fitted during training from {prior.name!r}" + (f": {note}" if note else "")
     return dataclasses.replace(prior, source=source, **changes)
 

@@ -198,3 +198,23 @@ def test_host_work_per_ring_step_is_in_the_estimate_of_both_backends(setup, monk
     extra = estimate_step(plan, truth).attention_s - estimate_step(plan, none).attention_s
     steps = max(len(t.ring) for t in plan.tasks)  # a rank's rings: G steps each, at least one
     assert steps > 1 and extra >= steps * truth.kernel.ring_step_s * 0.999
+
+
+def test_the_remap_host_work_is_fitted_where_plans_remapped_and_kept_elsewhere(setup):
+    """Remap all-to-alls of 10-40 ms beyond their bytes (every 10th 300 ms, and a
+    stalled rank) -> 4 x 25 ms per layer; with no remap measured the prior's term stays."""
+    base, truth = setup
+    prior = dataclasses.replace(truth.hardware, remap_overhead_us=100000.0)
+    rng = random.Random(3)
+    per_byte = 1e-9 / prior.intra_gbyte_per_s
+    ranks = [fit.Measurements() for _ in range(4)]
+    for rank, m in enumerate(ranks):
+        for i in range(41):
+            nbytes = rng.uniform(1e4, 1e7)
+            host = 0.010 + 0.030 * i / 40 if i % 10 else 0.3  # every 10th: an outlier
+            m.remap.append((nbytes, prior.intra_latency_us * 1e-6 + nbytes * per_byte
+                            + host * (5.0 if rank == 2 else 1.0)))
+    got = fit.refit(ranks, prior, truth)
+    # the median (27.25 ms: 5 outliers of 41 shift it up a little); a mean would be 2x
+    assert got.remap_overhead_us == pytest.approx(4 * 27_250, rel=1e-6)
+    assert fit.refit([fit.Measurements()] * 4, prior, truth).remap_overhead_us == 100000.0
