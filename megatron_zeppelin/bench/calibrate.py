@@ -42,7 +42,9 @@ import torch
 
 from megatron_zeppelin.bench.p2p_link import (DEFAULT_P2P_BYTES, P2PSample, collect, fit_line,
                                               measure_p2p)
-from megatron_zeppelin.config import ClusterSpec, HardwareProfile, ModelSpec, write_yaml
+from megatron_zeppelin.config import ClusterSpec, ModelSpec
+from megatron_zeppelin.config_yaml import write_yaml
+from megatron_zeppelin.hardware_profile import HardwareProfile
 
 __all__ = ["CalibrateOptions", "ComputeSample", "P2PSample", "build_cluster", "build_profile",
            "calibrate", "collect", "fit_line", "measure_p2p", "time_attention", "time_gemm",
@@ -122,7 +124,7 @@ class CalibrateOptions:
 class ComputeSample:
     """Per length: seconds of one causal attention forward and backward call (of
     ``opts.documents(length)`` documents); the GEMM throughput; one tiny call's seconds;
-    the kernel the attention ran (``config.ATTENTION_KERNELS``) and the backend's name."""
+    the kernel the attention ran (``hardware_profile.ATTENTION_KERNELS``) and the backend's name."""
 
     lengths: tuple[int, ...]
     fwd_s: tuple[float, ...]
@@ -381,7 +383,7 @@ def check_finite(cal: Calibration) -> None:
 def output_path(path: str | Path, force: bool, what: str) -> Path:
     """``path`` if calibration may write there: never inside the shipped ``configs/``, never
     over an existing file without ``force`` (ValueError naming the flag otherwise)."""
-    from megatron_zeppelin.config import configs_dir
+    from megatron_zeppelin.config_yaml import configs_dir
 
     path = Path(path)
     shipped = (Path(__file__).resolve().parents[2] / "configs").resolve()

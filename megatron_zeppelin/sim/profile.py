@@ -39,8 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_zeppelin.config import (ConfigError, from_dict, read_yaml, resolve_config_path,
-                                      write_yaml)
+from megatron_zeppelin.config import ConfigError
+from megatron_zeppelin.config_yaml import (from_dict, read_yaml, resolve_config_path,
+                                           write_yaml)
 from megatron_zeppelin.options import require
 
 TABLES = ("attention_tflops", "attention_bwd_ratio")
