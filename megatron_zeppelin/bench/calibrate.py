@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import multiprocessing
 import os
 import platform
 import statistics
@@ -40,14 +39,14 @@ from pathlib import Path
 
 import torch
 
-from megatron_zeppelin.bench.p2p_link import (DEFAULT_P2P_BYTES, P2PSample, collect, fit_line,
-                                              measure_p2p)
+from megatron_zeppelin.bench.p2p_link import DEFAULT_P2P_BYTES, P2PSample, fit_line, measure_p2p
+from megatron_zeppelin.bench.workers import FORK, run_forked
 from megatron_zeppelin.config import ClusterSpec, ModelSpec
 from megatron_zeppelin.config_yaml import write_yaml
 from megatron_zeppelin.hardware_profile import HardwareProfile
 
 __all__ = ["CalibrateOptions", "ComputeSample", "P2PSample", "build_cluster", "build_profile",
-           "calibrate", "collect", "fit_line", "measure_p2p", "time_attention", "time_gemm",
+           "calibrate", "fit_line", "measure_p2p", "time_attention", "time_gemm",
            "write_yaml"]
 
 DEFAULT_LENGTHS = {"cpu": (128, 256, 512, 1024, 2048, 4096, 8192),
@@ -239,22 +238,18 @@ def measure_compute(opts: CalibrateOptions, barrier=None) -> ComputeSample:
                          backend.kernel, backend.name)
 
 
-def _compute_worker(opts: CalibrateOptions, barrier, queue) -> None:
-    """Process body: measure in step with the other workers; report through ``queue``."""
-    queue.put(measure_compute(opts, barrier))
+def _compute_worker(rank: int, opts: CalibrateOptions, barrier) -> ComputeSample:
+    """Worker ``rank``: measure in step with the other workers."""
+    return measure_compute(opts, barrier)
 
 
 def measure_compute_concurrent(opts: CalibrateOptions) -> ComputeSample:
     """``measure_compute`` in ``concurrency`` forked processes at once (CPU), medians of them."""
     if opts.device == "cuda" or opts.concurrency == 1:
         return measure_compute(opts)
-    ctx = multiprocessing.get_context("fork")
-    queue, barrier = ctx.Queue(), ctx.Barrier(opts.concurrency)
-    procs = [ctx.Process(target=_compute_worker, args=(opts, barrier, queue))
-             for _ in range(opts.concurrency)]
-    for p in procs:
-        p.start()
-    samples = collect(queue, procs, len(procs), 600.0, "calibration worker")
+    samples = run_forked(_compute_worker, opts.concurrency,
+                         (opts, FORK.Barrier(opts.concurrency)), timeout_s=600.0,
+                         what="calibration worker")
     med = statistics.median
     points = range(len(opts.lengths))
     return replace(samples[0], fwd_s=tuple(med([s.fwd_s[i] for s in samples]) for i in points),
