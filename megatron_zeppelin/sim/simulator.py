@@ -30,7 +30,6 @@ What it models (times in seconds; ``step_model.py`` has the formulas):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
