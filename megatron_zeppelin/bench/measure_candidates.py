@@ -16,7 +16,7 @@ SAME = "/"  # joins the names of candidates that are the same plan
 
 
 SETUP_TIMEOUT_S = 600.0  # the world's start: model, planner, corpus
-ROUND_TIMEOUT_S = 600.0  # one round of a micro-batch: every candidate's step once
+ROUND_TIMEOUT_S = 1200.0  # one round of a micro-batch: every candidate's step once
 
 
 def run_world(argv: list[str], options: dict, out: str) -> None:

@@ -42,7 +42,7 @@ STATIC = "static"  # static mode: TE/Megatron CP over the whole CP group
 CAP_FLAG = "max-seqlen-per-dp-cp-rank"
 CAPPED = ("hybrid-dp", "megatron-hybrid-cp", "megatron-dynamic-cp")
 RANKS = 4  # gloo ranks of the benchmarks' training world on this machine
-RUN_TIMEOUT_S = 1200.0  # per training run of a world: past it, the world is stopped
+RUN_TIMEOUT_S = 3600.0  # per training run of a world (generous: loaded machines); then stopped
 
 
 @dataclass
