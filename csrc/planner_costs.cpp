@@ -1,4 +1,4 @@
-// Twin of cost_model.CostKernel and config.interp / add_up, and the zigzag helpers of
+// Twin of cost_model.CostKernel and twin_arithmetic.interp / add_up, and the zigzag helpers of
 // segments.py: the same expressions in the same order as the Python reference.
 #include <algorithm>
 #include <cmath>
@@ -9,7 +9,7 @@ namespace zeppelin_planner {
 
 namespace {
 
-// config.interp: numpy.interp's expression for one point, clamped at the ends.
+// twin_arithmetic.interp: numpy.interp's expression for one point, clamped at the ends.
 double interp(double x, const std::vector<double>& xs, const std::vector<double>& ys) {
   if (x <= xs[0]) return ys[0];
   const size_t last = xs.size() - 1;

@@ -1,5 +1,6 @@
-// Twin of planner/zeppelin.py: the hierarchical placement (inter-node step, then intra-node
-// step per node, then the leftovers). Names mirror the Python functions.
+// Twin of planner/zeppelin.py and its steps (inter_node_step.py, intra_node_step.py,
+// placement_state.py): the hierarchical placement (inter-node step, then intra-node step per
+// node, then the leftovers). Names mirror the Python functions.
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -163,7 +164,7 @@ Entry pop_node(MinHeap& heap, const std::vector<i64>& tokens, i64 share, i64 roo
   return pop_nodes(heap, tokens, share, room, 1, seq, gpn)[0];
 }
 
-// Node loads and tokens while light sequences are added (zeppelin._LightNodes). The Python
+// Node loads and tokens while light sequences are added (inter_node_step._LightNodes). The Python
 // reference keeps a heap of (tokens, node) with stale entries it drops; the nodes it visits
 // are the current (tokens, node) pairs in ascending order, which this ordered set holds.
 struct LightNodes {
@@ -354,7 +355,7 @@ NodeAssignment assign_nodes(Placement& st, const std::vector<i64>& order) {
   return out;
 }
 
-// Per-GPU loads and tokens of one node (zeppelin._NodeGpus).
+// Per-GPU loads and tokens of one node (intra_node_step.NodeGpus).
 struct NodeGpus {
   std::vector<double> loads;
   std::vector<i64> tokens;

@@ -1,48 +1,26 @@
-"""Configuration a user edits: model dims, cluster topology, hardware profile, planner options.
+"""Configuration a user edits: model dims, cluster topology, planner and pipeline options, and
+the loaders of the shipped YAML files (model, cluster, hardware profile, all three together).
 
-Every dataclass here is frozen and validated on construction; YAML files are loaded strictly:
-an unknown key, a wrong type or an out-of-range value raises ``ConfigError`` naming the file,
-the key, the value and what is allowed. Bare names (``llama-7b``) resolve to the YAML files
-shipped under ``configs/``.
+Every dataclass here is frozen and validated on construction; YAML files are loaded strictly
+(``config_yaml.py``): an unknown key, a wrong type or an out-of-range value raises
+``ConfigError`` naming the file, the key, the value and what is allowed. Bare names
+(``llama-7b``) resolve to the YAML files shipped under ``configs/``. The hardware profile is
+``hardware_profile.py``.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Mapping, Sequence
 
-import yaml
-
-from megatron_zeppelin import env
+from megatron_zeppelin.config_yaml import from_dict, read_yaml, resolve_config_path
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.options import require, reword, setting
+from megatron_zeppelin.hardware_profile import ATTENTION_KERNELS, HardwareProfile
+from megatron_zeppelin.options import (require, require_positive, require_positive_int,
+                                       reword, setting)
 from megatron_zeppelin.plan import Topology
 
 OVERLONG_POLICIES = ("error", "split", "drop")
-# The attention kernel a hardware profile describes (``HardwareProfile.kernel``); each runtime
-# kernel backend names the one it runs (``runtime.kernels``: native/flash_attn -> fa2, te ->
-# cudnn, torch on CPU -> cpu).
-ATTENTION_KERNELS = {
-    "fa2": "FlashAttention-2 code: torch's built-in varlen flash attention (backend native) "
-           "and the flash-attn 2.x package (backend flash_attn)",
-    "fa3": "FlashAttention-3 (Hopper): published figures; no shipped backend runs it",
-    "cudnn": "cuDNN fused attention through Transformer Engine (backend te)",
-    "cpu": "torch's CPU kernels (backend torch on CPU)",
-}
-
-
-def _positive(what: str, value: Any) -> None:
-    require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
-            what, value, "a positive number")
-
-
-def _positive_int(what: str, value: Any) -> None:
-    require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-            what, value, "a positive integer")
 
 
 @dataclass(frozen=True)
@@ -65,10 +43,10 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                     "bytes_per_element", "moe_router_topk"):
-            _positive_int(f"model.{key}", getattr(self, key))
+            require_positive_int(f"model.{key}", getattr(self, key))
         for key in ("num_query_groups", "ffn_hidden_size", "kv_channels", "num_experts"):
             if getattr(self, key) is not None:
-                _positive_int(f"model.{key}", getattr(self, key))
+                require_positive_int(f"model.{key}", getattr(self, key))
         heads = self.num_attention_heads
         require(heads % self.kv_heads == 0, "model.num_query_groups", self.num_query_groups,
                 f"a divisor of num_attention_heads={heads}")
@@ -111,9 +89,9 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         for key in ("gpus_per_node", "nics_per_node", "nodes"):
-            _positive_int(f"cluster.{key}", getattr(self, key))
+            require_positive_int(f"cluster.{key}", getattr(self, key))
         for key in ("nvlink_gbyte_per_s", "nic_gbit_per_s", "gpu_memory_gib"):
-            _positive(f"cluster.{key}", getattr(self, key))
+            require_positive(f"cluster.{key}", getattr(self, key))
         for key in ("nvlink_latency_us", "nic_latency_us"):
             value = getattr(self, key)
             require(isinstance(value, (int, float)) and value >= 0, f"cluster.{key}", value,
@@ -164,114 +142,6 @@ class ClusterSpec:
 
 
 @dataclass(frozen=True)
-class HardwareProfile:
-    """Achieved throughputs of one GPU (or CPU rank), with where the numbers come from.
-
-    ``attention_tflops`` maps a per-call query length to achieved causal attention forward
-    TFLOP/s; lengths in between interpolate on log(length), outside clamp to the ends.
-    ``kernel`` (required, keyword): the attention kernel the figures describe
-    (``ATTENTION_KERNELS``); ``hardware_for`` picks the profile of the kernel that will run.
-    ``ring_step_overhead_us``: the engine's host work per ring step and layer, forward and
-    backward together (0: not modelled); ``remap_overhead_us``: the remapping layer's host work
-    per layer, forward and backward together, on top of its bytes (its all-to-alls' setup and
-    the wait for the slowest rank; 0: not modelled). ``intra_*`` / ``inter_*``: measured link figures
-    (a profile fitted during training, ``fit.py``) that replace the cluster's nominal NVLink /
-    NIC bandwidth and latency in the cost model (``links``); None keeps the cluster's.
-    """
-
-    name: str
-    gemm_tflops: float
-    attention_tflops: tuple[tuple[int, float], ...]
-    attention_bwd_ratio: float = 2.5
-    kernel_overhead_us: float = 8.0
-    p2p_gbyte_per_s: float | None = None
-    p2p_latency_us: float | None = None
-    source: str = ""
-    kernel: str = field(kw_only=True)
-    ring_step_overhead_us: float = field(default=0.0, kw_only=True)
-    remap_overhead_us: float = field(default=0.0, kw_only=True)
-    intra_gbyte_per_s: float | None = field(default=None, kw_only=True)
-    intra_latency_us: float | None = field(default=None, kw_only=True)
-    inter_gbit_per_s: float | None = field(default=None, kw_only=True)
-    inter_latency_us: float | None = field(default=None, kw_only=True)
-
-    def __post_init__(self) -> None:
-        require(self.kernel in ATTENTION_KERNELS, "hardware.kernel", self.kernel,
-                f"one of {list(ATTENTION_KERNELS)}")
-        _positive("hardware.gemm_tflops", self.gemm_tflops)
-        _positive("hardware.attention_bwd_ratio", self.attention_bwd_ratio)
-        require(self.kernel_overhead_us >= 0, "hardware.kernel_overhead_us",
-                self.kernel_overhead_us, "a number >= 0")
-        table = self.attention_tflops
-        if isinstance(table, Mapping):
-            table = tuple(sorted(table.items()))
-        table = tuple((int(length), float(tflops)) for length, tflops in table)
-        require(len(table) > 0, "hardware.attention_tflops", table,
-                "a non-empty map {length: TFLOP/s}")
-        for length, tflops in table:
-            require(length > 0 and tflops > 0, "hardware.attention_tflops", {length: tflops},
-                    "positive lengths and positive TFLOP/s")
-        object.__setattr__(self, "attention_tflops", tuple(sorted(table)))
-        for key in ("p2p_gbyte_per_s", "p2p_latency_us", "intra_latency_us",
-                    "inter_latency_us", "ring_step_overhead_us", "remap_overhead_us"):
-            if getattr(self, key) is not None:
-                require(getattr(self, key) >= 0, f"hardware.{key}", getattr(self, key),
-                        "a number >= 0")
-        for key in ("intra_gbyte_per_s", "inter_gbit_per_s"):
-            if getattr(self, key) is not None:
-                _positive(f"hardware.{key}", getattr(self, key))
-
-    def links(self, cluster: "ClusterSpec") -> "ClusterSpec":
-        """``cluster`` with this profile's measured link figures in place of its own."""
-        keys = {"nvlink_gbyte_per_s": self.intra_gbyte_per_s,
-                "nvlink_latency_us": self.intra_latency_us,
-                "nic_gbit_per_s": self.inter_gbit_per_s, "nic_latency_us": self.inter_latency_us}
-        changes = {k: v for k, v in keys.items() if v is not None and getattr(cluster, k) != v}
-        return dataclasses.replace(cluster, **changes) if changes else cluster
-
-    @property
-    def log_lengths(self) -> tuple[float, ...]:
-        """log of the profile's lengths (the interpolation's abscissae)."""
-        return tuple(math.log(length) for length, _ in self.attention_tflops)
-
-    @property
-    def flops_per_s(self) -> tuple[float, ...]:
-        """The profile's achieved FLOP/s (TFLOP/s x 1e12), in length order."""
-        return tuple(tflops * 1e12 for _, tflops in self.attention_tflops)
-
-    def attention_flops_per_s(self, length: float) -> float:
-        """Achieved attention FLOP/s for a call whose query chunk has ``length`` tokens."""
-        return interp(math.log(length), self.log_lengths, self.flops_per_s)
-
-
-def add_up(values) -> float:
-    """Left-to-right float sum, the order the C++ planner twin adds in (``sum`` compensates
-    float rounding from Python 3.12 on, so it would differ from the twin by an ulp)."""
-    total = 0.0
-    for value in values:
-        total += value
-    return total
-
-
-def interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
-    """Piecewise-linear interpolation of one point, clamped at the ends: ``numpy.interp``'s
-    expression (``slope * (x - xs[j]) + ys[j]``), which the C++ planner twin evaluates too, so
-    that both compute the same double. ``xs`` ascending."""
-    if x <= xs[0]:
-        return ys[0]
-    last = len(xs) - 1
-    if x >= xs[last]:
-        return ys[last]
-    j = 0
-    while xs[j + 1] <= x:
-        j += 1
-    if xs[j] == x:
-        return ys[j]
-    slope = (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j])
-    return slope * (x - xs[j]) + ys[j]
-
-
-@dataclass(frozen=True)
 class ZeppelinConfig:
     """Planner options: one declaration for every place they are set.
 
@@ -306,7 +176,7 @@ class ZeppelinConfig:
     def __post_init__(self) -> None:
         for key in ("max_seqlen", "capacity_tokens_per_gpu"):
             if getattr(self, key) is not None:
-                _positive_int(f"zeppelin.{key}", getattr(self, key))
+                require_positive_int(f"zeppelin.{key}", getattr(self, key))
         require(isinstance(self.capacity_factor, (int, float)) and self.capacity_factor >= 1.0,
                 "zeppelin.capacity_factor", self.capacity_factor, "a number >= 1.0")
         require(self.overlong in OVERLONG_POLICIES, "zeppelin.overlong", self.overlong,
@@ -340,12 +210,12 @@ class PipelineSpec:
                                     "tokens)", choices=MICROBATCH_ORDERS)
 
     def __post_init__(self) -> None:
-        _positive_int("pipeline.pp", self.pp)
-        _positive_int("pipeline.vpp", self.vpp)
+        require_positive_int("pipeline.pp", self.pp)
+        require_positive_int("pipeline.vpp", self.vpp)
         require(self.vpp == 1 or self.pp >= 2, "pipeline.vpp", self.vpp,
                 "1 when pp is 1 (the interleaved schedule needs pp >= 2)")
         if self.microbatches is not None:
-            _positive_int("pipeline.microbatches", self.microbatches)
+            require_positive_int("pipeline.microbatches", self.microbatches)
             require(self.vpp == 1 or self.microbatches % self.pp == 0, "pipeline.microbatches",
                     self.microbatches, f"a multiple of pp={self.pp} with vpp={self.vpp} "
                     "(megatron-core's interleaved schedule)")
@@ -371,111 +241,6 @@ class PipelineSpec:
                 f"pp x vpp dividing num_layers={model.num_layers} ({model.name}), pp={self.pp}")
         require(ranks % self.pp == 0, "pipeline.pp", self.pp,
                 f"a divisor of the {ranks} ranks (GPUs / TP)")
-
-
-# ----------------------------------------------------------------------------- YAML loading
-
-def _coerce(cls_name: str, key: str, hint: Any, value: Any) -> Any:
-    """Convert a YAML scalar/list to the annotated type, or raise naming the key."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        if value is None and type(None) in args:
-            return None
-        hint = next(a for a in args if a is not type(None))
-        return _coerce(cls_name, key, hint, value)
-    if hint is bool:
-        require(isinstance(value, bool), f"{cls_name}.{key}", value, "true or false")
-        return value
-    if hint is int:
-        require(isinstance(value, int) and not isinstance(value, bool), f"{cls_name}.{key}",
-                value, "an integer")
-        return value
-    if hint is float:
-        require(isinstance(value, (int, float)) and not isinstance(value, bool),
-                f"{cls_name}.{key}", value, "a number")
-        return float(value)
-    if hint is str:
-        require(isinstance(value, str), f"{cls_name}.{key}", value, "a string")
-        return value
-    if typing.get_origin(hint) is tuple:
-        if isinstance(value, Mapping):
-            return tuple(value.items())
-        require(isinstance(value, (list, tuple)), f"{cls_name}.{key}", value, "a list")
-        return tuple(tuple(v) if isinstance(v, list) else v for v in value)
-    return value
-
-
-def from_dict(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
-    """Build dataclass ``cls`` from a mapping, rejecting unknown keys and wrong types."""
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where or cls.__name__}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise ConfigError(f"{where or cls.__name__}: unknown key(s) {unknown}; valid keys: {names}")
-    kwargs = {k: _coerce(cls.__name__, k, hints[k], v) for k, v in data.items()}
-    required = [f.name for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    missing = [k for k in required if k not in kwargs]
-    if missing:
-        raise ConfigError(f"{where or cls.__name__}: missing required key(s) {missing}")
-    try:
-        return cls(**kwargs)
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}" if where else str(exc)) from None
-
-
-def configs_dir() -> Path:
-    """The shipped ``configs/`` folder (``ZEPPELIN_CONFIGS`` overrides)."""
-    override = env.configs_dir()
-    if override:
-        return Path(override)
-    return Path(__file__).resolve().parent.parent / "configs"
-
-
-def resolve_config_path(name_or_path: str | os.PathLike, kind: str) -> Path:
-    """A path as given, or ``configs/<kind>/<name>.yaml`` for a bare name."""
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.exists():
-            raise ConfigError(f"{kind} config file {str(path)!r} does not exist")
-        return path
-    candidate = configs_dir() / kind / f"{name_or_path}.yaml"
-    if not candidate.exists():
-        shipped = sorted(p.stem for p in (configs_dir() / kind).glob("*.yaml"))
-        raise ConfigError(f"unknown {kind} config {str(name_or_path)!r}; shipped: {shipped}"
-                          " (or give a path to a YAML file)")
-    return candidate
-
-
-def read_yaml(path: Path) -> dict:
-    with open(path) as f:
-        data = yaml.safe_load(f)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a YAML mapping at top level, got "
-                          f"{type(data).__name__}")
-    return data
-
-
-def write_yaml(obj, path: str | Path, comment: str) -> Path:
-    """A profile or cluster as YAML (the loaders' keys, None left out), with a comment header;
-    the loaders read it back."""
-    data = {}
-    for key, value in obj.__dict__.items():
-        if value is None:
-            continue
-        if key == "attention_tflops":
-            value = {int(n): float(t) for n, t in value}
-        elif isinstance(value, tuple):
-            value = list(value)
-        data[key] = value
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    header = "".join(f"# {line}\n" for line in comment.splitlines())
-    path.write_text(header + yaml.safe_dump(data, sort_keys=False, width=100))
-    return path
 
 
 def load_model(name_or_path: str | os.PathLike) -> ModelSpec:

@@ -23,7 +23,9 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from megatron_zeppelin.config import ClusterSpec, HardwareProfile, ModelSpec, interp
+from megatron_zeppelin.config import ClusterSpec, ModelSpec
+from megatron_zeppelin.hardware_profile import HardwareProfile
+from megatron_zeppelin.twin_arithmetic import interp
 from megatron_zeppelin.plan import Tier
 
 FWD_BWD_LINEAR = 3.0  # backward of a GEMM is two GEMMs of the forward's size
@@ -174,8 +176,8 @@ class CostModel:
 @dataclass(frozen=True)
 class CostKernel:
     """The cost model reduced to the numbers the planners evaluate per sequence and span, with
-    one scalar implementation of each formula (``math`` and ``config.interp``). The C++ planner
-    twin (``csrc/planner_costs.h``) evaluates the same expressions on the same numbers, so both
+    one scalar implementation of each formula (``math`` and ``twin_arithmetic.interp``). The
+    C++ planner twin (``csrc/planner_costs.h``) evaluates the same expressions on the same numbers, so both
     backends compute the same doubles and make the same decisions.
 
     compute(s, G): ``attn_coef * s * s / G / F(s / G)`` with F the profile's FLOP/s at the

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
-from megatron_zeppelin.config import add_up
+from megatron_zeppelin.twin_arithmetic import add_up
 from megatron_zeppelin.cost_model import FWD_BWD_LINEAR, CostModel
 from megatron_zeppelin.plan import AttentionTask, Plan, Tier, Topology
 

@@ -43,8 +43,10 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from megatron_zeppelin.config import HardwareProfile, interp, write_yaml
+from megatron_zeppelin.config_yaml import write_yaml
 from megatron_zeppelin.cost_model import FWD_BWD_LINEAR, CostModel
+from megatron_zeppelin.hardware_profile import HardwareProfile
+from megatron_zeppelin.twin_arithmetic import interp
 
 LINK_TIERS = ("intra", "inter")
 MAX_SAMPLES = 4096  # per kind and rank: the newest are kept (a few micro-batches of calls)

@@ -48,6 +48,18 @@ def require(cond: bool, what: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{what}={value!r} is invalid: expected {allowed}")
 
 
+def require_positive(what: str, value: Any) -> None:
+    """``require`` a number (int or float, not bool) > 0."""
+    require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+            what, value, "a positive number")
+
+
+def require_positive_int(what: str, value: Any) -> None:
+    """``require`` an integer (not bool) > 0."""
+    require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+            what, value, "a positive integer")
+
+
 def int_at_least(minimum: int):
     """An argparse ``type`` for an integer flag of at least ``minimum``: a bad value is
     argparse's one-line error naming the flag (``argument --tp: 0 is invalid: expected an

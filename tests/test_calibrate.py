@@ -110,7 +110,7 @@ def test_calibrate_cli_rejects_a_bad_device(capsys, tmp_path):
 def test_calibrate_never_writes_a_shipped_config(capsys, tmp_path):
     """The shipped profiles are documented measurements: calibration refuses to write into
     configs/ and over an existing file without --force, before measuring anything."""
-    from megatron_zeppelin.config import configs_dir
+    from megatron_zeppelin.config_yaml import configs_dir
 
     assert cli.main(["calibrate", "--output", str(configs_dir() / "hardware" / "cpu.yaml")]) == 2
     assert "inside the shipped configs folder" in capsys.readouterr().err
@@ -131,7 +131,9 @@ def test_p2p_between_two_gloo_processes():
 def test_shipped_profiles_say_which_kernel_and_clusters_resolve_the_one_that_runs():
     """Every profile names its kernel; a GPU cluster's own profile describes the native
     kernel (what runs by default), measured (GPU-FACTS), and the FA3 figures live apart."""
-    from megatron_zeppelin.config import ATTENTION_KERNELS, configs_dir, hardware_for
+    from megatron_zeppelin.config import hardware_for
+    from megatron_zeppelin.config_yaml import configs_dir
+    from megatron_zeppelin.hardware_profile import ATTENTION_KERNELS
 
     for path in sorted((configs_dir() / "hardware").glob("*.yaml")):
         assert load_hardware(path).kernel in ATTENTION_KERNELS, path
@@ -147,7 +149,7 @@ def test_shipped_profiles_say_which_kernel_and_clusters_resolve_the_one_that_run
                                           "'cudnn'.*zeppelin calibrate"):
         hardware_for(load_cluster("h200-8nic"), "cudnn")
     with pytest.raises(ConfigError, match="hardware.kernel='fa9' is invalid"):
-        from megatron_zeppelin.config import HardwareProfile
+        from megatron_zeppelin.hardware_profile import HardwareProfile
 
         HardwareProfile("x", 1.0, {128: 1.0}, kernel="fa9")
 

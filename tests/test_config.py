@@ -3,9 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_zeppelin.config import (ClusterSpec, ConfigError, HardwareProfile, ModelSpec,
-                                      ZeppelinConfig, configs_dir, load_cluster, load_hardware,
-                                      load_model, load_setup)
+from megatron_zeppelin.config import (ClusterSpec, ConfigError, ModelSpec, ZeppelinConfig,
+                                      load_cluster, load_hardware, load_model, load_setup)
+from megatron_zeppelin.config_yaml import configs_dir
+from megatron_zeppelin.hardware_profile import HardwareProfile
 
 CONFIGS = configs_dir()
 

@@ -10,7 +10,8 @@ import pytest
 
 from distributed import run_world
 from megatron_zeppelin import fit
-from megatron_zeppelin.config import ConfigError, load_hardware, write_yaml
+from megatron_zeppelin.config import ConfigError, load_hardware
+from megatron_zeppelin.config_yaml import write_yaml
 from megatron_zeppelin.megatron.loop import args as train_args
 
 pytestmark = pytest.mark.distributed

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from conftest import make_cost
-from megatron_zeppelin.config import HardwareProfile, ZeppelinConfig
+from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.hardware_profile import HardwareProfile
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.estimate import estimate_step
 from megatron_zeppelin.planner import native

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import multiprocessing
 import os
 import platform
 import statistics
@@ -40,12 +39,14 @@ from pathlib import Path
 
 import torch
 
-from megatron_zeppelin.bench.p2p_link import (DEFAULT_P2P_BYTES, P2PSample, collect, fit_line,
-                                              measure_p2p)
-from megatron_zeppelin.config import ClusterSpec, HardwareProfile, ModelSpec, write_yaml
+from megatron_zeppelin.bench.p2p_link import DEFAULT_P2P_BYTES, P2PSample, fit_line, measure_p2p
+from megatron_zeppelin.bench.workers import FORK, run_forked
+from megatron_zeppelin.config import ClusterSpec, ModelSpec
+from megatron_zeppelin.config_yaml import write_yaml
+from megatron_zeppelin.hardware_profile import HardwareProfile
 
 __all__ = ["CalibrateOptions", "ComputeSample", "P2PSample", "build_cluster", "build_profile",
-           "calibrate", "collect", "fit_line", "measure_p2p", "time_attention", "time_gemm",
+           "calibrate", "fit_line", "measure_p2p", "time_attention", "time_gemm",
            "write_yaml"]
 
 DEFAULT_LENGTHS = {"cpu": (128, 256, 512, 1024, 2048, 4096, 8192),
@@ -122,7 +123,7 @@ class CalibrateOptions:
 class ComputeSample:
     """Per length: seconds of one causal attention forward and backward call (of
     ``opts.documents(length)`` documents); the GEMM throughput; one tiny call's seconds;
-    the kernel the attention ran (``config.ATTENTION_KERNELS``) and the backend's name."""
+    the kernel the attention ran (``hardware_profile.ATTENTION_KERNELS``) and the backend's name."""
 
     lengths: tuple[int, ...]
     fwd_s: tuple[float, ...]
@@ -237,22 +238,18 @@ def measure_compute(opts: CalibrateOptions, barrier=None) -> ComputeSample:
                          backend.kernel, backend.name)
 
 
-def _compute_worker(opts: CalibrateOptions, barrier, queue) -> None:
-    """Process body: measure in step with the other workers; report through ``queue``."""
-    queue.put(measure_compute(opts, barrier))
+def _compute_worker(rank: int, opts: CalibrateOptions, barrier) -> ComputeSample:
+    """Worker ``rank``: measure in step with the other workers."""
+    return measure_compute(opts, barrier)
 
 
 def measure_compute_concurrent(opts: CalibrateOptions) -> ComputeSample:
     """``measure_compute`` in ``concurrency`` forked processes at once (CPU), medians of them."""
     if opts.device == "cuda" or opts.concurrency == 1:
         return measure_compute(opts)
-    ctx = multiprocessing.get_context("fork")
-    queue, barrier = ctx.Queue(), ctx.Barrier(opts.concurrency)
-    procs = [ctx.Process(target=_compute_worker, args=(opts, barrier, queue))
-             for _ in range(opts.concurrency)]
-    for p in procs:
-        p.start()
-    samples = collect(queue, procs, len(procs), 600.0, "calibration worker")
+    samples = run_forked(_compute_worker, opts.concurrency,
+                         (opts, FORK.Barrier(opts.concurrency)), timeout_s=600.0,
+                         what="calibration worker")
     med = statistics.median
     points = range(len(opts.lengths))
     return replace(samples[0], fwd_s=tuple(med([s.fwd_s[i] for s in samples]) for i in points),
@@ -381,7 +378,7 @@ def check_finite(cal: Calibration) -> None:
 def output_path(path: str | Path, force: bool, what: str) -> Path:
     """``path`` if calibration may write there: never inside the shipped ``configs/``, never
     over an existing file without ``force`` (ValueError naming the flag otherwise)."""
-    from megatron_zeppelin.config import configs_dir
+    from megatron_zeppelin.config_yaml import configs_dir
 
     path = Path(path)
     shipped = (Path(__file__).resolve().parents[2] / "configs").resolve()

@@ -27,19 +27,18 @@ host work per step and per micro-batch (``step_host_us``, ``micro_batch_host_us`
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
 import platform
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from megatron_zeppelin.bench.calibrate import CalibrateOptions, attention_block, model_gemms
 from megatron_zeppelin.bench.contention import layer_work, measure_compute_scale
-from megatron_zeppelin.bench.p2p_link import collect, fit_line, free_port, measure_p2p
+from megatron_zeppelin.bench.p2p_link import fit_line, measure_p2p
+from megatron_zeppelin.bench.workers import run_forked
 from megatron_zeppelin.config import ModelSpec, load_model
 from megatron_zeppelin.sim.profile import SimProfile
 
@@ -184,40 +183,28 @@ def measure_kernels(model: ModelSpec, lengths: tuple[int, ...], opts: CalibrateO
 ALLREDUCE_BYTES = (4096, 1048576, 4194304)
 
 
-def _allreduce_worker(rank: int, world: int, port: int, repeats: int, queue) -> None:
-    """One gloo rank: fastest seconds of an ``all_reduce`` per size of ``ALLREDUCE_BYTES``."""
+def _allreduce_worker(rank: int, repeats: int) -> list[float] | None:
+    """One gloo rank: fastest seconds of an ``all_reduce`` per size of ``ALLREDUCE_BYTES``
+    (rank 0 returns them)."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=300))
-    try:
-        out = []
-        for nbytes in ALLREDUCE_BYTES:
-            x = torch.ones(nbytes // 4)
-            best = float("inf")
-            for _ in range(repeats + 1):
-                dist.barrier()
-                start = time.perf_counter()
-                dist.all_reduce(x)
-                best = min(best, time.perf_counter() - start)
-            out.append(best)
-        if rank == 0:
-            queue.put(out)
-    finally:
-        dist.destroy_process_group()
+    out = []
+    for nbytes in ALLREDUCE_BYTES:
+        x = torch.ones(nbytes // 4)
+        best = float("inf")
+        for _ in range(repeats + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(x)
+            best = min(best, time.perf_counter() - start)
+        out.append(best)
+    return out if rank == 0 else None
 
 
 def measure_allreduce(world: int = 4, repeats: int = 20) -> tuple[float, float]:
     """(latency us per ring step, bus GB/s) of a gloo all-reduce over ``world`` processes."""
-    port = free_port()
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_allreduce_worker, args=(r, world, port, repeats, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    times = collect(queue, procs, 1, 300.0, "all-reduce measurement")[0]
+    times = run_forked(_allreduce_worker, world, (repeats,), timeout_s=300.0,
+                       what="all-reduce measurement", gloo_timeout_s=300.0)[0]
     intercept, per_byte = fit_line([float(n) for n in ALLREDUCE_BYTES], times)
     steps = 2 * (world - 1)
     return max(0.0, intercept) / steps * 1e6, steps / world / per_byte / 1e9

@@ -11,13 +11,12 @@ alone (at least 1).
 """
 from __future__ import annotations
 
-import multiprocessing
 import statistics
 import time
 
 import torch
 
-from megatron_zeppelin.bench.p2p_link import collect
+from megatron_zeppelin.bench.workers import run_forked
 from megatron_zeppelin.config import ModelSpec
 
 WORK_TOKENS = 1024  # tokens of the layer's compute timed (the CPU cluster's micro-batch scale)
@@ -41,29 +40,26 @@ def layer_work(model: ModelSpec):
     return run
 
 
-def _worker(model: ModelSpec, runs: int, barrier, queue) -> None:
-    """One emulated rank: the median wall seconds of ``runs`` runs, started together."""
-    torch.set_num_threads(1)
+def _worker(rank: int, model: ModelSpec, runs: int) -> float:
+    """One emulated rank: the median wall seconds of ``runs`` runs, started together (a gloo
+    barrier after the warm-up)."""
+    import torch.distributed as dist
+
     work = layer_work(model)
     work()  # warm-up
-    barrier.wait(timeout=120)
+    dist.barrier()
     times = []
     for _ in range(runs):
         start = time.perf_counter()
         work()
         times.append(time.perf_counter() - start)
-    queue.put(statistics.median(times))
+    return statistics.median(times)
 
 
 def measure_compute_scale(model: ModelSpec, ranks: int, alone_s: float, runs: int = 20
                           ) -> tuple[float, list[float]]:
     """(scale, per-rank median seconds): ``ranks`` processes run ``layer_work`` at once;
     ``alone_s``: its least CPU time in one thread with nothing beside it."""
-    ctx = multiprocessing.get_context("fork")
-    queue, barrier = ctx.Queue(), ctx.Barrier(ranks)
-    procs = [ctx.Process(target=_worker, args=(model, runs, barrier, queue))
-             for _ in range(ranks)]
-    for p in procs:
-        p.start()
-    shared = collect(queue, procs, ranks, 300.0, "compute-sharing measurement")
+    shared = run_forked(_worker, ranks, (model, runs), timeout_s=300.0, gloo_timeout_s=120.0,
+                        what="compute-sharing measurement")
     return max(1.0, statistics.median(shared) / alone_s), shared

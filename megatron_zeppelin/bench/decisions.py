@@ -2,7 +2,8 @@
 
 Zeppelin's portfolio (``planner/portfolio.py``) scores every candidate plan of a micro-batch by
 its step estimate and keeps the lowest. This benchmark measures every candidate instead: on 4
-gloo ranks (2 emulated nodes x 2, the tiny GPT of ``bench train``, the same training flags), for
+gloo ranks (the tiny GPT of ``bench train``, the same training flags and layout: by default 2
+emulated nodes x 2, stated in the header line), for
 ``--batches`` micro-batches sampled from the corpus (every ``--stride``-th of the stream), each
 candidate's plan runs a real training step through the engine (forward + backward of one
 micro-batch and the gradient all-reduce, no optimizer step; the slowest rank's time). The
@@ -29,8 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from megatron_zeppelin.bench.p2p_link import free_port
-from megatron_zeppelin.bench.train import YAML
+from megatron_zeppelin.bench.train import RANKS, YAML, layout_line
+from megatron_zeppelin.bench.workers import free_port
 from megatron_zeppelin.sim.report import geomean
 
 NAME = "zeppelin"  # the strategy whose portfolio is judged
@@ -160,9 +161,9 @@ def bench_decisions(args: argparse.Namespace) -> int:
         raise ValueError(f"--warmup={args.warmup} is invalid: expected an integer >= 0")
     argv = ["--yaml-cfg", str(YAML), *args.extra, "--context-parallel-mode", "zeppelin",
             "--zeppelin-strategy", NAME]
-    _validate(argv)
-    print(f"tiny GPT ({YAML.name} + {' '.join(args.extra) or 'no flags'}), 4 gloo ranks as 2 "
-          f"nodes x 2; {args.batches} micro-batch(es), every {args.stride}th of the stream; "
+    layout = _validate(argv)
+    print(f"tiny GPT ({YAML.name} + {' '.join(args.extra) or 'no flags'}), "
+          f"{layout_line(layout)}; {args.batches} micro-batch(es), every {args.stride}th of the stream; "
           f"each candidate {args.repeats} timed step(s) round-robin after {args.warmup} "
           "untimed round(s); fwd + bwd + grad all-reduce, slowest rank, median", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -183,12 +184,13 @@ def bench_decisions(args: argparse.Namespace) -> int:
     return 0
 
 
-def _validate(argv: list[str]) -> None:
-    """The training flags, checked once before any process starts (ConfigError: exit 2)."""
+def _validate(argv: list[str]):
+    """The training flags, checked once before any process starts (ConfigError: exit 2);
+    their pool layout."""
     from megatron_zeppelin.megatron.loop import args as train_args
 
     args = train_args.parse_args(argv)
-    train_args.validate_args(args, 4, 4)
+    return train_args.validate_args(args, RANKS, RANKS)
 
 
 def register(targets: argparse._SubParsersAction) -> None:

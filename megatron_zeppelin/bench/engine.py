@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from megatron_zeppelin.bench import engine_ring
 from megatron_zeppelin.bench.engine_local import alternating, slowest_rank_seconds
+from megatron_zeppelin.bench.workers import run_spawned
 from megatron_zeppelin.runtime.kernels import accum_dtype
 from megatron_zeppelin.runtime.transport import Pending, Transport
 
@@ -258,13 +259,11 @@ def run(argv: Sequence[str] | None = None) -> dict:
 
 def two_cpu_ranks(args: argparse.Namespace) -> dict:
     """The 2-rank gloo measurement on CPU (see the module docstring)."""
-    import torch.multiprocessing as mp
-
     plan = make_bench_plan(args)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "figures.json")
-        mp.start_processes(_worker, args=(os.path.join(tmp, "store"), out_path, args, plan),
-                           nprocs=2, join=True, start_method="spawn")
+        run_spawned(_worker, 2, (os.path.join(tmp, "store"), out_path, args, plan),
+                    timeout_s=1800.0, what="bench engine")
         figures = json.loads(Path(out_path).read_text())
     figures["speedup"] = figures["single"] / figures["engine"]
     figures["speedup_solo"] = figures["single"] / figures["compute_solo"]

@@ -26,6 +26,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_zeppelin.bench.workers import run_spawned
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -185,14 +187,12 @@ def _ranks_worker(rank: int, world: int, store: str, out_path: str, args, plan) 
 
 def one_gpu_ranks(args: argparse.Namespace, make_plan) -> dict:
     """``args.ranks`` processes on the one GPU (see the module docstring)."""
-    import torch.multiprocessing as mp
-
     plan = make_plan(args, 2, args.ranks // 2)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "figures.json")
-        mp.start_processes(_ranks_worker, args=(args.ranks, os.path.join(tmp, "store"),
-                                                out_path, args, plan),
-                           nprocs=args.ranks, join=True, start_method="spawn")
+        store = os.path.join(tmp, "store")
+        run_spawned(_ranks_worker, args.ranks, (args.ranks, store, out_path, args, plan),
+                    timeout_s=1800.0, what="bench engine")
         figures = json.loads(Path(out_path).read_text())
     figures["tiers"] = plan.tier_counts()
     figures["ratio"] = figures["engine"] / figures["single"]

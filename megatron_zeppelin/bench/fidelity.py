@@ -16,8 +16,6 @@ The attention shape (4 heads of 16, fp32: the tiny GPT's, the profile's) has one
 from __future__ import annotations
 
 import argparse
-import datetime
-import multiprocessing
 import os
 import random
 import time
@@ -27,7 +25,7 @@ from megatron_zeppelin.config import ModelSpec, ZeppelinConfig, load_cluster, lo
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner import STRATEGIES
-from megatron_zeppelin.bench.p2p_link import collect, free_port
+from megatron_zeppelin.bench.workers import run_forked
 from megatron_zeppelin.sim.simulator import SimOptions, attention_time
 from megatron_zeppelin.sim.workloads import sample_batch
 
@@ -160,44 +158,30 @@ class _PlanRun:
         return float(elapsed)
 
 
-def _rank_main(rank: int, world: int, port: int, plans, opts: FidelityOptions, queue) -> None:
-    """Process body of one gloo rank: time every plan, round-robin over the plans ``repeats``
-    times after a warm-up round (so that other load on the cores hits every plan alike); rank
-    0 reports every plan's run times."""
-    import torch
+def _rank_main(rank: int, plans, opts: FidelityOptions) -> list[list[float]] | None:
+    """One gloo rank: time every plan, round-robin over the plans ``repeats`` times after a
+    warm-up round (so that other load on the cores hits every plan alike); rank 0 returns
+    every plan's run times."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=600))
-    try:
-        groups = (dist.group.WORLD, dist.new_group(list(range(world))),
-                  load_cluster(opts.cluster))
-        runs = [_PlanRun(plan, rank, mode, opts, groups) for _, _, mode, plan in plans]
-        times: list[list[float]] = [[] for _ in runs]
-        for it in range(opts.repeats + 1):
-            for run, mine in zip(runs, times):
-                seconds = run.time_once()
-                if it:
-                    mine.append(seconds)
-        for run in runs:
-            run.engine.close()
-        if rank == 0:
-            queue.put(times)
-    finally:
-        dist.destroy_process_group()
+    world = dist.get_world_size()
+    groups = (dist.group.WORLD, dist.new_group(list(range(world))), load_cluster(opts.cluster))
+    runs = [_PlanRun(plan, rank, mode, opts, groups) for _, _, mode, plan in plans]
+    times: list[list[float]] = [[] for _ in runs]
+    for it in range(opts.repeats + 1):
+        for run, mine in zip(runs, times):
+            seconds = run.time_once()
+            if it:
+                mine.append(seconds)
+    for run in runs:
+        run.engine.close()
+    return times if rank == 0 else None
 
 
 def measure(plans, opts: FidelityOptions, world: int) -> list[list[float]]:
     """Per plan, the seconds of each timed run on ``world`` forked gloo processes."""
-    port = free_port()
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, plans, opts, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    return collect(queue, procs, 1, 1800.0, "fidelity rank")[0]
+    return run_forked(_rank_main, world, (plans, opts), timeout_s=1800.0, what="fidelity rank",
+                      gloo_timeout_s=600.0)[0]
 
 
 def run_fidelity(opts: FidelityOptions = FidelityOptions()) -> FidelityReport:

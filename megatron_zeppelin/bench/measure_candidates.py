@@ -5,39 +5,34 @@ one micro-batch; the weights never change, the gradients are zeroed after every 
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
+
+from megatron_zeppelin.bench.workers import run_spawned, training_rank_env
 
 NAME_OF_STRATEGY = "zeppelin"  # the plans' strategy field
 SAME = "/"  # joins the names of candidates that are the same plan
 
 
-def run_world(argv: list[str], options: dict, out: str) -> None:
-    """Spawn the 4 ranks; rank 0 writes ``[decide() keyword arguments, ...]`` to ``out``."""
-    import torch.multiprocessing as mp
+SETUP_TIMEOUT_S = 600.0  # the world's start: model, planner, corpus
+ROUND_TIMEOUT_S = 1200.0  # one round of a micro-batch: every candidate's step once
 
-    mp.start_processes(_rank, args=(4, argv, options, out), nprocs=4, start_method="spawn")
+
+def run_world(argv: list[str], options: dict, out: str) -> None:
+    """Spawn the ranks; rank 0 writes ``[decide() keyword arguments, ...]`` to ``out``. A rank
+    that fails, or a world past its time (``SETUP_TIMEOUT_S`` plus ``ROUND_TIMEOUT_S`` per
+    round), is a RuntimeError naming the rank."""
+    from megatron_zeppelin.bench.train import RANKS
+
+    rounds = options["batches"] * (options["warmup"] + options["repeats"])
+    run_spawned(_rank, RANKS, (RANKS, argv, options, out),
+                timeout_s=SETUP_TIMEOUT_S + ROUND_TIMEOUT_S * rounds, what="bench decisions")
 
 
 def _rank(rank: int, world: int, argv: list[str], options: dict, out: str) -> None:
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(options["port"]), OMP_NUM_THREADS="1")
-    import torch
-
-    torch.set_num_threads(1)  # as torchrun does: 4 ranks share this machine's cores
-    sys.stdout = open(os.devnull, "w")
-    try:
-        _measure(rank, world, argv, options, out)
-    except BaseException as exc:  # the failing rank names itself (the others see it close)
-        print(f"bench decisions: rank {rank} failed: {exc!r}", file=sys.stderr, flush=True)
-        raise
+    training_rank_env(rank, world, options["port"])
+    _measure(rank, world, argv, options, out)
 
 
 def _measure(rank: int, world: int, argv: list[str], options: dict, out: str) -> None:

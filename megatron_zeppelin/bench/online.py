@@ -1,6 +1,6 @@
 """``zeppelin bench online``: what the online profile fit costs and what it corrects.
 
-The tiny GPT of ``bench train`` (4 gloo ranks as 2 nodes x 2, same seed: the same documents)
+The tiny GPT of ``bench train`` (4 gloo ranks, same layout, same seed: the same documents)
 in zeppelin mode, three ways, ``--repeats`` rounds alternating so that load drifts hit all:
 
 * ``off``: no measurement (``--zeppelin-fit-interval 0``);
@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from megatron_zeppelin.bench.train import Entry, run_entries
+from megatron_zeppelin.bench.train import Entry, layout_line, run_entries, training_shape
 from megatron_zeppelin.options import require
 
 
@@ -39,7 +39,8 @@ def bench_online(args: argparse.Namespace) -> int:
             "measure": {"zeppelin-fit-interval": str(args.iterations + 1)},
             "fit": {"zeppelin-fit-interval": str(args.interval),
                     **({"zeppelin-profile-out": args.profile_out} if args.profile_out else {})}}
-    print(f"tiny GPT, zeppelin mode, 4 gloo ranks as 2 nodes x 2, {args.iterations} steps per "
+    _, layout = training_shape(args.extra, args.iterations)
+    print(f"tiny GPT, zeppelin mode, {layout_line(layout)}, {args.iterations} steps per "
           f"run, first {args.warmup} dropped, {args.repeats} rounds alternating")
     steps: dict[str, list[float]] = {way: [] for way in ways}
     logs: dict[str, list[dict]] = {}

@@ -20,7 +20,6 @@ round:
 """
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import time

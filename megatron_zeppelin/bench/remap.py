@@ -44,7 +44,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_zeppelin.bench.train import YAML, Entry, run_entries
+from megatron_zeppelin.bench.train import RANKS, YAML, Entry, run_entries
+from megatron_zeppelin.bench.workers import run_spawned
 
 SEQ, MICRO = 4096, 4 * 4096  # the YAML's --seq-length and one micro-batch's tokens
 WIDE = ["--hidden-size", "256", "--ffn-hidden-size", "1024"]  # linear-heavy: 8x the FLOPs/token
@@ -151,7 +152,7 @@ def replay(flags: list[str], batches: list[list[int]]) -> dict:
     plan_of = {}
     for variant, switches in VARIANTS.items():
         args = train_args.parse_args(flags + switches)
-        layout = train_args.validate_args(args, 4, 4)
+        layout = train_args.validate_args(args, RANKS, RANKS)
         cost = train.make_cost_model(args, train.model_spec(args), layout)
         planner = train.make_planner(args, cost, layout)
         plan_of[variant] = ([planner(b) for b in batches], cost)
@@ -209,8 +210,6 @@ def exchange_costs(replayed: dict, port: int, reps: int, plans: int = 4) -> dict
     remapping plans), by all-to-all (``measured``) and by point-to-point between the ranks
     that move rows (``measured_pairs``, ``ZEPPELIN_REMAP_EXCHANGE=pairs``), and as the
     estimate charges them (``StepEstimate.remap_s``)."""
-    import torch.multiprocessing as mp
-
     from megatron_zeppelin.estimate import estimate_step
 
     cases, owners = [], []
@@ -226,8 +225,8 @@ def exchange_costs(replayed: dict, port: int, reps: int, plans: int = 4) -> dict
         return {}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "exchange.json")
-        mp.start_processes(_exchange_rank, args=(4, port, cases, reps, out), nprocs=4,
-                           start_method="spawn")
+        run_spawned(_exchange_rank, RANKS, (RANKS, port, cases, reps, out), timeout_s=1800.0,
+                    what="bench remap exchange")
         seconds = json.loads(Path(out).read_text())
     found: dict[str, dict[str, list[float]]] = {}
     for (name, key, plan, cost), pair in zip(owners, seconds):

@@ -1,7 +1,8 @@
 """``zeppelin bench train``: per-step time of every strategy training the tiny GPT on CPU.
 
 Every strategy runs ``scripts/pretrain_gpt.py``'s training loop (``train.main``) on 4 gloo ranks
-(2 emulated nodes x 2) with the same flags and seed, so they read the same documents in the
+(laid out by the flags: by default ``gpt-tiny-cpu.yaml``'s 2 emulated nodes x 2, CP 4; the header
+line states the layout) with the same flags and seed, so they read the same documents in the
 same micro-batches; only the plan of each micro-batch differs (``--zeppelin-strategy``;
 ``static`` is static mode, TE/Megatron CP over the whole CP group). Rounds are interleaved:
 each round trains every strategy ``--iterations`` steps in turn, so that a drift in the
@@ -25,16 +26,23 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megatron_zeppelin.bench.workers import run_spawned, training_rank_env
+
+if TYPE_CHECKING:
+    from megatron_zeppelin.parallel import PoolLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 YAML = ROOT / "configs" / "train" / "gpt-tiny-cpu.yaml"
 STATIC = "static"  # static mode: TE/Megatron CP over the whole CP group
 CAP_FLAG = "max-seqlen-per-dp-cp-rank"
 CAPPED = ("hybrid-dp", "megatron-hybrid-cp", "megatron-dynamic-cp")
+RANKS = 4  # gloo ranks of the benchmarks' training world on this machine
+RUN_TIMEOUT_S = 3600.0  # per training run of a world (generous: loaded machines); then stopped
 
 
 @dataclass
@@ -85,22 +93,14 @@ def _rank(rank: int, world: int, port: int, runs: list[list[str]], out: str) -> 
     """One rank of the benchmark's world: every run of ``runs`` (pretrain_gpt.py flags) in
     order, inside one gloo world (as ``train.main`` does, minus the watchdog); rank 0 writes
     ``[{"logs": [...]} or {"refused": reason}, ...]`` to ``out``."""
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    training_rank_env(rank, world, port)
     import dataclasses
 
-    import torch
     import torch.distributed as dist
 
     from megatron_zeppelin.config import ConfigError
     from megatron_zeppelin.megatron.loop import args as train_args, preflight, train
 
-    torch.set_num_threads(1)  # as torchrun does: 4 ranks share this machine's cores
-    sys.stdout = open(os.devnull, "w")  # the runs' banners and log lines: the table says it
     train.init_process_group(train_args.parse_args(runs[0]))
     results = []
     for argv in runs:
@@ -122,14 +122,15 @@ def _rank(rank: int, world: int, port: int, runs: list[list[str]], out: str) -> 
 def run_entries(entries: list[Entry], iterations: int, extra: list[str], port: int
                 ) -> list[tuple[list[dict], str]]:
     """Train ``iterations`` steps of every entry in turn on 4 spawned ranks (one world):
-    per entry, (rank 0's per-step logs, the one-line reason it was refused, or '')."""
-    import torch.multiprocessing as mp
-
+    per entry, (rank 0's per-step logs, the one-line reason it was refused, or ''). A rank
+    that fails, or a world still running after ``RUN_TIMEOUT_S`` per entry, is a
+    RuntimeError naming the rank."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         runs = [run_flags(e, iterations, extra) + ["--log-json", os.path.join(tmp, f"{i}.jsonl")]
                 for i, e in enumerate(entries)]  # every step recorded, none printed
-        mp.start_processes(_rank, args=(4, port, runs, out), nprocs=4, start_method="spawn")
+        run_spawned(_rank, RANKS, (RANKS, port, runs, out),
+                    timeout_s=RUN_TIMEOUT_S * len(runs), what="bench train")
         results = json.loads(Path(out).read_text())
         return [(r.get("logs", []), r.get("refused", "")) for r in results]
 
@@ -164,14 +165,22 @@ class Runner:
                     entry.tiers[i] += sum(r[tier] for r in logs)
 
 
-def training_shape(extra: list[str], iterations: int) -> tuple[int, int]:
-    """(--seq-length, --context-parallel-size) of the runs; the flags every run shares are
-    validated here first (a bad one is refused once, before any process starts)."""
+def training_shape(extra: list[str], iterations: int) -> tuple[int, "PoolLayout"]:
+    """(--seq-length, the pool layout) of the runs; the flags every run shares are validated
+    here first (a bad one is refused once, before any process starts)."""
     from megatron_zeppelin.megatron.loop import args as train_args
 
     args = train_args.parse_args(run_flags(Entry(STATIC), iterations, extra))
-    train_args.validate_args(args, 4, 4)
-    return args.seq_length, args.context_parallel_size
+    return args.seq_length, train_args.validate_args(args, RANKS, RANKS)
+
+
+def layout_line(layout: "PoolLayout") -> str:
+    """The world the runs train on, as their flags lay it out (``--zeppelin-gpus-per-node``,
+    the TP, CP and PP sizes): ``4 gloo ranks as 2 emulated nodes x 2 (TP 1, CP 4, PP 1, DP 1)``."""
+    nodes = layout.world_size // layout.gpus_per_node
+    return (f"{layout.world_size} gloo ranks as {nodes} emulated node{'s' * (nodes > 1)} x "
+            f"{layout.gpus_per_node} (TP {layout.tp}, CP {layout.cp}, PP {layout.pp}, "
+            f"DP {layout.dp})")
 
 
 def knob(entry: Entry, seq_length: int, pool: int) -> tuple[str, list[int]] | None:
@@ -271,13 +280,13 @@ def bench_train(args: argparse.Namespace) -> int:
         raise ValueError(f"--warmup={args.warmup} is invalid: expected 0 <= it < --iterations "
                          f"{args.iterations}")
     runner = Runner(args)
-    seq_length, pool = training_shape(args.extra, args.iterations)
-    print(f"tiny GPT ({YAML.name} + {' '.join(args.extra) or 'no flags'}), 4 gloo ranks as 2 "
-          f"nodes x 2; {args.rounds} interleaved round(s) of {args.iterations} steps per "
-          f"strategy, first {args.warmup} of each dropped; same documents and seed for all",
-          flush=True)
+    seq_length, layout = training_shape(args.extra, args.iterations)
+    print(f"tiny GPT ({YAML.name} + {' '.join(args.extra) or 'no flags'}), "
+          f"{layout_line(layout)}; {args.rounds} interleaved round(s) of {args.iterations} "
+          f"steps per strategy, first {args.warmup} of each dropped; same documents and seed "
+          "for all", flush=True)
     if args.tune:
-        entries = tune(entries, runner, seq_length, pool)
+        entries = tune(entries, runner, seq_length, layout.cp)
     for _ in range(args.rounds):  # interleaved: every strategy once per round, in turn
         runner.measure(entries)
     lines, agree = report(entries, args.loss_rtol)

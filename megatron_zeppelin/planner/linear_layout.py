@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_zeppelin.config import add_up
+from megatron_zeppelin.twin_arithmetic import add_up
 from megatron_zeppelin.estimate import Move
 from megatron_zeppelin.plan import Layout, Segment, Topology
 

@@ -39,8 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_zeppelin.config import (ConfigError, from_dict, read_yaml, resolve_config_path,
-                                      write_yaml)
+from megatron_zeppelin.config import ConfigError
+from megatron_zeppelin.config_yaml import (from_dict, read_yaml, resolve_config_path,
+                                           write_yaml)
 from megatron_zeppelin.options import require
 
 TABLES = ("attention_tflops", "attention_bwd_ratio")
@@ -108,18 +109,14 @@ class SimProfile:
         """The best forward TFLOP/s any query length up to ``length`` reaches (a ring's
         chunk of a sequence may run faster than the whole)."""
         length = np.asarray(length, dtype=np.float64)
-        best = self.attention_tflops_at(length)
-        for n, value in self.attention_tflops:
-            best = np.where(length >= n, np.maximum(best, value), best)
-        return best
+        return _running(np.maximum, self.attention_tflops_at(length), self.attention_tflops,
+                        length)
 
     def least_ratio_up_to(self, length) -> np.ndarray:
         """The lowest backward / forward ratio at any query length up to ``length``."""
         length = np.asarray(length, dtype=np.float64)
-        least = self.backward_ratio(length)
-        for n, value in self.attention_bwd_ratio:
-            least = np.where(length >= n, np.minimum(least, value), least)
-        return least
+        return _running(np.minimum, self.backward_ratio(length), self.attention_bwd_ratio,
+                        length)
 
     def attention_forward_s(self, flops: np.ndarray, chunk: np.ndarray) -> np.ndarray:
         """Seconds of ``flops`` forward attention FLOPs run at query length ``chunk`` (log
@@ -149,6 +146,15 @@ def _interp(table: tuple[tuple[int, float], ...], x) -> np.ndarray:
     lengths = np.log([n for n, _ in table])
     values = [v for _, v in table]
     return np.interp(np.log(np.maximum(np.asarray(x, dtype=np.float64), 1.0)), lengths, values)
+
+
+def _running(pick, start: np.ndarray, table: tuple[tuple[int, float], ...],
+             length: np.ndarray) -> np.ndarray:
+    """``start`` folded with ``pick`` (np.maximum / np.minimum) over the table's values at
+    lengths up to ``length``, elementwise."""
+    for n, value in table:
+        start = np.where(length >= n, pick(start, value), start)
+    return start
 
 
 def load_sim_profile(name_or_path: str | os.PathLike) -> SimProfile:

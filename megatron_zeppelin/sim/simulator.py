@@ -30,7 +30,6 @@ What it models (times in seconds; ``step_model.py`` has the formulas):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
@@ -67,18 +66,12 @@ class SimOptions:
     dkv_dtype: str = "accumulator"
 
     def __post_init__(self) -> None:
-        if self.local_policy not in LOCAL_POLICIES:
-            raise ValueError(f"local_policy={self.local_policy!r} is invalid: expected one of "
-                             f"{list(LOCAL_POLICIES)}")
-        if self.inter_mode not in INTER_MODES:
-            raise ValueError(f"inter_mode={self.inter_mode!r} is invalid: expected one of "
-                             f"{list(INTER_MODES)}")
-        if self.dkv_dtype not in DKV_DTYPES:
-            raise ValueError(f"dkv_dtype={self.dkv_dtype!r} is invalid: expected one of "
-                             f"{list(DKV_DTYPES)}")
-        if self.router not in STEP_TIME_MODELS:
-            raise ValueError(f"router={self.router!r} is invalid: expected one of "
-                             f"{list(STEP_TIME_MODELS)}")
+        for key, allowed in (("local_policy", LOCAL_POLICIES), ("inter_mode", INTER_MODES),
+                             ("dkv_dtype", DKV_DTYPES), ("router", STEP_TIME_MODELS)):
+            value = getattr(self, key)
+            if value not in allowed:
+                raise ValueError(f"{key}={value!r} is invalid: expected one of "
+                                 f"{list(allowed)}")
 
 
 @dataclass(frozen=True)

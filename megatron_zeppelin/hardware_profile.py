@@ -1,0 +1,110 @@
+"""The achieved throughputs of one GPU (or CPU rank) that the cost model prices with
+(``configs/hardware/*.yaml``), and the attention kernels a profile may describe.
+
+Loaded strictly by ``config.load_hardware`` / ``config.hardware_for``; written back by
+``config_yaml.write_yaml`` (``zeppelin calibrate``, the online fit).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, TypeVar
+
+from megatron_zeppelin.options import require, require_positive
+from megatron_zeppelin.twin_arithmetic import interp
+
+Cluster = TypeVar("Cluster")  # config.ClusterSpec (which imports this module)
+
+# The attention kernel a hardware profile describes (``HardwareProfile.kernel``); each runtime
+# kernel backend names the one it runs (``runtime.kernels``: native/flash_attn -> fa2, te ->
+# cudnn, torch on CPU -> cpu).
+ATTENTION_KERNELS = {
+    "fa2": "FlashAttention-2 code: torch's built-in varlen flash attention (backend native) "
+           "and the flash-attn 2.x package (backend flash_attn)",
+    "fa3": "FlashAttention-3 (Hopper): published figures; no shipped backend runs it",
+    "cudnn": "cuDNN fused attention through Transformer Engine (backend te)",
+    "cpu": "torch's CPU kernels (backend torch on CPU)",
+}
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Achieved throughputs of one GPU (or CPU rank), with where the numbers come from.
+
+    ``attention_tflops`` maps a per-call query length to achieved causal attention forward
+    TFLOP/s; lengths in between interpolate on log(length), outside clamp to the ends.
+    ``kernel`` (required, keyword): the attention kernel the figures describe
+    (``ATTENTION_KERNELS``); ``hardware_for`` picks the profile of the kernel that will run.
+    ``ring_step_overhead_us``: the engine's host work per ring step and layer, forward and
+    backward together (0: not modelled); ``remap_overhead_us``: the remapping layer's host work
+    per layer, forward and backward together, on top of its bytes (its all-to-alls' setup and
+    the wait for the slowest rank; 0: not modelled). ``intra_*`` / ``inter_*``: measured link figures
+    (a profile fitted during training, ``fit.py``) that replace the cluster's nominal NVLink /
+    NIC bandwidth and latency in the cost model (``links``); None keeps the cluster's.
+    """
+
+    name: str
+    gemm_tflops: float
+    attention_tflops: tuple[tuple[int, float], ...]
+    attention_bwd_ratio: float = 2.5
+    kernel_overhead_us: float = 8.0
+    p2p_gbyte_per_s: float | None = None
+    p2p_latency_us: float | None = None
+    source: str = ""
+    kernel: str = field(kw_only=True)
+    ring_step_overhead_us: float = field(default=0.0, kw_only=True)
+    remap_overhead_us: float = field(default=0.0, kw_only=True)
+    intra_gbyte_per_s: float | None = field(default=None, kw_only=True)
+    intra_latency_us: float | None = field(default=None, kw_only=True)
+    inter_gbit_per_s: float | None = field(default=None, kw_only=True)
+    inter_latency_us: float | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        require(self.kernel in ATTENTION_KERNELS, "hardware.kernel", self.kernel,
+                f"one of {list(ATTENTION_KERNELS)}")
+        require_positive("hardware.gemm_tflops", self.gemm_tflops)
+        require_positive("hardware.attention_bwd_ratio", self.attention_bwd_ratio)
+        require(self.kernel_overhead_us >= 0, "hardware.kernel_overhead_us",
+                self.kernel_overhead_us, "a number >= 0")
+        table = self.attention_tflops
+        if isinstance(table, Mapping):
+            table = tuple(sorted(table.items()))
+        table = tuple((int(length), float(tflops)) for length, tflops in table)
+        require(len(table) > 0, "hardware.attention_tflops", table,
+                "a non-empty map {length: TFLOP/s}")
+        for length, tflops in table:
+            require(length > 0 and tflops > 0, "hardware.attention_tflops", {length: tflops},
+                    "positive lengths and positive TFLOP/s")
+        object.__setattr__(self, "attention_tflops", tuple(sorted(table)))
+        for key in ("p2p_gbyte_per_s", "p2p_latency_us", "intra_latency_us",
+                    "inter_latency_us", "ring_step_overhead_us", "remap_overhead_us"):
+            if getattr(self, key) is not None:
+                require(getattr(self, key) >= 0, f"hardware.{key}", getattr(self, key),
+                        "a number >= 0")
+        for key in ("intra_gbyte_per_s", "inter_gbit_per_s"):
+            if getattr(self, key) is not None:
+                require_positive(f"hardware.{key}", getattr(self, key))
+
+    def links(self, cluster: Cluster) -> Cluster:
+        """``cluster`` (a ``config.ClusterSpec``) with this profile's measured link figures in
+        place of its own."""
+        keys = {"nvlink_gbyte_per_s": self.intra_gbyte_per_s,
+                "nvlink_latency_us": self.intra_latency_us,
+                "nic_gbit_per_s": self.inter_gbit_per_s, "nic_latency_us": self.inter_latency_us}
+        changes = {k: v for k, v in keys.items() if v is not None and getattr(cluster, k) != v}
+        return dataclasses.replace(cluster, **changes) if changes else cluster
+
+    @property
+    def log_lengths(self) -> tuple[float, ...]:
+        """log of the profile's lengths (the interpolation's abscissae)."""
+        return tuple(math.log(length) for length, _ in self.attention_tflops)
+
+    @property
+    def flops_per_s(self) -> tuple[float, ...]:
+        """The profile's achieved FLOP/s (TFLOP/s x 1e12), in length order."""
+        return tuple(tflops * 1e12 for _, tflops in self.attention_tflops)
+
+    def attention_flops_per_s(self, length: float) -> float:
+        """Achieved attention FLOP/s for a call whose query chunk has ``length`` tokens."""
+        return interp(math.log(length), self.log_lengths, self.flops_per_s)
