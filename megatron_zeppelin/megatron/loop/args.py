@@ -161,6 +161,30 @@ def resolve_data_source(args: argparse.Namespace, argv: Sequence[str]) -> None:
         args.data_path = None
 
 
+def check_fsdp(args: argparse.Namespace) -> None:
+    """``--use-megatron-fsdp`` and ``--data-parallel-sharding-strategy``: what runs with them."""
+    strategy = args.data_parallel_sharding_strategy
+    if strategy != "no_shard" and not args.use_megatron_fsdp:
+        raise ConfigError(f"--data-parallel-sharding-strategy={strategy} without "
+                          "--use-megatron-fsdp: it says what Megatron-FSDP shards; add "
+                          "--use-megatron-fsdp (or --use-distributed-optimizer for ZeRO-1 "
+                          "under Megatron DDP)")
+    if not args.use_megatron_fsdp:
+        return
+    if args.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"--use-megatron-fsdp with --pipeline-model-parallel-size="
+                          f"{args.pipeline_model_parallel_size}: Megatron-FSDP has not run "
+                          "with pipeline stages here (no exactness test); use "
+                          "--use-distributed-optimizer with pipeline parallelism")
+    for flag in ("save", "load"):
+        if getattr(args, flag):
+            raise ConfigError(f"--{flag} with --use-megatron-fsdp: checkpoints are not "
+                              "written or read with Megatron-FSDP yet (megatron-core 0.16.1 "
+                              "keeps its state only in the fsdp_dtensor format, not the "
+                              "torch_dist checkpoints of the other modes); train without "
+                              f"--{flag}, or use --use-distributed-optimizer")
+
+
 def validate_args(args: argparse.Namespace, world_size: int, local_world_size: int | None
                   ) -> PoolLayout:
     """Refuse bad settings with the flag, the value and what is allowed (before training);
@@ -194,12 +218,7 @@ def validate_args(args: argparse.Namespace, world_size: int, local_world_size: i
     layout.micro_batches(args.global_batch_size, args.micro_batch_size)
     pipeline.check(args, layout)
     planner_strategy(args, layout.cp)
-    if args.use_megatron_fsdp:
-        raise ConfigError(f"--use-megatron-fsdp is not supported (--device {args.device}): "
-                          "megatron-core 0.16.1's Megatron-FSDP creates CUDA streams when it "
-                          "wraps the model (no CPU/gloo run, so no exactness test here) and "
-                          "has not run with zeppelin pools; use --use-distributed-optimizer "
-                          "(ZeRO-1: Adam state and main parameters sharded over DP x CP)")
+    check_fsdp(args)
     if args.bf16 and args.device == "cpu":
         raise ConfigError("--bf16 with --device cpu: megatron-core's bf16 optimizer needs CUDA; "
                           "train in fp32 on CPU")

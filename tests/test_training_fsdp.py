@@ -1,0 +1,95 @@
+"""--use-megatron-fsdp (megatron-core's Megatron-FSDP, CUDA streams bridged on CPU by
+``cpu_fsdp.py``) on 4 gloo ranks, 2 emulated nodes of 2, zeppelin mode with CP 4: parameters,
+gradients and Adam state sharded over DP x CP (``optim_grads_params``), each pool rank holding
+another number of tokens. The losses, gradient norms and parameters after 3 iterations are
+those of zeppelin mode under Megatron DDP and of one process; the flags it does not run with
+are refused in one line."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_world
+from test_distributed_optimizer import FLAGS, ZEPPELIN, close, run
+
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+ONE_PROCESS = ["--context-parallel-mode", "static", "--context-parallel-size", "1"]
+
+
+def full_parameters(chunk) -> dict[str, torch.Tensor]:
+    """Every parameter of a DDP or Megatron-FSDP chunk as a full tensor, by its name in the
+    GPT model (collective: FSDP's shards are gathered over DP x CP)."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        gather_uneven_dtensor_to_full_tensor)
+    from torch.distributed.tensor import DTensor
+
+    full = {}
+    for name, param in chunk.module.named_parameters():
+        if isinstance(param, DTensor):
+            param = gather_uneven_dtensor_to_full_tensor(param).to_local()
+        full[name.removeprefix("module.")] = param.detach().clone()
+    return full
+
+
+def run_keeping_parameters(world: int, argv: list[str]) -> tuple[list[tuple], dict]:
+    """``run`` that also returns the parameters after the last iteration."""
+    from megatron_zeppelin.megatron.loop import train
+
+    kept, loop = {}, train.loop
+
+    def keeping(args, layout, run_state, *rest, **kwargs):
+        loop(args, layout, run_state, *rest, **kwargs)
+        kept.update(full_parameters(run_state.model))
+
+    train.loop = keeping
+    try:
+        return run(world, argv), kept
+    finally:
+        train.loop = loop
+
+
+def pools_body(rank: int, world: int, tmp: str) -> None:
+    ddp = run_keeping_parameters(world, FLAGS + ZEPPELIN)
+    fsdp = run_keeping_parameters(world, FLAGS + ZEPPELIN + FSDP)
+    if rank == 0:
+        torch.save({"ddp": ddp, "fsdp": fsdp}, f"{tmp}/runs.pt")
+
+
+def one_process_body(rank: int, world: int, tmp: str) -> None:
+    torch.save(run_keeping_parameters(world, FLAGS + ONE_PROCESS), f"{tmp}/one.pt")
+
+
+def test_megatron_fsdp_in_zeppelin_mode_matches_ddp_and_one_process(tmp_path):
+    run_world(pools_body, 4, str(tmp_path), start_method="spawn", timeout_s=400)
+    run_world(one_process_body, 1, str(tmp_path), start_method="spawn", timeout_s=300)
+    runs = torch.load(tmp_path / "runs.pt", weights_only=False)
+    one = torch.load(tmp_path / "one.pt", weights_only=False)
+    (ddp_logs, ddp_params), (fsdp_logs, fsdp_params) = runs["ddp"], runs["fsdp"]
+    assert [it for it, _, _ in fsdp_logs] == [1, 2, 3]
+    assert close(fsdp_logs, ddp_logs), (fsdp_logs, ddp_logs)
+    assert close(fsdp_logs, one[0], 1e-5), (fsdp_logs, one[0])
+    assert sorted(fsdp_params) == sorted(ddp_params) == sorted(one[1])
+    # Adam moves every element by ~lr whatever its gradient's size, so an element whose gradient
+    # is near 0 carries the gradients' rounding (sums in another order) into its step: 1e-5 is
+    # 0.1% of one step of lr 0.01
+    for name, value in fsdp_params.items():
+        torch.testing.assert_close(value, ddp_params[name], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(value, one[1][name], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--data-parallel-sharding-strategy", "optim"],
+     "--data-parallel-sharding-strategy=optim without --use-megatron-fsdp"),
+    (FSDP + ["--pipeline-model-parallel-size", "2"],
+     "--use-megatron-fsdp with --pipeline-model-parallel-size=2"),
+])
+def test_fsdp_flags_it_does_not_run_with_are_refused(extra, match):
+    from megatron_zeppelin.config import ConfigError
+    from megatron_zeppelin.megatron.loop import args as train_args
+
+    args = train_args.parse_args(FLAGS + ZEPPELIN[:2] + ["--context-parallel-size", "2"] +
+                                 extra)
+    with pytest.raises(ConfigError, match=match):
+        train_args.validate_args(args, 4, None)
