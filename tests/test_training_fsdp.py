@@ -3,14 +3,17 @@
 gradients and Adam state sharded over DP x CP (``optim_grads_params``), each pool rank holding
 another number of tokens. The losses, gradient norms and parameters after 3 iterations are
 those of zeppelin mode under Megatron DDP and of one process; the flags it does not run with
-are refused in one line."""
+are refused in one line. Its checkpoints are those of the other modes (full tensors in model
+space, checkpoint_fsdp.py): saved with FSDP, they resume in static mode under Megatron DDP,
+with the distributed optimizer and with FSDP; a distributed optimizer's checkpoint resumes
+with FSDP; each resume repeats the uninterrupted run's iterations 2 and 3."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from distributed import run_world
-from test_distributed_optimizer import FLAGS, ZEPPELIN, close, run
+from test_distributed_optimizer import DISTRIBUTED, FLAGS, STATIC, ZEPPELIN, close, run
 
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
 ONE_PROCESS = ["--context-parallel-mode", "static", "--context-parallel-size", "1"]
@@ -19,16 +22,11 @@ ONE_PROCESS = ["--context-parallel-mode", "static", "--context-parallel-size", "
 def full_parameters(chunk) -> dict[str, torch.Tensor]:
     """Every parameter of a DDP or Megatron-FSDP chunk as a full tensor, by its name in the
     GPT model (collective: FSDP's shards are gathered over DP x CP)."""
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
-        gather_uneven_dtensor_to_full_tensor)
-    from torch.distributed.tensor import DTensor
+    from megatron_zeppelin.megatron.loop.checkpoint_fsdp import full_parameters as gathered
 
-    full = {}
-    for name, param in chunk.module.named_parameters():
-        if isinstance(param, DTensor):
-            param = gather_uneven_dtensor_to_full_tensor(param).to_local()
-        full[name.removeprefix("module.")] = param.detach().clone()
-    return full
+    if chunk.ddp_config.use_megatron_fsdp:
+        return gathered(chunk)
+    return {name: p.detach().clone() for name, p in chunk.module.named_parameters()}
 
 
 def run_keeping_parameters(world: int, argv: list[str]) -> tuple[list[tuple], dict]:
@@ -77,6 +75,26 @@ def test_megatron_fsdp_in_zeppelin_mode_matches_ddp_and_one_process(tmp_path):
                                    msg=lambda m, n=name: f"{n}: {m}")
         torch.testing.assert_close(value, one[1][name], rtol=1e-5, atol=1e-5,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+def checkpoints_body(rank: int, world: int, tmp: str) -> None:
+    whole = run(world, FLAGS + ZEPPELIN)
+    first = ["--exit-interval", "1", "--save"]
+    run(world, FLAGS + ZEPPELIN + FSDP + first + [f"{tmp}/f1"])
+    resumed = {"static DDP <- FSDP": run(world, FLAGS + STATIC + ["--load", f"{tmp}/f1"]),
+               "distributed <- FSDP": run(world, FLAGS + ZEPPELIN + DISTRIBUTED +
+                                          ["--load", f"{tmp}/f1"]),
+               "FSDP <- FSDP": run(world, FLAGS + ZEPPELIN + FSDP + ["--load", f"{tmp}/f1"])}
+    run(world, FLAGS + ZEPPELIN + DISTRIBUTED + first + [f"{tmp}/d1"])
+    resumed["FSDP <- distributed"] = run(world, FLAGS + ZEPPELIN + FSDP +
+                                         ["--load", f"{tmp}/d1"])
+    if rank == 0:
+        for what, logs in resumed.items():
+            assert close(logs, whole[1:]), (what, logs, whole)
+
+
+def test_megatron_fsdp_checkpoints_resume_across_modes_and_optimizers(tmp_path):
+    run_world(checkpoints_body, 4, str(tmp_path), start_method="spawn", timeout_s=500)
 
 
 @pytest.mark.parametrize("extra, match", [

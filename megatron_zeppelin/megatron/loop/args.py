@@ -176,13 +176,6 @@ def check_fsdp(args: argparse.Namespace) -> None:
                           f"{args.pipeline_model_parallel_size}: Megatron-FSDP has not run "
                           "with pipeline stages here (no exactness test); use "
                           "--use-distributed-optimizer with pipeline parallelism")
-    for flag in ("save", "load"):
-        if getattr(args, flag):
-            raise ConfigError(f"--{flag} with --use-megatron-fsdp: checkpoints are not "
-                              "written or read with Megatron-FSDP yet (megatron-core 0.16.1 "
-                              "keeps its state only in the fsdp_dtensor format, not the "
-                              "torch_dist checkpoints of the other modes); train without "
-                              f"--{flag}, or use --use-distributed-optimizer")
 
 
 def validate_args(args: argparse.Namespace, world_size: int, local_world_size: int | None
