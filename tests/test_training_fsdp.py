@@ -102,6 +102,7 @@ def test_megatron_fsdp_checkpoints_resume_across_modes_and_optimizers(tmp_path):
      "--data-parallel-sharding-strategy=optim without --use-megatron-fsdp"),
     (FSDP + ["--pipeline-model-parallel-size", "2"],
      "--use-megatron-fsdp with --pipeline-model-parallel-size=2"),
+    (FSDP + ["--bf16", "--save", "ckpt"], "--use-megatron-fsdp --bf16 with --save"),
 ])
 def test_fsdp_flags_it_does_not_run_with_are_refused(extra, match):
     from megatron_zeppelin.config import ConfigError
@@ -111,3 +112,23 @@ def test_fsdp_flags_it_does_not_run_with_are_refused(extra, match):
                                  extra)
     with pytest.raises(ConfigError, match=match):
         train_args.validate_args(args, 4, None)
+
+
+def test_fsdp_cpu_bridge_needs_the_cpu_bridge_and_is_undone_with_it():
+    from megatron_zeppelin.megatron.common import cpu, cpu_fsdp
+
+    if cpu.cpu_mode_enabled():
+        pytest.skip("another test left the CPU bridge on")
+    stream, context = torch.cuda.Stream, torch.cuda.stream
+    with pytest.raises(RuntimeError, match="needs cpu.enable_cpu_mode"):
+        cpu_fsdp.enable_megatron_fsdp_on_cpu()
+    with cpu.cpu_mode():
+        cpu_fsdp.enable_megatron_fsdp_on_cpu()
+        cpu_fsdp.enable_megatron_fsdp_on_cpu()  # idempotent
+        side = torch.cuda.Stream(priority=-1)
+        assert isinstance(side, cpu_fsdp.CpuSideStream)
+        with torch.cuda.stream(side):
+            event = side.record_event()
+        event.wait()
+        assert event.query() and isinstance(torch.cuda.Event(), cpu_fsdp.CpuEvent)
+    assert (torch.cuda.Stream, torch.cuda.stream) == (stream, context)

@@ -176,6 +176,11 @@ def check_fsdp(args: argparse.Namespace) -> None:
                           f"{args.pipeline_model_parallel_size}: Megatron-FSDP has not run "
                           "with pipeline stages here (no exactness test); use "
                           "--use-distributed-optimizer with pipeline parallelism")
+    if args.bf16 and (args.save or args.load):
+        raise ConfigError(f"--use-megatron-fsdp --bf16 with --{'save' if args.save else 'load'}: "
+                          "its checkpoints are written in fp32 only (the model's weights are "
+                          "the optimizer's fp32 main weights, checkpoint_fsdp.py); train in fp32 "
+                          "or use --use-distributed-optimizer")
 
 
 def validate_args(args: argparse.Namespace, world_size: int, local_world_size: int | None
