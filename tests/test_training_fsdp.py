@@ -1,7 +1,7 @@
 """--use-megatron-fsdp (megatron-core's Megatron-FSDP, CUDA streams bridged on CPU by
 ``cpu_fsdp.py``) on 4 gloo ranks, 2 emulated nodes of 2, zeppelin mode with CP 4: parameters,
-gradients and Adam state sharded over DP x CP (``optim_grads_params``), each pool rank holding
-another number of tokens. The losses, gradient norms and parameters after 3 iterations are
+gradients and Adam state sharded over DP x CP (``optim_grads_params``; ``optim_grads`` too),
+each pool rank holding another number of tokens. The losses, gradient norms and parameters after 3 iterations are
 those of zeppelin mode under Megatron DDP and of one process; the flags it does not run with
 are refused in one line. Its checkpoints are those of the other modes (full tensors in model
 space, checkpoint_fsdp.py): saved with FSDP, they resume in static mode under Megatron DDP,
@@ -49,8 +49,9 @@ def run_keeping_parameters(world: int, argv: list[str]) -> tuple[list[tuple], di
 def pools_body(rank: int, world: int, tmp: str) -> None:
     ddp = run_keeping_parameters(world, FLAGS + ZEPPELIN)
     fsdp = run_keeping_parameters(world, FLAGS + ZEPPELIN + FSDP)
+    grads = run_keeping_parameters(world, FLAGS + ZEPPELIN + FSDP[:-1] + ["optim_grads"])
     if rank == 0:
-        torch.save({"ddp": ddp, "fsdp": fsdp}, f"{tmp}/runs.pt")
+        torch.save({"ddp": ddp, "fsdp": fsdp, "optim_grads": grads}, f"{tmp}/runs.pt")
 
 
 def one_process_body(rank: int, world: int, tmp: str) -> None:
@@ -62,19 +63,21 @@ def test_megatron_fsdp_in_zeppelin_mode_matches_ddp_and_one_process(tmp_path):
     run_world(one_process_body, 1, str(tmp_path), start_method="spawn", timeout_s=300)
     runs = torch.load(tmp_path / "runs.pt", weights_only=False)
     one = torch.load(tmp_path / "one.pt", weights_only=False)
-    (ddp_logs, ddp_params), (fsdp_logs, fsdp_params) = runs["ddp"], runs["fsdp"]
-    assert [it for it, _, _ in fsdp_logs] == [1, 2, 3]
-    assert close(fsdp_logs, ddp_logs), (fsdp_logs, ddp_logs)
-    assert close(fsdp_logs, one[0], 1e-5), (fsdp_logs, one[0])
-    assert sorted(fsdp_params) == sorted(ddp_params) == sorted(one[1])
-    # Adam moves every element by ~lr whatever its gradient's size, so an element whose gradient
-    # is near 0 carries the gradients' rounding (sums in another order) into its step: 1e-5 is
-    # 0.1% of one step of lr 0.01
-    for name, value in fsdp_params.items():
-        torch.testing.assert_close(value, ddp_params[name], rtol=1e-5, atol=1e-5,
-                                   msg=lambda m, n=name: f"{n}: {m}")
-        torch.testing.assert_close(value, one[1][name], rtol=1e-5, atol=1e-5,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    ddp_logs, ddp_params = runs["ddp"]
+    for strategy in ("fsdp", "optim_grads"):
+        fsdp_logs, fsdp_params = runs[strategy]
+        assert [it for it, _, _ in fsdp_logs] == [1, 2, 3]
+        assert close(fsdp_logs, ddp_logs), (strategy, fsdp_logs, ddp_logs)
+        assert close(fsdp_logs, one[0], 1e-5), (strategy, fsdp_logs, one[0])
+        assert sorted(fsdp_params) == sorted(ddp_params) == sorted(one[1])
+        # Adam moves every element by ~lr whatever its gradient's size, so an element whose
+        # gradient is near 0 carries the gradients' rounding (sums in another order) into its
+        # step: 1e-5 is 0.1% of one step of lr 0.01
+        for name, value in fsdp_params.items():
+            torch.testing.assert_close(value, ddp_params[name], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, n=name: f"{strategy} {n}: {m}")
+            torch.testing.assert_close(value, one[1][name], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, n=name: f"{strategy} {n}: {m}")
 
 
 def checkpoints_body(rank: int, world: int, tmp: str) -> None:
@@ -103,6 +106,10 @@ def test_megatron_fsdp_checkpoints_resume_across_modes_and_optimizers(tmp_path):
     (FSDP + ["--pipeline-model-parallel-size", "2"],
      "--use-megatron-fsdp with --pipeline-model-parallel-size=2"),
     (FSDP + ["--bf16", "--save", "ckpt"], "--use-megatron-fsdp --bf16 with --save"),
+    (["--use-megatron-fsdp"], "--use-megatron-fsdp with --data-parallel-sharding-strategy="
+     "no_shard"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"],
+     "--use-megatron-fsdp with --data-parallel-sharding-strategy=optim: .* not exact"),
 ])
 def test_fsdp_flags_it_does_not_run_with_are_refused(extra, match):
     from megatron_zeppelin.config import ConfigError

@@ -159,22 +159,30 @@ class FullOptimizer:
         by_param = {id(v.data._zeppelin_fsdp_param): v for v in nested_values(models)
                     if hasattr(getattr(v, "data", None), "_zeppelin_fsdp_param")}
         state = self.adam.state_dict()
-        steps = set()
         for index, param in enumerate(self.params):  # a rank with an empty shard has no
             entry = self.adam.state.get(param, {})  # state for it: every rank gathers all
-            if "step" in entry:
-                steps.add(float(entry["step"]))
             state["state"][index] = {
                 key: _full(param, self.group,
                            entry[key].to_local() if key in entry else param.to_local())
                 for key in ("exp_avg", "exp_avg_sq")}
         optim_state_to_sharding_state(
             state, {i: by_param[id(p)] for i, p in enumerate(self.params)})
+        step = self._step()
+        if step is not None:
+            state["state"]["common_step"] = torch.tensor(step)
+        return state
+
+    def _step(self) -> float | None:
+        """Adam's step count, the same on every rank of the FSDP group (torch's Adam keeps
+        it per parameter, TE's FusedAdam per group; a rank whose shards are all empty has
+        none); None before the first step."""
+        steps = {float(e["step"]) for e in self.adam.state.values() if "step" in e} | \
+            {float(g["step"]) for g in self.adam.param_groups if "step" in g}
         if len(steps) > 1:
             raise ValueError(f"Adam's parameters are at different steps {sorted(steps)}")
-        if steps:
-            state["state"]["common_step"] = torch.tensor(steps.pop())
-        return state
+        step = torch.tensor(steps.pop() if steps else -1.0, dtype=torch.float64)
+        dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.group)
+        return float(step) if step >= 0 else None
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -187,13 +195,15 @@ class FullOptimizer:
         step = state["state"].get("common_step")
         for saved, group in zip(groups, self.adam.param_groups):
             group.update({k: v for k, v in saved.items() if k not in ("params", "step")})
+            if "step" in group and step is not None:  # TE's FusedAdam: one step per group
+                group["step"] = int(step)
             for index, param in zip(saved["params"], group["params"]):
                 if param.to_local().numel() == 0:
                     continue  # an empty shard: no Adam state on this rank
                 entry = self.adam.state[param]
                 for key in ("exp_avg", "exp_avg_sq"):
                     _scatter(state["state"][index][key], entry[key].to_local(), key, param)
-                if step is not None:
+                if step is not None and "step" not in group:
                     entry["step"] = torch.tensor(float(step))
 
 
