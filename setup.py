@@ -55,6 +55,7 @@ setup(
         "tqdm",
         "matplotlib",
         "psutil",  # megatron-core's dist_checkpointing needs it
+        "einops",  # megatron-core's Megatron-FSDP (--use-megatron-fsdp) builds its mesh with it
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6"],

@@ -3,7 +3,7 @@ sharded over DP x CP): zeppelin mode gives the plain optimizer's losses and grad
 its checkpoint (zeppelin) resumes in static mode with the distributed optimizer and with the
 plain one exactly as the uninterrupted run (iteration 3 checks the Adam state and step the
 resumed optimizer carries); a plain checkpoint (static) resumes with the distributed
-optimizer (zeppelin) too; --use-megatron-fsdp is refused in one line."""
+optimizer (zeppelin) too. Megatron-FSDP: test_training_fsdp.py."""
 from __future__ import annotations
 
 import pytest
@@ -60,11 +60,3 @@ def body(rank: int, world: int, tmp: str) -> None:
 def test_distributed_optimizer_is_exact_and_its_checkpoints_cross_modes(tmp_path):
     run_world(body, 4, str(tmp_path), start_method="spawn", timeout_s=400)
 
-
-def test_megatron_fsdp_is_refused_naming_the_flag():
-    from megatron_zeppelin.config import ConfigError
-    from megatron_zeppelin.megatron.loop import args as train_args
-
-    args = train_args.parse_args(FLAGS + ZEPPELIN + ["--use-megatron-fsdp"])
-    with pytest.raises(ConfigError, match="--use-megatron-fsdp is not supported"):
-        train_args.validate_args(args, 4, None)

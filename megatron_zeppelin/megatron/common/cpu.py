@@ -64,8 +64,11 @@ module that bound it by name (``from .clip_grads import clip_grad_by_total_norm_
    its own ``step`` tensor, not one shared) and ``_set_main_param_and_optimizer_states``
    (keeps ``step``; copies under ``no_grad``).
 
+6. Megatron-FSDP (``--use-megatron-fsdp``): its CUDA side streams and events, added by
+   ``cpu_fsdp.enable_megatron_fsdp_on_cpu()`` when a run wraps its model with it (cpu_fsdp.py).
+
 Not bridged (not on our path; they fail loudly): the fp16/bf16 ``MixedPrecisionOptimizer``
-(literal "cuda" buffers), Megatron-FSDP (CUDA streams), CUDA streams/events
+(literal "cuda" buffers), other CUDA streams/events
 (``num_distributed_optimizer_instances > 1``, the combined 1F1B schedule, ``StragglerDetector``),
 ``overlap_p2p_comm`` of the interleaved schedule, ``torch.autocast("cuda")`` (``enable_autocast``) and the
 ``torch.compile``-decorated fused kernels (keep the ``*_fusion`` config flags off on CPU).
@@ -480,6 +483,22 @@ def _rebind_everywhere(old: Any, new: Any) -> list[_Patch]:
     return patches
 
 
+def apply_patches(specs: list[tuple[str, str, Callable[[Any], Any]]]) -> None:
+    """Replace each ``module.path`` by ``make(original)`` (registered for
+    ``disable_cpu_mode``); one already replaced by this bridge is left as it is."""
+    applied = {(id(p.owner), p.name) for p in _APPLIED}
+    for module_name, path, make in specs:
+        owner, name = _resolve(module_name, path)
+        if (id(owner), name) in applied:
+            continue
+        original = vars(owner)[name]
+        replacement = make(original)
+        setattr(owner, name, replacement)
+        _APPLIED.append(_Patch(owner, name, original, replacement))
+        if not isinstance(owner, type) and module_name != "torch.cuda":
+            _APPLIED.extend(_rebind_everywhere(original, replacement))
+
+
 def cpu_mode_enabled() -> bool:
     """Whether ``enable_cpu_mode()`` is in effect."""
     return bool(_APPLIED)
@@ -493,14 +512,7 @@ def enable_cpu_mode() -> None:
     for module_name in _MEGATRON_MODULES:
         importlib.import_module(module_name)
     try:
-        for module_name, path, make in _patch_specs():
-            owner, name = _resolve(module_name, path)
-            original = vars(owner)[name]
-            replacement = make(original)
-            setattr(owner, name, replacement)
-            _APPLIED.append(_Patch(owner, name, original, replacement))
-            if not isinstance(owner, type) and module_name != "torch.cuda":
-                _APPLIED.extend(_rebind_everywhere(original, replacement))
+        apply_patches(_patch_specs())
         for module_name, name, value in cpu_bridge_missing_names():
             module = importlib.import_module(module_name)
             if name not in vars(module):

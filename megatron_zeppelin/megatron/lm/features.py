@@ -153,9 +153,10 @@ RULES: tuple[Rule, ...] = (
          "pools are Megatron's CP groups in its default rank order (TP, CP, DP)",
          "drop the flag"),
     Rule("--use-megatron-fsdp", "use_megatron_fsdp", False, _set,
-         "zeppelin pools have not run with Megatron-FSDP (megatron-core 0.16.1's FSDP creates "
-         "CUDA streams, so it has no CPU/gloo exactness test)",
-         "use --use-distributed-optimizer (tested exact in zeppelin mode)"),
+         "Megatron-FSDP runs with zeppelin pools in our scripts/pretrain_gpt.py (exact on "
+         "CPU/gloo), not yet through this patch: Megatron-LM's own FSDP wrapping and its "
+         "fsdp_dtensor checkpoints have had no CPU/gloo run with zeppelin pools",
+         "use --use-distributed-optimizer here, or scripts/pretrain_gpt.py --use-megatron-fsdp"),
     Rule("--zeppelin-overlong", "zeppelin_overlong", "error", lambda v, a: v != "error",
          "Megatron-LM's samples hold at most --seq-length tokens, so no sequence is ever longer "
          "than the planner's limit", "drop the flag"),

@@ -161,6 +161,43 @@ def resolve_data_source(args: argparse.Namespace, argv: Sequence[str]) -> None:
         args.data_path = None
 
 
+# what megatron-core 0.16.1's Megatron-FSDP does with these strategies in our runs (CPU/gloo)
+FSDP_STRATEGIES_REFUSED = {
+    "no_shard": "(Megatron-LM's default) megatron-core 0.16.1's Megatron-FSDP fails at the "
+                "first optimizer step (start_param_sync all-gathers weight buckets that "
+                "no_shard never allocates)",
+    "optim": "megatron-core 0.16.1's Megatron-FSDP gives other gradients than Megatron DDP "
+             "(grad norm 2.69 vs 2.16 at the first iteration of tests/test_training_fsdp.py's "
+             "run on CPU/gloo): not exact",
+}
+
+
+def check_fsdp(args: argparse.Namespace) -> None:
+    """``--use-megatron-fsdp`` and ``--data-parallel-sharding-strategy``: what runs with them."""
+    strategy = args.data_parallel_sharding_strategy
+    if strategy != "no_shard" and not args.use_megatron_fsdp:
+        raise ConfigError(f"--data-parallel-sharding-strategy={strategy} without "
+                          "--use-megatron-fsdp: it says what Megatron-FSDP shards; add "
+                          "--use-megatron-fsdp (or --use-distributed-optimizer for ZeRO-1 "
+                          "under Megatron DDP)")
+    if not args.use_megatron_fsdp:
+        return
+    if strategy in FSDP_STRATEGIES_REFUSED:
+        raise ConfigError(f"--use-megatron-fsdp with --data-parallel-sharding-strategy="
+                          f"{strategy}: {FSDP_STRATEGIES_REFUSED[strategy]}; pass optim_grads "
+                          "or optim_grads_params (full FSDP)")
+    if args.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"--use-megatron-fsdp with --pipeline-model-parallel-size="
+                          f"{args.pipeline_model_parallel_size}: Megatron-FSDP has not run "
+                          "with pipeline stages here (no exactness test); use "
+                          "--use-distributed-optimizer with pipeline parallelism")
+    if args.bf16 and (args.save or args.load):
+        raise ConfigError(f"--use-megatron-fsdp --bf16 with --{'save' if args.save else 'load'}: "
+                          "its checkpoints are written in fp32 only (the model's weights are "
+                          "the optimizer's fp32 main weights, checkpoint_fsdp.py); train in fp32 "
+                          "or use --use-distributed-optimizer")
+
+
 def validate_args(args: argparse.Namespace, world_size: int, local_world_size: int | None
                   ) -> PoolLayout:
     """Refuse bad settings with the flag, the value and what is allowed (before training);
@@ -194,12 +231,7 @@ def validate_args(args: argparse.Namespace, world_size: int, local_world_size: i
     layout.micro_batches(args.global_batch_size, args.micro_batch_size)
     pipeline.check(args, layout)
     planner_strategy(args, layout.cp)
-    if args.use_megatron_fsdp:
-        raise ConfigError(f"--use-megatron-fsdp is not supported (--device {args.device}): "
-                          "megatron-core 0.16.1's Megatron-FSDP creates CUDA streams when it "
-                          "wraps the model (no CPU/gloo run, so no exactness test here) and "
-                          "has not run with zeppelin pools; use --use-distributed-optimizer "
-                          "(ZeRO-1: Adam state and main parameters sharded over DP x CP)")
+    check_fsdp(args)
     if args.bf16 and args.device == "cpu":
         raise ConfigError("--bf16 with --device cpu: megatron-core's bf16 optimizer needs CUDA; "
                           "train in fp32 on CPU")

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.config import ConfigError
+from megatron_zeppelin.megatron.loop.checkpoint_fsdp import full_state_view
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
@@ -403,6 +404,7 @@ def save(root: str, iteration: int, run: Training, extra: dict) -> str:
     from megatron.core import dist_checkpointing
 
     started = time.perf_counter()
+    run = full_state_view(run)
     _in_process_write_results()
     path = iteration_dir(root, iteration)
     if dist.get_rank() == 0:
@@ -462,6 +464,7 @@ def load(found: Found, run: Training, load_optim: bool, load_rng: bool) -> dict:
     from megatron.core.dist_checkpointing.mapping import apply_factories
 
     started = time.perf_counter()
+    run = full_state_view(run)
     common = dist_checkpointing.load_common_state_dict(found.path)
     saved = common.get("zeppelin", {})
     probe = model_state(run)  # factories applied: shapes

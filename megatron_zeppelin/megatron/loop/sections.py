@@ -16,6 +16,7 @@ MODES = ("static", "zeppelin")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 DEVICES = ("cpu", "cuda")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 ZEPPELIN_PREFIX = "zeppelin-"
 
 
@@ -176,8 +177,12 @@ class ParallelArgs:
         "(DP x CP: Megatron's DistributedOptimizer; gradients are reduce-scattered, parameters "
         "all-gathered after the step)")
     use_megatron_fsdp: bool = setting(
-        False, "Megatron-FSDP (megatron-core's fully sharded data parallel); refused with the "
-        "reason where it cannot run (see docs/training.md)")
+        False, "Megatron-FSDP (megatron-core's fully sharded data parallel over DP x CP, with "
+        "its distributed optimizer); what it shards: --data-parallel-sharding-strategy")
+    data_parallel_sharding_strategy: str = setting(
+        "no_shard", "with --use-megatron-fsdp, what is sharded over DP x CP (Megatron-LM's "
+        "flag): no_shard, optim (Adam state), optim_grads (+ gradients), optim_grads_params "
+        "(+ parameters, gathered per layer: full FSDP)", choices=SHARDING_STRATEGIES)
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "tensor_model_parallel_size", "context_parallel_size",

@@ -169,16 +169,11 @@ def build_training(args: argparse.Namespace, state: ZeppelinAttentionState, spec
 
 def build_stage(args: argparse.Namespace, state: ZeppelinAttentionState, spec: ModelSpec):
     """This stage's model chunks (Megatron DDP around each of ``build_chunks``) + optimizer."""
-    from megatron.core.distributed import (DistributedDataParallel,
-                                           DistributedDataParallelConfig, finalize_model_grads)
+    from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config, modules = build_chunks(args, state, spec)
-    chunks = [DistributedDataParallel(
-        config, DistributedDataParallelConfig(
-            overlap_grad_reduce=args.overlap_grad_reduce,
-            use_distributed_optimizer=args.use_distributed_optimizer), module,
-        disable_bucketing=index > 0) for index, module in enumerate(modules)]
+    chunks = data_parallel_chunks(args, config, modules)
     config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else \
         [chunk.no_sync for chunk in chunks]
     config.finalize_model_grads_func = finalize_model_grads
@@ -187,8 +182,38 @@ def build_stage(args: argparse.Namespace, state: ZeppelinAttentionState, spec: M
                         weight_decay=args.weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
                         clip_grad=args.clip_grad, bf16=args.bf16,
-                        use_distributed_optimizer=args.use_distributed_optimizer), chunks)
+                        use_distributed_optimizer=chunks[0].ddp_config.use_distributed_optimizer),
+        chunks)
     return chunks, optimizer
+
+
+def data_parallel_chunks(args: argparse.Namespace, config, modules: list) -> list:
+    """Megatron DDP around each model chunk (gradients reduced over DP x CP), or with
+    ``--use-megatron-fsdp`` megatron-core's Megatron-FSDP around the one chunk (parameters,
+    gradients and Adam state sharded over DP x CP as ``--data-parallel-sharding-strategy``
+    says; it always runs the distributed optimizer, as in Megatron-LM). On CPU the FSDP
+    streams are bridged (``cpu_fsdp.py``)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    fsdp = args.use_megatron_fsdp
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer or fsdp,
+        use_megatron_fsdp=fsdp,
+        data_parallel_sharding_strategy=args.data_parallel_sharding_strategy)
+    if not fsdp:
+        return [DistributedDataParallel(config, ddp_config, module, disable_bucketing=index > 0)
+                for index, module in enumerate(modules)]
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    device = None
+    if args.device == "cpu":
+        from megatron_zeppelin.megatron.common.cpu_fsdp import enable_megatron_fsdp_on_cpu
+
+        enable_megatron_fsdp_on_cpu()
+        device = torch.device("cpu")
+    return [FullyShardedDataParallel(config, ddp_config, module, device=device)
+            for module in modules]
 
 
 def forward_step(data_iterator, model):

@@ -1,0 +1,115 @@
+"""Megatron-FSDP (megatron-core's ``FullyShardedDataParallel``) on CPU with gloo: the CUDA
+streams and events it assumes, bridged while ``cpu.py``'s bridge is on.
+
+``enable_megatron_fsdp_on_cpu()`` is called by the training loop before it wraps a model with
+``--use-megatron-fsdp --device cpu``; ``cpu.disable_cpu_mode()`` undoes it with the rest.
+What megatron-core 0.16.1's Megatron-FSDP does on CUDA and what stands in for it on CPU:
+
+* ``MegatronFSDP.__init__`` makes two side streams (``torch.cuda.Stream()``: gradient
+  reduce-scatter and parameter all-gather) and names the current device as
+  ``torch.device(f"cuda:{torch.cuda.current_device()}")``; its ``ParamAndGradBuffer``
+  allocates on ``device``. It runs under the device redirect (``cpu.run_on_cpu``) with
+  ``torch.cuda.current_device()`` as index 0 (a GPU rank's own device is index 0 of what it
+  sees), and the module on the CPU device we pass; the "device differs" warning it logs
+  for that is silenced while it runs.
+* The reduce-scatter and all-gather pipelines enter ``torch.cuda.stream(side_stream)``, make
+  the side stream wait for the current one, record events on it and wait for them before a
+  bucket is reused or read. CPU kernels and gloo collectives issued without ``async_op``
+  are complete when the call returns; the all-gathers issued with ``async_op`` are waited
+  through their ``Work`` handles, which megatron-core keeps beside the event. So on CPU a
+  stream is one synchronous queue: ``torch.cuda.Stream`` / ``torch.cuda.Event`` are objects
+  whose waits return at once and ``torch.cuda.stream(s)`` is an empty context.
+
+Nothing else of Megatron-FSDP's CPU path touches CUDA (read in megatron-core 0.16.1's
+``megatron_fsdp.py`` and ``param_and_grad_buffer.py``); ``nccl_ub``, ``fsdp_double_buffer``
+and ``num_distributed_optimizer_instances > 1`` are not on our path (no flag sets them).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Any, Callable
+
+import torch
+
+from megatron_zeppelin.megatron.common import cpu
+
+FSDP_MODULE = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp"
+
+
+class CpuEvent:
+    """``torch.cuda.Event`` on CPU: recorded work is already done when it is recorded."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Any CUDA event options (timing, blocking, interprocess) mean nothing here."""
+
+    def record(self, stream: Any = None) -> None:
+        """Nothing to mark: the work before it is complete."""
+
+    def wait(self, stream: Any = None) -> None:
+        """Nothing to wait for."""
+
+    def synchronize(self) -> None:
+        """Nothing runs asynchronously."""
+
+    def query(self) -> bool:
+        return True
+
+
+class CpuSideStream(cpu._CpuStream):
+    """``torch.cuda.Stream()`` on CPU: work "on" it runs at once, in program order."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Any device or priority: there is one CPU queue."""
+
+    def record_event(self, event: Any = None) -> CpuEvent:
+        return event if event is not None else CpuEvent()
+
+    def query(self) -> bool:
+        return True
+
+
+def _cpu_stream_context(stream: Any = None) -> contextlib.AbstractContextManager:
+    """``torch.cuda.stream(s)`` on CPU: the one queue is always current."""
+    return contextlib.nullcontext()
+
+
+def _cuda_index_zero() -> int:
+    return 0
+
+
+def _fsdp_init_on_cpu(original: Callable) -> Callable:
+    """``MegatronFSDP.__init__`` under the device redirect, naming device ``cuda:0``."""
+    redirected = cpu.run_on_cpu(original)
+
+    @functools.wraps(original)
+    def replacement(self, *args: Any, **kwargs: Any) -> None:
+        bridged = torch.cuda.current_device
+        log = logging.getLogger(FSDP_MODULE)
+        level = log.level
+        torch.cuda.current_device = _cuda_index_zero
+        log.setLevel(logging.ERROR)
+        try:
+            redirected(self, *args, **kwargs)
+        finally:
+            torch.cuda.current_device = bridged
+            log.setLevel(level)
+
+    return replacement
+
+
+def _specs() -> list[tuple[str, str, Callable[[Any], Any]]]:
+    return [
+        ("torch.cuda", "Stream", lambda _: CpuSideStream),
+        ("torch.cuda", "Event", lambda _: CpuEvent),
+        ("torch.cuda", "stream", lambda _: _cpu_stream_context),
+        (FSDP_MODULE, "MegatronFSDP.__init__", _fsdp_init_on_cpu),
+    ]
+
+
+def enable_megatron_fsdp_on_cpu() -> None:
+    """Add the Megatron-FSDP bridges to ``cpu.py``'s (which must be on); idempotent."""
+    if not cpu.cpu_mode_enabled():
+        raise RuntimeError("the Megatron-FSDP CPU bridge needs cpu.enable_cpu_mode() first")
+    cpu.apply_patches(_specs())

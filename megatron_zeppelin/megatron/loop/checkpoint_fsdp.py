@@ -1,0 +1,221 @@
+"""Checkpoints of Megatron-FSDP runs in the format of the other modes (``checkpoint.py``).
+
+megatron-core 0.16.1 writes Megatron-FSDP's state only as ``fsdp_dtensor`` (one DTensor per
+parameter, Megatron-LM's ``--ckpt-format fsdp_dtensor``), which neither Megatron DDP nor the
+distributed optimizer reads. Here an FSDP run is checkpointed through a *full-state view*
+(``full_state_view``) that looks to ``checkpoint.save`` / ``checkpoint.load`` like a run of
+the plain fp32 optimizer:
+
+* the model's sharded state dict is the GPT model's own (Megatron-LM's keys), its tensors
+  the full parameters gathered from the FSDP shards over DP x CP (megatron-core's
+  ``gather_uneven_dtensor_to_full_tensor``), written by DP rank 0 as in the other modes;
+* the optimizer's is the plain optimizer's: Adam's ``exp_avg`` / ``exp_avg_sq`` gathered
+  to model space, ``common_step``, torch Adam's param groups;
+* loading copies each rank's slice of the loaded full tensors into its shards (the
+  optimizer's fp32 main weights, then ``install_optimized_model_weights`` into the model's)
+  and into Adam's state.
+
+So a checkpoint saved with ``--use-megatron-fsdp`` loads without it (plain or distributed
+optimizer, either mode) and the reverse, through ``checkpoint.py``'s existing conversions.
+Saving gathers one parameter at a time (each a full tensor on every rank while it is
+written): fine for models whose largest tensor fits a rank, as in our runs.
+"""
+from __future__ import annotations
+
+import math
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _is_fsdp(chunk: Any) -> bool:
+    return bool(getattr(getattr(chunk, "ddp_config", None), "use_megatron_fsdp", False))
+
+
+def _full(dtensor: Any, group: Any, local: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole tensor of an (unevenly) sharded DTensor on every rank of ``group`` (the
+    FSDP group, collective). ``local``: this rank's shard of a tensor sharded as ``dtensor``
+    (its Adam state; empty where the rank's shard is). Shards are padded to one size: gloo's
+    all-gather takes equal sizes only."""
+    local = (dtensor.to_local() if local is None else local).detach()
+    where = _local_slices(dtensor)
+    infos: list = [None] * group.size()
+    dist.all_gather_object(infos, (tuple(local.shape), [s.start for s in where]), group=group)
+    size = max(1, max(math.prod(shape) for shape, _ in infos))
+    flat = torch.zeros(size, dtype=local.dtype, device=local.device)
+    flat[:local.numel()] = local.reshape(-1)
+    parts = [torch.empty_like(flat) for _ in infos]
+    dist.all_gather(parts, flat, group=group)
+    full = torch.empty(tuple(dtensor.shape), dtype=local.dtype, device=local.device)
+    for (shape, offsets), part in zip(infos, parts):
+        if math.prod(shape):
+            full[tuple(slice(o, o + n) for o, n in zip(offsets, shape))] = \
+                part[:math.prod(shape)].view(shape)
+    return full
+
+
+def full_parameters(fsdp_chunk: Any) -> dict[str, torch.Tensor]:
+    """Every parameter of a Megatron-FSDP chunk as a full tensor, by its GPT model name (the
+    fp32 main weights the optimizer steps; collective over the FSDP group)."""
+    group = fsdp_chunk.module.dist_index.get_dp_group()
+    named = fsdp_chunk.module.param_and_grad_buffer.optimizer_named_parameters
+    return {name: _full(param, group) for name, param in named}
+
+
+def _local_slices(dtensor: Any) -> tuple[slice, ...]:
+    """Where this rank's shard of ``dtensor`` lies in the full tensor (collective the first
+    time: megatron-core gathers every rank's chunk metadata)."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        update_uneven_dtensor_chunk_metadata)
+
+    if not hasattr(dtensor._local_tensor, "__create_chunk_list__"):
+        update_uneven_dtensor_chunk_metadata(dtensor)
+    meta, = dtensor.__create_chunk_list__()
+    return tuple(slice(o, o + s) for o, s in zip(meta.offsets, meta.sizes))
+
+
+@torch.no_grad()
+def _scatter(full: torch.Tensor, local: torch.Tensor, what: str, like: Any) -> None:
+    """Copy this rank's slice of ``full`` into ``local``, its shard of a tensor sharded as
+    the DTensor ``like``."""
+    if tuple(full.shape) != tuple(like.shape):
+        raise ValueError(f"{what}: loaded shape {tuple(full.shape)}, the model's "
+                         f"{tuple(like.shape)}")
+    local.copy_(full[_local_slices(like)].reshape(local.shape))
+
+
+class FullModel:
+    """What ``checkpoint.py`` reads of ``chunk.module``: the GPT model's sharded state dict
+    with full tensors, and ``load_state_dict`` of a full (GPT) state dict."""
+
+    def __init__(self, fsdp_chunk: Any) -> None:
+        self.fsdp = fsdp_chunk.module  # MegatronFSDP: .module is the GPT model
+        self.params = dict(self.fsdp.param_and_grad_buffer.optimizer_named_parameters)
+        self.group = self.fsdp.dist_index.get_dp_group()
+
+    def sharded_state_dict(self) -> dict:
+        """The GPT model's sharded state dict, built while its parameters are full copies of
+        the FSDP ones (megatron-core's checkpoint code reads a DTensor parameter as its local
+        shard); each copy is tagged with the FSDP parameter it copies
+        (``_zeppelin_fsdp_param``, for ``FullOptimizer``)."""
+        from megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp import (
+            _replace_module_parameter)
+
+        fsdp = self.fsdp
+        fsdp._replace_param_with_distributed_if_needed()  # the state-dict hooks: no-ops now
+        sharded_params = dict(fsdp.module.named_parameters())
+        fulls = {name: self._full_parameter(name, param)
+                 for name, param in sharded_params.items()}
+        for name, full in fulls.items():
+            _replace_module_parameter(fsdp.module, name, full)
+        fsdp._reestablish_shared_weights(sharded_params, fulls)
+        try:
+            return fsdp.module.sharded_state_dict()
+        finally:
+            for name, param in sharded_params.items():
+                _replace_module_parameter(fsdp.module, name, param)
+            fsdp._reestablish_shared_weights(fulls, sharded_params)
+
+    def _full_parameter(self, name: str, param: Any) -> torch.nn.Parameter:
+        """A full copy of FSDP parameter ``name`` with the attributes megatron-core set on
+        the model's own parameter (tensor-parallel layout, ``allreduce``, ...)."""
+        full = torch.nn.Parameter(_full(param, self.group), requires_grad=False)
+        raw = self.fsdp.raw_param.get(name)
+        for key, value in (vars(raw).items() if raw is not None else ()):
+            if not key.startswith("_"):
+                setattr(full, key, value)
+        full._zeppelin_fsdp_param = param
+        return full
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = sorted(set(self.params) - set(state))
+        if missing:
+            raise ValueError(f"the checkpoint's model has no {missing[0]} "
+                             f"({len(missing)} parameter(s) missing)")
+        for name, dtensor in self.params.items():
+            _scatter(state[name], dtensor.to_local(), name, dtensor)
+        self.fsdp.install_optimized_model_weights()
+
+
+class FullOptimizer:
+    """What ``checkpoint.py`` reads of the optimizer: the plain fp32 optimizer's sharded
+    state dict (Adam state in model space) and its ``load_state_dict``."""
+
+    def __init__(self, optimizer: Any, group: Any) -> None:
+        self.group = group
+        self.distributed = optimizer  # megatron-core's DistributedOptimizer over FSDP
+        self.adam = optimizer.optimizer
+        self.params = [p for group in self.adam.param_groups for p in group["params"]]
+
+    def sharded_state_dict(self, models: dict, is_loading: bool = False,
+                           metadata: dict | None = None) -> dict:
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.optimizer import optim_state_to_sharding_state
+
+        if is_loading and not self.adam.state:
+            self.distributed._init_optimizer_states_with_dummy_values()
+        by_param = {id(v.data._zeppelin_fsdp_param): v for v in nested_values(models)
+                    if hasattr(getattr(v, "data", None), "_zeppelin_fsdp_param")}
+        state = self.adam.state_dict()
+        for index, param in enumerate(self.params):  # a rank with an empty shard has no
+            entry = self.adam.state.get(param, {})  # state for it: every rank gathers all
+            state["state"][index] = {
+                key: _full(param, self.group,
+                           entry[key].to_local() if key in entry else param.to_local())
+                for key in ("exp_avg", "exp_avg_sq")}
+        optim_state_to_sharding_state(
+            state, {i: by_param[id(p)] for i, p in enumerate(self.params)})
+        step = self._step()
+        if step is not None:
+            state["state"]["common_step"] = torch.tensor(step)
+        return state
+
+    def _step(self) -> float | None:
+        """Adam's step count, the same on every rank of the FSDP group (torch's Adam keeps
+        it per parameter, TE's FusedAdam per group; a rank whose shards are all empty has
+        none); None before the first step."""
+        steps = {float(e["step"]) for e in self.adam.state.values() if "step" in e} | \
+            {float(g["step"]) for g in self.adam.param_groups if "step" in g}
+        if len(steps) > 1:
+            raise ValueError(f"Adam's parameters are at different steps {sorted(steps)}")
+        step = torch.tensor(steps.pop() if steps else -1.0, dtype=torch.float64)
+        dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.group)
+        return float(step) if step >= 0 else None
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        groups = state["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"])
+                                                 for g in self.adam.param_groups]:
+            raise ValueError("the checkpoint's optimizer has other parameter groups "
+                             f"({[len(g['params']) for g in groups]} parameters) than this "
+                             f"run's ({[len(g['params']) for g in self.adam.param_groups]})")
+        step = state["state"].get("common_step")
+        for saved, group in zip(groups, self.adam.param_groups):
+            group.update({k: v for k, v in saved.items() if k not in ("params", "step")})
+            if "step" in group and step is not None:  # TE's FusedAdam: one step per group
+                group["step"] = int(step)
+            for index, param in zip(saved["params"], group["params"]):
+                if param.to_local().numel() == 0:
+                    continue  # an empty shard: no Adam state on this rank
+                entry = self.adam.state[param]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    _scatter(state["state"][index][key], entry[key].to_local(), key, param)
+                if step is not None and "step" not in group:
+                    entry["step"] = torch.tensor(float(step))
+
+
+def full_state_view(run: Any) -> Any:
+    """``run`` (``checkpoint.Training``) as checkpoint.py reads it: itself, or for a
+    Megatron-FSDP run its full-state view (a plain fp32 optimizer's run to checkpoint.py)."""
+    if not _is_fsdp(run.chunks[0]):
+        return run
+    chunks = [types.SimpleNamespace(module=FullModel(chunk), config=chunk.config,
+                                    ddp_config=types.SimpleNamespace(
+                                        use_distributed_optimizer=False))
+              for chunk in run.chunks]
+    optimizer = FullOptimizer(run.optimizer, chunks[0].module.group)
+    return types.SimpleNamespace(chunks=chunks, optimizer=optimizer,
+                                 scheduler=run.scheduler, device=run.device, model=chunks[0])

@@ -1,0 +1,141 @@
+"""--use-megatron-fsdp (megatron-core's Megatron-FSDP, CUDA streams bridged on CPU by
+``cpu_fsdp.py``) on 4 gloo ranks, 2 emulated nodes of 2, zeppelin mode with CP 4: parameters,
+gradients and Adam state sharded over DP x CP (``optim_grads_params``; ``optim_grads`` too),
+each pool rank holding another number of tokens. The losses, gradient norms and parameters after 3 iterations are
+those of zeppelin mode under Megatron DDP and of one process; the flags it does not run with
+are refused in one line. Its checkpoints are those of the other modes (full tensors in model
+space, checkpoint_fsdp.py): saved with FSDP, they resume in static mode under Megatron DDP,
+with the distributed optimizer and with FSDP; a distributed optimizer's checkpoint resumes
+with FSDP; each resume repeats the uninterrupted run's iterations 2 and 3."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_world
+from test_distributed_optimizer import DISTRIBUTED, FLAGS, STATIC, ZEPPELIN, close, run
+
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+ONE_PROCESS = ["--context-parallel-mode", "static", "--context-parallel-size", "1"]
+
+
+def full_parameters(chunk) -> dict[str, torch.Tensor]:
+    """Every parameter of a DDP or Megatron-FSDP chunk as a full tensor, by its name in the
+    GPT model (collective: FSDP's shards are gathered over DP x CP)."""
+    from megatron_zeppelin.megatron.loop.checkpoint_fsdp import full_parameters as gathered
+
+    if chunk.ddp_config.use_megatron_fsdp:
+        return gathered(chunk)
+    return {name: p.detach().clone() for name, p in chunk.module.named_parameters()}
+
+
+def run_keeping_parameters(world: int, argv: list[str]) -> tuple[list[tuple], dict]:
+    """``run`` that also returns the parameters after the last iteration."""
+    from megatron_zeppelin.megatron.loop import train
+
+    kept, loop = {}, train.loop
+
+    def keeping(args, layout, run_state, *rest, **kwargs):
+        loop(args, layout, run_state, *rest, **kwargs)
+        kept.update(full_parameters(run_state.model))
+
+    train.loop = keeping
+    try:
+        return run(world, argv), kept
+    finally:
+        train.loop = loop
+
+
+def pools_body(rank: int, world: int, tmp: str) -> None:
+    ddp = run_keeping_parameters(world, FLAGS + ZEPPELIN)
+    fsdp = run_keeping_parameters(world, FLAGS + ZEPPELIN + FSDP)
+    grads = run_keeping_parameters(world, FLAGS + ZEPPELIN + FSDP[:-1] + ["optim_grads"])
+    if rank == 0:
+        torch.save({"ddp": ddp, "fsdp": fsdp, "optim_grads": grads}, f"{tmp}/runs.pt")
+
+
+def one_process_body(rank: int, world: int, tmp: str) -> None:
+    torch.save(run_keeping_parameters(world, FLAGS + ONE_PROCESS), f"{tmp}/one.pt")
+
+
+def test_megatron_fsdp_in_zeppelin_mode_matches_ddp_and_one_process(tmp_path):
+    run_world(pools_body, 4, str(tmp_path), start_method="spawn", timeout_s=400)
+    run_world(one_process_body, 1, str(tmp_path), start_method="spawn", timeout_s=300)
+    runs = torch.load(tmp_path / "runs.pt", weights_only=False)
+    one = torch.load(tmp_path / "one.pt", weights_only=False)
+    ddp_logs, ddp_params = runs["ddp"]
+    for strategy in ("fsdp", "optim_grads"):
+        fsdp_logs, fsdp_params = runs[strategy]
+        assert [it for it, _, _ in fsdp_logs] == [1, 2, 3]
+        assert close(fsdp_logs, ddp_logs), (strategy, fsdp_logs, ddp_logs)
+        assert close(fsdp_logs, one[0], 1e-5), (strategy, fsdp_logs, one[0])
+        assert sorted(fsdp_params) == sorted(ddp_params) == sorted(one[1])
+        # Adam moves every element by ~lr whatever its gradient's size, so an element whose
+        # gradient is near 0 carries the gradients' rounding (sums in another order) into its
+        # step: 1e-5 is 0.1% of one step of lr 0.01
+        for name, value in fsdp_params.items():
+            torch.testing.assert_close(value, ddp_params[name], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, n=name: f"{strategy} {n}: {m}")
+            torch.testing.assert_close(value, one[1][name], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, n=name: f"{strategy} {n}: {m}")
+
+
+def checkpoints_body(rank: int, world: int, tmp: str) -> None:
+    whole = run(world, FLAGS + ZEPPELIN)
+    first = ["--exit-interval", "1", "--save"]
+    run(world, FLAGS + ZEPPELIN + FSDP + first + [f"{tmp}/f1"])
+    resumed = {"static DDP <- FSDP": run(world, FLAGS + STATIC + ["--load", f"{tmp}/f1"]),
+               "distributed <- FSDP": run(world, FLAGS + ZEPPELIN + DISTRIBUTED +
+                                          ["--load", f"{tmp}/f1"]),
+               "FSDP <- FSDP": run(world, FLAGS + ZEPPELIN + FSDP + ["--load", f"{tmp}/f1"])}
+    run(world, FLAGS + ZEPPELIN + DISTRIBUTED + first + [f"{tmp}/d1"])
+    resumed["FSDP <- distributed"] = run(world, FLAGS + ZEPPELIN + FSDP +
+                                         ["--load", f"{tmp}/d1"])
+    if rank == 0:
+        for what, logs in resumed.items():
+            assert close(logs, whole[1:]), (what, logs, whole)
+
+
+def test_megatron_fsdp_checkpoints_resume_across_modes_and_optimizers(tmp_path):
+    run_world(checkpoints_body, 4, str(tmp_path), start_method="spawn", timeout_s=500)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--data-parallel-sharding-strategy", "optim"],
+     "--data-parallel-sharding-strategy=optim without --use-megatron-fsdp"),
+    (FSDP + ["--pipeline-model-parallel-size", "2"],
+     "--use-megatron-fsdp with --pipeline-model-parallel-size=2"),
+    (FSDP + ["--bf16", "--save", "ckpt"], "--use-megatron-fsdp --bf16 with --save"),
+    (["--use-megatron-fsdp"], "--use-megatron-fsdp with --data-parallel-sharding-strategy="
+     "no_shard"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"],
+     "--use-megatron-fsdp with --data-parallel-sharding-strategy=optim: .* not exact"),
+])
+def test_fsdp_flags_it_does_not_run_with_are_refused(extra, match):
+    from megatron_zeppelin.config import ConfigError
+    from megatron_zeppelin.megatron.loop import args as train_args
+
+    args = train_args.parse_args(FLAGS + ZEPPELIN[:2] + ["--context-parallel-size", "2"] +
+                                 extra)
+    with pytest.raises(ConfigError, match=match):
+        train_args.validate_args(args, 4, None)
+
+
+def test_fsdp_cpu_bridge_needs_the_cpu_bridge_and_is_undone_with_it():
+    from megatron_zeppelin.megatron.common import cpu, cpu_fsdp
+
+    if cpu.cpu_mode_enabled():
+        pytest.skip("another test left the CPU bridge on")
+    stream, context = torch.cuda.Stream, torch.cuda.stream
+    with pytest.raises(RuntimeError, match="needs cpu.enable_cpu_mode"):
+        cpu_fsdp.enable_megatron_fsdp_on_cpu()
+    with cpu.cpu_mode():
+        cpu_fsdp.enable_megatron_fsdp_on_cpu()
+        cpu_fsdp.enable_megatron_fsdp_on_cpu()  # idempotent
+        side = torch.cuda.Stream(priority=-1)
+        assert isinstance(side, cpu_fsdp.CpuSideStream)
+        with torch.cuda.stream(side):
+            event = side.record_event()
+        event.wait()
+        assert event.query() and isinstance(torch.cuda.Event(), cpu_fsdp.CpuEvent)
+    assert (torch.cuda.Stream, torch.cuda.stream) == (stream, context)
