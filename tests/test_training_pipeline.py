@@ -1,8 +1,11 @@
 """Pipeline parallelism on gloo (fp32): PP 2 x CP 2 on 4 ranks, plain (1F1B) and virtual
 (2 chunks per stage, the interleaved schedule), in zeppelin and static mode, give the loss and
 every gradient of one process running the same micro-batches (exact packed attention, every
-document alone); every stage runs each micro-batch with the same plan; a run saved at
-iteration 2 and resumed to 4 repeats the uninterrupted run; bad pipeline flags are one line."""
+document alone); every stage runs each micro-batch with the same plan; the training data path
+with ``--zeppelin-microbatch-order balanced`` regroups a global batch (every stage alike, every
+document kept) and gives the loss and gradients of arrival order and of one process; a run
+saved at iteration 2 and resumed to 4 repeats the uninterrupted run; bad pipeline flags are one
+line."""
 from __future__ import annotations
 
 import re
@@ -91,9 +94,11 @@ def modes_body(rank: int, world: int, extra: list[str]) -> dict:
     return out
 
 
-def reference_body(rank: int, world: int, weights: dict) -> tuple[float, dict]:
-    """One process: every micro-batch's documents whole, exact packed attention; the mean
-    per-token loss over all micro-batches and the gradients."""
+def reference_body(rank: int, world: int, weights: dict, batches: list | None = None
+                   ) -> tuple[float, dict]:
+    """One process: every micro-batch's documents whole (``batches``, default
+    ``micro_batches()``), exact packed attention; the mean per-token loss over all
+    micro-batches and the gradients."""
     from megatron_zeppelin.megatron.common.model import build_gpt_model, make_transformer_config
     from megatron_zeppelin.megatron.common.packing import packed_seq_params_for_documents
     from megatron_zeppelin.megatron.loop import args as train_args, train
@@ -105,7 +110,7 @@ def reference_body(rank: int, world: int, weights: dict) -> tuple[float, dict]:
     ref.load_state_dict(weights, strict=False)
     assert set(weights) == {n for n, _ in ref.named_parameters()}
     total, count = 0.0, 0.0
-    for docs in micro_batches():
+    for docs in batches or micro_batches():
         params = packed_seq_params_for_documents([d.numel() for d in docs])
         labels = torch.cat([torch.cat([d[1:], d.new_zeros(1)]) for d in docs])[None]
         mask = torch.cat([torch.cat([torch.ones(d.numel() - 1), torch.zeros(1)]) for d in docs])
@@ -136,6 +141,126 @@ def test_pipeline_matches_static_mode_and_one_process(extra):
                 assert worst < 1e-5, (mode, got["stage"], name, worst)
                 held.add(name)
     assert held == set(ref_grads)  # the stages together hold the whole model
+
+
+# a long-tailed corpus: a few documents near --seq-length among many short ones, so the
+# packing's micro-batches (512 tokens each) cost very differently
+ORDER_LENGTHS = [480, 3, 410, 7, 60, 2, 350, 12, 5, 300, 40, 9, 1, 220, 30, 4, 90, 6, 2, 150,
+                 25, 11, 3, 70, 8, 120, 2, 45, 1, 15]
+
+
+class ListSource:
+    """An in-memory ``DocumentSource`` of ``ORDER_LENGTHS`` random-token documents."""
+
+    name = "ORDER_LENGTHS"
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(5)
+        self.docs = [torch.randint(0, 256, (n,), generator=g) for n in ORDER_LENGTHS]
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def lengths(self) -> list[int]:
+        return list(ORDER_LENGTHS)
+
+    def tokens(self, index: int, start: int, end: int) -> torch.Tensor:
+        return self.docs[index][start:end]
+
+
+def ordered_step(mode: str, order: str, extra: list[str]) -> dict:
+    """One forward-backward of the first global batch of ``ListSource`` through the training
+    data path (``train.make_data``) in ``--zeppelin-microbatch-order order``: loss, plans,
+    the regrouping's tally, weights and gradients (one-process names)."""
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_zeppelin.megatron.common.pipeline_p2p import schedule_kwargs
+    from megatron_zeppelin.megatron.loop import args as train_args, pipeline, train
+
+    args = train_args.parse_args(FLAGS + ["--context-parallel-mode", mode,
+                                          "--zeppelin-microbatch-order", order,
+                                          "--no-zeppelin-planner-process", *extra])
+    layout = train_args.validate_args(args, 4, None)
+    train.setup_megatron(args)
+    spec = train.model_spec(args)
+    runtime = train.build_pool_runtime(args, layout, spec)
+    chunks, _ = train.build_stage(args, runtime.state, spec)
+    runtime.state.keep_used = pipeline.runtimes_in_flight(layout, len(chunks))
+    data, sampler = train.make_data(args, ListSource(), runtime, "cpu", None)
+    plans = []
+
+    def watched():
+        for batch in data:
+            plans.append(batch.plan)
+            yield batch
+
+    micro = layout.micro_batches(args.global_batch_size, args.micro_batch_size)
+    stored = get_forward_backward_func()(
+        forward_step_func=train.forward_step,
+        data_iterator=pipeline.data_iterators(watched(), len(chunks)), model=chunks,
+        num_microbatches=micro, seq_length=args.seq_length, micro_batch_size=1,
+        forward_only=False, **schedule_kwargs(chunks[0].config))
+    data.close()
+    runtime.close()
+    sums = torch.stack([d["lm loss"] for d in stored]).sum(0) if stored else torch.zeros(2)
+    dist.all_reduce(sums)
+    named = {k: v for chunk in chunks for k, v in global_names(chunk).items()}
+    regroup = getattr(sampler, "regroup", None)
+    return {"loss": (sums[0] / sums[1]).item(), "stage": layout.stage(dist.get_rank()),
+            "plans": [(p.linear, p.attention, p.tasks, p.seqlens) for p in plans[:micro]],
+            "tally": regroup.tally if regroup else None,
+            "weights": {k: p.detach().clone() for k, p in named.items()},
+            "grads": {k: p.main_grad.clone() for k, p in named.items()}}
+
+
+def orders_body(rank: int, world: int, extra: list[str]) -> dict:
+    """zeppelin mode in arrival and balanced order, static mode balanced; every stage's plans
+    (so its micro-batches) equal; the global batch's documents (arrival packing) for the
+    reference."""
+    import torch.distributed as dist
+
+    from megatron_zeppelin.megatron.loop.corpus import MicroBatchSampler
+
+    runs = {(mode, order): ordered_step(mode, order, extra)
+            for mode, order in (("zeppelin", "arrival"), ("zeppelin", "balanced"),
+                                ("static", "balanced"))}
+    for key, result in runs.items():
+        plans = [None] * world
+        dist.all_gather_object(plans, result["plans"])
+        assert plans[rank] == plans[(rank + 2) % world], (key, rank)  # the other stage
+    sampler = MicroBatchSampler(ListSource(), 512, 7, 512, "error")
+    return {"runs": runs, "docs": [next(sampler) for _ in range(4)] if rank == 0 else None}
+
+
+@pytest.mark.parametrize("extra", [[], VIRTUAL], ids=["1f1b", "interleaved"])
+def test_balanced_order_regroups_without_changing_loss_or_gradients(extra):
+    ranks = run_world(orders_body, 4, extra, start_method="spawn", timeout_s=600)
+    docs = ranks[0]["docs"]
+    weights = {}
+    for result in ranks:
+        weights.update(result["runs"][("zeppelin", "arrival")]["weights"])
+    (ref_loss, ref_grads), = run_world(reference_body, 1, weights, docs, start_method="spawn")
+    groups = {}
+    for result in ranks:
+        for key, got in result["runs"].items():
+            assert all(torch.equal(weights[n], w) for n, w in got["weights"].items()), key
+            assert abs(got["loss"] - ref_loss) < 1e-5, (key, got["loss"], ref_loss)
+            for name, grad in got["grads"].items():
+                worst = (grad - ref_grads[name]).abs().max().item()
+                assert worst < 1e-5, (key, got["stage"], name, worst)
+            groups[key] = [sorted(plan[3]) for plan in got["plans"]]
+    arrival, balanced = groups[("zeppelin", "arrival")], groups[("zeppelin", "balanced")]
+    assert arrival == [sorted(d.numel() for d in batch) for batch in docs]
+    assert balanced == groups[("static", "balanced")]
+    # the same documents, none dropped, regrouped (the test would not see a regrouping else)
+    assert sorted(sum(balanced, [])) == sorted(sum(arrival, [])) and balanced != arrival
+    assert all(sum(batch) <= 512 for batch in balanced)
+    tally = ranks[0]["runs"][("zeppelin", "balanced")]["tally"]
+    # two global batches grouped: the data iterator plans one micro-batch ahead
+    assert tally.batches == 2 and tally.documents > len(sum(arrival, [])) and tally.moved > 0
+    assert tally.step_after_s <= tally.step_before_s
+    assert ranks[0]["runs"][("zeppelin", "arrival")]["tally"] is None
 
 
 RESUME = [*RESUME_FLAGS, "--num-layers", "4", "--seq-length", "256", "--micro-batch-size", "1",
