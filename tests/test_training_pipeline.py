@@ -94,33 +94,38 @@ def modes_body(rank: int, world: int, extra: list[str]) -> dict:
     return out
 
 
-def reference_body(rank: int, world: int, weights: dict, batches: list | None = None
-                   ) -> tuple[float, dict]:
+def reference_body(rank: int, world: int, weights: dict, batches: list | None = None,
+                   extra: tuple = ()) -> tuple[float, dict]:
     """One process: every micro-batch's documents whole (``batches``, default
-    ``micro_batches()``), exact packed attention; the mean per-token loss over all
-    micro-batches and the gradients."""
+    ``micro_batches()``), exact packed attention (``extra``: more flags, e.g. MTP: then
+    megatron-core's own MTP and packed roll); the mean per-token loss over all micro-batches
+    and the gradients (MTP losses as the schedule scales them: per token)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
     from megatron_zeppelin.megatron.common.model import build_gpt_model, make_transformer_config
     from megatron_zeppelin.megatron.common.packing import packed_seq_params_for_documents
     from megatron_zeppelin.megatron.loop import args as train_args, train
+    from megatron_zeppelin.options import from_flags
 
-    args = train_args.parse_args(FLAGS + ["--pipeline-model-parallel-size", "1"])
+    args = train_args.parse_args(FLAGS + ["--pipeline-model-parallel-size", "1", *extra])
     train.setup_megatron(args)
     spec = train.model_spec(args)
-    ref = build_gpt_model(spec, make_transformer_config(spec), max_sequence_length=512)
+    mtp = from_flags(train_args.ModelArgs, args).mtp_fields()
+    ref = build_gpt_model(spec, make_transformer_config(spec, mtp=mtp), max_sequence_length=512)
     ref.load_state_dict(weights, strict=False)
     assert set(weights) == {n for n, _ in ref.named_parameters()}
+    MTPLossAutoScaler.set_loss_scale(torch.ones(1))  # what the schedule sets (per-token loss)
     total, count = 0.0, 0.0
     for docs in batches or micro_batches():
         params = packed_seq_params_for_documents([d.numel() for d in docs])
         labels = torch.cat([torch.cat([d[1:], d.new_zeros(1)]) for d in docs])[None]
         mask = torch.cat([torch.cat([torch.ones(d.numel() - 1), torch.zeros(1)]) for d in docs])
         losses = ref(torch.cat(docs)[None], params.position_ids(), None, labels=labels,
-                     packed_seq_params=params)
+                     loss_mask=mask[None], packed_seq_params=params)
         total = total + (losses[0] * mask).sum()
         count += mask.sum().item()
-    loss = total / count
-    loss.backward()
-    return loss.item(), {n: p.grad for n, p in ref.named_parameters()}
+    total.backward()  # the sum: MTPLossAutoScaler adds the MTP losses' gradients unscaled
+    return (total / count).item(), {n: p.grad / count for n, p in ref.named_parameters()}
 
 
 @pytest.mark.parametrize("extra", [[], VIRTUAL], ids=["1f1b", "interleaved"])
@@ -141,6 +146,43 @@ def test_pipeline_matches_static_mode_and_one_process(extra):
                 assert worst < 1e-5, (mode, got["stage"], name, worst)
                 held.add(name)
     assert held == set(ref_grads)  # the stages together hold the whole model
+
+
+MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
+
+
+def mtp_body(rank: int, world: int, extra: list[str]) -> dict:
+    """zeppelin mode with MTP layers on the last stage; every stage planned alike."""
+    import torch.distributed as dist
+
+    result = pipeline_step("zeppelin", [*MTP, *extra], rank)
+    plans = [None] * world
+    dist.all_gather_object(plans, result.pop("plans"))
+    assert plans[rank] == plans[(rank + 2) % world], rank
+    return result
+
+
+@pytest.mark.parametrize("extra", [[], VIRTUAL], ids=["1f1b", "interleaved"])
+def test_mtp_on_the_last_stage_matches_one_process(extra):
+    ranks = run_world(mtp_body, 4, extra, start_method="spawn", timeout_s=600)
+    weights = {}
+    for result in ranks:
+        weights.update(result["weights"])
+    # the last stage's copy of the word embedding starts equal to the first stage's
+    first, last = ranks[0], ranks[2]
+    assert last["stage"] == 1 and any(n.startswith("mtp.") for n in last["grads"])
+    name = "embedding.word_embeddings.weight"
+    assert torch.equal(first["weights"][name], last["weights"][name])
+    (ref_loss, ref_grads), = run_world(reference_body, 1, weights, None, tuple(MTP),
+                                       start_method="spawn")
+    for result in ranks:
+        assert abs(result["loss"] - ref_loss) < 1e-5, (result["loss"], ref_loss)
+        for key, grad in result["grads"].items():  # both embedding copies: the summed grad
+            worst = (grad - ref_grads[key]).abs().max().item()
+            assert worst < 1e-5, (result["stage"], key, worst)
+    for depth in range(2):  # both MTP layers train: gradients 10x the exactness bound
+        layer = [g for n, g in last["grads"].items() if n.startswith(f"mtp.layers.{depth}.")]
+        assert layer and max(g.abs().max().item() for g in layer) > 1e-4, depth
 
 
 # a long-tailed corpus: a few documents near --seq-length among many short ones, so the
@@ -321,8 +363,6 @@ def test_bad_pipeline_flags_are_one_line_naming_the_flag():
     assert refusal(["--global-batch-size", "3", *VIRTUAL]).startswith(
         "--global-batch-size=3 gives 3 micro-batches per iteration: the interleaved schedule")
     assert "--context-parallel-size=4 is invalid" in refusal(["--context-parallel-size", "4"])
-    assert refusal(["--mtp-num-layers", "1"]).startswith(
-        "--mtp-num-layers=1 with --pipeline-model-parallel-size 2 is not supported yet")
 
 
 def test_pool_layout_follows_megatron_rank_order_with_stages():

@@ -52,13 +52,17 @@ def balance_microbatches(lengths: Sequence[int], num_microbatches: int, cost: Co
 def balance_global_batch(lengths: Sequence[int], num_microbatches: int, pools: int, cost: Cost,
                          *, capacity: int | None = None, pp: int = 1, vpp: int = 1,
                          backward_ratio: float = 2.0, p2p_s: float = 0.0,
-                         max_evaluations: int = 2000) -> list[list[list[int]]]:
+                         max_evaluations: int = 2000,
+                         arrival: Sequence[Sequence[Sequence[int]]] | None = None
+                         ) -> list[list[list[int]]]:
     """A global batch for ``pools`` data-parallel replicas: ``lengths`` grouped into
     ``pools x num_microbatches`` micro-batches (steps 1 and 2 of the policy), dealt to the
     pools (costliest micro-batch first, each to the pool with the least summed cost that has
     fewer than ``num_microbatches``; ties: lowest index), each pool's in its step-3 order.
     Returns per pool its micro-batches (document indices) in run order; ``pools == 1`` is
-    ``balance_microbatches``. Same guarantees (module doc)."""
+    ``balance_microbatches``. Same guarantees (module doc). ``arrival``: the grouping the
+    data loader gave (same shape); kept when the balanced one's step (``idle_share``) is not
+    shorter (minimising the costliest micro-batch does not always shorten the schedule)."""
     if not isinstance(pools, int) or isinstance(pools, bool) or pools < 1:
         raise ValueError(f"pools={pools!r} is invalid: expected an integer >= 1")
     _check(lengths, num_microbatches, capacity)
@@ -66,9 +70,18 @@ def balance_global_batch(lengths: Sequence[int], num_microbatches: int, pools: i
     check_microbatches(num_microbatches, pp, vpp)
     groups = _start(lengths, num_microbatches * pools, cost, capacity)
     costs = _local_search(groups, lengths, cost, capacity, max_evaluations)
-    return [_order([groups[g] for g in mine], [costs[g] for g in mine], pp, vpp,
-                   backward_ratio, p2p_s)
-            for mine in _deal(costs, num_microbatches, pools)]
+    dealt = [_order([groups[g] for g in mine], [costs[g] for g in mine], pp, vpp,
+                    backward_ratio, p2p_s)
+             for mine in _deal(costs, num_microbatches, pools)]
+    if arrival is None:
+        return dealt
+
+    def step(grouping) -> float:
+        rows = [[cost([lengths[i] for i in g]) for g in pool] for pool in grouping]
+        return idle_share(rows, pp, vpp, backward_ratio, p2p_s)[0]
+
+    kept = [[list(g) for g in pool] for pool in arrival]
+    return kept if step(kept) <= step(dealt) else dealt
 
 
 def _deal(costs: list[float], per_pool: int, pools: int) -> list[list[int]]:
@@ -85,12 +98,12 @@ def _deal(costs: list[float], per_pool: int, pools: int) -> list[list[int]]:
 
 
 def idle_share(costs: Sequence[Sequence[float]], pp: int, vpp: int = 1,
-               backward_ratio: float = 2.0) -> tuple[float, float]:
+               backward_ratio: float = 2.0, p2p_s: float = 0.0) -> tuple[float, float]:
     """(step seconds, idle share) of a global batch whose pool ``p`` runs micro-batches of
     ``costs[p]`` (forward + backward of the whole model, in run order) on ``pp`` stages: the
     slowest pool's pipeline step, and the share of every stage of every pool idle in it
     (pipeline bubble and waiting for the slowest data-parallel replica)."""
-    timelines = [_timeline(list(row), pp, vpp, backward_ratio, 0.0) for row in costs]
+    timelines = [_timeline(list(row), pp, vpp, backward_ratio, p2p_s) for row in costs]
     step = max(t.step_s for t in timelines)
     busy = sum(sum(t.busy_s) for t in timelines)
     return step, 1.0 - busy / (step * pp * len(costs)) if step > 0 else 0.0

@@ -88,9 +88,14 @@ class Regrouper:
     def __call__(self, arrival: Sequence[Sequence[int]]) -> list[list[list[int]]]:
         started = time.perf_counter()
         lengths = [n for batch in arrival for n in batch]
+        starts = [0]
+        for batch in arrival:
+            starts.append(starts[-1] + len(batch))
+        packed = [[list(range(starts[k], starts[k + 1]))
+                   for k in range(p, len(arrival), self.pools)] for p in range(self.pools)]
         dealt = balance_global_batch(lengths, self.micro, self.pools, self.cost,
                                      capacity=self.capacity, pp=self.pp, vpp=self.vpp,
-                                     backward_ratio=FWD_BWD_LINEAR - 1.0)
+                                     backward_ratio=FWD_BWD_LINEAR - 1.0, arrival=packed)
         placed = sorted(i for pool in dealt for batch in pool for i in batch)
         if placed != list(range(len(lengths))):  # balance_global_batch's guarantee
             raise RuntimeError(f"micro-batch balancing placed {len(placed)} of "

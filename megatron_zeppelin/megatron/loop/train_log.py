@@ -173,7 +173,8 @@ def mtp_losses(args: argparse.Namespace, stored: list[dict], writer, iteration: 
         return ()
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    if "values" not in MTPLossLoggingHelper.tracker:
+    pipelined = getattr(args, "pipeline_model_parallel_size", 1) > 1
+    if "values" not in MTPLossLoggingHelper.tracker and not (logged and pipelined):
         return ()
     if not logged:
         MTPLossLoggingHelper.clean_loss_in_tracker()
@@ -181,7 +182,14 @@ def mtp_losses(args: argparse.Namespace, stored: list[dict], writer, iteration: 
     found: dict = {}
     MTPLossLoggingHelper.track_mtp_metrics(1 / max(1, len(stored)), iteration, writer,
                                            total_loss_dict=found)
-    return tuple(float(found[f"mtp_{i + 1} loss"]) for i in range(args.mtp_num_layers))
+    values = [float(found.get(f"mtp_{i + 1} loss", 0.0)) for i in range(args.mtp_num_layers)]
+    if pipelined:  # only the last stage holds them: every stage gets them (a sum over stages)
+        from megatron.core import parallel_state
+
+        pooled = torch.tensor(values)
+        dist.all_reduce(pooled, group=parallel_state.get_pipeline_model_parallel_group())
+        values = pooled.tolist()
+    return tuple(values)
 
 
 def chosen_candidates(plans) -> str:
