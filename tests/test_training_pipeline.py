@@ -152,13 +152,23 @@ MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
 
 
 def mtp_body(rank: int, world: int, extra: list[str]) -> dict:
-    """zeppelin mode with MTP layers on the last stage; every stage planned alike."""
+    """zeppelin mode with MTP layers on the last stage; every stage planned alike; the
+    logged MTP losses (held by the last stage) reach every stage."""
+    import argparse
+
     import torch.distributed as dist
+
+    from megatron_zeppelin.megatron.loop.train_log import mtp_losses
 
     result = pipeline_step("zeppelin", [*MTP, *extra], rank)
     plans = [None] * world
     dist.all_gather_object(plans, result.pop("plans"))
     assert plans[rank] == plans[(rank + 2) % world], rank
+    logged = mtp_losses(argparse.Namespace(mtp_num_layers=2, pipeline_model_parallel_size=2),
+                        [{}] * len(MICRO_BATCHES), None, 1, logged=True)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, logged)
+    assert len(logged) == 2 and min(logged) > 0 and everyone == [logged] * world, everyone
     return result
 
 
