@@ -21,6 +21,12 @@ Policy (``balance_microbatches``):
    cost split evenly over the ``pp x vpp`` virtual stages, backward ``backward_ratio`` x
    forward) and the fastest kept, the first listed on a tie.
 
+Over data-parallel pools (``balance_global_batch``, what training uses:
+``megatron/loop/microbatch_order.py``): steps 1-2 form ``pools x M`` micro-batches, which are
+dealt to the pools (costliest first, to the least-loaded pool with room), step 3 orders each
+pool's; given the data loader's grouping (``arrival``), that grouping is kept unless the
+balanced one's estimated step (``idle_share``: the slowest pool's schedule) is shorter.
+
 Guarantees: every document is in exactly one micro-batch (indices into ``lengths``), every
 micro-batch is non-empty and holds at most ``capacity`` tokens; the result depends only on
 the arguments (no randomness, ties broken by index), so every rank and stage computing it
