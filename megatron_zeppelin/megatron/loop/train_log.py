@@ -186,9 +186,13 @@ def mtp_losses(args: argparse.Namespace, stored: list[dict], writer, iteration: 
     if pipelined:  # only the last stage holds them: every stage gets them (a sum over stages)
         from megatron.core import parallel_state
 
-        pooled = torch.tensor(values)
+        pooled = torch.tensor(values, device="cuda" if getattr(args, "device", "cpu") == "cuda"
+                              else "cpu")  # NCCL reduces device tensors only
         dist.all_reduce(pooled, group=parallel_state.get_pipeline_model_parallel_group())
         values = pooled.tolist()
+        if writer is not None:  # rank 0, on the first stage: track_mtp_metrics wrote nothing
+            for i, value in enumerate(values):
+                writer.add_scalar(f"mtp_{i + 1} loss", value, iteration)
     return tuple(values)
 
 
