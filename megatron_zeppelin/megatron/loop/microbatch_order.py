@@ -65,8 +65,8 @@ class OrderTally:
             return "micro-batch order balanced: no global batch read"
         n = self.batches
         return (f"micro-batch order balanced: {n} global batch(es), {self.moved:,} of "
-                f"{self.documents:,} documents moved; estimated (work cost model) step "
-                f"{self.step_before_s / n * 1e3:.2f} -> {self.step_after_s / n * 1e3:.2f} ms, "
+                f"{self.documents:,} documents (pieces of split ones apiece) moved; estimated "
+                f"(work cost model) step {self.step_before_s / n * 1e3:.2f} -> {self.step_after_s / n * 1e3:.2f} ms, "
                 f"idle stages {self.idle_before / n:.1%} -> {self.idle_after / n:.1%} per "
                 f"batch (arrival -> balanced); grouping took {self.seconds / n * 1e3:.1f} ms "
                 "per batch")
