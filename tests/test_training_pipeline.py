@@ -430,3 +430,39 @@ def test_microbatch_order_flag_default_yaml_and_bad_values(tmp_path):
     megatron_lm = argparse.ArgumentParser()
     train_args.add_zeppelin_args(megatron_lm)
     assert "zeppelin_microbatch_order" not in {a.dest for a in megatron_lm._actions}
+
+
+def test_balanced_sampler_keeps_the_streams_documents_and_position():
+    """Over global batches (across an epoch of ``ListSource``), 1 and 2 pools: the balanced
+    sampler hands out the documents the packing would (none lost or repeated, within the
+    capacity), leaves the stream where the packing does, and its position while a global
+    batch is being handed out is that batch's start (a restart reads it again)."""
+    from megatron_zeppelin.megatron.loop import args as train_args, train
+    from megatron_zeppelin.megatron.loop.corpus import MicroBatchSampler
+    from megatron_zeppelin.megatron.loop.microbatch_order import BalancedSampler, Regrouper
+
+    args = train_args.parse_args(FLAGS)
+    layout = train_args.validate_args(args, 4, None)
+    cost = train.make_cost_model(args, train.model_spec(args), layout)
+
+    def balanced(pools: int, pool: int) -> BalancedSampler:
+        return BalancedSampler(ListSource(), 512, 7, 512, "error",
+                               Regrouper(cost, 2, 2, pools, 512, 2, 1), pools, pool)
+
+    for pools in (1, 2):
+        arrival = [MicroBatchSampler(ListSource(), 512, 7, 512, "error", pools, p)
+                   for p in range(pools)]
+        ours = [balanced(pools, p) for p in range(pools)]
+        for _ in range(3):
+            packed = sorted(d.numel() for s in arrival for _ in range(2) for d in next(s))
+            got = [next(s) for s in ours for _ in range(2)]
+            assert sorted(d.numel() for batch in got for d in batch) == packed
+            assert all(sum(d.numel() for d in batch) <= 512 for batch in got)
+            assert [s.state_dict() for s in ours] == [s.state_dict() for s in arrival]
+        start = ours[0].state_dict()
+        first = next(ours[0])
+        assert ours[0].state_dict() == start
+        again = balanced(pools, 0)
+        assert again.load_state_dict(start) is None
+        assert [d.tolist() for d in next(again)] == [d.tolist() for d in first]
+    assert ours[0].regroup.tally.moved > 0
