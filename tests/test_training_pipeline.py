@@ -1,8 +1,11 @@
 """Pipeline parallelism on gloo (fp32): PP 2 x CP 2 on 4 ranks, plain (1F1B) and virtual
 (2 chunks per stage, the interleaved schedule), in zeppelin and static mode, give the loss and
 every gradient of one process running the same micro-batches (exact packed attention, every
-document alone); every stage runs each micro-batch with the same plan; a run saved at
-iteration 2 and resumed to 4 repeats the uninterrupted run; bad pipeline flags are one line."""
+document alone); every stage runs each micro-batch with the same plan; the training data path
+with ``--zeppelin-microbatch-order balanced`` regroups a global batch (every stage alike, every
+document kept) and gives the loss and gradients of arrival order and of one process; a run
+saved at iteration 2 and resumed to 4 repeats the uninterrupted run; bad pipeline flags are one
+line."""
 from __future__ import annotations
 
 import re
@@ -91,31 +94,38 @@ def modes_body(rank: int, world: int, extra: list[str]) -> dict:
     return out
 
 
-def reference_body(rank: int, world: int, weights: dict) -> tuple[float, dict]:
-    """One process: every micro-batch's documents whole, exact packed attention; the mean
-    per-token loss over all micro-batches and the gradients."""
+def reference_body(rank: int, world: int, weights: dict, batches: list | None = None,
+                   extra: tuple = ()) -> tuple[float, dict]:
+    """One process: every micro-batch's documents whole (``batches``, default
+    ``micro_batches()``), exact packed attention (``extra``: more flags, e.g. MTP: then
+    megatron-core's own MTP and packed roll); the mean per-token loss over all micro-batches
+    and the gradients (MTP losses as the schedule scales them: per token)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
     from megatron_zeppelin.megatron.common.model import build_gpt_model, make_transformer_config
     from megatron_zeppelin.megatron.common.packing import packed_seq_params_for_documents
     from megatron_zeppelin.megatron.loop import args as train_args, train
+    from megatron_zeppelin.options import from_flags
 
-    args = train_args.parse_args(FLAGS + ["--pipeline-model-parallel-size", "1"])
+    args = train_args.parse_args(FLAGS + ["--pipeline-model-parallel-size", "1", *extra])
     train.setup_megatron(args)
     spec = train.model_spec(args)
-    ref = build_gpt_model(spec, make_transformer_config(spec), max_sequence_length=512)
+    mtp = from_flags(train_args.ModelArgs, args).mtp_fields()
+    ref = build_gpt_model(spec, make_transformer_config(spec, mtp=mtp), max_sequence_length=512)
     ref.load_state_dict(weights, strict=False)
     assert set(weights) == {n for n, _ in ref.named_parameters()}
+    MTPLossAutoScaler.set_loss_scale(torch.ones(1))  # what the schedule sets (per-token loss)
     total, count = 0.0, 0.0
-    for docs in micro_batches():
+    for docs in batches or micro_batches():
         params = packed_seq_params_for_documents([d.numel() for d in docs])
         labels = torch.cat([torch.cat([d[1:], d.new_zeros(1)]) for d in docs])[None]
         mask = torch.cat([torch.cat([torch.ones(d.numel() - 1), torch.zeros(1)]) for d in docs])
         losses = ref(torch.cat(docs)[None], params.position_ids(), None, labels=labels,
-                     packed_seq_params=params)
+                     loss_mask=mask[None], packed_seq_params=params)
         total = total + (losses[0] * mask).sum()
         count += mask.sum().item()
-    loss = total / count
-    loss.backward()
-    return loss.item(), {n: p.grad for n, p in ref.named_parameters()}
+    total.backward()  # the sum: MTPLossAutoScaler adds the MTP losses' gradients unscaled
+    return (total / count).item(), {n: p.grad / count for n, p in ref.named_parameters()}
 
 
 @pytest.mark.parametrize("extra", [[], VIRTUAL], ids=["1f1b", "interleaved"])
@@ -136,6 +146,173 @@ def test_pipeline_matches_static_mode_and_one_process(extra):
                 assert worst < 1e-5, (mode, got["stage"], name, worst)
                 held.add(name)
     assert held == set(ref_grads)  # the stages together hold the whole model
+
+
+MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
+
+
+def mtp_body(rank: int, world: int, extra: list[str]) -> dict:
+    """zeppelin mode with MTP layers on the last stage; every stage planned alike; the
+    logged MTP losses (held by the last stage) reach every stage."""
+    import argparse
+
+    import torch.distributed as dist
+
+    from megatron_zeppelin.megatron.loop.train_log import mtp_losses
+
+    result = pipeline_step("zeppelin", [*MTP, *extra], rank)
+    plans = [None] * world
+    dist.all_gather_object(plans, result.pop("plans"))
+    assert plans[rank] == plans[(rank + 2) % world], rank
+    logged = mtp_losses(argparse.Namespace(mtp_num_layers=2, pipeline_model_parallel_size=2),
+                        [{}] * len(MICRO_BATCHES), None, 1, logged=True)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, logged)
+    assert len(logged) == 2 and min(logged) > 0 and everyone == [logged] * world, everyone
+    return result
+
+
+@pytest.mark.parametrize("extra", [[], VIRTUAL], ids=["1f1b", "interleaved"])
+def test_mtp_on_the_last_stage_matches_one_process(extra):
+    ranks = run_world(mtp_body, 4, extra, start_method="spawn", timeout_s=600)
+    weights = {}
+    for result in ranks:
+        weights.update(result["weights"])
+    # the last stage's copy of the word embedding starts equal to the first stage's
+    first, last = ranks[0], ranks[2]
+    assert last["stage"] == 1 and any(n.startswith("mtp.") for n in last["grads"])
+    name = "embedding.word_embeddings.weight"
+    assert torch.equal(first["weights"][name], last["weights"][name])
+    (ref_loss, ref_grads), = run_world(reference_body, 1, weights, None, tuple(MTP),
+                                       start_method="spawn")
+    for result in ranks:
+        assert abs(result["loss"] - ref_loss) < 1e-5, (result["loss"], ref_loss)
+        for key, grad in result["grads"].items():  # both embedding copies: the summed grad
+            worst = (grad - ref_grads[key]).abs().max().item()
+            assert worst < 1e-5, (result["stage"], key, worst)
+    for depth in range(2):  # both MTP layers train: gradients 10x the exactness bound
+        layer = [g for n, g in last["grads"].items() if n.startswith(f"mtp.layers.{depth}.")]
+        assert layer and max(g.abs().max().item() for g in layer) > 1e-4, depth
+
+
+# a long-tailed corpus: a few documents near --seq-length among many short ones, so the
+# packing's micro-batches (512 tokens each) cost very differently
+ORDER_LENGTHS = [480, 3, 410, 7, 60, 2, 350, 12, 5, 300, 40, 9, 1, 220, 30, 4, 90, 6, 2, 150,
+                 25, 11, 3, 70, 8, 120, 2, 45, 1, 15]
+
+
+class ListSource:
+    """An in-memory ``DocumentSource`` of ``ORDER_LENGTHS`` random-token documents."""
+
+    name = "ORDER_LENGTHS"
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(5)
+        self.docs = [torch.randint(0, 256, (n,), generator=g) for n in ORDER_LENGTHS]
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def lengths(self) -> list[int]:
+        return list(ORDER_LENGTHS)
+
+    def tokens(self, index: int, start: int, end: int) -> torch.Tensor:
+        return self.docs[index][start:end]
+
+
+def ordered_step(mode: str, order: str, extra: list[str]) -> dict:
+    """One forward-backward of the first global batch of ``ListSource`` through the training
+    data path (``train.make_data``) in ``--zeppelin-microbatch-order order``: loss, plans,
+    the regrouping's tally, weights and gradients (one-process names)."""
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_zeppelin.megatron.common.pipeline_p2p import schedule_kwargs
+    from megatron_zeppelin.megatron.loop import args as train_args, pipeline, train
+
+    args = train_args.parse_args(FLAGS + ["--context-parallel-mode", mode,
+                                          "--zeppelin-microbatch-order", order,
+                                          "--no-zeppelin-planner-process", *extra])
+    layout = train_args.validate_args(args, 4, None)
+    train.setup_megatron(args)
+    spec = train.model_spec(args)
+    runtime = train.build_pool_runtime(args, layout, spec)
+    chunks, _ = train.build_stage(args, runtime.state, spec)
+    runtime.state.keep_used = pipeline.runtimes_in_flight(layout, len(chunks))
+    data, sampler = train.make_data(args, ListSource(), runtime, "cpu", None)
+    plans = []
+
+    def watched():
+        for batch in data:
+            plans.append(batch.plan)
+            yield batch
+
+    micro = layout.micro_batches(args.global_batch_size, args.micro_batch_size)
+    stored = get_forward_backward_func()(
+        forward_step_func=train.forward_step,
+        data_iterator=pipeline.data_iterators(watched(), len(chunks)), model=chunks,
+        num_microbatches=micro, seq_length=args.seq_length, micro_batch_size=1,
+        forward_only=False, **schedule_kwargs(chunks[0].config))
+    data.close()
+    runtime.close()
+    sums = torch.stack([d["lm loss"] for d in stored]).sum(0) if stored else torch.zeros(2)
+    dist.all_reduce(sums)
+    named = {k: v for chunk in chunks for k, v in global_names(chunk).items()}
+    regroup = getattr(sampler, "regroup", None)
+    return {"loss": (sums[0] / sums[1]).item(), "stage": layout.stage(dist.get_rank()),
+            "plans": [(p.linear, p.attention, p.tasks, p.seqlens) for p in plans[:micro]],
+            "tally": regroup.tally if regroup else None,
+            "weights": {k: p.detach().clone() for k, p in named.items()},
+            "grads": {k: p.main_grad.clone() for k, p in named.items()}}
+
+
+def orders_body(rank: int, world: int, extra: list[str]) -> dict:
+    """zeppelin mode in arrival and balanced order, static mode balanced; every stage's plans
+    (so its micro-batches) equal; the global batch's documents (arrival packing) for the
+    reference."""
+    import torch.distributed as dist
+
+    from megatron_zeppelin.megatron.loop.corpus import MicroBatchSampler
+
+    runs = {(mode, order): ordered_step(mode, order, extra)
+            for mode, order in (("zeppelin", "arrival"), ("zeppelin", "balanced"),
+                                ("static", "balanced"))}
+    for key, result in runs.items():
+        plans = [None] * world
+        dist.all_gather_object(plans, result["plans"])
+        assert plans[rank] == plans[(rank + 2) % world], (key, rank)  # the other stage
+    sampler = MicroBatchSampler(ListSource(), 512, 7, 512, "error")
+    return {"runs": runs, "docs": [next(sampler) for _ in range(4)] if rank == 0 else None}
+
+
+@pytest.mark.parametrize("extra", [[], VIRTUAL], ids=["1f1b", "interleaved"])
+def test_balanced_order_regroups_without_changing_loss_or_gradients(extra):
+    ranks = run_world(orders_body, 4, extra, start_method="spawn", timeout_s=600)
+    docs = ranks[0]["docs"]
+    weights = {}
+    for result in ranks:
+        weights.update(result["runs"][("zeppelin", "arrival")]["weights"])
+    (ref_loss, ref_grads), = run_world(reference_body, 1, weights, docs, start_method="spawn")
+    groups = {}
+    for result in ranks:
+        for key, got in result["runs"].items():
+            assert all(torch.equal(weights[n], w) for n, w in got["weights"].items()), key
+            assert abs(got["loss"] - ref_loss) < 1e-5, (key, got["loss"], ref_loss)
+            for name, grad in got["grads"].items():
+                worst = (grad - ref_grads[name]).abs().max().item()
+                assert worst < 1e-5, (key, got["stage"], name, worst)
+            groups[key] = [sorted(plan[3]) for plan in got["plans"]]
+    arrival, balanced = groups[("zeppelin", "arrival")], groups[("zeppelin", "balanced")]
+    assert arrival == [sorted(d.numel() for d in batch) for batch in docs]
+    assert balanced == groups[("static", "balanced")]
+    # the same documents, none dropped, regrouped (the test would not see a regrouping else)
+    assert sorted(sum(balanced, [])) == sorted(sum(arrival, [])) and balanced != arrival
+    assert all(sum(batch) <= 512 for batch in balanced)
+    tally = ranks[0]["runs"][("zeppelin", "balanced")]["tally"]
+    # two global batches grouped: the data iterator plans one micro-batch ahead
+    assert tally.batches == 2 and tally.documents > len(sum(arrival, [])) and tally.moved > 0
+    assert tally.step_after_s <= tally.step_before_s
+    assert ranks[0]["runs"][("zeppelin", "arrival")]["tally"] is None
 
 
 RESUME = [*RESUME_FLAGS, "--num-layers", "4", "--seq-length", "256", "--micro-batch-size", "1",
@@ -196,8 +373,6 @@ def test_bad_pipeline_flags_are_one_line_naming_the_flag():
     assert refusal(["--global-batch-size", "3", *VIRTUAL]).startswith(
         "--global-batch-size=3 gives 3 micro-batches per iteration: the interleaved schedule")
     assert "--context-parallel-size=4 is invalid" in refusal(["--context-parallel-size", "4"])
-    assert refusal(["--mtp-num-layers", "1"]).startswith(
-        "--mtp-num-layers=1 with --pipeline-model-parallel-size 2 is not supported yet")
 
 
 def test_pool_layout_follows_megatron_rank_order_with_stages():
@@ -227,3 +402,67 @@ def test_chunk_views_hand_every_chunk_the_same_items_in_order():
     assert [next(first), next(first), next(second), next(first)] == [0, 1, 0, 2]
     assert list(second) == [1, 2, 3, 4] and list(first) == [3, 4]
     assert drawn == [0, 1, 2, 3, 4] and views.buffer == []
+
+
+def test_microbatch_order_flag_default_yaml_and_bad_values(tmp_path):
+    import argparse
+
+    from megatron_zeppelin.config import ConfigError
+    from megatron_zeppelin.megatron.loop import args as train_args
+    from megatron_zeppelin.megatron.loop.microbatch_order import resolve
+
+    assert train_args.parse_args(FLAGS).zeppelin_microbatch_order == "auto"
+    assert (resolve("auto", 2), resolve("auto", 1), resolve("arrival", 2)) == \
+        ("balanced", "arrival", "arrival")
+    config = tmp_path / "order.yaml"
+    config.write_text("zeppelin_microbatch_order: arrival\n")
+    assert train_args.parse_args(FLAGS + ["--yaml-cfg", str(config)]) \
+        .zeppelin_microbatch_order == "arrival"
+    with pytest.raises(ConfigError, match=r"--zeppelin-microbatch-order: invalid choice: "
+                       r"'sorted' \(choose from 'auto', 'balanced', 'arrival'\)"):
+        train_args.parse_args(FLAGS + ["--zeppelin-microbatch-order", "sorted"])
+    config.write_text("zeppelin_microbatch_order: sorted\n")
+    with pytest.raises(ConfigError, match=r"order.yaml: zeppelin_microbatch_order='sorted' is "
+                       r"invalid: expected one of \['auto', 'balanced', 'arrival'\]"):
+        train_args.parse_args(FLAGS + ["--yaml-cfg", str(config)])
+    # Megatron-LM's parser (through the patch) does not get it: its own data loader makes
+    # the micro-batches, so the flag would be ignored there
+    megatron_lm = argparse.ArgumentParser()
+    train_args.add_zeppelin_args(megatron_lm)
+    assert "zeppelin_microbatch_order" not in {a.dest for a in megatron_lm._actions}
+
+
+def test_balanced_sampler_keeps_the_streams_documents_and_position():
+    """Over global batches (across an epoch of ``ListSource``), 1 and 2 pools: the balanced
+    sampler hands out the documents the packing would (none lost or repeated, within the
+    capacity), leaves the stream where the packing does, and its position while a global
+    batch is being handed out is that batch's start (a restart reads it again)."""
+    from megatron_zeppelin.megatron.loop import args as train_args, train
+    from megatron_zeppelin.megatron.loop.corpus import MicroBatchSampler
+    from megatron_zeppelin.megatron.loop.microbatch_order import BalancedSampler, Regrouper
+
+    args = train_args.parse_args(FLAGS)
+    layout = train_args.validate_args(args, 4, None)
+    cost = train.make_cost_model(args, train.model_spec(args), layout)
+
+    def balanced(pools: int, pool: int) -> BalancedSampler:
+        return BalancedSampler(ListSource(), 512, 7, 512, "error",
+                               Regrouper(cost, 2, 2, pools, 512, 2, 1), pools, pool)
+
+    for pools in (1, 2):
+        arrival = [MicroBatchSampler(ListSource(), 512, 7, 512, "error", pools, p)
+                   for p in range(pools)]
+        ours = [balanced(pools, p) for p in range(pools)]
+        for _ in range(3):
+            packed = sorted(d.numel() for s in arrival for _ in range(2) for d in next(s))
+            got = [next(s) for s in ours for _ in range(2)]
+            assert sorted(d.numel() for batch in got for d in batch) == packed
+            assert all(sum(d.numel() for d in batch) <= 512 for batch in got)
+            assert [s.state_dict() for s in ours] == [s.state_dict() for s in arrival]
+        start = ours[0].state_dict()
+        first = next(ours[0])
+        assert ours[0].state_dict() == start
+        again = balanced(pools, 0)
+        assert again.load_state_dict(start) is None
+        assert [d.tolist() for d in next(again)] == [d.tolist() for d in first]
+    assert ours[0].regroup.tally.moved > 0

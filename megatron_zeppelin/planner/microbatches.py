@@ -21,6 +21,12 @@ Policy (``balance_microbatches``):
    cost split evenly over the ``pp x vpp`` virtual stages, backward ``backward_ratio`` x
    forward) and the fastest kept, the first listed on a tie.
 
+Over data-parallel pools (``balance_global_batch``, what training uses:
+``megatron/loop/microbatch_order.py``): steps 1-2 form ``pools x M`` micro-batches, which are
+dealt to the pools (costliest first, to the least-loaded pool with room), step 3 orders each
+pool's; given the data loader's grouping (``arrival``), that grouping is kept unless the
+balanced one's estimated step (``idle_share``: the slowest pool's schedule) is shorter.
+
 Guarantees: every document is in exactly one micro-batch (indices into ``lengths``), every
 micro-batch is non-empty and holds at most ``capacity`` tokens; the result depends only on
 the arguments (no randomness, ties broken by index), so every rank and stage computing it
@@ -32,7 +38,7 @@ from __future__ import annotations
 import heapq
 from typing import Callable, Sequence
 
-from megatron_zeppelin.planner.pipeline import check_microbatches, pipeline_step
+from megatron_zeppelin.planner.pipeline import PipelineTimeline, check_microbatches, pipeline_step
 
 Cost = Callable[[Sequence[int]], float]
 SEARCH_WIDTH = 32  # distinct document lengths of a micro-batch tried per move
@@ -44,11 +50,80 @@ def balance_microbatches(lengths: Sequence[int], num_microbatches: int, cost: Co
                          max_evaluations: int = 2000) -> list[list[int]]:
     """``lengths`` grouped into ``num_microbatches`` micro-batches of document indices, in the
     order to run them (module doc: policy and guarantees)."""
+    return balance_global_batch(lengths, num_microbatches, 1, cost, capacity=capacity, pp=pp,
+                                vpp=vpp, backward_ratio=backward_ratio, p2p_s=p2p_s,
+                                max_evaluations=max_evaluations)[0]
+
+
+def balance_global_batch(lengths: Sequence[int], num_microbatches: int, pools: int, cost: Cost,
+                         *, capacity: int | None = None, pp: int = 1, vpp: int = 1,
+                         backward_ratio: float = 2.0, p2p_s: float = 0.0,
+                         max_evaluations: int = 2000,
+                         arrival: Sequence[Sequence[Sequence[int]]] | None = None
+                         ) -> list[list[list[int]]]:
+    """A global batch for ``pools`` data-parallel replicas: ``lengths`` grouped into
+    ``pools x num_microbatches`` micro-batches (steps 1 and 2 of the policy), dealt to the
+    pools (costliest micro-batch first, each to the pool with the least summed cost that has
+    fewer than ``num_microbatches``; ties: lowest index), each pool's in its step-3 order.
+    Returns per pool its micro-batches (document indices) in run order; ``pools == 1`` is
+    ``balance_microbatches``. Same guarantees (module doc). ``arrival``: the grouping the
+    data loader gave (same shape); kept when the balanced one's step (``idle_share``) is not
+    shorter (minimising the costliest micro-batch does not always shorten the schedule)."""
+    if not isinstance(pools, int) or isinstance(pools, bool) or pools < 1:
+        raise ValueError(f"pools={pools!r} is invalid: expected an integer >= 1")
     _check(lengths, num_microbatches, capacity)
+    _check(lengths, num_microbatches * pools, None)  # one document per micro-batch of all pools
     check_microbatches(num_microbatches, pp, vpp)
-    groups = _start(lengths, num_microbatches, cost, capacity)
+    groups = _start(lengths, num_microbatches * pools, cost, capacity)
     costs = _local_search(groups, lengths, cost, capacity, max_evaluations)
-    return _order(groups, costs, pp, vpp, backward_ratio, p2p_s)
+    dealt = [_order([groups[g] for g in mine], [costs[g] for g in mine], pp, vpp,
+                    backward_ratio, p2p_s)
+             for mine in _deal(costs, num_microbatches, pools)]
+    if arrival is None:
+        return dealt
+
+    def step(grouping) -> float:
+        rows = [[cost([lengths[i] for i in g]) for g in pool] for pool in grouping]
+        return idle_share(rows, pp, vpp, backward_ratio, p2p_s)[0]
+
+    kept = [[list(g) for g in pool] for pool in arrival]
+    return kept if step(kept) <= step(dealt) else dealt
+
+
+def _deal(costs: list[float], per_pool: int, pools: int) -> list[list[int]]:
+    """Micro-batch indices per pool (``per_pool`` each, ascending): costliest first to the
+    least-loaded pool with room (ties: lowest pool)."""
+    dealt: list[list[int]] = [[] for _ in range(pools)]
+    load = [0.0] * pools
+    for g in sorted(range(len(costs)), key=lambda g: (-costs[g], g)):
+        pool = min((p for p in range(pools) if len(dealt[p]) < per_pool),
+                   key=lambda p: (load[p], p))
+        dealt[pool].append(g)
+        load[pool] += costs[g]
+    return [sorted(mine) for mine in dealt]
+
+
+def idle_share(costs: Sequence[Sequence[float]], pp: int, vpp: int = 1,
+               backward_ratio: float = 2.0, p2p_s: float = 0.0) -> tuple[float, float]:
+    """(step seconds, idle share) of a global batch whose pool ``p`` runs micro-batches of
+    ``costs[p]`` (forward + backward of the whole model, in run order) on ``pp`` stages: the
+    slowest pool's pipeline step, and the share of every stage of every pool idle in it
+    (pipeline bubble and waiting for the slowest data-parallel replica)."""
+    timelines = [_timeline(list(row), pp, vpp, backward_ratio, p2p_s) for row in costs]
+    step = max(t.step_s for t in timelines)
+    busy = sum(sum(t.busy_s) for t in timelines)
+    return step, 1.0 - busy / (step * pp * len(costs)) if step > 0 else 0.0
+
+
+def _timeline(costs: list[float], pp: int, vpp: int, backward_ratio: float, p2p_s: float
+              ) -> PipelineTimeline:
+    """Megatron's schedule over micro-batches of ``costs`` (each split evenly over the
+    ``pp x vpp`` virtual stages, backward ``backward_ratio`` x forward)."""
+    stages = pp * vpp
+    fwd_share = 1.0 / (1.0 + backward_ratio) / stages
+    fwd = [[c * fwd_share] * stages for c in costs]
+    bwd = [[c * fwd_share * backward_ratio] * stages for c in costs]
+    return pipeline_step(fwd, bwd, pp, vpp, p2p_s)
 
 
 def arrival_microbatches(lengths: Sequence[int], num_microbatches: int,
@@ -213,8 +288,8 @@ def _moves(heavy: list[int], light: list[int], lengths: Sequence[int], capacity:
         for b in take:
             if lengths[b] >= lengths[a]:
                 continue
-            if capacity is None or held_h - lengths[a] + lengths[b] <= capacity:
-                yield a, b
+            if capacity is None or held_l - lengths[b] + lengths[a] <= capacity:
+                yield a, b  # light grows (heavy shrinks: b is shorter than a)
 
 
 def _order(groups: list[list[int]], costs: list[float], pp: int, vpp: int,
@@ -226,14 +301,7 @@ def _order(groups: list[list[int]], costs: list[float], pp: int, vpp: int,
     candidates = [built, rising, rising[::-1], ends]
     if pp == 1:
         return [groups[g] for g in built]
-    stages = pp * vpp
-    fwd_share = 1.0 / (1.0 + backward_ratio) / stages
-
-    def step(order: list[int]) -> float:
-        fwd = [[costs[g] * fwd_share] * stages for g in order]
-        bwd = [[costs[g] * fwd_share * backward_ratio] * stages for g in order]
-        return pipeline_step(fwd, bwd, pp, vpp, p2p_s).step_s
-
-    times = [step(order) for order in candidates]
+    times = [_timeline([costs[g] for g in order], pp, vpp, backward_ratio, p2p_s).step_s
+             for order in candidates]
     best = min(range(len(candidates)), key=lambda k: (times[k], k))
     return [groups[g] for g in candidates[best]]

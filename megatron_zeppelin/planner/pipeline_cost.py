@@ -22,6 +22,7 @@ inside one.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple, Sequence
 
@@ -132,7 +133,8 @@ def microbatch_work_cost(cost: CostModel, ranks: int) -> Callable[[Sequence[int]
     modules of all its tokens, over the ranks); strategy-agnostic, cheap, and the same on
     every rank that holds the same cost model."""
     layers = cost.model.num_layers
-    return work_cost(lambda n: cost.attention_time(n) * layers, cost.linear_time, ranks)
+    attention = functools.lru_cache(maxsize=None)(lambda n: cost.attention_time(n) * layers)
+    return work_cost(attention, cost.linear_time, ranks)  # one attention price per length
 
 
 def price(stage: Stage, groups: Sequence[Sequence[int]], costs: Sequence[MicrobatchCost]

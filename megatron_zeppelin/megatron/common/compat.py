@@ -38,6 +38,9 @@ CPU_BRIDGE_MISSING_NAMES = (
 # functions with literal CUDA devices that exist only in some series: (series, module, path)
 CPU_BRIDGE_REDIRECTS = (
     ((0, 19), "megatron.core.optimizer.optimizer", "MegatronOptimizer.has_grad_norm_group"),
+    # ties the last pipeline stage's embedding copy (MTP) to the first's: ``weight.cuda()``
+    ((0, 16), "megatron.core.models.common.language_module.language_module",
+     "LanguageModule.setup_embeddings_and_output_layer"),
 )  # versions of Megatron-LM with a patch in patches/
 
 

@@ -155,7 +155,8 @@ def build_gpt_model(spec: ModelSpec, config: TransformerConfig, *, max_sequence_
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         pg_collection=pg_collection, pre_process=pre_process, post_process=post_process,
         vp_stage=vp_stage,
-        mtp_block_spec=mtp.mtp_block_spec(config, layer_spec, use_transformer_engine=mtp_use_te))
+        mtp_block_spec=mtp.mtp_block_spec(config, layer_spec, use_transformer_engine=mtp_use_te,
+                                          vp_stage=vp_stage))
 
 
 class PackedCoreAttention(MegatronModule):

@@ -87,16 +87,20 @@ def install() -> None:
             module.roll_tensor = roll_tensor
 
 
-def mtp_block_spec(config, layer_spec, use_transformer_engine: bool):
+def mtp_block_spec(config, layer_spec, use_transformer_engine: bool,
+                   vp_stage: int | None = None):
     """megatron-core's MTP block spec (``config.mtp_num_layers`` layers) around ``layer_spec``
     (its transformer layer: the decoder's, so zeppelin core attention when swapped); None
-    without MTP."""
+    without MTP, and with pipeline parallelism on every stage (``vp_stage``: model chunk)
+    but the last, where megatron-core places the MTP layers (with a copy of the embedding,
+    tied to the first stage's through its embedding group)."""
     if not config.mtp_num_layers:
         return None
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     return get_gpt_mtp_block_spec(config, layer_spec,
-                                  use_transformer_engine=use_transformer_engine)
+                                  use_transformer_engine=use_transformer_engine,
+                                  vp_stage=vp_stage)
 
 
 __all__ = ["PlanShift", "install", "mtp_block_spec", "roll_tensor"]

@@ -232,7 +232,7 @@ class PackedGPTModel(GPTModel):
         super().__init__(*args, **kwargs)
         self.zeppelin_state = next((m.zeppelin_state for m in self.modules()
                                     if getattr(m, "zeppelin_state", None) is not None), None)
-        if self.config.mtp_num_layers:
+        if self.mtp_process:  # MTP layers here (the last stage with pipeline parallelism)
             mtp.install()
             if self.zeppelin_state is not None:  # the shift is prepared with each plan
                 self.zeppelin_state.shifts = tuple(sorted({*self.zeppelin_state.shifts, 1}))
@@ -254,7 +254,7 @@ class PackedGPTModel(GPTModel):
             padding_mask[:, padding_mask.shape[1] - packed_seq_params.pad_tokens:] = True
         if isinstance(packed_seq_params, ZeppelinPackedSeqParams):
             packed_seq_params.positions = position_ids
-            if self.config.mtp_num_layers and packed_seq_params.plan is not None:
+            if self.mtp_process and packed_seq_params.plan is not None:
                 packed_seq_params.mtp_shift = self._mtp_shift(packed_seq_params, input_ids.device)
         return super().forward(input_ids, position_ids, attention_mask, *args,
                                packed_seq_params=packed_seq_params, padding_mask=padding_mask,

@@ -14,6 +14,12 @@ plan without any message; a middle stage uses the micro-batch's plan, positions 
 params (its tokens only feed the first stage's embedding). With chunks, each chunk's data
 iterator is a view of one planned stream (``ChunkViews``): micro-batch ``i`` is planned once
 and handed to every chunk.
+
+Multi-token prediction (``--mtp-num-layers``): megatron-core builds the MTP layers on the last
+stage (its last model chunk) with a copy of the word embedding, tied to the first stage's
+through the embedding group (equal at start, gradients summed by ``finalize_model_grads``);
+the MTP shift (``runtime/shift.py``) runs in the last stage's pools, which hold the same plan.
+The logged MTP losses come from the last stage (``train_log.mtp_losses``).
 """
 from __future__ import annotations
 
@@ -50,11 +56,6 @@ def check(args: argparse.Namespace, layout: PoolLayout) -> None:
         raise ConfigError(f"--num-layers-per-virtual-pipeline-stage={per_chunk} is invalid: "
                           f"expected a divisor of the {layers // pp} layers per stage "
                           f"(--num-layers {layers} / --pipeline-model-parallel-size {pp})")
-    if pp > 1 and getattr(args, "mtp_num_layers", None):
-        raise ConfigError(f"--mtp-num-layers={args.mtp_num_layers} with "
-                          f"--pipeline-model-parallel-size {pp} is not supported yet: the MTP "
-                          "block on the last stage has not been checked against one process; "
-                          "use one of the two")
     micro = layout.micro_batches(args.global_batch_size, args.micro_batch_size)
     if virtual_size(args) and micro % pp:
         raise ConfigError(f"--global-batch-size={args.global_batch_size} gives {micro} "

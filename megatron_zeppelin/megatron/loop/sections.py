@@ -18,6 +18,7 @@ DEVICES = ("cpu", "cuda")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 ZEPPELIN_PREFIX = "zeppelin-"
+MICROBATCH_ORDERS = ("auto", "balanced", "arrival")  # megatron/loop/microbatch_order.py
 
 
 def _at_least(section, minimum, *names: str) -> None:
@@ -257,6 +258,12 @@ class DataArgs:
     mock_data: bool = setting(False, "train on the built-in corpus (Python stdlib sources as "
                               "bytes)")
     data_path: str | None = setting(None, "Megatron indexed dataset prefix (PREFIX.bin/.idx)")
+    microbatch_order: str = setting(
+        "auto", "how each global batch's documents form the micro-batches: balanced (regrouped "
+        "and ordered for the pipeline and the data-parallel replicas by their estimated "
+        "compute; the loss and gradients do not change), arrival (packed in stream order), "
+        "auto (balanced with --pipeline-model-parallel-size > 1, else arrival)",
+        flag="--zeppelin-microbatch-order", choices=MICROBATCH_ORDERS)
 
 
 @dataclass(frozen=True)

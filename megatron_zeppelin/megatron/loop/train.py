@@ -23,7 +23,8 @@ import torch.distributed as dist
 from megatron_zeppelin import api, env
 from megatron_zeppelin.config import ConfigError, ModelSpec, load_cluster, load_hardware
 from megatron_zeppelin.cost_model import CostModel
-from megatron_zeppelin.megatron.loop import args as train_args, checkpoint, pipeline, preflight
+from megatron_zeppelin.megatron.loop import (args as train_args, checkpoint, microbatch_order,
+                                              pipeline, preflight)
 from megatron_zeppelin.megatron.common.core_attention import ZeppelinAttentionState, planning_hardware
 from megatron_zeppelin.megatron.loop.corpus import DocumentSource, MicroBatchSampler
 from megatron_zeppelin.megatron.common.data import ZeppelinDataIterator
@@ -247,9 +248,7 @@ def make_data(args: argparse.Namespace, source: DocumentSource, runtime: PoolRun
     process (``--zeppelin-planner-process``, the default) or a thread of this one; each plan's
     attention runtime is prepared ahead, on the iterator's worker thread."""
     pool, planner = runtime.pool, runtime.planner
-    sampler = MicroBatchSampler(source, args.micro_batch_size * args.seq_length, args.seed,
-                                args.seq_length, args.zeppelin_overlong,
-                                pools=pool.layout.dp, pool=pool.index)
+    sampler = make_sampler(args, source, runtime)
     if position is not None:
         why = sampler.load_state_dict(position)
         if why and dist.get_rank() == 0:
@@ -259,6 +258,23 @@ def make_data(args: argparse.Namespace, source: DocumentSource, runtime: PoolRun
         planner = PlannerService(planner)
     return api.planned_micro_batches(sampler, runtime, device, planner=planner,
                                      max_position=args.seq_length), sampler
+
+
+def make_sampler(args: argparse.Namespace, source: DocumentSource, runtime: PoolRuntime
+                 ) -> MicroBatchSampler:
+    """This pool's micro-batches of the global stream, in ``--zeppelin-microbatch-order``
+    (``microbatch_order.py``: balanced regroups each global batch by the pool's cost model)."""
+    layout, tokens = runtime.pool.layout, args.micro_batch_size * args.seq_length
+    common = (source, tokens, args.seed, args.seq_length, args.zeppelin_overlong)
+    if microbatch_order.resolve(args.zeppelin_microbatch_order, layout.pp) == "arrival":
+        return MicroBatchSampler(*common, pools=layout.dp, pool=runtime.pool.index)
+    regroup = microbatch_order.Regrouper(
+        runtime.cost, layout.cp, layout.micro_batches(args.global_batch_size,
+                                                      args.micro_batch_size),
+        layout.dp, tokens, layout.pp, pipeline.virtual_size(args) or 1,
+        estimate=dist.get_rank() == 0)  # the rank that prints the run summary
+    return microbatch_order.BalancedSampler(*common, regroup, pools=layout.dp,
+                                            pool=runtime.pool.index)
 
 
 def init_process_group(args: argparse.Namespace) -> None:
@@ -312,7 +328,7 @@ def train(args: argparse.Namespace, layout: PoolLayout, ready: preflight.Ready,
         first_stage = layout.stage(dist.get_rank()) == 0
         logger = Logger(args, runtime.cost, dist.get_rank() == 0, sampler.stats,
                         counts_plans=pool_rank == 0 and tp_rank == 0 and first_stage,
-                        pools=layout.dp)
+                        pools=layout.dp, order=getattr(sampler, "regroup", None))
         online = OnlineFit(args, runtime.pool, runtime.state, runtime.planner, data, logger, device) \
             if args.zeppelin_fit_interval else None
         try:

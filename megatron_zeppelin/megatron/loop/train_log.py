@@ -24,6 +24,7 @@ from megatron_zeppelin.config import ConfigError
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.estimate import estimate_plan
 from megatron_zeppelin.megatron.loop.corpus import DocumentSource, DocumentStats, describe_lengths
+from megatron_zeppelin.megatron.loop.microbatch_order import resolve
 from megatron_zeppelin.parallel import PoolLayout
 
 TIERS = ("local", "intra", "inter")
@@ -67,8 +68,12 @@ class Logger:
     token counts to the all-reduce (one rank per pool: pool rank 0 of TP rank 0)."""
 
     def __init__(self, args: argparse.Namespace, cost: CostModel, printing: bool,
-                 documents: DocumentStats, counts_plans: bool, pools: int) -> None:
+                 documents: DocumentStats, counts_plans: bool, pools: int,
+                 order=None) -> None:
+        """order: the balanced micro-batch order's ``Regrouper`` (its tally ends the run's
+        summary), None in arrival order."""
         self.args, self.cost, self.printing, self.documents = args, cost, printing, documents
+        self.order = order
         self.counts_plans, self.pools = counts_plans, pools
         self.plans = []
         self.history: list[StepLog] = []
@@ -151,6 +156,8 @@ class Logger:
                   f"{self.args.seq_length:,}: {d.split_sequences:,} split into "
                   f"{d.split_pieces:,} pieces, {d.dropped_sequences:,} dropped "
                   f"({d.dropped_tokens:,} tokens)", flush=True)
+            if self.order is not None:
+                print(self.order.tally.line(), flush=True)
         if self.writer is not None:
             self.writer.close()
 
@@ -166,7 +173,8 @@ def mtp_losses(args: argparse.Namespace, stored: list[dict], writer, iteration: 
         return ()
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    if "values" not in MTPLossLoggingHelper.tracker:
+    pipelined = getattr(args, "pipeline_model_parallel_size", 1) > 1
+    if "values" not in MTPLossLoggingHelper.tracker and not (logged and pipelined):
         return ()
     if not logged:
         MTPLossLoggingHelper.clean_loss_in_tracker()
@@ -174,7 +182,18 @@ def mtp_losses(args: argparse.Namespace, stored: list[dict], writer, iteration: 
     found: dict = {}
     MTPLossLoggingHelper.track_mtp_metrics(1 / max(1, len(stored)), iteration, writer,
                                            total_loss_dict=found)
-    return tuple(float(found[f"mtp_{i + 1} loss"]) for i in range(args.mtp_num_layers))
+    values = [float(found.get(f"mtp_{i + 1} loss", 0.0)) for i in range(args.mtp_num_layers)]
+    if pipelined:  # only the last stage holds them: every stage gets them (a sum over stages)
+        from megatron.core import parallel_state
+
+        pooled = torch.tensor(values, device="cuda" if getattr(args, "device", "cpu") == "cuda"
+                              else "cpu")  # NCCL reduces device tensors only
+        dist.all_reduce(pooled, group=parallel_state.get_pipeline_model_parallel_group())
+        values = pooled.tolist()
+        if writer is not None:  # rank 0, on the first stage: track_mtp_metrics wrote nothing
+            for i, value in enumerate(values):
+                writer.add_scalar(f"mtp_{i + 1} loss", value, iteration)
+    return tuple(values)
 
 
 def chosen_candidates(plans) -> str:
@@ -185,6 +204,14 @@ def chosen_candidates(plans) -> str:
         name = plan.candidate or plan.strategy
         counts[name] = counts.get(name, 0) + 1
     return ", ".join(name + (f" x{n}" if n > 1 else "") for name, n in counts.items())
+
+
+def order_of(args: argparse.Namespace, layout: PoolLayout) -> str:
+    """The micro-batch order the run uses, and why when ``auto`` chose it."""
+    order = resolve(args.zeppelin_microbatch_order, layout.pp)
+    if args.zeppelin_microbatch_order != "auto":
+        return order
+    return f"{order} (--zeppelin-microbatch-order auto: balanced when PP > 1)"
 
 
 def parameter_count(module: torch.nn.Module, tp: int) -> int:
@@ -226,7 +253,7 @@ def banner(args: argparse.Namespace, layout: PoolLayout, modules: list[torch.nn.
         f"corpus: {data}",
         f"batch: {args.global_batch_size} samples x {args.seq_length:,} tokens per iteration, "
         f"{layout.micro_batches(args.global_batch_size, args.micro_batch_size)} micro-batch(es) "
-        f"of {sample:,} tokens per pool",
+        f"of {sample:,} tokens per pool, order {order_of(args, layout)}",
         f"lr: {args.lr:g}, warmup {args.lr_warmup_iters} iterations, {args.lr_decay_style} "
         f"decay to {args.min_lr:g} at iteration {decay}",
         f"checkpoints: {save}; resume: " + (args.load or "no (--load)"),
