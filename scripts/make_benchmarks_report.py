@@ -575,7 +575,9 @@ def result_lines(paper, scale, ablation) -> list[str]:
         report.format_summary(paper, "static-cp", PEERS[1:], markdown=True),
         "",
         "Mean plan time per strategy in this sweep (one plan call, the C++ planner where there "
-        "is one; `zeppelin bench planner` times them side by side):",
+        "is one; wall-clock time on the machine that generated this file, under whatever load "
+        "it had, and with `--jobs` several settings at once: indicative only; `zeppelin bench "
+        "planner` times them side by side):",
         "",
         plan_time_table(paper + scale),
         "",
