@@ -80,3 +80,14 @@ def test_the_node_limit_is_validated():
                                           r"integer >= 1"):
         FlexSP(node_limit=0)
     assert solver_stats("replicas 4x2") is None
+
+
+def test_the_node_limit_flag_is_refused_below_one_with_one_line(capsys):
+    from megatron_zeppelin import cli
+
+    assert cli.main(["plan", "--model", "llama-7b", "--cluster", "h200-8nic", "--nodes", "2",
+                     "--global-batch-tokens", "64K", "--json", "--strategy", "flexsp",
+                     "--node-limit", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "zeppelin: error: --node-limit=0 is invalid: expected an integer >= 1" in err
+    assert "Traceback" not in err
