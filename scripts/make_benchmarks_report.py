@@ -5,6 +5,8 @@
     python scripts/make_benchmarks_report.py --quick         # a small sweep, to try the script
     python scripts/make_benchmarks_report.py --fidelity-json F   # + `zeppelin bench fidelity --json F`
     python scripts/make_benchmarks_report.py --output docs/benchmarks.md   # the tracked report
+    ... --jobs 3                  # settings in 3 processes (the same results; ~5 min of CPU in all)
+    ... --results FILE            # sweeps saved to FILE, or read from it when it exists
 
 The report goes where ``--output`` says (default ``build/benchmarks/benchmarks.md``, outside the
 tracked files), its images to ``img/`` next to it; regenerating the tracked
