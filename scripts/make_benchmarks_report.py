@@ -5,6 +5,8 @@
     python scripts/make_benchmarks_report.py --quick         # a small sweep, to try the script
     python scripts/make_benchmarks_report.py --fidelity-json F   # + `zeppelin bench fidelity --json F`
     python scripts/make_benchmarks_report.py --output docs/benchmarks.md   # the tracked report
+    ... --jobs 3                  # settings in 3 processes (the same results; ~5 min of CPU in all)
+    ... --results FILE            # sweeps saved to FILE, or read from it when it exists
 
 The report goes where ``--output`` says (default ``build/benchmarks/benchmarks.md``, outside the
 tracked files), its images to ``img/`` next to it; regenerating the tracked
@@ -17,8 +19,12 @@ Every number in the generated file comes from this run: the paper's settings (LL
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing
+import pickle
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -26,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "scripts"))  # make_pipeline_report's section markers
 
 from megatron_zeppelin.sim import report  # noqa: E402
 from megatron_zeppelin.sim.sweep import (DEFAULT_TOKENS_PER_GPU,  # noqa: E402
@@ -46,16 +53,37 @@ ABLATION = ("static-cp-2node", "static-cp-routed", "zeppelin-no-remap", "zeppeli
 BASELINES = (PAPER_BASELINE, *PEERS)
 
 
-def sweep(settings: list[Setting], labels, progress: str) -> list[SettingResult]:
-    """Run every setting, printing one line per setting to stderr."""
-    variants = resolve_variants(labels)
+def _timed_setting(job: tuple[Setting, tuple[str, ...]]) -> tuple[SettingResult, float]:
+    """One setting's result and the CPU seconds it took (a worker of ``sweep``)."""
+    started = time.process_time()
+    result = run_setting(job[0], resolve_variants(job[1]))
+    return result, time.process_time() - started
+
+
+def sweep(settings: list[Setting], labels, progress: str, jobs: int = 1) -> list[SettingResult]:
+    """Run every setting, printing one line per setting to stderr; ``jobs`` > 1 runs them in
+    that many processes (every setting is planned and simulated deterministically, so the
+    results are those of one process; only the plan times measured differ)."""
+    work = [(setting, tuple(labels)) for setting in settings]
     out = []
-    for i, setting in enumerate(settings, 1):
-        started = time.perf_counter()
-        out.append(run_setting(setting, variants))
-        print(f"[{progress} {i}/{len(settings)}] {setting.label()} "
-              f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    with (multiprocessing.get_context("fork").Pool(jobs) if jobs > 1 else
+          contextlib.nullcontext()) as pool:
+        done = pool.imap(_timed_setting, work) if pool else map(_timed_setting, work)
+        for i, (result, cpu) in enumerate(done, 1):
+            out.append(result)
+            print(f"[{progress} {i}/{len(settings)}] {result.setting.label()} {cpu:.1f} s CPU",
+                  file=sys.stderr, flush=True)
+        if pool:  # workers exit and are waited for: their CPU time counts in cpu_seconds()
+            pool.close()
+            pool.join()
     return out
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its finished worker processes."""
+    return sum(getattr(resource.getrusage(who), field)
+               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for field in ("ru_utime", "ru_stime"))
 
 
 def paper_settings(quick: bool, batches: int) -> list[Setting]:
@@ -160,6 +188,26 @@ def plan_time_table(results: list[SettingResult]) -> str:
         times = [r.get(label).plan_ms for r in results if r.get(label)]
         rows.append([label, f"{sum(times) / len(times):.1f}", f"{max(times):.1f}"])
     return report._table(rows, markdown=True)
+
+
+def flexsp_solver_lines(results: list[SettingResult]) -> list[str]:
+    """How often FlexSP's node limit bound, and the gap to the proven bound it left."""
+    from megatron_zeppelin.planner.flexsp import NODE_LIMIT, REL_GAP, solver_stats
+
+    stats = [solver_stats(c) for r in results if r.get("flexsp")
+             for c in r.get("flexsp").candidates]
+    stats = [s for s in stats if s]
+    if not stats:
+        return ["FlexSP planned no batch in this run."]
+    bound = [s for s in stats if s[1]]
+    return [f"FlexSP's MILP (`planner/flexsp.py`: bisection on the makespan, each feasibility "
+            f"solve limited to {NODE_LIMIT} branch-and-bound nodes, a deterministic limit): "
+            f"{len(stats)} batches, {sum(s[0] for s in stats)} solves; the node limit ended "
+            f"{sum(s[1] for s in stats)} solves in {len(bound)} batches. Gap between the plan's "
+            f"makespan (the MILP's model) and the proven lower bound: at most {REL_GAP:.1%} "
+            f"where the limit never bound (the uncapped optimum within that tolerance), "
+            f"{max(s[2] for s in stats):.2%} at worst over all batches"
+            f"{f', median {statistics.median(s[2] for s in bound):.2%} where it bound' if bound else ''}."]
 
 
 def per_group(results: list[SettingResult]) -> dict[str, list[SettingResult]]:
@@ -393,7 +441,7 @@ def remap_lines() -> list[str]:
     return ["", *path.read_text().strip().splitlines()] if path.exists() else []
 
 
-def intro_lines(seconds: float, args, paper: list[SettingResult]) -> list[str]:
+def intro_lines(seconds: tuple[float, float], args, paper: list[SettingResult]) -> list[str]:
     """How the file was made; the measured table; what the simulator models."""
     return [
         "# Benchmarks: measured first, then simulated",
@@ -402,9 +450,12 @@ def intro_lines(seconds: float, args, paper: list[SettingResult]) -> list[str]:
         f"{' --quick' if args.quick else ''}"
         f"{' --fidelity-json ' + shown_path(args.fidelity_json) if args.fidelity_json else ''}"
         f"{' --measured ' + shown_path(args.measured) if args.measured else ''}"
-        f" --output {shown_path(args.output)}` in "
-        f"{seconds:.0f} s on {platform.node()} ({platform.machine()}, Python "
-        f"{platform.python_version()}). Do not edit by hand: rerun the script.",
+        f"{f' --jobs {args.jobs}' if args.jobs > 1 else ''}"
+        f" --output {shown_path(args.output)}`: its sweeps took "
+        f"{seconds[0]:.0f} s ({seconds[1]:.0f} s of CPU) on {platform.node()} "
+        f"({platform.machine()}, Python {platform.python_version()}). Do not edit by hand: "
+        "rerun the script (the pipeline section at the end is kept from the previous file: "
+        "`scripts/make_pipeline_report.py --update` regenerates it).",
         "",
         "Every time below is a **simulated** iteration (forward + backward of every layer, the "
         "gradient all-reduce) from `megatron_zeppelin/sim/simulator.py`, the same model for "
@@ -526,9 +577,13 @@ def result_lines(paper, scale, ablation) -> list[str]:
         report.format_summary(paper, "static-cp", PEERS[1:], markdown=True),
         "",
         "Mean plan time per strategy in this sweep (one plan call, the C++ planner where there "
-        "is one; `zeppelin bench planner` times them side by side):",
+        "is one; wall-clock time on the machine that generated this file, under whatever load "
+        "it had, and with `--jobs` several settings at once: indicative only; `zeppelin bench "
+        "planner` times them side by side):",
         "",
         plan_time_table(paper + scale),
+        "",
+        *flexsp_solver_lines(paper + scale + ablation),
         "",
         "## 1024 GPUs",
         "",
@@ -553,9 +608,19 @@ def result_lines(paper, scale, ablation) -> list[str]:
     ]
 
 
+def kept_sections(output: Path) -> list[str]:
+    """What the previous ``output`` holds from the pipeline section on (written by
+    ``scripts/make_pipeline_report.py --update`` between its markers, then the hand-written
+    pipeline measurements and findings after them): kept as it is, at the end."""
+    from make_pipeline_report import BEGIN
+
+    text = output.read_text() if output.exists() else ""
+    return text[text.index(BEGIN):].rstrip("\n").splitlines() if BEGIN in text else []
+
+
 def write_document(out: Path, paper, scale, ablation, image_lines, fidelity_lines,
-                   seconds: float, args) -> None:
-    """Assemble docs/benchmarks.md from the sections."""
+                   seconds: tuple[float, float], args, kept: list[str] = ()) -> None:
+    """Assemble docs/benchmarks.md from the sections (``kept``: ``kept_sections``, last)."""
     lines = [
         *intro_lines(seconds, args, paper), "",
         *headline_lines(paper), "",
@@ -567,6 +632,7 @@ def write_document(out: Path, paper, scale, ablation, image_lines, fidelity_line
         *image_lines, "",
         "## Every paper setting", "",
         *[report.format_setting(r, markdown=True) + "\n" for r in paper],
+        *kept,
     ]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
@@ -607,6 +673,25 @@ NARRATIVE = [
 ]
 
 
+def sweeps(args) -> tuple:
+    """The paper, ablation and 1024-GPU sweeps and the (wall, CPU) seconds they took; with
+    ``--results FILE``: read from FILE when it exists (a previous run's, to rewrite the report
+    only), else run and saved there."""
+    saved = Path(args.results) if args.results else None
+    if saved and saved.exists():
+        print(f"sweeps read from {saved} (not rerun)", file=sys.stderr)
+        return pickle.loads(saved.read_bytes())
+    started = time.perf_counter()
+    out = (sweep(paper_settings(args.quick, args.batches), MAIN, "paper", args.jobs),
+           sweep(ablation_settings(args.quick, args.batches), ABLATION, "ablation", args.jobs),
+           sweep(scale_settings(args.quick), MAIN, "1024 GPUs", args.jobs),
+           (time.perf_counter() - started, cpu_seconds()))
+    if saved:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        saved.write_bytes(pickle.dumps(out))
+    return out
+
+
 def main(argv=None) -> int:
     """Run the sweeps, write the plots and the Markdown file."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -621,17 +706,22 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, default=2, help="batches per paper setting")
     parser.add_argument("--measured", default=None, help="the Markdown table of "
                         "scripts/bench_corpora.py, put first (measured before simulated)")
+    parser.add_argument("--jobs", type=int, default=1, help="settings run in this many "
+                        "processes at once (the same results; default 1)")
+    parser.add_argument("--results", default=None, metavar="FILE", help="the sweeps' results: "
+                        "read from FILE when it exists (the report rewritten without rerunning "
+                        "them), else saved there after the sweeps")
     args = parser.parse_args(argv)
-    started = time.perf_counter()
-    paper = sweep(paper_settings(args.quick, args.batches), MAIN, "paper")
-    ablation = sweep(ablation_settings(args.quick, args.batches), ABLATION, "ablation")
-    scale = sweep(scale_settings(args.quick), MAIN, "1024 GPUs")
+    if args.jobs < 1 or args.batches < 1:
+        parser.error(f"--jobs {args.jobs} / --batches {args.batches} is invalid: expected "
+                     "integers >= 1")
+    paper, ablation, scale, seconds = sweeps(args)
     output = Path(args.output)
     images = plots(paper, scale, ablation, output.parent / "img")
     fidelity_lines = fidelity_section(args.fidelity_json)
-    write_document(output, paper, scale, ablation, images, fidelity_lines,
-                   time.perf_counter() - started, args)
-    print(f"wrote {output}", file=sys.stderr)
+    kept = kept_sections(output)
+    write_document(output, paper, scale, ablation, images, fidelity_lines, seconds, args, kept)
+    print(f"wrote {output} ({cpu_seconds():.0f} s CPU)", file=sys.stderr)
     return 0
 
 

@@ -20,15 +20,24 @@ shrink it). Here:
   sequence in a group of size d, is the mean over its sequences of attention at the full length
   over 1/d of the heads, the all-to-alls (``CostKernel.ulysses_compute`` and ``ulysses_comm``)
   and the linear modules on s/d tokens;
-* MILP (scipy's HiGHS ``milp``), aggregated per size: integers ``m_d`` (groups of size d, in
-  binary digits) and ``n_bd`` (sequences of bucket b on size d), binaries ``u_bd`` (bucket b
-  uses size d), makespan ``C``. Constraints: ``sum_d d m_d`` = pool size; every sequence
-  assigned; a size's work spread over its groups, ``sum_b n_bd t_bd <= m_d C`` (the product
-  linearised bit by bit with a big M); ``C >= t_bd`` where bucket b uses size d; per-rank
-  tokens ``sum_b n_bd share_bd <= m_d x capacity`` (share at the bucket's longest sequence).
-  Minimise C. (The aggregation assumes a size's groups can be balanced; the per-group
-  formulation took HiGHS minutes with large gaps.) A time limit bounds the solve and the best
-  solution found is used; the plan's ``candidate`` records the status, gap and solve time.
+* MILP (scipy's HiGHS ``milp``), aggregated per size: integers ``m_d`` (groups of size d) and
+  ``n_bd`` (sequences of bucket b on size d), makespan ``C``. Constraints: ``sum_d d m_d`` =
+  pool size; every sequence assigned; a size's work spread over its groups,
+  ``sum_b n_bd t_bd <= m_d C``; ``n_bd = 0`` where ``t_bd > C``; per-rank tokens
+  ``sum_b n_bd share_bd <= m_d x capacity`` (share at the bucket's longest sequence).
+  Minimise C. The product ``m_d C`` makes it bilinear; it is solved exactly by bisection on C:
+  for a fixed C every constraint is linear, and each step is a small feasibility MILP (no
+  big M). The bisection starts from proven bounds (every bucket needs its cheapest size; the
+  pool's rank-seconds cover the least work of every sequence), moves the upper end to the
+  makespan of each solution found and stops when the two ends are within ``REL_GAP``
+  (0.1%): the plan is then within 0.1% of the model's optimum. Each feasibility solve is
+  bounded by ``node_limit`` branch-and-bound nodes, a deterministic work limit (never a
+  wall-clock one, so the plan never depends on the machine's load); a solve that reaches it
+  without an answer counts as infeasible, and the plan's ``candidate`` says how many did and
+  the gap to the proven lower bound that results. (The aggregation assumes a size's groups
+  can be balanced; the per-group formulation took HiGHS minutes with large gaps, and the
+  earlier big-M linearisation of ``m_d C`` bit by bit hit a 30 s wall-clock limit at gaps
+  up to 90% on 128-GPU batches.)
 
 The MILP's counts become sequences: per bucket longest first to the largest sizes it was given;
 then, longest first over the batch, each to the least-loaded group of its size with room for
@@ -41,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -56,6 +66,11 @@ from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, pr
 from megatron_zeppelin.planner.registry import Strategy, register
 
 
+STATUS = re.compile(r"milp bisection: (\d+) solves, (\d+) at the node limit, gap ([\d.]+)%")
+NODE_LIMIT = 5000  # branch-and-bound nodes per feasibility solve (FlexSP.node_limit)
+REL_GAP = 1e-3  # the bisection stops when its ends are this close (relative)
+
+
 @register
 @dataclass(frozen=True)
 class FlexSP(Strategy):
@@ -65,22 +80,31 @@ class FlexSP(Strategy):
     summary = "FlexSP: heterogeneous Ulysses SP groups and assignment by a MILP (HiGHS)"
     attention = "ulysses"
     buckets: int = setting(16, "flexsp: sequence buckets of the MILP (FlexSP's bucketing)")
-    time_limit_s: float = setting(30.0, "flexsp: seconds the MILP solver may take (the best "
-                                  "solution found is used)")
+    node_limit: int = setting(NODE_LIMIT, "flexsp: branch-and-bound nodes each feasibility "
+                              "MILP of the bisection may explore (a deterministic work limit; "
+                              "the plan's candidate says how often it was reached)")
 
     def __post_init__(self) -> None:
         require(isinstance(self.buckets, int) and self.buckets >= 1, "flexsp.buckets",
                 self.buckets, "an integer >= 1")
-        require(isinstance(self.time_limit_s, (int, float)) and self.time_limit_s > 0,
-                "flexsp.time_limit_s", self.time_limit_s, "a number of seconds > 0")
+        require(isinstance(self.node_limit, int) and not isinstance(self.node_limit, bool)
+                and self.node_limit >= 1, "flexsp.node_limit", self.node_limit,
+                "an integer >= 1")
 
     def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
         problem = _Problem(batch, cost, self.buckets)
-        groups, per_size, status = problem.solve(self.time_limit_s)
+        groups, per_size, status = problem.solve(self.node_limit)
         tasks = problem.assign(groups, per_size)
         return assemble("flexsp", batch, tasks, None, attention_kind="ulysses",
                         candidate=status)
+
+
+def solver_stats(status: str) -> tuple[int, int, float] | None:
+    """(solves, solves ended by the node limit, gap to the proven bound) from a FlexSP plan's
+    ``candidate`` (None for another status)."""
+    found = STATUS.match(status)
+    return (int(found[1]), int(found[2]), float(found[3]) / 100) if found else None
 
 
 def length_buckets(seqlens: Sequence[int], count: int) -> list[list[int]]:
@@ -117,34 +141,18 @@ def solver_output_to_stderr():
 
 
 class _Columns:
-    """Column indices of the MILP's variables (module doc): ``n[b,d]``, ``u[b,d]`` (bucket b
-    uses size d), ``z[d,k]`` (bit k of m_d), ``w[d,k]`` (= z[d,k] * C), then ``C``, for
-    ``nb`` buckets and the group ``sizes`` (index j) of a pool of ``world`` ranks."""
+    """Column indices of a feasibility MILP's variables (module doc): ``n[b,d]`` then ``m[d]``,
+    for ``nb`` buckets and the group ``sizes`` (index j)."""
 
-    def __init__(self, nb: int, sizes: list[int], world: int) -> None:
-        self.nb, self.nd, self.world = nb, len(sizes), world
-        self.bits = [max(1, (world // d).bit_length()) for d in sizes]
-        self.z0 = 2 * nb * self.nd
-        self.z_at = [self.z0 + sum(self.bits[:j]) for j in range(self.nd)]
-        self.w0 = self.z0 + sum(self.bits)
-        self.c = self.w0 + sum(self.bits)
-        self.count = self.c + 1
+    def __init__(self, nb: int, sizes: list[int]) -> None:
+        self.nb, self.nd = nb, len(sizes)
+        self.count = nb * self.nd + self.nd
 
     def n(self, b: int, j: int) -> int:
         return b * self.nd + j
 
-    def u(self, b: int, j: int) -> int:
-        return self.nb * self.nd + b * self.nd + j
-
-    def z(self, j: int, k: int) -> int:
-        return self.z_at[j] + k
-
-    def w(self, j: int, k: int) -> int:
-        return self.w0 + self.z_at[j] - self.z0 + k
-
-    def groups(self, j: int, scale: float = 1.0) -> list[tuple[int, float]]:
-        """``scale * m_d`` as a sum of its bits."""
-        return [(self.z(j, k), scale * (1 << k)) for k in range(self.bits[j])]
+    def m(self, j: int) -> int:
+        return self.nb * self.nd + j
 
 
 class _Rows:
@@ -211,79 +219,100 @@ class _Problem:
             return math.inf
         return sum(self.seq_time(seqlens[i], d) for i in members) / len(members)
 
-    def solve(self, time_limit_s: float) -> tuple[list[int], list[list[int]], str]:
-        """(groups per size m_d, sequences of bucket b per size n_bd, solver status)."""
+    def solve(self, node_limit: int) -> tuple[list[int], list[list[int]], str]:
+        """(groups per size m_d, sequences of bucket b per size n_bd, solver status): the
+        bisection on the makespan C of the module doc."""
+        started = time.perf_counter()
+        proven_lo = self.lower_bound()
+        lo, solves, at_limit = proven_lo, 1, 0
+        found = self._feasible(math.inf, node_limit)
+        if found is None:
+            raise CapacityError(f"flexsp: the MILP found no assignment within the capacity "
+                                f"{self.batch.capacity} tokens per rank")
+        hi = self.makespan(*found)
+        while hi > lo * (1 + REL_GAP):
+            mid = math.sqrt(lo * hi)
+            solves += 1
+            answer = self._feasible(mid, node_limit)
+            if isinstance(answer, tuple):
+                found, hi = answer, min(hi, self.makespan(*answer))
+            else:  # proven infeasible (True) or undecided at the node limit (False)
+                lo = mid
+                proven_lo = mid if answer else proven_lo
+                at_limit += not answer
+        status = (f"milp bisection: {solves} solves, {at_limit} at the node limit, gap "
+                  f"{100 * (hi / proven_lo - 1):.2f}%, "
+                  f"{_Columns(len(self.buckets), self.sizes).count} variables, "
+                  f"{time.perf_counter() - started:.2f} s")
+        return found[0], found[1], status
+
+    def lower_bound(self) -> float:
+        """A proven lower bound of the makespan: every bucket's cheapest size, and the pool's
+        rank-seconds against the least rank-seconds of every sequence."""
+        cheapest = [min(row) for row in self.times]
+        work = sum(len(members) * min(d * t for d, t in zip(self.sizes, row))
+                   for members, row in zip(self.buckets, self.times))
+        return max(max(cheapest), work / self.batch.topology.world_size)
+
+    def makespan(self, groups: list[int], per_size: list[list[int]]) -> float:
+        """The model's makespan of a solution: the busiest size's work over its groups, or the
+        slowest bucket-size pair used, whichever is larger."""
+        out = 0.0
+        for j, count in enumerate(groups):
+            used = [b for b in range(len(self.buckets)) if per_size[b][j]]
+            if used:
+                work = sum(per_size[b][j] * self.times[b][j] for b in used)
+                out = max(out, work / count, *(self.times[b][j] for b in used))
+        return out
+
+    def _feasible(self, c: float, node_limit: int):
+        """A solution (m_d, n_bd) with makespan at most ``c``; True when proven infeasible,
+        False when the node limit ends the solve undecided."""
         from scipy.optimize import Bounds, LinearConstraint, milp
 
-        v = _Columns(len(self.buckets), self.sizes, self.batch.topology.world_size)
-        big = sum(len(members) * max(t for t in row if t < math.inf)
-                  for members, row in zip(self.buckets, self.times))
+        v = _Columns(len(self.buckets), self.sizes)
         rows = _Rows()
-        self._bucket_rows(rows, v)
-        self._size_rows(rows, v, big)
-        integrality = np.zeros(v.count)
-        integrality[:v.w0] = 1
-        objective = np.zeros(v.count)
-        objective[v.c] = 1.0
-        started = time.perf_counter()
-        with solver_output_to_stderr():
-            result = milp(objective, integrality=integrality,
-                          bounds=Bounds(np.zeros(v.count), self._upper(v, big)),
-                          constraints=LinearConstraint(rows.matrix(v.count), rows.lo, rows.hi),
-                          options={"time_limit": time_limit_s, "mip_rel_gap": 1e-3,
-                                   "disp": False})
-        if result.x is None:
-            raise CapacityError(f"flexsp: the MILP found no assignment within the capacity "
-                                f"{self.batch.capacity} tokens per rank ({result.message})")
-        x = np.rint(result.x).astype(int)
-        m = [sum(int(x[v.z(j, k)]) << k for k in range(v.bits[j])) for j in range(v.nd)]
-        per_size = [[int(x[v.n(b, j)]) for j in range(v.nd)] for b in range(v.nb)]
-        gap = getattr(result, "mip_gap", float("nan"))
-        status = (f"milp {'optimal' if result.status == 0 else 'at the time limit'}, gap "
-                  f"{gap:.1%}, {v.count} variables, {time.perf_counter() - started:.2f} s")
-        return m, per_size, status
-
-    def _bucket_rows(self, rows: "_Rows", v: "_Columns") -> None:
-        """Sizes tile the pool (``sum_d d m_d`` = pool size); per bucket: every sequence
-        assigned, ``n_bd <= count_b u_bd``, ``C >= t_bd`` where bucket b uses size d."""
-        rows.add([e for j, d in enumerate(self.sizes) for e in v.groups(j, float(d))],
-                 v.world, v.world)
+        self._feasibility_rows(rows, v, c)
+        upper = np.zeros(v.count)
         for b, members in enumerate(self.buckets):
-            count = len(members)
-            rows.add([(v.n(b, j), 1.0) for j in range(v.nd)], count, count)
             for j in range(v.nd):
-                rows.add([(v.n(b, j), 1.0), (v.u(b, j), -float(count))], -np.inf, 0.0)
-                if self.times[b][j] < math.inf:  # a sequence in a group of size d takes t_bd
-                    rows.add([(v.c, 1.0), (v.u(b, j), -self.times[b][j])], 0.0, np.inf)
+                upper[v.n(b, j)] = len(members) if self._allowed(b, j, c) else 0.0
+        world = self.batch.topology.world_size
+        for j, d in enumerate(self.sizes):
+            upper[v.m(j)] = world // d
+        with solver_output_to_stderr():
+            result = milp(np.zeros(v.count), integrality=np.ones(v.count),
+                          bounds=Bounds(np.zeros(v.count), upper),
+                          constraints=LinearConstraint(rows.matrix(v.count), rows.lo, rows.hi),
+                          options={"node_limit": node_limit, "disp": False})
+        if result.x is None:
+            return result.status == 2  # 2: infeasible; 1: the node limit, undecided
+        x = np.rint(result.x).astype(int)
+        return ([int(x[v.m(j)]) for j in range(v.nd)],
+                [[int(x[v.n(b, j)]) for j in range(v.nd)] for b in range(v.nb)])
 
-    def _size_rows(self, rows: "_Rows", v: "_Columns", big: float) -> None:
-        """Per size: its work spread over its groups, its tokens within the capacity, and
-        ``w = z C`` (big-M) for every bit of m_d."""
-        times = self.times
+    def _allowed(self, b: int, j: int, c: float) -> bool:
+        """Whether bucket b may use size j under makespan ``c`` (finite time within it)."""
+        return self.times[b][j] < math.inf and self.times[b][j] <= c
+
+    def _feasibility_rows(self, rows: "_Rows", v: "_Columns", c: float) -> None:
+        """Sizes tile the pool (``sum_d d m_d`` = pool size); every sequence of a bucket
+        assigned; per size, its work within ``m_d c`` (no bound when ``c`` is infinite) and
+        its per-rank tokens within ``m_d`` x the capacity. Times are scaled by the lower
+        bound (numbers near 1 for the solver)."""
+        scale = 1.0 / self.lower_bound()
+        world = self.batch.topology.world_size
+        rows.add([(v.m(j), float(d)) for j, d in enumerate(self.sizes)], world, world)
+        for b, members in enumerate(self.buckets):
+            rows.add([(v.n(b, j), 1.0) for j in range(v.nd)], len(members), len(members))
         longest = [max(self.batch.seqlens[i] for i in m) for m in self.buckets]
         for j, d in enumerate(self.sizes):
-            usable = [b for b in range(v.nb) if times[b][j] < math.inf]
-            # the class's work spread over its m_d groups: sum_b n_bd t_bd <= m_d * C
-            rows.add([(v.n(b, j), times[b][j]) for b in usable] +
-                     [(v.w(j, k), -float(1 << k)) for k in range(v.bits[j])], -np.inf, 0.0)
+            usable = [b for b in range(v.nb) if self._allowed(b, j, c)]
+            if c < math.inf:
+                rows.add([(v.n(b, j), self.times[b][j] * scale) for b in usable] +
+                         [(v.m(j), -c * scale)], -np.inf, 0.0)
             rows.add([(v.n(b, j), float(zigzag_share_bound(longest[b], d))) for b in usable]
-                     + v.groups(j, -float(self.batch.capacity)), -np.inf, 0.0)
-            for k in range(v.bits[j]):  # w = z * C (big-M)
-                w, z = v.w(j, k), v.z(j, k)
-                rows.add([(w, 1.0), (v.c, -1.0)], -np.inf, 0.0)
-                rows.add([(w, 1.0), (z, -big)], -np.inf, 0.0)
-                rows.add([(w, 1.0), (v.c, -1.0), (z, -big)], -big, np.inf)
-
-    def _upper(self, v: "_Columns", big: float) -> np.ndarray:
-        """Upper bounds of the variables (lower bounds are 0)."""
-        upper = np.full(v.count, np.inf)
-        for b, members in enumerate(self.buckets):
-            for j in range(v.nd):
-                upper[v.n(b, j)] = len(members) if self.times[b][j] < math.inf else 0.0
-                upper[v.u(b, j)] = 1.0
-        upper[v.z0:v.w0] = 1.0
-        upper[v.c] = big
-        return upper
+                     + [(v.m(j), -float(self.batch.capacity))], -np.inf, 0.0)
 
     def assign(self, groups: list[int], per_size: list[list[int]]) -> list[AttentionTask]:
         """Groups tile the pool (``place_groups``); each bucket's sequences go to

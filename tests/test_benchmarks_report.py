@@ -1,0 +1,49 @@
+"""scripts/make_benchmarks_report.py: settings in parallel processes give the results of one
+process, the pipeline section is kept from the previous report, FlexSP's solver line."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from megatron_zeppelin.sim.sweep import Setting
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script():
+    """The script as a module, loaded once (its workers are pickled by module name)."""
+    if "make_benchmarks_report" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "make_benchmarks_report", ROOT / "scripts" / "make_benchmarks_report.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules["make_benchmarks_report"]
+
+
+def test_settings_in_two_processes_give_the_results_of_one():
+    script = load_script()
+    settings = [Setting("llama-7b", "a800-4nic", 2, w, batches=1, seed=7)
+                for w in ("arxiv", "github")]
+    labels = ("static-cp", "flexsp")
+    one, two = script.sweep(settings, labels, "test"), script.sweep(settings, labels, "test", 2)
+    for a, b in zip(one, two):
+        assert a.setting == b.setting
+        assert [(r.label, r.batch_s) for r in a.results] == \
+            [(r.label, r.batch_s) for r in b.results]
+    lines = script.flexsp_solver_lines(one)
+    assert len(lines) == 1 and "2 batches" in lines[0] and "node limit ended" in lines[0]
+    assert script.flexsp_solver_lines([]) == ["FlexSP planned no batch in this run."]
+
+
+def test_the_pipeline_section_of_the_previous_report_is_kept(tmp_path):
+    script = load_script()
+    from make_pipeline_report import BEGIN, END
+
+    old = tmp_path / "benchmarks.md"
+    assert script.kept_sections(old) == []
+    old.write_text(f"# old\n\nstale table\n\n{BEGIN}\n## Pipeline\nrows\n{END}\n\n"
+                   "### Hand-written findings\n- one\n\n")
+    assert script.kept_sections(old) == [BEGIN, "## Pipeline", "rows", END, "",
+                                         "### Hand-written findings", "- one"]
