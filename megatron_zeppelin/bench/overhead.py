@@ -17,8 +17,10 @@ the planner processes' share, the total over the 4 ranks and their planners (on 
 with fewer cores than processes, that total is what the step waits for), the plans' candidates
 (zeppelin's portfolio picks one per micro-batch) and the median wall step (load-distorted).
 With ``--profile`` one more run per entry profiles rank 0's training thread (cProfile on its
-thread CPU clock): its top functions per step, and the functions costing more per step than
-in the first entry (the reference; by default ``static``).
+thread CPU clock, or the wall clock with ``--profile wall``): its top functions per step, and
+the functions costing more per step than in the first entry (the reference; by default
+``static``). ``--before TREE`` measures a change: each round runs every entry from the checkout
+TREE too (the code before the change), interleaved, and prints CPU before -> after per entry.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -270,7 +273,8 @@ def profile_lines(label: str, rows: list[list], steps: int, reference: dict | No
     return lines
 
 
-def bench_overhead(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace) -> list[Entry]:
+    """The entries of ``--strategies``; a bad flag refused naming it."""
     entries = [parse_entry(s) for s in args.strategies.split(",") if s.strip()]
     args.profile = None if args.profile == "none" else args.profile
     if not entries:
@@ -280,29 +284,91 @@ def bench_overhead(args: argparse.Namespace) -> int:
                          "0 <= warmup < iterations - 1 (two steps measured at least)")
     if args.rounds < 1:
         raise ValueError(f"--rounds={args.rounds} is invalid: expected an integer >= 1")
+    if args.before and not (Path(args.before) / "megatron_zeppelin" / "bench" /
+                            "overhead.py").is_file():
+        raise ValueError(f"--before {args.before!r}: not a checkout with this benchmark "
+                         "(megatron_zeppelin/bench/overhead.py missing)")
+    return entries
+
+
+def measure(entries: list[Entry], args: argparse.Namespace, rounds: int, profile: str | None,
+            port: int) -> dict:
+    """``{label: figures}`` of every entry run here (``rounds`` unprofiled runs each, then
+    one profiled run each when ``profile``); a refused entry: ``{"refused": reason}``."""
     flags = [run_flags(e, args.iterations, args.extra) for e in entries]
-    runs = [(f, None) for _ in range(args.rounds) for f in flags]
-    runs += [(f, args.profile) for f in flags] if args.profile else []
-    print(f"tiny GPT, 4 gloo ranks as 2 nodes x 2, {' '.join(args.extra) or 'no flags'}; "
-          f"{args.rounds} round(s) of {args.iterations} steps per entry, first {args.warmup} "
-          "dropped" + ("; then one profiled run each" if args.profile else ""), flush=True)
-    ranks = run_world(runs, args.warmup, args.iterations, args.port)
+    runs = [(f, None) for _ in range(rounds) for f in flags]
+    runs += [(f, profile) for f in flags] if profile else []
+    ranks = run_world(runs, args.warmup, args.iterations, port)
     n, result = len(entries), {}
     for i, entry in enumerate(entries):
-        mine = [[rank[j] for j in range(i, n * args.rounds, n)] for rank in ranks]
+        mine = [[rank[j] for j in range(i, n * rounds, n)] for rank in ranks]
         refused = next((r["refused"] for r in mine[0] if "refused" in r), None)
         if refused:
-            print(f"{entry.label}: not run: {refused}")
+            result[entry.label] = {"refused": refused}
             continue
-        figures = summarize([merge_rounds(records) for records in mine])
-        if args.profile:
-            figures["profile"] = ranks[0][n * args.rounds + i]["profile"]
-        result[entry.label] = figures
-        print("\n".join(entry_lines(entry.label, figures)), flush=True)
+        result[entry.label] = summarize([merge_rounds(records) for records in mine])
+        if profile:
+            result[entry.label]["profile"] = ranks[0][n * rounds + i]["profile"]
+    return result
+
+
+def measure_before(args: argparse.Namespace, port: int) -> dict:
+    """One unprofiled round of every entry from the ``--before`` checkout (its own
+    ``zeppelin bench overhead``, its own code); its figures."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "before.json")
+        tree = str(Path(args.before).resolve())
+        command = [sys.executable, "-m", "megatron_zeppelin.cli", "bench", "overhead",
+                   "--strategies", args.strategies, "--iterations", str(args.iterations),
+                   "--warmup", str(args.warmup), "--profile", "none", "--json", out,
+                   "--port", str(port), "--", *args.extra]
+        subprocess.run(command, cwd=tree, env={**os.environ, "PYTHONPATH": tree}, check=True,
+                       stdout=subprocess.DEVNULL)
+        return json.loads(Path(out).read_text())
+
+
+def compare_lines(label: str, before: list[dict], after: list[dict]) -> list[str]:
+    """Before / after of one entry, round by round (interleaved) and on average."""
+    lines = [f"{label}: before -> after (--before tree -> this tree; rounds interleaved)"]
+    for key, what in (("rank_cpu_s", "CPU s per step per rank"),
+                      ("total_cpu_s", "total CPU s per step, 4 ranks + planners"),
+                      ("planner_cpu_per_microbatch_s", "planner process CPU s per micro-batch")):
+        pick = lambda f: statistics.fmean(f[key]) if isinstance(f[key], list) else f[key]  # noqa: E731
+        b = [pick(f) for f in before if key in f]
+        a = [pick(f) for f in after if key in f]
+        if b and a:
+            lines.append(f"  {what}: {statistics.fmean(b):.4f} -> {statistics.fmean(a):.4f} "
+                         f"({statistics.fmean(a) / statistics.fmean(b):.3f}x; per round "
+                         + ", ".join(f"{x:.4f}->{y:.4f}" for x, y in zip(b, a)) + ")")
+    return lines
+
+
+def bench_overhead(args: argparse.Namespace) -> int:
+    entries = check(args)
+    print(f"tiny GPT, 4 gloo ranks as 2 nodes x 2, {' '.join(args.extra) or 'no flags'}; "
+          f"{args.rounds} round(s) of {args.iterations} steps per entry, first {args.warmup} "
+          "dropped" + ("; then one profiled run each" if args.profile else "") +
+          (f"; each round also from --before {args.before}" if args.before else ""), flush=True)
+    if args.before:
+        rounds = [(measure_before(args, args.port + 2 * r + 1),
+                   measure(entries, args, 1, None, args.port + 2 * r)) for r in range(args.rounds)]
+        result = measure(entries, args, 0, args.profile, args.port + 2 * args.rounds) \
+            if args.profile else {}
+        for entry in entries:
+            label = entry.label
+            figures = [(b.get(label, {}), a.get(label, {})) for b, a in rounds]
+            print("\n".join(compare_lines(label, [b for b, _ in figures],
+                                           [a for _, a in figures])), flush=True)
+            result.setdefault(label, {})["rounds"] = figures
+    else:
+        result = measure(entries, args, args.rounds, args.profile, args.port)
+        for label, figures in result.items():
+            print("\n".join([f"{label}: not run: {figures['refused']}"] if "refused" in figures
+                            else entry_lines(label, figures)), flush=True)
     print_profiles(result, args.iterations - args.warmup)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    return 0 if result else 1
+    return 0 if any("refused" not in f for f in result.values()) else 1
 
 
 def print_profiles(result: dict, steps: int) -> None:
@@ -329,6 +395,10 @@ def register(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", choices=("cpu", "wall", "none"), default="cpu",
                    help="one more run per entry under cProfile on rank 0's training thread, "
                         "timed by its CPU clock (cpu) or the wall clock (wall: waits too)")
+    p.add_argument("--before", default=None, metavar="TREE",
+                   help="a checkout of this repository before the change to measure (with "
+                        "this benchmark; its C++ extensions built): each round runs every "
+                        "entry there too, interleaved; printed: CPU before -> after")
     p.add_argument("--json", default=None, metavar="FILE", help="write the figures here")
     p.add_argument("--port", type=int, default=29631)
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
