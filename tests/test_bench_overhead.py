@@ -28,10 +28,13 @@ def test_thread_cpu_splits_by_thread_name_and_counts_the_main_thread():
     after = overhead.thread_cpu()
     assert after["main"] - before["main"] >= 0.02
     assert after["main-runqueue"] >= before["main-runqueue"] >= 0.0
-    live = threading.Thread(target=lambda: (_burn(0.05), time.sleep(0.5)), name="zeppelin-inter_3")
+    burnt, leave = threading.Event(), threading.Event()
+    live = threading.Thread(target=lambda: (_burn(0.05), burnt.set(), leave.wait(30)),
+                            name="zeppelin-inter_3")
     live.start()
-    time.sleep(0.2)
+    assert burnt.wait(30)
     seen = overhead.thread_cpu()
+    leave.set()
     live.join()
     assert seen.get("zeppelin-inter", 0.0) >= 0.05  # pool index stripped
 

@@ -112,15 +112,20 @@ class Recorder:
                 "candidates": [c for snap in s[1:] for c in snap["candidates"]]}
 
     def profile_rows(self) -> list[list]:
-        """[file:line(function), calls, tottime, cumtime] of the profiled steps."""
+        """[file:line(function), calls, tottime, cumtime, its costliest caller] of the
+        profiled steps."""
         if self.profiler is None:
             return []
         self.profiler.disable()  # (already, unless the run ended early)
         import pstats
 
+        def label(f, line, fn) -> str:
+            return f"{Path(f).name}:{line}({fn})"
+
         stats = pstats.Stats(self.profiler).stats
-        return [[f"{Path(f).name}:{line}({fn})", cc, tt, ct]
-                for (f, line, fn), (cc, nc, tt, ct, _) in stats.items()]
+        return [[label(*key), cc, tt, ct,
+                 label(*max(callers, key=lambda c: callers[c][3])) if callers else ""]
+                for key, (cc, nc, tt, ct, callers) in stats.items()]
 
 
 def instrument(recorder: Recorder) -> None:
@@ -249,27 +254,32 @@ def entry_lines(label: str, f: dict) -> list[str]:
             f"  plans: {picks or '-'}"]
 
 
+def _line(own: float, cum: float, calls: float, name: str, per: int, sign: str = "") -> str:
+    return f"  {own / per * 1e3:{sign}8.2f} own {cum / per * 1e3:8.2f} cum {calls / per:8.0f} " \
+        f"calls  {name}"
+
+
 def profile_lines(label: str, rows: list[list], steps: int, reference: dict | None
                   ) -> list[str]:
-    """Top functions of one profile per step; with ``reference`` ({function: tottime per step}
-    of the reference entry) the functions costing most over it."""
+    """Top functions of one profile per step (all; Python functions only); with ``reference``
+    ({function: tottime per step} of the reference entry) the functions costing most over it,
+    each with its costliest caller."""
     per = max(steps, 1)
+    python = [r for r in rows if not r[0].startswith("~")]
     lines = [f"{label}: rank 0's training thread, ms per step (cProfile; {steps} steps): top "
              "by own time"]
-    for name, calls, tt, ct in sorted(rows, key=lambda r: -r[2])[:TOP]:
-        lines.append(f"  {tt / per * 1e3:8.2f} own {ct / per * 1e3:8.2f} cum {calls / per:8.0f} "
-                     f"calls  {name}")
+    lines += [_line(tt, ct, calls, name, per)
+              for name, calls, tt, ct, *_ in sorted(rows, key=lambda r: -r[2])[:TOP]]
     lines.append(f"{label}: top Python functions by own time (ms per step)")
-    for name, calls, tt, ct in sorted((r for r in rows if not r[0].startswith("~")),
-                                      key=lambda r: -r[2])[:TOP]:
-        lines.append(f"  {tt / per * 1e3:8.2f} own {ct / per * 1e3:8.2f} cum {calls / per:8.0f} "
-                     f"calls  {name}")
+    lines += [_line(tt, ct, calls, name, per)
+              for name, calls, tt, ct, *_ in sorted(python, key=lambda r: -r[2])[:TOP]]
     if reference is not None:
-        extra = sorted(((tt - reference.get(name, 0.0) * per, ct, calls, name)
-                        for name, calls, tt, ct in rows), reverse=True)[:TOP]
+        extra = sorted(((tt - reference.get(name, 0.0) * per, ct, calls, name,
+                         (rest or [""])[0]) for name, calls, tt, ct, *rest in rows),
+                       reverse=True)[:TOP]
         lines.append(f"{label}: top own time over the reference's (ms per step)")
-        lines += [f"  {d / per * 1e3:+8.2f} own {ct / per * 1e3:8.2f} cum {calls / per:8.0f} "
-                  f"calls  {name}" for d, ct, calls, name in extra]
+        lines += [_line(d, ct, calls, name, per, "+") + (f" <- {caller}" if caller else "")
+                  for d, ct, calls, name, caller in extra]
     return lines
 
 
@@ -376,7 +386,7 @@ def print_profiles(result: dict, steps: int) -> None:
     profiled = [(label, f["profile"]) for label, f in result.items() if f.get("profile")]
     if not profiled:
         return
-    reference = {name: tt / steps for name, _, tt, _ in profiled[0][1]}
+    reference = {row[0]: row[2] / steps for row in profiled[0][1]}
     for i, (label, rows) in enumerate(profiled):
         print("\n".join([""] + profile_lines(label, rows, steps, reference if i else None)))
 
