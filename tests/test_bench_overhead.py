@@ -94,3 +94,22 @@ def test_bad_iterations_are_refused_naming_the_flags(capsys):
 
     assert main(["bench", "overhead", "--iterations", "2", "--warmup", "1"]) == 2
     assert "--iterations 2 / --warmup 1" in capsys.readouterr().err
+
+
+def test_compare_lines_average_rounds_before_and_after():
+    before = [{"rank_cpu_s": [1.0, 1.2], "total_cpu_s": 4.4, "planner_cpu_per_microbatch_s": 0.002},
+              {"rank_cpu_s": [0.9, 0.9], "total_cpu_s": 3.6, "planner_cpu_per_microbatch_s": 0.002}]
+    after = [{"rank_cpu_s": [0.8, 1.0], "total_cpu_s": 3.6, "planner_cpu_per_microbatch_s": 0.001},
+             {"rank_cpu_s": [0.7, 0.7], "total_cpu_s": 2.8, "planner_cpu_per_microbatch_s": 0.001}]
+    lines = overhead.compare_lines("static", before, after)
+    assert lines[1] == ("  CPU s per step per rank: 1.0000 -> 0.8000 (0.800x; per round "
+                        "1.1000->0.9000, 0.9000->0.7000)")
+    assert "4.0000 -> 3.2000 (0.800x" in lines[2] and "0.0020 -> 0.0010 (0.500x" in lines[3]
+    assert overhead.compare_lines("x", [{}], [{}]) == [lines[0].replace("static", "x")]
+
+
+def test_before_must_be_a_checkout_with_the_benchmark(tmp_path, capsys):
+    from megatron_zeppelin.cli import main
+
+    assert main(["bench", "overhead", "--before", str(tmp_path)]) == 2
+    assert f"--before {str(tmp_path)!r}: not a checkout" in capsys.readouterr().err

@@ -316,7 +316,8 @@ def measure(entries: list[Entry], args: argparse.Namespace, rounds: int, profile
         if refused:
             result[entry.label] = {"refused": refused}
             continue
-        result[entry.label] = summarize([merge_rounds(records) for records in mine])
+        result[entry.label] = summarize([merge_rounds(records) for records in mine]) \
+            if rounds else {}
         if profile:
             result[entry.label]["profile"] = ranks[0][n * rounds + i]["profile"]
     return result
@@ -362,14 +363,15 @@ def bench_overhead(args: argparse.Namespace) -> int:
     if args.before:
         rounds = [(measure_before(args, args.port + 2 * r + 1),
                    measure(entries, args, 1, None, args.port + 2 * r)) for r in range(args.rounds)]
+        figures = {e.label: [(b.get(e.label, {}), a.get(e.label, {})) for b, a in rounds]
+                   for e in entries}
+        for label, pairs in figures.items():
+            print("\n".join(compare_lines(label, [b for b, _ in pairs], [a for _, a in pairs])),
+                  flush=True)
         result = measure(entries, args, 0, args.profile, args.port + 2 * args.rounds) \
             if args.profile else {}
-        for entry in entries:
-            label = entry.label
-            figures = [(b.get(label, {}), a.get(label, {})) for b, a in rounds]
-            print("\n".join(compare_lines(label, [b for b, _ in figures],
-                                           [a for _, a in figures])), flush=True)
-            result.setdefault(label, {})["rounds"] = figures
+        for label, pairs in figures.items():
+            result.setdefault(label, {})["rounds"] = pairs
     else:
         result = measure(entries, args, args.rounds, args.profile, args.port)
         for label, figures in result.items():
