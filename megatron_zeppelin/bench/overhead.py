@@ -36,6 +36,7 @@ import threading
 import time
 from pathlib import Path
 
+from megatron_zeppelin.bench.p2p_link import free_port
 from megatron_zeppelin.bench.train import Entry, parse_entry, run_flags
 
 TOP = 12
@@ -302,13 +303,13 @@ def check(args: argparse.Namespace) -> list[Entry]:
 
 
 def measure(entries: list[Entry], args: argparse.Namespace, rounds: int, profile: str | None,
-            port: int) -> dict:
+            port: int | None) -> dict:
     """``{label: figures}`` of every entry run here (``rounds`` unprofiled runs each, then
     one profiled run each when ``profile``); a refused entry: ``{"refused": reason}``."""
     flags = [run_flags(e, args.iterations, args.extra) for e in entries]
     runs = [(f, None) for _ in range(rounds) for f in flags]
     runs += [(f, profile) for f in flags] if profile else []
-    ranks = run_world(runs, args.warmup, args.iterations, port)
+    ranks = run_world(runs, args.warmup, args.iterations, port or free_port())
     n, result = len(entries), {}
     for i, entry in enumerate(entries):
         mine = [[rank[j] for j in range(i, n * rounds, n)] for rank in ranks]
@@ -323,7 +324,7 @@ def measure(entries: list[Entry], args: argparse.Namespace, rounds: int, profile
     return result
 
 
-def measure_before(args: argparse.Namespace, port: int) -> dict:
+def measure_before(args: argparse.Namespace, port: int | None) -> dict:
     """One unprofiled round of every entry from the ``--before`` checkout (its own
     ``zeppelin bench overhead``, its own code); its figures."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -332,7 +333,7 @@ def measure_before(args: argparse.Namespace, port: int) -> dict:
         command = [sys.executable, "-m", "megatron_zeppelin.cli", "bench", "overhead",
                    "--strategies", args.strategies, "--iterations", str(args.iterations),
                    "--warmup", str(args.warmup), "--profile", "none", "--json", out,
-                   "--port", str(port), "--", *args.extra]
+                   "--port", str(port or free_port()), "--", *args.extra]
         subprocess.run(command, cwd=tree, env={**os.environ, "PYTHONPATH": tree}, check=True,
                        stdout=subprocess.DEVNULL)
         return json.loads(Path(out).read_text())
@@ -361,14 +362,16 @@ def bench_overhead(args: argparse.Namespace) -> int:
           "dropped" + ("; then one profiled run each" if args.profile else "") +
           (f"; each round also from --before {args.before}" if args.before else ""), flush=True)
     if args.before:
-        rounds = [(measure_before(args, args.port + 2 * r + 1),
-                   measure(entries, args, 1, None, args.port + 2 * r)) for r in range(args.rounds)]
+        port = (lambda i: args.port + i if args.port else None)  # noqa: E731
+        rounds = [(measure_before(args, port(2 * r + 1)), measure(entries, args, 1, None,
+                                                                  port(2 * r)))
+                  for r in range(args.rounds)]
         figures = {e.label: [(b.get(e.label, {}), a.get(e.label, {})) for b, a in rounds]
                    for e in entries}
         for label, pairs in figures.items():
             print("\n".join(compare_lines(label, [b for b, _ in pairs], [a for _, a in pairs])),
                   flush=True)
-        result = measure(entries, args, 0, args.profile, args.port + 2 * args.rounds) \
+        result = measure(entries, args, 0, args.profile, port(2 * args.rounds)) \
             if args.profile else {}
         for label, pairs in figures.items():
             result.setdefault(label, {})["rounds"] = pairs
@@ -412,6 +415,7 @@ def register(targets: argparse._SubParsersAction) -> None:
                         "this benchmark; its C++ extensions built): each round runs every "
                         "entry there too, interleaved; printed: CPU before -> after")
     p.add_argument("--json", default=None, metavar="FILE", help="write the figures here")
-    p.add_argument("--port", type=int, default=29631)
+    p.add_argument("--port", type=int, default=None,
+                   help="first rendezvous port of the runs (default: a free one per world)")
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
     p.set_defaults(func=bench_overhead)
