@@ -278,7 +278,7 @@ def recorders(events: list, names: dict) -> list:
         return wrapped
 
     return [(RingComm, "exchange", exchange), (AttentionEngine, "_local", local),
-            (RingGroupRun, "compute", compute), (engine_module._Posted, "in_flight", poll),
+            (RingGroupRun, "compute", compute), (engine_module.PostedRound, "in_flight", poll),
             (AttentionEngine, "_complete", wait),
             (transport_module._HostPending, "_wait_works", delayed)]
 

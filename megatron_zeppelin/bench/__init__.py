@@ -17,6 +17,8 @@ online     online profile fit: probe overhead, estimate error before/after      
 window     sliding window: ring compute skipped, KV relay sent vs needed          (window.py)
 remap      step time with and without the remapping layer where it should pay    (remap.py)
 decisions  the portfolio's pick vs every candidate measured per micro-batch     (decisions.py)
+overhead   host CPU seconds per training step by thread and planner process, profiled
+           (overhead.py)
 
 ``zeppelin calibrate`` (calibrate.py) measures this machine and writes a hardware profile;
 ``zeppelin calibrate-sim`` (calibrate_sim.py) the simulator's own profile (``configs/sim/``).
@@ -31,7 +33,7 @@ import time
 from typing import Callable
 
 TARGETS = ("planner", "planning", "router", "engine", "kernels", "train", "fidelity", "online",
-           "window", "remap", "decisions")
+           "window", "remap", "decisions", "overhead")
 
 
 def median_ms(fn: Callable[[], object], repeats: int, budget_s: float) -> tuple[float, int]:

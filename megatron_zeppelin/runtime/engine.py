@@ -71,11 +71,8 @@ makes its first call together.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
-from concurrent.futures import Future
-from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -90,8 +87,10 @@ from megatron_zeppelin.runtime.device_index import to_device
 from megatron_zeppelin.runtime.inter import InterQueue
 from megatron_zeppelin.runtime.kernels import KernelBackend, accum_dtype
 from megatron_zeppelin.runtime.lanes import Lanes, lanes_for
+from megatron_zeppelin.runtime.passes import PostedRound, Tensors, WavePass, fill
+from megatron_zeppelin.runtime.plain import plain_ops
 from megatron_zeppelin.runtime.probe import Probe
-from megatron_zeppelin.runtime.ring_comm import RingBatch, RingRequest
+from megatron_zeppelin.runtime.ring_comm import RingBatch
 from megatron_zeppelin.runtime.transport import Transport, get_transport
 from megatron_zeppelin.runtime.ulysses import UlyssesAttention
 from megatron_zeppelin.runtime.waves import (LocalCall, Ring, Wave, build_waves,
@@ -99,61 +98,6 @@ from megatron_zeppelin.runtime.waves import (LocalCall, Ring, Wave, build_waves,
 from megatron_zeppelin.schedule import LOCAL_CALL_TOKENS, Phase
 
 INTER_MODES = ("ring", "direct", "routed")
-
-
-class _Tensors(NamedTuple):
-    """A phase's inputs: q ``[tokens, h, d]``, out/dout ``[tokens, h, dv]``, k ``[tokens, g,
-    d]``, v ``[tokens, g, dv]``, lse ``[h, tokens]`` (out, lse and dout: backward only)."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    out: torch.Tensor | None
-    lse: torch.Tensor | None
-    dout: torch.Tensor | None
-
-
-@dataclasses.dataclass
-class _Pass:
-    """One phase of one wave on this rank: what every round of it reads."""
-
-    phase: Phase
-    index: int
-    wave: Wave
-    tensors: _Tensors
-    result: tuple[torch.Tensor, ...]
-    scale: float
-    kernel: KernelBackend
-    lanes: Lanes
-    window: tuple[int, int] | None = None  # LOCAL calls' band (base.band), None: causal
-    runs: list[RingGroupRun] = dataclasses.field(default_factory=list)
-
-
-class _Posted:
-    """A posted round: per ring ``(request, recv_like)`` and the global step's future."""
-
-    def __init__(self, requests: list[tuple[RingRequest | None, list]],
-                 inter: Future | None) -> None:
-        self.requests, self.inter = requests, inter
-        self.at = time.perf_counter()  # when the round was posted (the probe's link times)
-
-    def in_flight(self) -> bool:
-        """Whether some exchange of the round is still in flight (never blocks)."""
-        return any(r is not None and not r.done() for r, _ in self.requests) or (
-            self.inter is not None and not self.inter.done())
-
-
-def fill(queue: deque, in_flight: Callable[[], bool], run: Callable[[LocalCall], None]) -> int:
-    """Run calls from the front of ``queue`` while ``in_flight()`` (CPU lanes); the number run.
-
-    ``in_flight`` is asked before every call, so the wait that follows is delayed by at most
-    one call after the round's exchanges complete.
-    """
-    ran = 0
-    while queue and in_flight():
-        run(queue.popleft())
-        ran += 1
-    return ran
 
 
 def _canonical(device: torch.device | str) -> torch.device:
@@ -359,20 +303,20 @@ class AttentionEngine:
                                   device=q.device))
         else:
             result = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-        tensors, kernel = _Tensors(q, k, v, out, lse, dout), self._kernel(q)
+        tensors, kernel = Tensors(q, k, v, out, lse, dout), self._kernel(q)
         if self.probe is not None:
             self.probe.flops_per_square = 2.0 * q.shape[1] * q.shape[2]
             started = self.probe.start()
         lanes.begin()
         for index, wave in enumerate(waves):
-            self._run_wave(_Pass(phase, index, wave, tensors, result, scale, kernel, lanes,
+            self._run_wave(WavePass(phase, index, wave, tensors, result, scale, kernel, lanes,
                                  band))
         lanes.join()
         if self.probe is not None:
             self.probe.stop(started, ("engine",))
         return result
 
-    def _run_wave(self, p: _Pass) -> None:
+    def _run_wave(self, p: WavePass) -> None:
         """The wave's rounds (post, ring steps, LOCAL fill, completion), then the LOCAL rest."""
         with p.lanes.ring():
             self._begin_rings(p)
@@ -407,7 +351,7 @@ class AttentionEngine:
         with p.lanes.ring():
             self._end_rings(p)
 
-    def _begin_rings(self, p: _Pass) -> None:
+    def _begin_rings(self, p: WavePass) -> None:
         t = p.tensors
         for ring in p.wave.rings:
             run = RingGroupRun(ring.layout, p.scale, p.kernel, ring.blocks)
@@ -419,7 +363,7 @@ class AttentionEngine:
                                    t.lse[:, rows])
             p.runs.append(run)
 
-    def _end_rings(self, p: _Pass) -> None:
+    def _end_rings(self, p: WavePass) -> None:
         for ring, run in zip(p.wave.rings, p.runs):
             rows = slice(ring.start, ring.end)
             if p.phase is Phase.FORWARD:
@@ -427,7 +371,7 @@ class AttentionEngine:
             else:
                 p.result[0][rows], p.result[1][rows], p.result[2][rows] = run.end_backward()
 
-    def _local(self, p: _Pass, call: LocalCall) -> None:
+    def _local(self, p: WavePass, call: LocalCall) -> None:
         """One LOCAL call: its rows of the output and lse, or of dq, dk, dv."""
         t, rows = p.tensors, call.rows
         started = self.probe.start() if self.probe else None
@@ -435,7 +379,7 @@ class AttentionEngine:
         if self.probe:
             self.probe.attention(started, p.phase.name.lower(), call.lengths, "local")
 
-    def _local_call(self, p: _Pass, call: LocalCall, t: _Tensors, rows) -> None:
+    def _local_call(self, p: WavePass, call: LocalCall, t: Tensors, rows) -> None:
         if p.phase is Phase.FORWARD:
             part_out, part_lse = p.kernel.forward(take(t.q, rows), take(t.k, rows),
                                                   take(t.v, rows), call.pieces, True, p.scale,
@@ -449,7 +393,7 @@ class AttentionEngine:
             for target, grad in zip(p.result, grads):
                 _put(target, rows, grad)
 
-    def _post(self, p: _Pass, r: int, global_steps: int) -> _Posted:
+    def _post(self, p: WavePass, r: int, global_steps: int) -> PostedRound:
         """Post round ``r``: the ring P2P of every ring, in global group order, as one batch
         (``RingBatch``: one ``batch_isend_irecv``), then the global inter step."""
         pending, routed_sends = [], {}
@@ -471,9 +415,9 @@ class AttentionEngine:
             meta = ((k.shape[1], k.shape[2] + v.shape[2]), k.dtype,  # k and v side by side
                     None if p.window is None else p.window[0])
             future = self.inter.post(p.index, r, p.phase, routed_sends, meta, k.device)
-        return _Posted(pending, future)
+        return PostedRound(pending, future)
 
-    def _complete(self, p: _Pass, r: int, posted: _Posted) -> None:
+    def _complete(self, p: WavePass, r: int, posted: PostedRound) -> None:
         """Complete round ``r``'s exchanges and hand each ring what it received."""
         routed = self.inter.complete(posted.inter) if posted.inter is not None else {}
         for ring, run, (request, like) in zip(p.wave.rings, p.runs, posted.requests):
@@ -521,8 +465,9 @@ class _EngineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, engine, scale, window):
-        out, lse = engine.run(Phase.FORWARD, q.detach(), k.detach(), v.detach(), scale=scale,
-                              window=window)
+        with plain_ops():
+            out, lse = engine.run(Phase.FORWARD, q.detach(), k.detach(), v.detach(),
+                                  scale=scale, window=window)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.engine, ctx.scale, ctx.window = engine, scale, window
         return out
@@ -530,7 +475,8 @@ class _EngineFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.engine.run(Phase.BACKWARD, q, k, v, out, lse, dout.contiguous(),
-                                    scale=ctx.scale, window=ctx.window)
+        with plain_ops():
+            dq, dk, dv = ctx.engine.run(Phase.BACKWARD, q, k, v, out, lse, dout.contiguous(),
+                                        scale=ctx.scale, window=ctx.window)
         # one entry per forward input: q, k, v, engine, scale, window
         return dq, dk, dv, None, None, None

@@ -5,7 +5,8 @@ which returns and accepts the logsumexp; elsewhere, and for causal pairs with ``
 exact math path (scores materialised per pair in row chunks, accumulated in float32, float64
 for float64). Sliding windows (``base.band``) take the math path, masked. The CPU flash kernel
 needs one head dim for q, k and v: a different value head dim (multi-latent attention) is
-zero-padded there (``base.pad_head_dims``); the math path takes it as it is. On CUDA this is the slow path (``base.select`` warns once when ``auto`` lands
+zero-padded there (``base.pad_head_dims``), equal ones are passed as strided views (no copy per
+pair); the math path takes it as it is. On CUDA this is the slow path (``base.select`` warns once when ``auto`` lands
 here): fp32/fp64 tensors and head dims the native kernel refuses.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ def _use_aten_cpu(q: torch.Tensor, tq: int, tk: int, causal: bool,
 
 def _cpu_flash_forward(q, k, v, causal, scale):
     """``(out [tq, h, dv], lse [h, tq])`` of one pair by the CPU flash kernel."""
-    qp, kp, vp = pad_head_dims(_bhsd(q), _bhsd(k), _bhsd(v))
+    qp, kp, vp = _flash_inputs(q, k, v)
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qp, kp, vp, 0.0, causal,
                                                                          scale=scale)
     return o[0, ..., :v.shape[-1]].transpose(0, 1), lse[0]
@@ -33,7 +34,7 @@ def _cpu_flash_forward(q, k, v, causal, scale):
 
 def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
     """``(dq, dk, dv)`` of one pair by the CPU flash kernel (``lse [h, tq]``)."""
-    qp, kp, vp, dop, op = pad_head_dims(*(_bhsd(x) for x in (q, k, v, dout, out)))
+    qp, kp, vp, dop, op = _flash_inputs(q, k, v, dout, out)
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dop, qp, kp, vp, op, lse.unsqueeze(0).contiguous(), 0.0, causal, scale=scale)
     return tuple(g[0, ..., :x.shape[-1]].transpose(0, 1) for g, x in zip(grads, (q, k, v)))
@@ -42,6 +43,17 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
     """``[t, heads, d]`` -> ``[1, heads, t, d]`` (a view)."""
     return x.transpose(0, 1).unsqueeze(0)
+
+
+def _flash_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: torch.Tensor
+                  ) -> list[torch.Tensor]:
+    """q, k, v (then out/dout) ``[t, h, d]`` as the CPU flash kernel's ``[1, h, t, d]``: views
+    where the head dims agree (the kernel reads any strides with a unit last one, bit for bit
+    as from contiguous copies, and its outputs then come back ``[t, h, d]``-contiguous), else
+    zero-padded copies (``pad_head_dims``)."""
+    if q.shape[-1] != v.shape[-1]:
+        return pad_head_dims(*(_bhsd(x) for x in (q, k, v, *rest)))
+    return [_bhsd(x if x.stride(-1) == 1 else x.contiguous()) for x in (q, k, v, *rest)]
 
 
 def _pairs(pieces: Pieces):
