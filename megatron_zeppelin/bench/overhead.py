@@ -36,8 +36,8 @@ import threading
 import time
 from pathlib import Path
 
-from megatron_zeppelin.bench.p2p_link import free_port
-from megatron_zeppelin.bench.train import Entry, parse_entry, run_flags
+from megatron_zeppelin.bench.train import RANKS, RUN_TIMEOUT_S, Entry, parse_entry, run_flags
+from megatron_zeppelin.bench.workers import free_port, run_spawned, training_rank_env
 
 TOP = 12
 
@@ -156,22 +156,13 @@ def instrument(recorder: Recorder) -> None:
 def _rank(rank: int, world: int, port: int, runs: list[tuple[list[str], str | None]], warmup: int,
           iterations: int, out: str) -> None:
     """One rank: every run (flags, profiler clock or None) in order in one gloo world; writes
-    its records
-    to ``out/rank{rank}.json``."""
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import torch
+    its records to ``out/rank{rank}.json``."""
+    training_rank_env(rank, world, port)
     import torch.distributed as dist
 
     from megatron_zeppelin.config import ConfigError
     from megatron_zeppelin.megatron.loop import args as train_args, preflight, train
 
-    torch.set_num_threads(1)
-    sys.stdout = open(os.devnull, "w")
     train.init_process_group(train_args.parse_args(runs[0][0]))
     records = []
     for argv, profiled in runs:
@@ -193,13 +184,11 @@ def _rank(rank: int, world: int, port: int, runs: list[tuple[list[str], str | No
 
 def run_world(runs: list[tuple[list[str], str | None]], warmup: int, iterations: int, port: int
               ) -> list[list[dict]]:
-    """Every run on 4 spawned ranks (one world); per rank, its records of every run."""
-    import torch.multiprocessing as mp
-
+    """Every run on ``RANKS`` spawned ranks (one world); per rank, its records of every run."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(4, port, runs, warmup, iterations, tmp), nprocs=4,
-                           start_method="spawn")
-        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(4)]
+        run_spawned(_rank, RANKS, (RANKS, port, runs, warmup, iterations, tmp),
+                    timeout_s=RUN_TIMEOUT_S * len(runs), what="bench overhead")
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(RANKS)]
 
 
 def summarize(per_rank: list[dict]) -> dict:
