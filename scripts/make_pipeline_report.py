@@ -132,7 +132,9 @@ def section(results, note: str = "") -> str:
              "Megatron hybrid CP tuned (`-tuned`: `--max-seqlen-per-dp-cp-rank` swept per "
              "setting and micro-batch order by the main report's rule, `sim/sweep.py`'s "
              "`best_cap`, scored by the pipeline's step, every micro-batch planned with the "
-             "cap; the cap chosen and the sweep are in each table's note column). *best "
+             "cap; one cap must hold the fullest micro-batch, so the strategy's default, "
+             "derived per micro-batch, is kept where it is faster; the choice and the sweep "
+             "are in each table's note column). *best "
              "peer*: per setting and order, the fastest of the peers. Model approximations "
              "are listed in `planner/pipeline_cost.py`.", "",
              "Regenerate: `python scripts/make_pipeline_report.py --update docs/benchmarks.md`.",

@@ -9,7 +9,8 @@ the pipeline, or in arrival order); each micro-batch is planned by the variant o
 variant go through the same path, so only their plans differ. A tuned variant
 (``Variant.tune_cap``) gets its cap by ``sweep.best_cap``'s rule, scored by the pipeline's
 mean step over the setting's batches, per micro-batch order; the caps tried are
-``cap_candidates`` over one stage's ranks.
+``cap_candidates`` over one stage's ranks, and the strategy's default (per micro-batch) is
+kept when it is faster.
 """
 from __future__ import annotations
 
@@ -120,13 +121,31 @@ def _row(variant: Variant, order: str, batches: list[list[int]], cost: CostModel
         results = [simulate_pipeline(b, chosen, cost, config, mine) for b in batches]
         return results, statistics.fmean(r.step_s for r in results)
 
-    if variant.tune_cap:
-        caps = cap_candidates(batches, stage_of(cost, spec).ranks)
-        results, note = best_cap(variant, caps, evaluate)
-    else:
-        results, note = evaluate(variant)[0], ""
+    results, note = _tuned(variant, batches, stage_of(cost, spec).ranks, evaluate) \
+        if variant.tune_cap else (evaluate(variant)[0], "")
     return PipelineRow(variant.label, order, statistics.fmean(r.step_s for r in results),
                        statistics.fmean(r.bubble for r in results), note)
+
+
+def _tuned(variant: Variant, batches: list[list[int]], ranks: int,
+           evaluate: Callable[[Variant], tuple[list[PipelineResult], float]]
+           ) -> tuple[list[PipelineResult], str]:
+    """The faster of ``best_cap``'s sweep (one cap for every micro-batch) and the strategy's
+    default, derived per micro-batch (at least its mean tokens per rank): one fixed cap must
+    hold the fullest micro-batch, so under PP the default can beat every cap swept."""
+    try:
+        default, default_s = evaluate(variant)
+    except CapacityError:
+        default, default_s = None, float("inf")
+    try:
+        swept, note = best_cap(variant, cap_candidates(batches, ranks), evaluate)
+    except CapacityError as exc:
+        if default is None:
+            raise
+        return default, f"default cap per micro-batch ({exc})"
+    if default_s < statistics.fmean(r.step_s for r in swept):
+        return default, f"default cap per micro-batch: {default_s:.3g} s, faster than {note}"
+    return swept, note
 
 
 def format_pipeline_setting(result: PipelineSettingResult, baseline: str,
