@@ -116,7 +116,7 @@ def subset(todo: list[tuple[Setting, PipelineSpec]]) -> str:
             f"{len(WORKLOADS)} workloads x {len(SHAPES)} shapes of the full report. ")
 
 
-def section(results, note: str = "") -> str:
+def section(results, note: str = "", cpu_s: float | None = None) -> str:
     parts = [BEGIN, "## Pipeline parallelism (simulated)", "",
              f"{note}**Simulated, not measured.** LLaMA-7B on 4 x a800-4nic (32 GPUs, TP=1), one "
              "global batch of 2M tokens (64K per GPU) per workload, `4 x pp` micro-batches; "
@@ -137,7 +137,8 @@ def section(results, note: str = "") -> str:
              "are in each table's note column). *best "
              "peer*: per setting and order, the fastest of the peers. Model approximations "
              "are listed in `planner/pipeline_cost.py`.", "",
-             "Regenerate: `python scripts/make_pipeline_report.py --update docs/benchmarks.md`.",
+             "Regenerate: `python scripts/make_pipeline_report.py --update docs/benchmarks.md`"
+             + ("." if cpu_s is None else f" (this run: {cpu_s:.0f} s of CPU)."),
              "", "### Headline", "", *headline(results), "",
              "### Per setting (speedups with balanced micro-batches; balancing = balanced over "
              "arrival order, same strategy)", "", summary_table(results), "",
@@ -174,7 +175,9 @@ def main(argv=None) -> int:
               f"expected distinct names among {','.join(WORKLOADS)}", file=sys.stderr)
         return 2
     todo = settings(args.quick, workloads)
-    text = section(run(todo), subset(todo))
+    started = time.process_time()
+    results = run(todo)
+    text = section(results, subset(todo), time.process_time() - started)
     if args.update:
         update(Path(args.update), text)
         print(f"wrote the pipeline section into {args.update}", file=sys.stderr)
