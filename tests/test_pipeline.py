@@ -1,6 +1,7 @@
 """Megatron's pipeline schedules timed exactly (planner/pipeline.py) and micro-batch balancing
 (planner/microbatches.py)."""
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -209,8 +210,9 @@ from megatron_zeppelin.config import ConfigError, PipelineSpec, ZeppelinConfig  
 from megatron_zeppelin.planner import STRATEGIES  # noqa: E402
 from megatron_zeppelin.planner.pipeline_cost import (MicrobatchCost, estimate_pipeline,  # noqa
                                                      price, stage_of)
-from megatron_zeppelin.sim.pipeline import run_pipeline_setting  # noqa: E402
-from megatron_zeppelin.sim.sweep import Setting, resolve_variants  # noqa: E402
+from megatron_zeppelin.sim.pipeline import run_pipeline_setting, simulate_pipeline  # noqa
+from megatron_zeppelin.sim.sweep import (Setting, cap_candidates, resolve_variants,  # noqa
+                                         sample_batches, setting_cost)
 
 from conftest import make_cost  # noqa: E402
 
@@ -251,14 +253,44 @@ def test_the_estimate_plans_every_document_once_per_stage():
 
 def test_the_simulated_sweep_runs_every_variant_and_order():
     setting = Setting("llama-7b", "h200-8nic", 2, "arxiv", tokens=256 * 1024, batches=1)
-    result = run_pipeline_setting(setting, resolve_variants(["zeppelin", "static-cp",
-                                                             "hybrid-dp-tuned"]),
-                                  ZeppelinConfig(), PipelineSpec(pp=2, vpp=2, microbatches=4),
+    labels = ["zeppelin", "static-cp", "hybrid-dp-tuned", "flexsp"]
+    result = run_pipeline_setting(setting, resolve_variants(labels), ZeppelinConfig(),
+                                  PipelineSpec(pp=2, vpp=2, microbatches=4),
                                   ("balanced", "arrival"))
     assert {(r.label, r.order) for r in result.rows} == {
-        (v, o) for v in ("zeppelin", "static-cp") for o in ("balanced", "arrival")}
-    assert result.skipped[0][0] == "hybrid-dp-tuned"
+        (v, o) for v in labels for o in ("balanced", "arrival")} and not result.skipped
     assert all(0.0 <= r.bubble < 1.0 and r.step_s > 0 for r in result.rows)
+    assert all(bool(r.note) == (r.label == "hybrid-dp-tuned") for r in result.rows)
+
+
+@pytest.mark.parametrize("workload,pp,tokens,chosen", [
+    ("github", 4, 512 * 1024, "default"), ("longtail", 2, 1 << 20, "cap"),
+    ("magi", 2, 1 << 20, "cap")])
+def test_a_tuned_peer_under_pp_runs_at_its_best_cap(workload, pp, tokens, chosen):
+    """The cap is swept over one stage's ranks and scored by the pipeline's step; the row is
+    the step at the cap its note names (or at the default, per micro-batch, when that is
+    faster), no slower than the untuned strategy nor any cap swept."""
+    setting = Setting("llama-7b", "a800-4nic", 4, workload, tokens=tokens, batches=2)
+    spec = PipelineSpec(pp=pp, microbatches=2 * pp)
+    tuned, plain = resolve_variants(["hybrid-dp-tuned", "hybrid-dp"])
+    result = run_pipeline_setting(setting, [tuned, plain], ZeppelinConfig(), spec)
+    row, untuned = result.get(tuned.label, "balanced"), result.get(plain.label, "balanced")
+    assert row.step_s <= untuned.step_s * (1 + 1e-12)
+    swept = [float(x.split(": ")[1].split()[0]) for x in
+             row.note.split("swept ")[1].rstrip(")").split(", ") if "no fit" not in x]
+    assert row.step_s <= min(swept) * (1 + 5e-3)  # the note rounds to 3 digits
+    assert row.note.split()[0] == chosen
+    if chosen == "default":
+        assert row.step_s == untuned.step_s
+        return
+    assert row.step_s < untuned.step_s
+    cost = setting_cost(setting)
+    batches = sample_batches(setting, cost)
+    cap = int(row.note.split()[1])
+    assert cap in cap_candidates(batches, stage_of(cost, spec).ranks)
+    at = replace(tuned, strategy=replace(tuned.strategy, max_seqlen_per_rank=cap))
+    steps = [simulate_pipeline(b, at, cost, ZeppelinConfig(), spec).step_s for b in batches]
+    assert row.step_s == pytest.approx(sum(steps) / len(steps), rel=1e-12)
 
 
 PLAN = ["plan", "--model", "llama-7b", "--cluster", "h200-8nic", "--nodes", "2",

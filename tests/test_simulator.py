@@ -16,8 +16,9 @@ from megatron_zeppelin.sim.profile import profile_of
 from megatron_zeppelin.sim.step_model import linear_seconds
 from megatron_zeppelin.sim.rounds import local_parts
 from megatron_zeppelin.sim.simulator import SimOptions, attention_time, lower_bound, simulate
-from megatron_zeppelin.sim.sweep import (Setting, VARIANTS, resolve_variants, run_setting,
-                                         settings_from_args)
+from megatron_zeppelin.planner.common import CapacityError
+from megatron_zeppelin.sim.sweep import (Setting, VARIANTS, best_cap, resolve_variants,
+                                         run_setting, settings_from_args)
 from megatron_zeppelin.sim.workloads import sample_batch
 
 from conftest import make_cost
@@ -268,6 +269,32 @@ def test_te_cp_sends_dkv_in_the_kv_dtype_and_the_peers_are_charged_their_own():
     assert VARIANTS["static-cp-2node"].strategy.te_attention
     assert not VARIANTS["zeppelin"].strategy.te_attention
     assert "paper's baseline" in VARIANTS["static-cp-2node"].description
+
+
+@pytest.mark.parametrize("seconds,best,tried", [
+    ({64: 9.0, 32: 5.0, 16: 6.0, 8: 7.0, 4: 1.0}, 32, [64, 32, 16, 8]),  # two slower: stop
+    ({64: 9.0, 32: 9.0, 16: 9.0, 8: 4.0, 4: 5.0}, 8, [64, 32, 16, 8, 4]),  # a plateau goes on
+    ({64: None, 32: 5.0, 16: 6.0, 8: 4.0, 4: 5.0}, 8, [64, 32, 16, 8, 4]),  # no fit is passed
+])
+def test_the_cap_sweep_keeps_the_fastest_and_stops_after_two_slower(seconds, best, tried):
+    calls = []
+
+    def evaluate(variant):
+        cap = variant.strategy.max_seqlen_per_rank
+        calls.append(cap)
+        if seconds[cap] is None:
+            raise CapacityError("too long")
+        return f"runs at {cap}", seconds[cap]
+
+    got, note = best_cap(VARIANTS["hybrid-dp-tuned"], list(seconds), evaluate)
+    assert got == f"runs at {best}" and calls == tried and note.startswith(f"cap {best} (swept ")
+    assert ("64: no fit" in note) == (seconds[64] is None)
+    with pytest.raises(CapacityError, match="no --max-seqlen-per-dp-cp-rank of \\[4, 8\\]"):
+        best_cap(VARIANTS["hybrid-dp-tuned"], [8, 4], lambda v: _no_fit())
+
+
+def _no_fit():
+    raise CapacityError("too long")
 
 
 def test_hybrid_peers_are_tuned_per_batch_set_and_state_their_cap():

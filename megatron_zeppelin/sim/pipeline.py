@@ -6,7 +6,11 @@ the pipeline, or in arrival order); each micro-batch is planned by the variant o
 (``stage_of``: ``num_layers / pp`` layers on ``GPUs / pp`` GPUs) and simulated there
 (``simulate``: its stage time); Megatron's 1F1B or interleaved schedule over those times
 (``pipeline_cost.price``) gives the step. Static CP x PP, zeppelin x PP and every other
-variant go through the same path, so only their plans differ.
+variant go through the same path, so only their plans differ. A tuned variant
+(``Variant.tune_cap``) gets its cap by ``sweep.best_cap``'s rule, scored by the pipeline's
+mean step over the setting's batches, per micro-batch order; the caps tried are
+``cap_candidates`` over one stage's ranks, and the strategy's default (per micro-batch) is
+kept when it is faster.
 """
 from __future__ import annotations
 
@@ -20,8 +24,9 @@ from megatron_zeppelin.planner.common import CapacityError
 from megatron_zeppelin.planner.pipeline_cost import (PipelineResult, microbatch_cost, price,
                                                      split_batch, stage_of)
 from megatron_zeppelin.sim.report import _fmt, _table, geomean
-from megatron_zeppelin.sim.sweep import (MAX_MEGATRON_SEQUENCES, Setting, Variant,
-                                         plan_and_simulate, sample_batches, setting_cost)
+from megatron_zeppelin.sim.sweep import (MAX_MEGATRON_SEQUENCES, Setting, Variant, best_cap,
+                                         cap_candidates, plan_and_simulate, sample_batches,
+                                         setting_cost)
 
 
 def simulate_pipeline(lengths: Sequence[int], variant: Variant, cost: CostModel,
@@ -41,12 +46,14 @@ def simulate_pipeline(lengths: Sequence[int], variant: Variant, cost: CostModel,
 
 @dataclass(frozen=True)
 class PipelineRow:
-    """One variant with one micro-batch order: means over the setting's batches."""
+    """One variant with one micro-batch order: means over the setting's batches; ``note``:
+    the cap a tuned variant chose and its sweep (empty otherwise)."""
 
     label: str
     order: str
     step_s: float
     bubble: float
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -99,9 +106,6 @@ class _Skip(Exception):
 
 def _check_variant(variant: Variant, batches: list[list[int]], spec: PipelineSpec) -> None:
     """Raise ``_Skip`` for a variant the pipeline sweep does not run, with the reason."""
-    if variant.tune_cap:
-        raise _Skip("its cap sweep is per batch set, not per micro-batch: run the untuned "
-                    "strategy under --pp")
     micro = max(len(b) for b in batches) / spec.num_microbatches
     if variant.strategy.name == "megatron-hybrid-cp" and micro > MAX_MEGATRON_SEQUENCES:
         raise _Skip(f"about {micro:.0f} documents per micro-batch > {MAX_MEGATRON_SEQUENCES}: "
@@ -110,29 +114,58 @@ def _check_variant(variant: Variant, batches: list[list[int]], spec: PipelineSpe
 
 def _row(variant: Variant, order: str, batches: list[list[int]], cost: CostModel,
          config: ZeppelinConfig, spec: PipelineSpec) -> PipelineRow:
+    """``variant`` in ``order`` over ``batches``; a tuned variant at its best cap."""
     mine = replace(spec, microbatch_order=order)
-    results = [simulate_pipeline(b, variant, cost, config, mine) for b in batches]
+
+    def evaluate(chosen: Variant) -> tuple[list[PipelineResult], float]:
+        results = [simulate_pipeline(b, chosen, cost, config, mine) for b in batches]
+        return results, statistics.fmean(r.step_s for r in results)
+
+    results, note = _tuned(variant, batches, stage_of(cost, spec).ranks, evaluate) \
+        if variant.tune_cap else (evaluate(variant)[0], "")
     return PipelineRow(variant.label, order, statistics.fmean(r.step_s for r in results),
-                       statistics.fmean(r.bubble for r in results))
+                       statistics.fmean(r.bubble for r in results), note)
+
+
+def _tuned(variant: Variant, batches: list[list[int]], ranks: int,
+           evaluate: Callable[[Variant], tuple[list[PipelineResult], float]]
+           ) -> tuple[list[PipelineResult], str]:
+    """The faster of ``best_cap``'s sweep (one cap for every micro-batch) and the strategy's
+    default, derived per micro-batch (at least its mean tokens per rank): one fixed cap must
+    hold the fullest micro-batch, so under PP the default can beat every cap swept."""
+    try:
+        default, default_s = evaluate(variant)
+    except CapacityError:
+        default, default_s = None, float("inf")
+    try:
+        swept, note = best_cap(variant, cap_candidates(batches, ranks), evaluate)
+    except CapacityError as exc:
+        if default is None:
+            raise
+        return default, f"default cap per micro-batch ({exc})"
+    if default_s < statistics.fmean(r.step_s for r in swept):
+        return default, f"default cap per micro-batch: {default_s:.3g} s, faster than {note}"
+    return swept, note
 
 
 def format_pipeline_setting(result: PipelineSettingResult, baseline: str,
                             markdown: bool = False) -> str:
     """One row per variant and order: step, bubble, speedup over ``baseline`` (same order),
-    and what balancing gains over arrival order."""
+    what balancing gains over arrival order, and the cap a tuned variant chose."""
     s, spec = result.setting, result.spec
     head = (f"{s.label()} PP={spec.pp}" + (f" VPP={spec.vpp}" if spec.vpp > 1 else "") +
             f": {result.gpus} GPUs, {spec.num_microbatches} micro-batches, mean of "
             f"{s.batches} batches (simulated)")
     rows = [["strategy", "micro-batches", "step s", "bubble", f"vs {baseline}",
-             "balanced vs arrival"]]
+             "balanced vs arrival", "note"]]
     for r in result.rows:
         gain = result.speedup(r.label, r.label, "balanced", "arrival") \
             if r.order == "balanced" else None
         rows.append([r.label, r.order, f"{r.step_s:.3f}", f"{r.bubble:.1%}",
-                     _fmt(result.speedup(r.label, baseline, r.order)), _fmt(gain)])
+                     _fmt(result.speedup(r.label, baseline, r.order)), _fmt(gain),
+                     r.note or "-"])
     for label, reason in result.skipped:
-        rows.append([label, "skipped", "-", "-", "-", reason])
+        rows.append([label, "skipped", "-", "-", "-", "-", reason])
     if markdown:
         return f"**{head}**\n\n{_table(rows, True)}"
     return head + "\n" + _table(rows, False)

@@ -12,7 +12,7 @@ import random
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence, TypeVar
 
 from megatron_zeppelin.config import ZeppelinConfig, load_setup
 from megatron_zeppelin.cost_model import CostModel
@@ -231,32 +231,47 @@ MIN_CAP = 1024  # the smallest cap the sweep tries (tokens per rank)
 def tuned_runs(variant: Variant, batches: list[list[int]], cost: CostModel,
                config: ZeppelinConfig) -> tuple[list[Run], str]:
     """The runs of ``variant`` at the cap (``max_seqlen_per_rank``) with the least mean
-    simulated iteration over the batch set, and a note stating it and the sweep. Caps are
-    tried largest first and the sweep stops after two in a row slower than the best."""
-    def mean(runs: list[Run]) -> float:
-        return sum(r.result.iteration_s for r in runs) / len(runs)
+    simulated iteration over the batch set, and a note stating it and the sweep
+    (``best_cap``'s rule)."""
+    def evaluate(tuned: Variant) -> tuple[list[Run], float]:
+        runs = variant_runs(tuned, batches, cost, config)
+        return runs, sum(r.result.iteration_s for r in runs) / len(runs)
 
-    tried: dict[int, list[Run] | None] = {}
+    return best_cap(variant, cap_candidates(batches, cost.cluster.world_size // cost.tp),
+                    evaluate)
+
+
+T = TypeVar("T")
+
+
+def best_cap(variant: Variant, caps: Sequence[int],
+             evaluate: Callable[[Variant], tuple[T, float]]) -> tuple[T, str]:
+    """``variant`` with each cap of ``caps`` (largest first) as ``max_seqlen_per_rank``,
+    scored by ``evaluate`` (its result and seconds: less is better): the best result and a
+    note stating the cap and the sweep. The sweep stops after two caps slower than the best
+    with none faster between them (caps as fast as the best, a plateau, do not count); a
+    cap that cannot place the batches (``CapacityError``) is noted and passed."""
+    tried: dict[int, tuple[T, float] | None] = {}
     best, worse = None, 0
-    for cap in cap_candidates(batches, cost.cluster.world_size // cost.tp):
+    for cap in caps:
         tuned = replace(variant, strategy=replace(variant.strategy, max_seqlen_per_rank=cap))
         try:
-            tried[cap] = variant_runs(tuned, batches, cost, config)
+            tried[cap] = evaluate(tuned)
         except CapacityError:
             tried[cap] = None
             continue
-        if best is None or mean(tried[cap]) < mean(tried[best]):
+        if best is None or tried[cap][1] < tried[best][1]:
             best, worse = cap, 0
-        else:
+        elif tried[cap][1] > tried[best][1]:  # a tie (a plateau) is not slower: go on
             worse += 1
             if worse == 2:
                 break
     if best is None:
         raise CapacityError(f"{variant.label}: no --max-seqlen-per-dp-cp-rank of "
                             f"{sorted(tried)} places the batches")
-    swept = ", ".join(f"{cap}: {mean(runs):.3g} s" if runs else f"{cap}: no fit"
-                      for cap, runs in tried.items())
-    return tried[best], f"cap {best} (swept {swept})"
+    swept = ", ".join(f"{cap}: {got[1]:.3g} s" if got else f"{cap}: no fit"
+                      for cap, got in tried.items())
+    return tried[best][0], f"cap {best} (swept {swept})"
 
 
 def run_setting(setting: Setting, variants: Sequence[Variant],
