@@ -1,7 +1,10 @@
 """Shared fixtures: cost models on shipped configs, and small topologies for planner tests."""
 from __future__ import annotations
 
+import importlib.util
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +12,20 @@ from megatron_zeppelin.config import load_setup
 from megatron_zeppelin.cost_model import CostModel
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def load_script(name: str):
+    """``scripts/NAME.py`` as a module (the scripts are run as files, not a package), loaded
+    once and registered under its name (its multiprocessing workers are pickled by name)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def make_cost(model: str = "llama-7b", cluster: str = "h200-8nic", nodes: int = 2,

@@ -2,28 +2,13 @@
 process, the pipeline section is kept from the previous report, FlexSP's solver line."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
+from conftest import load_script
 from megatron_zeppelin.sim.sweep import Setting
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_script():
-    """The script as a module, loaded once (its workers are pickled by module name)."""
-    if "make_benchmarks_report" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "make_benchmarks_report", ROOT / "scripts" / "make_benchmarks_report.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["make_benchmarks_report"]
 
 
 def test_settings_in_two_processes_give_the_results_of_one():
-    script = load_script()
+    script = load_script("make_benchmarks_report")
     settings = [Setting("llama-7b", "a800-4nic", 2, w, batches=1, seed=7)
                 for w in ("arxiv", "github")]
     labels = ("static-cp", "flexsp")
@@ -38,7 +23,7 @@ def test_settings_in_two_processes_give_the_results_of_one():
 
 
 def test_the_pipeline_section_of_the_previous_report_is_kept(tmp_path):
-    script = load_script()
+    script = load_script("make_benchmarks_report")
     from make_pipeline_report import BEGIN, END
 
     old = tmp_path / "benchmarks.md"

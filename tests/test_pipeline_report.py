@@ -2,31 +2,17 @@
 a subset run says it is one, a bad --workloads is refused with one line."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
+from conftest import load_script
 from megatron_zeppelin.config import PipelineSpec
 from megatron_zeppelin.sim.pipeline import PipelineRow, PipelineSettingResult
 from megatron_zeppelin.sim.sweep import VARIANTS, Setting
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_script():
-    if "make_pipeline_report" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "make_pipeline_report", ROOT / "scripts" / "make_pipeline_report.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["make_pipeline_report"]
 
 
 def test_every_peer_runs_at_its_best_settings():
-    script = load_script()
+    script = load_script("make_pipeline_report")
     assert {"static-cp-best", "hybrid-dp-tuned", "megatron-hybrid-cp-tuned", "flexsp",
             "hydraulis"} <= set(script.PEERS)
     assert not {"hybrid-dp", "megatron-hybrid-cp"} & set(script.PEERS)  # untuned ones
@@ -40,7 +26,7 @@ def _result(steps: dict[str, float]) -> PipelineSettingResult:
 
 
 def test_the_best_peer_is_the_fastest_peer_run_in_that_setting():
-    script = load_script()
+    script = load_script("make_pipeline_report")
     result = _result({"zeppelin": 10.0, "static-cp": 14.0, "flexsp": 9.0, "hydraulis": 12.0})
     assert script.speedup(result, script.BEST, "balanced") == pytest.approx(0.9)
     assert script.speedup(result, "hydraulis", "balanced") == pytest.approx(1.2)
@@ -52,7 +38,7 @@ def test_the_best_peer_is_the_fastest_peer_run_in_that_setting():
 
 
 def test_a_subset_says_it_is_one_and_the_full_run_does_not():
-    script = load_script()
+    script = load_script("make_pipeline_report")
     assert script.subset(script.settings(False)) == ""
     part = script.subset(script.settings(False, ("github", "magi")))
     assert part.startswith("**A subset:**") and "github, magi" in part
@@ -62,7 +48,7 @@ def test_a_subset_says_it_is_one_and_the_full_run_does_not():
 
 @pytest.mark.parametrize("value", ["githb", "github,github", ","])
 def test_a_bad_workload_list_is_refused_with_one_line(value, capsys):
-    assert load_script().main(["--workloads", value]) == 2
+    assert load_script("make_pipeline_report").main(["--workloads", value]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (f"make_pipeline_report.py: error: --workloads {value!r} is invalid: "
                    "expected distinct names among github,prolong64k,magi,wlb128k,stdlib,"

@@ -4,26 +4,18 @@ measured side by side by ``zeppelin bench train --strategies``; a strategy the e
 run is refused before training in one line, with the engine's reason."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from conftest import load_script
 from megatron_zeppelin import cli
 from megatron_zeppelin.bench.train import parse_entry
 from megatron_zeppelin.planner import STRATEGIES
 
 pytestmark = pytest.mark.distributed
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
-def script(name: str):
-    """A module of ``scripts/`` (they are run as files, not imported as a package)."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 FLAGS = ["--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "64",
          "--seq-length", "512", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -37,7 +29,7 @@ OPTIONS = {"static-cp": ":zeppelin-cp-size=2", "hybrid-dp": ":max-seqlen-per-dp-
 
 def test_every_strategy_trains_to_static_modes_loss(tmp_path, capsys):
     """On an ArXiv-like corpus written by scripts/make_corpora.py (Megatron's indexed format)."""
-    corpora = script("make_corpora")
+    corpora = load_script("make_corpora")
     assert corpora.main(["--output", str(tmp_path), "--corpus", "arxiv", "--tokens", "96K"]) == 0
     from megatron_zeppelin.megatron.loop.corpus import IndexedDocuments
 
@@ -78,7 +70,7 @@ def test_bench_train_refuses_bad_input_in_one_line(capsys):
 
 
 def test_the_corpora_table_counts_wins_and_losses_per_peer_with_geomean_and_median():
-    bench = script("bench_corpora")
+    bench = load_script("bench_corpora")
 
     def run(steps: dict) -> dict:
         return {"strategies": {n: {"median_step_s": t, "tokens_per_s": 1000.0 / t,
