@@ -9,7 +9,7 @@ Test scaffolding, not project code: run from a patched Megatron-LM core_v0.16.1 
 iterators and ``train_step(forward_step)``; ``--save`` saves with Megatron's
 ``save_checkpoint`` after the last iteration, after one ``evaluate`` pass on the validation
 iterator. Rank 0 writes per-iteration losses and grad norms, the validation loss, the tokens
-each rank's batches held and what the checkpoint step did.
+each rank's batches held (real and pad tokens) and what the checkpoint step did.
 
 What replaces Megatron-LM's CUDA-only start-up on CPU (each is a CPU-only stand-in, listed in
 ``docs/megatron-lm.md``): ``initialize_megatron`` (gloo instead of NCCL, no fused-kernel build),
@@ -172,7 +172,7 @@ def main() -> None:
     core_attention = inner.decoder.layers[0].self_attention.core_attention
     result = {"mode": args.context_parallel_mode, "world": dist.get_world_size(),
               "model": type(inner).__name__, "start": start, "losses": [], "grad_norms": [],
-              "tokens_per_iteration": [], "rank_tokens": [], "pad_tokens": 0,
+              "tokens_per_iteration": [], "rank_tokens": [], "rank_pads": [], "pad_tokens": 0,
               "core_attention": type(core_attention).__name__}
     last = int(stop) if stop else args.train_iters
     for iteration in range(start + 1, last + 1):
@@ -186,10 +186,13 @@ def main() -> None:
         dist.all_reduce(total)
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, [r for r, _ in mine])
+        pads = [None] * dist.get_world_size()
+        dist.all_gather_object(pads, [p for _, p in mine])
         result["losses"].append(loss["lm loss"])
         result["grad_norms"].append(float(out[5]))
         result["tokens_per_iteration"].append(int(total[0]) // args.tensor_model_parallel_size)
         result["rank_tokens"].append(per_rank)
+        result["rank_pads"].append(pads)
         result["pad_tokens"] += int(total[1])
         if args.mtp_num_layers:  # as Megatron-LM's training_log: reduced, then cleared
             result.setdefault("mtp_losses", []).append(mtp_losses())

@@ -113,6 +113,26 @@ def test_sequence_parallel_padding_is_masked_and_counted():
     assert "pad tokens 1 (11.11%)" in stats.summary() and "max 9" in stats.summary()
 
 
+def test_a_rank_the_plan_leaves_empty_holds_pad_tokens_only():
+    """A plan placing the whole micro-batch on rank 0 (as hybrid DP may): rank 1 holds one
+    pad token (TP of them with sequence parallelism), no loss, no sequence; counted."""
+    plan = Plan(strategy="hand", topology=Topology(1, 2), seqlens=(8,),
+                sources=(Segment(0, 0, 8),), tasks=(AttentionTask(0, (0,), Tier.LOCAL),),
+                linear=((Segment(0, 0, 8),), ()), capacity=8).validate()
+    fields = {name: value[1:] for name, value in megatron_fields().items()}
+    assert linear_index(plan, 1, [8]).numel() == 0
+    stats = PoolStats()
+    for pad_multiple in (1, 2):
+        empty = linear_batch(fields, plan, 1, [8], pad_multiple=pad_multiple, max_position=8)
+        assert empty.tokens.shape == (1, pad_multiple) and empty.pad_tokens == pad_multiple
+        assert empty.loss_mask.sum().item() == 0 and empty.packed_seq_params.num_tokens == 0
+        stats.add(empty, 0.001)
+    full = linear_batch(fields, plan, 0, [8], pad_multiple=2)
+    assert full.pad_tokens == 0 and full.tokens.tolist() == fields["tokens"].tolist()
+    stats.add(full, 0.001)
+    assert "pad tokens 3 (27.27%), empty (pad only) in 2 micro-batches" in stats.summary()
+
+
 def test_fields_must_hold_the_planned_tokens():
     fields = megatron_fields()
     fields["labels"] = fields["labels"][:, :7]

@@ -23,6 +23,7 @@ import pytest
 
 from megatron_lm_imports import missing_in_log, missing_module, skip_for
 from megatron_zeppelin import env
+from megatron_zeppelin.config import ZeppelinConfig
 
 pytestmark = [pytest.mark.skipif(env.megatron_lm_path() is None,
                                  reason="MEGATRON_LM_PATH is not set"), pytest.mark.slow]
@@ -125,11 +126,15 @@ def test_zeppelin_trains_like_static_with_the_same_batch_and_memory(tree, tmp_pa
     static = run(tree, tmp_path, "static", pool, *STATIC, *flags)
     assert_same_training(zeppelin, static)
     assert zeppelin["tokens_per_iteration"] == [GBS * pool // 2 * SEQ] * 3
-    for per_rank in zeppelin["rank_tokens"]:  # [rank][micro-batch] real tokens
-        assert len(per_rank) == pool
-        for micro in zip(*per_rank):  # the pool holds one micro-batch of MBS x seq tokens
-            assert sum(micro) == SEQ and max(micro) <= SEQ // pool * 1.5
-    assert zeppelin["pad_tokens"] == 0
+    capacity = ZeppelinConfig().capacity_factor * SEQ / pool  # the planner's memory bound
+    for per_rank, pads in zip(zeppelin["rank_tokens"], zeppelin["rank_pads"]):
+        assert len(per_rank) == pool  # [rank][micro-batch] real tokens, and pad tokens
+        for micro, pad in zip(zip(*per_rank), zip(*pads)):
+            # the pool holds one micro-batch of MBS x seq tokens, each rank within capacity;
+            # a rank the plan leaves empty holds one pad token, no other rank any
+            assert sum(micro) == SEQ and max(micro) <= capacity
+            assert list(pad) == [int(n == 0) for n in micro]
+    assert zeppelin["pad_tokens"] == sum(sum(map(sum, pads)) for pads in zeppelin["rank_pads"])
 
 
 def test_multi_token_prediction_trains_like_static(tree, tmp_path):
