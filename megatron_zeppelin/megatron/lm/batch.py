@@ -25,7 +25,7 @@ carry loss mask 0, skip core attention and are counted (``PoolStats``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -167,6 +167,38 @@ def linear_batch(fields: Mapping[str, Tensor], plan: Plan, rank: int, lengths: S
                                         max_position=max_position)
     return LinearBatch(out["tokens"], out["labels"], out["loss_mask"], out["position_ids"],
                        params)
+
+
+class ChunkPlans:
+    """Micro-batch ``i``'s plan for every model chunk of this stage: Megatron-LM gives each
+    chunk (virtual pipeline stage) its own data iterator over the same samples, and the
+    interleaved schedule reads micro-batch ``i`` once per chunk; the first chunk to read it
+    plans it, the others reuse that plan (one planning, one attention runtime). Every chunk
+    reads as many micro-batches per schedule call, so the chunks' counts stay aligned; a chunk
+    whose ``i``-th micro-batch has other sequence lengths is an error naming both."""
+
+    def __init__(self, chunks: int) -> None:
+        self.chunks, self.read = chunks, [0] * chunks
+        self.pending: dict[int, list] = {}  # i -> [lengths, plan, chunks that read it]
+
+    def plan(self, chunk: int, lengths: Sequence[int], planner: Callable[[list[int]], Plan]
+             ) -> tuple[Plan, bool]:
+        """``(plan, planned now)`` of ``chunk``'s next micro-batch of ``lengths``."""
+        if not 0 <= chunk < self.chunks:
+            raise ValueError(f"model chunk {chunk} is invalid: expected in [0, {self.chunks})")
+        index, self.read[chunk] = self.read[chunk], self.read[chunk] + 1
+        entry = self.pending.get(index)
+        planned = entry is None
+        if planned:
+            entry = self.pending[index] = [list(lengths), planner(list(lengths)), 0]
+        elif entry[0] != list(lengths):
+            raise RuntimeError(f"model chunk {chunk} read micro-batch {index} with sequence "
+                               f"lengths {list(lengths)}, an earlier chunk with {entry[0]}: the "
+                               "chunks' data iterators are out of step")
+        entry[2] += 1
+        if entry[2] == self.chunks:
+            del self.pending[index]
+        return entry[1], planned
 
 
 @dataclass
