@@ -12,7 +12,9 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 arg=${1:?usage: scripts/apply_megatron_patch.sh PATH_TO_MEGATRON_LM}
 files=(pretrain_gpt.py gpt_builders.py megatron/training/arguments.py
-       megatron/training/yaml_arguments.py megatron/core/package_info.py)
+       megatron/training/yaml_arguments.py megatron/training/training.py
+       megatron/core/package_info.py)
+patched_files=("${files[@]:0:5}")  # the files the patch changes (not the version file)
 for f in "${files[@]}"; do
     if [ ! -f "$arg/$f" ]; then
         echo "apply_megatron_patch: $arg is not a Megatron-LM checkout (no $f)" >&2
@@ -34,14 +36,14 @@ cd "$target"
 # (git apply would skip every path outside the current folder and report success).
 export GIT_CEILING_DIRECTORIES
 GIT_CEILING_DIRECTORIES=$(dirname "$target")
-patched=$( (grep -l "megatron-zeppelin" "${files[@]:0:4}" || true) | wc -l)
-if [ "$patched" -eq 4 ] && git apply --reverse --check "$patch" 2>/dev/null; then
+patched=$( (grep -l "megatron-zeppelin" "${patched_files[@]}" || true) | wc -l)
+if [ "$patched" -eq ${#patched_files[@]} ] && git apply --reverse --check "$patch" 2>/dev/null; then
     echo "apply_megatron_patch: already applied in $target"
     exit 0
 fi
 if [ "$patched" -ne 0 ]; then
-    echo "apply_megatron_patch: $target is partly patched ($patched of 4 files name" \
-         "megatron-zeppelin); restore pretrain_gpt.py, gpt_builders.py and megatron/training/ first" >&2
+    echo "apply_megatron_patch: $target is partly patched ($patched of ${#patched_files[@]} files" \
+         "name megatron-zeppelin); restore ${patched_files[*]} first" >&2
     exit 1
 fi
 if ! git apply --check "$patch" 2>/dev/null; then
@@ -49,10 +51,10 @@ if ! git apply --check "$patch" 2>/dev/null; then
     exit 1
 fi
 git apply "$patch"
-if [ "$( (grep -l "megatron-zeppelin" "${files[@]:0:4}" || true) | wc -l)" -ne 4 ]; then
+if [ "$( (grep -l "megatron-zeppelin" "${patched_files[@]}" || true) | wc -l)" -ne ${#patched_files[@]} ]; then
     echo "apply_megatron_patch: git apply reported success but the files are unchanged" >&2
     exit 1
 fi
-echo "apply_megatron_patch: patched $target for megatron-core $version (${files[*]:0:4})"
+echo "apply_megatron_patch: patched $target for megatron-core $version (${patched_files[*]})"
 echo "  run: torchrun ... pretrain_gpt.py --context-parallel-mode zeppelin" \
      "--context-parallel-size N --calculate-per-token-loss --attention-dropout 0.0 ..."

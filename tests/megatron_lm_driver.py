@@ -9,7 +9,7 @@ Test scaffolding, not project code: run from a patched Megatron-LM core_v0.16.1 
 iterators and ``train_step(forward_step)``; ``--save`` saves with Megatron's
 ``save_checkpoint`` after the last iteration, after one ``evaluate`` pass on the validation
 iterator. Rank 0 writes per-iteration losses and grad norms, the validation loss, the tokens
-each rank's batches held and what the checkpoint step did.
+each rank's batches held (real and pad tokens) and what the checkpoint step did.
 
 What replaces Megatron-LM's CUDA-only start-up on CPU (each is a CPU-only stand-in, listed in
 ``docs/megatron-lm.md``): ``initialize_megatron`` (gloo instead of NCCL, no fused-kernel build),
@@ -21,6 +21,7 @@ numpy for the alltoall token dispatcher (it converts them only when they were on
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -42,7 +43,6 @@ from functools import partial  # noqa: E402
 
 from megatron.core import parallel_state as mpu  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron.core.utils import get_model_config  # noqa: E402
 from megatron.training import get_args, training as T  # noqa: E402
@@ -107,21 +107,31 @@ def initialize() -> None:
     cpu_stand_ins()
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
 
 
-def count_tokens(record: list):
-    """Wrap ``pretrain_gpt.get_batch``: record the real (unpadded) tokens of every batch."""
+def count_tokens(record: list, plans: list):
+    """Wrap ``pretrain_gpt.get_batch``: record the real (unpadded) and pad tokens of every
+    batch the first pipeline stage's first model chunk reads (each micro-batch once), and a
+    digest of every zeppelin plan's placement (every stage and chunk) as ``(chunk, digest)``."""
     original = P.get_batch
 
     def get_batch(data_iterator, vp_stage=None):
         batch = original(data_iterator, vp_stage)
         params = batch[5]
-        real = params.num_tokens if hasattr(params, "num_tokens") else batch[0].numel()
-        record.append((real, batch[0].numel() - real))
+        plan = getattr(params, "plan", None)
+        if plan is not None:  # the placement (not the time planning took)
+            placed = (plan.seqlens, plan.sources, plan.tasks, plan.linear, plan.attention,
+                      plan.candidate)
+            plans.append((vp_stage or 0, hashlib.sha1(repr(placed).encode()).hexdigest()))
+        if mpu.get_pipeline_model_parallel_rank() == 0 and not vp_stage:
+            real = params.num_tokens if hasattr(params, "num_tokens") else batch[0].numel()
+            record.append((real, batch[0].numel() - real))
         return batch
 
     P.get_batch = get_batch
@@ -147,6 +157,31 @@ def mtp_losses() -> list[float]:
     return [float(found[f"mtp_{i + 1} loss"]) for i in range(len(found))]
 
 
+def data_iterators(chunks: int):
+    """Megatron's train and validation iterators, one per model chunk with virtual pipeline
+    stages (as ``pretrain()`` builds them)."""
+    build = run_on_cpu(T.build_train_valid_test_data_iterators)
+    P.train_valid_test_datasets_provider.is_distributed = True
+    if get_args().virtual_pipeline_model_parallel_size is None:
+        return build(P.train_valid_test_datasets_provider)[:2]
+    train, valid = [], []
+    for chunk in range(chunks):
+        provider = partial(P.train_valid_test_datasets_provider, vp_stage=chunk)
+        provider.is_distributed = True
+        train_it, valid_it, _ = build(provider)
+        train.append(train_it)
+        valid.append(valid_it)
+    return train, valid
+
+
+def on_last_stage(values: dict, last_rank: int) -> dict:
+    """The last pipeline stage's ``values`` on every rank (Megatron reduces the loss there
+    only; without pipelines every rank has them)."""
+    box = [values]
+    dist.broadcast_object_list(box, src=last_rank)
+    return box[0]
+
+
 def main() -> None:
     out_path, stop = _harness_option("--harness-out"), _harness_option("--harness-stop")
     sys.argv[0] = "pretrain_gpt.py"
@@ -162,40 +197,47 @@ def main() -> None:
     from megatron.core.distributed import finalize_model_grads
 
     config.finalize_model_grads_func = finalize_model_grads
-    P.train_valid_test_datasets_provider.is_distributed = True
-    train_it, valid_it, _ = run_on_cpu(T.build_train_valid_test_data_iterators)(
-        P.train_valid_test_datasets_provider)
+    train_it, valid_it = data_iterators(len(model))
     records: list = []
-    count_tokens(records)
+    plans: list = []
+    count_tokens(records, plans)
+    last_rank = dist.get_world_size() - 1  # on the last pipeline stage
     step = run_on_cpu(T.train_step)
     inner = model[0].module
     core_attention = inner.decoder.layers[0].self_attention.core_attention
     result = {"mode": args.context_parallel_mode, "world": dist.get_world_size(),
               "model": type(inner).__name__, "start": start, "losses": [], "grad_norms": [],
-              "tokens_per_iteration": [], "rank_tokens": [], "pad_tokens": 0,
-              "core_attention": type(core_attention).__name__}
+              "tokens_per_iteration": [], "rank_tokens": [], "rank_pads": [], "pad_tokens": 0,
+              "core_attention": type(core_attention).__name__, "plans": []}
     last = int(stop) if stop else args.train_iters
     for iteration in range(start + 1, last + 1):
         before = len(records)
         out = step(P.forward_step, train_it, model, optimizer, scheduler, config,
-                   get_forward_backward_func(), iteration=iteration)
+                   T.get_forward_backward_func(), iteration=iteration)
         args.consumed_train_samples += args.global_batch_size
-        loss = {k: float(v) for k, v in out[0].items()}
+        loss = on_last_stage({k: float(v) for k, v in out[0].items()}, last_rank)
         mine = records[before:]
         total = torch.tensor([sum(r for r, _ in mine), sum(p for _, p in mine)])
         dist.all_reduce(total)
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, [r for r, _ in mine])
+        pads = [None] * dist.get_world_size()
+        dist.all_gather_object(pads, [p for _, p in mine])
         result["losses"].append(loss["lm loss"])
         result["grad_norms"].append(float(out[5]))
         result["tokens_per_iteration"].append(int(total[0]) // args.tensor_model_parallel_size)
         result["rank_tokens"].append(per_rank)
+        result["rank_pads"].append(pads)
         result["pad_tokens"] += int(total[1])
         if args.mtp_num_layers:  # as Megatron-LM's training_log: reduced, then cleared
             result.setdefault("mtp_losses", []).append(mtp_losses())
     if args.do_valid and args.eval_iters:  # every rank: TP ranks > 0 have no iterator
         evaluated = run_on_cpu(T.evaluate)(P.forward_step, valid_it, model, None, config)
-        result["valid_loss"] = float(evaluated[0]["lm loss"])
+        valid = {k: float(v) for k, v in evaluated[0].items()}
+        result["valid_loss"] = on_last_stage(valid, last_rank)["lm loss"]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, plans)
+    result["plans"] = every  # [rank][(chunk, digest)], every get_batch in order
     if args.save:
         run_on_cpu(save_checkpoint)(last, model, optimizer, scheduler, 0)
     params = torch.cat([p.detach().float().reshape(-1) for p in inner.parameters()])

@@ -113,6 +113,53 @@ def test_sequence_parallel_padding_is_masked_and_counted():
     assert "pad tokens 1 (11.11%)" in stats.summary() and "max 9" in stats.summary()
 
 
+def test_a_rank_the_plan_leaves_empty_holds_pad_tokens_only():
+    """A plan placing the whole micro-batch on rank 0 (as hybrid DP may): rank 1 holds one
+    pad token (TP of them with sequence parallelism), no loss, no sequence; counted."""
+    plan = Plan(strategy="hand", topology=Topology(1, 2), seqlens=(8,),
+                sources=(Segment(0, 0, 8),), tasks=(AttentionTask(0, (0,), Tier.LOCAL),),
+                linear=((Segment(0, 0, 8),), ()), capacity=8).validate()
+    fields = {name: value[1:] for name, value in megatron_fields().items()}
+    assert linear_index(plan, 1, [8]).numel() == 0
+    stats = PoolStats()
+    for pad_multiple in (1, 2):
+        empty = linear_batch(fields, plan, 1, [8], pad_multiple=pad_multiple, max_position=8)
+        assert empty.tokens.shape == (1, pad_multiple) and empty.pad_tokens == pad_multiple
+        assert empty.loss_mask.sum().item() == 0 and empty.packed_seq_params.num_tokens == 0
+        stats.add(empty, 0.001)
+    full = linear_batch(fields, plan, 0, [8], pad_multiple=2)
+    assert full.pad_tokens == 0 and full.tokens.tolist() == fields["tokens"].tolist()
+    stats.add(full, 0.001)
+    assert "pad tokens 3 (27.27%), empty (pad only) in 2 micro-batches" in stats.summary()
+
+
+def test_model_chunks_share_each_micro_batch_plan():
+    """Virtual pipeline stages: chunk 0 reads micro-batches 0, 1, then chunk 1 reads them
+    (the interleaved schedule's order); each is planned once and both chunks get that plan."""
+    from megatron_zeppelin.megatron.lm.batch import ChunkPlans
+
+    calls = []
+
+    def planner(lengths):
+        calls.append(lengths)
+        return object()
+
+    plans = ChunkPlans(2)
+    first, planned = plans.plan(0, [5, 3], planner)
+    second, _ = plans.plan(0, [8], planner)
+    assert planned and plans.plan(1, [5, 3], planner) == (first, False)
+    assert plans.plan(1, [8], planner) == (second, False)
+    assert calls == [[5, 3], [8]] and not plans.pending  # each planned once, then dropped
+    plans.plan(0, [4, 4], planner)
+    with pytest.raises(RuntimeError, match=r"model chunk 1 read micro-batch 2 with sequence "
+                                           r"lengths \[8\], an earlier chunk with \[4, 4\]"):
+        plans.plan(1, [8], planner)
+    with pytest.raises(ValueError, match=r"model chunk 2 is invalid"):
+        plans.plan(2, [8], planner)
+    one = ChunkPlans(1)  # no virtual stages: every micro-batch planned, nothing kept
+    assert one.plan(0, [8], planner)[1] and one.plan(0, [8], planner)[1] and not one.pending
+
+
 def test_fields_must_hold_the_planned_tokens():
     fields = megatron_fields()
     fields["labels"] = fields["labels"][:, :7]

@@ -25,7 +25,7 @@ from megatron_zeppelin.megatron.lm.features import RULES
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "apply_megatron_patch.sh"
 PATCHED = ("pretrain_gpt.py", "gpt_builders.py", "megatron/training/arguments.py",
-           "megatron/training/yaml_arguments.py")
+           "megatron/training/yaml_arguments.py", "megatron/training/training.py")
 needs_megatron_lm = pytest.mark.skipif(env.megatron_lm_path() is None,
                                        reason="MEGATRON_LM_PATH is not set")
 
@@ -70,7 +70,7 @@ def test_explicit_gpus_per_node_must_tile_the_pool(monkeypatch):
 
 def trigger(rule) -> dict:
     """Settings under which ``rule`` refuses."""
-    values = {"pipeline_model_parallel_size": 2, "calculate_per_token_loss": False,
+    values = {"overlap_p2p_comm": False, "calculate_per_token_loss": False,
               "attention_dropout": 0.1, "position_embedding_type": "mrope",
               "cp_comm_type": ["a2a"], "softmax_type": "off-by-one",
               "transformer_impl": "inference_optimized", "attention_backend": "flash",
@@ -81,7 +81,10 @@ def trigger(rule) -> dict:
               "hierarchical_context_parallel_sizes": [2, 8], "window_size": (128, 4),
               "experimental_attention_variant": "dsa"}
     extra = {"moe_token_dispatcher_type": {"expert_model_parallel_size": 2},
-             "moe_router_load_balancing_type": {"micro_batch_size": 2}}
+             "moe_router_load_balancing_type": {"micro_batch_size": 2},
+             "mtp_num_layers": {"pipeline_model_parallel_size": 2},
+             "overlap_p2p_comm": {"pipeline_model_parallel_size": 2,
+                                  "num_layers_per_virtual_pipeline_stage": 1}}
     return {rule.name: values.get(rule.name, True), **extra.get(rule.name, {})}
 
 
@@ -90,7 +93,7 @@ def test_every_refused_feature_is_named_with_its_alternative(rule):
     with pytest.raises(ConfigError) as info:
         lm.check_megatron_lm_args(megatron_lm_args(**trigger(rule)))
     message = str(info.value)
-    assert message.startswith(f"{rule.flag}=") and rule.alternative in message
+    assert message.startswith(rule.given or f"{rule.flag}=") and rule.alternative in message
 
 
 def test_upstream_defaults_that_zeppelin_supports_pass():
@@ -100,6 +103,16 @@ def test_upstream_defaults_that_zeppelin_supports_pass():
                             moe_token_dispatcher_type="alltoall",
                             expert_model_parallel_size=4, use_rope_scaling=True)
     lm.check_megatron_lm_args(args)
+
+
+def test_pipeline_stages_each_have_pools_of_megatron_cp_groups(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    args = megatron_lm_args(pipeline_model_parallel_size=2,
+                            num_layers_per_virtual_pipeline_stage=1)
+    lm.check_megatron_lm_args(args)  # PP and virtual stages (overlapped P2P, the default)
+    layout = lm.pool_layout(args)
+    assert layout.pp == 2 and layout.dp == 1 and layout.pool_ranks(0, 1, 1) == list(
+        range(33, 64, 2))  # stage 1, TP rank 1: Megatron's CP group (order tp-cp-dp-pp)
 
 
 def test_multi_latent_attention_and_causal_sliding_windows_pass():

@@ -23,6 +23,7 @@ import pytest
 
 from megatron_lm_imports import missing_in_log, missing_module, skip_for
 from megatron_zeppelin import env
+from megatron_zeppelin.config import ZeppelinConfig
 
 pytestmark = [pytest.mark.skipif(env.megatron_lm_path() is None,
                                  reason="MEGATRON_LM_PATH is not set"), pytest.mark.slow]
@@ -30,7 +31,7 @@ pytestmark = [pytest.mark.skipif(env.megatron_lm_path() is None,
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "tests" / "megatron_lm_driver.py"
 PATCHED = ("pretrain_gpt.py", "gpt_builders.py", "megatron/training/arguments.py",
-           "megatron/training/yaml_arguments.py")
+           "megatron/training/yaml_arguments.py", "megatron/training/training.py")
 REAL_DIRS = ("megatron", "megatron/training", "megatron/core", "megatron/core/datasets")
 SEQ, GBS = 256, 4
 COMMON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024",
@@ -125,11 +126,15 @@ def test_zeppelin_trains_like_static_with_the_same_batch_and_memory(tree, tmp_pa
     static = run(tree, tmp_path, "static", pool, *STATIC, *flags)
     assert_same_training(zeppelin, static)
     assert zeppelin["tokens_per_iteration"] == [GBS * pool // 2 * SEQ] * 3
-    for per_rank in zeppelin["rank_tokens"]:  # [rank][micro-batch] real tokens
-        assert len(per_rank) == pool
-        for micro in zip(*per_rank):  # the pool holds one micro-batch of MBS x seq tokens
-            assert sum(micro) == SEQ and max(micro) <= SEQ // pool * 1.5
-    assert zeppelin["pad_tokens"] == 0
+    capacity = ZeppelinConfig().capacity_factor * SEQ / pool  # the planner's memory bound
+    for per_rank, pads in zip(zeppelin["rank_tokens"], zeppelin["rank_pads"]):
+        assert len(per_rank) == pool  # [rank][micro-batch] real tokens, and pad tokens
+        for micro, pad in zip(zip(*per_rank), zip(*pads)):
+            # the pool holds one micro-batch of MBS x seq tokens, each rank within capacity;
+            # a rank the plan leaves empty holds one pad token, no other rank any
+            assert sum(micro) == SEQ and max(micro) <= capacity
+            assert list(pad) == [int(n == 0) for n in micro]
+    assert zeppelin["pad_tokens"] == sum(sum(map(sum, pads)) for pads in zeppelin["rank_pads"])
 
 
 def test_multi_token_prediction_trains_like_static(tree, tmp_path):
@@ -297,3 +302,52 @@ def test_distributed_optimizer_trains_and_resumes_like_static(tree, tmp_path):
     assert resumed["start"] == 2
     assert resumed["losses"] == pytest.approx(static["losses"][2:], rel=2e-6)
     assert resumed["param_sum"] == pytest.approx(static["param_sum"], rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- pipelines
+PIPELINE = ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+            "--position-embedding-type", "rope"]
+DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
+SCHEDULES = {"1f1b": [], "interleaved": ["--num-layers-per-virtual-pipeline-stage", "1"]}
+
+
+@pytest.fixture(scope="module", params=list(SCHEDULES))
+def pipelined(request, tree, tmp_path_factory):
+    """``(schedule, zeppelin, static, documents)``: PP 2 x CP 2 on 4 ranks through the patch
+    (1F1B; or interleaved: 2 chunks of one layer per stage), zeppelin (a pool of 2 per stage)
+    and static mode (CP 1, DP 2) with the same flags, and a zeppelin run on mock-data
+    documents. 1F1B compares the modes on documents. Interleaved compares them on whole
+    samples: Megatron-LM's static get_batch gives a middle model chunk no attention mask (it
+    returns None there), so static mode attends across documents in those chunks."""
+    tmp = tmp_path_factory.mktemp(f"pp-{request.param}")
+    flags = [*PIPELINE, *SCHEDULES[request.param]]
+    documents = run(tree, tmp, "pp-documents", 4, *ZEPPELIN, "--context-parallel-size", "2",
+                    *flags, *DOCUMENTS)
+    if request.param == "1f1b":
+        zeppelin = documents
+        static = run(tree, tmp, "pp-static", 4, *STATIC, *flags, *DOCUMENTS)
+    else:
+        zeppelin = run(tree, tmp, "pp-zeppelin", 4, *ZEPPELIN, "--context-parallel-size", "2",
+                       *flags)
+        static = run(tree, tmp, "pp-static", 4, *STATIC, *flags)
+    return request.param, zeppelin, static, documents
+
+
+def test_pipeline_parallelism_trains_like_static(pipelined):
+    _, zeppelin, static, _ = pipelined
+    assert_same_training(zeppelin, static)  # losses, grad norms, validation loss
+    assert zeppelin["tokens_per_iteration"] == [GBS * SEQ] * 3
+    for per_rank in zeppelin["rank_tokens"]:  # the first stage's pool: ranks 0 and 1
+        assert all(sum(micro) == SEQ for micro in zip(*per_rank[:2])) and per_rank[2:] == [[]] * 2
+
+
+def test_every_stage_and_chunk_runs_each_micro_batch_with_the_same_plan(pipelined):
+    schedule, _, _, documents = pipelined
+    plans = documents["plans"]  # [rank][(chunk, plan digest)], every get_batch in order
+    chunks = 2 if schedule == "interleaved" else 1
+    reference = [digest for chunk, digest in plans[0] if chunk == 0]
+    assert len(reference) == 3 * GBS + GBS  # 3 iterations of 4 micro-batches, one evaluation
+    assert len(set(reference)) > 1  # documents differ per micro-batch, and so do the plans
+    for rank in range(4):  # both stages, both pool ranks
+        for chunk in range(chunks):
+            assert [d for c, d in plans[rank] if c == chunk] == reference, (rank, chunk)

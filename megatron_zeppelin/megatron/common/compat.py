@@ -102,10 +102,12 @@ def cpu_bridge_missing_names(version: tuple[int, int, int] | None = None
             if s == series]
 
 
-def batch_on_this_tp_rank(data_iterator: Any) -> dict:
+def batch_on_this_tp_rank(data_iterator: Any, every_field: bool = False) -> dict:
     """Megatron-LM's micro-batch on this TP rank (read by TP rank 0, broadcast to the others):
     ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ``[samples, seq]`` and, for packed
-    SFT samples, ``cu_seqlens``."""
+    SFT samples, ``cu_seqlens``. ``every_field``: all of them on every pipeline stage (with
+    pipelines Megatron-LM broadcasts only the fields a stage's own layers read, except on the
+    stage holding MTP layers: that branch, ``mtp_on_this_rank``, is taken)."""
     from megatron.training import utils
 
     fetch = getattr(utils, "get_batch_on_this_tp_rank", None)
@@ -115,7 +117,7 @@ def batch_on_this_tp_rank(data_iterator: Any) -> dict:
         raise ConfigError(f"this Megatron-LM (megatron-core {package_info.__version__}) has no "
                           "megatron.training.utils.get_batch_on_this_tp_rank; zeppelin's "
                           f"Megatron-LM patch exists for {', '.join(MEGATRON_LM_PATCHED)}")
-    return fetch(data_iterator)
+    return fetch(data_iterator, mtp_on_this_rank=True) if every_field else fetch(data_iterator)
 
 
 def fix_mla_without_te() -> None:

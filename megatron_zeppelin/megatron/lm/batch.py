@@ -17,12 +17,15 @@ Labels, loss mask and position ids are Megatron's, sliced along with the tokens:
 piece's last token is the next token of its sequence even when another rank holds that token,
 prompts and padding keep their zero loss mask (SFT), ``--eod-mask-loss`` and
 ``--reset-position-ids`` keep their meaning. With sequence parallelism a rank's token count is
-padded to a multiple of TP; pad tokens carry loss mask 0 and skip core attention.
+padded to a multiple of TP; a rank the plan leaves empty (e.g. a whole sample placed on another
+rank of the pool) holds one pad token, or TP of them with sequence parallelism, as our own loop
+does (``megatron/common/data.py``): Megatron's layers cannot run on zero tokens. Pad tokens
+carry loss mask 0, skip core attention and are counted (``PoolStats``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -117,7 +120,14 @@ def linear_index(plan: Plan, rank: int, lengths: Sequence[int]) -> Tensor:
         doc, offset, _ = plan.sources[seq]
         base = starts[doc] + offset
         pieces.append(torch.arange(base + start, base + end, dtype=torch.int64))
-    return torch.cat(pieces)
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+
+
+def pad_count(tokens: int, pad_multiple: int) -> int:
+    """Pad tokens after ``tokens`` real ones: up to a multiple of ``pad_multiple`` (sequence
+    parallelism: TP), and ``pad_multiple`` of them on a rank without tokens (Megatron's layers
+    cannot run on an empty micro-batch)."""
+    return -tokens % pad_multiple if tokens else pad_multiple
 
 
 @dataclass(frozen=True)
@@ -139,9 +149,10 @@ class LinearBatch:
 def linear_batch(fields: Mapping[str, Tensor], plan: Plan, rank: int, lengths: Sequence[int],
                  pad_multiple: int = 1, max_position: Optional[int] = None) -> LinearBatch:
     """Cut ``rank``'s linear layout out of Megatron's micro-batch ``fields`` (``[samples,
-    seq]`` tensors, any device) and pad it to a multiple of ``pad_multiple`` tokens."""
+    seq]`` tensors, any device) and pad it to a multiple of ``pad_multiple`` tokens (a rank
+    without tokens: ``pad_multiple`` pad tokens, ``pad_count``)."""
     index = linear_index(plan, rank, lengths)
-    pad = -index.numel() % pad_multiple
+    pad = pad_count(index.numel(), pad_multiple)
     device = fields["tokens"].device
     index, = to_device([index], device)  # one pinned asynchronous copy
     out = {}
@@ -158,6 +169,38 @@ def linear_batch(fields: Mapping[str, Tensor], plan: Plan, rank: int, lengths: S
                        params)
 
 
+class ChunkPlans:
+    """Micro-batch ``i``'s plan for every model chunk of this stage: Megatron-LM gives each
+    chunk (virtual pipeline stage) its own data iterator over the same samples, and the
+    interleaved schedule reads micro-batch ``i`` once per chunk; the first chunk to read it
+    plans it, the others reuse that plan (one planning, one attention runtime). Every chunk
+    reads as many micro-batches per schedule call, so the chunks' counts stay aligned; a chunk
+    whose ``i``-th micro-batch has other sequence lengths is an error naming both."""
+
+    def __init__(self, chunks: int) -> None:
+        self.chunks, self.read = chunks, [0] * chunks
+        self.pending: dict[int, list] = {}  # i -> [lengths, plan, chunks that read it]
+
+    def plan(self, chunk: int, lengths: Sequence[int], planner: Callable[[list[int]], Plan]
+             ) -> tuple[Plan, bool]:
+        """``(plan, planned now)`` of ``chunk``'s next micro-batch of ``lengths``."""
+        if not 0 <= chunk < self.chunks:
+            raise ValueError(f"model chunk {chunk} is invalid: expected in [0, {self.chunks})")
+        index, self.read[chunk] = self.read[chunk], self.read[chunk] + 1
+        entry = self.pending.get(index)
+        planned = entry is None
+        if planned:
+            entry = self.pending[index] = [list(lengths), planner(list(lengths)), 0]
+        elif entry[0] != list(lengths):
+            raise RuntimeError(f"model chunk {chunk} read micro-batch {index} with sequence "
+                               f"lengths {list(lengths)}, an earlier chunk with {entry[0]}: the "
+                               "chunks' data iterators are out of step")
+        entry[2] += 1
+        if entry[2] == self.chunks:
+            del self.pending[index]
+        return entry[1], planned
+
+
 @dataclass
 class PoolStats:
     """What this rank's zeppelin batches held so far (nothing is padded silently)."""
@@ -165,6 +208,7 @@ class PoolStats:
     micro_batches: int = 0
     tokens: int = 0
     pad_tokens: int = 0
+    empty: int = 0  # micro-batches the plan gave this rank no token of
     max_tokens: int = 0
     plan_seconds: float = 0.0
 
@@ -173,6 +217,7 @@ class PoolStats:
         self.micro_batches += 1
         self.tokens += real
         self.pad_tokens += batch.pad_tokens
+        self.empty += real == 0
         self.max_tokens = max(self.max_tokens, real + batch.pad_tokens)
         self.plan_seconds += plan_seconds
 
@@ -180,6 +225,7 @@ class PoolStats:
         n = max(1, self.micro_batches)
         share = self.pad_tokens / max(1, self.tokens + self.pad_tokens)
         return (f"zeppelin: {self.micro_batches} micro-batches on this rank, tokens per "
-                f"micro-batch mean {self.tokens / n:.0f} max {self.max_tokens}, sequence-"
-                f"parallel pad tokens {self.pad_tokens} ({100 * share:.2f}%), planning "
+                f"micro-batch mean {self.tokens / n:.0f} max {self.max_tokens}, pad tokens "
+                f"{self.pad_tokens} ({100 * share:.2f}%), empty (pad only) in {self.empty} "
+                f"micro-batches, planning "
                 f"{1000 * self.plan_seconds / n:.2f} ms per micro-batch")

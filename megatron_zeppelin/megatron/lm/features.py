@@ -28,12 +28,14 @@ class Rule:
     refused: Callable[[Any, argparse.Namespace], bool]
     reason: str
     alternative: str
+    given: str | None = None  # how the message names the setting (default: flag=value)
 
     def check(self, args: argparse.Namespace) -> str | None:
         value = getattr(args, self.name, self.default)
         if not self.refused(value, args):
             return None
-        return (f"{self.flag}={_show(value)} is not supported with --context-parallel-mode "
+        given = self.given or f"{self.flag}={_show(value)}"
+        return (f"{given} is not supported with --context-parallel-mode "
                 f"zeppelin: {self.reason}; {self.alternative}")
 
 
@@ -49,6 +51,15 @@ def _set(value: Any, args: argparse.Namespace) -> bool:
 
 def _get(args: argparse.Namespace, name: str, default: Any) -> Any:
     return getattr(args, name, default)
+
+
+def _virtual_stages(args: argparse.Namespace) -> bool:
+    """Whether Megatron-LM's flags ask for virtual pipeline stages (before ``validate_args``
+    derives ``virtual_pipeline_model_parallel_size``)."""
+    return _get(args, "pipeline_model_parallel_size", 1) > 1 and any(
+        _get(args, name, None) is not None for name in (
+            "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+            "pipeline_model_parallel_layout"))
 
 
 def _causal_window(value: Any) -> bool:
@@ -67,15 +78,16 @@ RULES: tuple[Rule, ...] = (
     Rule("--zeppelin-profile-out", "zeppelin_profile_out", None, _set,
          "nothing is fitted in Megatron-LM's loop (see --zeppelin-fit-interval)",
          "drop the flag, or fit with scripts/pretrain_gpt.py"),
-    Rule("--pipeline-model-parallel-size", "pipeline_model_parallel_size", 1,
-         lambda v, a: v > 1, "pipeline parallelism runs in scripts/pretrain_gpt.py, not yet "
-         "through the Megatron-LM patch: Megatron-LM builds the dataset on the first and last "
-         "stages only and its get_batch returns nothing on the others, so a middle stage has "
-         "no plan for its zeppelin attention (and megatron-core 0.16.1 mixes up the two "
-         "directions' shape messages with 2 stages and virtual stages; docs/megatron-lm.md"
-         "#pipeline-parallelism)",
-         "use --pipeline-model-parallel-size 1, --context-parallel-mode static, or "
-         "scripts/pretrain_gpt.py"),
+    Rule("--mtp-num-layers", "mtp_num_layers", None,
+         lambda v, a: bool(v) and _get(a, "pipeline_model_parallel_size", 1) > 1,
+         "multi-token prediction with pipeline parallelism (the MTP block on the last stage) "
+         "has not been checked against static mode",
+         "drop --mtp-num-layers or use --pipeline-model-parallel-size 1"),
+    Rule("--no-overlap-p2p-communication", "overlap_p2p_comm", True,
+         lambda v, a: not v and _virtual_stages(a),
+         "with virtual pipeline stages zeppelin's ordered pipeline P2P sends one direction per "
+         "call, overlapped, as Megatron-LM's default does (megatron/common/pipeline_p2p.py)",
+         "drop the flag", given="--no-overlap-p2p-communication"),
     Rule("--calculate-per-token-loss", "calculate_per_token_loss", False,
          lambda v, a: not v, "ranks of a pool hold different token counts, so the loss must be "
          "normalised over the tokens of the whole global batch", "pass --calculate-per-token-loss"),

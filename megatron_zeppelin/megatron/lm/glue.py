@@ -1,6 +1,6 @@
 """Glue for Megatron-LM's own ``pretrain_gpt.py`` (tag core_v0.16.1), called by ``patches/``.
 
-The patch adds four hooks to Megatron-LM, each importing this package only in zeppelin mode
+The patch adds these hooks to Megatron-LM, each importing this package only in zeppelin mode
 (or when ``--zeppelin-*`` flags are given), so static mode and other entry points never need it:
 
 * ``pretrain_gpt.py``'s extra-args provider adds ``--context-parallel-mode {static,zeppelin}``
@@ -14,7 +14,11 @@ The patch adds four hooks to Megatron-LM, each importing this package only in ze
   ``--spec``, RoPE scaling, TE or local layers) as a ``PackedGPTModel`` whose self-attention
   layers run zeppelin core attention (``zeppelin_gpt_model``);
 * ``get_batch`` returns this rank's share of the micro-batch in the linear layout
-  (``get_batch``, ``lm_batch.py``).
+  (``get_batch``, ``lm_batch.py``), on every pipeline stage (Megatron-LM's dataset is built on
+  every stage in zeppelin mode: ``is_dataset_built_on_rank``);
+* ``megatron.training.training.get_forward_backward_func`` gives Megatron's schedules, with
+  pipeline parallelism, variable sequence lengths and the ordered P2P communicator
+  (``pipelined_schedule``).
 
 Megatron keeps its own CP groups: ``--context-parallel-size`` ranks form a pool, exactly the
 ranks a static CP group would be. So Megatron's data loader, micro-batch count, DDP gradient
@@ -74,10 +78,11 @@ def check_megatron_lm_args(args: argparse.Namespace) -> None:
 
 
 def pool_layout(args: argparse.Namespace, local_world_size: int | None = None) -> PoolLayout:
-    """The pools of Megatron-LM's ``args``: its CP groups (``--context-parallel-size``)."""
+    """The pools of Megatron-LM's ``args``: its CP groups (``--context-parallel-size``), on
+    every pipeline stage (``--pipeline-model-parallel-size``)."""
     return PoolLayout.resolve(args.world_size, args.tensor_model_parallel_size,
                               args.context_parallel_size, args.zeppelin_gpus_per_node,
-                              local_world_size)
+                              local_world_size, getattr(args, "pipeline_model_parallel_size", 1))
 
 
 def validate_megatron_lm_args(args: argparse.Namespace) -> None:
@@ -103,14 +108,15 @@ def _model_spec(args: argparse.Namespace) -> ModelSpec:
 
 def _state(args: argparse.Namespace) -> dict:
     """``{"runtime": train.PoolRuntime, "stats": PoolStats, "tp_host": gloo TP group or
-    None}``, built once after Megatron's init (every rank creates every pool's groups, in the
-    same order)."""
+    None, "plans": ChunkPlans}``, built once after Megatron's init (every rank creates every
+    pool's groups, in the same order)."""
     if _STATE:
         return _STATE
     from megatron.core import parallel_state
 
-    from megatron_zeppelin.megatron.lm.batch import PoolStats
+    from megatron_zeppelin.megatron.lm.batch import ChunkPlans, PoolStats
     from megatron_zeppelin.megatron.common.groups import new_tp_host_group
+    from megatron_zeppelin.megatron.loop.pipeline import runtimes_in_flight
     from megatron_zeppelin.api import pool_runtime_from_args
 
     layout = pool_layout(args)
@@ -118,13 +124,18 @@ def _state(args: argparse.Namespace) -> dict:
     options = argparse.Namespace(**{**vars(args), "device": device})  # Megatron has no --device
     runtime = pool_runtime_from_args(options, layout, _model_spec(args))
     megatron_cp = parallel_state.get_context_parallel_global_ranks()
-    mine = layout.pool_ranks(*layout.position(torch.distributed.get_rank())[::2])
+    rank = torch.distributed.get_rank()
+    replica, _, tp_rank = layout.position(rank)
+    mine = layout.pool_ranks(replica, tp_rank, layout.stage(rank))
     if list(megatron_cp) != mine:
         runtime.close()
         raise ConfigError(f"Megatron's CP group of this rank is {list(megatron_cp)}, the zeppelin "
                           f"pool {mine}: zeppelin needs Megatron's default rank order (TP, CP, "
-                          "DP innermost first; drop --use-tp-pp-dp-mapping)")
-    _STATE.update(runtime=runtime, stats=PoolStats(), tp_host=new_tp_host_group(layout))
+                          "DP, PP innermost first; drop --use-tp-pp-dp-mapping)")
+    chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    runtime.state.keep_used = runtimes_in_flight(layout, chunks)
+    _STATE.update(runtime=runtime, stats=PoolStats(), tp_host=new_tp_host_group(layout),
+                  plans=ChunkPlans(chunks))
     return _STATE
 
 
@@ -166,6 +177,12 @@ def get_batch(data_iterator, vp_stage=None):
     plan on every rank) and keeps its own pieces. The sequence boundaries come from the host
     batch TP rank 0 read (shared over a gloo TP group): the host does not wait for the GPU's
     queue, so planning overlaps the previous micro-batch's backward on the GPU.
+
+    With pipeline parallelism every stage reads the micro-batch (the patch builds the dataset
+    on every stage) and plans it alike from the same lengths, so micro-batch ``i`` runs with
+    the same plan on every stage without a message; a middle stage uses its positions and
+    packed params. With virtual stages each model chunk (``vp_stage``) reads through its own
+    iterator; micro-batch ``i`` is planned by the first chunk to read it (``ChunkPlans``).
     """
     from megatron.training import get_args, get_tokenizer
 
@@ -176,22 +193,46 @@ def get_batch(data_iterator, vp_stage=None):
     state = _state(args)
     runtime = state["runtime"]
     tap = HostBatchTap(data_iterator)
-    fields = batch_on_this_tp_rank(tap)
+    fields = batch_on_this_tp_rank(tap, every_field=args.pipeline_model_parallel_size > 1)
     lengths = host_lengths(tap, fields, get_tokenizer().eod, args.reset_attention_mask,
                            state["tp_host"])
     started = time.perf_counter()
-    plan = runtime.planner(lengths)
+    plan, planned = state["plans"].plan(vp_stage or 0, lengths, runtime.planner)
     seconds = time.perf_counter() - started
     pad = args.tensor_model_parallel_size if args.sequence_parallel else 1
     batch = linear_batch(fields, plan, runtime.pool.rank, lengths, pad_multiple=pad,
                          max_position=args.seq_length)
     stats = state["stats"]
-    stats.add(batch, seconds)
-    if args.rank == 0 and stats.micro_batches % _log_every(args) == 0:
-        print(stats.summary(), flush=True)
+    if planned:  # once per micro-batch, whichever chunk read it first
+        stats.add(batch, seconds)
+        if args.rank == 0 and stats.micro_batches % _log_every(args) == 0:
+            print(stats.summary(), flush=True)
     return (batch.tokens, batch.labels, batch.loss_mask, None, batch.position_ids,
             batch.packed_seq_params)
 
 
+def pipelined_schedule(schedule):
+    """Megatron's ``forward_backward_func`` for Megatron-LM's ``train_step`` and ``evaluate``
+    (the patched ``get_forward_backward_func``): with pipeline parallelism the stages send
+    ``[tokens, 1, hidden]`` whose token count changes per micro-batch
+    (``variable_seq_lengths``) through the ordered P2P communicator our own loop uses
+    (``megatron/common/pipeline_p2p.py``: megatron-core 0.16.1's batched shape messages meet
+    the wrong receives with 2 stages); ``schedule`` itself without pipelines."""
+    from megatron.training import get_args
+
+    if get_args().pipeline_model_parallel_size == 1:
+        return schedule
+    from megatron.core.utils import get_model_config
+
+    from megatron_zeppelin.megatron.common.pipeline_p2p import schedule_kwargs
+
+    def run(*args, model, **kwargs):
+        config = get_model_config(model[0] if isinstance(model, list) else model)
+        config.variable_seq_lengths = True
+        return schedule(*args, model=model, **kwargs, **schedule_kwargs(config))
+
+    return run
+
+
 __all__ = ["check_megatron_lm_args", "validate_megatron_lm_args", "zeppelin_gpt_model",
-           "get_batch"]
+           "get_batch", "pipelined_schedule"]
