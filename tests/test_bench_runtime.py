@@ -43,7 +43,7 @@ def test_bench_engine_ring_part_times_every_block_of_every_position():
     kernel on the same blocks: block count and per-phase figures."""
     from megatron_zeppelin.bench.engine import parse_args
     from megatron_zeppelin.bench.engine_ring import ring_vs_raw
-    from megatron_zeppelin.runtime.attention import ZigzagLayout
+    from megatron_zeppelin.runtime.zigzag import ZigzagLayout
 
     args = parse_args(["--parts", "ring", "--ring-size", "3", "--ring-lengths", "30,7,2",
                        "--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--iters", "1",
@@ -215,7 +215,8 @@ def test_bench_ring_simulation_computes_ring_attention():
     from megatron_zeppelin.bench.engine_ring import _rounds
     from megatron_zeppelin.plan import zigzag_bounds
     from megatron_zeppelin.runtime import kernels
-    from megatron_zeppelin.runtime.attention import RingGroupRun, ZigzagLayout
+    from megatron_zeppelin.runtime.attention import RingGroupRun
+    from megatron_zeppelin.runtime.zigzag import ZigzagLayout
     from megatron_zeppelin.schedule import Phase
 
     lengths, size, scale = [30, 7, 2], 3, 8 ** -0.5

@@ -123,7 +123,8 @@ def test_hot_path_does_not_sync_the_host():
     synchronising CUDA call an error; the plan's indices are prepared before."""
     import torch.distributed as dist
 
-    from megatron_zeppelin.runtime.attention import RingGroupRun, ZigzagLayout
+    from megatron_zeppelin.runtime.attention import RingGroupRun
+    from megatron_zeppelin.runtime.zigzag import ZigzagLayout
     from megatron_zeppelin.schedule import Phase
 
     run_world(_sync_free_engine, 1, start_method="spawn", timeout_s=300)

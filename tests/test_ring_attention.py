@@ -14,8 +14,8 @@ import torch.distributed as dist
 from attention_reference import make_batch, reference_grads
 from distributed import run_world
 from megatron_zeppelin.plan import zigzag_segments
-from megatron_zeppelin.runtime.attention import (RingGroupRun, ZigzagLayout, recv_like,
-                                                 ring_attention)
+from megatron_zeppelin.runtime.attention import RingGroupRun, recv_like, ring_attention
+from megatron_zeppelin.runtime.zigzag import ZigzagLayout
 from megatron_zeppelin.runtime.ring_comm import RingComm
 from megatron_zeppelin.schedule import Phase
 

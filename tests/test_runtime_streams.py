@@ -9,7 +9,7 @@ import torch.distributed as dist
 from distributed import run_world
 from megatron_zeppelin.bench.ring_ops import count_ops
 from megatron_zeppelin.runtime import lanes
-from megatron_zeppelin.runtime.attention import ZigzagLayout, device_blocks
+from megatron_zeppelin.runtime.zigzag import ZigzagLayout, device_blocks
 from megatron_zeppelin.runtime.merge import merge_into_, merge_lse
 from megatron_zeppelin.runtime.ring_comm import RingBatch, RingComm
 

@@ -39,7 +39,8 @@ def test_rounds_of_a_ring_follow_from_what_it_sends(size):
 def test_engine_ring_runs_the_schedule():
     import torch
 
-    from megatron_zeppelin.runtime.attention import RingGroupRun, ZigzagLayout
+    from megatron_zeppelin.runtime.attention import RingGroupRun
+    from megatron_zeppelin.runtime.zigzag import ZigzagLayout
 
     for size in (1, 2, 4):
         run = RingGroupRun(ZigzagLayout([9, 4], size, 0), 0.5)

@@ -25,7 +25,8 @@ from typing import Callable
 
 import torch
 
-from megatron_zeppelin.runtime.attention import RingGroupRun, ZigzagLayout, device_blocks, take
+from megatron_zeppelin.runtime.attention import RingGroupRun, take
+from megatron_zeppelin.runtime.zigzag import ZigzagLayout, device_blocks
 from megatron_zeppelin.schedule import Phase
 
 DEFAULT_LENGTHS = {"cuda": "16384,4096,4096,4096,4096", "cpu": "1024,256,128,33,5"}

@@ -30,7 +30,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_zeppelin.runtime import kernels
-from megatron_zeppelin.runtime.attention import RingGroupRun, ZigzagLayout
+from megatron_zeppelin.runtime.attention import RingGroupRun
+from megatron_zeppelin.runtime.zigzag import ZigzagLayout
 from megatron_zeppelin.runtime.kernels import accum_dtype
 from megatron_zeppelin.schedule import Phase
 

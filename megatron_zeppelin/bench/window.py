@@ -26,7 +26,7 @@ from megatron_zeppelin.config import load_setup
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.planner import make_plan
 from megatron_zeppelin.plan import Tier
-from megatron_zeppelin.runtime.attention import ZigzagLayout
+from megatron_zeppelin.runtime.zigzag import ZigzagLayout
 from megatron_zeppelin.sim.workloads import sample_batch
 
 

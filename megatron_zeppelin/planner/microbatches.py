@@ -278,7 +278,6 @@ def _moves(heavy: list[int], light: list[int], lengths: Sequence[int], capacity:
             first.setdefault(lengths[i], i)
         return list(first.values())[:SEARCH_WIDTH]
 
-    held_h = sum(lengths[i] for i in heavy)
     held_l = sum(lengths[i] for i in light)
     give, take = widest(heavy), widest(light)
     for a in give:

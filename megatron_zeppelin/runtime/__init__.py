@@ -10,7 +10,8 @@ communication; ``ordered``: NCCL's order matching checked on gloo, for tests), `
 head-parallel attention of FlexSP's plans, behind the engine).
 """
 
-from megatron_zeppelin.runtime.attention import ZigzagLayout, ring_attention
+from megatron_zeppelin.runtime.attention import ring_attention
+from megatron_zeppelin.runtime.zigzag import ZigzagLayout
 from megatron_zeppelin.runtime.engine import AttentionEngine
 from megatron_zeppelin.runtime.kernels import block_backward, block_forward
 from megatron_zeppelin.runtime.merge import merge_lse

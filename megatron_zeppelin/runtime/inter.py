@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from megatron_zeppelin.plan import Plan, RingGroup, Tier
 from megatron_zeppelin.router import Flow, RouterTopology, RouteSchedule, route
-from megatron_zeppelin.runtime.attention import ZigzagLayout, recv_like
+from megatron_zeppelin.runtime.attention import recv_like
+from megatron_zeppelin.runtime.zigzag import ZigzagLayout
 from megatron_zeppelin.runtime.lanes import lanes_for
 from megatron_zeppelin.runtime.routed_p2p import direct_exchange, routed_exchange
 from megatron_zeppelin.runtime.transport import Transport

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.plan import Plan, RingGroup, Tier
-from megatron_zeppelin.runtime.attention import StepBlocks, ZigzagLayout, device_blocks
+from megatron_zeppelin.runtime.zigzag import StepBlocks, ZigzagLayout, device_blocks
 from megatron_zeppelin.runtime.kernels import Pieces, make_pieces
 from megatron_zeppelin.runtime.ring_comm import RingComm
 from megatron_zeppelin.runtime.transport import Transport

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_zeppelin.megatron.common import cpu
+from megatron_zeppelin.megatron.common import cpu, cpu_replacements
 
 FSDP_MODULE = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp"
 
@@ -57,7 +57,7 @@ class CpuEvent:
         return True
 
 
-class CpuSideStream(cpu._CpuStream):
+class CpuSideStream(cpu_replacements.CpuStream):
     """``torch.cuda.Stream()`` on CPU: work "on" it runs at once, in program order."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
