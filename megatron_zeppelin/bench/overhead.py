@@ -36,7 +36,8 @@ import threading
 import time
 from pathlib import Path
 
-from megatron_zeppelin.bench.train import RANKS, RUN_TIMEOUT_S, Entry, parse_entry, run_flags
+from megatron_zeppelin.bench.train import (RANKS, RUN_TIMEOUT_S, Entry, parse_entry, run_flags,
+                                           train_in_world)
 from megatron_zeppelin.bench.workers import free_port, run_spawned, training_rank_env
 
 TOP = 12
@@ -160,24 +161,16 @@ def _rank(rank: int, world: int, port: int, runs: list[tuple[list[str], str | No
     training_rank_env(rank, world, port)
     import torch.distributed as dist
 
-    from megatron_zeppelin.config import ConfigError
-    from megatron_zeppelin.megatron.loop import args as train_args, preflight, train
+    from megatron_zeppelin.megatron.loop import args as train_args, train
 
     train.init_process_group(train_args.parse_args(runs[0][0]))
     records = []
     for argv, profiled in runs:
         recorder = Recorder(warmup, iterations, profiled if rank == 0 else None)
         instrument(recorder)
-        try:
-            args = train_args.parse_args(argv)
-            layout = train_args.validate_args(args, world, world)
-            ready = preflight.check(args)
-            train.setup_megatron(args)
-            train.train(args, layout, ready)
-            records.append({"steps": recorder.steps(), "profile": recorder.profile_rows()})
-        except ConfigError as exc:
-            records.append({"refused": str(exc)})
-        dist.barrier()
+        _, refused = train_in_world(argv, world)
+        records.append({"refused": refused} if refused else
+                       {"steps": recorder.steps(), "profile": recorder.profile_rows()})
     Path(out, f"rank{rank}.json").write_text(json.dumps(records))
     dist.destroy_process_group()
 

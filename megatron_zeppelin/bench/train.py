@@ -98,25 +98,39 @@ def _rank(rank: int, world: int, port: int, runs: list[list[str]], out: str) -> 
 
     import torch.distributed as dist
 
-    from megatron_zeppelin.config import ConfigError
-    from megatron_zeppelin.megatron.loop import args as train_args, preflight, train
+    from megatron_zeppelin.megatron.loop import args as train_args, train
 
     train.init_process_group(train_args.parse_args(runs[0]))
     results = []
     for argv in runs:
-        try:
-            args = train_args.parse_args(argv)
-            layout = train_args.validate_args(args, world, world)
-            ready = preflight.check(args)
-            train.setup_megatron(args)
-            logs = train.train(args, layout, ready)
-            results.append({"logs": [dataclasses.asdict(log) for log in logs]})
-        except ConfigError as exc:  # the same on every rank: this strategy cannot run
-            results.append({"refused": str(exc)})
-        dist.barrier()
+        logs, refused = train_in_world(argv, world)
+        results.append({"refused": refused} if refused else
+                       {"logs": [dataclasses.asdict(log) for log in logs]})
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def train_in_world(argv: list[str], world: int) -> tuple[list, str]:
+    """One training run of ``argv`` (pretrain_gpt.py flags) in this process's gloo world of
+    ``world`` ranks, checked as ``train.main`` checks it (minus the watchdog): (its per-step
+    logs, '') or ([], the one-line reason it was refused, the same on every rank). Ends with a
+    barrier, so that every rank starts the next run together."""
+    import torch.distributed as dist
+
+    from megatron_zeppelin.config import ConfigError
+    from megatron_zeppelin.megatron.loop import args as train_args, preflight, train
+
+    try:
+        args = train_args.parse_args(argv)
+        layout = train_args.validate_args(args, world, world)
+        ready = preflight.check(args)
+        train.setup_megatron(args)
+        result = (train.train(args, layout, ready), "")
+    except ConfigError as exc:
+        result = ([], str(exc))
+    dist.barrier()
+    return result
 
 
 def run_entries(entries: list[Entry], iterations: int, extra: list[str], port: int
