@@ -69,6 +69,7 @@ def _causal_window(value: Any) -> bool:
 
 
 STATIC_ONLY = "use --context-parallel-mode static for it"
+NO_GRAPH = "token counts and rings change every micro-batch, so no graph can be captured"
 
 RULES: tuple[Rule, ...] = (
     Rule("--zeppelin-fit-interval", "zeppelin_fit_interval", 0, lambda v, a: v > 0,
@@ -137,14 +138,11 @@ RULES: tuple[Rule, ...] = (
     Rule("--fp4-format", "fp4", None, _set,
          "FP4 GEMMs need fixed token multiples and are untested with the linear layout",
          "train in bf16 or use --context-parallel-mode static"),
-    Rule("--enable-cuda-graph", "enable_cuda_graph", False, _set,
-         "token counts and rings change every micro-batch, so no graph can be captured",
+    Rule("--enable-cuda-graph", "enable_cuda_graph", False, _set, NO_GRAPH,
          "drop the flag"),
     Rule("--cuda-graph-impl", "cuda_graph_impl", "none", lambda v, a: v != "none",
-         "token counts and rings change every micro-batch, so no graph can be captured",
-         "use --cuda-graph-impl none"),
-    Rule("--external-cuda-graph", "external_cuda_graph", False, _set,
-         "token counts and rings change every micro-batch, so no graph can be captured",
+         NO_GRAPH, "use --cuda-graph-impl none"),
+    Rule("--external-cuda-graph", "external_cuda_graph", False, _set, NO_GRAPH,
          "drop the flag"),
     Rule("--tp-comm-overlap", "tp_comm_overlap", False, _set,
          "Transformer Engine's userbuffers are sized for a fixed micro-batch x seq-length, "
