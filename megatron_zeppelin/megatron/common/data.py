@@ -20,7 +20,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from megatron_zeppelin.megatron.common.packing import ZeppelinPackedSeqParams, packed_seq_params_for_rank
+from megatron_zeppelin.megatron.common.packing import (ZeppelinPackedSeqParams, pad_count,
+                                                      packed_seq_params_for_rank)
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.service import PlannerService
 from megatron_zeppelin.runtime.device_index import to_device
@@ -58,9 +59,8 @@ def slice_rank(plan: Plan, rank: int, documents: Sequence[torch.Tensor],
         pad = hi - lo - nxt.numel()  # the sequence's last token has no target
         labels.append(torch.cat([nxt, nxt.new_zeros(pad)]))
         mask.append(torch.cat([torch.ones(nxt.numel()), torch.zeros(pad)]))
-    # a rank the plan gives no tokens this time holds one pad token (no loss, no attention):
-    # Megatron's layers cannot run on an empty buffer
-    pad = 0 if tokens else 1
+    # a rank the plan gives no tokens this time holds one pad token (no loss, no attention)
+    pad = pad_count(sum(t.numel() for t in tokens), 1)
     params = packed_seq_params_for_rank(plan, rank, device=device, pad_tokens=pad,
                                         max_position=max_position)
     zeros = [torch.zeros(pad, dtype=torch.int64)]

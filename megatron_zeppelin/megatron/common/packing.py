@@ -182,6 +182,13 @@ def packed_seq_params_for_documents(lengths: Sequence[int], *,
         [Segment(i, 0, length) for i, length in enumerate(lengths)], device=device)
 
 
+def pad_count(tokens: int, pad_multiple: int) -> int:
+    """Pad tokens after ``tokens`` real ones: up to a multiple of ``pad_multiple`` (sequence
+    parallelism: TP), and ``pad_multiple`` of them on a rank without tokens (Megatron's layers
+    cannot run on an empty micro-batch)."""
+    return -tokens % pad_multiple if tokens else pad_multiple
+
+
 def packed_seq_params_for_rank(plan: Plan, rank: int, *, device: torch.device | str = "cpu",
                                pad_tokens: int = 0, max_position: Optional[int] = None
                                ) -> ZeppelinPackedSeqParams:

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_zeppelin.megatron.common.packing import ZeppelinPackedSeqParams, packed_seq_params_for_rank
+from megatron_zeppelin.megatron.common.packing import (ZeppelinPackedSeqParams, pad_count,
+                                                      packed_seq_params_for_rank)
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.runtime.device_index import to_device
 
@@ -121,13 +122,6 @@ def linear_index(plan: Plan, rank: int, lengths: Sequence[int]) -> Tensor:
         base = starts[doc] + offset
         pieces.append(torch.arange(base + start, base + end, dtype=torch.int64))
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
-
-
-def pad_count(tokens: int, pad_multiple: int) -> int:
-    """Pad tokens after ``tokens`` real ones: up to a multiple of ``pad_multiple`` (sequence
-    parallelism: TP), and ``pad_multiple`` of them on a rank without tokens (Megatron's layers
-    cannot run on an empty micro-batch)."""
-    return -tokens % pad_multiple if tokens else pad_multiple
 
 
 @dataclass(frozen=True)
