@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import socket
 import tempfile
 import time
 import traceback
@@ -25,13 +24,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback interface (for single-process groups)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, store: str, out_dir: str, env: dict, fn, args) -> None:

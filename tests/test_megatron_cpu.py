@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_zeppelin.bench.workers import free_port
 from megatron_zeppelin.config import ModelSpec
 from megatron_zeppelin.megatron.common import cpu
 from megatron_zeppelin.megatron.common.model import (PackedCoreAttention, build_gpt_model,
@@ -28,7 +29,7 @@ from megatron_zeppelin.megatron.common.packing import (ZeppelinPackedSeqParams, 
                                                 packed_seq_params_from_segments)
 from megatron_zeppelin.plan import AttentionTask, Plan, Segment, Tier, Topology
 
-from distributed import free_port, run_world
+from distributed import run_world
 
 SPEC = ModelSpec(name="cpu-test", num_layers=2, hidden_size=32, num_attention_heads=4,
                  num_query_groups=2, ffn_hidden_size=48, vocab_size=64, swiglu=True,
