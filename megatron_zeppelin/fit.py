@@ -14,6 +14,8 @@ What is measured (``runtime/probe.py`` takes it per micro-batch; ``Measurements`
   completion;
 * ``ring_host``: the engine's host work of one ring step (round time minus the kernels and the
   waits), seconds per layer and phase;
+* ``ring_rounds``: per micro-batch (CPU), its ring rounds' host work plus their exchange waits
+  (seconds) and the rounds' count;
 * ``exposed``: every ring exchange's host wait (tier, seconds; zero when hidden): reported
   (``breakdown``);
 * ``remap``: each remap all-to-all (bytes sent, seconds), ``REMAP_EXCHANGES`` per layer.
@@ -26,7 +28,11 @@ cost, which the table, clamped below its first length, would spread over every l
 the backward/forward ratio (median of backward seconds over the fitted forward time); the
 linear seconds per token (median ratio) -> ``gemm_tflops``; bandwidth and latency of each
 tier (Theil-Sen line seconds = latency + bytes / bandwidth: the median of pairwise slopes,
-robust to up to ~29% outliers); host work per ring step (median); the remap's host work per
+robust to up to ~29% outliers); the cost of a ring step beyond its kernels: where micro-batches
+recorded ``ring_rounds``, the median over micro-batches of their mean round (host work and
+waits: on shared cores a round's cost is a heavy tail of scheduler waits, which a per-round
+median drops; the median over micro-batches still drops a stalled one), else the median host
+work per ring step (CUDA: waits are not timed there); the remap's host work per
 layer (``remap_overhead_us``): ``REMAP_EXCHANGES`` x the median all-to-all's time beyond its
 bytes at the prior's in-node link where it states one (only where plans remapped: else the
 prior's). Each rank's summary is a
@@ -66,6 +72,7 @@ class Measurements:
     ring_host: list[float] = field(default_factory=list)
     exposed: list[tuple[str, float]] = field(default_factory=list)
     remap: list[tuple[float, float]] = field(default_factory=list)
+    ring_rounds: list[tuple[float, int]] = field(default_factory=list)
 
     def add(self, other: "Measurements") -> None:
         for name in KINDS:
@@ -83,7 +90,7 @@ class Measurements:
         return out
 
 
-KINDS = ("attention", "linear", "link", "ring_host", "exposed", "remap")
+KINDS = ("attention", "linear", "link", "ring_host", "exposed", "remap", "ring_rounds")
 TIERS = ("local", "intra", "inter")
 
 
@@ -142,12 +149,21 @@ def summarize(m: Measurements, prior: HardwareProfile) -> list[float]:
     for tier in LINK_TIERS:
         xs = [b for t, b, _ in m.link if t == tier]
         out.extend(robust_line(xs, [s for t, _, s in m.link if t == tier]))
-    out.append(_median(m.ring_host) if len(m.ring_host) >= MIN_SAMPLES else math.nan)
+    out.append(_ring_step_seconds(m))
     latency = (prior.intra_latency_us or 0.0) * 1e-6  # the in-node link, where stated
     per_byte = 1e-9 / prior.intra_gbyte_per_s if prior.intra_gbyte_per_s else 0.0
     beyond = [s - latency - b * per_byte for b, s in m.remap]
     out.append(_median(beyond) if len(beyond) >= MIN_SAMPLES else math.nan)
     return out
+
+
+def _ring_step_seconds(m: Measurements) -> float:
+    """A ring step's cost beyond its kernels, per layer and phase (module doc); NaN when
+    under ``MIN_SAMPLES`` measurements."""
+    per_round = [total / count for total, count in m.ring_rounds if count > 0]
+    if len(per_round) >= MIN_SAMPLES:
+        return _median(per_round)
+    return _median(m.ring_host) if len(m.ring_host) >= MIN_SAMPLES else math.nan
 
 
 def combine(summaries: Sequence[Sequence[float]]) -> list[float]:

@@ -218,3 +218,16 @@ def test_the_remap_host_work_is_fitted_where_plans_remapped_and_kept_elsewhere(s
     # the median (27.25 ms: 5 outliers of 41 shift it up a little); a mean would be 2x
     assert got.remap_overhead_us == pytest.approx(4 * 27_250, rel=1e-6)
     assert fit.refit([fit.Measurements()] * 4, prior, truth).remap_overhead_us == 100000.0
+
+
+def test_a_ring_steps_cost_is_the_median_micro_batchs_mean_round_waits_included():
+    prior = load_hardware("cpu")
+    m = fit.Measurements()
+    m.ring_host.extend([0.001] * 40)  # the per-round median: the tail left out
+    # per micro-batch: most rounds quick, a few preempted (the tail is the cost); one stalled
+    m.ring_rounds.extend([(0.001 * 9 + 0.041, 10), (0.001 * 9 + 0.041, 10),
+                          (0.001 * 9 + 0.041, 10), (5.0, 10)])
+    index = fit.summary_size(prior) - 2  # host per ring step, before the remap's
+    assert fit.summarize(m, prior)[index] == pytest.approx(0.005)
+    m.ring_rounds[:] = m.ring_rounds[:2]  # too few micro-batches: the per-round median
+    assert fit.summarize(m, prior)[index] == pytest.approx(0.001)

@@ -130,6 +130,8 @@ def test_the_probe_splits_a_micro_batch_into_what_the_estimate_prices():
     assert flops == 128.0 * 1000 and seconds >= 0.1
     assert got.link[0][:2] == ("intra", 4096.0) and got.exposed == [("intra", 0.005)]
     assert 0.0 <= got.ring_host[0] < seconds  # the kernel and the wait are not host work
+    (total, rounds), = got.ring_rounds  # the micro-batch's round: host work + the wait
+    assert rounds == 1 and total == pytest.approx(got.ring_host[0] + 0.005)
     (tokens, linear), = got.linear
     assert tokens == 40 and 0.01 <= linear < 0.08  # the engine (>= 0.1 s) left out
     assert got.remap[0][0] == 1024.0 and probe.take().attention == []

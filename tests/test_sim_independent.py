@@ -124,3 +124,19 @@ def test_per_batch_wins_ties_losses_geomean_and_median():
     table = report.format_win_loss(results)
     assert "2 / 1 / 1" in table and "1.42x" in table  # geomean of 2, 0.5, 1.005, 4
     assert "1.50x" in table  # median of the four
+
+
+
+def test_host_work_per_token_adds_to_every_ranks_linear_time(tmp_path):
+    cost = make_cost(model="gpt-tiny", cluster="cpu-2x2", nodes=2)
+    base = replace(load_sim_profile("cpu-2x2"), token_host_ns=0.0)
+    hosted = replace(base, token_host_ns=1000.0)
+    tokens = np.asarray([100.0, 3000.0])
+    assert (linear_seconds(tokens, cost, hosted) - linear_seconds(tokens, cost, base)) == \
+        pytest.approx(tokens * 1e-6)
+    hosted.to_yaml(tmp_path / "p.yaml", "test")
+    assert load_sim_profile(tmp_path / "p.yaml").token_host_ns == 1000.0
+    (tmp_path / "bad.yaml").write_text((tmp_path / "p.yaml").read_text().replace(
+        "token_host_ns: 1000.0", "token_host_ns: -1"))
+    with pytest.raises(ConfigError, match="token_host_ns"):
+        load_sim_profile(tmp_path / "bad.yaml")

@@ -22,7 +22,11 @@ On 4 gloo ranks: ``all_reduce`` at three sizes -> the all-reduce line; P2P ping-
 documents in a 4-rank ring, whose time beyond the model of everything else is the engine's host
 work per ring step (``ring_step_us``); the tiny GPT trained on 128-token micro-batches (compute
 small), at 1 and 8 micro-batches per step, whose steps beyond the model are the training loop's
-host work per step and per micro-batch (``step_host_us``, ``micro_batch_host_us``).
+host work per step and per micro-batch (``step_host_us``, ``micro_batch_host_us``); then the
+tiny GPT on its full-length micro-batches under static CP 1, 2 and 4 (another seed than
+``bench fidelity``'s), whose steps beyond the model are fitted as a cost per ring round on the
+critical path (``ring_step_us``, which replaces the short-document figure) and per token
+(``token_host_ns``); see ``training_ring_token_fit``.
 """
 from __future__ import annotations
 
@@ -261,6 +265,63 @@ def training_host_us(profile: SimProfile, port: int = 29691) -> tuple[float, flo
     return max(0.0, residual[0] - per_micro * HOST_MICRO_BATCHES[0]) * 1e6, per_micro * 1e6
 
 
+FIT_FLAGS = ["--seed", "4321"]  # full-length micro-batches, other documents than the bench's
+FIT_CP_SIZES = (1, 2, 4)  # no ring, 2-rank rings (in a node), 4-rank rings (across nodes)
+FIT_STEP = (1000.0, 1000.0)  # finite-difference steps: ring_step_us (us), token_host_ns (ns)
+
+
+def training_ring_token_fit(profile: SimProfile, port: int = 29695) -> tuple[float, float]:
+    """(``ring_step_us``, ``token_host_ns``) fitted to full-length training steps: the tiny
+    GPT (``FIT_FLAGS``: its YAML's micro-batches, another seed than ``bench fidelity``'s)
+    under static CP of sizes ``FIT_CP_SIZES``; per kept step, the measured step less the step
+    model's (``profile``'s ring term, no per-token term) is fitted as a non-negative
+    least-squares line in the model's own sensitivities to the two terms (finite
+    differences: the ring rounds on each step's critical path, the tokens of its slowest
+    ranks). The ring term is what a ring round costs in training (the engine's host work,
+    ranks waiting for each other at its exchanges on shared cores); it replaces the short-
+    document engine measurement, which counts neither the long waits nor the preemptions."""
+    from megatron_zeppelin.bench.fidelity_train import replay
+    from megatron_zeppelin.bench.train import Entry, run_entries
+
+    entries = [Entry("static-cp", {"zeppelin-cp-size": str(g)}) for g in FIT_CP_SIZES]
+    iterations, warmup = 6, 2
+    base = replace(profile, token_host_ns=0.0)
+    probes = (base, replace(base, ring_step_us=base.ring_step_us + FIT_STEP[0]),
+              replace(base, token_host_ns=FIT_STEP[1]))
+    rows = []
+    for entry, (logs, refused) in zip(entries, run_entries(entries, iterations, FIT_FLAGS,
+                                                            port)):
+        if refused or len(logs) <= warmup:
+            raise RuntimeError(f"calibrate-sim: the training run {entry.label} failed: "
+                               f"{refused}")
+        kept = logs[warmup:]
+        sims = [replay(entry, FIT_FLAGS, iterations, kept, p) for p in probes]
+        rows += [(log["seconds"] - s0, (s1 - s0) / FIT_STEP[0], (s2 - s0) / FIT_STEP[1])
+                 for log, s0, s1, s2 in zip(kept, *sims)]
+    ring, token = nonnegative_fit(rows)
+    return base.ring_step_us + ring, token
+
+
+def nonnegative_fit(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(a, b) >= 0 minimising sum (y - a x1 - b x2)^2 over ``rows`` (y, x1, x2); a term whose
+    unconstrained fit is negative is 0 and the other refitted alone (a ring term of -a us
+    lowers the measured engine figure by at most that: the result is offset from it)."""
+    import numpy as np
+
+    y, x = np.asarray([r[0] for r in rows]), np.asarray([r[1:] for r in rows])
+    solution = np.linalg.lstsq(x, y, rcond=None)[0]
+    if (solution >= 0).all():
+        return float(solution[0]), float(solution[1])
+    best = (0.0, 0.0)
+    for k in (0, 1):
+        col = x[:, k]
+        value = max(0.0, float(col @ y / (col @ col))) if col.any() else 0.0
+        pair = (value, 0.0) if k == 0 else (0.0, value)
+        if ((y - x @ np.asarray(pair)) ** 2).sum() < ((y - x @ np.asarray(best)) ** 2).sum():
+            best = pair
+    return best
+
+
 def build_sim_profile(name: str, model: ModelSpec, lengths: tuple[int, ...], k: dict,
                       p2p, allreduce: tuple[float, float], source: str) -> SimProfile:
     """The profile from the measured figures (ring host work left 0: measured afterwards)."""
@@ -304,12 +365,15 @@ def calibrate_sim(model_name: str, cluster: str, max_length: int) -> SimProfile:
               f"{kernels['compute_scale']:.2f}: a layer's compute {alone * 1e3:.1f} ms alone, "
               f"{statistics.median(shared) * 1e3:.1f} ms (median) when {RANKS} processes run it "
               f"at once on {os.cpu_count()} cores; gloo "
-              "P2P ping-pong, 4-rank all-reduce, the engine on a 4-rank ring of short documents; "
+              "P2P ping-pong, 4-rank all-reduce; ring round and per-token host work fitted to "
+              "full-length training steps of static CP 1, 2 and 4 (seed 4321); "
               f"load average {os.getloadavg()[0]:.1f}")
     profile = build_sim_profile(cluster, model, lengths, kernels, p2p, allreduce, source)
     profile = replace(profile, ring_step_us=ring_step_host_us(model, profile, cluster))
     step_us, micro_us = training_host_us(profile)
-    return replace(profile, step_host_us=step_us, micro_batch_host_us=micro_us)
+    profile = replace(profile, step_host_us=step_us, micro_batch_host_us=micro_us)
+    ring_us, token_ns = training_ring_token_fit(profile)
+    return replace(profile, ring_step_us=ring_us, token_host_ns=token_ns)
 
 
 def cmd_calibrate_sim(args) -> int:
@@ -322,7 +386,9 @@ def cmd_calibrate_sim(args) -> int:
                     "measured by `zeppelin calibrate-sim` (bench/calibrate_sim.py).\n"
                     + profile.source)
     print(f"wrote {path} ({time.perf_counter() - started:.0f} s); ring step host work "
-          f"{profile.ring_step_us:.0f} us, attention call {profile.attention_call_us:.0f} us, "
+          f"{profile.ring_step_us:.0f} us, host per token {profile.token_host_ns:.0f} ns, "
+          "attention call "
+          f"{profile.attention_call_us:.0f} us, "
           f"GEMM {profile.gemm_tflops * 1e3:.1f} GFLOP/s")
     return 0
 

@@ -5,7 +5,8 @@ the fitted coefficients over ranks.
 each attention kernel call (LOCAL calls and ring steps: phase, query chunk length, forward
 FLOPs, tier), each ring exchange's host wait (exposed communication) and, when the ring
 waited, its transfer (tier, bytes, seconds post -> completion), the engine's host work per
-ring step (host round time minus the kernel calls and waits timed on the host), each remap
+ring step (host round time minus the kernel calls and waits timed on the host), per
+micro-batch the ring rounds' host work and waits together with their count, each remap
 all-to-all (``RemapIndex.probe``), and the micro-batch's linear time (``linear``: its span
 less the engine's and the remap's). On CPU every span is ``time.perf_counter`` around
 synchronous work. On CUDA a span is two events recorded on the current stream; they are read
@@ -33,6 +34,7 @@ class Probe:
         self._queued: list[tuple[object, object, tuple]] = []  # CUDA: (start, end, record)
         self.busy_s = 0.0  # host seconds inside timed kernel calls and waits (CPU)
         self.engine_s = 0.0  # engine seconds this micro-batch (linear is the remainder)
+        self.rounds = [0.0, 0]  # this micro-batch's ring rounds (CPU): host work + waits, count
 
     def start(self):
         """A span's start: perf_counter on CPU, an event recorded on the current stream on
@@ -69,14 +71,17 @@ class Probe:
         """A ring exchange (CPU): posted at ``posted_s`` (perf_counter), completed now after a
         host wait of ``waited_s`` (exposed); a transfer time only when the ring waited."""
         self.busy_s += waited_s
+        self.rounds[0] += waited_s
         self.data.exposed.append((tier, waited_s))
         if waited_s > 0.0 and nbytes > 0:
             self.data.link.append((tier, float(nbytes), time.perf_counter() - posted_s))
 
     def ring_round(self, started_s: float, busy_before: float) -> None:
         """End of a ring round begun at host time ``started_s``: its host work."""
-        host = time.perf_counter() - started_s - (self.busy_s - busy_before)
-        self.data.ring_host.append(max(0.0, host))
+        host = max(0.0, time.perf_counter() - started_s - (self.busy_s - busy_before))
+        self.data.ring_host.append(host)
+        self.rounds[0] += host
+        self.rounds[1] += 1
 
     def _add(self, record: tuple, seconds: float) -> None:
         if record[0] == "attention":
@@ -91,6 +96,9 @@ class Probe:
         else:
             self.data.linear.append((record[1], max(0.0, seconds - self.engine_s)))
             self.engine_s = 0.0
+            if self.rounds[1]:  # the micro-batch's ring rounds: their total, their count
+                self.data.ring_rounds.append((self.rounds[0], self.rounds[1]))
+            self.rounds = [0.0, 0]
 
     flops_per_square = 0.0  # 2 x heads x head_dim of this rank's calls (set by the engine)
 

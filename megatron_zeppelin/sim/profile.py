@@ -18,7 +18,9 @@ and ``measured_vocab`` and scaled linearly in hidden size / vocabulary for other
 * optimizer step (Adam + gradient clipping): ``optimizer_us`` + ``optimizer_ns_per_param``;
 * host work of the attention engine per ring step (per ring, per round): ``ring_step_us``;
 * host work of the training loop (schedule, modules' Python, data, hooks) per step and per
-  micro-batch: ``step_host_us``, ``micro_batch_host_us``;
+  micro-batch: ``step_host_us``, ``micro_batch_host_us``; and per token of a rank's
+  micro-batch (``token_host_ns``: Megatron's modules and autograd around the kernels, what
+  full-length training steps take beyond every other term);
 * links: P2P inside a node (``intra_*``) and across nodes (``inter_*``), an all-reduce over the
   pool (``allreduce_*``: latency per ring step, bus bandwidth);
 * ``nvlink_contention``: the factor an intra-node ring hop's time grows by when the routing
@@ -73,6 +75,7 @@ class SimProfile:
     compute_scale: float = 1.0
     step_host_us: float = 0.0
     micro_batch_host_us: float = 0.0
+    token_host_ns: float = 0.0
     measured_hidden: int = 0
     measured_vocab: int = 0
     unmeasured: tuple[str, ...] = ()
@@ -92,7 +95,7 @@ class SimProfile:
         for key in ("attention_call_us", "gemm_call_us", "nongemm_layer_us",
                     "nongemm_ns_per_token", "head_us", "head_ns_per_token", "optimizer_us",
                     "optimizer_ns_per_param", "ring_step_us", "step_host_us",
-                    "micro_batch_host_us", "intra_latency_us",
+                    "micro_batch_host_us", "token_host_ns", "intra_latency_us",
                     "inter_latency_us", "allreduce_latency_us"):
             require(getattr(self, key) >= 0, f"SimProfile.{key}", getattr(self, key),
                     "a number >= 0")

@@ -6,6 +6,7 @@ from ``cost_model.py`` (FLOPs, bytes per token) and the engine's round structure
 
 Per micro-batch, per rank (seconds; ``n`` its linear-layout tokens, ``L`` layers):
 
+* the training loop's host work per token (``token_host_ns``);
 * GEMMs: ``L (4 + 8)`` calls and ``3 n L f`` FLOPs (``f`` the layer's forward GEMM FLOPs per
   token: QKV, projection, MLP), plus the logits GEMM (``3 n 2 h V``, 3 calls), at the
   profile's GEMM rate and per-call host cost;
@@ -126,12 +127,13 @@ def linear_seconds(tokens: np.ndarray, cost: CostModel, profile: SimProfile) -> 
     nongemm = layers * (profile.nongemm_layer_us * 1e-6
                         + tokens * hidden * profile.nongemm_ns_per_token * 1e-9)
     head = profile.head_us * 1e-6 + tokens * vocab * profile.head_ns_per_token * 1e-9
+    host = tokens * profile.token_host_ns * 1e-9  # wall time, measured on the shared cores
     tp_comm = np.zeros_like(tokens)
     if tp > 1:  # 2 all-reduces forward, 2 backward per layer, inside the node
         tp_comm = 4.0 * layers * np.asarray(
             [allreduce_s(n * m.hidden_size * m.bytes_per_element, tp,
                          profile.intra_latency_us, profile.intra_gbyte_per_s) for n in tokens])
-    return (gemm + nongemm + head) * profile.compute_scale + tp_comm
+    return (gemm + nongemm + head) * profile.compute_scale + host + tp_comm
 
 
 class _Work(NamedTuple):
