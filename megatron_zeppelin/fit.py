@@ -16,6 +16,7 @@ What is measured (``runtime/probe.py`` takes it per micro-batch; ``Measurements`
   waits), seconds per layer and phase;
 * ``ring_rounds``: per micro-batch (CPU), its ring rounds' host work plus their exchange waits
   (seconds) and the rounds' count;
+* ``ping``: active link samples taken at a refit (``runtime.probe.ping_links``), as ``link``;
 * ``exposed``: every ring exchange's host wait (tier, seconds; zero when hidden): reported
   (``breakdown``);
 * ``remap``: each remap all-to-all (bytes sent, seconds), ``REMAP_EXCHANGES`` per layer.
@@ -28,7 +29,9 @@ cost, which the table, clamped below its first length, would spread over every l
 the backward/forward ratio (median of backward seconds over the fitted forward time); the
 linear seconds per token (median ratio) -> ``gemm_tflops``; bandwidth and latency of each
 tier (Theil-Sen line seconds = latency + bytes / bandwidth: the median of pairwise slopes,
-robust to up to ~29% outliers); the cost of a ring step beyond its kernels: where micro-batches
+robust to up to ~29% outliers) over the active samples and, unless the ring step's cost below
+holds the exchange waits, the waited exchanges (a wait is the peer's lateness as much as the
+transfer: counted once); the cost of a ring step beyond its kernels: where micro-batches
 recorded ``ring_rounds``, the median over micro-batches of their mean round (host work and
 waits: on shared cores a round's cost is a heavy tail of scheduler waits, which a per-round
 median drops; the median over micro-batches still drops a stalled one), else the median host
@@ -73,6 +76,7 @@ class Measurements:
     exposed: list[tuple[str, float]] = field(default_factory=list)
     remap: list[tuple[float, float]] = field(default_factory=list)
     ring_rounds: list[tuple[float, int]] = field(default_factory=list)
+    ping: list[tuple[str, float, float]] = field(default_factory=list)
 
     def add(self, other: "Measurements") -> None:
         for name in KINDS:
@@ -90,7 +94,7 @@ class Measurements:
         return out
 
 
-KINDS = ("attention", "linear", "link", "ring_host", "exposed", "remap", "ring_rounds")
+KINDS = ("attention", "linear", "link", "ring_host", "exposed", "remap", "ring_rounds", "ping")
 TIERS = ("local", "intra", "inter")
 
 
@@ -146,9 +150,10 @@ def summarize(m: Measurements, prior: HardwareProfile) -> list[float]:
     out = rates + [_median(ratios) if len(ratios) >= MIN_SAMPLES else math.nan]
     per_token = [s / n for n, s in m.linear if n > 0]
     out.append(_median(per_token) if len(per_token) >= MIN_SAMPLES else math.nan)
+    links = m.ping + (m.link if len(m.ring_rounds) < MIN_SAMPLES else [])
     for tier in LINK_TIERS:
-        xs = [b for t, b, _ in m.link if t == tier]
-        out.extend(robust_line(xs, [s for t, _, s in m.link if t == tier]))
+        xs = [b for t, b, _ in links if t == tier]
+        out.extend(robust_line(xs, [s for t, _, s in links if t == tier]))
     out.append(_ring_step_seconds(m))
     latency = (prior.intra_latency_us or 0.0) * 1e-6  # the in-node link, where stated
     per_byte = 1e-9 / prior.intra_gbyte_per_s if prior.intra_gbyte_per_s else 0.0

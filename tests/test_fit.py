@@ -231,3 +231,15 @@ def test_a_ring_steps_cost_is_the_median_micro_batchs_mean_round_waits_included(
     assert fit.summarize(m, prior)[index] == pytest.approx(0.005)
     m.ring_rounds[:] = m.ring_rounds[:2]  # too few micro-batches: the per-round median
     assert fit.summarize(m, prior)[index] == pytest.approx(0.001)
+
+
+def test_where_rounds_hold_the_waits_links_come_from_the_active_pings_only():
+    prior = load_hardware("cpu")
+    m = fit.Measurements()
+    m.ping.extend(("intra", float(n), 1e-4 + n / 2e9) for n in (1 << 14, 1 << 18, 1 << 21))
+    m.link.extend(("intra", float(n), 5e-3 + n / 1e8) for n in (1 << 12, 1 << 16, 1 << 20))
+    n = len(prior.attention_tflops)
+    latency = fit.summarize(m, prior)[n + 3]  # waited exchanges and pings together
+    m.ring_rounds.extend([(0.01, 2)] * 3)  # the waits are priced per ring step: pings only
+    assert fit.summarize(m, prior)[n + 2:n + 4] == pytest.approx([1 / 2e9, 1e-4])
+    assert latency > 1e-3

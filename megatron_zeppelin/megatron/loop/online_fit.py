@@ -65,7 +65,7 @@ class OnlineFit:
         parts, micro = self.window.breakdown(), max(1, len(self.window.linear))
         self.window = fit.Measurements()
         per_node = self.cost.cluster.topology(self.cost.tp).gpus_per_node  # pool ranks
-        self.measured.link.extend(ping_links(self.pool.group, per_node))
+        self.measured.ping.extend(ping_links(self.pool.group, per_node))
         prior = self.cost.hardware
         coefficients = agree(fit.summarize(self.measured, prior), dist.group.WORLD)
         profile = fit.to_profile(coefficients, prior, self.cost,
