@@ -11,11 +11,14 @@ rounds in each of three layouts, at each compute size:
 
 A ring round is the engine's: post the exchange of the next KV chunk (isend to the next rank,
 irecv from the previous, ``--bytes``), run the round's compute (a matmul loop of a known CPU
-time, measured alone first), wait for both. Per (layout, compute) the median over ranks of each rank's mean round time
-(total over rounds); the **sync** is that minus the ``none`` layout's round time at the same
+time, measured alone first), wait for both. Per (layout, compute) the median over ranks of
+each rank's mean round time (total over rounds: a round preempted for a scheduler slice
+counts); the **sync** is that minus the ``none`` layout's round time at the same
 compute and minus the exchange alone (the ring at compute 0 less ``none`` at compute 0, i.e.
-the link). Printed per ring size with its spread (p90 / p10 of the per-repeat medians) and
-the load average; ``--json`` writes the table (``calibrate-sim`` fits its line from it).
+the link). Printed per ring size with its spread (min..max over repeats) and the load
+average; ``--json`` writes the rows. On Linux with autogroup scheduling other sessions' jobs
+share the cores whatever their ``nice`` (see ``docs/benchmarks.md``): run it where nothing
+else runs, or from a session whose group is raised.
 """
 from __future__ import annotations
 
@@ -93,7 +96,7 @@ def _worker(rank: int, units: tuple[int, ...], rounds: int, repeats: int, nbytes
 
 
 def measure(units: tuple[int, ...], rounds: int, repeats: int, nbytes: int) -> dict:
-    """{(layout, units): [per-repeat median over ranks of each rank's median round s]}."""
+    """{(layout, units): [per-repeat median over ranks of each rank's mean round s]}."""
     per_rank = run_forked(_worker, RANKS, (units, rounds, repeats, nbytes), timeout_s=600.0,
                           what="ring-sync measurement", gloo_timeout_s=300.0)
     table: dict = {}
