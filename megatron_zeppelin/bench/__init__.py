@@ -19,8 +19,8 @@ remap      step time with and without the remapping layer where it should pay   
 decisions  the portfolio's pick vs every candidate measured per micro-batch     (decisions.py)
 overhead   host CPU seconds per training step by thread and planner process, profiled
            (overhead.py)
-ring-sync  a ring round's cost beyond its compute and its exchange on shared cores, rings of
-           2 and of 4 processes (ring_sync.py)
+rings      a ring round's cost beyond its compute and its exchange on shared cores, rings of
+           2 and of 4 processes (rings.py)
 
 ``zeppelin calibrate`` (calibrate.py) measures this machine and writes a hardware profile;
 ``zeppelin calibrate-sim`` (calibrate_sim.py) the simulator's own profile (``configs/sim/``).
@@ -35,7 +35,7 @@ import time
 from typing import Callable
 
 TARGETS = ("planner", "planning", "router", "engine", "kernels", "train", "fidelity", "online",
-           "window", "remap", "decisions", "overhead", "ring_sync")
+           "window", "remap", "decisions", "overhead", "rings")
 
 
 def median_ms(fn: Callable[[], object], repeats: int, budget_s: float) -> tuple[float, int]:

@@ -1,4 +1,4 @@
-"""``zeppelin bench ring-sync``: what a ring round costs beyond its compute and its bytes when
+"""``zeppelin bench rings``: what a ring round costs beyond its compute and its bytes when
 the emulated cluster's ranks share this machine's cores (issue 19: the hypothesis that every
 ring round is a synchronisation that grows with ring size and tier).
 
@@ -98,7 +98,7 @@ def _worker(rank: int, units: tuple[int, ...], rounds: int, repeats: int, nbytes
 def measure(units: tuple[int, ...], rounds: int, repeats: int, nbytes: int) -> dict:
     """{(layout, units): [per-repeat median over ranks of each rank's mean round s]}."""
     per_rank = run_forked(_worker, RANKS, (units, rounds, repeats, nbytes), timeout_s=600.0,
-                          what="ring-sync measurement", gloo_timeout_s=300.0)
+                          what="ring-round measurement", gloo_timeout_s=300.0)
     table: dict = {}
     for (name, n, rep), _ in sorted(per_rank[0].items()):
         table.setdefault((name, n), []).append(
@@ -124,8 +124,24 @@ def sync_rows(table: dict, unit_s: float) -> list[dict]:
     return rows
 
 
+def _units(p: argparse.ArgumentParser, args) -> tuple[int, ...]:
+    """The checked ``--units`` (and the other counts); a bad value exits 2 naming the flag."""
+    try:
+        units = tuple(sorted({int(u) for u in args.units.split(",")}))
+    except ValueError:
+        units = ()
+    if len(units) < 2 or units[0] != 0:
+        p.error(f"--units={args.units!r} is invalid: expected integers >= 0, comma-separated, "
+                "0 among them and at least one above it")
+    for name, value, least in (("--rounds", args.rounds, 1), ("--repeats", args.repeats, 1),
+                               ("--bytes", args.bytes, 4)):
+        if value < least:
+            p.error(f"{name}={value} is invalid: expected an integer >= {least}")
+    return units
+
+
 def run(argv: list[str]) -> dict:
-    p = argparse.ArgumentParser(prog="zeppelin bench ring-sync", description=__doc__,
+    p = argparse.ArgumentParser(prog="zeppelin bench rings", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--units", default="0,10,40,160", help="compute per round, in matmul units "
                    "(comma list, the first is the exchange alone: use 0)")
@@ -134,7 +150,7 @@ def run(argv: list[str]) -> dict:
     p.add_argument("--bytes", type=int, default=65536, help="bytes each rank sends per round")
     p.add_argument("--json", default="", help="write the rows here")
     args = p.parse_args(argv)
-    units = tuple(sorted(int(u) for u in args.units.split(",")))
+    units = _units(p, args)
     load0 = os.getloadavg()[0]
     unit_s = unit_seconds()
     table = measure(units, args.rounds, args.repeats, args.bytes)
@@ -159,5 +175,5 @@ def run(argv: list[str]) -> dict:
 def register(targets) -> None:
     from megatron_zeppelin.bench import register_passthrough
 
-    register_passthrough(targets, "ring-sync", "a ring round's cost beyond compute and link on "
-                         "shared cores, rings of 2 and 4 processes (ring_sync.py)", run)
+    register_passthrough(targets, "rings", "a ring round's cost beyond compute and link on "
+                         "shared cores, rings of 2 and 4 processes (rings.py)", run)

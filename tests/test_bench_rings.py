@@ -1,9 +1,9 @@
-"""bench/ring_sync.py: the table arithmetic (sync = ring round - the same compute with no
+"""bench/rings.py: the table arithmetic (sync = ring round - the same compute with no
 exchange - the exchange alone), one tiny real measurement that completes; calibrate-sim's
 non-negative fit of its training residuals."""
 import pytest
 
-from megatron_zeppelin.bench.ring_sync import LAYOUTS, _peers, measure, sync_rows
+from megatron_zeppelin.bench.rings import LAYOUTS, _peers, measure, sync_rows
 
 
 def test_ring_peers_follow_the_layouts():
@@ -42,3 +42,17 @@ def test_the_training_fit_is_a_nonnegative_least_squares_line():
     a, b = nonnegative_fit(rows)
     assert b == 0.0 and a > 0
     assert nonnegative_fit([(-1.0, 1.0, 1.0), (-2.0, 2.0, 1.0)]) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("argv, flag", [(["--units", "10,20"], "--units"),
+                                        (["--units", "0,x"], "--units"),
+                                        (["--rounds", "0"], "--rounds"),
+                                        (["--bytes", "1"], "--bytes")])
+def test_bad_flags_are_refused_naming_the_flag(argv, flag, capsys):
+    from megatron_zeppelin.bench.rings import run
+
+    with pytest.raises(SystemExit) as done:
+        run(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert flag in err[-1] and "Traceback" not in "".join(err)
