@@ -142,10 +142,10 @@ def check_pipeline(found: Found, pp: int, chunks: int) -> None:
     saved_pp, saved_chunks = found.saved.get("pp", 1), found.saved.get("vpp_chunks", 1)
     if (saved_pp, saved_chunks) != (pp, chunks):
         raise refuse(found.path, f"was saved with --pipeline-model-parallel-size {saved_pp} "
-                      f"and {saved_chunks} model chunk(s) per stage, this run has {pp} and "
-                      f"{chunks}: loading across pipeline shapes is not supported; resume "
-                      "with the same --pipeline-model-parallel-size and "
-                      "--num-layers-per-virtual-pipeline-stage")
+                     f"and {saved_chunks} model chunk(s) per stage, this run has {pp} and "
+                     f"{chunks}: loading across pipeline shapes is not supported; resume "
+                     "with the same --pipeline-model-parallel-size and "
+                     "--num-layers-per-virtual-pipeline-stage")
 
 
 def _check_data_files(path: str, metadata: Any) -> None:
@@ -161,7 +161,7 @@ def _check_data_files(path: str, metadata: Any) -> None:
         if actual is None or actual < size:
             what = "is missing" if actual is None else f"has {actual} bytes, {size} expected"
             raise refuse(path, f"is incomplete: {name} {what} (truncated copy or interrupted "
-                          "save)")
+                         "save)")
 
 
 # the scheduler's values (``args.schedule``) and the flags that set them
@@ -180,13 +180,13 @@ def check_schedule(found: Found, wanted: dict) -> None:
     for key, flag in SCHEDULE_FLAGS.items():
         if key in found.schedule and found.schedule[key] != wanted[key]:
             raise refuse(found.path, f"was trained with another LR/weight-decay schedule: {flag} "
-                          f"gives {key}={found.schedule[key]!r} there, {wanted[key]!r} now (steps "
-                          "count samples: iterations x --global-batch-size); resume with that "
-                          "run's flags (to stop a longer run early, give the first leg the full "
-                          "--train-iters and --exit-interval), or pass "
-                          "--override-opt_param-scheduler (this run's schedule) or "
-                          "--use-checkpoint-opt_param-scheduler (the checkpoint's), or "
-                          "--no-load-optim")
+                         f"gives {key}={found.schedule[key]!r} there, {wanted[key]!r} now (steps "
+                         "count samples: iterations x --global-batch-size); resume with that "
+                         "run's flags (to stop a longer run early, give the first leg the full "
+                         "--train-iters and --exit-interval), or pass "
+                         "--override-opt_param-scheduler (this run's schedule) or "
+                         "--use-checkpoint-opt_param-scheduler (the checkpoint's), or "
+                         "--no-load-optim")
 
 
 def check_shapes(found: Found, sharded: dict) -> None:
@@ -203,10 +203,10 @@ def check_shapes(found: Found, sharded: dict) -> None:
             hint = (" (pass --no-load-optim to load the model only)"
                     if tensor.key.startswith("optimizer.") else "")
             raise refuse(found.path, f"has no tensor {tensor.key}: it was saved for another "
-                          f"model{hint}")
+                         f"model{hint}")
         shape = tuple(getattr(saved[tensor.key], "size", ()))
         if shape != tuple(tensor.global_shape):
             raise refuse(found.path, f"was saved for another model: {tensor.key} has shape "
-                          f"{shape} there, {tuple(tensor.global_shape)} here (check "
-                          "--num-layers, --hidden-size, --num-attention-heads, "
-                          "--num-query-groups, --ffn-hidden-size, --vocab-size)")
+                         f"{shape} there, {tuple(tensor.global_shape)} here (check "
+                         "--num-layers, --hidden-size, --num-attention-heads, "
+                         "--num-query-groups, --ffn-hidden-size, --vocab-size)")

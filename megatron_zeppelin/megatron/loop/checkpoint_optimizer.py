@@ -44,9 +44,9 @@ def check_optimizer_kind(found: Found, common: dict, run: "Training") -> None:
     if saved != now and run.chunks[0].config.bf16:
         kind, flag = ("distributed", "without") if saved else ("plain", "with")
         raise refuse(found.path, f"holds the {kind} optimizer's state: loading it {flag} "
-                      "--use-distributed-optimizer is supported in fp32 only (megatron-core's "
-                      "bf16 optimizers keep fp32 main parameters in other layouts); use the "
-                      "same --use-distributed-optimizer setting, or pass --no-load-optim")
+                     "--use-distributed-optimizer is supported in fp32 only (megatron-core's "
+                     "bf16 optimizers keep fp32 main parameters in other layouts); use the "
+                     "same --use-distributed-optimizer setting, or pass --no-load-optim")
 
 
 MAIN_PARAMS = "optimizer.state.param."  # the distributed optimizer's fp32 main parameters
