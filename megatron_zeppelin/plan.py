@@ -131,6 +131,11 @@ class Transfer(NamedTuple):
     dst_offset: int
 
 
+# A candidate plan with the remapping layer is named after its placement plus this suffix
+# (``planner/portfolio.py``); ``Plan.name`` keeps it only where the plan does remap.
+REMAP_SUFFIX = "+remap"
+
+
 @dataclass(frozen=True)
 class Plan:
     """One global batch placed on the pool. ``tasks[i]`` attends sequence ``i``.
@@ -167,6 +172,24 @@ class Plan:
         runner-up seconds / chosen seconds (1.0 without a portfolio or on a tie)."""
         times = [t for _, t in self.estimates]
         return times[1] / times[0] if len(times) > 1 and times[0] > 0 else 1.0
+
+    @property
+    def remaps(self) -> bool:
+        """Whether the linear modules run on another layout than attention: the remap's
+        all-to-alls run (``runtime/remap.py``) and ``transfers`` move tokens between ranks."""
+        return self.linear != self.attention
+
+    @property
+    def name(self) -> str:
+        """What logs and summaries call the plan, decided here only: the candidate the
+        strategy chose (``candidate``), else the strategy; a ``...+remap`` candidate whose
+        plan remaps nothing (its placement already holds the linear layout's tokens) is
+        named without the suffix, since it runs no remap. ``candidate`` itself stays the
+        portfolio's key into ``estimates``."""
+        name = self.candidate or self.strategy
+        if name.endswith(REMAP_SUFFIX) and not self.remaps:
+            return name[:-len(REMAP_SUFFIX)]
+        return name
 
     def estimated_gain(self, candidate: str) -> float | None:
         """``candidate``'s estimated seconds / the chosen plan's (None if not scored)."""

@@ -466,3 +466,54 @@ def test_balanced_sampler_keeps_the_streams_documents_and_position():
         assert again.load_state_dict(start) is None
         assert [d.tolist() for d in next(again)] == [d.tolist() for d in first]
     assert ours[0].regroup.tally.moved > 0
+
+
+def test_balanced_sampler_groups_the_next_global_batch_off_the_training_thread():
+    """Grouped one global batch ahead on the sampler's worker thread, the micro-batches, the
+    positions, the document tally and the balancing tally are those of grouping in place, at
+    every step; a restart at a position taken mid-batch or between batches (with a batch
+    ahead) reads on exactly as the uninterrupted sampler does."""
+    import threading
+
+    from megatron_zeppelin.megatron.loop import args as train_args, train
+    from megatron_zeppelin.megatron.loop.microbatch_order import BalancedSampler, Regrouper
+
+    args = train_args.parse_args(FLAGS)
+    layout = train_args.validate_args(args, 4, None)
+    cost = train.make_cost_model(args, train.model_spec(args), layout)
+    threads: list[str] = []
+
+    class Recorded(Regrouper):
+        def group(self, arrival):
+            threads.append(threading.current_thread().name)
+            return super().group(arrival)
+
+    def sampler(ahead: bool, pools: int = 2, pool: int = 1) -> BalancedSampler:
+        return BalancedSampler(ListSource(), 512, 7, 512, "error",
+                               Recorded(cost, 2, 2, pools, 512, 2, 1), pools, pool, ahead=ahead)
+
+    def tally(s: BalancedSampler) -> dict:
+        return {k: v for k, v in vars(s.regroup.tally).items() if k != "seconds"}
+
+    ahead, inplace = sampler(True), sampler(False)
+    positions = []
+    for step in range(8):  # 4 global batches of 2 micro-batches per pool
+        got, want = next(ahead), next(inplace)
+        assert [d.tolist() for d in got] == [d.tolist() for d in want]
+        assert ahead.state_dict() == inplace.state_dict() and ahead.stats == inplace.stats
+        assert tally(ahead) == tally(inplace) and ahead.next is not None
+        positions.append(ahead.state_dict())
+    ahead.next[2].result()  # the fifth global batch, grouped ahead
+    assert threads.count("MainThread") == 4 and len(threads) == 4 + 5  # in place / ahead
+    assert all(name.startswith("zeppelin-regroup") for name in threads if name != "MainThread")
+    rest = [[d.tolist() for d in next(inplace)] for _ in range(4)]
+    # after 4 micro-batches (between batches, one ahead), 5 (mid-batch 3), 6 (between): a
+    # restart reads from the start of the batch being handed out, or of the next one
+    for step, before in ((3, 4), (4, 4), (5, 2)):
+        again = sampler(True)
+        assert again.load_state_dict(positions[step]) is None
+        read = [[d.tolist() for d in next(again)] for _ in range(before + len(rest))]
+        assert read[before:] == rest
+        again.close()
+    ahead.close()
+    inplace.close()

@@ -6,7 +6,9 @@ plans of the same batch and returns the one with the lowest ``estimate.estimate_
 closed form of what the simulator models):
 
 * ``hierarchical+remap``: the hierarchical placement (``zeppelin.py``) balancing attention,
-  with the remap's linear layout (``linear_layout``);
+  with the remap's linear layout (``linear_layout``); where that placement is already
+  token-balanced the layout moves nothing and logs name the plan ``hierarchical``
+  (``Plan.name``: named by what the plan does);
 * ``hierarchical``: the hierarchical placement balancing each rank's attention plus the linear
   modules of its tokens, without the remap (the linear modules then run where attention does).
   The remap is thus decided per batch (only ``hierarchical`` when ``config.remap`` is off);
@@ -17,7 +19,8 @@ closed form of what the simulator models):
   to two nodes (wider static CP never won in the report's settings and costs the most to
   build).
 
-The plan records which candidate won (``Plan.candidate``) and every candidate's estimate
+The plan records which candidate won (``Plan.candidate``, the key into ``estimates``; what
+logs call it: ``Plan.name``) and every candidate's estimate
 (``Plan.estimates``, fastest first; ``Plan.margin`` is the runner-up's over the winner's).
 Ties go to the earlier candidate in the order above.
 """
@@ -30,8 +33,8 @@ from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.estimate import Move, estimate_tasks
 from megatron_zeppelin.options import setting
-from megatron_zeppelin.plan import (AttentionTask, Layout, Plan, attention_layout_of,
-                                    ring_groups_of, zigzag_share_bound)
+from megatron_zeppelin.plan import (REMAP_SUFFIX, AttentionTask, Layout, Plan,
+                                    attention_layout_of, ring_groups_of, zigzag_share_bound)
 from megatron_zeppelin.planner.baselines import (default_max_seqlen_per_rank, hybrid_dp_tasks,
                                                  static_cp_tasks)
 from megatron_zeppelin.planner.hydraulis import hydraulis_tasks
@@ -43,6 +46,7 @@ from megatron_zeppelin.planner.registry import Strategy, register
 from megatron_zeppelin.planner.zeppelin import place_hierarchical
 
 FALLBACK_MAX_NODES = 2  # static CP fallbacks: CP sizes up to this many nodes
+REMAPPED = "hierarchical" + REMAP_SUFFIX  # the attention-balanced placement with the remap
 
 
 class Candidate(NamedTuple):
@@ -72,7 +76,7 @@ class Zeppelin(Strategy):
         batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
         if not self.portfolio:
             tasks = hierarchical_tasks(batch, cost, config, False)
-            chosen = (remapped(batch, cost, tasks, "hierarchical+remap")
+            chosen = (remapped(batch, cost, tasks, REMAPPED)
                       if config.remap else Candidate("hierarchical", tasks))
             return assemble("zeppelin", batch, chosen.tasks, chosen.linear)
         names, estimates, winner, tasks, linear = choose(batch, cost, config)
@@ -116,8 +120,7 @@ def candidates(batch: Batch, cost: CostModel, config: ZeppelinConfig) -> list[Ca
     """The candidate plans of ``batch`` (module doc), in tie-break order (Python reference)."""
     out = []
     if config.remap:
-        out.append(remapped(batch, cost, place_hierarchical(batch, cost, config),
-                            "hierarchical+remap"))
+        out.append(remapped(batch, cost, place_hierarchical(batch, cost, config), REMAPPED))
     out.append(Candidate("hierarchical", place_hierarchical(batch, cost, config, True)))
     per_rank = default_max_seqlen_per_rank(batch)
     caps = [(per_rank, "hybrid-dp")]

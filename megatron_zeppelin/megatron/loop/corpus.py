@@ -328,6 +328,9 @@ class MicroBatchSampler:
         """The position before the next round of micro-batches (the same on every rank)."""
         return {**self.fingerprint, "stream": self.stream.state_dict()}
 
+    def close(self) -> None:
+        """Nothing to release here (``microbatch_order.BalancedSampler`` stops its worker)."""
+
     def load_state_dict(self, state: dict) -> str | None:
         """Continue at a saved position; returns why it cannot (another corpus, seed,
         --seq-length or overlong policy: the stream's order differs), or None."""

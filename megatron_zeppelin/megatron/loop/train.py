@@ -335,6 +335,7 @@ def train(args: argparse.Namespace, layout: PoolLayout, ready: preflight.Ready,
             loop(args, layout, run, data, logger, start, online)
         finally:
             data.close()
+            sampler.close()
             logger.close()
     finally:
         runtime.close()

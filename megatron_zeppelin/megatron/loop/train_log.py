@@ -44,7 +44,8 @@ class StepLog:
     plan_ms: float
     grad_norm: float
     seconds: float
-    chosen: str = ""  # the plans' candidates (zeppelin's portfolio picks one per micro-batch)
+    chosen: str = ""  # the plans' names (``Plan.name``: zeppelin's portfolio picks one per
+    # micro-batch, "+remap" only on a plan that remaps)
     estimated_s: float = 0.0  # the plans' step estimates, summed (the profile in force)
     seqlens: tuple = ()  # per micro-batch, the planned sequence lengths (replayable)
     mtp_losses: tuple[float, ...] = ()  # Megatron's "mtp_1 loss", ... (--mtp-num-layers)
@@ -76,6 +77,7 @@ class Logger:
         self.order = order
         self.counts_plans, self.pools = counts_plans, pools
         self.plans = []
+        self.ran: dict[str, int] = {}  # Plan.name -> micro-batches, over the run (rank 0's pool)
         self.history: list[StepLog] = []
         self.writer = self._writer() if printing and args.tensorboard_dir else None
 
@@ -119,6 +121,8 @@ class Logger:
         --log-interval multiple nor the last, no --log-json, no TensorBoard) skip it all: no
         collective, no host wait for the device."""
         args = self.args
+        if self.printing:
+            count_names(self.plans, self.ran)
         if iteration % args.log_interval and iteration != args.train_iters \
                 and not args.log_json and not args.tensorboard_dir:
             mtp_losses(args, stored, None, iteration, logged=False)
@@ -156,6 +160,8 @@ class Logger:
                   f"{self.args.seq_length:,}: {d.split_sequences:,} split into "
                   f"{d.split_pieces:,} pieces, {d.dropped_sequences:,} dropped "
                   f"({d.dropped_tokens:,} tokens)", flush=True)
+            if self.ran:
+                print(f"plans run (rank 0's pool): {names_line(self.ran)}", flush=True)
             if self.order is not None:
                 print(self.order.tally.line(), flush=True)
         if self.writer is not None:
@@ -196,14 +202,22 @@ def mtp_losses(args: argparse.Namespace, stored: list[dict], writer, iteration: 
     return tuple(values)
 
 
-def chosen_candidates(plans) -> str:
-    """``hierarchical x2, static-cp``: which candidate plan each micro-batch ran, in order of
-    first use (a strategy without candidates counts under its own name)."""
-    counts: dict[str, int] = {}
+def count_names(plans, counts: dict[str, int]) -> dict[str, int]:
+    """``counts`` plus one per plan under its name (``Plan.name``), in order of first use."""
     for plan in plans:
-        name = plan.candidate or plan.strategy
-        counts[name] = counts.get(name, 0) + 1
+        counts[plan.name] = counts.get(plan.name, 0) + 1
+    return counts
+
+
+def names_line(counts: dict[str, int]) -> str:
     return ", ".join(name + (f" x{n}" if n > 1 else "") for name, n in counts.items())
+
+
+def chosen_candidates(plans) -> str:
+    """``hierarchical x2, static-cp(cp=2)``: what plan each micro-batch ran, by ``Plan.name``
+    (the portfolio's candidate, "+remap" only where the plan remaps; a strategy without
+    candidates under its own name), in order of first use."""
+    return names_line(count_names(plans, {}))
 
 
 def order_of(args: argparse.Namespace, layout: PoolLayout) -> str:
