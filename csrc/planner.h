@@ -52,6 +52,7 @@ struct Problem {
   std::vector<i64> gpu_to_nic;            // of the cluster's GPUs (gpn * tp of them)
   double grad_s = 0, bwd_ratio = 0;       // estimate._step
   double fwd_bwd_linear = 3.0;
+  double shared_by = 1.0;                 // estimate.shared_peak: ranks sharing a device
   std::vector<i64> order;                 // sequences longest first (stable): longest_first
   i64 world() const { return nodes * gpn; }
 };

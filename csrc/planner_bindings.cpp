@@ -52,6 +52,7 @@ Problem make_problem(const py::tuple& t) {
   pb.grad_s = t[14].cast<double>();
   pb.bwd_ratio = t[15].cast<double>();
   pb.fwd_bwd_linear = t[16].cast<double>();
+  pb.shared_by = t[17].cast<double>();
   if (pb.seqlens.empty() || pb.nodes < 1 || pb.gpn < 1 || pb.capacity < 1 ||
       c.log_lengths.empty() || c.log_lengths.size() != c.flops_per_s.size() ||
       c.routed_log_sizes.size() != c.routed_log_times.size() ||

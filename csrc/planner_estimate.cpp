@@ -61,6 +61,16 @@ std::vector<double> pace(std::vector<double> att, const std::vector<RingGroup>& 
   return att;
 }
 
+// estimate.shared_peak: the busiest rank, up to shared_by times faster while its peers wait,
+// and no less than the ranks' mean work (left-to-right sum, as add_up).
+double shared_peak(const std::vector<double>& seconds, double shared_by) {
+  const double peak = *std::max_element(seconds.begin(), seconds.end());
+  if (shared_by == 1.0) return peak;
+  double total = 0.0;
+  for (double s : seconds) total += s;
+  return std::max(peak / shared_by, total / static_cast<double>(seconds.size()));
+}
+
 // estimate.remap_a2a_seconds
 double remap_a2a_seconds(const Problem& pb, const std::vector<Move>& moves) {
   std::map<i64, i64> nv_out, nv_in;
@@ -156,26 +166,29 @@ Estimate estimate_tasks(const Problem& pb, const Tasks& tasks, const std::vector
   Estimate est;
   double last_bwd;
   if (linear != nullptr) {
-    double lin = 0.0;
-    for (i64 n : *linear) lin = std::max(lin, per_token * static_cast<double>(n));
-    est.linear = lin;
-    est.attention = 0.0 + *std::max_element(att.begin(), att.end());
+    std::vector<double> lin;
+    for (i64 n : *linear) lin.push_back(per_token * static_cast<double>(n));
+    est.linear = shared_peak(lin, pb.shared_by);
+    est.attention = 0.0 + shared_peak(att, pb.shared_by);
     est.remap = remap_a2a_seconds(pb, moves) * 2.0 * static_cast<double>(k.layers) +
                 remap_fixed_seconds(pb, moves);
-    last_bwd = est.linear * bwd_lin + *std::max_element(att.begin(), att.end()) * bwd_att;
+    last_bwd = est.linear * bwd_lin + shared_peak(att, pb.shared_by) * bwd_att;
   } else {
     i64 crit = 0;
     double best = 0.0;
+    std::vector<double> totals(world);
     for (i64 r = 0; r < world; ++r) {
-      const double total = att[r] + per_token * tokens[r];
-      if (r == 0 || total > best) {
-        best = total;
+      totals[r] = att[r] + per_token * tokens[r];
+      if (r == 0 || totals[r] > best) {
+        best = totals[r];
         crit = r;
       }
     }
-    est.linear = 0.0 + per_token * tokens[crit];
-    est.attention = 0.0 + att[crit];
-    last_bwd = per_token * tokens[crit] * bwd_lin + att[crit] * bwd_att;
+    // the critical rank's parts, scaled to the wave's time on shared devices
+    const double scale = best > 0.0 ? shared_peak(totals, pb.shared_by) / best : 1.0;
+    est.linear = 0.0 + per_token * tokens[crit] * scale;
+    est.attention = 0.0 + att[crit] * scale;
+    last_bwd = (per_token * tokens[crit] * bwd_lin + att[crit] * bwd_att) * scale;
   }
   est.grad = std::max(0.0, pb.grad_s - last_bwd);
   est.step = est.linear + est.attention + est.remap + est.grad;

@@ -24,7 +24,10 @@ expressions in the same order, so the portfolio picks the same candidate in both
   profile's ``remap_overhead_us``): ``remap_fixed_seconds``;
 * step: with the remap ``max linear + sum over waves of max attention + remap``; without it
   ``sum over waves of max (linear + attention)``; plus the gradient all-reduce time not hidden
-  behind the last backward (``grad_allreduce_seconds``).
+  behind the last backward (``grad_allreduce_seconds``). Each max over ranks is
+  ``shared_peak``: where ranks share a device's compute (``HardwareProfile.shared_by`` > 1,
+  CPU ranks on fewer cores), the busiest rank runs faster while its peers wait, down to the
+  ranks' mean work.
 """
 from __future__ import annotations
 
@@ -141,26 +144,41 @@ def _step(att: list[list[float]], tokens: list[list[float]], linear_tokens: Sequ
     per_token = kernel.linear_per_token
     bwd_att = cost.hardware.attention_bwd_ratio / (1.0 + cost.hardware.attention_bwd_ratio)
     bwd_lin = (FWD_BWD_LINEAR - 1.0) / FWD_BWD_LINEAR
+    shared = cost.hardware.shared_by
     if linear_tokens is not None:
         lin = [per_token * n for n in linear_tokens]
-        linear, attention = max(lin), add_up(max(a) for a in att)
+        linear = shared_peak(lin, shared)
+        attention = add_up(shared_peak(a, shared) for a in att)
         moves = list(moves)
         remap = remap_a2a_seconds(moves, topology, cost) * 2.0 * kernel.layers + \
             remap_fixed_seconds(moves, topology, cost)
-        last_bwd = linear * bwd_lin + max(att[-1]) * bwd_att
+        last_bwd = linear * bwd_lin + shared_peak(att[-1], shared) * bwd_att
         rank_lin = tuple(lin)
     else:
         linear = attention = last_bwd = remap = 0.0
         for a, n in zip(att, tokens):
             totals = [a[r] + per_token * n[r] for r in range(world)]
             crit = max(range(world), key=totals.__getitem__)
-            linear += per_token * n[crit]
-            attention += a[crit]
-            last_bwd = per_token * n[crit] * bwd_lin + a[crit] * bwd_att
+            # the critical rank's parts, scaled to the wave's time on shared devices
+            scale = shared_peak(totals, shared) / totals[crit] if totals[crit] > 0.0 else 1.0
+            linear += per_token * n[crit] * scale
+            attention += a[crit] * scale
+            last_bwd = (per_token * n[crit] * bwd_lin + a[crit] * bwd_att) * scale
         rank_lin = tuple(per_token * add_up(n[r] for n in tokens) for r in range(world))
     grad = max(0.0, grad_allreduce_seconds(cost) - last_bwd)
     return StepEstimate(linear + attention + remap + grad, linear, attention, remap, grad,
                         tuple(add_up(a[r] for a in att) for r in range(world)), rank_lin)
+
+
+def shared_peak(seconds: Sequence[float], shared_by: float) -> float:
+    """The time ranks take for per-rank work ``seconds`` (timed while all of them compute) when
+    ``shared_by`` ranks share one device's compute (``HardwareProfile.shared_by``): the
+    busiest rank, up to ``shared_by`` times faster while its peers wait, and no less than the
+    ranks' mean (their total work over the ``len / shared_by`` devices). ``max`` when 1."""
+    peak = max(seconds)
+    if shared_by == 1.0:
+        return peak
+    return max(peak / shared_by, add_up(seconds) / len(seconds))
 
 
 def plan_moves(plan: Plan) -> list[Move]:

@@ -42,6 +42,10 @@ class HardwareProfile:
     the wait for the slowest rank; 0: not modelled). ``intra_*`` / ``inter_*``: measured link figures
     (a profile fitted during training, ``fit.py``) that replace the cluster's nominal NVLink /
     NIC bandwidth and latency in the cost model (``links``); None keeps the cluster's.
+    ``shared_by``: how many ranks share one device's compute (1 on GPUs; 4 CPU ranks on 2
+    cores: 2). The figures are per rank while all of them compute; a rank whose peers wait
+    runs up to ``shared_by`` times faster, so the estimate bounds a step by the busiest rank
+    at that speed and by the ranks' total work over the shared devices (``estimate``).
     """
 
     name: str
@@ -59,12 +63,15 @@ class HardwareProfile:
     intra_latency_us: float | None = field(default=None, kw_only=True)
     inter_gbit_per_s: float | None = field(default=None, kw_only=True)
     inter_latency_us: float | None = field(default=None, kw_only=True)
+    shared_by: float = field(default=1.0, kw_only=True)
 
     def __post_init__(self) -> None:
         require(self.kernel in ATTENTION_KERNELS, "hardware.kernel", self.kernel,
                 f"one of {list(ATTENTION_KERNELS)}")
         require_positive("hardware.gemm_tflops", self.gemm_tflops)
         require_positive("hardware.attention_bwd_ratio", self.attention_bwd_ratio)
+        require(self.shared_by >= 1, "hardware.shared_by", self.shared_by,
+                "a number >= 1 (ranks sharing one device's compute)")
         require(self.kernel_overhead_us >= 0, "hardware.kernel_overhead_us",
                 self.kernel_overhead_us, "a number >= 0")
         table = self.attention_tflops

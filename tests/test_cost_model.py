@@ -1,8 +1,12 @@
 """Cost model formulas, tier crossovers and plan estimates."""
+import dataclasses
+
 import numpy as np
 import pytest
 
-from megatron_zeppelin.estimate import estimate_plan
+from megatron_zeppelin.config import ConfigError, ZeppelinConfig
+from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.estimate import estimate_plan, estimate_step, shared_peak
 from megatron_zeppelin.plan import Tier
 from megatron_zeppelin.planner import make_plan
 
@@ -132,3 +136,24 @@ def test_routed_transfer_cost_is_the_routers_model_of_an_even_split(cluster, mib
         slices = [Slice(0, p, gpn + p, lo, hi - lo) for p, lo, hi in zip(proxies, cuts, cuts[1:])]
         best = min(best, evaluate(topology, flows, slices).total_time_s)
     assert routed_message_seconds(spec, nbytes) == pytest.approx(best, rel=1e-3)
+
+
+def test_ranks_sharing_a_device_run_faster_while_their_peers_wait():
+    assert shared_peak([4.0, 4.0, 1.0, 1.0], 1.0) == 4.0
+    assert shared_peak([4.0, 4.0, 1.0, 1.0], 2.0) == 2.5  # the mean: 10 s of work on 2 devices
+    assert shared_peak([4.0, 0.0, 0.0, 0.0], 2.0) == 2.0  # alone on its device
+    assert shared_peak([3.0, 3.0, 3.0, 3.0], 2.0) == 3.0  # all busy: as timed
+    # 4 CPU ranks on 2 cores: one long document over a ring of 2 (the other pair idle) is
+    # estimated faster with shared cores; over all 4 ranks (every rank busy) it is not
+    plain = make_cost("gpt-tiny", "cpu-2x2", nodes=2)
+    shared = CostModel(plain.model, plain.cluster,
+                       dataclasses.replace(plain.hardware, shared_by=2.0), plain.tp)
+    lengths, config = [8000], ZeppelinConfig(routing=False, remap=False)
+    steps = {}
+    for cp in (2, 4):
+        plan = make_plan("static-cp", lengths, plain, config, cp_size=cp)
+        steps[cp] = [estimate_step(plan, c, routed=False).step_s for c in (plain, shared)]
+    assert steps[2][1] < 0.8 * steps[2][0]
+    assert steps[4][1] == pytest.approx(steps[4][0], rel=0.05)
+    with pytest.raises(ConfigError, match="hardware.shared_by"):
+        dataclasses.replace(plain.hardware, shared_by=0.5)

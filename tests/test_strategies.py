@@ -11,6 +11,7 @@ import pytest
 
 from megatron_zeppelin import cli
 from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.estimate import estimate_step
 from megatron_zeppelin.planner import STRATEGIES, Strategy, get_strategy, make_plan, native
 from megatron_zeppelin.planner.common import CapacityError
@@ -158,6 +159,8 @@ def test_backends_give_the_same_plans_bit_for_bit(seed, monkeypatch):
     for nodes, gpn in ((1, 1), (1, 8), (2, 4), (3, 3), (4, 8), (16, 8)):
         cost = make_cost(cluster=rng.choice(["h200-8nic", "a800-4nic"]), nodes=nodes,
                          gpus_per_node=gpn)
+        shared = dataclasses.replace(cost.hardware, shared_by=rng.choice([1.0, 2.0, 3.0]))
+        cost = CostModel(cost.model, cost.cluster, shared, cost.tp)
         lengths = sample_batch(rng.choice(sorted(WORKLOADS)), 16 * 1024 * nodes * gpn, rng)
         config = ZeppelinConfig(remap=rng.random() < 0.8, routing=rng.random() < 0.8,
                                 capacity_factor=rng.choice([1.0, 2.0]))

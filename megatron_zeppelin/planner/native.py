@@ -49,7 +49,7 @@ def problem_args(seqlens: Sequence[int], capacity: int, cost: CostModel,
             config.remap, config.balance_slack, cost.linear_time(1),
             cost.remap_seconds_per_token(), cost.qkvo_bytes(1), cost.tp, cluster.nics_per_node,
             list(cluster.gpu_to_nic), grad_allreduce_seconds(cost),
-            cost.hardware.attention_bwd_ratio, FWD_BWD_LINEAR)
+            cost.hardware.attention_bwd_ratio, FWD_BWD_LINEAR, cost.hardware.shared_by)
 
 
 def cpp_module(backend: str | None) -> ModuleType | None:
