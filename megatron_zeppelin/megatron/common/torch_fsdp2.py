@@ -2,8 +2,8 @@
 ``TorchFullyShardedDataParallel``, with Megatron's per-token loss normalisation.
 
 megatron-core wraps every ``TransformerLayer``, the embedding and RoPE with torch's
-``fully_shard`` (the rest, the output layer included, with the root) over the DP x CP group: each parameter
-is a ``DTensor`` sharded on dim 0, all-gathered per layer for forward and backward, and its
+``fully_shard`` over the DP x CP group (the rest, the output layer included, with the root):
+each parameter is a ``DTensor`` sharded on dim 0, all-gathered per layer for forward and backward, and its
 gradient is reduce-scattered after every backward (its ``no_sync`` is empty) into the sharded
 ``.grad`` that the plain optimizer (torch Adam on the shards) steps.
 
@@ -11,9 +11,11 @@ What 0.16.1 gets wrong with ``calculate_per_token_loss`` (our loss, as Megatron-
 ``--calculate-per-token-loss``): FSDP2 divides each reduce-scatter by the group size, and
 ``finalize_model_grads`` then calls ``scale_gradients(1 / tokens)``, which
 ``_BaseDataParallel`` leaves empty. Gradients would be the sum over the group's ranks divided
-by the rank count instead of by the global batch's tokens. ``PerTokenTorchFSDP`` sums in the
-reduce-scatter (divide factor 1, as Megatron DDP under per-token loss) and scales the sharded
-gradients by ``scale_gradients``' factor, so its gradients are Megatron DDP's.
+by the rank count instead of by the global batch's tokens. ``PerTokenTorchFSDP`` sums in
+the reduce-scatter (divide factor 1 and SUM reductions, as Megatron DDP under per-token loss)
+and scales the sharded gradients by ``scale_gradients``' factor, so its gradients are Megatron
+DDP's. It also takes the ``force_all_reduce`` that 0.16.1's ``finalize_model_grads`` passes
+and its base class's ``finish_grad_sync`` does not.
 """
 from __future__ import annotations
 
@@ -41,6 +43,11 @@ def torch_fsdp2(config: Any, module: torch.nn.Module, device: str) -> Any:
     class PerTokenTorchFSDP(TorchFullyShardedDataParallel):
         """megatron-core's FSDP2 wrapper whose ``scale_gradients`` scales (module doc)."""
 
+        def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+            """Nothing left to reduce: FSDP2 waited for its reduce-scatters at the end of the
+            backward. (0.16.1's ``_BaseDataParallel.finish_grad_sync`` takes no
+            ``force_all_reduce``, which its own ``finalize_model_grads`` passes.)"""
+
         def scale_gradients(self, scaling_factor: float) -> None:
             for param in self.module.parameters():
                 if param.grad is not None:
@@ -58,6 +65,8 @@ def torch_fsdp2(config: Any, module: torch.nn.Module, device: str) -> Any:
         for sub_module in chunk.module.modules():
             if isinstance(sub_module, FSDPModule):
                 sub_module.set_gradient_divide_factor(1.0)
+                # a plain SUM (a factor of 1 is otherwise a PREMUL_SUM, which gloo lacks)
+                sub_module.set_force_sum_reduction_for_comms(True)
     return chunk
 
 
