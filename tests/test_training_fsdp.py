@@ -19,15 +19,18 @@ from distributed import run_world
 from test_distributed_optimizer import DISTRIBUTED, FLAGS, STATIC, ZEPPELIN, close, run
 
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+FSDP2 = ["--use-torch-fsdp2"]
 ONE_PROCESS = ["--context-parallel-mode", "static", "--context-parallel-size", "1"]
 
 
 def full_parameters(chunk) -> dict[str, torch.Tensor]:
-    """Every parameter of a DDP or Megatron-FSDP chunk as a full tensor, by its name in the
-    GPT model (collective: FSDP's shards are gathered over DP x CP)."""
+    """Every parameter of a DDP, Megatron-FSDP or torch FSDP2 chunk as a full tensor, by its
+    name in the GPT model (collective: FSDP's shards are gathered over DP x CP)."""
     from megatron_zeppelin.megatron.loop.checkpoint_fsdp import full_parameters as gathered
 
-    if chunk.ddp_config.use_megatron_fsdp:
+    from megatron_zeppelin.megatron.common.torch_fsdp2 import is_torch_fsdp2
+
+    if chunk.ddp_config.use_megatron_fsdp or is_torch_fsdp2(chunk):
         return gathered(chunk)
     return {name: p.detach().clone() for name, p in chunk.module.named_parameters()}
 
@@ -107,10 +110,11 @@ def pools_body(rank: int, world: int, tmp: str) -> None:
     ddp = run_keeping_parameters(world, RING_FLAGS + RINGS, tiers=True)
     fsdp = run_keeping_parameters(world, RING_FLAGS + RINGS + FSDP)
     grads = run_keeping_parameters(world, RING_FLAGS + RINGS + FSDP[:-1] + ["optim_grads"])
+    fsdp2 = run_keeping_parameters(world, RING_FLAGS + RINGS + FSDP2)
     optim = optim_reduction(rank, world)
     if rank == 0:
-        torch.save({"ddp": ddp, "fsdp": fsdp, "optim_grads": grads, "optim": optim},
-                   f"{tmp}/runs.pt")
+        torch.save({"ddp": ddp, "fsdp": fsdp, "optim_grads": grads, "torch_fsdp2": fsdp2,
+                    "optim": optim}, f"{tmp}/runs.pt")
 
 
 def one_process_body(rank: int, world: int, tmp: str) -> None:
@@ -126,7 +130,7 @@ def test_megatron_fsdp_in_zeppelin_mode_matches_ddp_and_one_process(tmp_path):
     # the plans ring: documents over 2 ranks of a node and over both nodes
     assert sum(intra for *_, intra, _ in ddp_logs) > 0, ddp_logs
     assert sum(inter for *_, inter in ddp_logs) > 0, ddp_logs
-    for strategy in ("fsdp", "optim_grads"):
+    for strategy in ("fsdp", "optim_grads", "torch_fsdp2"):
         fsdp_logs, fsdp_params = runs[strategy]
         assert [it for it, _, _ in fsdp_logs] == [1, 2, 3]
         assert close(fsdp_logs, ddp_logs), (strategy, fsdp_logs, ddp_logs)
@@ -169,6 +173,27 @@ def test_megatron_fsdp_checkpoints_resume_across_modes_and_optimizers(tmp_path):
     run_world(checkpoints_body, 4, str(tmp_path), start_method="spawn", timeout_s=500)
 
 
+def torch_fsdp2_checkpoints_body(rank: int, world: int, tmp: str) -> None:
+    whole = run(world, FLAGS + ZEPPELIN)
+    first = ["--exit-interval", "1", "--save"]
+    run(world, FLAGS + ZEPPELIN + FSDP2 + first + [f"{tmp}/t1"])
+    run(world, FLAGS + ZEPPELIN + FSDP + first + [f"{tmp}/f1"])
+    resumed = {"static DDP <- FSDP2": run(world, FLAGS + STATIC + ["--load", f"{tmp}/t1"]),
+               "FSDP2 <- FSDP2": run(world, FLAGS + ZEPPELIN + FSDP2 + ["--load", f"{tmp}/t1"]),
+               "FSDP2 <- Megatron-FSDP": run(world, FLAGS + ZEPPELIN + FSDP2 +
+                                             ["--load", f"{tmp}/f1"])}
+    if rank == 0:
+        for what, logs in resumed.items():
+            assert close(logs, whole[1:]), (what, logs, whole)
+
+
+def test_torch_fsdp2_checkpoints_resume_across_modes(tmp_path):
+    """Saved with --use-torch-fsdp2 (full tensors, checkpoint_fsdp.py): resumes in static
+    mode under Megatron DDP and with FSDP2; a Megatron-FSDP checkpoint resumes with FSDP2."""
+    run_world(torch_fsdp2_checkpoints_body, 4, str(tmp_path), start_method="spawn",
+              timeout_s=500)
+
+
 @pytest.mark.parametrize("extra, match", [
     (["--data-parallel-sharding-strategy", "optim"],
      "--data-parallel-sharding-strategy=optim without --use-megatron-fsdp"),
@@ -178,7 +203,14 @@ def test_megatron_fsdp_checkpoints_resume_across_modes_and_optimizers(tmp_path):
     (["--use-megatron-fsdp"], "--use-megatron-fsdp with --data-parallel-sharding-strategy="
      "no_shard"),
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"],
-     "--use-megatron-fsdp with --data-parallel-sharding-strategy=optim: .* not exact"),
+     "--use-megatron-fsdp with --data-parallel-sharding-strategy=optim: .*GradReducePipeline"
+     "._bucket_group_gradient_reduce.* not exact"),
+    (FSDP2 + FSDP, "--use-torch-fsdp2 with --use-megatron-fsdp: "),
+    (FSDP2 + ["--use-distributed-optimizer"],
+     "--use-torch-fsdp2 with --use-distributed-optimizer: "),
+    (FSDP2 + ["--pipeline-model-parallel-size", "2"],
+     "--use-torch-fsdp2 with --pipeline-model-parallel-size=2: "),
+    (FSDP2 + ["--bf16"], "--use-torch-fsdp2 --bf16: "),
 ])
 def test_fsdp_flags_it_does_not_run_with_are_refused(extra, match):
     from megatron_zeppelin.config import ConfigError
@@ -196,11 +228,19 @@ def test_fsdp_cpu_bridge_needs_the_cpu_bridge_and_is_undone_with_it():
     if cpu.cpu_mode_enabled():
         pytest.skip("another test left the CPU bridge on")
     stream, context = torch.cuda.Stream, torch.cuda.stream
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import (
+        TorchFullyShardedDataParallel as TorchFSDP2)
+
+    fsdp2_init = TorchFSDP2.__init__
     with pytest.raises(RuntimeError, match="needs cpu.enable_cpu_mode"):
         cpu_fsdp.enable_megatron_fsdp_on_cpu()
+    with pytest.raises(RuntimeError, match="FSDP2 CPU bridge needs cpu.enable_cpu_mode"):
+        cpu_fsdp.enable_torch_fsdp2_on_cpu()
     with cpu.cpu_mode():
         cpu_fsdp.enable_megatron_fsdp_on_cpu()
         cpu_fsdp.enable_megatron_fsdp_on_cpu()  # idempotent
+        cpu_fsdp.enable_torch_fsdp2_on_cpu()
+        assert TorchFSDP2.__init__ is not fsdp2_init
         side = torch.cuda.Stream(priority=-1)
         assert isinstance(side, cpu_fsdp.CpuSideStream)
         with torch.cuda.stream(side):
@@ -208,3 +248,4 @@ def test_fsdp_cpu_bridge_needs_the_cpu_bridge_and_is_undone_with_it():
         event.wait()
         assert event.query() and isinstance(torch.cuda.Event(), cpu_fsdp.CpuEvent)
     assert (torch.cuda.Stream, torch.cuda.stream) == (stream, context)
+    assert TorchFSDP2.__init__ is fsdp2_init
