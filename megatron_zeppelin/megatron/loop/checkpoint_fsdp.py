@@ -202,7 +202,7 @@ class FullOptimizer:
                              "takes one")
         # megatron-core's DistributedOptimizer over Megatron-FSDP, its FP32Optimizer over FSDP2
         self.distributed = chained[0]
-        self.adam = optimizer.optimizer
+        self.adam = self.distributed.optimizer  # torch's Adam
         self.params = [p for group in self.adam.param_groups for p in group["params"]]
 
     def sharded_state_dict(self, models: dict, is_loading: bool = False,
