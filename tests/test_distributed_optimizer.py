@@ -24,16 +24,19 @@ STATIC = ["--context-parallel-mode", "static", "--context-parallel-size", "4"]
 DISTRIBUTED = ["--use-distributed-optimizer"]
 
 
-def run(world: int, argv: list[str]) -> list[tuple]:
+def run(world: int, argv: list[str], tiers: bool = False) -> list[tuple]:
     """One ``pretrain_gpt.py`` run in the gloo world: (iteration, loss, grad norm) per
-    iteration on rank 0."""
+    iteration on rank 0, then (sequences local, intra-node ring, inter-node ring) if
+    ``tiers``."""
     from megatron_zeppelin.megatron.loop import args as train_args, preflight, train
 
     args = train_args.parse_args(argv)
     layout = train_args.validate_args(args, world, None)
     ready = preflight.check(args)
     train.setup_megatron(args)
-    return [(log.iteration, log.loss, log.grad_norm) for log in train.train(args, layout, ready)]
+    return [(log.iteration, log.loss, log.grad_norm) +
+            ((log.local, log.intra, log.inter) if tiers else ())
+            for log in train.train(args, layout, ready)]
 
 
 def close(a: list[tuple], b: list[tuple], tol: float = 1e-6) -> bool:

@@ -1,12 +1,15 @@
 """--use-megatron-fsdp (megatron-core's Megatron-FSDP, CUDA streams bridged on CPU by
 ``cpu_fsdp.py``) on 4 gloo ranks, 2 emulated nodes of 2, zeppelin mode with CP 4: parameters,
 gradients and Adam state sharded over DP x CP (``optim_grads_params``; ``optim_grads`` too),
-each pool rank holding another number of tokens. The losses, gradient norms and parameters after 3 iterations are
-those of zeppelin mode under Megatron DDP and of one process; the flags it does not run with
-are refused in one line. Its checkpoints are those of the other modes (full tensors in model
-space, checkpoint_fsdp.py): saved with FSDP, they resume in static mode under Megatron DDP,
-with the distributed optimizer and with FSDP; a distributed optimizer's checkpoint resumes
-with FSDP; each resume repeats the uninterrupted run's iterations 2 and 3."""
+each pool rank holding another number of tokens, on documents that the plan rings within a
+node and across the two nodes (RINGS: 1,024-token micro-batches, at most 300 tokens per rank).
+The losses, gradient norms and parameters after 3 iterations are those of zeppelin mode under
+Megatron DDP and of one process; ``optim`` is refused because megatron-core 0.16.1 adds each
+rank's own gradient to the reduced one (measured here, bucket by bucket); the other flags it
+does not run with are refused in one line. Its checkpoints are those of the other modes (full
+tensors in model space, checkpoint_fsdp.py): saved with FSDP, they resume in static mode under
+Megatron DDP, with the distributed optimizer and with FSDP; a distributed optimizer's
+checkpoint resumes with FSDP; each resume repeats the uninterrupted run's iterations 2 and 3."""
 from __future__ import annotations
 
 import pytest
@@ -16,20 +19,24 @@ from distributed import run_world
 from test_distributed_optimizer import DISTRIBUTED, FLAGS, STATIC, ZEPPELIN, close, run
 
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+FSDP2 = ["--use-torch-fsdp2"]
 ONE_PROCESS = ["--context-parallel-mode", "static", "--context-parallel-size", "1"]
 
 
 def full_parameters(chunk) -> dict[str, torch.Tensor]:
-    """Every parameter of a DDP or Megatron-FSDP chunk as a full tensor, by its name in the
-    GPT model (collective: FSDP's shards are gathered over DP x CP)."""
+    """Every parameter of a DDP, Megatron-FSDP or torch FSDP2 chunk as a full tensor, by its
+    name in the GPT model (collective: FSDP's shards are gathered over DP x CP)."""
     from megatron_zeppelin.megatron.loop.checkpoint_fsdp import full_parameters as gathered
 
-    if chunk.ddp_config.use_megatron_fsdp:
+    from megatron_zeppelin.megatron.common.torch_fsdp2 import is_torch_fsdp2
+
+    if chunk.ddp_config.use_megatron_fsdp or is_torch_fsdp2(chunk):
         return gathered(chunk)
     return {name: p.detach().clone() for name, p in chunk.module.named_parameters()}
 
 
-def run_keeping_parameters(world: int, argv: list[str]) -> tuple[list[tuple], dict]:
+def run_keeping_parameters(world: int, argv: list[str], tiers: bool = False
+                           ) -> tuple[list[tuple], dict]:
     """``run`` that also returns the parameters after the last iteration."""
     from megatron_zeppelin.megatron.loop import train
 
@@ -41,21 +48,77 @@ def run_keeping_parameters(world: int, argv: list[str]) -> tuple[list[tuple], di
 
     train.loop = keeping
     try:
-        return run(world, argv), kept
+        return run(world, argv, tiers), kept
     finally:
         train.loop = loop
 
 
+def with_values(flags: list[str], **values: str) -> list[str]:
+    """``flags`` with the values of some flags replaced (``seq_length="1024"``)."""
+    flags = list(flags)
+    for name, value in values.items():
+        flags[flags.index("--" + name.replace("_", "-")) + 1] = value
+    return flags
+
+
+# 2 micro-batches of 1,024 tokens per iteration; zeppelin may hold 300 per rank, so a document
+# of 301-600 tokens rings within a node and a longer one over both nodes (iterations 1-3
+# of seed 5 hold documents of 304, 359 and 868 tokens)
+RING_FLAGS = with_values(FLAGS, seq_length="1024", micro_batch_size="1", global_batch_size="2")
+RINGS = ZEPPELIN + ["--zeppelin-capacity-tokens-per-gpu", "300", "--no-zeppelin-portfolio"]
+
+
+def optim_reduction(rank: int, world: int) -> list[dict]:
+    """One iteration with ``--data-parallel-sharding-strategy optim`` (its refusal lifted
+    for the measurement): per gradient bucket, this rank's shard after megatron-core's
+    reduction against the true DP x CP sum, and against that sum plus the rank's own
+    unreduced shard."""
+    import torch.distributed as dist
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
+        GradReducePipeline)
+    from megatron_zeppelin.megatron.loop import args as train_args
+
+    reduce, seen = GradReducePipeline._bucket_group_gradient_reduce, []
+
+    def measured(self, buckets, *rest, **kwargs):
+        before = {b: self.get_fsdp_buffer(b).data.clone() for b in buckets}
+        out = reduce(self, buckets, *rest, **kwargs)
+        for b, local in before.items():
+            gbuf = self.get_fsdp_buffer(b)
+            index = gbuf.shard_bucket_index
+            total = local.clone()
+            dist.all_reduce(total, group=gbuf.data_parallel_group)
+            own = slice(index.local_data_index, index.local_data_index + index.size)
+            after = gbuf.get_shard_from_local_buffer()
+            seen.append({"scaling": gbuf.gradient_scaling_factor,
+                         "norm": total[own].norm().item(),
+                         "vs_sum": (after - total[own]).norm().item(),
+                         "vs_sum_plus_own": (after - total[own] - local[own]).norm().item()})
+        return out
+
+    refused = train_args.FSDP_STRATEGIES_REFUSED.pop("optim")
+    GradReducePipeline._bucket_group_gradient_reduce = measured
+    try:
+        run(world, with_values(RING_FLAGS, train_iters="1") + RINGS + FSDP[:-1] + ["optim"])
+    finally:
+        GradReducePipeline._bucket_group_gradient_reduce = reduce
+        train_args.FSDP_STRATEGIES_REFUSED["optim"] = refused
+    return seen
+
+
 def pools_body(rank: int, world: int, tmp: str) -> None:
-    ddp = run_keeping_parameters(world, FLAGS + ZEPPELIN)
-    fsdp = run_keeping_parameters(world, FLAGS + ZEPPELIN + FSDP)
-    grads = run_keeping_parameters(world, FLAGS + ZEPPELIN + FSDP[:-1] + ["optim_grads"])
+    ddp = run_keeping_parameters(world, RING_FLAGS + RINGS, tiers=True)
+    fsdp = run_keeping_parameters(world, RING_FLAGS + RINGS + FSDP)
+    grads = run_keeping_parameters(world, RING_FLAGS + RINGS + FSDP[:-1] + ["optim_grads"])
+    fsdp2 = run_keeping_parameters(world, RING_FLAGS + RINGS + FSDP2)
+    optim = optim_reduction(rank, world)
     if rank == 0:
-        torch.save({"ddp": ddp, "fsdp": fsdp, "optim_grads": grads}, f"{tmp}/runs.pt")
+        torch.save({"ddp": ddp, "fsdp": fsdp, "optim_grads": grads, "torch_fsdp2": fsdp2,
+                    "optim": optim}, f"{tmp}/runs.pt")
 
 
 def one_process_body(rank: int, world: int, tmp: str) -> None:
-    torch.save(run_keeping_parameters(world, FLAGS + ONE_PROCESS), f"{tmp}/one.pt")
+    torch.save(run_keeping_parameters(world, RING_FLAGS + ONE_PROCESS), f"{tmp}/one.pt")
 
 
 def test_megatron_fsdp_in_zeppelin_mode_matches_ddp_and_one_process(tmp_path):
@@ -64,7 +127,10 @@ def test_megatron_fsdp_in_zeppelin_mode_matches_ddp_and_one_process(tmp_path):
     runs = torch.load(tmp_path / "runs.pt", weights_only=False)
     one = torch.load(tmp_path / "one.pt", weights_only=False)
     ddp_logs, ddp_params = runs["ddp"]
-    for strategy in ("fsdp", "optim_grads"):
+    # the plans ring: documents over 2 ranks of a node and over both nodes
+    assert sum(intra for *_, intra, _ in ddp_logs) > 0, ddp_logs
+    assert sum(inter for *_, inter in ddp_logs) > 0, ddp_logs
+    for strategy in ("fsdp", "optim_grads", "torch_fsdp2"):
         fsdp_logs, fsdp_params = runs[strategy]
         assert [it for it, _, _ in fsdp_logs] == [1, 2, 3]
         assert close(fsdp_logs, ddp_logs), (strategy, fsdp_logs, ddp_logs)
@@ -78,6 +144,13 @@ def test_megatron_fsdp_in_zeppelin_mode_matches_ddp_and_one_process(tmp_path):
                                        msg=lambda m, n=name: f"{strategy} {n}: {m}")
             torch.testing.assert_close(value, one[1][name], rtol=1e-5, atol=1e-5,
                                        msg=lambda m, n=name: f"{strategy} {n}: {m}")
+    # why optim is refused: rank 0's shard is the sum plus rank 0's own gradient (per-token
+    # loss: no scaling before the reduction); if megatron-core fixes it, this fails
+    assert runs["optim"], "no gradient bucket was reduced"
+    for bucket in runs["optim"]:
+        assert bucket["scaling"] is None, bucket
+        assert bucket["vs_sum"] > 0.05 * bucket["norm"], bucket
+        assert bucket["vs_sum_plus_own"] <= 1e-6 * bucket["norm"], bucket
 
 
 def checkpoints_body(rank: int, world: int, tmp: str) -> None:
@@ -100,6 +173,27 @@ def test_megatron_fsdp_checkpoints_resume_across_modes_and_optimizers(tmp_path):
     run_world(checkpoints_body, 4, str(tmp_path), start_method="spawn", timeout_s=500)
 
 
+def torch_fsdp2_checkpoints_body(rank: int, world: int, tmp: str) -> None:
+    whole = run(world, FLAGS + ZEPPELIN)
+    first = ["--exit-interval", "1", "--save"]
+    run(world, FLAGS + ZEPPELIN + FSDP2 + first + [f"{tmp}/t1"])
+    run(world, FLAGS + ZEPPELIN + FSDP + first + [f"{tmp}/f1"])
+    resumed = {"static DDP <- FSDP2": run(world, FLAGS + STATIC + ["--load", f"{tmp}/t1"]),
+               "FSDP2 <- FSDP2": run(world, FLAGS + ZEPPELIN + FSDP2 + ["--load", f"{tmp}/t1"]),
+               "FSDP2 <- Megatron-FSDP": run(world, FLAGS + ZEPPELIN + FSDP2 +
+                                             ["--load", f"{tmp}/f1"])}
+    if rank == 0:
+        for what, logs in resumed.items():
+            assert close(logs, whole[1:]), (what, logs, whole)
+
+
+def test_torch_fsdp2_checkpoints_resume_across_modes(tmp_path):
+    """Saved with --use-torch-fsdp2 (full tensors, checkpoint_fsdp.py): resumes in static
+    mode under Megatron DDP and with FSDP2; a Megatron-FSDP checkpoint resumes with FSDP2."""
+    run_world(torch_fsdp2_checkpoints_body, 4, str(tmp_path), start_method="spawn",
+              timeout_s=500)
+
+
 @pytest.mark.parametrize("extra, match", [
     (["--data-parallel-sharding-strategy", "optim"],
      "--data-parallel-sharding-strategy=optim without --use-megatron-fsdp"),
@@ -109,7 +203,14 @@ def test_megatron_fsdp_checkpoints_resume_across_modes_and_optimizers(tmp_path):
     (["--use-megatron-fsdp"], "--use-megatron-fsdp with --data-parallel-sharding-strategy="
      "no_shard"),
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"],
-     "--use-megatron-fsdp with --data-parallel-sharding-strategy=optim: .* not exact"),
+     "--use-megatron-fsdp with --data-parallel-sharding-strategy=optim: .*GradReducePipeline"
+     "._bucket_group_gradient_reduce.* not exact"),
+    (FSDP2 + FSDP, "--use-torch-fsdp2 with --use-megatron-fsdp: "),
+    (FSDP2 + ["--use-distributed-optimizer"],
+     "--use-torch-fsdp2 with --use-distributed-optimizer: "),
+    (FSDP2 + ["--pipeline-model-parallel-size", "2"],
+     "--use-torch-fsdp2 with --pipeline-model-parallel-size=2: "),
+    (FSDP2 + ["--bf16"], "--use-torch-fsdp2 --bf16: "),
 ])
 def test_fsdp_flags_it_does_not_run_with_are_refused(extra, match):
     from megatron_zeppelin.config import ConfigError
@@ -127,11 +228,19 @@ def test_fsdp_cpu_bridge_needs_the_cpu_bridge_and_is_undone_with_it():
     if cpu.cpu_mode_enabled():
         pytest.skip("another test left the CPU bridge on")
     stream, context = torch.cuda.Stream, torch.cuda.stream
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import (
+        TorchFullyShardedDataParallel as TorchFSDP2)
+
+    fsdp2_init = TorchFSDP2.__init__
     with pytest.raises(RuntimeError, match="needs cpu.enable_cpu_mode"):
         cpu_fsdp.enable_megatron_fsdp_on_cpu()
+    with pytest.raises(RuntimeError, match="FSDP2 CPU bridge needs cpu.enable_cpu_mode"):
+        cpu_fsdp.enable_torch_fsdp2_on_cpu()
     with cpu.cpu_mode():
         cpu_fsdp.enable_megatron_fsdp_on_cpu()
         cpu_fsdp.enable_megatron_fsdp_on_cpu()  # idempotent
+        cpu_fsdp.enable_torch_fsdp2_on_cpu()
+        assert TorchFSDP2.__init__ is not fsdp2_init
         side = torch.cuda.Stream(priority=-1)
         assert isinstance(side, cpu_fsdp.CpuSideStream)
         with torch.cuda.stream(side):
@@ -139,3 +248,4 @@ def test_fsdp_cpu_bridge_needs_the_cpu_bridge_and_is_undone_with_it():
         event.wait()
         assert event.query() and isinstance(torch.cuda.Event(), cpu_fsdp.CpuEvent)
     assert (torch.cuda.Stream, torch.cuda.stream) == (stream, context)
+    assert TorchFSDP2.__init__ is fsdp2_init

@@ -1,5 +1,6 @@
-"""Megatron-FSDP (megatron-core's ``FullyShardedDataParallel``) on CPU with gloo: the CUDA
-streams and events it assumes, bridged while ``cpu.py``'s bridge is on.
+"""Megatron-FSDP (megatron-core's ``FullyShardedDataParallel``) and torch FSDP2 (its
+``TorchFullyShardedDataParallel``) on CPU with gloo: the CUDA streams, events and device mesh
+they assume, bridged while ``cpu.py``'s bridge is on.
 
 ``enable_megatron_fsdp_on_cpu()`` is called by the training loop before it wraps a model with
 ``--use-megatron-fsdp --device cpu``; ``cpu.disable_cpu_mode()`` undoes it with the rest.
@@ -23,6 +24,12 @@ What megatron-core 0.16.1's Megatron-FSDP does on CUDA and what stands in for it
 Nothing else of Megatron-FSDP's CPU path touches CUDA (read in megatron-core 0.16.1's
 ``megatron_fsdp.py`` and ``param_and_grad_buffer.py``); ``nccl_ub``, ``fsdp_double_buffer``
 and ``num_distributed_optimizer_instances > 1`` are not on our path (no flag sets them).
+
+Torch FSDP2 (``enable_torch_fsdp2_on_cpu()``, for ``--use-torch-fsdp2 --device cpu``): torch's
+``fully_shard`` runs on a CPU device mesh with gloo (all-gather and reduce-scatter of flat
+shards); megatron-core 0.16.1's ``TorchFullyShardedDataParallel.__init__`` names its mesh's
+device ``"cuda"`` (``DeviceMesh.from_group(group, "cuda")``), so while it runs the mesh is made
+on ``"cpu"``. Nothing else of it touches CUDA.
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ import torch
 from megatron_zeppelin.megatron.common import cpu, cpu_replacements
 
 FSDP_MODULE = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp"
+FSDP2_MODULE = "megatron.core.distributed.torch_fully_sharded_data_parallel"
 
 
 class CpuEvent:
@@ -113,3 +121,40 @@ def enable_megatron_fsdp_on_cpu() -> None:
     if not cpu.cpu_mode_enabled():
         raise RuntimeError("the Megatron-FSDP CPU bridge needs cpu.enable_cpu_mode() first")
     cpu.apply_patches(_specs())
+
+
+class _CpuDeviceMesh:
+    """The ``DeviceMesh`` name of megatron-core's FSDP2 module while its ``__init__`` runs on
+    CPU: ``from_group`` builds the mesh on the CPU device."""
+
+    @staticmethod
+    def from_group(group: Any, device_type: str, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed import DeviceMesh
+
+        return DeviceMesh.from_group(group, "cpu", *args, **kwargs)
+
+
+def _fsdp2_init_on_cpu(original: Callable) -> Callable:
+    """``TorchFullyShardedDataParallel.__init__`` with its device mesh on the CPU."""
+
+    @functools.wraps(original)
+    def replacement(self, *args: Any, **kwargs: Any) -> None:
+        import importlib
+
+        module = importlib.import_module(FSDP2_MODULE)
+        mesh = module.DeviceMesh
+        module.DeviceMesh = _CpuDeviceMesh
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            module.DeviceMesh = mesh
+
+    return replacement
+
+
+def enable_torch_fsdp2_on_cpu() -> None:
+    """Add the torch FSDP2 bridge to ``cpu.py``'s (which must be on); idempotent."""
+    if not cpu.cpu_mode_enabled():
+        raise RuntimeError("the torch FSDP2 CPU bridge needs cpu.enable_cpu_mode() first")
+    cpu.apply_patches([(FSDP2_MODULE, "TorchFullyShardedDataParallel.__init__",
+                        _fsdp2_init_on_cpu)])

@@ -167,6 +167,12 @@ RULES: tuple[Rule, ...] = (
          "CPU/gloo), not yet through this patch: Megatron-LM's own FSDP wrapping and its "
          "fsdp_dtensor checkpoints have had no CPU/gloo run with zeppelin pools",
          "use --use-distributed-optimizer here, or scripts/pretrain_gpt.py --use-megatron-fsdp"),
+    Rule("--use-torch-fsdp2", "use_torch_fsdp2", False, _set,
+         "torch FSDP2 runs with zeppelin pools in our scripts/pretrain_gpt.py (exact on "
+         "CPU/gloo), not through this patch: megatron-core 0.16.1's wrapper divides "
+         "gradients by the rank count, not by --calculate-per-token-loss's tokens, and our "
+         "script's mended wrapper is not wired into Megatron-LM",
+         "use --use-distributed-optimizer here, or scripts/pretrain_gpt.py --use-torch-fsdp2"),
     Rule("--zeppelin-overlong", "zeppelin_overlong", "error", lambda v, a: v != "error",
          "Megatron-LM's samples hold at most --seq-length tokens, so no sequence is ever longer "
          "than the planner's limit", "drop the flag"),

@@ -166,9 +166,13 @@ FSDP_STRATEGIES_REFUSED = {
     "no_shard": "(Megatron-LM's default) megatron-core 0.16.1's Megatron-FSDP fails at the "
                 "first optimizer step (start_param_sync all-gathers weight buckets that "
                 "no_shard never allocates)",
-    "optim": "megatron-core 0.16.1's Megatron-FSDP gives other gradients than Megatron DDP "
-             "(grad norm 2.69 vs 2.16 at the first iteration of tests/test_training_fsdp.py's "
-             "run on CPU/gloo): not exact",
+    "optim": "megatron-core 0.16.1's Megatron-FSDP adds each rank's own unreduced gradient "
+             "to the reduced one (megatron/core/distributed/fsdp/src/megatron_fsdp/"
+             "param_and_grad_buffer.py, GradReducePipeline._bucket_group_gradient_reduce: "
+             "with optim the gradient buffer is not sharded, the reduce-scatter writes into "
+             "a new tensor and 'local_grad += reduced_grad' adds it to this rank's slice of "
+             "its local gradient: each rank's gradient shard is the DP x CP sum plus its own "
+             "part, as tests/test_training_fsdp.py measures), so it is not exact",
 }
 
 
@@ -180,6 +184,8 @@ def check_fsdp(args: argparse.Namespace) -> None:
                           "--use-megatron-fsdp: it says what Megatron-FSDP shards; add "
                           "--use-megatron-fsdp (or --use-distributed-optimizer for ZeRO-1 "
                           "under Megatron DDP)")
+    if args.use_torch_fsdp2:
+        check_torch_fsdp2(args)
     if not args.use_megatron_fsdp:
         return
     if strategy in FSDP_STRATEGIES_REFUSED:
@@ -196,6 +202,23 @@ def check_fsdp(args: argparse.Namespace) -> None:
                           "its checkpoints are written in fp32 only (the model's weights are "
                           "the optimizer's fp32 main weights, checkpoint_fsdp.py); train in fp32 "
                           "or use --use-distributed-optimizer")
+
+
+def check_torch_fsdp2(args: argparse.Namespace) -> None:
+    """``--use-torch-fsdp2``: refused where Megatron-LM refuses it, and with Megatron-FSDP."""
+    others = [flag for flag, on in (
+        ("--use-megatron-fsdp", args.use_megatron_fsdp),
+        ("--use-distributed-optimizer", args.use_distributed_optimizer),
+        (f"--pipeline-model-parallel-size={args.pipeline_model_parallel_size}",
+         args.pipeline_model_parallel_size > 1)) if on]
+    if others:
+        raise ConfigError(f"--use-torch-fsdp2 with {others[0]}: torch FSDP2 shards parameters, "
+                          "gradients and Adam state itself, without pipeline stages (as in "
+                          "Megatron-LM); drop one of the two")
+    if args.bf16:
+        raise ConfigError("--use-torch-fsdp2 --bf16: torch FSDP2 has run here in fp32 only "
+                          "(megatron-core's bf16 optimizer over its DTensor shards is "
+                          "untested); train in fp32 or use --use-megatron-fsdp")
 
 
 def validate_args(args: argparse.Namespace, world_size: int, local_world_size: int | None

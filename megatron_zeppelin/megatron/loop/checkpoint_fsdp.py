@@ -1,4 +1,5 @@
-"""Checkpoints of Megatron-FSDP runs in the format of the other modes (``checkpoint.py``).
+"""Checkpoints of Megatron-FSDP and torch FSDP2 runs in the format of the other modes
+(``checkpoint.py``).
 
 megatron-core 0.16.1 writes Megatron-FSDP's state only as ``fsdp_dtensor`` (one DTensor per
 parameter, Megatron-LM's ``--ckpt-format fsdp_dtensor``), which neither Megatron DDP nor the
@@ -15,7 +16,11 @@ the plain fp32 optimizer:
   optimizer's fp32 main weights, then ``install_optimized_model_weights`` into the model's)
   and into Adam's state.
 
-So a checkpoint saved with ``--use-megatron-fsdp`` loads without it (plain or distributed
+Torch FSDP2 (``--use-torch-fsdp2``, ``FullTorchFSDP2Model``) is viewed the same way: its model's
+parameters are the DTensor shards the plain optimizer steps, and Adam's state is sharded as
+they are.
+
+So a checkpoint saved with ``--use-megatron-fsdp`` or ``--use-torch-fsdp2`` loads without it (plain or distributed
 optimizer, either mode) and the reverse, through ``checkpoint.py``'s existing conversions.
 Saving gathers one parameter at a time (each a full tensor on every rank while it is
 written): fine for models whose largest tensor fits a rank, as in our runs.
@@ -57,8 +62,11 @@ def _full(dtensor: Any, group: Any, local: torch.Tensor | None = None) -> torch.
 
 
 def full_parameters(fsdp_chunk: Any) -> dict[str, torch.Tensor]:
-    """Every parameter of a Megatron-FSDP chunk as a full tensor, by its GPT model name (the
-    fp32 main weights the optimizer steps; collective over the FSDP group)."""
+    """Every parameter of a Megatron-FSDP or torch FSDP2 chunk as a full tensor, by its GPT
+    model name (the fp32 weights the optimizer steps; collective over the FSDP group)."""
+    if not _is_fsdp(fsdp_chunk):  # torch FSDP2: the model's parameters are the shards
+        return {name: _full(param, fsdp_chunk.process_group)
+                for name, param in fsdp_chunk.module.named_parameters()}
     group = fsdp_chunk.module.dist_index.get_dp_group()
     named = fsdp_chunk.module.param_and_grad_buffer.optimizer_named_parameters
     return {name: _full(param, group) for name, param in named}
@@ -84,6 +92,17 @@ def _scatter(full: torch.Tensor, local: torch.Tensor, what: str, like: Any) -> N
         raise ValueError(f"{what}: loaded shape {tuple(full.shape)}, the model's "
                          f"{tuple(like.shape)}")
     local.copy_(full[_local_slices(like)].reshape(local.shape))
+
+
+def _scatter_all(state: dict, params: dict[str, Any]) -> None:
+    """Copy each rank's slice of the full tensors ``state`` into the DTensor shards
+    ``params`` (by name); a parameter the checkpoint lacks is an error naming it."""
+    missing = sorted(set(params) - set(state))
+    if missing:
+        raise ValueError(f"the checkpoint's model has no {missing[0]} "
+                         f"({len(missing)} parameter(s) missing)")
+    for name, dtensor in params.items():
+        _scatter(state[name], dtensor.to_local(), name, dtensor)
 
 
 class FullModel:
@@ -121,22 +140,54 @@ class FullModel:
     def _full_parameter(self, name: str, param: Any) -> torch.nn.Parameter:
         """A full copy of FSDP parameter ``name`` with the attributes megatron-core set on
         the model's own parameter (tensor-parallel layout, ``allreduce``, ...)."""
-        full = torch.nn.Parameter(_full(param, self.group), requires_grad=False)
-        raw = self.fsdp.raw_param.get(name)
-        for key, value in (vars(raw).items() if raw is not None else ()):
-            if not key.startswith("_"):
-                setattr(full, key, value)
-        full._zeppelin_fsdp_param = param
-        return full
+        return _tagged_full(param, self.fsdp.raw_param.get(name), self.group)
 
     def load_state_dict(self, state: dict) -> None:
-        missing = sorted(set(self.params) - set(state))
-        if missing:
-            raise ValueError(f"the checkpoint's model has no {missing[0]} "
-                             f"({len(missing)} parameter(s) missing)")
-        for name, dtensor in self.params.items():
-            _scatter(state[name], dtensor.to_local(), name, dtensor)
+        _scatter_all(state, self.params)
         self.fsdp.install_optimized_model_weights()
+
+
+class FullTorchFSDP2Model:
+    """``FullModel`` of a torch FSDP2 chunk (``torch_fsdp2.py``): its GPT model's parameters
+    are the DTensor shards the plain optimizer steps, gathered over the chunk's DP x CP group
+    while the state dict is built and sliced back into the shards on load."""
+
+    def __init__(self, chunk: Any) -> None:
+        self.model = chunk.module  # the GPT model, its parameters FSDP2's DTensors
+        self.params = dict(self.model.named_parameters())
+        self.group = chunk.process_group
+
+    def sharded_state_dict(self) -> dict:
+        """The GPT model's sharded state dict, built while its parameters are full copies
+        tagged with their DTensors (``_zeppelin_fsdp_param``, for ``FullOptimizer``)."""
+        fulls = {name: _tagged_full(param, param, self.group)
+                 for name, param in self.params.items()}
+        _set_parameters(self.model, fulls)
+        try:
+            return self.model.sharded_state_dict()
+        finally:
+            _set_parameters(self.model, self.params)
+
+    def load_state_dict(self, state: dict) -> None:
+        _scatter_all(state, self.params)
+
+
+def _tagged_full(param: Any, attributes: Any, group: Any) -> torch.nn.Parameter:
+    """A full copy of the DTensor ``param`` with the public attributes megatron-core set on
+    ``attributes`` (tensor-parallel layout, ``allreduce``, ...), tagged with ``param``."""
+    full = torch.nn.Parameter(_full(param, group), requires_grad=False)
+    for key, value in (vars(attributes).items() if attributes is not None else ()):
+        if not key.startswith("_"):
+            setattr(full, key, value)
+    full._zeppelin_fsdp_param = param
+    return full
+
+
+def _set_parameters(model: torch.nn.Module, params: dict[str, Any]) -> None:
+    """Register ``params`` (by name in ``model``) in place of the model's parameters."""
+    for name, param in params.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._parameters[leaf] = param
 
 
 class FullOptimizer:
@@ -145,8 +196,13 @@ class FullOptimizer:
 
     def __init__(self, optimizer: Any, group: Any) -> None:
         self.group = group
-        self.distributed = optimizer  # megatron-core's DistributedOptimizer over FSDP
-        self.adam = optimizer.optimizer
+        chained = getattr(optimizer, "chained_optimizers", [optimizer])
+        if len(chained) != 1:
+            raise ValueError(f"{len(chained)} chained optimizers: the FSDP checkpoint view "
+                             "takes one")
+        # megatron-core's DistributedOptimizer over Megatron-FSDP, its FP32Optimizer over FSDP2
+        self.distributed = chained[0]
+        self.adam = self.distributed.optimizer  # torch's Adam
         self.params = [p for group in self.adam.param_groups for p in group["params"]]
 
     def sharded_state_dict(self, models: dict, is_loading: bool = False,
@@ -155,7 +211,10 @@ class FullOptimizer:
         from megatron.core.dist_checkpointing.optimizer import optim_state_to_sharding_state
 
         if is_loading and not self.adam.state:
-            self.distributed._init_optimizer_states_with_dummy_values()
+            if hasattr(self.distributed, "_init_optimizer_states_with_dummy_values"):
+                self.distributed._init_optimizer_states_with_dummy_values()
+            else:  # the plain optimizer (torch FSDP2): Adam's state as its first step makes
+                self.distributed.init_state_fn(self.adam, self.distributed.config)
         by_param = {id(v.data._zeppelin_fsdp_param): v for v in nested_values(models)
                     if hasattr(getattr(v, "data", None), "_zeppelin_fsdp_param")}
         state = self.adam.state_dict()
@@ -209,10 +268,16 @@ class FullOptimizer:
 
 def full_state_view(run: Any) -> Any:
     """``run`` (``checkpoint.Training``) as checkpoint.py reads it: itself, or for a
-    Megatron-FSDP run its full-state view (a plain fp32 optimizer's run to checkpoint.py)."""
-    if not _is_fsdp(run.chunks[0]):
+    Megatron-FSDP or torch FSDP2 run its full-state view (a plain fp32 optimizer's run to checkpoint.py)."""
+    from megatron_zeppelin.megatron.common.torch_fsdp2 import is_torch_fsdp2
+
+    if is_torch_fsdp2(run.chunks[0]):
+        full = FullTorchFSDP2Model
+    elif _is_fsdp(run.chunks[0]):
+        full = FullModel
+    else:
         return run
-    chunks = [types.SimpleNamespace(module=FullModel(chunk), config=chunk.config,
+    chunks = [types.SimpleNamespace(module=full(chunk), config=chunk.config,
                                     ddp_config=types.SimpleNamespace(
                                         use_distributed_optimizer=False))
               for chunk in run.chunks]

@@ -184,6 +184,10 @@ class ParallelArgs:
         "no_shard", "with --use-megatron-fsdp, what is sharded over DP x CP (Megatron-LM's "
         "flag): no_shard, optim (Adam state), optim_grads (+ gradients), optim_grads_params "
         "(+ parameters, gathered per layer: full FSDP)", choices=SHARDING_STRATEGIES)
+    use_torch_fsdp2: bool = setting(
+        False, "torch FSDP2 (fully_shard) over DP x CP through megatron-core's "
+        "TorchFullyShardedDataParallel: parameters, gradients and Adam state sharded per "
+        "layer, with the plain optimizer (Megatron-LM's flag)")
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "tensor_model_parallel_size", "context_parallel_size",

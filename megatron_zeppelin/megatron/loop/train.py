@@ -192,10 +192,15 @@ def data_parallel_chunks(args: argparse.Namespace, config, modules: list) -> lis
     """Megatron DDP around each model chunk (gradients reduced over DP x CP), or with
     ``--use-megatron-fsdp`` megatron-core's Megatron-FSDP around the one chunk (parameters,
     gradients and Adam state sharded over DP x CP as ``--data-parallel-sharding-strategy``
-    says; it always runs the distributed optimizer, as in Megatron-LM). On CPU the FSDP
-    streams are bridged (``cpu_fsdp.py``)."""
+    says; it always runs the distributed optimizer, as in Megatron-LM), or with
+    ``--use-torch-fsdp2`` torch FSDP2 through megatron-core (``torch_fsdp2.py``: the plain
+    optimizer on sharded parameters). On CPU the FSDP streams are bridged (``cpu_fsdp.py``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    if args.use_torch_fsdp2:
+        from megatron_zeppelin.megatron.common.torch_fsdp2 import torch_fsdp2
+
+        return [torch_fsdp2(config, module, args.device) for module in modules]
     fsdp = args.use_megatron_fsdp
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=args.overlap_grad_reduce,

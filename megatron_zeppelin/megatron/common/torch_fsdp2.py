@@ -1,0 +1,78 @@
+"""Torch FSDP2 (``--use-torch-fsdp2``) through megatron-core 0.16.1's
+``TorchFullyShardedDataParallel``, with Megatron's per-token loss normalisation.
+
+megatron-core wraps every ``TransformerLayer``, the embedding and RoPE with torch's
+``fully_shard`` over the DP x CP group (the rest, the output layer included, with the root):
+each parameter is a ``DTensor`` sharded on dim 0, all-gathered per layer for forward and backward, and its
+gradient is reduce-scattered after every backward (its ``no_sync`` is empty) into the sharded
+``.grad`` that the plain optimizer (torch Adam on the shards) steps.
+
+What 0.16.1 gets wrong with ``calculate_per_token_loss`` (our loss, as Megatron-LM's
+``--calculate-per-token-loss``): FSDP2 divides each reduce-scatter by the group size, and
+``finalize_model_grads`` then calls ``scale_gradients(1 / tokens)``, which
+``_BaseDataParallel`` leaves empty. Gradients would be the sum over the group's ranks divided
+by the rank count instead of by the global batch's tokens. ``PerTokenTorchFSDP`` sums in
+the reduce-scatter (divide factor 1 and SUM reductions, as Megatron DDP under per-token loss)
+and scales the sharded gradients by ``scale_gradients``' factor, so its gradients are Megatron
+DDP's. It also takes the ``force_all_reduce`` that 0.16.1's ``finalize_model_grads`` passes
+and its base class's ``finish_grad_sync`` does not.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def torch_fsdp2(config: Any, module: torch.nn.Module, device: str) -> Any:
+    """``module`` wrapped by megatron-core's FSDP2 over DP x CP (collective: every rank of
+    the group builds it). ``device``: "cpu" runs it on gloo (``cpu_fsdp.py``'s bridge)."""
+    from megatron.core.distributed import TorchFullyShardedDataParallelConfig
+    from megatron.core.models.common.embeddings.language_model_embedding import (
+        LanguageModelEmbedding)
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import (
+        TorchFullyShardedDataParallel)
+
+    if device == "cpu":
+        from megatron_zeppelin.megatron.common.cpu_fsdp import enable_torch_fsdp2_on_cpu
+
+        enable_torch_fsdp2_on_cpu()
+
+    class PerTokenTorchFSDP(TorchFullyShardedDataParallel):
+        """megatron-core's FSDP2 wrapper whose ``scale_gradients`` scales (module doc)."""
+
+        def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+            """Nothing left to reduce: FSDP2 waited for its reduce-scatters at the end of the
+            backward. (0.16.1's ``_BaseDataParallel.finish_grad_sync`` takes no
+            ``force_all_reduce``, which its own ``finalize_model_grads`` passes.)"""
+
+        def scale_gradients(self, scaling_factor: float) -> None:
+            for param in self.module.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(scaling_factor)
+
+    # the default set less ColumnParallelLinear, as megatron-core does for
+    # transformer_impl "local": our layers' linear layers are megatron-core's own, and wrapping
+    # them again inside a wrapped TransformerLayer fails; the output layer is the root's
+    units = {TransformerLayer, LanguageModelEmbedding, RotaryEmbedding}
+    chunk = PerTokenTorchFSDP(config, TorchFullyShardedDataParallelConfig(), module,
+                              sub_modules_to_wrap=units)
+    if config.calculate_per_token_loss:
+        from torch.distributed.fsdp import FSDPModule
+
+        for sub_module in chunk.module.modules():
+            if isinstance(sub_module, FSDPModule):
+                sub_module.set_gradient_divide_factor(1.0)
+                # a plain SUM (a factor of 1 is otherwise a PREMUL_SUM, which gloo lacks)
+                sub_module.set_force_sum_reduction_for_comms(True)
+    return chunk
+
+
+def is_torch_fsdp2(chunk: Any) -> bool:
+    """Whether a model chunk is wrapped by megatron-core's torch FSDP2."""
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import (
+        TorchFullyShardedDataParallel)
+
+    return isinstance(chunk, TorchFullyShardedDataParallel)
