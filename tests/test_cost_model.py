@@ -145,9 +145,11 @@ def test_ranks_sharing_a_device_run_faster_while_their_peers_wait():
     assert shared_peak([3.0, 3.0, 3.0, 3.0], 2.0) == 3.0  # all busy: as timed
     # 4 CPU ranks on 2 cores: one long document over a ring of 2 (the other pair idle) is
     # estimated faster with shared cores; over all 4 ranks (every rank busy) it is not
-    plain = make_cost("gpt-tiny", "cpu-2x2", nodes=2)
-    shared = CostModel(plain.model, plain.cluster,
-                       dataclasses.replace(plain.hardware, shared_by=2.0), plain.tp)
+    cpu = make_cost("gpt-tiny", "cpu-2x2", nodes=2)
+    assert cpu.hardware.shared_by == 2.0  # configs/hardware/cpu.yaml: 4 ranks on 2 cores
+    plain, shared = (CostModel(cpu.model, cpu.cluster,
+                               dataclasses.replace(cpu.hardware, shared_by=by), cpu.tp)
+                     for by in (1.0, 2.0))
     lengths, config = [8000], ZeppelinConfig(routing=False, remap=False)
     steps = {}
     for cp in (2, 4):
