@@ -72,9 +72,10 @@ def test_a_run_fits_switches_every_rank_alike_and_writes_the_profile(tmp_path, p
     out = str(tmp_path / "fitted.yaml")
     # the prior: the shipped CPU profile without host work per ring step or remap and with
     # the 1024^3 GEMM rate (what calibrate measures), so that the plans ring and remap and
-    # every coefficient is measured
+    # every coefficient is measured (and a device per rank: shared cores make all-local
+    # plans the cheaper ones)
     prior = dataclasses.replace(load_hardware("cpu"), gemm_tflops=0.08,
-                                ring_step_overhead_us=0.0, remap_overhead_us=0.0)
+                                ring_step_overhead_us=0.0, remap_overhead_us=0.0, shared_by=1.0)
     write_yaml(prior, out + ".prior.yaml", "test prior")
     results = run_world(_train, 4, out, process, start_method="spawn", timeout_s=400)
     seen = [r[0] for r in results]

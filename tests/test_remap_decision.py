@@ -84,7 +84,7 @@ def test_the_remaps_host_work_turns_a_remap_of_few_tokens_down():
     margins = []
     for us in (0.0, 4000.0):
         hardware = dataclasses.replace(setup.hardware, ring_step_overhead_us=0.0,
-                                       remap_overhead_us=us)
+                                       remap_overhead_us=us, shared_by=1.0)  # a device each
         cost = CostModel(model, setup.cluster, hardware, 1)
         plan = make_plan("zeppelin", lengths, cost, ZeppelinConfig(max_seqlen=4096))
         estimates = dict(plan.estimates)

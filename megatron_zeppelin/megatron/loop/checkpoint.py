@@ -28,15 +28,13 @@ import queue
 import random
 import shutil
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.megatron.loop.checkpoint_files import (
-    CHECKPOINT_VERSION, SCHEDULE_FLAGS, TRACKER, Found, check_pipeline, check_schedule,
-    check_shapes, inspect, iteration_dir, refuse)
+    CHECKPOINT_VERSION, SCHEDULE_FLAGS, TRACKER, Found, Training, check_pipeline,
+    check_schedule, check_shapes, inspect, iteration_dir, refuse)
 from megatron_zeppelin.megatron.loop.checkpoint_fsdp import full_state_view
 from megatron_zeppelin.megatron.loop.checkpoint_optimizer import (
     MAIN_PARAMS, check_optimizer_kind, convert_optimizer_state, give_main_params,
@@ -99,26 +97,6 @@ def _in_process_write_results() -> None:
 
     if getattr(filesystem_async, "_results_queue", False) is None:
         filesystem_async._results_queue = queue.Queue()
-
-
-@dataclass
-class Training:
-    """What a checkpoint holds, live: the DDP model chunks of this pipeline stage (one
-    without virtual stages), their optimizer and LR scheduler."""
-
-    chunks: list
-    optimizer: Any
-    scheduler: Any
-    device: str
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.chunks, list):
-            self.chunks = [self.chunks]  # one DDP model
-
-    @property
-    def model(self) -> Any:
-        """The only chunk (no pipeline, or one chunk per stage); else the first."""
-        return self.chunks[0]
 
 
 def model_state(run: Training) -> dict:

@@ -7,7 +7,8 @@ megatron-core's ``dist_checkpointing`` (Megatron-LM's ``--ckpt-format torch_dist
 safely: ``common.pt`` with ``torch.load(weights_only=True)``, DCP's ``.metadata`` (a pickle)
 with an unpickler that only accepts torch's checkpoint-metadata classes; ``check_pipeline``,
 ``check_schedule`` and ``check_shapes`` compare it with this run. A missing, truncated,
-foreign or mismatched checkpoint is a ``ConfigError`` naming the path.
+foreign or mismatched checkpoint is a ``ConfigError`` naming the path. ``Training``: what a
+checkpoint holds, live (the argument of ``checkpoint.py`` and ``checkpoint_optimizer.py``).
 """
 from __future__ import annotations
 
@@ -210,3 +211,23 @@ def check_shapes(found: Found, sharded: dict) -> None:
                          f"{shape} there, {tuple(tensor.global_shape)} here (check "
                          "--num-layers, --hidden-size, --num-attention-heads, "
                          "--num-query-groups, --ffn-hidden-size, --vocab-size)")
+
+
+@dataclass
+class Training:
+    """What a checkpoint holds, live: the DDP model chunks of this pipeline stage (one
+    without virtual stages), their optimizer and LR scheduler."""
+
+    chunks: list
+    optimizer: Any
+    scheduler: Any
+    device: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunks, list):
+            self.chunks = [self.chunks]  # one DDP model
+
+    @property
+    def model(self) -> Any:
+        """The only chunk (no pipeline, or one chunk per stage); else the first."""
+        return self.chunks[0]

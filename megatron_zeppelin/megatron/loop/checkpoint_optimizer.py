@@ -6,17 +6,12 @@ main parameters from the model's weights (``take_main_params`` / ``give_main_par
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from megatron_zeppelin.megatron.loop.checkpoint_files import Found, refuse
-
-if TYPE_CHECKING:
-    from megatron_zeppelin.megatron.loop.checkpoint import Training
+from megatron_zeppelin.megatron.loop.checkpoint_files import Found, Training, refuse
 
 
-def optimizer_metadata(run: "Training") -> dict | None:
+def optimizer_metadata(run: Training) -> dict | None:
     """``sharded_state_dict`` metadata (saved as the checkpoint's content metadata): the
     distributed optimizer writes ``fully_reshardable`` state, one tensor per parameter and
     state in model space, the same keys as the plain optimizers' (``optimizer.state.exp_avg.
@@ -36,7 +31,7 @@ def saved_distributed(common: dict) -> bool:
     return "distrib_optim_sharding_type" in metadata
 
 
-def check_optimizer_kind(found: Found, common: dict, run: "Training") -> None:
+def check_optimizer_kind(found: Found, common: dict, run: Training) -> None:
     """Optimizer state crosses between the distributed and the plain optimizer in fp32
     (``convert_optimizer_state``); megatron-core's bf16 optimizer keeps its fp32 main
     parameters in another layout, so a crossing with bf16 is refused in one line."""
@@ -52,7 +47,7 @@ def check_optimizer_kind(found: Found, common: dict, run: "Training") -> None:
 MAIN_PARAMS = "optimizer.state.param."  # the distributed optimizer's fp32 main parameters
 
 
-def main_params_from_model(common: dict, run: "Training") -> bool:
+def main_params_from_model(common: dict, run: Training) -> bool:
     """A plain fp32 checkpoint loaded into the distributed optimizer: its main parameters
     are the model's weights (the plain fp32 optimizer steps the model's own tensors)."""
     return run.chunks[0].ddp_config.use_distributed_optimizer and \
@@ -112,7 +107,7 @@ def give_main_params(loaded: dict, names: dict) -> None:
     dict_list_map_inplace(give, loaded["optimizer"])
 
 
-def convert_optimizer_state(state: dict, saved_distributed: bool, run: "Training") -> None:
+def convert_optimizer_state(state: dict, saved_distributed: bool, run: Training) -> None:
     """Loaded optimizer state (in place) into the layout ``run.optimizer.load_state_dict``
     expects when the other optimizer kind saved it (fp32). The tensors are the
     same (Adam's ``exp_avg``/``exp_avg_sq`` per parameter in model space,
