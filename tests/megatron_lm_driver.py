@@ -230,7 +230,8 @@ def main() -> None:
         result["rank_pads"].append(pads)
         result["pad_tokens"] += int(total[1])
         if args.mtp_num_layers:  # as Megatron-LM's training_log: reduced, then cleared
-            result.setdefault("mtp_losses", []).append(mtp_losses())
+            result.setdefault("mtp_losses", []).append(
+                on_last_stage({"mtp": mtp_losses()}, last_rank)["mtp"])
     if args.do_valid and args.eval_iters:  # every rank: TP ranks > 0 have no iterator
         evaluated = run_on_cpu(T.evaluate)(P.forward_step, valid_it, model, None, config)
         valid = {k: float(v) for k, v in evaluated[0].items()}

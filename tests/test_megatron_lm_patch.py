@@ -82,7 +82,6 @@ def trigger(rule) -> dict:
               "experimental_attention_variant": "dsa"}
     extra = {"moe_token_dispatcher_type": {"expert_model_parallel_size": 2},
              "moe_router_load_balancing_type": {"micro_batch_size": 2},
-             "mtp_num_layers": {"pipeline_model_parallel_size": 2},
              "overlap_p2p_comm": {"pipeline_model_parallel_size": 2,
                                   "num_layers_per_virtual_pipeline_stage": 1}}
     return {rule.name: values.get(rule.name, True), **extra.get(rule.name, {})}
@@ -110,6 +109,8 @@ def test_pipeline_stages_each_have_pools_of_megatron_cp_groups(monkeypatch):
     args = megatron_lm_args(pipeline_model_parallel_size=2,
                             num_layers_per_virtual_pipeline_stage=1)
     lm.check_megatron_lm_args(args)  # PP and virtual stages (overlapped P2P, the default)
+    lm.check_megatron_lm_args(megatron_lm_args(pipeline_model_parallel_size=2,
+                                               mtp_num_layers=1))  # MTP on the last stage
     layout = lm.pool_layout(args)
     assert layout.pp == 2 and layout.dp == 1 and layout.pool_ranks(0, 1, 1) == list(
         range(33, 64, 2))  # stage 1, TP rank 1: Megatron's CP group (order tp-cp-dp-pp)

@@ -351,3 +351,22 @@ def test_every_stage_and_chunk_runs_each_micro_batch_with_the_same_plan(pipeline
     for rank in range(4):  # both stages, both pool ranks
         for chunk in range(chunks):
             assert [d for c, d in plans[rank] if c == chunk] == reference, (rank, chunk)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_multi_token_prediction_with_pipelines_trains_like_static(tree, tmp_path, schedule):
+    """--mtp-num-layers 1 with PP 2 x CP 2: megatron-core builds the MTP layer on the last
+    stage (the last model chunk with virtual stages) with its own copy of the word embedding,
+    tied to the first stage's through the embedding group; the shift within documents runs in
+    the last stage's pools (the plan every stage made alike). Whole samples: Megatron-LM's
+    static path rolls across documents with --reset-attention-mask."""
+    flags = [*PIPELINE, *SCHEDULES[schedule], "--mtp-num-layers", "1",
+             "--mtp-loss-scaling-factor", "0.3"]
+    zeppelin = run(tree, tmp_path, "pp-mtp-zeppelin", 4, *ZEPPELIN, "--context-parallel-size",
+                   "2", *flags)
+    static = run(tree, tmp_path, "pp-mtp-static", 4, *STATIC, *flags)
+    assert_same_training(zeppelin, static)
+    assert len(zeppelin["mtp_losses"]) == 3  # logged from the last stage, one per depth
+    assert all(len(v) == 1 and v[0] > 1.0 for v in zeppelin["mtp_losses"])
+    for mine, theirs in zip(zeppelin["mtp_losses"], static["mtp_losses"]):
+        assert mine == pytest.approx(theirs, rel=2e-6)

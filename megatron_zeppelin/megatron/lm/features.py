@@ -79,11 +79,6 @@ RULES: tuple[Rule, ...] = (
     Rule("--zeppelin-profile-out", "zeppelin_profile_out", None, _set,
          "nothing is fitted in Megatron-LM's loop (see --zeppelin-fit-interval)",
          "drop the flag, or fit with scripts/pretrain_gpt.py"),
-    Rule("--mtp-num-layers", "mtp_num_layers", None,
-         lambda v, a: bool(v) and _get(a, "pipeline_model_parallel_size", 1) > 1,
-         "multi-token prediction with pipeline parallelism (the MTP block on the last stage) "
-         "has not been checked against static mode",
-         "drop --mtp-num-layers or use --pipeline-model-parallel-size 1"),
     Rule("--no-overlap-p2p-communication", "overlap_p2p_comm", True,
          lambda v, a: not v and _virtual_stages(a),
          "with virtual pipeline stages zeppelin's ordered pipeline P2P sends one direction per "
