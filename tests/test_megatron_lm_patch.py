@@ -79,9 +79,15 @@ def trigger(rule) -> dict:
               "moe_router_load_balancing_type": "seq_aux_loss",
               "zeppelin_overlong": "split",
               "hierarchical_context_parallel_sizes": [2, 8], "window_size": (128, 4),
-              "experimental_attention_variant": "dsa"}
+              "experimental_attention_variant": "dsa", "data_parallel_sharding_strategy":
+              "no_shard", "pipeline_model_parallel_size": 2}
     extra = {"moe_token_dispatcher_type": {"expert_model_parallel_size": 2},
              "moe_router_load_balancing_type": {"micro_batch_size": 2},
+             "data_parallel_sharding_strategy": {"use_megatron_fsdp": True,
+                                                 "use_distributed_optimizer": True},
+             "pipeline_model_parallel_size": {"use_megatron_fsdp": True,
+                                              "use_distributed_optimizer": True,
+                                              "data_parallel_sharding_strategy": "optim_grads"},
              "overlap_p2p_comm": {"pipeline_model_parallel_size": 2,
                                   "num_layers_per_virtual_pipeline_stage": 1}}
     return {rule.name: values.get(rule.name, True), **extra.get(rule.name, {})}
