@@ -88,6 +88,8 @@ def trigger(rule) -> dict:
              "pipeline_model_parallel_size": {"use_megatron_fsdp": True,
                                               "use_distributed_optimizer": True,
                                               "data_parallel_sharding_strategy": "optim_grads"},
+             "save": {"use_megatron_fsdp": True, "use_distributed_optimizer": True,
+                      "data_parallel_sharding_strategy": "optim_grads"},
              "overlap_p2p_comm": {"pipeline_model_parallel_size": 2,
                                   "num_layers_per_virtual_pipeline_stage": 1}}
     return {rule.name: values.get(rule.name, True), **extra.get(rule.name, {})}

@@ -173,6 +173,15 @@ RULES: tuple[Rule, ...] = (
          lambda v, a: v > 1 and _get(a, "use_megatron_fsdp", False),
          "Megatron-FSDP with pipeline stages has had no exactness run through this patch",
          "use --use-distributed-optimizer under Megatron DDP with pipeline parallelism"),
+    Rule("--save", "save", None,
+         lambda v, a: _get(a, "use_megatron_fsdp", False) and (
+             _set(v, a) or _set(_get(a, "load", None), a)),
+         "Megatron-LM 0.16.1's fsdp_dtensor checkpoints have not run through this patch: in "
+         "fp32 with --swiglu its save fails in static mode too (it looks up module.<name>, "
+         "the Float16Module's), and without --swiglu the save did not finish on CPU/gloo",
+         "train without --save/--load here, or use --use-distributed-optimizer (checkpoints "
+         "checked), or scripts/pretrain_gpt.py --use-megatron-fsdp",
+         given="--save or --load with --use-megatron-fsdp"),
     Rule("--zeppelin-overlong", "zeppelin_overlong", "error", lambda v, a: v != "error",
          "Megatron-LM's samples hold at most --seq-length tokens, so no sequence is ever longer "
          "than the planner's limit", "drop the flag"),
