@@ -36,7 +36,10 @@ import torch.distributed as dist  # noqa: E402
 import megatron.training.arguments as megatron_arguments  # noqa: E402
 
 megatron_arguments.get_device_arch_version = lambda: 10  # CPU: no CUDA device to ask
-os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+# Megatron-LM asserts 1 for TP/CP > 1 before Blackwell (arch 10 here: not asked) and not 1
+# with Megatron-FSDP
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS",
+                      "8" if "--use-megatron-fsdp" in sys.argv else "1")
 
 import pretrain_gpt as P  # noqa: E402
 from functools import partial  # noqa: E402
@@ -85,6 +88,19 @@ def cpu_stand_ins() -> None:
     moe_utils.maybe_move_tensor_to_cpu = dispatcher.maybe_move_tensor_to_cpu = to_cpu
 
 
+def fsdp_on_cpu_device() -> None:
+    """Megatron-LM's ``get_model`` wraps chunks in megatron-core's FSDP adapter without a
+    device, which then names ``cuda:<current device>``: on CPU it gets the CPU device."""
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    original = FullyShardedDataParallel.__init__
+
+    def init(self, *args, device=None, **kwargs):
+        original(self, *args, device=device or torch.device("cpu"), **kwargs)
+
+    FullyShardedDataParallel.__init__ = init
+
+
 def initialize() -> None:
     """``initialize_megatron`` on CPU: args, global variables, rerun machine, gloo, mpu."""
     from megatron.core import tensor_parallel
@@ -105,6 +121,11 @@ def initialize() -> None:
     dist.init_process_group("gloo")
     enable_cpu_mode()
     cpu_stand_ins()
+    if args.use_megatron_fsdp:  # its side streams and events
+        from megatron_zeppelin.megatron.common.cpu_fsdp import enable_megatron_fsdp_on_cpu
+
+        enable_megatron_fsdp_on_cpu()
+        fsdp_on_cpu_device()
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -182,6 +203,15 @@ def on_last_stage(values: dict, last_rank: int) -> dict:
     return box[0]
 
 
+def parameters(chunk, inner) -> list:
+    """The first model chunk's parameters, gathered whole from Megatron-FSDP's shards."""
+    if not get_args().use_megatron_fsdp:
+        return list(inner.parameters())
+    from megatron_zeppelin.megatron.loop.checkpoint_fsdp import full_parameters
+
+    return list(full_parameters(chunk).values())
+
+
 def main() -> None:
     out_path, stop = _harness_option("--harness-out"), _harness_option("--harness-stop")
     sys.argv[0] = "pretrain_gpt.py"
@@ -204,6 +234,8 @@ def main() -> None:
     last_rank = dist.get_world_size() - 1  # on the last pipeline stage
     step = run_on_cpu(T.train_step)
     inner = model[0].module
+    while not hasattr(inner, "decoder"):  # Megatron-FSDP: adapter -> MegatronFSDP -> model
+        inner = inner.module
     core_attention = inner.decoder.layers[0].self_attention.core_attention
     result = {"mode": args.context_parallel_mode, "world": dist.get_world_size(),
               "model": type(inner).__name__, "start": start, "losses": [], "grad_norms": [],
@@ -230,7 +262,8 @@ def main() -> None:
         result["rank_pads"].append(pads)
         result["pad_tokens"] += int(total[1])
         if args.mtp_num_layers:  # as Megatron-LM's training_log: reduced, then cleared
-            result.setdefault("mtp_losses", []).append(mtp_losses())
+            result.setdefault("mtp_losses", []).append(
+                on_last_stage({"mtp": mtp_losses()}, last_rank)["mtp"])
     if args.do_valid and args.eval_iters:  # every rank: TP ranks > 0 have no iterator
         evaluated = run_on_cpu(T.evaluate)(P.forward_step, valid_it, model, None, config)
         valid = {k: float(v) for k, v in evaluated[0].items()}
@@ -240,7 +273,7 @@ def main() -> None:
     result["plans"] = every  # [rank][(chunk, digest)], every get_batch in order
     if args.save:
         run_on_cpu(save_checkpoint)(last, model, optimizer, scheduler, 0)
-    params = torch.cat([p.detach().float().reshape(-1) for p in inner.parameters()])
+    params = torch.cat([p.detach().float().reshape(-1) for p in parameters(model[0], inner)])
     result["param_sum"] = float(params.double().sum())
     result["param_abs_sum"] = float(params.double().abs().sum())
     if rank == 0:

@@ -79,10 +79,17 @@ def trigger(rule) -> dict:
               "moe_router_load_balancing_type": "seq_aux_loss",
               "zeppelin_overlong": "split",
               "hierarchical_context_parallel_sizes": [2, 8], "window_size": (128, 4),
-              "experimental_attention_variant": "dsa"}
+              "experimental_attention_variant": "dsa", "data_parallel_sharding_strategy":
+              "no_shard", "pipeline_model_parallel_size": 2}
     extra = {"moe_token_dispatcher_type": {"expert_model_parallel_size": 2},
              "moe_router_load_balancing_type": {"micro_batch_size": 2},
-             "mtp_num_layers": {"pipeline_model_parallel_size": 2},
+             "data_parallel_sharding_strategy": {"use_megatron_fsdp": True,
+                                                 "use_distributed_optimizer": True},
+             "pipeline_model_parallel_size": {"use_megatron_fsdp": True,
+                                              "use_distributed_optimizer": True,
+                                              "data_parallel_sharding_strategy": "optim_grads"},
+             "save": {"use_megatron_fsdp": True, "use_distributed_optimizer": True,
+                      "data_parallel_sharding_strategy": "optim_grads"},
              "overlap_p2p_comm": {"pipeline_model_parallel_size": 2,
                                   "num_layers_per_virtual_pipeline_stage": 1}}
     return {rule.name: values.get(rule.name, True), **extra.get(rule.name, {})}
@@ -110,6 +117,8 @@ def test_pipeline_stages_each_have_pools_of_megatron_cp_groups(monkeypatch):
     args = megatron_lm_args(pipeline_model_parallel_size=2,
                             num_layers_per_virtual_pipeline_stage=1)
     lm.check_megatron_lm_args(args)  # PP and virtual stages (overlapped P2P, the default)
+    lm.check_megatron_lm_args(megatron_lm_args(pipeline_model_parallel_size=2,
+                                               mtp_num_layers=1))  # MTP on the last stage
     layout = lm.pool_layout(args)
     assert layout.pp == 2 and layout.dp == 1 and layout.pool_ranks(0, 1, 1) == list(
         range(33, 64, 2))  # stage 1, TP rank 1: Megatron's CP group (order tp-cp-dp-pp)

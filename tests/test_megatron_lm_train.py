@@ -351,3 +351,75 @@ def test_every_stage_and_chunk_runs_each_micro_batch_with_the_same_plan(pipeline
     for rank in range(4):  # both stages, both pool ranks
         for chunk in range(chunks):
             assert [d for c, d in plans[rank] if c == chunk] == reference, (rank, chunk)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_multi_token_prediction_with_pipelines_trains_like_static(tree, tmp_path, schedule):
+    """--mtp-num-layers 1 with PP 2 x CP 2: megatron-core builds the MTP layer on the last
+    stage (the last model chunk with virtual stages) with its own copy of the word embedding,
+    tied to the first stage's through the embedding group; the shift within documents runs in
+    the last stage's pools (the plan every stage made alike). Whole samples: Megatron-LM's
+    static path rolls across documents with --reset-attention-mask."""
+    flags = [*PIPELINE, *SCHEDULES[schedule], "--mtp-num-layers", "1",
+             "--mtp-loss-scaling-factor", "0.3"]
+    zeppelin = run(tree, tmp_path, "pp-mtp-zeppelin", 4, *ZEPPELIN, "--context-parallel-size",
+                   "2", *flags)
+    static = run(tree, tmp_path, "pp-mtp-static", 4, *STATIC, *flags)
+    assert_same_training(zeppelin, static)
+    assert len(zeppelin["mtp_losses"]) == 3  # logged from the last stage, one per depth
+    assert all(len(v) == 1 and v[0] > 1.0 for v in zeppelin["mtp_losses"])
+    for mine, theirs in zip(zeppelin["mtp_losses"], static["mtp_losses"]):
+        assert mine == pytest.approx(theirs, rel=2e-6)
+
+
+def test_pipeline_checkpoints_resume_like_the_uninterrupted_run(pipelined, tree, tmp_path):
+    """PP 2 x CP 2 through the patch: a zeppelin checkpoint saved after iteration 2
+    (Megatron-LM's ``model`` key, or ``model0``/``model1`` per chunk with virtual stages)
+    resumes in zeppelin mode and in static mode with the uninterrupted runs' last loss and
+    parameters."""
+    schedule, zeppelin, static, _ = pipelined
+    flags = [*PIPELINE, *SCHEDULES[schedule], *(DOCUMENTS if schedule == "1f1b" else [])]
+    pool = ["--context-parallel-size", "2"]
+    ckpt = tmp_path / "ckpt-pp"
+    run(tree, tmp_path, "pp-first", 4, *ZEPPELIN, *pool, *flags, "--save", str(ckpt),
+        "--save-interval", "1000", stop=2)
+    for name, mode, full in (("zeppelin", ZEPPELIN + pool, zeppelin), ("static", STATIC, static)):
+        resumed = run(tree, tmp_path, f"pp-resumed-{name}", 4, *mode, *flags, "--load",
+                      str(ckpt))
+        assert resumed["start"] == 2, name
+        assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=2e-6), name
+        assert resumed["param_sum"] == pytest.approx(full["param_sum"], rel=1e-6), name
+
+
+def test_tensor_and_sequence_parallelism_with_pipelines_train_like_static(tree, tmp_path):
+    """TP 2 + --sequence-parallel with PP 2 x CP 2 (8 ranks) vs static mode TP 2 x PP 2 (4
+    ranks, the same global batch): the stages send each rank's linear-layout share padded to
+    a multiple of TP, split over the TP ranks ([tokens / TP, 1, hidden])."""
+    sp = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--reset-attention-mask",
+          "--spec", "megatron_lm_spec", "SPEC"]
+    zeppelin = run(tree, tmp_path, "pp-sp-zeppelin", 8, *ZEPPELIN, "--context-parallel-size",
+                   "2", "--no-zeppelin-remap", *PIPELINE, *sp)
+    static = run(tree, tmp_path, "pp-sp-static", 4, *STATIC, *PIPELINE, *sp)
+    assert_same_training(zeppelin, static, rel=1e-5)
+    assert zeppelin["tokens_per_iteration"] == [GBS * SEQ] * 3 and zeppelin["pad_tokens"] > 0
+
+
+FSDP = ["--use-megatron-fsdp", "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor",
+        "--data-parallel-sharding-strategy"]
+
+
+def test_megatron_fsdp_trains_like_static_and_ddp(tree, tmp_path):
+    """--use-megatron-fsdp through the patch (Megatron-LM's own FSDP wrapping and optimizer;
+    its streams bridged on CPU), a pool of 2: zeppelin trains like static mode with
+    Megatron-FSDP and like Megatron DDP, with the three sharding strategies that run."""
+    pool = ["--context-parallel-size", "2"]
+    zeppelin = run(tree, tmp_path, "fsdp-z", 2, *ZEPPELIN, *pool, *FSDP, "optim_grads_params")
+    static = run(tree, tmp_path, "fsdp-s", 2, *STATIC, *FSDP, "optim_grads_params")
+    ddp = run(tree, tmp_path, "ddp-s", 2, *STATIC)
+    assert_same_training(zeppelin, static)
+    assert_same_training(zeppelin, ddp)
+    assert zeppelin["param_sum"] == pytest.approx(ddp["param_sum"], rel=1e-6)
+    for strategy in ("optim_grads", "optim"):
+        sharded = run(tree, tmp_path, f"fsdp-z-{strategy}", 2, *ZEPPELIN, *pool, *FSDP, strategy)
+        assert_same_training(sharded, ddp)
+
