@@ -168,11 +168,12 @@ Estimate estimate_tasks(const Problem& pb, const Tasks& tasks, const std::vector
   if (linear != nullptr) {
     std::vector<double> lin;
     for (i64 n : *linear) lin.push_back(per_token * static_cast<double>(n));
+    const double peak = shared_peak(att, pb.shared_by);
     est.linear = shared_peak(lin, pb.shared_by);
-    est.attention = 0.0 + shared_peak(att, pb.shared_by);
+    est.attention = 0.0 + peak;
     est.remap = remap_a2a_seconds(pb, moves) * 2.0 * static_cast<double>(k.layers) +
                 remap_fixed_seconds(pb, moves);
-    last_bwd = est.linear * bwd_lin + shared_peak(att, pb.shared_by) * bwd_att;
+    last_bwd = est.linear * bwd_lin + peak * bwd_att;
   } else {
     i64 crit = 0;
     double best = 0.0;

@@ -148,11 +148,12 @@ def _step(att: list[list[float]], tokens: list[list[float]], linear_tokens: Sequ
     if linear_tokens is not None:
         lin = [per_token * n for n in linear_tokens]
         linear = shared_peak(lin, shared)
-        attention = add_up(shared_peak(a, shared) for a in att)
+        peaks = [shared_peak(a, shared) for a in att]
+        attention = add_up(peaks)
         moves = list(moves)
         remap = remap_a2a_seconds(moves, topology, cost) * 2.0 * kernel.layers + \
             remap_fixed_seconds(moves, topology, cost)
-        last_bwd = linear * bwd_lin + shared_peak(att[-1], shared) * bwd_att
+        last_bwd = linear * bwd_lin + peaks[-1] * bwd_att
         rank_lin = tuple(lin)
     else:
         linear = attention = last_bwd = remap = 0.0
@@ -188,7 +189,7 @@ def plan_moves(plan: Plan) -> list[Move]:
 
 def estimate_step(plan: Plan, cost: CostModel, routed: bool = True) -> StepEstimate:
     """The estimate of a whole ``Plan`` (module doc)."""
-    remapped = plan.linear != plan.attention
+    remapped = plan.remaps
     return estimate_tasks(plan.tasks, plan.seqlens, plan.topology, cost, routed,
                           plan.linear_tokens() if remapped else None,
                           plan_moves(plan) if remapped else (), plan.attention_kind)

@@ -132,7 +132,7 @@ class _PlanRun:
         self.engine = AttentionEngine(plan, rank, group, inter_mode=mode,
                                       route_group=route_group if mode != "ring" else None,
                                       router_topology=RouterTopology.from_cluster(cluster))
-        self.remapped = plan.linear != plan.attention
+        self.remapped = plan.remaps
         self.index = build_remap_index(plan, rank) if self.remapped else None
         rows = plan.linear_tokens()[rank] if self.remapped else plan.attention_tokens()[rank]
         gen = torch.Generator().manual_seed(rank)

@@ -20,7 +20,7 @@ Per micro-batch, per rank (seconds; ``n`` its linear-layout tokens, ``L`` layers
   length*, a host cost per kernel call and per ring step, and the profile's links; in routed
   mode an intra-node hop in a round with a global step shares NVLink with the routing legs
   (``nvlink_contention``);
-* remap (when ``plan.linear != plan.attention``): 4 all-to-alls per layer (q, k, v there and
+* remap (when ``plan.remaps``): 4 all-to-alls per layer (q, k, v there and
   the output back, forward; the gradients, backward), the busiest rank's link setting each.
 
 A micro-batch ends when its slowest rank does (ring and remap traffic synchronise the ranks);
@@ -265,7 +265,7 @@ def micro_batch_detail(plan: Plan, cost: CostModel, profile: SimProfile,
     ends = attention_ends(plan, cost, profile, options)
     compute = layers * sum(e.compute for e in ends)
     waits = layers * sum(e.fwd + e.bwd - e.compute for e in ends)
-    if plan.linear != plan.attention:  # remapped: every attention phase synchronises
+    if plan.remaps:  # every attention phase synchronises
         lin = linear_seconds(np.asarray(plan.linear_tokens(), dtype=np.float64), cost, profile)
         attention = layers * sum(float(e.fwd.max() + e.bwd.max()) for e in ends)
         busiest = layers * sum(float(e.compute.max()) for e in ends)

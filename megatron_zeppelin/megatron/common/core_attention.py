@@ -126,7 +126,7 @@ class ZeppelinAttentionState:
     def _build(self, plan: Plan, device) -> _Runtime:
         """The plan's remap index and engine (the softmax scale is each call's: ``forward``)."""
         self.builds += 1
-        remapped = plan.linear != plan.attention
+        remapped = plan.remaps
         engine = AttentionEngine(plan, self.rank, self.pool_group, backend=self.backend,
                                  timeout_s=self.timeout_s, inter_mode=self.inter_mode,
                                  route_group=self.route_group,
