@@ -32,11 +32,12 @@ import torch
 import torch.distributed as dist
 
 from conftest import make_cost
-from attention_reference import gather_rows, make_batch, max_errors, reference_grads
+from attention_reference import make_batch
 from distributed import run_world
+from engine_cases import (DTYPES, HEAD_DIM, case, long_tail, plan_of, rank_inputs,
+                          router_topology, run_case, zeppelin_plan)
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.planner import make_plan
-from megatron_zeppelin.router import RouterTopology
 import megatron_zeppelin
 from megatron_zeppelin.runtime import engine as engine_module
 from megatron_zeppelin.runtime import transport as transport_module
@@ -47,59 +48,6 @@ from megatron_zeppelin.schedule import LOCAL_CALL_TOKENS, Phase, local_calls
 from megatron_zeppelin.sim import rounds
 
 pytestmark = pytest.mark.distributed
-HEAD_DIM = 8
-DTYPES = {"float32": (torch.float32, 1e-5), "bfloat16": (torch.bfloat16, 5e-2)}
-
-
-def long_tail(seed: int, count: int, top: int) -> list[int]:
-    """A long-tailed batch: one long sequence, a length-1 one, Pareto-distributed others."""
-    rng = random.Random(seed)
-    lengths = [1, top]
-    while len(lengths) < count:
-        lengths.append(max(1, min(top // 2, int(3 * rng.paretovariate(0.8)))))
-    rng.shuffle(lengths)
-    return lengths
-
-
-def zeppelin_plan(nodes: int, gpus: int, seed: int):
-    """A Zeppelin plan whose small capacity forces sharding (first capacity that fits)."""
-    world = nodes * gpus
-    lengths = long_tail(seed, 10 if world < 8 else 16, 60 * world + 7)
-    cost = make_cost("gpt-tiny", "h200-8nic", nodes=nodes, gpus_per_node=gpus)
-    for factor in (1.1, 1.3, 1.6):
-        capacity = int(sum(lengths) / world * factor) + 1
-        try:
-            return make_plan("zeppelin", lengths, cost,
-                             ZeppelinConfig(capacity_tokens_per_gpu=capacity))
-        except ValueError:
-            continue
-    raise AssertionError(f"no capacity fits the batch {lengths} on {nodes}x{gpus}")
-
-
-def plan_of(strategy: str, nodes: int, gpus: int, lengths, **options):
-    cost = make_cost("gpt-tiny", "h200-8nic", nodes=nodes, gpus_per_node=gpus)
-    return make_plan(strategy, lengths, cost, **options)
-
-
-def case(label, plan, heads=4, kv_heads=2, dtype="float32", modes=("ring",), seed=0,
-         local_call_tokens=LOCAL_CALL_TOKENS, backend=None, transport="direct", window=None,
-         v_head_dim=None):
-    """backend ``native`` runs the native backend's code path through the kernel stand-in
-    (bf16); transport ``staged`` stages every exchange through host buffers, ``ordered``
-    matches messages by order per rank pair and group as NCCL does (``runtime/ordered.py``:
-    an order that only gloo's tags make agree fails); window: sliding window; v_head_dim: a
-    value head dim other than HEAD_DIM (multi-latent attention)."""
-    return dict(label=label, plan=plan, heads=heads, kv_heads=kv_heads, dtype=dtype,
-                modes=modes, seed=seed, local_call_tokens=local_call_tokens, backend=backend,
-                transport=transport, window=window, v_head_dim=v_head_dim)
-
-
-def router_topology(plan) -> RouterTopology:
-    """Latency-free links, one NIC per GPU: the router splits even small flows over proxies."""
-    gpus = plan.topology.gpus_per_node
-    return RouterTopology(nodes=plan.topology.nodes, gpus_per_node=gpus, nics_per_node=gpus,
-                          gpu_to_nic=tuple(range(gpus)), nvlink_byte_per_s=200e9,
-                          nvlink_latency_s=0.0, nic_byte_per_s=25e9, nic_latency_s=0.0)
 
 
 # ----------------------------------------------------------------------------- LOCAL queue
@@ -146,47 +94,6 @@ def test_simulator_runs_local_calls_while_the_exchanges_are_in_flight():
 
 
 # ----------------------------------------------------------------------------- worker side
-
-def rank_inputs(plan, rank, batch, dtype):
-    """q, k, v (leaves) and dout of the rank's attention buffer."""
-    tensors = []
-    for name in ("q", "k", "v", "dout"):
-        per_seq = dict(enumerate(batch[name]))
-        x = (gather_rows(plan, rank, per_seq) if plan.attention[rank]
-             else torch.zeros(0, *batch[name][0].shape[1:], dtype=torch.float64))
-        tensors.append(x.to(dtype))
-    for x in tensors[:3]:
-        x.requires_grad_()
-    return tensors
-
-
-def run_case(rank, c, mode, route_group):
-    """Forward + backward of case ``c`` in ``mode``; max errors against the reference."""
-    plan, (dtype, _) = c["plan"], DTYPES[c["dtype"]]
-    batch = make_batch(plan.seqlens, c["heads"], c["kv_heads"], HEAD_DIM, c["seed"],
-                       c["v_head_dim"])
-    batch = {n: [t.to(dtype).double() for t in ts] for n, ts in batch.items()}  # as computed
-    q, k, v, dout = rank_inputs(plan, rank, batch, dtype)
-    if c["backend"] == "native":
-        from flash_standin import install_in_process
-
-        install_in_process()
-    engine = AttentionEngine(plan, rank, dist.group.WORLD, timeout_s=30, inter_mode=mode,
-                             route_group=route_group,
-                             router_topology=router_topology(plan) if mode == "routed" else None,
-                             local_call_tokens=c["local_call_tokens"], backend=c["backend"],
-                             transport=c["transport"])
-    start = time.perf_counter()
-    out = engine.forward(q, k, v, window=c["window"])
-    out.backward(dout)
-    elapsed = time.perf_counter() - start
-    engine.close()
-    proxied = engine.inter.stats()["proxied_slices"] if engine.inter is not None else 0
-    seqs = sorted({s for s, _, _ in plan.attention[rank]})
-    ref = reference_grads(batch, seqs, HEAD_DIM ** -0.5, c["window"])
-    got = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
-    return dict(errors=max_errors(plan, rank, got, ref), seconds=elapsed, proxied=proxied)
-
 
 def _engine_worker(rank: int, world: int, cases: list, failure: bool) -> dict:
     """Every case in every mode on this rank, then (optionally) the failing-peer case."""
