@@ -166,6 +166,8 @@ def test_rejudge_re_estimates_stored_micro_batches_and_refuses_other_candidates(
     assert cli.main(["bench", "decisions", "--rejudge", str(path)]) == 2
     err = capsys.readouterr().err
     assert "micro-batch 7's candidates" in err and len(err.strip().splitlines()) == 1
+    assert cli.main(["bench", "decisions", "--rejudge", str(path), "--repeats", "3"]) == 2
+    assert "--repeats=3 measures: --rejudge" in capsys.readouterr().err
     path.write_text("{}")
     assert cli.main(["bench", "decisions", "--rejudge", str(path)]) == 2
     assert "not a 'bench decisions --json' result" in capsys.readouterr().err

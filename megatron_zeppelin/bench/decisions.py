@@ -37,6 +37,7 @@ from megatron_zeppelin.bench.workers import free_port
 from megatron_zeppelin.sim.report import geomean
 
 NAME = "zeppelin"  # the strategy whose portfolio is judged
+MEASURING = {"batches": 8, "stride": 3, "repeats": 5, "warmup": 1, "port": 0}  # defaults
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
@@ -182,6 +183,10 @@ def bench_decisions(args: argparse.Namespace) -> int:
     if args.rejudge:
         from megatron_zeppelin.bench.decisions_rejudge import rejudge
 
+        for name, default in MEASURING.items():
+            if getattr(args, name) != default:
+                raise ValueError(f"--{name}={getattr(args, name)} measures: --rejudge "
+                                 f"{args.rejudge} takes the file's measurements (drop one)")
         return report(rejudge(args.rejudge, args.extra), args, {"rejudged": args.rejudge})
     for name in ("batches", "stride", "repeats"):
         if getattr(args, name) < 1:
@@ -232,11 +237,14 @@ def register(targets: argparse._SubParsersAction) -> None:
     p = targets.add_parser("decisions", help="the portfolio's pick vs every candidate "
                            "measured per micro-batch (CPU, 4 ranks)", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", type=int, default=8, help="micro-batches measured")
-    p.add_argument("--stride", type=int, default=3,
+    p.add_argument("--batches", type=int, default=MEASURING["batches"],
+                   help="micro-batches measured")
+    p.add_argument("--stride", type=int, default=MEASURING["stride"],
                    help="measure every STRIDE-th micro-batch of the stream")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per candidate")
-    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    p.add_argument("--repeats", type=int, default=MEASURING["repeats"],
+                   help="timed steps per candidate")
+    p.add_argument("--warmup", type=int, default=MEASURING["warmup"],
+                   help="untimed rounds first")
     p.add_argument("--tolerance", type=float, default=0.05,
                    help="a pick within this fraction of the measured fastest is also counted")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
@@ -244,7 +252,7 @@ def register(targets: argparse._SubParsersAction) -> None:
                    help="no training: re-estimate the candidates of a --json FILE's "
                    "micro-batches with the current model and judge them on its measurements "
                    "(training flags: the file's, or those given after --)")
-    p.add_argument("--port", type=int, default=0,
+    p.add_argument("--port", type=int, default=MEASURING["port"],
                    help="the ranks' rendezvous port (0: a free one)")
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
     p.set_defaults(func=bench_decisions)
