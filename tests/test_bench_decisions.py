@@ -75,6 +75,8 @@ def test_every_candidate_of_a_micro_batch_is_measured(tmp_path, capsys):
     names = batch["names"]
     assert len(names) >= 3 and batch["pick"] in names and "hierarchical" in names
     assert all(t > 0 for t in batch["measured_s"] + batch["estimated_s"])
+    # each candidate's timed repeats are kept (1 here), their median the measurement
+    assert [r for r, in batch["repeats"]] == batch["measured_s"]
     # the pick is the lowest estimate (ties: the earlier candidate), as the portfolio decides
     best = min(range(len(names)), key=lambda i: (batch["estimated_s"][i], i))
     assert batch["pick"] in names and names[best] == batch["pick"]
@@ -84,3 +86,88 @@ def test_every_candidate_of_a_micro_batch_is_measured(tmp_path, capsys):
     assert result["summary"]["pick_accuracy_pct"] in (0.0, 100.0)
     assert math.isclose(result["summary"]["median_regret"], batch["regret"])
     assert "pick = measured fastest in" in printed and "<- pick" in printed
+    assert "Mann-Whitney" in printed
+
+
+def _brute_p(xs, ys):
+    """The two-sided rank-sum p-value by listing every split of the pooled values."""
+    import itertools
+
+    from megatron_zeppelin.bench.decisions_stats import ranks as midranks
+
+    pooled = midranks([*xs, *ys])
+    mean = len(xs) * sum(pooled) / len(pooled)
+    far = abs(sum(pooled[:len(xs)]) - mean)
+    splits = list(itertools.combinations(range(len(pooled)), len(xs)))
+    return sum(abs(sum(pooled[i] for i in s) - mean) >= far - 1e-9 for s in splits) / len(splits)
+
+
+def test_exact_mann_whitney_matches_enumeration_with_ties():
+    from megatron_zeppelin.bench.decisions_stats import mann_whitney_p, smallest_p
+
+    cases = [([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]), ([1, 3, 5, 7], [2, 4, 6, 8]),
+             ([0.41, 0.40, 0.40, 0.43], [0.39, 0.40, 0.42]), ([2, 2, 2], [2, 2, 2]),
+             ([0.5, 0.52, 0.49, 0.51, 0.5], [0.44, 0.45, 0.5, 0.43, 0.46])]
+    for xs, ys in cases:
+        assert mann_whitney_p(xs, ys) == pytest.approx(_brute_p(xs, ys))
+        assert mann_whitney_p(xs, ys) == pytest.approx(mann_whitney_p(ys, xs))
+    assert mann_whitney_p([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]) == pytest.approx(2 / 252)
+    assert mann_whitney_p([2, 2, 2], [2, 2, 2]) == 1.0
+    assert smallest_p(4, 4) == pytest.approx(2 / 70) and smallest_p(3, 3) == pytest.approx(0.1)
+
+
+def test_indistinguishable_is_reported_beside_the_strict_figure():
+    from megatron_zeppelin.bench.decisions import summary_line
+
+    names = ["a", "b"]
+    # pick a measured 2% slower than b, the repeats overlapping: not right, but tied
+    close = decide(0, [8], names, [1.0, 2.0], [1.02, 1.0], "a",
+                   repeats=[[1.0, 1.02, 1.05, 1.01], [0.99, 1.0, 1.03, 1.0]])
+    # pick a slower than b in every repeat (p = 2/70 < 0.05): not tied
+    slow = decide(1, [8], names, [1.0, 2.0], [1.2, 1.0], "a",
+                  repeats=[[1.2, 1.21, 1.19, 1.2], [1.0, 1.01, 0.99, 1.0]])
+    assert (close.right, close.tied, slow.right, slow.tied) == (False, True, False, False)
+    s = summarize([close, slow])
+    assert s["pick_accuracy_pct"] == 0.0 and s["pick_indistinguishable_pct"] == 50.0
+    line = summary_line(s)
+    assert "pick = measured fastest in 0%" in line and "Mann-Whitney" in line and "in 50%" in line
+    bare = summarize([decide(2, [8], names, [1.0, 2.0], [1.1, 1.0], "a")])
+    assert bare["pick_indistinguishable_pct"] is None
+    assert "unavailable (no repeats stored)" in summary_line(bare)
+    with pytest.raises(ValueError, match="1 candidates' repeats for 2 candidates"):
+        decide(3, [8], names, [1.0, 2.0], [1.0, 1.0], "a", repeats=[[1.0]])
+
+
+def test_rejudge_re_estimates_stored_micro_batches_and_refuses_other_candidates(
+        tmp_path, capsys):
+    from megatron_zeppelin.bench.decisions_rejudge import planner_of
+    from megatron_zeppelin.bench.measure_candidates import estimated_candidates
+
+    flags = ["--seq-length", "1024", "--micro-batch-size", "2"]
+    lengths = [900, 300, 400, 200, 248]
+    plans, estimates, pick = estimated_candidates(lengths, planner_of(flags))
+    names = [n for n, _ in plans]
+    # synthetic measurements: the estimate's order reversed, so the pick is the slowest
+    measured = [1.0 / e for e in estimates]
+    stored = {"flags": flags, "micro_batches": [
+        {"index": 7, "lengths": lengths, "names": names, "estimated_s": [0.0] * len(names),
+         "measured_s": measured, "pick": names[0], "noise": 0.1}]}
+    path = tmp_path / "stored.json"
+    path.write_text(json.dumps(stored))
+    out = tmp_path / "rejudged.json"
+    assert cli.main(["bench", "decisions", "--rejudge", str(path), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    batch, = json.loads(out.read_text())["micro_batches"]
+    assert batch["estimated_s"] == pytest.approx(estimates) and batch["pick"] == pick
+    assert batch["measured_s"] == measured and batch["right"] is (pick == batch["fastest"])
+    assert "unavailable (no repeats stored)" in printed
+    stored["micro_batches"][0]["names"] = [*names[1:], names[0]]
+    path.write_text(json.dumps(stored))
+    assert cli.main(["bench", "decisions", "--rejudge", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "micro-batch 7's candidates" in err and len(err.strip().splitlines()) == 1
+    assert cli.main(["bench", "decisions", "--rejudge", str(path), "--repeats", "3"]) == 2
+    assert "--repeats=3 measures: --rejudge" in capsys.readouterr().err
+    path.write_text("{}")
+    assert cli.main(["bench", "decisions", "--rejudge", str(path)]) == 2
+    assert "not a 'bench decisions --json' result" in capsys.readouterr().err

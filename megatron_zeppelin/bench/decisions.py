@@ -30,26 +30,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+from megatron_zeppelin.bench.decisions_stats import ALPHA, TEST, indistinguishable, ranks, \
+    smallest_p
 from megatron_zeppelin.bench.train import RANKS, YAML, layout_line
 from megatron_zeppelin.bench.workers import free_port
 from megatron_zeppelin.sim.report import geomean
 
 NAME = "zeppelin"  # the strategy whose portfolio is judged
-
-
-def ranks(values: Sequence[float]) -> list[float]:
-    """1-based ranks of ``values`` (ascending), ties sharing their mean rank."""
-    order = sorted(range(len(values)), key=values.__getitem__)
-    out = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            out[order[k]] = (i + j) / 2.0 + 1.0
-        i = j + 1
-    return out
+MEASURING = {"batches": 8, "stride": 3, "repeats": 5, "warmup": 1, "port": 0}  # defaults
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
@@ -82,22 +70,38 @@ class Decision:
     regret: float
     spearman: float | None
     noise: float = 0.0  # median over candidates of (slowest - fastest repeat) / median
+    repeats: tuple[tuple[float, ...], ...] = ()  # each candidate's timed steps; () if unknown
 
     @property
     def right(self) -> bool:
         return self.pick == self.fastest
 
+    @property
+    def tied(self) -> bool | None:
+        """The pick is the fastest or not shown slower than it (``decisions_stats``); None
+        without the repeats."""
+        if self.right:
+            return True
+        if not self.repeats:
+            return None
+        return indistinguishable(self.repeats[self.names.index(self.pick)],
+                                 self.repeats[self.names.index(self.fastest)])
+
 
 def decide(index: int, lengths: Sequence[int], names: Sequence[str],
            estimated: Sequence[float], measured: Sequence[float], pick: str,
-           noise: float = 0.0) -> Decision:
-    """Score one micro-batch's pick against the measurements (``names`` aligned with both)."""
+           noise: float = 0.0, repeats: Sequence[Sequence[float]] = ()) -> Decision:
+    """Score one micro-batch's pick against the measurements (``names`` aligned with them
+    and with ``repeats``, each candidate's timed steps, when given)."""
     if pick not in names:
         raise ValueError(f"the pick {pick!r} is not among the candidates {list(names)}")
+    if repeats and len(repeats) != len(names):
+        raise ValueError(f"{len(repeats)} candidates' repeats for {len(names)} candidates")
     best = min(range(len(names)), key=lambda i: (measured[i], i))
     regret = measured[names.index(pick)] / measured[best] - 1.0
     return Decision(index, tuple(lengths), tuple(names), tuple(estimated), tuple(measured),
-                    pick, names[best], regret, spearman(estimated, measured), noise)
+                    pick, names[best], regret, spearman(estimated, measured), noise,
+                    tuple(tuple(r) for r in repeats))
 
 
 def summarize(decisions: Sequence[Decision], tolerance: float = 0.05) -> dict:
@@ -118,7 +122,18 @@ def summarize(decisions: Sequence[Decision], tolerance: float = 0.05) -> dict:
             "geomean_regret": geomean([1.0 + r for r in regrets]) - 1,
             "max_regret": max(regrets),
             "median_spearman": statistics.median(corr) if corr else None,
-            "mean_spearman": statistics.fmean(corr) if corr else None}
+            "mean_spearman": statistics.fmean(corr) if corr else None} | _tied(decisions)
+
+
+def _tied(decisions: Sequence[Decision]) -> dict:
+    """The share of picks indistinguishable from the measured fastest (``TEST`` at ``ALPHA``
+    on the repeats; None when a micro-batch has no repeats) and the test's resolution."""
+    tied = [d.tied for d in decisions]
+    sizes = [len(r) for d in decisions for r in d.repeats]
+    return {"test": f"{TEST}, alpha {ALPHA}",
+            "pick_indistinguishable_pct": None if None in tied else
+            100.0 * sum(tied) / len(tied),
+            "test_smallest_p": smallest_p(min(sizes), min(sizes)) if sizes else None}
 
 
 def lines_of(decision: Decision) -> list[str]:
@@ -145,18 +160,38 @@ def summary_line(s: dict) -> str:
             f"{100 * s['median_regret']:+.1f}%, "
             f"geomean {100 * s['geomean_regret']:+.1f}%, max {100 * s['max_regret']:+.1f}%; "
             f"Spearman estimate vs measured: median {corr}; repeats' spread (median) "
-            f"{100 * s['median_noise']:.0f}%")
+            f"{100 * s['median_noise']:.0f}%; " + tied_line(s))
+
+
+def tied_line(s: dict) -> str:
+    """The statistical figure, beside the strict one (never instead of it)."""
+    if s["pick_indistinguishable_pct"] is None:
+        return f"indistinguishable from the fastest ({s['test']}): unavailable (no repeats stored)"
+    line = (f"pick indistinguishable from the measured fastest ({s['test']} on the repeats) "
+            f"in {s['pick_indistinguishable_pct']:.0f}%")
+    if s["test_smallest_p"] is not None and s["test_smallest_p"] >= ALPHA:
+        line += (f" (at these repeats the smallest p is {s['test_smallest_p']:.2f}: the test "
+                 "cannot separate any two candidates)")
+    return line
 
 
 def bench_decisions(args: argparse.Namespace) -> int:
     from megatron_zeppelin.bench.measure_candidates import run_world
 
+    if not 0 <= args.tolerance < 1:
+        raise ValueError(f"--tolerance={args.tolerance} is invalid: expected 0 <= it < 1")
+    if args.rejudge:
+        from megatron_zeppelin.bench.decisions_rejudge import rejudge
+
+        for name, default in MEASURING.items():
+            if getattr(args, name) != default:
+                raise ValueError(f"--{name}={getattr(args, name)} measures: --rejudge "
+                                 f"{args.rejudge} takes the file's measurements (drop one)")
+        return report(rejudge(args.rejudge, args.extra), args, {"rejudged": args.rejudge})
     for name in ("batches", "stride", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name}={getattr(args, name)} is invalid: expected an "
                              "integer >= 1")
-    if not 0 <= args.tolerance < 1:
-        raise ValueError(f"--tolerance={args.tolerance} is invalid: expected 0 <= it < 1")
     if args.warmup < 0:
         raise ValueError(f"--warmup={args.warmup} is invalid: expected an integer >= 0")
     argv = ["--yaml-cfg", str(YAML), *args.extra, "--context-parallel-mode", "zeppelin",
@@ -171,7 +206,13 @@ def bench_decisions(args: argparse.Namespace) -> int:
         run_world(argv, vars(args) | {"extra": None, "func": None, "port": args.port or
                                       free_port()}, out)
         measured = json.loads(Path(out).read_text())
-    decisions = [decide(**m) for m in measured]
+    return report([decide(**m) for m in measured], args, {
+        "batches": args.batches, "stride": args.stride, "repeats": args.repeats,
+        "warmup": args.warmup})
+
+
+def report(decisions: Sequence[Decision], args: argparse.Namespace, meta: dict) -> int:
+    """Print every micro-batch's block and the summary; ``--json``: write them with ``meta``."""
     for d in decisions:
         print("\n".join(lines_of(d)))
     s = summarize(decisions, args.tolerance)
@@ -179,8 +220,7 @@ def bench_decisions(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "summary": s, "micro_batches": [asdict(d) | {"right": d.right} for d in decisions],
-            "flags": args.extra, "batches": args.batches, "stride": args.stride,
-            "repeats": args.repeats, "warmup": args.warmup}, indent=2) + "\n")
+            "flags": args.extra} | meta, indent=2) + "\n")
     return 0
 
 
@@ -197,15 +237,22 @@ def register(targets: argparse._SubParsersAction) -> None:
     p = targets.add_parser("decisions", help="the portfolio's pick vs every candidate "
                            "measured per micro-batch (CPU, 4 ranks)", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", type=int, default=8, help="micro-batches measured")
-    p.add_argument("--stride", type=int, default=3,
+    p.add_argument("--batches", type=int, default=MEASURING["batches"],
+                   help="micro-batches measured")
+    p.add_argument("--stride", type=int, default=MEASURING["stride"],
                    help="measure every STRIDE-th micro-batch of the stream")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per candidate")
-    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    p.add_argument("--repeats", type=int, default=MEASURING["repeats"],
+                   help="timed steps per candidate")
+    p.add_argument("--warmup", type=int, default=MEASURING["warmup"],
+                   help="untimed rounds first")
     p.add_argument("--tolerance", type=float, default=0.05,
                    help="a pick within this fraction of the measured fastest is also counted")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
-    p.add_argument("--port", type=int, default=0,
+    p.add_argument("--rejudge", default=None, metavar="FILE",
+                   help="no training: re-estimate the candidates of a --json FILE's "
+                   "micro-batches with the current model and judge them on its measurements "
+                   "(training flags: the file's, or those given after --)")
+    p.add_argument("--port", type=int, default=MEASURING["port"],
                    help="the ranks' rendezvous port (0: a free one)")
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
     p.set_defaults(func=bench_decisions)

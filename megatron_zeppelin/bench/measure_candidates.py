@@ -90,11 +90,11 @@ def candidate_plans(lengths: list[int], planner) -> tuple[object, list[tuple[str
     return chosen, [(SAME.join(names), plan) for names, plan in same.values()]
 
 
-def measure_batch(index: int, docs, args, runtime, model, options: dict) -> dict:
-    """``decide()``'s keyword arguments for one micro-batch: every candidate timed
-    round-robin (module doc)."""
-    lengths = [d.numel() for d in docs]
-    chosen, plans = candidate_plans(lengths, runtime.planner)
+def estimated_candidates(lengths: list[int], planner) -> tuple[list[tuple[str, object]],
+                                                               list[float], str]:
+    """(the candidates' (name, plan), their estimates, the pick's name) of one micro-batch
+    (``candidate_plans``; the estimates are the portfolio plan's, per merged name its first)."""
+    chosen, plans = candidate_plans(lengths, planner)
     estimates = {merged: dict(chosen.estimates).get(merged.split(SAME)[0])
                  for merged, _ in plans}
     pick = next(m for m, _ in plans if chosen.candidate in m.split(SAME))
@@ -102,6 +102,14 @@ def measure_batch(index: int, docs, args, runtime, model, options: dict) -> dict
     if missing:
         raise RuntimeError(f"candidates {missing} have no estimate in the portfolio's plan "
                            f"(its candidates: {list(estimates)})")
+    return plans, list(estimates.values()), pick
+
+
+def measure_batch(index: int, docs, args, runtime, model, options: dict) -> dict:
+    """``decide()``'s keyword arguments for one micro-batch: every candidate timed
+    round-robin (module doc), its repeats kept."""
+    lengths = [d.numel() for d in docs]
+    plans, estimates, pick = estimated_candidates(lengths, runtime.planner)
     times: dict[str, list[float]] = {name: [] for name, _ in plans}
     for repeat in range(options["warmup"] + options["repeats"]):
         for name, plan in plans:
@@ -110,10 +118,9 @@ def measure_batch(index: int, docs, args, runtime, model, options: dict) -> dict
                 times[name].append(seconds)
     names = [name for name, _ in plans]
     noise = statistics.median((max(t) - min(t)) / statistics.median(t) for t in times.values())
-    return {"index": index, "lengths": lengths, "names": names,
-            "estimated": [estimates[n] for n in names],
+    return {"index": index, "lengths": lengths, "names": names, "estimated": estimates,
             "measured": [statistics.median(times[n]) for n in names], "pick": pick,
-            "noise": noise}
+            "noise": noise, "repeats": [times[n] for n in names]}
 
 
 def timed_step(plan, docs, args, runtime, model) -> float:
