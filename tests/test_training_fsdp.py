@@ -106,15 +106,34 @@ def optim_reduction(rank: int, world: int) -> list[dict]:
     return seen
 
 
+def counting_reduce_scatters(world: int, argv: list[str]) -> tuple[tuple, list[int]]:
+    """``run_keeping_parameters`` with how many times FSDP2 reduce-scattered each of its
+    parameter groups (one ``foreach_reduce`` per group and reduction)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    reduce, counts = _fsdp_param_group.foreach_reduce, {}
+
+    def counted(fsdp_params, *args, **kwargs):
+        key = id(fsdp_params[0])
+        counts[key] = counts.get(key, 0) + 1
+        return reduce(fsdp_params, *args, **kwargs)
+
+    _fsdp_param_group.foreach_reduce = counted
+    try:
+        return run_keeping_parameters(world, argv), sorted(counts.values())
+    finally:
+        _fsdp_param_group.foreach_reduce = reduce
+
+
 def pools_body(rank: int, world: int, tmp: str) -> None:
     ddp = run_keeping_parameters(world, RING_FLAGS + RINGS, tiers=True)
     fsdp = run_keeping_parameters(world, RING_FLAGS + RINGS + FSDP)
     grads = run_keeping_parameters(world, RING_FLAGS + RINGS + FSDP[:-1] + ["optim_grads"])
-    fsdp2 = run_keeping_parameters(world, RING_FLAGS + RINGS + FSDP2)
+    fsdp2, fsdp2_reductions = counting_reduce_scatters(world, RING_FLAGS + RINGS + FSDP2)
     optim = optim_reduction(rank, world)
     if rank == 0:
         torch.save({"ddp": ddp, "fsdp": fsdp, "optim_grads": grads, "torch_fsdp2": fsdp2,
-                    "optim": optim}, f"{tmp}/runs.pt")
+                    "torch_fsdp2_reductions": fsdp2_reductions, "optim": optim}, f"{tmp}/runs.pt")
 
 
 def one_process_body(rank: int, world: int, tmp: str) -> None:
@@ -130,6 +149,10 @@ def test_megatron_fsdp_in_zeppelin_mode_matches_ddp_and_one_process(tmp_path):
     # the plans ring: documents over 2 ranks of a node and over both nodes
     assert sum(intra for *_, intra, _ in ddp_logs) > 0, ddp_logs
     assert sum(inter for *_, inter in ddp_logs) > 0, ddp_logs
+    # FSDP2 reduce-scatters each parameter group once per iteration (3), not once per
+    # micro-batch (2 per iteration): the first micro-batch's gradients accumulate locally
+    reductions = runs["torch_fsdp2_reductions"]
+    assert len(reductions) > 1 and set(reductions) == {3}, reductions
     for strategy in ("fsdp", "optim_grads", "torch_fsdp2"):
         fsdp_logs, fsdp_params = runs[strategy]
         assert [it for it, _, _ in fsdp_logs] == [1, 2, 3]
