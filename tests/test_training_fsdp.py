@@ -4,7 +4,8 @@ gradients and Adam state sharded over DP x CP (``optim_grads_params``; ``optim_g
 each pool rank holding another number of tokens, on documents that the plan rings within a
 node and across the two nodes (RINGS: 1,024-token micro-batches, at most 300 tokens per rank).
 The losses, gradient norms and parameters after 3 iterations are those of zeppelin mode under
-Megatron DDP and of one process; ``optim`` is refused because megatron-core 0.16.1 adds each
+Megatron DDP and of one process, FSDP2 reduce-scattering each parameter group once per
+iteration (not per micro-batch); ``optim`` is refused because megatron-core 0.16.1 adds each
 rank's own gradient to the reduced one (measured here, bucket by bucket); the other flags it
 does not run with are refused in one line. Its checkpoints are those of the other modes (full
 tensors in model space, checkpoint_fsdp.py): saved with FSDP, they resume in static mode under
