@@ -229,9 +229,13 @@ def check_torch_fsdp2(args: argparse.Namespace) -> None:
                           "gradients and Adam state itself, without pipeline stages (as in "
                           "Megatron-LM); drop one of the two")
     if args.bf16:
-        raise ConfigError("--use-torch-fsdp2 --bf16: torch FSDP2 has run here in fp32 only "
-                          "(megatron-core's bf16 optimizer over its DTensor shards is "
-                          "untested); train in fp32 or use --use-megatron-fsdp")
+        raise ConfigError("--use-torch-fsdp2 --bf16: untested, so refused: megatron-core "
+                          "0.16.1's wrapper gives fully_shard no MixedPrecisionPolicy (bf16 "
+                          "shards, bf16 reduce-scatters) and its bf16 optimizer "
+                          "(Float16OptimizerWithFloat16Params: fp32 main copies of the DTensor "
+                          "shards) takes only CUDA tensors, so no CPU/gloo test compares it "
+                          "with DDP bf16 and none has run on a GPU; train in fp32 or use "
+                          "--use-megatron-fsdp")
 
 
 def validate_args(args: argparse.Namespace, world_size: int, local_world_size: int | None
