@@ -1,11 +1,14 @@
 """--use-megatron-fsdp (megatron-core's Megatron-FSDP, CUDA streams bridged on CPU by
 ``cpu_fsdp.py``) on 4 gloo ranks, 2 emulated nodes of 2, zeppelin mode with CP 4: parameters,
-gradients and Adam state sharded over DP x CP (``optim_grads_params``; ``optim_grads`` too),
+gradients and Adam state sharded over DP x CP (``optim_grads_params``; ``optim_grads`` too,
+and ``optim`` with --no-overlap-grad-reduce: one in-place reduce-scatter after the backward),
 each pool rank holding another number of tokens, on documents that the plan rings within a
 node and across the two nodes (RINGS: 1,024-token micro-batches, at most 300 tokens per rank).
 The losses, gradient norms and parameters after 3 iterations are those of zeppelin mode under
-Megatron DDP and of one process; ``optim`` is refused because megatron-core 0.16.1 adds each
-rank's own gradient to the reduced one (measured here, bucket by bucket); the other flags it
+Megatron DDP and of one process, FSDP2 reduce-scattering each parameter group once per
+iteration (not per micro-batch); ``optim`` with overlap is refused because megatron-core
+0.16.1's backward hooks add each rank's own gradient to the reduced one (measured here, bucket
+by bucket); the other flags it
 does not run with are refused in one line. Its checkpoints are those of the other modes (full
 tensors in model space, checkpoint_fsdp.py): saved with FSDP, they resume in static mode under
 Megatron DDP, with the distributed optimizer and with FSDP; a distributed optimizer's
@@ -69,8 +72,8 @@ RINGS = ZEPPELIN + ["--zeppelin-capacity-tokens-per-gpu", "300", "--no-zeppelin-
 
 
 def optim_reduction(rank: int, world: int) -> list[dict]:
-    """One iteration with ``--data-parallel-sharding-strategy optim`` (its refusal lifted
-    for the measurement): per gradient bucket, this rank's shard after megatron-core's
+    """One iteration with ``--data-parallel-sharding-strategy optim`` and overlap (its refusal
+    lifted for the measurement): per gradient bucket, this rank's shard after megatron-core's
     reduction against the true DP x CP sum, and against that sum plus the rank's own
     unreduced shard."""
     import torch.distributed as dist
@@ -96,25 +99,47 @@ def optim_reduction(rank: int, world: int) -> list[dict]:
                          "vs_sum_plus_own": (after - total[own] - local[own]).norm().item()})
         return out
 
-    refused = train_args.FSDP_STRATEGIES_REFUSED.pop("optim")
+    check, train_args.check_fsdp = train_args.check_fsdp, lambda args: None
     GradReducePipeline._bucket_group_gradient_reduce = measured
     try:
         run(world, with_values(RING_FLAGS, train_iters="1") + RINGS + FSDP[:-1] + ["optim"])
     finally:
         GradReducePipeline._bucket_group_gradient_reduce = reduce
-        train_args.FSDP_STRATEGIES_REFUSED["optim"] = refused
+        train_args.check_fsdp = check
     return seen
+
+
+def counting_reduce_scatters(world: int, argv: list[str]) -> tuple[tuple, list[int]]:
+    """``run_keeping_parameters`` with how many times FSDP2 reduce-scattered each of its
+    parameter groups (one ``foreach_reduce`` per group and reduction)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    reduce, counts = _fsdp_param_group.foreach_reduce, {}
+
+    def counted(fsdp_params, *args, **kwargs):
+        key = id(fsdp_params[0])
+        counts[key] = counts.get(key, 0) + 1
+        return reduce(fsdp_params, *args, **kwargs)
+
+    _fsdp_param_group.foreach_reduce = counted
+    try:
+        return run_keeping_parameters(world, argv), sorted(counts.values())
+    finally:
+        _fsdp_param_group.foreach_reduce = reduce
 
 
 def pools_body(rank: int, world: int, tmp: str) -> None:
     ddp = run_keeping_parameters(world, RING_FLAGS + RINGS, tiers=True)
     fsdp = run_keeping_parameters(world, RING_FLAGS + RINGS + FSDP)
     grads = run_keeping_parameters(world, RING_FLAGS + RINGS + FSDP[:-1] + ["optim_grads"])
-    fsdp2 = run_keeping_parameters(world, RING_FLAGS + RINGS + FSDP2)
-    optim = optim_reduction(rank, world)
+    optim = run_keeping_parameters(world, RING_FLAGS + RINGS + FSDP[:-1] +
+                                   ["optim", "--no-overlap-grad-reduce"])
+    fsdp2, fsdp2_reductions = counting_reduce_scatters(world, RING_FLAGS + RINGS + FSDP2)
+    overlapped = optim_reduction(rank, world)
     if rank == 0:
-        torch.save({"ddp": ddp, "fsdp": fsdp, "optim_grads": grads, "torch_fsdp2": fsdp2,
-                    "optim": optim}, f"{tmp}/runs.pt")
+        torch.save({"ddp": ddp, "fsdp": fsdp, "optim_grads": grads, "optim": optim,
+                    "torch_fsdp2": fsdp2, "torch_fsdp2_reductions": fsdp2_reductions,
+                    "optim_overlapped": overlapped}, f"{tmp}/runs.pt")
 
 
 def one_process_body(rank: int, world: int, tmp: str) -> None:
@@ -130,7 +155,11 @@ def test_megatron_fsdp_in_zeppelin_mode_matches_ddp_and_one_process(tmp_path):
     # the plans ring: documents over 2 ranks of a node and over both nodes
     assert sum(intra for *_, intra, _ in ddp_logs) > 0, ddp_logs
     assert sum(inter for *_, inter in ddp_logs) > 0, ddp_logs
-    for strategy in ("fsdp", "optim_grads", "torch_fsdp2"):
+    # FSDP2 reduce-scatters each parameter group once per iteration (3), not once per
+    # micro-batch (2 per iteration): the first micro-batch's gradients accumulate locally
+    reductions = runs["torch_fsdp2_reductions"]
+    assert len(reductions) > 1 and set(reductions) == {3}, reductions
+    for strategy in ("fsdp", "optim_grads", "optim", "torch_fsdp2"):
         fsdp_logs, fsdp_params = runs[strategy]
         assert [it for it, _, _ in fsdp_logs] == [1, 2, 3]
         assert close(fsdp_logs, ddp_logs), (strategy, fsdp_logs, ddp_logs)
@@ -144,10 +173,10 @@ def test_megatron_fsdp_in_zeppelin_mode_matches_ddp_and_one_process(tmp_path):
                                        msg=lambda m, n=name: f"{strategy} {n}: {m}")
             torch.testing.assert_close(value, one[1][name], rtol=1e-5, atol=1e-5,
                                        msg=lambda m, n=name: f"{strategy} {n}: {m}")
-    # why optim is refused: rank 0's shard is the sum plus rank 0's own gradient (per-token
-    # loss: no scaling before the reduction); if megatron-core fixes it, this fails
-    assert runs["optim"], "no gradient bucket was reduced"
-    for bucket in runs["optim"]:
+    # why optim with overlap is refused: rank 0's shard is the sum plus rank 0's own gradient
+    # (per-token loss: no scaling before the reduction); if megatron-core fixes it, this fails
+    assert runs["optim_overlapped"], "no gradient bucket was reduced"
+    for bucket in runs["optim_overlapped"]:
         assert bucket["scaling"] is None, bucket
         assert bucket["vs_sum"] > 0.05 * bucket["norm"], bucket
         assert bucket["vs_sum_plus_own"] <= 1e-6 * bucket["norm"], bucket
@@ -203,8 +232,9 @@ def test_torch_fsdp2_checkpoints_resume_across_modes(tmp_path):
     (["--use-megatron-fsdp"], "--use-megatron-fsdp with --data-parallel-sharding-strategy="
      "no_shard"),
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"],
-     "--use-megatron-fsdp with --data-parallel-sharding-strategy=optim: .*GradReducePipeline"
-     "._bucket_group_gradient_reduce.* not exact"),
+     "--use-megatron-fsdp --data-parallel-sharding-strategy=optim with --overlap-grad-reduce "
+     r"\(the default\): .*GradReducePipeline._bucket_group_gradient_reduce.* not exact; add "
+     "--no-overlap-grad-reduce"),
     (FSDP2 + FSDP, "--use-torch-fsdp2 with --use-megatron-fsdp: "),
     (FSDP2 + ["--use-distributed-optimizer"],
      "--use-torch-fsdp2 with --use-distributed-optimizer: "),

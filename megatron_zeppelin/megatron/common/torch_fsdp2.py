@@ -4,8 +4,12 @@
 megatron-core wraps every ``TransformerLayer``, the embedding and RoPE with torch's
 ``fully_shard`` over the DP x CP group (the rest, the output layer included, with the root):
 each parameter is a ``DTensor`` sharded on dim 0, all-gathered per layer for forward and backward, and its
-gradient is reduce-scattered after every backward (its ``no_sync`` is empty) into the sharded
-``.grad`` that the plain optimizer (torch Adam on the shards) steps.
+gradient is reduce-scattered into the sharded ``.grad`` that the plain optimizer (torch Adam on
+the shards) steps. 0.16.1's ``no_sync`` is empty, so every micro-batch's backward would
+reduce-scatter; ``PerTokenTorchFSDP.no_sync`` turns FSDP2's gradient sync off
+(``set_requires_gradient_sync(False)``) for the micro-batches that Megatron's schedules run
+inside it (all but a step's last): their unsharded gradients accumulate locally and the last
+backward reduce-scatters the sum once per step, as Megatron DDP reduces once per step.
 
 What 0.16.1 gets wrong with ``calculate_per_token_loss`` (our loss, as Megatron-LM's
 ``--calculate-per-token-loss``): FSDP2 divides each reduce-scatter by the group size, and
@@ -19,7 +23,8 @@ and its base class's ``finish_grad_sync`` does not.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -48,6 +53,19 @@ def torch_fsdp2(config: Any, module: torch.nn.Module, device: str) -> Any:
             backward. (0.16.1's ``_BaseDataParallel.finish_grad_sync`` takes no
             ``force_all_reduce``, which its own ``finalize_model_grads`` passes.)"""
 
+        @contextlib.contextmanager
+        def no_sync(self) -> Iterator[None]:
+            """Gradients of the backwards run inside accumulate unsharded on this rank and
+            are reduce-scattered, summed, by the first backward after (module doc)."""
+            units = fsdp_units(self.module)
+            for unit in units:
+                unit.set_requires_gradient_sync(False, recurse=False)
+            try:
+                yield
+            finally:
+                for unit in units:
+                    unit.set_requires_gradient_sync(True, recurse=False)
+
         def scale_gradients(self, scaling_factor: float) -> None:
             for param in self.module.parameters():
                 if param.grad is not None:
@@ -60,14 +78,18 @@ def torch_fsdp2(config: Any, module: torch.nn.Module, device: str) -> Any:
     chunk = PerTokenTorchFSDP(config, TorchFullyShardedDataParallelConfig(), module,
                               sub_modules_to_wrap=units)
     if config.calculate_per_token_loss:
-        from torch.distributed.fsdp import FSDPModule
-
-        for sub_module in chunk.module.modules():
-            if isinstance(sub_module, FSDPModule):
-                sub_module.set_gradient_divide_factor(1.0)
-                # a plain SUM (a factor of 1 is otherwise a PREMUL_SUM, which gloo lacks)
-                sub_module.set_force_sum_reduction_for_comms(True)
+        for unit in fsdp_units(chunk.module):
+            unit.set_gradient_divide_factor(1.0)
+            # a plain SUM (a factor of 1 is otherwise a PREMUL_SUM, which gloo lacks)
+            unit.set_force_sum_reduction_for_comms(True)
     return chunk
+
+
+def fsdp_units(module: torch.nn.Module) -> list[Any]:
+    """The modules of ``module`` (itself included) that ``fully_shard`` wrapped."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [sub_module for sub_module in module.modules() if isinstance(sub_module, FSDPModule)]
 
 
 def is_torch_fsdp2(chunk: Any) -> bool:

@@ -166,14 +166,24 @@ FSDP_STRATEGIES_REFUSED = {
     "no_shard": "(Megatron-LM's default) megatron-core 0.16.1's Megatron-FSDP fails at the "
                 "first optimizer step (start_param_sync all-gathers weight buckets that "
                 "no_shard never allocates)",
-    "optim": "megatron-core 0.16.1's Megatron-FSDP adds each rank's own unreduced gradient "
-             "to the reduced one (megatron/core/distributed/fsdp/src/megatron_fsdp/"
-             "param_and_grad_buffer.py, GradReducePipeline._bucket_group_gradient_reduce: "
-             "with optim the gradient buffer is not sharded, the reduce-scatter writes into "
-             "a new tensor and 'local_grad += reduced_grad' adds it to this rank's slice of "
-             "its local gradient: each rank's gradient shard is the DP x CP sum plus its own "
-             "part, as tests/test_training_fsdp.py measures), so it is not exact",
 }
+
+# megatron-core 0.16.1's Megatron-FSDP with optim and --overlap-grad-reduce: on the last
+# micro-batch (after no_sync exits) the backward hooks reduce each bucket through
+# GradReducePipeline._bucket_group_gradient_reduce (megatron/core/distributed/fsdp/src/
+# megatron_fsdp/param_and_grad_buffer.py), which with optim's unsharded gradient buffer
+# reduce-scatters into a new tensor and adds it ('local_grad += reduced_grad') to this rank's
+# slice of its own unreduced gradient: each shard is the DP x CP sum plus the rank's own part
+# (tests/test_training_fsdp.py measures it). Without overlap finish_grad_sync reduce-scatters
+# the buffer in place (reduce_scatter_gradients), exact, provided the hooks never reduce:
+# Megatron-LM sets no_sync_func only with --overlap-grad-reduce (training.py), and so do we
+# for Megatron-FSDP (train.build_stage).
+FSDP_OPTIM_OVERLAP = (
+    "megatron-core 0.16.1's Megatron-FSDP reduces optim's gradients in the backward hooks with "
+    "overlap on and adds each rank's own unreduced gradient to the reduced one "
+    "(GradReducePipeline._bucket_group_gradient_reduce: 'local_grad += reduced_grad'), so it "
+    "is not exact; add --no-overlap-grad-reduce (Megatron-LM's default: one exact in-place "
+    "reduce-scatter after the backward) or pass optim_grads / optim_grads_params")
 
 
 def check_fsdp(args: argparse.Namespace) -> None:
@@ -192,6 +202,9 @@ def check_fsdp(args: argparse.Namespace) -> None:
         raise ConfigError(f"--use-megatron-fsdp with --data-parallel-sharding-strategy="
                           f"{strategy}: {FSDP_STRATEGIES_REFUSED[strategy]}; pass optim_grads "
                           "or optim_grads_params (full FSDP)")
+    if strategy == "optim" and args.overlap_grad_reduce:
+        raise ConfigError("--use-megatron-fsdp --data-parallel-sharding-strategy=optim with "
+                          f"--overlap-grad-reduce (the default): {FSDP_OPTIM_OVERLAP}")
     if args.pipeline_model_parallel_size > 1:
         raise ConfigError(f"--use-megatron-fsdp with --pipeline-model-parallel-size="
                           f"{args.pipeline_model_parallel_size}: Megatron-FSDP has not run "
@@ -216,9 +229,13 @@ def check_torch_fsdp2(args: argparse.Namespace) -> None:
                           "gradients and Adam state itself, without pipeline stages (as in "
                           "Megatron-LM); drop one of the two")
     if args.bf16:
-        raise ConfigError("--use-torch-fsdp2 --bf16: torch FSDP2 has run here in fp32 only "
-                          "(megatron-core's bf16 optimizer over its DTensor shards is "
-                          "untested); train in fp32 or use --use-megatron-fsdp")
+        raise ConfigError("--use-torch-fsdp2 --bf16: untested, so refused: megatron-core "
+                          "0.16.1's wrapper gives fully_shard no MixedPrecisionPolicy (bf16 "
+                          "shards, bf16 reduce-scatters) and its bf16 optimizer "
+                          "(Float16OptimizerWithFloat16Params: fp32 main copies of the DTensor "
+                          "shards) takes only CUDA tensors, so no CPU/gloo test compares it "
+                          "with DDP bf16 and none has run on a GPU; train in fp32 or use "
+                          "--use-megatron-fsdp")
 
 
 def validate_args(args: argparse.Namespace, world_size: int, local_world_size: int | None
