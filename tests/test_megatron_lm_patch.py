@@ -88,6 +88,8 @@ def trigger(rule) -> dict:
              "pipeline_model_parallel_size": {"use_megatron_fsdp": True,
                                               "use_distributed_optimizer": True,
                                               "data_parallel_sharding_strategy": "optim_grads"},
+             "overlap_grad_reduce": {"use_megatron_fsdp": True, "use_distributed_optimizer": True,
+                                     "data_parallel_sharding_strategy": "optim"},
              "save": {"use_megatron_fsdp": True, "use_distributed_optimizer": True,
                       "data_parallel_sharding_strategy": "optim_grads"},
              "overlap_p2p_comm": {"pipeline_model_parallel_size": 2,
