@@ -35,7 +35,8 @@ def test_replay_plans_the_logged_micro_batches_with_the_runs_own_planner():
 
 
 def test_report_marks_a_strategy_outside_the_target_and_round_trips_json():
-    good = StrategyFidelity("zeppelin", [1.0, 1.1, 0.9], [1.05, 1.0, 1.0])
+    good = StrategyFidelity("zeppelin", [1.0, 1.1, 0.9], [1.05, 1.0, 1.0],
+                            seqlens=[[[5, 3], [8]], [[8]], [[2, 2, 4]]])
     bad = StrategyFidelity("hydraulis", [1.0, 1.0], [1.3, 1.3])
     refused = StrategyFidelity("flexsp", refused="cannot run here")
     lines, ok = format_report([good, refused], (1.0, 1.0), 10.0, "cpu-2x2")
@@ -46,6 +47,7 @@ def test_report_marks_a_strategy_outside_the_target_and_round_trips_json():
     data = json.loads(json.dumps(fidelity_train.to_json([good, bad], (1.0, 2.0), args)))
     back = fidelity_train.rows_from_json(data)
     assert [r.error for r in back] == pytest.approx([good.error, bad.error])
+    assert back[0].seqlens == good.seqlens and back[1].seqlens == []  # re-simulable offline
 
 
 @pytest.mark.parametrize("argv, message", [

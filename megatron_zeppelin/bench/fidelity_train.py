@@ -37,6 +37,7 @@ class StrategyFidelity:
     simulated_s: list[float] = field(default_factory=list)
     chosen: list[str] = field(default_factory=list)
     refused: str = ""
+    seqlens: list[list[list[int]]] = field(default_factory=list)  # per step, per micro-batch
 
     @property
     def measured(self) -> float:
@@ -107,6 +108,7 @@ def run(args: argparse.Namespace) -> tuple[list[StrategyFidelity], tuple[float, 
                 continue
             fid.measured_s += [log["seconds"] for log in kept]
             fid.chosen += [log.get("chosen", "") for log in kept]
+            fid.seqlens += [[list(map(int, m)) for m in log["seqlens"]] for log in kept]
             fid.simulated_s += replay(entry, args.extra, args.iterations, kept,
                                       args.sim_profile)
         port += 1
@@ -144,6 +146,7 @@ def format_report(rows: list[StrategyFidelity], load: tuple[float, float], secon
 def to_json(rows: list[StrategyFidelity], load: tuple[float, float], args) -> dict:
     return {"strategies": {r.label: {"measured_s": r.measured_s, "simulated_s": r.simulated_s,
                                      "chosen": r.chosen, "refused": r.refused,
+                                     "seqlens": r.seqlens,
                                      **({"median_measured_s": r.measured,
                                          "median_simulated_s": r.simulated,
                                          "error": r.error, "spread": r.spread}
@@ -157,7 +160,8 @@ def to_json(rows: list[StrategyFidelity], load: tuple[float, float], args) -> di
 def rows_from_json(data: dict) -> list[StrategyFidelity]:
     """The rows of a ``--json`` file (``to_json``)."""
     return [StrategyFidelity(label, list(v["measured_s"]), list(v["simulated_s"]),
-                             list(v.get("chosen", [])), v.get("refused", ""))
+                             list(v.get("chosen", [])), v.get("refused", ""),
+                             [list(map(list, step)) for step in v.get("seqlens", [])])
             for label, v in data["strategies"].items()]
 
 
