@@ -6,8 +6,8 @@ peer, a remap, the gradient all-reduce) takes no core, so the busy ones speed up
 rank (GPU profiles) is ``cores >= ranks``: every job runs at rate 1 and finishes at
 ``release + work`` exactly.
 
-Not wired into ``step_model`` yet (see docs/benchmarks.md, simulator section): this module is the
-event timeline the step model is to price shared compute with.
+``step_model.shared_ends`` prices each wave's compute with it when the profile sets
+``shared_cores``.
 """
 
 from __future__ import annotations
