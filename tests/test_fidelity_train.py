@@ -66,13 +66,14 @@ def test_calibrated_figures_make_a_profile_that_loads_back(tmp_path):
     lengths = (16, 256, 4096)
     kernels = {"fwd": [1e-4, 1e-3, 0.2], "bwd": [2e-4, 2.5e-3, 0.5], "call": 5e-5,
                "gemm_tflops": 0.08, "gemm_call": 4e-6, "nongemm": (1e-4, 2e-7),
-               "head": (5e-5, 1e-7), "optimizer": (2e-4, 3e-9), "compute_scale": 2.3}
+               "head": (5e-5, 1e-7), "optimizer": (2e-4, 3e-9), "compute_scale": 2.3,
+               "shared_cores": 2.0}
     p2p = SimpleNamespace(gbyte_per_s=4.0, latency_us=50.0)
     profile = calibrate_sim.build_sim_profile("cpu-x", model, lengths, kernels, p2p,
                                               (60.0, 1.5), "test figures")
     assert dict(profile.attention_bwd_ratio)[4096] == pytest.approx(2.5)
     assert profile.nongemm_ns_per_token == pytest.approx(200.0)
-    assert profile.compute_scale == 2.3
+    assert profile.compute_scale == 2.3 and profile.shared_cores == 2.0
     profile.to_yaml(tmp_path / "p.yaml", "test")
     assert load_sim_profile(tmp_path / "p.yaml") == profile
 
@@ -91,3 +92,12 @@ def test_compute_sharing_is_measured_against_the_time_alone():
     assert len(shared) == 2 and all(t > 0 for t in shared)
     assert scale == pytest.approx(sorted(shared)[0] / 2e-6 + sorted(shared)[1] / 2e-6, rel=1e-9)
     assert contention.measure_compute_scale(model, 2, alone_s=1e3, runs=1)[0] == 1.0
+
+
+def test_with_shared_cores_the_scale_is_beyond_the_fair_share():
+    """2 processes on 1 core (as the simulator shares it): the scale is their median over the
+    time alone, halved; one process alone is timed too."""
+    model = load_model("gpt-tiny")
+    scale, shared = contention.measure_compute_scale(model, 2, alone_s=1e-6, runs=2, cores=1.0)
+    assert scale == pytest.approx((shared[0] + shared[1]) / 2 / 1e-6 / 2, rel=1e-9)
+    assert contention.measure_one_rank(model, runs=2) > 0

@@ -4,8 +4,10 @@
 Compute is measured for a model shape (``--model``, default the tiny GPT the CPU cluster
 trains) in this process, one thread, as the least CPU time (``time.thread_time``) of a few runs:
 other jobs on the cores do not inflate it. The emulated cluster runs 4 ranks of one thread on
-this machine's cores; ``compute_scale`` is that sharing, measured (``contention.py``: a layer's
-compute run by 4 processes at once against alone), and the step model multiplies compute by it.
+this machine's cores: ``shared_cores`` is their count (the cores this process may run on), and
+the step model shares them between the ranks that compute (``sim/sharing.py``);
+``compute_scale`` is what 4 ranks computing at once cost beyond that fair share, measured
+(``contention.py``: a layer's compute run by 4 processes at once against alone).
 
 * attention forward and backward through the engine's block call (``calibrate.attention_block``)
   at query lengths 16..``--max-length``: the forward TFLOP/s table and the backward / forward
@@ -40,7 +42,8 @@ from dataclasses import replace
 import torch
 
 from megatron_zeppelin.bench.calibrate import CalibrateOptions, attention_block, model_gemms
-from megatron_zeppelin.bench.contention import layer_work, measure_compute_scale
+from megatron_zeppelin.bench.contention import (layer_work, measure_compute_scale,
+                                                 measure_one_rank)
 from megatron_zeppelin.bench.p2p_link import fit_line, measure_p2p
 from megatron_zeppelin.bench.workers import run_forked
 from megatron_zeppelin.config import ModelSpec, load_model
@@ -341,6 +344,7 @@ def build_sim_profile(name: str, model: ModelSpec, lengths: tuple[int, ...], k: 
         inter_gbyte_per_s=p2p.gbyte_per_s, inter_latency_us=p2p.latency_us,
         allreduce_gbyte_per_s=allreduce[1], allreduce_latency_us=allreduce[0],
         nvlink_contention=1.0, compute_scale=k["compute_scale"],
+        shared_cores=k.get("shared_cores", 0.0),
         measured_hidden=model.hidden_size, measured_vocab=model.vocab_size, unmeasured=("nvlink_contention",))
 
 
@@ -353,7 +357,9 @@ def calibrate_sim(model_name: str, cluster: str, max_length: int) -> SimProfile:
                             max_repeats=5, concurrency=4)
     kernels = measure_kernels(model, lengths, opts)
     alone = _timed(lambda _, work=layer_work(model): work())
-    kernels["compute_scale"], shared = measure_compute_scale(model, RANKS, alone)
+    cores = float(len(os.sched_getaffinity(0)))
+    kernels["compute_scale"], shared = measure_compute_scale(model, RANKS, alone, cores=cores)
+    kernels["shared_cores"], one_rank = cores, measure_one_rank(model)
     p2p = measure_p2p()
     allreduce = measure_allreduce()
     day = datetime.date.today().isoformat()
@@ -361,10 +367,12 @@ def calibrate_sim(model_name: str, cluster: str, max_length: int) -> SimProfile:
               f"{os.cpu_count()} cores), torch {torch.__version__}, {day}: model {model.name} "
               f"(heads {model.num_attention_heads}/{model.kv_heads}, head_dim "
               f"{model.head_dim}, hidden {model.hidden_size}, vocab {model.vocab_size}), fp32, "
-              f"compute as one thread's least CPU time of {REPEATS} runs, x compute_scale "
-              f"{kernels['compute_scale']:.2f}: a layer's compute {alone * 1e3:.1f} ms alone, "
+              f"compute as one thread's least CPU time of {REPEATS} runs, shared by the "
+              f"ranks computing on {cores:g} cores (shared_cores) x compute_scale "
+              f"{kernels['compute_scale']:.2f}: a layer's compute {alone * 1e3:.1f} ms alone "
+              f"(CPU time), {one_rank * 1e3:.1f} ms (median wall) in one process alone, "
               f"{statistics.median(shared) * 1e3:.1f} ms (median) when {RANKS} processes run it "
-              f"at once on {os.cpu_count()} cores; gloo "
+              f"at once; gloo "
               "P2P ping-pong, 4-rank all-reduce; ring round and per-token host work fitted to "
               "full-length training steps of static CP 1, 2 and 4 (seed 4321); "
               f"load average {os.getloadavg()[0]:.1f}")
