@@ -115,3 +115,18 @@ def test_optimizer_and_lower_bound_pay_the_fair_share():
 def test_a_negative_core_count_is_refused_naming_the_key():
     with pytest.raises(Exception, match="shared_cores"):
         replace(load_sim_profile("cpu-2x2"), shared_cores=-1.0)
+
+
+def test_sweep_names_the_portfolios_pick_by_plan_name():
+    """The simulator's tables count zeppelin's picks by ``Plan.name`` (a ``+remap`` candidate
+    that remaps nothing is named without the suffix), not by the candidate key."""
+    from megatron_zeppelin.config import ZeppelinConfig
+    from megatron_zeppelin.sim.sweep import plan_and_simulate, resolve_variants
+
+    cost = make_cost(model="gpt-tiny", cluster="cpu-2x2", nodes=2)
+    variant, = resolve_variants(["zeppelin"])
+    for lengths in ([3000, 200, 200, 200], [1000] * 4, GOLDEN_LENGTHS[:8]):
+        run = plan_and_simulate(variant, lengths, cost, ZeppelinConfig())
+        plan = variant.strategy.plan(lengths, cost, ZeppelinConfig(routing=variant.routing,
+                                                                   remap=variant.remap))
+        assert plan.candidate and run.candidate == plan.name
