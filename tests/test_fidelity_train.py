@@ -101,3 +101,33 @@ def test_with_shared_cores_the_scale_is_beyond_the_fair_share():
     scale, shared = contention.measure_compute_scale(model, 2, alone_s=1e-6, runs=2, cores=1.0)
     assert scale == pytest.approx((shared[0] + shared[1]) / 2 / 1e-6 / 2, rel=1e-9)
     assert contention.measure_one_rank(model, runs=2) > 0
+
+
+def test_a_saved_run_is_resimulated_offline_under_another_profile(tmp_path, capsys):
+    """--resimulate re-plans the saved micro-batches and prices them with the profile named
+    (here with shared cores): no training; a file without the lengths is refused in one line."""
+    from dataclasses import replace
+
+    lengths = [[[4096, 2000, 100], [3000, 700]], [[64] * 50, [4096] * 2]]
+    row = StrategyFidelity("static-cp:zeppelin-cp-size=2", [1.0, 1.2], [9.0, 9.0],
+                           seqlens=lengths)
+    args = SimpleNamespace(sim_profile="cpu-2x2", iterations=4, warmup=2, rounds=1, extra=[])
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(fidelity_train.to_json([row], (1.0, 1.0), args)))
+    shared = replace(load_sim_profile("cpu-2x2"), shared_cores=2.0)
+    shared.to_yaml(tmp_path / "shared.yaml", "test")
+    rows, _ = fidelity_train.resimulate(str(saved), str(tmp_path / "shared.yaml"))
+    expected = fidelity_train.replay(parse_entry(row.label), [], 4,
+                                     [{"seqlens": s} for s in lengths], shared)
+    assert rows[0].simulated_s == pytest.approx(expected) and rows[0].measured_s == [1.0, 1.2]
+    assert rows[0].simulated_s != pytest.approx(fidelity_train.replay(
+        parse_entry(row.label), [], 4, [{"seqlens": s} for s in lengths], "cpu-2x2"))
+    cli.main(["bench", "fidelity", "--resimulate", str(saved)])
+    assert "static-cp:zeppelin-cp-size=2" in capsys.readouterr().out
+    old = tmp_path / "old.json"
+    data = json.loads(saved.read_text())
+    del data["strategies"][row.label]["seqlens"]
+    old.write_text(json.dumps(data))
+    assert cli.main(["bench", "fidelity", "--resimulate", str(old)]) == 2
+    err = capsys.readouterr().err
+    assert "has no micro-batch lengths" in err and err.count("\n") == 1

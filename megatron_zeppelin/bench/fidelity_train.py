@@ -165,6 +165,29 @@ def rows_from_json(data: dict) -> list[StrategyFidelity]:
             for label, v in data["strategies"].items()]
 
 
+def resimulate(path: str, profile_name) -> tuple[list[StrategyFidelity], tuple[float, float]]:
+    """The rows of a ``--json`` file with every step re-simulated under ``profile_name`` (the
+    measured steps as they were): the logged micro-batch lengths re-planned and priced by
+    today's step model; ValueError naming the file when a strategy's steps lack them."""
+    from megatron_zeppelin.bench.train import parse_entry
+
+    try:
+        data = json.loads(Path(path).read_text())
+        rows = rows_from_json(data)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--resimulate={path} is invalid: expected a `bench fidelity --json` "
+                         f"file ({exc})") from None
+    for row in rows:
+        if row.measured_s and len(row.seqlens) != len(row.measured_s):
+            raise ValueError(f"--resimulate={path}: strategy {row.label} has no micro-batch "
+                             "lengths (seqlens) for its steps: written before bench fidelity "
+                             "saved them, it cannot be re-simulated")
+        row.simulated_s = replay(parse_entry(row.label), list(data["flags"]),
+                                 int(data["iterations"]),
+                                 [{"seqlens": step} for step in row.seqlens], profile_name)
+    return rows, tuple(data.get("load_average", (0.0, 0.0)))
+
+
 def bench_fidelity_train(args: argparse.Namespace) -> int:
     from megatron_zeppelin.sim.profile import load_sim_profile
 
@@ -175,9 +198,12 @@ def bench_fidelity_train(args: argparse.Namespace) -> int:
     if args.warmup >= args.iterations:
         raise ValueError(f"--warmup={args.warmup} is invalid: expected < --iterations "
                          f"{args.iterations}")
+    if args.resimulate and args.json:
+        raise ValueError(f"--json={args.json} is invalid with --resimulate: the re-simulated "
+                         "report is printed, the measured file stays as it was")
     load_sim_profile(args.sim_profile)  # a bad profile is refused before any training
     started = time.perf_counter()
-    rows, load = run(args)
+    rows, load = resimulate(args.resimulate, args.sim_profile) if args.resimulate else run(args)
     lines, ok = format_report(rows, load, time.perf_counter() - started, args.sim_profile)
     print("\n".join(lines))
     if args.json:
@@ -194,4 +220,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-profile", default="cpu-2x2",
                    help="the simulator's profile (configs/sim/ name or YAML path)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every step here")
+    p.add_argument("--resimulate", default=None, metavar="FILE",
+                   help="train nothing: re-simulate the steps of a --json FILE under "
+                   "--sim-profile and report against its measured steps")
     p.add_argument("--port", type=int, default=29651)
