@@ -395,6 +395,7 @@ def cmd_calibrate_sim(args) -> int:
                     + profile.source)
     print(f"wrote {path} ({time.perf_counter() - started:.0f} s); ring step host work "
           f"{profile.ring_step_us:.0f} us, host per token {profile.token_host_ns:.0f} ns, "
+          f"shared cores {profile.shared_cores:g} x compute_scale {profile.compute_scale:.2f}, "
           "attention call "
           f"{profile.attention_call_us:.0f} us, "
           f"GEMM {profile.gemm_tflops * 1e3:.1f} GFLOP/s")
