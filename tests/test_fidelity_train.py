@@ -114,14 +114,15 @@ def test_a_saved_run_is_resimulated_offline_under_another_profile(tmp_path, caps
     args = SimpleNamespace(sim_profile="cpu-2x2", iterations=4, warmup=2, rounds=1, extra=[])
     saved = tmp_path / "run.json"
     saved.write_text(json.dumps(fidelity_train.to_json([row], (1.0, 1.0), args)))
-    shared = replace(load_sim_profile("cpu-2x2"), shared_cores=2.0)
+    shared = replace(load_sim_profile("cpu-2x2"), shared_cores=1.0)
     shared.to_yaml(tmp_path / "shared.yaml", "test")
+    alone = replace(shared, shared_cores=0.0)
     rows, _ = fidelity_train.resimulate(str(saved), str(tmp_path / "shared.yaml"))
     expected = fidelity_train.replay(parse_entry(row.label), [], 4,
                                      [{"seqlens": s} for s in lengths], shared)
     assert rows[0].simulated_s == pytest.approx(expected) and rows[0].measured_s == [1.0, 1.2]
     assert rows[0].simulated_s != pytest.approx(fidelity_train.replay(
-        parse_entry(row.label), [], 4, [{"seqlens": s} for s in lengths], "cpu-2x2"))
+        parse_entry(row.label), [], 4, [{"seqlens": s} for s in lengths], alone))
     cli.main(["bench", "fidelity", "--resimulate", str(saved)])
     assert "static-cp:zeppelin-cp-size=2" in capsys.readouterr().out
     old = tmp_path / "old.json"
