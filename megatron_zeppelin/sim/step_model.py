@@ -28,8 +28,10 @@ Shared cores (``profile.shared_cores`` > 0, the emulated CPU cluster): each wave
 while ``k`` ranks compute advances at ``min(1, cores / k)``), all ranks starting at once, then
 the rank's other time (host work, communication, waits priced at one core per rank) follows;
 a remap plan shares each synchronised phase (linear, each wave's attention) alike, and the
-optimizer step runs at the fair share. Not modelled: host work and busy-polling waits taking
-a core, compute overlapping waits inside a pass. No sharing: every rank on its own device.
+optimizer step runs at the fair share. The attention engine's host work per call and per ring
+step is part of the attention compute (it takes a core); the training loop's host terms do
+not. Not modelled: busy-polling waits taking a core, compute overlapping waits inside a pass.
+No sharing: every rank on its own device.
 
 A micro-batch ends when its slowest rank does (ring and remap traffic synchronise the ranks);
 an iteration is its micro-batches back to back, then the gradient all-reduce (exposed unless
