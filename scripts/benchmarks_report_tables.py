@@ -90,7 +90,7 @@ def portfolio_lines(paper: list[SettingResult], scale: list[SettingResult]) -> l
         f"settings ({total} batches; a peer's plan in {fallback}, "
         f"{fallback / max(1, total):.0%}):",
         "",
-        report._table([["candidate", "batches"]] + [[c, str(n)] for c, n in counts.items()],
+        report._table([["plan (Plan.name)", "batches"]] + [[c, str(n)] for c, n in counts.items()],
                       markdown=True),
         "",
         "The planner before this change (`zeppelin-hierarchical`: its hierarchical plan with the "

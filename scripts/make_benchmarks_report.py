@@ -148,6 +148,9 @@ def intro_lines(seconds: tuple[float, float], args, paper: list[SettingResult]) 
         "carry the fp32 dKV accumulator as the engine does;",
         "- the remap's four all-to-alls per layer; Megatron hybrid CP waves back to back; the "
         "gradient all-reduce (ring), overlapped with the last backward; the optimizer step;",
+        "- shared cores where the profile sets `shared_cores` (the emulated CPU cluster): each "
+        "wave's compute under processor sharing, a rank that waits giving its core to the busy "
+        "ones (Fidelity section); GPU profiles one device per rank;",
         "- not modelled: pipeline parallelism, memory.",
         "",
         *report.describe_profiles(paper).splitlines(),

@@ -4,8 +4,10 @@
 Compute is measured for a model shape (``--model``, default the tiny GPT the CPU cluster
 trains) in this process, one thread, as the least CPU time (``time.thread_time``) of a few runs:
 other jobs on the cores do not inflate it. The emulated cluster runs 4 ranks of one thread on
-this machine's cores; ``compute_scale`` is that sharing, measured (``contention.py``: a layer's
-compute run by 4 processes at once against alone), and the step model multiplies compute by it.
+this machine's cores: ``shared_cores`` is their count (the cores this process may run on), and
+the step model shares them between the ranks that compute (``sim/sharing.py``);
+``compute_scale`` is what 4 ranks computing at once cost beyond that fair share, measured
+(``contention.py``: a layer's compute run by 4 processes at once against alone).
 
 * attention forward and backward through the engine's block call (``calibrate.attention_block``)
   at query lengths 16..``--max-length``: the forward TFLOP/s table and the backward / forward
@@ -40,7 +42,8 @@ from dataclasses import replace
 import torch
 
 from megatron_zeppelin.bench.calibrate import CalibrateOptions, attention_block, model_gemms
-from megatron_zeppelin.bench.contention import layer_work, measure_compute_scale
+from megatron_zeppelin.bench.contention import (layer_work, measure_compute_scale,
+                                                 measure_one_rank)
 from megatron_zeppelin.bench.p2p_link import fit_line, measure_p2p
 from megatron_zeppelin.bench.workers import run_forked
 from megatron_zeppelin.config import ModelSpec, load_model
@@ -217,11 +220,12 @@ def measure_allreduce(world: int = 4, repeats: int = 20) -> tuple[float, float]:
 def ring_step_host_us(model: ModelSpec, profile: SimProfile, cluster: str) -> float:
     """Host work of the engine per ring step: short documents in one 4-rank ring on 4 gloo
     ranks (``bench.fidelity``'s engine timing, one layer, forward + backward), the measured
-    time beyond the step model's attention with no host work per ring step, per ring step."""
+    time beyond the step model's attention with no host work per ring step, per ring step
+    (and per the cores' fair share: the step model shares this host work too)."""
     from megatron_zeppelin.bench.fidelity import FidelityOptions, fidelity_cost, measure
     from megatron_zeppelin.config import ZeppelinConfig
     from megatron_zeppelin.planner.baselines import StaticCP
-    from megatron_zeppelin.sim.step_model import StepOptions, attention_ends
+    from megatron_zeppelin.sim.step_model import StepOptions, attention_ends, shared_ends
 
     opts = FidelityOptions(heads=model.num_attention_heads, head_dim=model.head_dim,
                            repeats=7, cluster=cluster)
@@ -232,7 +236,9 @@ def ring_step_host_us(model: ModelSpec, profile: SimProfile, cluster: str) -> fl
     base = replace(profile, ring_step_us=0.0)
     ends, = attention_ends(plan, cost, base, StepOptions())
     steps = 2 * world  # one call per ring step, forward and backward
-    return max(0.0, measured - float((ends.fwd + ends.bwd).max())) / steps * 1e6
+    model = float(shared_ends(ends.fwd + ends.bwd, ends.compute, base).max())
+    # the ring's ranks run their host work at once: on shared cores each gets its fair share
+    return max(0.0, measured - model) / steps / base.fair_share(world) * 1e6
 
 
 HOST_FLAGS = ["--seq-length", "128", "--micro-batch-size", "1"]
@@ -341,6 +347,7 @@ def build_sim_profile(name: str, model: ModelSpec, lengths: tuple[int, ...], k: 
         inter_gbyte_per_s=p2p.gbyte_per_s, inter_latency_us=p2p.latency_us,
         allreduce_gbyte_per_s=allreduce[1], allreduce_latency_us=allreduce[0],
         nvlink_contention=1.0, compute_scale=k["compute_scale"],
+        shared_cores=k.get("shared_cores", 0.0),
         measured_hidden=model.hidden_size, measured_vocab=model.vocab_size, unmeasured=("nvlink_contention",))
 
 
@@ -353,7 +360,9 @@ def calibrate_sim(model_name: str, cluster: str, max_length: int) -> SimProfile:
                             max_repeats=5, concurrency=4)
     kernels = measure_kernels(model, lengths, opts)
     alone = _timed(lambda _, work=layer_work(model): work())
-    kernels["compute_scale"], shared = measure_compute_scale(model, RANKS, alone)
+    cores = float(len(os.sched_getaffinity(0)))
+    kernels["compute_scale"], shared = measure_compute_scale(model, RANKS, alone, cores=cores)
+    kernels["shared_cores"], one_rank = cores, measure_one_rank(model)
     p2p = measure_p2p()
     allreduce = measure_allreduce()
     day = datetime.date.today().isoformat()
@@ -361,10 +370,12 @@ def calibrate_sim(model_name: str, cluster: str, max_length: int) -> SimProfile:
               f"{os.cpu_count()} cores), torch {torch.__version__}, {day}: model {model.name} "
               f"(heads {model.num_attention_heads}/{model.kv_heads}, head_dim "
               f"{model.head_dim}, hidden {model.hidden_size}, vocab {model.vocab_size}), fp32, "
-              f"compute as one thread's least CPU time of {REPEATS} runs, x compute_scale "
-              f"{kernels['compute_scale']:.2f}: a layer's compute {alone * 1e3:.1f} ms alone, "
+              f"compute as one thread's least CPU time of {REPEATS} runs, shared by the "
+              f"ranks computing on {cores:g} cores (shared_cores) x compute_scale "
+              f"{kernels['compute_scale']:.2f}: a layer's compute {alone * 1e3:.1f} ms alone "
+              f"(CPU time), {one_rank * 1e3:.1f} ms (median wall) in one process alone, "
               f"{statistics.median(shared) * 1e3:.1f} ms (median) when {RANKS} processes run it "
-              f"at once on {os.cpu_count()} cores; gloo "
+              f"at once; gloo "
               "P2P ping-pong, 4-rank all-reduce; ring round and per-token host work fitted to "
               "full-length training steps of static CP 1, 2 and 4 (seed 4321); "
               f"load average {os.getloadavg()[0]:.1f}")
@@ -387,6 +398,7 @@ def cmd_calibrate_sim(args) -> int:
                     + profile.source)
     print(f"wrote {path} ({time.perf_counter() - started:.0f} s); ring step host work "
           f"{profile.ring_step_us:.0f} us, host per token {profile.token_host_ns:.0f} ns, "
+          f"shared cores {profile.shared_cores:g} x compute_scale {profile.compute_scale:.2f}, "
           "attention call "
           f"{profile.attention_call_us:.0f} us, "
           f"GEMM {profile.gemm_tflops * 1e3:.1f} GFLOP/s")

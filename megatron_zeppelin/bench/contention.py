@@ -7,7 +7,9 @@ scheduler, a typical run against the fastest one). Here it is measured: a layer'
 GEMMs and its non-GEMM kernels, forward and backward, the model's shape) timed alone in this
 process as ``calibrate_sim`` times it, then by ``ranks`` forked processes at once, each the
 median wall time of its runs; the scale is the median over ranks of that median over the time
-alone (at least 1).
+alone (at least 1), and with the simulator's own sharing (``shared_cores``) over the fair share
+of the cores. ``measure_one_rank``: the same work in one forked process with nothing beside it
+(what a rank computing alone takes; stated in the profile's source).
 """
 from __future__ import annotations
 
@@ -56,10 +58,19 @@ def _worker(rank: int, model: ModelSpec, runs: int) -> float:
     return statistics.median(times)
 
 
-def measure_compute_scale(model: ModelSpec, ranks: int, alone_s: float, runs: int = 20
-                          ) -> tuple[float, list[float]]:
+def measure_compute_scale(model: ModelSpec, ranks: int, alone_s: float, runs: int = 20,
+                          cores: float = 0.0) -> tuple[float, list[float]]:
     """(scale, per-rank median seconds): ``ranks`` processes run ``layer_work`` at once;
-    ``alone_s``: its least CPU time in one thread with nothing beside it."""
+    ``alone_s``: its least CPU time in one thread with nothing beside it. ``cores`` > 0: the
+    simulator shares them itself (``SimProfile.shared_cores``), so the scale is what remains
+    beyond the fair share ``max(1, ranks / cores)``."""
     shared = run_forked(_worker, ranks, (model, runs), timeout_s=300.0, gloo_timeout_s=120.0,
                         what="compute-sharing measurement")
-    return max(1.0, statistics.median(shared) / alone_s), shared
+    fair = max(1.0, ranks / cores) if cores > 0 else 1.0
+    return max(1.0, statistics.median(shared) / alone_s / fair), shared
+
+
+def measure_one_rank(model: ModelSpec, runs: int = 20) -> float:
+    """Median wall seconds of ``layer_work`` in one forked process, nothing beside it."""
+    return run_forked(_worker, 1, (model, runs), timeout_s=300.0, gloo_timeout_s=120.0,
+                      what="one-rank compute measurement")[0]

@@ -37,6 +37,7 @@ class StrategyFidelity:
     simulated_s: list[float] = field(default_factory=list)
     chosen: list[str] = field(default_factory=list)
     refused: str = ""
+    seqlens: list[list[list[int]]] = field(default_factory=list)  # per step, per micro-batch
 
     @property
     def measured(self) -> float:
@@ -107,6 +108,7 @@ def run(args: argparse.Namespace) -> tuple[list[StrategyFidelity], tuple[float, 
                 continue
             fid.measured_s += [log["seconds"] for log in kept]
             fid.chosen += [log.get("chosen", "") for log in kept]
+            fid.seqlens += [[list(map(int, m)) for m in log["seqlens"]] for log in kept]
             fid.simulated_s += replay(entry, args.extra, args.iterations, kept,
                                       args.sim_profile)
         port += 1
@@ -144,6 +146,7 @@ def format_report(rows: list[StrategyFidelity], load: tuple[float, float], secon
 def to_json(rows: list[StrategyFidelity], load: tuple[float, float], args) -> dict:
     return {"strategies": {r.label: {"measured_s": r.measured_s, "simulated_s": r.simulated_s,
                                      "chosen": r.chosen, "refused": r.refused,
+                                     "seqlens": r.seqlens,
                                      **({"median_measured_s": r.measured,
                                          "median_simulated_s": r.simulated,
                                          "error": r.error, "spread": r.spread}
@@ -157,8 +160,32 @@ def to_json(rows: list[StrategyFidelity], load: tuple[float, float], args) -> di
 def rows_from_json(data: dict) -> list[StrategyFidelity]:
     """The rows of a ``--json`` file (``to_json``)."""
     return [StrategyFidelity(label, list(v["measured_s"]), list(v["simulated_s"]),
-                             list(v.get("chosen", [])), v.get("refused", ""))
+                             list(v.get("chosen", [])), v.get("refused", ""),
+                             [list(map(list, step)) for step in v.get("seqlens", [])])
             for label, v in data["strategies"].items()]
+
+
+def resimulate(path: str, profile_name) -> tuple[list[StrategyFidelity], tuple[float, float]]:
+    """The rows of a ``--json`` file with every step re-simulated under ``profile_name`` (the
+    measured steps as they were): the logged micro-batch lengths re-planned and priced by
+    today's step model; ValueError naming the file when a strategy's steps lack them."""
+    from megatron_zeppelin.bench.train import parse_entry
+
+    try:
+        data = json.loads(Path(path).read_text())
+        rows = rows_from_json(data)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--resimulate={path} is invalid: expected a `bench fidelity --json` "
+                         f"file ({exc})") from None
+    for row in rows:
+        if row.measured_s and len(row.seqlens) != len(row.measured_s):
+            raise ValueError(f"--resimulate={path}: strategy {row.label} has no micro-batch "
+                             "lengths (seqlens) for its steps: written before bench fidelity "
+                             "saved them, it cannot be re-simulated")
+        row.simulated_s = replay(parse_entry(row.label), list(data["flags"]),
+                                 int(data["iterations"]),
+                                 [{"seqlens": step} for step in row.seqlens], profile_name)
+    return rows, tuple(data.get("load_average", (0.0, 0.0)))
 
 
 def bench_fidelity_train(args: argparse.Namespace) -> int:
@@ -171,9 +198,12 @@ def bench_fidelity_train(args: argparse.Namespace) -> int:
     if args.warmup >= args.iterations:
         raise ValueError(f"--warmup={args.warmup} is invalid: expected < --iterations "
                          f"{args.iterations}")
+    if args.resimulate and args.json:
+        raise ValueError(f"--json={args.json} is invalid with --resimulate: the re-simulated "
+                         "report is printed, the measured file stays as it was")
     load_sim_profile(args.sim_profile)  # a bad profile is refused before any training
     started = time.perf_counter()
-    rows, load = run(args)
+    rows, load = resimulate(args.resimulate, args.sim_profile) if args.resimulate else run(args)
     lines, ok = format_report(rows, load, time.perf_counter() - started, args.sim_profile)
     print("\n".join(lines))
     if args.json:
@@ -190,4 +220,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-profile", default="cpu-2x2",
                    help="the simulator's profile (configs/sim/ name or YAML path)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every step here")
+    p.add_argument("--resimulate", default=None, metavar="FILE",
+                   help="train nothing: re-simulate the steps of a --json FILE under "
+                   "--sim-profile and report against its measured steps")
     p.add_argument("--port", type=int, default=29651)

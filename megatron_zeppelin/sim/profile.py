@@ -27,8 +27,13 @@ and ``measured_vocab`` and scaled linearly in hidden size / vocabulary for other
   layer's dispatch / combine legs use the same NVLink direction in that round (2: fair share).
 
 * ``compute_scale``: every compute term (attention, GEMMs, non-GEMM kernels, head, optimizer)
-  is multiplied by it: the compute figures are one thread's CPU time, and on the emulated CPU
-  cluster several ranks share a core (ranks / cores); 1 on a GPU.
+  is multiplied by it: the compute figures are one thread's CPU time; 1 on a GPU. With
+  ``shared_cores`` > 0 it is only what all ranks computing at once cost beyond a fair share of
+  the cores (memory bandwidth, the OS); the sharing itself is ``shared_cores``'s.
+* ``shared_cores``: the cores every rank of the pool shares (the emulated CPU cluster: one
+  machine). A rank computing while ``k`` ranks compute advances at ``min(1, shared_cores / k)``
+  (``sharing.py``; ``step_model`` applies it per micro-batch and to the optimizer step). 0: one
+  device per rank, no sharing (GPU profiles).
 
 ``unmeasured`` names the fields no measurement backs (they are 0 and say so in every report).
 """
@@ -73,6 +78,7 @@ class SimProfile:
     allreduce_latency_us: float
     nvlink_contention: float = 1.0
     compute_scale: float = 1.0
+    shared_cores: float = 0.0
     step_host_us: float = 0.0
     micro_batch_host_us: float = 0.0
     token_host_ns: float = 0.0
@@ -99,11 +105,18 @@ class SimProfile:
                     "inter_latency_us", "allreduce_latency_us"):
             require(getattr(self, key) >= 0, f"SimProfile.{key}", getattr(self, key),
                     "a number >= 0")
+        require(self.shared_cores >= 0, "SimProfile.shared_cores", self.shared_cores,
+                "a number >= 0 (0: one device per rank)")
         for key in ("nvlink_contention", "compute_scale"):
             require(getattr(self, key) >= 1, f"SimProfile.{key}", getattr(self, key),
                     "a number >= 1")
 
     # ------------------------------------------------------------------ lookups
+    def fair_share(self, ranks: int) -> float:
+        """How much slower each of ``ranks`` ranks computes when all compute at once on
+        ``shared_cores`` cores (1 with no sharing)."""
+        return max(1.0, ranks / self.shared_cores) if self.shared_cores > 0 else 1.0
+
     def attention_tflops_at(self, chunk) -> np.ndarray:
         """Forward TFLOP/s at query length ``chunk`` (log interpolation, clamped)."""
         return _interp(self.attention_tflops, chunk)

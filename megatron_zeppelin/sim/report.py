@@ -199,7 +199,8 @@ def fastest_table(results: Sequence[SettingResult], labels: Sequence[str], label
 
 def candidate_counts(results: Sequence[SettingResult], label: str = "zeppelin"
                      ) -> dict[str, int]:
-    """How often each portfolio candidate won, over every batch of every setting."""
+    """How often each portfolio plan (by ``Plan.name``) won, over every batch of every
+    setting."""
     counts: dict[str, int] = {}
     for res in results:
         mine = res.get(label)

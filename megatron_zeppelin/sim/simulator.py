@@ -111,7 +111,8 @@ def lower_bound(seqlens, cost: CostModel, world: int, profile: SimProfile | None
                 ) -> float:
     """Perfectly balanced compute, no communication, no host work beyond one rank's fixed
     costs: (every sequence's attention forward + backward at the best rate any chunk of it
-    reaches + the linear modules' per-token work) / ranks + one rank's fixed linear costs."""
+    reaches + the linear modules' per-token work) / ranks (x the fair share of
+    ``shared_cores``, every rank computing at once) + one rank's fixed linear costs."""
     profile = profile or profile_of(cost)
     s = np.asarray(seqlens, dtype=np.float64)
     flops = cost.attention_flops(s)  # elementwise on the array
@@ -120,7 +121,7 @@ def lower_bound(seqlens, cost: CostModel, world: int, profile: SimProfile | None
         cost.model.num_layers
     fixed = float(step_model.linear_seconds(np.zeros(1), cost, profile)[0])
     linear = float(step_model.linear_seconds(np.asarray([s.sum()]), cost, profile)[0]) - fixed
-    return (attention + linear) / world + fixed
+    return (attention + linear) / world * profile.fair_share(world) + fixed
 
 
 def simulate(plan: Plan, cost: CostModel, options: SimOptions = SimOptions(),

@@ -23,6 +23,16 @@ Per micro-batch, per rank (seconds; ``n`` its linear-layout tokens, ``L`` layers
 * remap (when ``plan.remaps``): 4 all-to-alls per layer (q, k, v there and
   the output back, forward; the gradients, backward), the busiest rank's link setting each.
 
+Shared cores (``profile.shared_cores`` > 0, the emulated CPU cluster): each wave's compute
+(linear + attention, per rank) runs under processor sharing (``sharing.py``: a rank computing
+while ``k`` ranks compute advances at ``min(1, cores / k)``), all ranks starting at once, then
+the rank's other time (host work, communication, waits priced at one core per rank) follows;
+a remap plan shares each synchronised phase (linear, each wave's attention) alike, and the
+optimizer step runs at the fair share. The attention engine's host work per call and per ring
+step is part of the attention compute (it takes a core); the training loop's host terms do
+not. Not modelled: busy-polling waits taking a core, compute overlapping waits inside a pass.
+No sharing: every rank on its own device.
+
 A micro-batch ends when its slowest rank does (ring and remap traffic synchronise the ranks);
 an iteration is its micro-batches back to back, then the gradient all-reduce (exposed unless
 ``overlap_grad_reduce``: then only what outlasts the last micro-batch's backward), the
@@ -41,6 +51,7 @@ from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.sim.network import GpuMap
 from megatron_zeppelin.sim.profile import SimProfile
 from megatron_zeppelin.sim.rounds import Links, PassSpec, RingCosts, simulate_pass
+from megatron_zeppelin.sim.sharing import shared_finish
 from megatron_zeppelin.sim.ulysses import ulysses_pass_times
 
 GEMM_CALLS_FWD = 4  # QKV, projection, MLP in, MLP out
@@ -116,6 +127,12 @@ def allreduce_s(nbytes: float, ranks: int, latency_us: float, gbyte_per_s: float
 def linear_seconds(tokens: np.ndarray, cost: CostModel, profile: SimProfile) -> np.ndarray:
     """Per rank: GEMMs, non-GEMM kernels, head and TP collectives of ``tokens`` tokens
     (``[ranks]``), all layers, forward + backward (see the module doc)."""
+    return linear_parts(tokens, cost, profile)[0]
+
+
+def linear_parts(tokens: np.ndarray, cost: CostModel, profile: SimProfile
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """``linear_seconds`` and its compute part (what takes a core), per rank."""
     m, layers, tp = cost.model, cost.model.num_layers, cost.tp
     tokens = np.asarray(tokens, dtype=np.float64)
     flops = 3.0 * tokens * (cost.linear_flops_per_token() * layers
@@ -133,7 +150,23 @@ def linear_seconds(tokens: np.ndarray, cost: CostModel, profile: SimProfile) -> 
         tp_comm = 4.0 * layers * np.asarray(
             [allreduce_s(n * m.hidden_size * m.bytes_per_element, tp,
                          profile.intra_latency_us, profile.intra_gbyte_per_s) for n in tokens])
-    return (gemm + nongemm + head) * profile.compute_scale + host + tp_comm
+    compute = (gemm + nongemm + head) * profile.compute_scale
+    return compute + host + tp_comm, compute
+
+
+def shared_ends(ends: np.ndarray, compute: np.ndarray, profile: SimProfile) -> np.ndarray:
+    """Per rank, the end of a phase that takes ``ends`` seconds of which ``compute`` on a core
+    (``[ranks]``, both priced at one core per rank), when the ranks share ``shared_cores``
+    cores: every rank's compute starts at once and runs under processor sharing
+    (``sharing.shared_finish``: a rank whose compute is done, or that waits, takes no core),
+    then its other time (host work, communication, waits) follows. ``ends`` itself with no
+    sharing (``shared_cores`` 0 or at least the ranks)."""
+    ends = np.asarray(ends, dtype=np.float64)
+    if profile.fair_share(len(ends)) == 1.0:
+        return ends
+    compute = np.asarray(compute, dtype=np.float64)
+    finish = shared_finish(np.zeros(len(ends)), compute, profile.shared_cores)
+    return np.asarray(finish) + (ends - compute)
 
 
 class _Work(NamedTuple):
@@ -243,6 +276,14 @@ def remap_a2a_s(plan: Plan, cost: CostModel, profile: SimProfile) -> float:
     return float(seconds)
 
 
+def _shared_pass(e: PassEnds, profile: SimProfile) -> np.ndarray:
+    """One wave's attention (forward + backward, one layer) per rank, under sharing; the
+    forward and backward ends with no sharing."""
+    if profile.fair_share(len(e.fwd)) == 1.0:
+        return e.fwd.max() + e.bwd.max()
+    return shared_ends(e.fwd + e.bwd, e.compute, profile)
+
+
 class RankTimes(NamedTuple):
     """One micro-batch per rank: linear seconds, attention compute, waits inside attention."""
 
@@ -266,8 +307,10 @@ def micro_batch_detail(plan: Plan, cost: CostModel, profile: SimProfile,
     compute = layers * sum(e.compute for e in ends)
     waits = layers * sum(e.fwd + e.bwd - e.compute for e in ends)
     if plan.remaps:  # every attention phase synchronises
-        lin = linear_seconds(np.asarray(plan.linear_tokens(), dtype=np.float64), cost, profile)
-        attention = layers * sum(float(e.fwd.max() + e.bwd.max()) for e in ends)
+        lin, lin_compute = linear_parts(np.asarray(plan.linear_tokens(), dtype=np.float64),
+                                        cost, profile)
+        lin = shared_ends(lin, lin_compute, profile)
+        attention = layers * sum(float(_shared_pass(e, profile).max()) for e in ends)
         busiest = layers * sum(float(e.compute.max()) for e in ends)
         remap = 4.0 * layers * remap_a2a_s(plan, cost, profile)
         last_bwd = float(lin.max()) * 2 / 3 + layers * float(ends[-1].bwd.max())
@@ -281,9 +324,10 @@ def micro_batch_detail(plan: Plan, cost: CostModel, profile: SimProfile,
     total = linear = attention = ring = last_bwd = 0.0
     rank_lin = np.zeros(world)
     for wave, e in enumerate(ends):
-        lin = linear_seconds(tokens[wave], cost, profile)
+        lin, lin_compute = linear_parts(tokens[wave], cost, profile)
         rank_lin += lin
-        per_rank = lin + layers * (e.fwd + e.bwd)
+        per_rank = shared_ends(lin + layers * (e.fwd + e.bwd), lin_compute + layers * e.compute,
+                               profile)
         r = int(per_rank.argmax())
         total += float(per_rank[r])
         linear += float(lin[r])
@@ -309,6 +353,8 @@ def step_time(plans: Sequence[Plan], cost: CostModel, profile: SimProfile,
         sync = max(0.0, sync - micro[-1].last_backward_s)
     optimizer = (profile.optimizer_us * 1e-6 + params * profile.optimizer_ns_per_param * 1e-9) \
         * profile.compute_scale
+    if profile.fair_share(ranks) != 1.0:  # every rank steps its optimizer at once
+        optimizer *= profile.fair_share(ranks)
     host = profile.step_host_us * 1e-6 + len(plans) * profile.micro_batch_host_us * 1e-6
     return StepTime(sum(m.seconds for m in micro) + sync + optimizer + host, micro, sync,
                     optimizer + host,

@@ -186,8 +186,9 @@ def sample_batches(setting: Setting, cost: CostModel) -> list[list[int]]:
 
 
 class Run(NamedTuple):
-    """One variant on one batch: the simulated result, plan time (ms), the plan's name and its
-    portfolio candidate."""
+    """One variant on one batch: the simulated result, plan time (ms), the plan's strategy and,
+    where a portfolio chose it, its ``Plan.name`` (the candidate, without ``+remap`` when it
+    remaps nothing)."""
 
     result: SimResult
     plan_ms: float
@@ -206,7 +207,7 @@ def plan_and_simulate(variant: Variant, lengths: list[int], cost: CostModel,
     plan = variant.strategy.plan(lengths, cost, config)
     plan_ms = (time.perf_counter() - started) * 1e3
     return Run(simulate(plan, cost, options, variant.label), plan_ms, plan.strategy,
-               plan.candidate)
+               plan.name if plan.candidate else "")
 
 
 def variant_runs(variant: Variant, batches: list[list[int]], cost: CostModel,
