@@ -53,18 +53,8 @@ def torch_fsdp2(config: Any, module: torch.nn.Module, device: str) -> Any:
             backward. (0.16.1's ``_BaseDataParallel.finish_grad_sync`` takes no
             ``force_all_reduce``, which its own ``finalize_model_grads`` passes.)"""
 
-        @contextlib.contextmanager
-        def no_sync(self) -> Iterator[None]:
-            """Gradients of the backwards run inside accumulate unsharded on this rank and
-            are reduce-scattered, summed, by the first backward after (module doc)."""
-            units = fsdp_units(self.module)
-            for unit in units:
-                unit.set_requires_gradient_sync(False, recurse=False)
-            try:
-                yield
-            finally:
-                for unit in units:
-                    unit.set_requires_gradient_sync(True, recurse=False)
+        def no_sync(self) -> contextlib.AbstractContextManager[None]:
+            return gradient_sync_off(self.module)
 
         def scale_gradients(self, scaling_factor: float) -> None:
             for param in self.module.parameters():
@@ -83,6 +73,20 @@ def torch_fsdp2(config: Any, module: torch.nn.Module, device: str) -> Any:
             # a plain SUM (a factor of 1 is otherwise a PREMUL_SUM, which gloo lacks)
             unit.set_force_sum_reduction_for_comms(True)
     return chunk
+
+
+@contextlib.contextmanager
+def gradient_sync_off(module: torch.nn.Module) -> Iterator[None]:
+    """Gradients of the backwards run inside accumulate unsharded on this rank and are
+    reduce-scattered, summed, by the first backward after (module doc)."""
+    units = fsdp_units(module)
+    for unit in units:
+        unit.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_requires_gradient_sync(True, recurse=False)
 
 
 def fsdp_units(module: torch.nn.Module) -> list[Any]:
