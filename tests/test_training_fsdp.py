@@ -167,11 +167,14 @@ def test_megatron_fsdp_in_zeppelin_mode_matches_ddp_and_one_process(tmp_path):
         assert sorted(fsdp_params) == sorted(ddp_params) == sorted(one[1])
         # Adam moves every element by ~lr whatever its gradient's size, so an element whose
         # gradient is near 0 carries the gradients' rounding (sums in another order) into its
-        # step: 1e-5 is 0.1% of one step of lr 0.01
+        # step. Against DDP (the same zeppelin sums): 1e-5, 0.1% of one step of lr 0.01.
+        # Against one process (other sums): 1e-4, 1% of one step; DDP itself, the reference,
+        # is 1.5e-5 off one process on one element of linear_fc2 (measured, 2026-11-27), and
+        # a wrong shard or a missed reduction moves parameters by ~lr
         for name, value in fsdp_params.items():
             torch.testing.assert_close(value, ddp_params[name], rtol=1e-5, atol=1e-5,
                                        msg=lambda m, n=name: f"{strategy} {n}: {m}")
-            torch.testing.assert_close(value, one[1][name], rtol=1e-5, atol=1e-5,
+            torch.testing.assert_close(value, one[1][name], rtol=1e-5, atol=1e-4,
                                        msg=lambda m, n=name: f"{strategy} {n}: {m}")
     # why optim with overlap is refused: rank 0's shard is the sum plus rank 0's own gradient
     # (per-token loss: no scaling before the reduction); if megatron-core fixes it, this fails
