@@ -61,14 +61,21 @@ std::vector<double> pace(std::vector<double> att, const std::vector<RingGroup>& 
   return att;
 }
 
-// estimate.shared_peak: the busiest rank, up to shared_by times faster while its peers wait,
-// and no less than the ranks' mean work (left-to-right sum, as add_up).
+// estimate.shared_peak: the ranks' work under fair sharing of shared_by ranks per device;
+// over the work sorted ascending, increment i runs at max(1 / shared_by, (n - i) / n) of its
+// timed seconds (same operations in the same order as the Python).
 double shared_peak(const std::vector<double>& seconds, double shared_by) {
   const double peak = *std::max_element(seconds.begin(), seconds.end());
   if (shared_by == 1.0) return peak;
-  double total = 0.0;
-  for (double s : seconds) total += s;
-  return std::max(peak / shared_by, total / static_cast<double>(seconds.size()));
+  std::vector<double> sorted(seconds);
+  std::sort(sorted.begin(), sorted.end());
+  const double n = static_cast<double>(sorted.size()), alone = 1.0 / shared_by;
+  double total = 0.0, previous = 0.0;
+  for (std::size_t i = 0; i < sorted.size(); ++i) {
+    total += (sorted[i] - previous) * std::max(alone, (n - static_cast<double>(i)) / n);
+    previous = sorted[i];
+  }
+  return total;
 }
 
 // estimate.remap_a2a_seconds

@@ -26,8 +26,8 @@ expressions in the same order, so the portfolio picks the same candidate in both
   ``sum over waves of max (linear + attention)``; plus the gradient all-reduce time not hidden
   behind the last backward (``grad_allreduce_seconds``). Each max over ranks is
   ``shared_peak``: where ranks share a device's compute (``HardwareProfile.shared_by`` > 1,
-  CPU ranks on fewer cores), the busiest rank runs faster while its peers wait, down to the
-  ranks' mean work.
+  CPU ranks on fewer cores), the ranks' work under fair sharing: a rank runs faster once its
+  peers are done or wait.
 """
 from __future__ import annotations
 
@@ -173,13 +173,22 @@ def _step(att: list[list[float]], tokens: list[list[float]], linear_tokens: Sequ
 
 def shared_peak(seconds: Sequence[float], shared_by: float) -> float:
     """The time ranks take for per-rank work ``seconds`` (timed while all of them compute) when
-    ``shared_by`` ranks share one device's compute (``HardwareProfile.shared_by``): the
-    busiest rank, up to ``shared_by`` times faster while its peers wait, and no less than the
-    ranks' mean (their total work over the ``len / shared_by`` devices). ``max`` when 1."""
+    ``shared_by`` ranks share one device's compute (``HardwareProfile.shared_by``), under fair
+    sharing (Linux's scheduler: each of ``k`` busy ranks gets ``min(1, n / (shared_by k))`` of
+    a device, a rank that is done or waits takes none): over the work sorted ascending, each
+    increment ``s_i - s_(i-1)`` runs while ``k = n - i`` ranks are busy (0-based ``i``), at
+    ``max(1 / shared_by, k / n)`` of its timed seconds. The busiest rank sets the tail, the
+    others the start (``zeppelin bench sharing`` measured this against the best schedule,
+    ``max(peak / shared_by, mean)``). ``max`` when 1."""
     peak = max(seconds)
     if shared_by == 1.0:
         return peak
-    return max(peak / shared_by, add_up(seconds) / len(seconds))
+    n, alone = len(seconds), 1.0 / shared_by
+    total = previous = 0.0
+    for i, s in enumerate(sorted(seconds)):
+        total += (s - previous) * max(alone, (n - i) / n)
+        previous = s
+    return total
 
 
 def plan_moves(plan: Plan) -> list[Move]:

@@ -44,8 +44,8 @@ class HardwareProfile:
     NIC bandwidth and latency in the cost model (``links``); None keeps the cluster's.
     ``shared_by``: how many ranks share one device's compute (1 on GPUs; 4 CPU ranks on 2
     cores: 2). The figures are per rank while all of them compute; a rank whose peers wait
-    runs up to ``shared_by`` times faster, so the estimate bounds a step by the busiest rank
-    at that speed and by the ranks' total work over the shared devices (``estimate``).
+    runs up to ``shared_by`` times faster: the estimate prices a wave's per-rank work under
+    fair sharing of the devices (``estimate.shared_peak``).
     """
 
     name: str

@@ -143,6 +143,11 @@ def test_ranks_sharing_a_device_run_faster_while_their_peers_wait():
     assert shared_peak([4.0, 4.0, 1.0, 1.0], 2.0) == 2.5  # the mean: 10 s of work on 2 devices
     assert shared_peak([4.0, 0.0, 0.0, 0.0], 2.0) == 2.0  # alone on its device
     assert shared_peak([3.0, 3.0, 3.0, 3.0], 2.0) == 3.0  # all busy: as timed
+    # fair sharing, not the best schedule (max(peak / 2, mean) = 2): the long rank shares a
+    # core until the short ones finish (1 s at half speed for all four), then runs at full
+    # speed beside the 2-unit rank (1 s more of it: 0.5 s) and alone (its last 2 s: 1 s)
+    assert shared_peak([4.0, 2.0, 1.0, 1.0], 2.0) == 2.5
+    assert shared_peak([1.0, 4.0, 1.0, 2.0], 2.0) == 2.5  # the order of ranks is irrelevant
     # 4 CPU ranks on 2 cores: one long document over a ring of 2 (the other pair idle) is
     # estimated faster with shared cores; over all 4 ranks (every rank busy) it is not
     cpu = make_cost("gpt-tiny", "cpu-2x2", nodes=2)

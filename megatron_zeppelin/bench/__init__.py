@@ -21,6 +21,8 @@ overhead   host CPU seconds per training step by thread and planner process, pro
            (overhead.py)
 rings      a ring round's cost beyond its compute and its exchange on shared cores, rings of
            2 and of 4 processes (rings.py)
+sharing    unequal work on ranks sharing the cores: measured makespan vs the estimate's
+           shared_peak, the ideal schedule and fair sharing (sharing.py)
 
 ``zeppelin calibrate`` (calibrate.py) measures this machine and writes a hardware profile;
 ``zeppelin calibrate-sim`` (calibrate_sim.py) the simulator's own profile (``configs/sim/``).
@@ -35,7 +37,7 @@ import time
 from typing import Callable
 
 TARGETS = ("planner", "planning", "router", "engine", "kernels", "train", "fidelity", "online",
-           "window", "remap", "decisions", "overhead", "rings")
+           "window", "remap", "decisions", "overhead", "rings", "sharing")
 
 
 def median_ms(fn: Callable[[], object], repeats: int, budget_s: float) -> tuple[float, int]:
