@@ -21,6 +21,8 @@ overhead   host CPU seconds per training step by thread and planner process, pro
            (overhead.py)
 rings      a ring round's cost beyond its compute and its exchange on shared cores, rings of
            2 and of 4 processes (rings.py)
+converge   a run started from a wrong profile reaches the right decisions by fitting
+           online: by which iteration (converge.py)
 sharing    unequal work on ranks sharing the cores: measured makespan vs the estimate's
            shared_peak, the ideal schedule and fair sharing (sharing.py)
 
@@ -37,7 +39,7 @@ import time
 from typing import Callable
 
 TARGETS = ("planner", "planning", "router", "engine", "kernels", "train", "fidelity", "online",
-           "window", "remap", "decisions", "overhead", "rings", "sharing")
+           "window", "remap", "decisions", "overhead", "rings", "sharing", "converge")
 
 
 def median_ms(fn: Callable[[], object], repeats: int, budget_s: float) -> tuple[float, int]:

@@ -49,6 +49,7 @@ class StepLog:
     estimated_s: float = 0.0  # the plans' step estimates, summed (the profile in force)
     seqlens: tuple = ()  # per micro-batch, the planned sequence lengths (replayable)
     mtp_losses: tuple[float, ...] = ()  # Megatron's "mtp_1 loss", ... (--mtp-num-layers)
+    plan_names: tuple[str, ...] = ()  # per micro-batch, in order, its plan's ``Plan.name``
 
     def line(self, total: int) -> str:
         mtp = "".join(f" | mtp_{i + 1} loss {v:.4f}" for i, v in enumerate(self.mtp_losses))
@@ -140,7 +141,8 @@ class Logger:
                       sum(p.plan_time_s for p in self.plans) * 1e3, float(grad_norm or 0.0),
                       seconds, chosen_candidates(self.plans),
                       sum(e.step_s for e in estimates),
-                      tuple(tuple(p.seqlens) for p in self.plans), mtp)
+                      tuple(tuple(p.seqlens) for p in self.plans), mtp,
+                      tuple(p.name for p in self.plans))
         self.history.append(log)
         if iteration % self.args.log_interval == 0:
             print(log.line(self.args.train_iters), flush=True)
