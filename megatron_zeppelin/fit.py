@@ -6,9 +6,14 @@ What is measured (``runtime/probe.py`` takes it per micro-batch; ``Measurements`
 * ``attention``: one attention kernel call: its phase (forward / backward), its query chunk
   length (a LOCAL call: its tokens' sum of squares over their sum; a ring step: s / G), its
   forward FLOPs in the cost model's convention (``2 a d c^2`` per sequence, causal), seconds
-  and tier (``local`` / ``intra`` / ``inter``);
-* ``linear``: a micro-batch's tokens on this rank and the seconds of everything but attention
-  and remap (forward + backward);
+  of work and tier (``local`` / ``intra`` / ``inter``);
+* ``linear``: a micro-batch's tokens on this rank and the seconds of work of everything but
+  attention and remap (forward + backward);
+
+Seconds of work: a device's own time on CUDA; on CPU the rank's own CPU seconds, since ranks
+that share cores (``HardwareProfile.shared_by``) compute faster while their peers wait, so wall
+time measures the moment's sharing, not the hardware. The profile's figures are per rank while
+all ranks compute: work x ``shared_by``.
 * ``link``: one ring exchange that was exposed (the ring waited for it, so its time is the
   transfer's): tier (``intra`` / ``inter``), bytes per layer and phase, seconds from post to
   completion;
@@ -137,18 +142,19 @@ def summarize(m: Measurements, prior: HardwareProfile) -> list[float]:
     logs = prior.log_lengths
     by_length: list[list[float]] = [[] for _ in logs]
     shortest = prior.attention_tflops[0][0]
+    shared = prior.shared_by  # work seconds -> seconds while every rank computes
     for phase, length, flops, seconds, _ in m.attention:  # measured / prior FLOP/s per call
         if phase == "forward" and seconds > 0 and length >= shortest:
             by_length[_nearest(length, logs)].append(
-                flops / seconds / prior.attention_flops_per_s(length))
+                flops / (seconds * shared) / prior.attention_flops_per_s(length))
     rates = [_median(v) * base if len(v) >= MIN_SAMPLES else math.nan
              for v, base in zip(by_length, prior.flops_per_s)]
     fitted = _attention_table(rates, prior)
-    ratios = [seconds * interp(math.log(length), logs, fitted) / flops
+    ratios = [seconds * shared * interp(math.log(length), logs, fitted) / flops
               for phase, length, flops, seconds, _ in m.attention
               if phase == "backward" and flops > 0 and length >= shortest]
     out = rates + [_median(ratios) if len(ratios) >= MIN_SAMPLES else math.nan]
-    per_token = [s / n for n, s in m.linear if n > 0]
+    per_token = [s * shared / n for n, s in m.linear if n > 0]
     out.append(_median(per_token) if len(per_token) >= MIN_SAMPLES else math.nan)
     links = m.ping + (m.link if len(m.ring_rounds) < MIN_SAMPLES else [])
     for tier in LINK_TIERS:

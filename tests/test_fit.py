@@ -131,6 +131,26 @@ def test_the_fit_recovers_known_coefficients_despite_outliers_and_a_stalled_rank
         wrong, source=got.source)
 
 
+def test_work_seconds_on_shared_cores_are_seconds_while_every_rank_computes(setup):
+    """On CPU the probe records a rank's own CPU seconds; with ``shared_by`` ranks per core the
+    profile's figures are ``shared_by`` times those (every rank computing): rates halve,
+    seconds per token double, the backward / forward ratio (a ratio) stays."""
+    base, truth = setup
+    rng = random.Random(7)
+    one = fit.Measurements()
+    for lengths in batches(base, 4, seed=2):
+        for ranks in measure(make_plan("zeppelin", lengths, truth, CONFIG), truth, rng, 0.0):
+            one.add(ranks)
+    alone = fit.summarize(one, truth.hardware)
+    shared = fit.summarize(one, dataclasses.replace(truth.hardware, shared_by=2.0))
+    tables = len(truth.hardware.attention_tflops)
+    assert sum(math.isfinite(a) for a in alone[:tables]) >= 3  # lengths measured
+    for a, b in zip(alone[:tables], shared[:tables]):
+        assert math.isnan(a) and math.isnan(b) or b == pytest.approx(a / 2.0)
+    assert shared[tables] == pytest.approx(alone[tables])  # backward / forward
+    assert shared[tables + 1] == pytest.approx(2.0 * alone[tables + 1])  # linear per token
+
+
 def test_a_run_started_2x_wrong_on_attention_and_3x_on_links_reaches_the_true_decisions(setup):
     """20 iterations of 2 micro-batches planned with the current profile, measured on the true
     hardware, refitted every 5 iterations; then the portfolio picks what the true profile

@@ -8,8 +8,15 @@ waited, its transfer (tier, bytes, seconds post -> completion), the engine's hos
 ring step (host round time minus the kernel calls and waits timed on the host), per
 micro-batch the ring rounds' host work and waits together with their count, each remap
 all-to-all (``RemapIndex.probe``), and the micro-batch's linear time (``linear``: its span
-less the engine's and the remap's). On CPU every span is ``time.perf_counter`` around
-synchronous work. On CUDA a span is two events recorded on the current stream; they are read
+less the engine's and the remap's). On CPU every span is timed twice around synchronous work:
+``time.perf_counter`` (wall: what waits, exchanges and ring rounds record) and the rank's own
+CPU seconds (its work: what kernel calls and the linear remainder record). Ranks that share
+cores compute at a speed that depends on how many of them compute at that moment (a rank whose
+peers wait runs up to ``shared_by`` times faster), so a wall time is not a rate of the
+hardware: the CPU seconds are, and the fit turns them into the profile's per-rank seconds
+while all ranks compute (``fit.summarize``). The work clock is this thread's CPU time when
+torch computes on one intra-op thread (the training ranks: torchrun's default), else the
+process's. On CUDA a span is two events recorded on the current stream; they are read
 one micro-batch later (``take`` queries them: an event not yet done stays queued), so the
 probe adds no host synchronisation; ring exchanges are not timed there (the transfer runs on
 NCCL's stream), so links come from ``ping_links`` at each refit only.
@@ -33,14 +40,16 @@ class Probe:
         self.data = fit.Measurements()
         self._queued: list[tuple[object, object, tuple]] = []  # CUDA: (start, end, record)
         self.busy_s = 0.0  # host seconds inside timed kernel calls and waits (CPU)
-        self.engine_s = 0.0  # engine seconds this micro-batch (linear is the remainder)
+        self.engine_s = 0.0  # engine work this micro-batch (linear is the remainder)
         self.rounds = [0.0, 0]  # this micro-batch's ring rounds (CPU): host work + waits, count
+        self._work_clock = time.thread_time if torch.get_num_threads() == 1 else \
+            time.process_time  # CPU: the rank's own compute seconds (module doc)
 
     def start(self):
-        """A span's start: perf_counter on CPU, an event recorded on the current stream on
-        CUDA."""
+        """A span's start: (perf_counter, work clock) on CPU, an event recorded on the current
+        stream on CUDA."""
         if not self.cuda:
-            return time.perf_counter()
+            return time.perf_counter(), self._work_clock()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
@@ -50,10 +59,10 @@ class Probe:
         squares, tier), ("engine",) (a whole engine phase), ("remap", bytes sent) or
         ("linear", tokens) (a micro-batch: its time less the engine's and the remap's)."""
         if not self.cuda:
-            seconds = time.perf_counter() - started
+            seconds = time.perf_counter() - started[0]
             if record[0] == "attention":
                 self.busy_s += seconds
-            self._add(record, seconds)
+            self._add(record, seconds, self._work_clock() - started[1])
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()
@@ -83,18 +92,21 @@ class Probe:
         self.rounds[0] += host
         self.rounds[1] += 1
 
-    def _add(self, record: tuple, seconds: float) -> None:
+    def _add(self, record: tuple, seconds: float, work: float | None = None) -> None:
+        """One span: ``seconds`` of wall (CUDA: device) time, ``work`` the rank's own compute
+        in it (CPU; None: the device time is the work)."""
+        work = seconds if work is None else work
         if record[0] == "attention":
             _, phase, length, squares, tier = record
             self.data.attention.append((phase, length, self.flops_per_square * squares,
-                                        seconds, tier))
+                                        work, tier))
         elif record[0] == "engine":
-            self.engine_s += seconds
+            self.engine_s += work
         elif record[0] == "remap":
-            self.engine_s += seconds
+            self.engine_s += work
             self.data.remap.append((record[1], seconds))
         else:
-            self.data.linear.append((record[1], max(0.0, seconds - self.engine_s)))
+            self.data.linear.append((record[1], max(0.0, work - self.engine_s)))
             self.engine_s = 0.0
             if self.rounds[1]:  # the micro-batch's ring rounds: their total, their count
                 self.data.ring_rounds.append((self.rounds[0], self.rounds[1]))
