@@ -22,6 +22,9 @@ all ranks compute: work x ``shared_by``.
 * ``ring_rounds``: per micro-batch (CPU), its ring rounds' host work plus their exchange waits
   (seconds) and the rounds' count;
 * ``ping``: active link samples taken at a refit (``runtime.probe.ping_links``), as ``link``;
+* ``attention_ping``: active kernel samples taken at a refit for the table's lengths that no
+  call measured (``unmeasured_lengths``, ``runtime.probe.Probe.ping_attention``), as
+  ``attention``: fitted with the calls;
 * ``exposed``: every ring exchange's host wait (tier, seconds; zero when hidden): reported
   (``breakdown``);
 * ``remap``: each remap all-to-all (bytes sent, seconds), ``REMAP_EXCHANGES`` per layer.
@@ -82,6 +85,7 @@ class Measurements:
     remap: list[tuple[float, float]] = field(default_factory=list)
     ring_rounds: list[tuple[float, int]] = field(default_factory=list)
     ping: list[tuple[str, float, float]] = field(default_factory=list)
+    attention_ping: list[tuple[str, float, float, float, str]] = field(default_factory=list)
 
     def add(self, other: "Measurements") -> None:
         for name in KINDS:
@@ -99,7 +103,8 @@ class Measurements:
         return out
 
 
-KINDS = ("attention", "linear", "link", "ring_host", "exposed", "remap", "ring_rounds", "ping")
+KINDS = ("attention", "linear", "link", "ring_host", "exposed", "remap", "ring_rounds", "ping",
+         "attention_ping")
 TIERS = ("local", "intra", "inter")
 
 
@@ -143,8 +148,8 @@ def summarize(m: Measurements, prior: HardwareProfile) -> list[float]:
     by_length: list[list[float]] = [[] for _ in logs]
     shortest = prior.attention_tflops[0][0]
     shared = prior.shared_by  # work seconds -> seconds while every rank computes
-    for phase, length, flops, seconds, _ in m.attention:  # measured / prior FLOP/s per call
-        if phase == "forward" and seconds > 0 and length >= shortest:
+    for phase, length, flops, seconds, _ in m.attention + m.attention_ping:  # measured /
+        if phase == "forward" and seconds > 0 and length >= shortest:  # prior FLOP/s per call
             by_length[_nearest(length, logs)].append(
                 flops / (seconds * shared) / prior.attention_flops_per_s(length))
     rates = [_median(v) * base if len(v) >= MIN_SAMPLES else math.nan
@@ -166,6 +171,19 @@ def summarize(m: Measurements, prior: HardwareProfile) -> list[float]:
     beyond = [s - latency - b * per_byte for b, s in m.remap]
     out.append(_median(beyond) if len(beyond) >= MIN_SAMPLES else math.nan)
     return out
+
+
+def unmeasured_lengths(m: Measurements, prior: HardwareProfile, longest: int) -> list[int]:
+    """The lengths of the prior's attention table, up to ``longest`` (no call is longer),
+    whose forward rate ``summarize`` would not fit from ``m`` (fewer than ``MIN_SAMPLES``
+    calls nearest them, pings included): what ``runtime.probe.Probe.ping_attention`` times."""
+    logs = prior.log_lengths
+    counts = [0] * len(logs)
+    for phase, length, _, seconds, _ in m.attention + m.attention_ping:
+        if phase == "forward" and seconds > 0 and length >= prior.attention_tflops[0][0]:
+            counts[_nearest(length, logs)] += 1
+    return [n for (n, _), c in zip(prior.attention_tflops, counts)
+            if c < MIN_SAMPLES and n <= longest]
 
 
 def _ring_step_seconds(m: Measurements) -> float:

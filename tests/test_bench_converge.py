@@ -52,7 +52,7 @@ def test_windows_and_the_iteration_of_convergence(capsys):
     assert converged_at([{"wrong": 1.0, "floor": 1.0, "first": 1},
                          {"wrong": 0.5, "floor": 1.0, "first": 3},
                          {"wrong": 1.0, "floor": 1.0, "first": 5}], 0.1) == 5
-    report(rows, argparse.Namespace(tolerance=0.1, json=""))
+    report(rows, argparse.Namespace(tolerance=0.1, json=""))  # no logs kept: --json off
     out = capsys.readouterr().out
     assert "from iteration 3" in out and "met" in out and "cannot show" not in out
 

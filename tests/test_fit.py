@@ -151,6 +151,27 @@ def test_work_seconds_on_shared_cores_are_seconds_while_every_rank_computes(setu
     assert shared[tables + 1] == pytest.approx(2.0 * alone[tables + 1])  # linear per token
 
 
+def test_lengths_no_call_measured_are_pinged_and_fitted_with_the_calls(setup):
+    """A plan that never attends at some length leaves it to the prior (a wrong start rating
+    long calls slow keeps avoiding them): those lengths, up to the longest possible call, are
+    what the refit pings, and the pings fit that length's rate."""
+    _, truth = setup
+    hw = truth.hardware
+    lengths = [n for n, _ in hw.attention_tflops]
+    short, long_ = lengths[0], lengths[-1]
+    rate = hw.attention_flops_per_s(short)
+    m = fit.Measurements()
+    m.attention.extend([("forward", float(short), 1e9, 1e9 / rate, "local")] * fit.MIN_SAMPLES)
+    m.attention.extend([("backward", float(long_), 1e9, 1.0, "local")] * 5)  # not a forward
+    assert fit.unmeasured_lengths(m, hw, long_) == lengths[1:]
+    assert fit.unmeasured_lengths(m, hw, lengths[1]) == lengths[1:2]  # none longer than that
+    slow = hw.attention_flops_per_s(long_) / 3.0  # the truth at the longest length
+    m.attention_ping.extend([("forward", float(long_), 1e9, 1e9 / slow, "local")] * 3)
+    assert long_ not in fit.unmeasured_lengths(m, hw, long_)
+    fitted = fit.summarize(m, hw)[:len(lengths)]
+    assert fitted[-1] == pytest.approx(slow) and fitted[0] == pytest.approx(rate)
+
+
 def test_a_run_started_2x_wrong_on_attention_and_3x_on_links_reaches_the_true_decisions(setup):
     """20 iterations of 2 micro-batches planned with the current profile, measured on the true
     hardware, refitted every 5 iterations; then the portfolio picks what the true profile

@@ -146,3 +146,21 @@ def test_the_probe_splits_a_micro_batch_into_what_the_estimate_prices():
     (tokens, linear), = got.linear
     assert tokens == 40 and 0.01 <= linear < 0.08  # the engine (>= 0.1 s) left out
     assert got.remap[0][0] == 1024.0 and probe.take().attention == []
+
+
+def test_the_probe_pings_the_engines_kernel_at_lengths_no_call_measured():
+    import torch
+
+    from megatron_zeppelin.runtime import kernels
+    from megatron_zeppelin.runtime.probe import PING_REPEATS, Probe
+
+    probe = Probe("cpu")
+    assert probe.ping_attention([64]) == []  # no engine call yet: shapes unknown
+    q, k, v = torch.randn(8, 4, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 8)
+    probe.flops_per_square = 2.0 * 4 * 16
+    probe.calls_like(kernels.select(None, q), q, k, v, 0.25)
+    got = probe.ping_attention([64, 256])
+    assert [s[:3] for s in got] == [("forward", 64.0, 128.0 * 64 * 64)] * PING_REPEATS + \
+        [("forward", 256.0, 128.0 * 256 * 256)] * PING_REPEATS
+    assert all(s[3] > 0 and s[4] == "local" for s in got)
+

@@ -29,6 +29,7 @@ import json
 import os
 import statistics
 import tempfile
+from collections import Counter
 
 from megatron_zeppelin.options import require
 
@@ -71,10 +72,19 @@ def windows(logs: dict[str, list[dict]], interval: int) -> list[dict]:
         rows.append({"first": start + 1, "last": min(len(floor), start + interval),
                      "wrong": statistics.fmean(wrong_agrees[part]),
                      "floor": statistics.fmean(floor[part]),
+                     **{f"step_{name}": statistics.median(r["seconds"] for r in logs[name][part])
+                        for name in RUNS},
+                     **{f"picks_{name}": picks(logs[name][part]) for name in RUNS},
                      **{f"ratio_{name}": statistics.median(
                          r["seconds"] / r["estimated_s"] for r in logs[name][part]
                          if r["estimated_s"] > 0) for name in RUNS}})
     return rows
+
+
+def picks(logs: list[dict]) -> str:
+    """The plans run in ``logs``, most used first: ``hybrid-dp 14, hierarchical 6``."""
+    counts = Counter(name for r in logs for name in r["plan_names"])
+    return ", ".join(f"{name} {n}" for name, n in counts.most_common())
 
 
 def converged_at(rows: list[dict], tolerance: float) -> int | None:
@@ -106,30 +116,39 @@ def bench_converge(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "wrong.yaml")
         fit.save_profile(wrong_profile(true, args.attention, args.links), path)
-        fitting = {"zeppelin-fit-interval": str(args.interval)}
-        entries = [Entry("zeppelin", dict(fitting)), Entry("zeppelin", dict(fitting)),
-                   Entry("zeppelin", {**fitting, "zeppelin-hardware": path})]
+        fitted = {name: os.path.join(tmp, f"{name}.yaml") for name in RUNS}
+        entries = [Entry("zeppelin", {"zeppelin-fit-interval": str(args.interval),
+                                      "zeppelin-profile-out": fitted[name],
+                                      **({"zeppelin-hardware": path} if name == "wrong" else {})})
+                   for name in RUNS]
         print(f"tiny GPT, zeppelin mode, {layout_line(layout)}, {args.iterations} iterations "
               f"per run, refit every {args.interval}; right start: {true.name}; wrong start: "
               f"attention {args.attention:g}x, links {args.links:g}x, no ring-step host work",
               flush=True)
         results = run_entries(entries, args.iterations, args.extra, args.port)
+        profiles = {name: open(f).read() for name, f in fitted.items() if os.path.exists(f)}
     logs = {}
     for name, (run_logs, refused) in zip(RUNS, results):
         if refused:
             raise SystemExit(f"zeppelin bench converge: {name}: {refused}")
         logs[name] = run_logs
     rows = windows(logs, args.interval)
-    return report(rows, args)
+    return report(rows, args, logs, profiles)
 
 
-def report(rows: list[dict], args: argparse.Namespace) -> int:
-    """Print the windows and the verdict; ``--json``."""
+def report(rows: list[dict], args: argparse.Namespace, logs: dict | None = None,
+           profiles: dict | None = None) -> int:
+    """Print the windows (agreement, measured / estimated step, median step, the plans each
+    run ran) and the verdict; ``--json`` (with every run's logs and last fitted profile, as
+    YAML text that ``--zeppelin-hardware`` reads)."""
     print(f"{'iterations':>10} {'wrong agrees':>12} {'right vs right':>14} "
-          f"{'measured/est: right':>19} {'again':>6} {'wrong':>6}")
+          f"{'measured/est: right':>19} {'again':>6} {'wrong':>6} {'step s: right':>13} "
+          f"{'again':>6} {'wrong':>6}")
     for r in rows:
         print(f"{r['first']:>4}-{r['last']:<5} {r['wrong']:12.0%} {r['floor']:14.0%} "
-              f"{r['ratio_right']:18.2f}x {r['ratio_right-again']:5.2f}x {r['ratio_wrong']:5.2f}x")
+              f"{r['ratio_right']:18.2f}x {r['ratio_right-again']:5.2f}x {r['ratio_wrong']:5.2f}x"
+              f" {r['step_right']:13.2f} {r['step_right-again']:6.2f} {r['step_wrong']:6.2f}")
+        print(f"{'':10} plans: right {r['picks_right']}; wrong {r['picks_wrong']}")
     at = converged_at(rows, args.tolerance)
     if rows[0]["wrong"] >= rows[0]["floor"] - args.tolerance:
         print("the wrong start decided like the right ones before any refit: this corpus and "
@@ -141,7 +160,12 @@ def report(rows: list[dict], args: argparse.Namespace) -> int:
           f"{'met' if ok else 'MISSED'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "converged_at": at, "flags": args.extra}, f, indent=1)
+            json.dump({"rows": rows, "converged_at": at, "flags": args.extra,
+                       "runs": {name: [{k: r[k] for k in ("iteration", "plan_names", "seconds",
+                                                          "estimated_s", "seqlens")}
+                                       for r in run] for name, run in (logs or {}).items()},
+                       "profiles": profiles or {}},
+                      f, indent=1)
     return 0
 
 

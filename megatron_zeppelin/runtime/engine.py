@@ -306,6 +306,7 @@ class AttentionEngine:
         tensors, kernel = Tensors(q, k, v, out, lse, dout), self._kernel(q)
         if self.probe is not None:
             self.probe.flops_per_square = 2.0 * q.shape[1] * q.shape[2]
+            self.probe.calls_like(kernel, q, k, v, scale)
             started = self.probe.start()
         lanes.begin()
         for index, wave in enumerate(waves):

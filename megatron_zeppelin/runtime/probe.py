@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin import fit
+from megatron_zeppelin.runtime.kernels.base import make_pieces
 
 
 class Probe:
@@ -113,6 +114,47 @@ class Probe:
             self.rounds = [0.0, 0]
 
     flops_per_square = 0.0  # 2 x heads x head_dim of this rank's calls (set by the engine)
+    _like: tuple = ()  # (kernel, heads, kv heads, head dim, value head dim, dtype, device, scale)
+
+    def calls_like(self, kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   scale: float) -> None:
+        """The engine's calls (kernel backend, tensor shapes, softmax scale): what
+        ``ping_attention`` times."""
+        self._like = (kernel, q.shape[1], k.shape[1], q.shape[2], v.shape[2], q.dtype,
+                      q.device, scale)
+
+    def ping_attention(self, lengths: Sequence[int]) -> list[tuple]:
+        """Active samples of the attention kernel, taken at a refit where a length of the
+        profile's table had no call (``fit.unmeasured_lengths``): a plan that never attends
+        at some length (a wrong profile rating it slow) would otherwise never correct it. Per
+        length, ``PING_REPEATS`` forward calls of one causal sequence of that many tokens with
+        the engine's kernel, shapes and scale (random data; one untimed call first), timed as
+        the engine's calls are (CPU: the rank's work; CUDA: events, synchronised: a refit
+        blocks anyway). Returns ``fit.Measurements.attention`` records (tier ``local``);
+        nothing before the engine's first call."""
+        if not self._like or not lengths:
+            return []
+        kernel, heads, kv_heads, dim, v_dim, dtype, device, scale = self._like
+        samples = []
+        for n in lengths:
+            q = torch.randn(n, heads, dim, dtype=dtype, device=device)
+            k = torch.randn(n, kv_heads, dim, dtype=dtype, device=device)
+            v = torch.randn(n, kv_heads, v_dim, dtype=dtype, device=device)
+            pieces = make_pieces((0, n), (0, n), device)
+            for repeat in range(PING_REPEATS + 1):
+                start = self.start()
+                kernel.forward(q, k, v, pieces, True, scale)
+                if self.cuda:
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                    end.synchronize()
+                    seconds = start.elapsed_time(end) / 1e3
+                else:
+                    seconds = self._work_clock() - start[1]
+                if repeat:
+                    samples.append(("forward", float(n), self.flops_per_square * n * n,
+                                    seconds, "local"))
+        return samples
 
     def take(self) -> fit.Measurements:
         """What completed since the last call (CUDA: the events done by now; none waited)."""

@@ -2,7 +2,9 @@
 
 Every micro-batch is measured by the engine's ``runtime.probe.Probe`` (``watch`` adds each
 micro-batch's linear span). Every N iterations each rank adds active link samples
-(``probe.ping_links``: a link no plan uses is measured too) and summarizes its measurements
+(``probe.ping_links``: a link no plan uses is measured too) and kernel samples at the
+attention lengths no call measured yet (``Probe.ping_attention``, up to ``--seq-length``:
+a length no plan uses is measured too) and summarizes its measurements
 (``fit.summarize``), rank 0 combines all ranks' summaries and broadcasts the coefficients
 (``probe.agree``: one profile on every rank), and every rank's data iterator hands the planner a
 ``PlanFunction`` on the new profile, which plans from the same micro-batch index on every rank
@@ -67,6 +69,8 @@ class OnlineFit:
         per_node = self.cost.cluster.topology(self.cost.tp).gpus_per_node  # pool ranks
         self.measured.ping.extend(ping_links(self.pool.group, per_node))
         prior = self.cost.hardware
+        self.measured.attention_ping.extend(self.probe.ping_attention(
+            fit.unmeasured_lengths(self.measured, prior, self.args.seq_length)))
         coefficients = agree(fit.summarize(self.measured, prior), dist.group.WORLD)
         profile = fit.to_profile(coefficients, prior, self.cost,
                                  f"iteration {iteration}")
