@@ -164,3 +164,36 @@ def test_the_probe_pings_the_engines_kernel_at_lengths_no_call_measured():
         [("forward", 256.0, 128.0 * 256 * 256)] * PING_REPEATS
     assert all(s[3] > 0 and s[4] == "local" for s in got)
 
+
+
+def probed_forward_backward(rank: int, world: int) -> list:
+    """One rank's probe records of one forward + backward of a plan that leaves every
+    sequence local (the engine's one fused call over the whole buffer)."""
+    import torch
+    import torch.distributed as dist
+
+    from engine_cases import plan_of
+    from megatron_zeppelin.runtime.engine import AttentionEngine
+    from megatron_zeppelin.runtime.probe import Probe
+
+    plan = plan_of("static-cp", 1, 2, [300, 200, 100, 60], cp_size=1)
+    engine = AttentionEngine(plan, rank, dist.group.WORLD, timeout_s=30)
+    engine.probe = Probe("cpu")
+    n = engine.tokens
+    q, k, v = (torch.randn(n, heads, 16, requires_grad=True) for heads in (4, 2, 2))
+    engine.forward(q, k, v).sum().backward()
+    engine.close()
+    lengths = sorted(plan.seqlens[t.seq] for t in plan.tasks if t.ring == (rank,))
+    return [lengths, [r[:3] + (r[4],) for r in engine.probe.take().attention]]
+
+
+def test_a_rank_whose_sequences_are_all_local_has_its_attention_measured():
+    """Before, the engine's one fused call over the whole buffer was not timed: its attention
+    went into the linear remainder and the fit never saw a local call."""
+    from distributed import run_world
+
+    for lengths, records in run_world(probed_forward_backward, 2):
+        length = sum(s * s for s in lengths) / sum(lengths)
+        squares = 2.0 * 4 * 16 * sum(s * s for s in lengths)
+        assert records == [("forward", length, squares, "local"),
+                           ("backward", length, squares, "local")], (lengths, records)

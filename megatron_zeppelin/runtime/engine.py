@@ -292,29 +292,40 @@ class AttentionEngine:
         scale = next((s for s in (scale, self.scale) if s is not None), q.shape[-1] ** -0.5)
         band = None if window is None else (window, 0)
         whole = whole_buffer_call(waves, self.tokens, self.inter)
+        kernel, probe = self._kernel(q), self.probe
+        if probe is not None:
+            probe.flops_per_square = 2.0 * q.shape[1] * q.shape[2]
+            probe.calls_like(kernel, q, k, v, scale)
+            started = probe.start()
         if whole is not None:  # one fused call over the whole buffer: its outputs, no copies
             if phase is Phase.FORWARD:
-                return self._kernel(q).forward(q, k, v, whole.pieces, True, scale, band)
-            return self._kernel(q).backward(dout, q, k, v, out, lse, whole.pieces, True, scale,
-                                            band)
+                result = kernel.forward(q, k, v, whole.pieces, True, scale, band)
+            else:
+                result = kernel.backward(dout, q, k, v, out, lse, whole.pieces, True, scale, band)
+            if probe is not None:  # the call is the whole phase: the same span
+                probe.attention(started, phase.name.lower(), whole.lengths, "local")
+        else:
+            result = self._run_waves(phase, waves, Tensors(q, k, v, out, lse, dout), kernel,
+                                     scale, lanes, band)
+        if probe is not None:
+            probe.stop(started, ("engine",))
+        return result
+
+    def _run_waves(self, phase: Phase, waves: list, tensors: Tensors, kernel, scale: float,
+                   lanes, band) -> tuple[torch.Tensor, ...]:
+        """Every wave of one phase into fresh result buffers (``run``'s layouts)."""
+        q, k, v = tensors.q, tensors.k, tensors.v
         if phase is Phase.FORWARD:
             result = (q.new_empty((*q.shape[:2], v.shape[2])),
                       torch.empty((q.shape[1], self.tokens), dtype=accum_dtype(q.dtype),
                                   device=q.device))
         else:
             result = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-        tensors, kernel = Tensors(q, k, v, out, lse, dout), self._kernel(q)
-        if self.probe is not None:
-            self.probe.flops_per_square = 2.0 * q.shape[1] * q.shape[2]
-            self.probe.calls_like(kernel, q, k, v, scale)
-            started = self.probe.start()
         lanes.begin()
         for index, wave in enumerate(waves):
             self._run_wave(WavePass(phase, index, wave, tensors, result, scale, kernel, lanes,
                                  band))
         lanes.join()
-        if self.probe is not None:
-            self.probe.stop(started, ("engine",))
         return result
 
     def _run_wave(self, p: WavePass) -> None:
