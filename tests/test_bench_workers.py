@@ -78,3 +78,39 @@ def test_bench_train_states_the_layout_its_flags_give():
     assert layout_line(training_shape(["--context-parallel-size", "2",
                                        "--global-batch-size", "8"], 12)[1]) == \
         "4 gloo ranks as 2 emulated nodes x 2 (TP 1, CP 2, PP 1, DP 2)"
+
+
+def test_rounds_rotate_which_strategy_runs_first():
+    from megatron_zeppelin.bench.train import rotated
+
+    entries = ["zeppelin", "static-cp", "hybrid-dp"]
+    assert [rotated(entries, r)[0] for r in range(4)] == \
+        ["zeppelin", "static-cp", "hybrid-dp", "zeppelin"]
+    assert sorted(rotated(entries, 2)) == sorted(entries) and rotated([], 3) == []
+
+
+def _groups_after_release(rank: int) -> tuple[int, int, float]:
+    """Groups before and after ``release_groups`` (two runs' worth made first), and a
+    world all-reduce after it."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from megatron_zeppelin.bench.train import release_groups
+
+    for _ in range(2):
+        dist.new_group([0, 1])
+        dist.new_group([0, 1], backend="gloo")
+    before = len(c10d._world.pg_map)
+    release_groups()
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return before, len(c10d._world.pg_map), total.item()
+
+
+def test_a_run_releases_its_process_groups_so_later_runs_are_not_slowed():
+    """A world that runs several trainings keeps only its own group between them (each run's
+    groups hold gloo threads: the 6th of 6 identical runs measured 16% slower without this)."""
+    for before, after, total in run_forked(_groups_after_release, 2, timeout_s=60.0,
+                                           what="release", gloo_timeout_s=30.0):
+        assert (before, after, total) == (5, 1, 2.0)

@@ -91,14 +91,14 @@ def replay(entry, extra: list[str], iterations: int, logs: list[dict], profile_n
 
 def run(args: argparse.Namespace) -> tuple[list[StrategyFidelity], tuple[float, float]]:
     """Measure every strategy (``--rounds`` interleaved rounds) and replay its steps."""
-    from megatron_zeppelin.bench.train import parse_entry, run_entries
+    from megatron_zeppelin.bench.train import parse_entry, rotated, run_entries
 
     entries = [parse_entry(s) for s in args.strategies.split(",") if s.strip()]
     results = {e.label: StrategyFidelity(e.label) for e in entries}
     load_before = os.getloadavg()[0]
     port = args.port
-    for _ in range(args.rounds):
-        todo = [e for e in entries if not results[e.label].refused]
+    for round_ in range(args.rounds):
+        todo = [e for e in rotated(entries, round_) if not results[e.label].refused]
         for entry, (logs, refused) in zip(todo, run_entries(todo, args.iterations, args.extra,
                                                             port)):
             fid = results[entry.label]
