@@ -182,8 +182,10 @@ RULES: tuple[Rule, ...] = (
                "--data-parallel-sharding-strategy optim"),
     Rule("--pipeline-model-parallel-size", "pipeline_model_parallel_size", 1,
          lambda v, a: v > 1 and _get(a, "use_megatron_fsdp", False),
-         "Megatron-FSDP with pipeline stages has had no exactness run through this patch",
-         "use --use-distributed-optimizer under Megatron DDP with pipeline parallelism"),
+         "megatron-core 0.16.1's Megatron-FSDP meshes the whole world as DP x CP x EP x TP and "
+         "fails with pipeline stages, in static mode too (scripts/pretrain_gpt.py meshes each "
+         "stage)", "use --use-distributed-optimizer under Megatron DDP with pipeline "
+         "parallelism, or scripts/pretrain_gpt.py"),
     Rule("--save", "save", None,
          lambda v, a: _get(a, "use_megatron_fsdp", False) and (
              _set(v, a) or _set(_get(a, "load", None), a)),

@@ -205,11 +205,6 @@ def check_fsdp(args: argparse.Namespace) -> None:
     if strategy == "optim" and args.overlap_grad_reduce:
         raise ConfigError("--use-megatron-fsdp --data-parallel-sharding-strategy=optim with "
                           f"--overlap-grad-reduce (the default): {FSDP_OPTIM_OVERLAP}")
-    if args.pipeline_model_parallel_size > 1:
-        raise ConfigError(f"--use-megatron-fsdp with --pipeline-model-parallel-size="
-                          f"{args.pipeline_model_parallel_size}: Megatron-FSDP has not run "
-                          "with pipeline stages here (no exactness test); use "
-                          "--use-distributed-optimizer with pipeline parallelism")
     if args.bf16 and (args.save or args.load):
         raise ConfigError(f"--use-megatron-fsdp --bf16 with --{'save' if args.save else 'load'}: "
                           "its checkpoints are written in fp32 only (the model's weights are "

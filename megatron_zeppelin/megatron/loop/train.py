@@ -221,8 +221,13 @@ def data_parallel_chunks(args: argparse.Namespace, config, modules: list) -> lis
 
         enable_megatron_fsdp_on_cpu()
         device = torch.device("cpu")
-    return [FullyShardedDataParallel(config, ddp_config, module, device=device)
-            for module in modules]
+    from megatron.core import parallel_state
+
+    from megatron_zeppelin.megatron.loop.fsdp_stages import stage_mesh
+
+    with stage_mesh(parallel_state.get_pipeline_model_parallel_group()):
+        return [FullyShardedDataParallel(config, ddp_config, module, device=device)
+                for module in modules]
 
 
 def forward_step(data_iterator, model):

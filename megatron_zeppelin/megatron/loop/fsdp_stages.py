@@ -1,0 +1,84 @@
+"""Megatron-FSDP with pipeline stages: each stage's model chunks sharded over that stage's
+DP x CP ranks.
+
+megatron-core 0.16.1's ``FullyShardedDataParallel`` builds its device mesh in
+``mcore_fsdp_adapter._get_dp_tp_mesh`` from *every* rank of the world, laid out as
+``(dp_cp ep tp)``: with pipeline stages the world is ``pp`` times larger than that and the
+layout fails (einops: "Shape mismatch, 4 != 2" on PP 2 x CP 2), so Megatron-LM runs
+Megatron-FSDP without pipeline parallelism. Nothing else in it depends on the world: the
+shards, buffers and collectives live on the DP x CP group and the TP group it is given, which
+Megatron's rank order (TP fastest, PP slowest: ``tp-cp-ep-dp-pp``) lays out as one contiguous
+block of ranks per stage. ``stage_mesh(pp_group)`` builds the mesh over that block instead,
+while the wrapper is constructed (the same layout and checks as megatron-core's, on the
+stage's ranks); with one stage it is megatron-core's own mesh.
+
+Layout: ranks of stage ``s`` are ``s * S .. (s + 1) * S - 1`` with ``S = TP x CP x EP x DP``
+(EP inside DP, as megatron-core's expert mesh reads them).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+ADAPTER = "megatron.core.distributed.fsdp.mcore_fsdp_adapter"
+
+
+def stage_ranks(pp_group: Any) -> list[int]:
+    """The world ranks of this rank's pipeline stage (a contiguous block in Megatron's rank
+    order); ValueError naming the layout when they are not contiguous (another rank order)."""
+    world, stages = dist.get_world_size(), dist.get_world_size(pp_group)
+    size = world // stages
+    first = (dist.get_rank() // size) * size
+    ranks = list(range(first, first + size))
+    peers = dist.get_process_group_ranks(pp_group)
+    if sorted(peers) != [dist.get_rank() % size + stage * size for stage in range(stages)]:
+        raise ValueError(f"pipeline group {peers} of rank {dist.get_rank()}: Megatron-FSDP with "
+                         f"pipeline stages needs Megatron's default rank order (stages of "
+                         f"{size} contiguous ranks)")
+    return ranks
+
+
+def _stage_dp_tp_mesh(ranks: list[int], dp_cp_group: Any, tp_group: Any,
+                      ep_size: int = 1) -> torch.Tensor:
+    """megatron-core's ``_get_dp_tp_mesh`` over ``ranks`` (one stage) instead of the world:
+    the ``[dp_cp, tp]`` mesh of this rank's expert-parallel slice, checked against the DP x CP
+    and TP groups' ranks."""
+    dp_cp, tp = dp_cp_group.size(), dist.get_world_size(tp_group) if tp_group is not None else 1
+    if len(ranks) != dp_cp * ep_size * tp:
+        raise ValueError(f"a pipeline stage of {len(ranks)} ranks is not DP x CP {dp_cp} x EP "
+                         f"{ep_size} x TP {tp}")
+    mesh = torch.tensor(ranks).view(dp_cp, ep_size, tp).permute(1, 0, 2)  # ep, dp_cp, tp
+    dp_ranks = sorted(dist.get_process_group_ranks(dp_cp_group))
+    tp_ranks = sorted(dist.get_process_group_ranks(tp_group)) if tp_group is not None else None
+    rank = dist.get_rank()
+    for per_ep in mesh:
+        if rank in per_ep.reshape(-1).tolist():
+            columns = [sorted(per_ep[:, t].tolist()) for t in range(tp)]
+            rows = [sorted(row.tolist()) for row in per_ep]
+            if dp_ranks not in columns or (tp_ranks is not None and tp_ranks not in rows):
+                raise ValueError(f"rank {rank}: the stage mesh {per_ep.tolist()} does not hold "
+                                 f"its DP x CP group {dp_ranks} and TP group {tp_ranks}")
+            return per_ep
+    raise ValueError(f"rank {rank} is not in its stage's mesh {mesh.tolist()}")
+
+
+@contextlib.contextmanager
+def stage_mesh(pp_group: Any) -> Iterator[None]:
+    """While it is open, megatron-core's Megatron-FSDP wrapper meshes this rank's pipeline
+    stage instead of the world (nothing changes with one stage)."""
+    import importlib
+
+    if dist.get_world_size(pp_group) == 1:
+        yield
+        return
+    adapter = importlib.import_module(ADAPTER)
+    ranks, original = stage_ranks(pp_group), adapter._get_dp_tp_mesh
+    adapter._get_dp_tp_mesh = lambda dp_cp_group, tp_group, ep_size=1: _stage_dp_tp_mesh(
+        ranks, dp_cp_group, tp_group, ep_size)
+    try:
+        yield
+    finally:
+        adapter._get_dp_tp_mesh = original

@@ -1,0 +1,59 @@
+"""--use-megatron-fsdp with pipeline stages (PP 2 x CP 2 on 4 gloo ranks, fp32): every
+stage's model chunks sharded by Megatron-FSDP over its DP x CP ranks, plain (1F1B) and virtual
+(2 chunks per stage, the interleaved schedule). Zeppelin mode gives the losses and gradient
+norms of zeppelin mode under Megatron DDP with the same pipeline, and of static mode with FSDP;
+a checkpoint saved with FSDP x PP resumes under DDP x PP and under FSDP x PP, and a DDP x PP
+checkpoint resumes with FSDP, each repeating the uninterrupted run's iterations 2 and 3."""
+from __future__ import annotations
+
+import pytest
+
+from distributed import run_world
+from test_distributed_optimizer import FLAGS, close, run
+from test_training_fsdp import FSDP, with_values
+
+pytestmark = pytest.mark.distributed
+
+# 4 layers over 2 stages; 4 micro-batches of 512 tokens per iteration, at most 300 per rank: a
+# document of 301-512 tokens rings over the stage's 2 CP ranks (one per emulated node)
+PIPELINE = with_values(FLAGS, num_layers="4", micro_batch_size="1") + [
+    "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2",
+    "--zeppelin-gpus-per-node", "1", "--zeppelin-capacity-tokens-per-gpu", "300"]
+ZEPPELIN = ["--context-parallel-mode", "zeppelin"]
+STATIC = ["--context-parallel-mode", "static"]
+VIRTUAL = ["--num-layers-per-virtual-pipeline-stage", "1"]
+
+
+def exactness_body(rank: int, world: int, extra: list[str]) -> None:
+    ddp = run(world, PIPELINE + ZEPPELIN + extra, tiers=True)
+    fsdp = run(world, PIPELINE + ZEPPELIN + FSDP + extra)
+    static_fsdp = run(world, PIPELINE + STATIC + FSDP + extra)
+    if rank == 0:
+        assert sum(intra + inter for *_, intra, inter in ddp) > 0, ddp  # some documents ring
+        ddp = [log[:3] for log in ddp]
+        assert [it for it, _, _ in fsdp] == [1, 2, 3], fsdp
+        assert close(fsdp, ddp, 1e-5), (fsdp, ddp)
+        assert close(static_fsdp, ddp, 1e-5), (static_fsdp, ddp)
+
+
+@pytest.mark.parametrize("extra", [[], VIRTUAL], ids=["1f1b", "interleaved"])
+def test_megatron_fsdp_with_pipeline_matches_ddp_and_static_mode(extra):
+    run_world(exactness_body, 4, extra, start_method="spawn", timeout_s=600)
+
+
+def checkpoints_body(rank: int, world: int, tmp: str) -> None:
+    flags = PIPELINE + ZEPPELIN + VIRTUAL
+    whole = run(world, flags)
+    first = ["--exit-interval", "1", "--save"]
+    run(world, flags + FSDP + first + [f"{tmp}/f1"])
+    run(world, flags + first + [f"{tmp}/d1"])
+    resumed = {"DDP <- FSDP": run(world, flags + ["--load", f"{tmp}/f1"]),
+               "FSDP <- FSDP": run(world, flags + FSDP + ["--load", f"{tmp}/f1"]),
+               "FSDP <- DDP": run(world, flags + FSDP + ["--load", f"{tmp}/d1"])}
+    if rank == 0:
+        for what, logs in resumed.items():
+            assert close(logs, whole[1:], 1e-5), (what, logs, whole)
+
+
+def test_megatron_fsdp_pipeline_checkpoints_resume_across_data_parallel_wrappers(tmp_path):
+    run_world(checkpoints_body, 4, str(tmp_path), start_method="spawn", timeout_s=600)
