@@ -42,7 +42,14 @@ def test_report_marks_a_strategy_outside_the_target_and_round_trips_json():
     lines, ok = format_report([good, refused], (1.0, 1.0), 10.0, "cpu-2x2")
     assert ok and "not run: cannot run here" in "\n".join(lines)
     lines, ok = format_report([good, bad], (1.0, 1.0), 10.0, "cpu-2x2")
-    assert not ok and "OUTSIDE" in lines[3] and "MISSED" in lines[-1]
+    assert not ok and "OUTSIDE" in lines[3] and "MISSED" in lines[-3]
+    # the host factor: geomean(1.0 / 1.0, 1.0 / 1.3); relative errors -12% and +14%; the pair
+    # is not ordered as measured (a measured tie, simulated 1.3x apart)
+    factor = (1.0 / 1.3) ** 0.5
+    assert f"host factor (geomean measured / simulated) {factor:.3f}" in lines[-2]
+    assert f"zeppelin {factor - 1:+.1%}" in lines[-2]
+    assert f"hydraulis {1.3 * factor - 1:+.1%}" in lines[-2]
+    assert lines[-1].endswith("ordered as measured: 0 / 1")
     args = SimpleNamespace(sim_profile="cpu-2x2", iterations=6, warmup=2, rounds=2, extra=[])
     data = json.loads(json.dumps(fidelity_train.to_json([good, bad], (1.0, 2.0), args)))
     back = fidelity_train.rows_from_json(data)

@@ -140,7 +140,29 @@ def format_report(rows: list[StrategyFidelity], load: tuple[float, float], secon
         lines.append(f"overall: mean |error| {statistics.mean(errors):.1%}, largest "
                      f"{max(errors):.1%}; target {TARGET_ERROR:.0%} per strategy: "
                      + ("met" if ok else "MISSED"))
+        lines += relative_lines(ran)
     return lines, ok
+
+
+def relative_lines(ran: list[StrategyFidelity]) -> list[str]:
+    """What the host's speed does not move: the machine's factor (geomean measured /
+    simulated: the host ran that much slower than the profile was calibrated at), each
+    strategy's error once that factor is taken out (its simulated / measured ratio over the
+    factor) and the pairs of strategies the simulator orders as measured."""
+    if len(ran) < 2:
+        return []
+    from megatron_zeppelin.sim.report import geomean
+
+    factor = geomean([r.measured / r.simulated for r in ran])
+    relative = {r.label: r.simulated * factor / r.measured - 1.0 for r in ran}
+    pairs = [(a, b) for i, a in enumerate(ran) for b in ran[i + 1:]]
+    agree = sum((a.simulated < b.simulated) == (a.measured < b.measured) for a, b in pairs)
+    worst = max(relative, key=lambda k: abs(relative[k]))
+    return [f"host factor (geomean measured / simulated) {factor:.3f}; errors with it taken "
+            "out: " + ", ".join(f"{k} {v:+.1%}" for k, v in relative.items()),
+            f"  mean |error| {statistics.mean(abs(v) for v in relative.values()):.1%}, largest "
+            f"{worst} {relative[worst]:+.1%}; pairs of strategies ordered as measured: "
+            f"{agree} / {len(pairs)}"]
 
 
 def to_json(rows: list[StrategyFidelity], load: tuple[float, float], args) -> dict:
