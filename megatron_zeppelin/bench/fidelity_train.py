@@ -10,7 +10,10 @@ simulator's step model (``sim/step_model.py``, profile ``configs/sim/cpu-2x2.yam
 
 Printed per strategy: measured median step, simulated median step (over the same steps),
 error = simulated / measured - 1, the spread of the measured steps (p90 / p10 - 1) and the
-machine's load average; overall: the mean |error| and the largest. Exit status 1 when a
+machine's load average; overall: the mean |error| and the largest, then what the host's speed
+does not move (the host factor, geomean measured / simulated; each error with it taken out; the
+pairs of strategies ordered as measured: a profile calibrated on a faster hour misses every
+strategy alike). Exit status 1 when a
 strategy's |error| exceeds the target (15 percent); ``--json FILE`` writes every step.
 """
 from __future__ import annotations
