@@ -186,6 +186,15 @@ RULES: tuple[Rule, ...] = (
          "fails with pipeline stages, in static mode too (scripts/pretrain_gpt.py meshes each "
          "stage)", "use --use-distributed-optimizer under Megatron DDP with pipeline "
          "parallelism, or scripts/pretrain_gpt.py"),
+    Rule("--tensor-model-parallel-size", "tensor_model_parallel_size", 1,
+         lambda v, a: v > 1 and _get(a, "use_megatron_fsdp", False)
+         and _get(a, "transformer_impl", "transformer_engine") == "local",
+         "megatron-core 0.16.1's Megatron-FSDP finds tensor-parallel parameters through "
+         "Transformer Engine's TELinear: with local layers it fails, and mended its grad norms "
+         "were 8.8x off Megatron DDP's (our scripts/pretrain_gpt.py, CPU/gloo, TP 2 x PP 2)",
+         "use --transformer-impl transformer_engine, or --use-distributed-optimizer under "
+         "Megatron DDP", given="--tensor-model-parallel-size > 1 with --use-megatron-fsdp "
+         "--transformer-impl local"),
     Rule("--save", "save", None,
          lambda v, a: _get(a, "use_megatron_fsdp", False) and (
              _set(v, a) or _set(_get(a, "load", None), a)),

@@ -205,11 +205,27 @@ def check_fsdp(args: argparse.Namespace) -> None:
     if strategy == "optim" and args.overlap_grad_reduce:
         raise ConfigError("--use-megatron-fsdp --data-parallel-sharding-strategy=optim with "
                           f"--overlap-grad-reduce (the default): {FSDP_OPTIM_OVERLAP}")
+    if args.tensor_model_parallel_size > 1 and not te_layers(args):
+        raise ConfigError(f"--use-megatron-fsdp with --tensor-model-parallel-size="
+                          f"{args.tensor_model_parallel_size} needs Transformer Engine's layers "
+                          "(--device cuda with transformer_engine installed): megatron-core "
+                          "0.16.1's Megatron-FSDP finds tensor-parallel parameters through TE's "
+                          "TELinear and fails without it (mended, its grad norms were 8.8x off "
+                          "Megatron DDP's on CPU/gloo, TP 2 x PP 2); use "
+                          "--use-distributed-optimizer with TP here")
     if args.bf16 and (args.save or args.load):
         raise ConfigError(f"--use-megatron-fsdp --bf16 with --{'save' if args.save else 'load'}: "
                           "its checkpoints are written in fp32 only (the model's weights are "
                           "the optimizer's fp32 main weights, checkpoint_fsdp.py); train in fp32 "
                           "or use --use-distributed-optimizer")
+
+
+def te_layers(args: argparse.Namespace) -> bool:
+    """Whether the model is built from Transformer Engine's layers (as ``train.build_chunks``
+    decides: on CUDA where TE imports)."""
+    from megatron_zeppelin.megatron.common.spec import transformer_engine_available
+
+    return args.device == "cuda" and transformer_engine_available()
 
 
 def check_torch_fsdp2(args: argparse.Namespace) -> None:

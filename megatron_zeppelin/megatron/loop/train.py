@@ -34,7 +34,6 @@ from megatron_zeppelin.megatron.loop.online_fit import OnlineFit
 from megatron_zeppelin.megatron.loop.train_log import Logger, StepLog, banner
 from megatron_zeppelin.megatron.loop.watchdog import Watchdog, start_watchdog
 from megatron_zeppelin.megatron.common.model import build_gpt_model, make_transformer_config
-from megatron_zeppelin.megatron.common.spec import transformer_engine_available
 from megatron_zeppelin.options import from_flags
 from megatron_zeppelin.parallel import PoolLayout
 from megatron_zeppelin.planner.registry import strategy_class
@@ -133,7 +132,7 @@ def build_chunks(args: argparse.Namespace, state: ZeppelinAttentionState, spec: 
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     attention = train_args.AttentionArgs.from_namespace(args)
-    use_te = transformer_engine_available() if args.device == "cuda" else False
+    use_te = train_args.te_layers(args)
     chunks = pipeline.virtual_size(args)
     config = make_transformer_config(spec, normalization=args.normalization,
                                      calculate_per_token_loss=True,
@@ -213,7 +212,16 @@ def data_parallel_chunks(args: argparse.Namespace, config, modules: list) -> lis
     if not fsdp:
         return [DistributedDataParallel(config, ddp_config, module, disable_bucketing=index > 0)
                 for index, module in enumerate(modules)]
+    return megatron_fsdp_chunks(args, config, ddp_config, modules)
+
+
+def megatron_fsdp_chunks(args: argparse.Namespace, config, ddp_config, modules: list) -> list:
+    """megatron-core's Megatron-FSDP around each model chunk, meshed over this rank's
+    pipeline stage (``fsdp_stages.py``); on CPU its CUDA streams bridged (``cpu_fsdp.py``)."""
+    from megatron.core import parallel_state
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    from megatron_zeppelin.megatron.loop.fsdp_stages import stage_mesh
 
     device = None
     if args.device == "cpu":
@@ -221,10 +229,6 @@ def data_parallel_chunks(args: argparse.Namespace, config, modules: list) -> lis
 
         enable_megatron_fsdp_on_cpu()
         device = torch.device("cpu")
-    from megatron.core import parallel_state
-
-    from megatron_zeppelin.megatron.loop.fsdp_stages import stage_mesh
-
     with stage_mesh(parallel_state.get_pipeline_model_parallel_group()):
         return [FullyShardedDataParallel(config, ddp_config, module, device=device)
                 for module in modules]
