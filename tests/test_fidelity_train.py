@@ -61,6 +61,10 @@ def test_report_marks_a_strategy_outside_the_target_and_round_trips_json():
     (["--iterations", "0"], "--iterations=0 is invalid"),
     (["--iterations", "3", "--warmup", "3"], "--warmup=3 is invalid"),
     (["--sim-profile", "nowhere"], "unknown sim config 'nowhere'"),
+    (["--calibrate", "x.yaml", "--resimulate", "f.json"],
+     "--calibrate=x.yaml is invalid with --resimulate"),
+    (["--calibrate", "x.yaml", "--sim-profile", "cpu-2x2-old"],
+     "--calibrate=x.yaml is invalid with --sim-profile=cpu-2x2-old"),
 ])
 def test_bench_fidelity_rejects_bad_flags_in_one_line(argv, message, capsys):
     assert cli.main(["bench", "fidelity", *argv]) == 2

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TARGET_ERROR = 0.15
+DEFAULT_SIM_PROFILE = "cpu-2x2"  # configs/sim/: the emulated cluster the runs train on
 DEFAULT_STRATEGIES = ("static,zeppelin,static-cp:zeppelin-cp-size=1,static-cp:zeppelin-cp-size=2,"
                       "hybrid-dp,hydraulis")
 
@@ -213,6 +214,29 @@ def resimulate(path: str, profile_name) -> tuple[list[StrategyFidelity], tuple[f
     return rows, tuple(data.get("load_average", (0.0, 0.0)))
 
 
+def calibrate_first(args: argparse.Namespace) -> None:
+    """``--calibrate FILE``: ``zeppelin calibrate-sim`` on this machine now (the tiny GPT,
+    attention up to the runs' --seq-length), written to FILE and judged with
+    (``args.sim_profile`` becomes FILE): a profile from the same hour as the steps it
+    predicts, where the host's speed drifts (docs/benchmarks.md)."""
+    from megatron_zeppelin.bench.calibrate_sim import calibrate_sim
+    from megatron_zeppelin.bench.train import training_shape
+
+    if args.resimulate:
+        raise ValueError(f"--calibrate={args.calibrate} is invalid with --resimulate: nothing "
+                         "is measured to judge")
+    if args.sim_profile != DEFAULT_SIM_PROFILE:
+        raise ValueError(f"--calibrate={args.calibrate} is invalid with --sim-profile="
+                         f"{args.sim_profile}: the calibration is the profile; pass one")
+    seq_length, _ = training_shape(args.extra, args.iterations)
+    started = time.perf_counter()
+    profile = calibrate_sim("gpt-tiny", DEFAULT_SIM_PROFILE, max(4096, seq_length))
+    profile.to_yaml(args.calibrate, "The simulator's own profile, measured by `zeppelin bench "
+                    "fidelity --calibrate` before its rounds.\n" + profile.source)
+    print(f"calibrated {args.calibrate} in {time.perf_counter() - started:.0f} s", flush=True)
+    args.sim_profile = args.calibrate
+
+
 def bench_fidelity_train(args: argparse.Namespace) -> int:
     from megatron_zeppelin.sim.profile import load_sim_profile
 
@@ -226,6 +250,8 @@ def bench_fidelity_train(args: argparse.Namespace) -> int:
     if args.resimulate and args.json:
         raise ValueError(f"--json={args.json} is invalid with --resimulate: the re-simulated "
                          "report is printed, the measured file stays as it was")
+    if args.calibrate:
+        calibrate_first(args)
     load_sim_profile(args.sim_profile)  # a bad profile is refused before any training
     started = time.perf_counter()
     rows, load = resimulate(args.resimulate, args.sim_profile) if args.resimulate else run(args)
@@ -242,8 +268,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, default=6, help="steps per run")
     p.add_argument("--warmup", type=int, default=2, help="first steps of each run dropped")
     p.add_argument("--rounds", type=int, default=2, help="interleaved runs per strategy")
-    p.add_argument("--sim-profile", default="cpu-2x2",
+    p.add_argument("--sim-profile", default=DEFAULT_SIM_PROFILE,
                    help="the simulator's profile (configs/sim/ name or YAML path)")
+    p.add_argument("--calibrate", default=None, metavar="FILE",
+                   help="run `zeppelin calibrate-sim` first (minutes), write its profile to "
+                   "FILE and judge with it instead of --sim-profile")
     p.add_argument("--json", default=None, metavar="FILE", help="write every step here")
     p.add_argument("--resimulate", default=None, metavar="FILE",
                    help="train nothing: re-simulate the steps of a --json FILE under "
