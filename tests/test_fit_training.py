@@ -165,7 +165,6 @@ def test_the_probe_pings_the_engines_kernel_at_lengths_no_call_measured():
     assert all(s[3] > 0 and s[4] == "local" for s in got)
 
 
-
 def probed_forward_backward(rank: int, world: int) -> list:
     """One rank's probe records of one forward + backward of a plan that leaves every
     sequence local (the engine's one fused call over the whole buffer)."""
