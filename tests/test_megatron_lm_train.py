@@ -358,7 +358,8 @@ def test_multi_token_prediction_with_pipelines_trains_like_static(tree, tmp_path
     """--mtp-num-layers 1 with PP 2 x CP 2: megatron-core builds the MTP layer on the last
     stage (the last model chunk with virtual stages) with its own copy of the word embedding,
     tied to the first stage's through the embedding group; the shift within documents runs in
-    the last stage's pools (the plan every stage made alike). Whole samples: Megatron-LM's
+    the last stage's pools (the plan every stage made alike). Under Megatron DDP and
+    Megatron-FSDP. Whole samples: Megatron-LM's
     static path rolls across documents with --reset-attention-mask."""
     flags = [*PIPELINE, *SCHEDULES[schedule], "--mtp-num-layers", "1",
              "--mtp-loss-scaling-factor", "0.3"]
@@ -368,8 +369,13 @@ def test_multi_token_prediction_with_pipelines_trains_like_static(tree, tmp_path
     assert_same_training(zeppelin, static)
     assert len(zeppelin["mtp_losses"]) == 3  # logged from the last stage, one per depth
     assert all(len(v) == 1 and v[0] > 1.0 for v in zeppelin["mtp_losses"])
-    for mine, theirs in zip(zeppelin["mtp_losses"], static["mtp_losses"]):
-        assert mine == pytest.approx(theirs, rel=2e-6)
+    fsdp = run(tree, tmp_path, "pp-mtp-fsdp", 4, *ZEPPELIN, "--context-parallel-size", "2",
+               *flags, *FSDP, "optim_grads_params")  # the embedding copy's grads summed whole
+    assert fsdp["wrapper"] == "FullyShardedDataParallel"
+    assert_same_training(fsdp, static)
+    for mine in (zeppelin, fsdp):
+        for ours, theirs in zip(mine["mtp_losses"], static["mtp_losses"]):
+            assert ours == pytest.approx(theirs, rel=2e-6)
 
 
 def test_pipeline_checkpoints_resume_like_the_uninterrupted_run(pipelined, tree, tmp_path):
@@ -423,3 +429,19 @@ def test_megatron_fsdp_trains_like_static_and_ddp(tree, tmp_path):
         sharded = run(tree, tmp_path, f"fsdp-z-{strategy}", 2, *ZEPPELIN, *pool, *FSDP, strategy)
         assert_same_training(sharded, ddp)
 
+
+def test_megatron_fsdp_with_pipelines_trains_like_ddp(pipelined, tree, tmp_path):
+    """--use-megatron-fsdp with PP 2 x CP 2 through the patch: Megatron-LM's get_model wraps
+    each stage's chunks over that stage's pool (the patched ``_fsdp_wrapping``; megatron-core
+    0.16.1 meshes the whole world and fails with stages, in static mode too), the word
+    embedding tied to the output layer (Megatron-LM's default) has its gradient summed across
+    the stages as a whole tensor, and the run trains like static mode's and zeppelin's Megatron
+    DDP x PP, 1F1B and interleaved."""
+    schedule, zeppelin, static, _ = pipelined
+    flags = [*PIPELINE, *SCHEDULES[schedule], *(DOCUMENTS if schedule == "1f1b" else [])]
+    fsdp = run(tree, tmp_path, "pp-fsdp", 4, *ZEPPELIN, "--context-parallel-size", "2", *flags,
+               *FSDP, "optim_grads_params")
+    assert fsdp["wrapper"] == "FullyShardedDataParallel"
+    assert static["wrapper"] == zeppelin["wrapper"] == "DistributedDataParallel"
+    assert_same_training(fsdp, static)
+    assert fsdp["param_sum"] == pytest.approx(zeppelin["param_sum"], rel=1e-6)

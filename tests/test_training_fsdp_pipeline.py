@@ -1,6 +1,7 @@
 """--use-megatron-fsdp with pipeline stages (PP 2 x CP 2 on 4 gloo ranks, fp32): every
 stage's model chunks sharded by Megatron-FSDP over its DP x CP ranks, plain (1F1B) and virtual
-(2 chunks per stage, the interleaved schedule). Zeppelin mode gives the losses and gradient
+(2 chunks per stage, the interleaved schedule), 1F1B with multi-token prediction (a word
+embedding shared by the two stages). Zeppelin mode gives the losses and gradient
 norms of zeppelin mode under Megatron DDP with the same pipeline, and (interleaved) of static
 mode with FSDP; a checkpoint saved with FSDP x PP resumes under DDP x PP, and a DDP x PP
 checkpoint resumes with FSDP, each repeating the uninterrupted run's iterations 2 and 3."""
@@ -22,14 +23,17 @@ PIPELINE = with_values(FLAGS, num_layers="4", micro_batch_size="1") + [
 ZEPPELIN = ["--context-parallel-mode", "zeppelin"]
 STATIC = ["--context-parallel-mode", "static"]
 VIRTUAL = ["--num-layers-per-virtual-pipeline-stage", "1"]
+# multi-token prediction: the last stage's copy of the word embedding, its gradient summed
+# with the first stage's across the stages (fsdp_stages.summing_shared_embeddings)
+MTP = ["--mtp-num-layers", "1"]
 
 
 def exactness_body(rank: int, world: int) -> None:
-    for extra in ([], VIRTUAL):  # 1F1B, interleaved: one world (CI time)
+    for extra in (MTP, VIRTUAL):  # 1F1B with MTP, interleaved: one world (CI time)
         ddp = run(world, PIPELINE + ZEPPELIN + extra, tiers=True)
         fsdp = run(world, PIPELINE + ZEPPELIN + FSDP + extra)
         # static mode with FSDP once (the interleaved schedule)
-        static_fsdp = run(world, PIPELINE + STATIC + FSDP + extra) if extra else None
+        static_fsdp = run(world, PIPELINE + STATIC + FSDP + extra) if extra == VIRTUAL else None
         if rank == 0:
             assert sum(intra + inter for *_, intra, inter in ddp) > 0, ddp  # some ring
             ddp = [log[:3] for log in ddp]

@@ -180,12 +180,6 @@ RULES: tuple[Rule, ...] = (
          "optim_grads_params",
          given="--overlap-grad-reduce with --use-megatron-fsdp "
                "--data-parallel-sharding-strategy optim"),
-    Rule("--pipeline-model-parallel-size", "pipeline_model_parallel_size", 1,
-         lambda v, a: v > 1 and _get(a, "use_megatron_fsdp", False),
-         "megatron-core 0.16.1's Megatron-FSDP meshes the whole world as DP x CP x EP x TP and "
-         "fails with pipeline stages, in static mode too (scripts/pretrain_gpt.py meshes each "
-         "stage)", "use --use-distributed-optimizer under Megatron DDP with pipeline "
-         "parallelism, or scripts/pretrain_gpt.py"),
     Rule("--tensor-model-parallel-size", "tensor_model_parallel_size", 1,
          lambda v, a: v > 1 and _get(a, "use_megatron_fsdp", False)
          and _get(a, "transformer_impl", "transformer_engine") == "local",

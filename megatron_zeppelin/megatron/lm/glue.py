@@ -18,7 +18,9 @@ The patch adds these hooks to Megatron-LM, each importing this package only in z
   every stage in zeppelin mode: ``is_dataset_built_on_rank``);
 * ``megatron.training.training.get_forward_backward_func`` gives Megatron's schedules, with
   pipeline parallelism, variable sequence lengths and the ordered P2P communicator
-  (``pipelined_schedule``).
+  (``pipelined_schedule``);
+* ``get_model`` wraps the chunks in Megatron-FSDP over each pipeline stage's ranks
+  (``fsdp_stage_mesh``).
 
 Megatron keeps its own CP groups: ``--context-parallel-size`` ranks form a pool, exactly the
 ranks a static CP group would be. So Megatron's data loader, micro-batch count, DDP gradient
@@ -217,22 +219,52 @@ def pipelined_schedule(schedule):
     ``[tokens, 1, hidden]`` whose token count changes per micro-batch
     (``variable_seq_lengths``) through the ordered P2P communicator our own loop uses
     (``megatron/common/pipeline_p2p.py``: megatron-core 0.16.1's batched shape messages meet
-    the wrong receives with 2 stages); ``schedule`` itself without pipelines."""
+    the wrong receives with 2 stages); ``schedule`` itself without pipelines.
+
+    The stages keep their sent outputs (no ``deallocate_pipeline_outputs``) on gloo and with
+    Megatron-FSDP. Gloo reads a send's buffer in its own thread after ``isend`` returns, and
+    Megatron's interleaved schedule frees the output of a send still in flight (safe in
+    NCCL's stream order), so the freed buffer can be refilled (say, by the next micro-batch's
+    output) before it is sent. Seen once through the patch under a full test suite's load (PP
+    2 x CP 2, interleaved: iteration 3's loss 5e-5 off with the same plans), not reproduced in
+    seven reruns; the deallocation saves nothing worth that on CPU. Megatron-FSDP's forward
+    hooks return each unit's output as a view (``view_as``), which that deallocation refuses
+    (freeing a view would release no memory). With Megatron-FSDP the gradients of weights
+    shared across stages are summed as whole tensors (``fsdp_stages.py``)."""
     from megatron.training import get_args
 
-    if get_args().pipeline_model_parallel_size == 1:
+    megatron_args = get_args()
+    if megatron_args.pipeline_model_parallel_size == 1:
         return schedule
     from megatron.core.utils import get_model_config
 
+    from megatron_zeppelin.megatron.common.fsdp_stages import summing_shared_embeddings
     from megatron_zeppelin.megatron.common.pipeline_p2p import schedule_kwargs
 
     def run(*args, model, **kwargs):
         config = get_model_config(model[0] if isinstance(model, list) else model)
         config.variable_seq_lengths = True
+        if megatron_args.use_megatron_fsdp or torch.distributed.get_backend() == "gloo":
+            config.deallocate_pipeline_outputs = False
+        if megatron_args.use_megatron_fsdp:
+            config.finalize_model_grads_func = summing_shared_embeddings(
+                config.finalize_model_grads_func)
         return schedule(*args, model=model, **kwargs, **schedule_kwargs(config))
 
     return run
 
 
+def fsdp_stage_mesh():
+    """A context manager for Megatron-LM's ``get_model`` (the patched ``_fsdp_wrapping``):
+    while Megatron-FSDP wraps the model chunks, megatron-core meshes this rank's pipeline
+    stage instead of the whole world (``megatron/common/fsdp_stages.py``; megatron-core
+    0.16.1 fails with pipeline stages otherwise). Nothing changes with one stage."""
+    from megatron.core import parallel_state
+
+    from megatron_zeppelin.megatron.common.fsdp_stages import stage_mesh
+
+    return stage_mesh(parallel_state.get_pipeline_model_parallel_group())
+
+
 __all__ = ["check_megatron_lm_args", "validate_megatron_lm_args", "zeppelin_gpt_model",
-           "get_batch", "pipelined_schedule"]
+           "get_batch", "pipelined_schedule", "fsdp_stage_mesh"]

@@ -27,71 +27,25 @@ written): fine for models whose largest tensor fits a rank, as in our runs.
 """
 from __future__ import annotations
 
-import math
 import types
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-
-def _is_fsdp(chunk: Any) -> bool:
-    return bool(getattr(getattr(chunk, "ddp_config", None), "use_megatron_fsdp", False))
-
-
-def _full(dtensor: Any, group: Any, local: torch.Tensor | None = None) -> torch.Tensor:
-    """The whole tensor of an (unevenly) sharded DTensor on every rank of ``group`` (the
-    FSDP group, collective). ``local``: this rank's shard of a tensor sharded as ``dtensor``
-    (its Adam state; empty where the rank's shard is). Shards are padded to one size: gloo's
-    all-gather takes equal sizes only."""
-    local = (dtensor.to_local() if local is None else local).detach()
-    where = _local_slices(dtensor)
-    infos: list = [None] * group.size()
-    dist.all_gather_object(infos, (tuple(local.shape), [s.start for s in where]), group=group)
-    size = max(1, max(math.prod(shape) for shape, _ in infos))
-    flat = torch.zeros(size, dtype=local.dtype, device=local.device)
-    flat[:local.numel()] = local.reshape(-1)
-    parts = [torch.empty_like(flat) for _ in infos]
-    dist.all_gather(parts, flat, group=group)
-    full = torch.empty(tuple(dtensor.shape), dtype=local.dtype, device=local.device)
-    for (shape, offsets), part in zip(infos, parts):
-        if math.prod(shape):
-            full[tuple(slice(o, o + n) for o, n in zip(offsets, shape))] = \
-                part[:math.prod(shape)].view(shape)
-    return full
+from megatron_zeppelin.megatron.common.fsdp_tensors import (
+    full_tensor, is_megatron_fsdp, scatter_into)
 
 
 def full_parameters(fsdp_chunk: Any) -> dict[str, torch.Tensor]:
     """Every parameter of a Megatron-FSDP or torch FSDP2 chunk as a full tensor, by its GPT
     model name (the fp32 weights the optimizer steps; collective over the FSDP group)."""
-    if not _is_fsdp(fsdp_chunk):  # torch FSDP2: the model's parameters are the shards
-        return {name: _full(param, fsdp_chunk.process_group)
+    if not is_megatron_fsdp(fsdp_chunk):  # torch FSDP2: the model's parameters are the shards
+        return {name: full_tensor(param, fsdp_chunk.process_group)
                 for name, param in fsdp_chunk.module.named_parameters()}
     group = fsdp_chunk.module.dist_index.get_dp_group()
     named = fsdp_chunk.module.param_and_grad_buffer.optimizer_named_parameters
-    return {name: _full(param, group) for name, param in named}
-
-
-def _local_slices(dtensor: Any) -> tuple[slice, ...]:
-    """Where this rank's shard of ``dtensor`` lies in the full tensor (collective the first
-    time: megatron-core gathers every rank's chunk metadata)."""
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
-        update_uneven_dtensor_chunk_metadata)
-
-    if not hasattr(dtensor._local_tensor, "__create_chunk_list__"):
-        update_uneven_dtensor_chunk_metadata(dtensor)
-    meta, = dtensor.__create_chunk_list__()
-    return tuple(slice(o, o + s) for o, s in zip(meta.offsets, meta.sizes))
-
-
-@torch.no_grad()
-def _scatter(full: torch.Tensor, local: torch.Tensor, what: str, like: Any) -> None:
-    """Copy this rank's slice of ``full`` into ``local``, its shard of a tensor sharded as
-    the DTensor ``like``."""
-    if tuple(full.shape) != tuple(like.shape):
-        raise ValueError(f"{what}: loaded shape {tuple(full.shape)}, the model's "
-                         f"{tuple(like.shape)}")
-    local.copy_(full[_local_slices(like)].reshape(local.shape))
+    return {name: full_tensor(param, group) for name, param in named}
 
 
 def _scatter_all(state: dict, params: dict[str, Any]) -> None:
@@ -102,7 +56,7 @@ def _scatter_all(state: dict, params: dict[str, Any]) -> None:
         raise ValueError(f"the checkpoint's model has no {missing[0]} "
                          f"({len(missing)} parameter(s) missing)")
     for name, dtensor in params.items():
-        _scatter(state[name], dtensor.to_local(), name, dtensor)
+        scatter_into(state[name], dtensor.to_local(), name, dtensor)
 
 
 class FullModel:
@@ -175,7 +129,7 @@ class FullTorchFSDP2Model:
 def _tagged_full(param: Any, attributes: Any, group: Any) -> torch.nn.Parameter:
     """A full copy of the DTensor ``param`` with the public attributes megatron-core set on
     ``attributes`` (tensor-parallel layout, ``allreduce``, ...), tagged with ``param``."""
-    full = torch.nn.Parameter(_full(param, group), requires_grad=False)
+    full = torch.nn.Parameter(full_tensor(param, group), requires_grad=False)
     for key, value in (vars(attributes).items() if attributes is not None else ()):
         if not key.startswith("_"):
             setattr(full, key, value)
@@ -221,7 +175,7 @@ class FullOptimizer:
         for index, param in enumerate(self.params):  # a rank with an empty shard has no
             entry = self.adam.state.get(param, {})  # state for it: every rank gathers all
             state["state"][index] = {
-                key: _full(param, self.group,
+                key: full_tensor(param, self.group,
                            entry[key].to_local() if key in entry else param.to_local())
                 for key in ("exp_avg", "exp_avg_sq")}
         optim_state_to_sharding_state(
@@ -261,7 +215,7 @@ class FullOptimizer:
                     continue  # an empty shard: no Adam state on this rank
                 entry = self.adam.state[param]
                 for key in ("exp_avg", "exp_avg_sq"):
-                    _scatter(state["state"][index][key], entry[key].to_local(), key, param)
+                    scatter_into(state["state"][index][key], entry[key].to_local(), key, param)
                 if step is not None and "step" not in group:
                     entry["step"] = torch.tensor(float(step))
 
@@ -273,7 +227,7 @@ def full_state_view(run: Any) -> Any:
 
     if is_torch_fsdp2(run.chunks[0]):
         full = FullTorchFSDP2Model
-    elif _is_fsdp(run.chunks[0]):
+    elif is_megatron_fsdp(run.chunks[0]):
         full = FullModel
     else:
         return run

@@ -172,6 +172,8 @@ def build_stage(args: argparse.Namespace, state: ZeppelinAttentionState, spec: M
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from megatron_zeppelin.megatron.common.fsdp_stages import summing_shared_embeddings
+
     config, modules = build_chunks(args, state, spec)
     chunks = data_parallel_chunks(args, config, modules)
     # Megatron-FSDP without overlap reduces after the backward only if no_sync never ran
@@ -180,6 +182,8 @@ def build_stage(args: argparse.Namespace, state: ZeppelinAttentionState, spec: M
         config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else \
             [chunk.no_sync for chunk in chunks]
     config.finalize_model_grads_func = finalize_model_grads
+    if args.use_megatron_fsdp:  # shared embeddings across stages: summed as whole tensors
+        config.finalize_model_grads_func = summing_shared_embeddings(finalize_model_grads)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr,
                         weight_decay=args.weight_decay,
@@ -221,7 +225,7 @@ def megatron_fsdp_chunks(args: argparse.Namespace, config, ddp_config, modules: 
     from megatron.core import parallel_state
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
-    from megatron_zeppelin.megatron.loop.fsdp_stages import stage_mesh
+    from megatron_zeppelin.megatron.common.fsdp_stages import stage_mesh
 
     device = None
     if args.device == "cpu":

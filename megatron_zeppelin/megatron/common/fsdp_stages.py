@@ -14,6 +14,15 @@ stage's ranks); with one stage it is megatron-core's own mesh.
 
 Layout: ranks of stage ``s`` are ``s * S .. (s + 1) * S - 1`` with ``S = TP x CP x EP x DP``
 (EP inside DP, as megatron-core's expert mesh reads them).
+
+Weights shared across stages (the word embedding tied to the output layer, or multi-token
+prediction's copy of it on the last stage) have their gradients summed over the embedding group
+by ``finalize_model_grads``. megatron-core 0.16.1 does that with Megatron-FSDP by all-reducing
+each rank's *local shard* and assigning it as the whole gradient (RuntimeError: "a gradient of
+size [576, 64] to a tensor of size [1152, 64]"); and the two stages' shards need not cover the
+same rows, as each stage buckets its own parameters. ``summing_shared_embeddings(finalize)``
+sums the whole gradient instead: gathered over the stage's FSDP group, all-reduced over the
+embedding group, this rank's piece written back into its shard.
 """
 from __future__ import annotations
 
@@ -24,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 ADAPTER = "megatron.core.distributed.fsdp.mcore_fsdp_adapter"
+FINALIZE = "megatron.core.distributed.finalize_model_grads"
 
 
 def stage_ranks(pp_group: Any) -> list[int]:
@@ -82,3 +92,68 @@ def stage_mesh(pp_group: Any) -> Iterator[None]:
         yield
     finally:
         adapter._get_dp_tp_mesh = original
+
+
+def _embedding_chunk(model: list, pp_group: Any, config: Any) -> Any:
+    """The chunk holding the stage's shared weight, as megatron-core's
+    ``_allreduce_embedding_grad`` picks it (MTP's copy lives in the last chunk)."""
+    from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
+
+    if is_pp_first_stage(pp_group):
+        return model[0]
+    if is_pp_last_stage(pp_group) or (getattr(config, "mtp_num_layers", None) or 0) > 0:
+        return model[-1]
+    return model[0]
+
+
+def _sum_sharded_embedding_grad(original):
+    """megatron-core's ``_allreduce_embedding_grad`` that sums a Megatron-FSDP chunk's shared
+    weight as a whole tensor (``original`` for every other chunk)."""
+    from megatron.core.utils import get_attr_wrapped_model, get_pg_size
+
+    from megatron_zeppelin.megatron.common.fsdp_tensors import (
+        full_tensor, is_megatron_fsdp, scatter_into)
+
+    def reduce(model, embd_group, pp_group, weight_getter, skip_if_none=True, config=None):
+        chunk = _embedding_chunk(model, pp_group, config)
+        if not is_megatron_fsdp(chunk) or get_pg_size(embd_group) <= 1 or \
+                dist.get_rank() not in dist.get_process_group_ranks(embd_group):
+            return original(model, embd_group, pp_group, weight_getter, skip_if_none, config)
+        weight = weight_getter(get_attr_wrapped_model(chunk, "pre_process",
+                                                      return_model_obj=True))
+        # after finish_grad_sync the module holds the optimizer's DTensor, its .grad the shard
+        grad = getattr(weight, "main_grad", getattr(weight, "grad", None)) \
+            if weight is not None else None
+        if grad is None:
+            if skip_if_none:
+                return
+            raise ValueError(f"rank {dist.get_rank()}: a shared weight without a gradient")
+        whole = full_tensor(grad, chunk.module.dist_index.get_dp_group())
+        dist.all_reduce(whole, group=embd_group)
+        scatter_into(whole, grad.to_local(), "shared embedding gradient", grad)
+
+    return reduce
+
+
+def summing_shared_embeddings(finalize):
+    """``finalize`` (megatron-core's ``finalize_model_grads``, the function Megatron's schedules
+    call after the backward) with the shared-weight gradients of Megatron-FSDP chunks summed
+    as whole tensors across pipeline stages (module docstring); identical otherwise."""
+    import functools
+    import importlib
+
+    if getattr(finalize, "_zeppelin_shared_embeddings", False):
+        return finalize
+
+    @functools.wraps(finalize)
+    def run(*args, **kwargs):
+        module = importlib.import_module(FINALIZE)
+        original = module._allreduce_embedding_grad
+        module._allreduce_embedding_grad = _sum_sharded_embedding_grad(original)
+        try:
+            return finalize(*args, **kwargs)
+        finally:
+            module._allreduce_embedding_grad = original
+
+    run._zeppelin_shared_embeddings = True
+    return run
