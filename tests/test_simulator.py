@@ -153,14 +153,17 @@ def test_plan_of_another_cluster_is_rejected():
         simulate(plan, make_cost(nodes=4))
 
 
-def test_a_1024_gpu_plan_simulates_fast():
+def test_a_1024_gpu_plan_simulates_without_blowing_up():
+    """A guard against super-linear work, not a speed claim (those live in benchmarks): the
+    process's CPU time, which other load on the machine barely moves (0.7 s on the 2-core CI
+    machine; the bound leaves 4x for slower hosts)."""
     cost = make_cost(cluster="h200-8nic", nodes=128)
     lengths = sample_batch("github", 16 << 20, random.Random(0))
     plan = make_plan("zeppelin", lengths, cost)
     _ = plan.transfers  # built once per plan (the runtime needs it too); not the simulator's
-    start = time.perf_counter()
+    start = time.process_time()
     simulate(plan, cost, SimOptions(inter_mode="routed"))
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 3.0
 
 
 def test_sweep_runs_every_variant_and_skips_megatron_on_request(tmp_path):
