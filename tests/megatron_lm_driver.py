@@ -37,9 +37,9 @@ import megatron.training.arguments as megatron_arguments  # noqa: E402
 
 megatron_arguments.get_device_arch_version = lambda: 10  # CPU: no CUDA device to ask
 # Megatron-LM asserts 1 for TP/CP > 1 before Blackwell (arch 10 here: not asked) and not 1
-# with Megatron-FSDP
-os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS",
-                      "8" if "--use-megatron-fsdp" in sys.argv else "1")
+# with either FSDP
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "8" if {
+    "--use-megatron-fsdp", "--use-torch-fsdp2"} & set(sys.argv) else "1")
 
 import pretrain_gpt as P  # noqa: E402
 from functools import partial  # noqa: E402
@@ -126,6 +126,10 @@ def initialize() -> None:
 
         enable_megatron_fsdp_on_cpu()
         fsdp_on_cpu_device()
+    if args.use_torch_fsdp2:  # its device mesh on gloo
+        from megatron_zeppelin.megatron.common.cpu_fsdp import enable_torch_fsdp2_on_cpu
+
+        enable_torch_fsdp2_on_cpu()
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

@@ -33,20 +33,45 @@ def torch_fsdp2(config: Any, module: torch.nn.Module, device: str) -> Any:
     """``module`` wrapped by megatron-core's FSDP2 over DP x CP (collective: every rank of
     the group builds it). ``device``: "cpu" runs it on gloo (``cpu_fsdp.py``'s bridge)."""
     from megatron.core.distributed import TorchFullyShardedDataParallelConfig
-    from megatron.core.models.common.embeddings.language_model_embedding import (
-        LanguageModelEmbedding)
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-    from megatron.core.distributed.torch_fully_sharded_data_parallel import (
-        TorchFullyShardedDataParallel)
 
     if device == "cpu":
         from megatron_zeppelin.megatron.common.cpu_fsdp import enable_torch_fsdp2_on_cpu
 
         enable_torch_fsdp2_on_cpu()
+    return per_token_torch_fsdp2()(config, TorchFullyShardedDataParallelConfig(), module)
+
+
+_CLASS: list = []  # built once, on first use (megatron-core is imported then)
+
+
+def per_token_torch_fsdp2() -> type:
+    """megatron-core's ``TorchFullyShardedDataParallel`` mended for per-token loss (module
+    doc), with its constructor's signature (Megatron-LM's ``get_model`` builds it as its own).
+    It wraps every ``TransformerLayer``, the embedding and RoPE; the rest, the output layer
+    included, with the root (megatron-core's default set less ``ColumnParallelLinear``, as
+    it does for local layers: our layers' linear layers are megatron-core's own, and
+    wrapping them again inside a wrapped ``TransformerLayer`` fails)."""
+    if _CLASS:
+        return _CLASS[0]
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import (
+        TorchFullyShardedDataParallel)
+    from megatron.core.models.common.embeddings.language_model_embedding import (
+        LanguageModelEmbedding)
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.transformer_layer import TransformerLayer
 
     class PerTokenTorchFSDP(TorchFullyShardedDataParallel):
         """megatron-core's FSDP2 wrapper whose ``scale_gradients`` scales (module doc)."""
+
+        def __init__(self, config, ddp_config, module, sub_modules_to_wrap=None, **kwargs):
+            units = sub_modules_to_wrap or {TransformerLayer, LanguageModelEmbedding,
+                                            RotaryEmbedding}
+            super().__init__(config, ddp_config, module, sub_modules_to_wrap=units, **kwargs)
+            if config.calculate_per_token_loss:
+                for unit in fsdp_units(self.module):
+                    unit.set_gradient_divide_factor(1.0)
+                    # a plain SUM (a factor of 1 is otherwise a PREMUL_SUM, which gloo lacks)
+                    unit.set_force_sum_reduction_for_comms(True)
 
         def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
             """Nothing left to reduce: FSDP2 waited for its reduce-scatters at the end of the
@@ -61,18 +86,8 @@ def torch_fsdp2(config: Any, module: torch.nn.Module, device: str) -> Any:
                 if param.grad is not None:
                     param.grad.mul_(scaling_factor)
 
-    # the default set less ColumnParallelLinear, as megatron-core does for
-    # transformer_impl "local": our layers' linear layers are megatron-core's own, and wrapping
-    # them again inside a wrapped TransformerLayer fails; the output layer is the root's
-    units = {TransformerLayer, LanguageModelEmbedding, RotaryEmbedding}
-    chunk = PerTokenTorchFSDP(config, TorchFullyShardedDataParallelConfig(), module,
-                              sub_modules_to_wrap=units)
-    if config.calculate_per_token_loss:
-        for unit in fsdp_units(chunk.module):
-            unit.set_gradient_divide_factor(1.0)
-            # a plain SUM (a factor of 1 is otherwise a PREMUL_SUM, which gloo lacks)
-            unit.set_force_sum_reduction_for_comms(True)
-    return chunk
+    _CLASS.append(PerTokenTorchFSDP)
+    return PerTokenTorchFSDP
 
 
 @contextlib.contextmanager

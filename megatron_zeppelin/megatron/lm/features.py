@@ -190,20 +190,20 @@ RULES: tuple[Rule, ...] = (
          "Megatron DDP", given="--tensor-model-parallel-size > 1 with --use-megatron-fsdp "
          "--transformer-impl local"),
     Rule("--save", "save", None,
-         lambda v, a: _get(a, "use_megatron_fsdp", False) and (
-             _set(v, a) or _set(_get(a, "load", None), a)),
-         "Megatron-LM 0.16.1's fsdp_dtensor checkpoints have not run through this patch: in "
-         "fp32 with --swiglu its save fails in static mode too (it looks up module.<name>, "
-         "the Float16Module's), and without --swiglu the save did not finish on CPU/gloo",
+         lambda v, a: (_get(a, "use_megatron_fsdp", False) or _get(a, "use_torch_fsdp2", False))
+         and (_set(v, a) or _set(_get(a, "load", None), a)),
+         "Megatron-LM 0.16.1's checkpoints of FSDP runs have not run through this patch: "
+         "Megatron-FSDP's fsdp_dtensor save fails in fp32 with --swiglu in static mode too (it "
+         "looks up module.<name>, the Float16Module's) and did not finish without --swiglu on "
+         "CPU/gloo; FSDP2's torch_dist/torch_dcp checkpoints were not tried",
          "train without --save/--load here, or use --use-distributed-optimizer (checkpoints "
-         "checked), or scripts/pretrain_gpt.py --use-megatron-fsdp",
-         given="--save or --load with --use-megatron-fsdp"),
-    Rule("--use-torch-fsdp2", "use_torch_fsdp2", False, _set,
-         "torch FSDP2 runs with zeppelin pools in our scripts/pretrain_gpt.py (exact on "
-         "CPU/gloo), not through this patch: megatron-core 0.16.1's wrapper divides "
-         "gradients by the rank count, not by --calculate-per-token-loss's tokens, and our "
-         "script's mended wrapper is not wired into Megatron-LM",
-         "use --use-distributed-optimizer here, or scripts/pretrain_gpt.py --use-torch-fsdp2"),
+         "checked), or scripts/pretrain_gpt.py (its FSDP checkpoints cross modes)",
+         given="--save or --load with --use-megatron-fsdp or --use-torch-fsdp2"),
+    Rule("--bf16", "bf16", False, lambda v, a: bool(v) and _get(a, "use_torch_fsdp2", False),
+         "untested: megatron-core 0.16.1's FSDP2 wrapper gives fully_shard no mixed-precision "
+         "policy and its bf16 optimizer takes only CUDA tensors, so no CPU/gloo test compares "
+         "it with Megatron DDP and none has run on a GPU", "train in fp32 or use "
+         "--use-megatron-fsdp --use-distributed-optimizer", given="--bf16 with --use-torch-fsdp2"),
     Rule("--zeppelin-overlong", "zeppelin_overlong", "error", lambda v, a: v != "error",
          "Megatron-LM's samples hold at most --seq-length tokens, so no sequence is ever longer "
          "than the planner's limit", "drop the flag"),

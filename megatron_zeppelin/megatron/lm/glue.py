@@ -20,7 +20,7 @@ The patch adds these hooks to Megatron-LM, each importing this package only in z
   pipeline parallelism, variable sequence lengths and the ordered P2P communicator
   (``pipelined_schedule``);
 * ``get_model`` wraps the chunks in Megatron-FSDP over each pipeline stage's ranks
-  (``fsdp_stage_mesh``).
+  (``fsdp_stage_mesh``), and in torch FSDP2 with per-token loss (``torch_fsdp2_class``).
 
 Megatron keeps its own CP groups: ``--context-parallel-size`` ranks form a pool, exactly the
 ranks a static CP group would be. So Megatron's data loader, micro-batch count, DDP gradient
@@ -266,5 +266,14 @@ def fsdp_stage_mesh():
     return stage_mesh(parallel_state.get_pipeline_model_parallel_group())
 
 
+def torch_fsdp2_class() -> type:
+    """The data-parallel class Megatron-LM's ``get_model`` builds for ``--use-torch-fsdp2``
+    (the patched ``_data_parallel_class``): megatron-core's FSDP2 wrapper mended for
+    per-token loss (``megatron/common/torch_fsdp2.py``)."""
+    from megatron_zeppelin.megatron.common.torch_fsdp2 import per_token_torch_fsdp2
+
+    return per_token_torch_fsdp2()
+
+
 __all__ = ["check_megatron_lm_args", "validate_megatron_lm_args", "zeppelin_gpt_model",
-           "get_batch", "pipelined_schedule", "fsdp_stage_mesh"]
+           "get_batch", "pipelined_schedule", "fsdp_stage_mesh", "torch_fsdp2_class"]
