@@ -143,17 +143,26 @@ def test_multi_latent_attention_and_causal_sliding_windows_pass():
                                                    apply_rope_fusion=True))
 
 
-def test_the_upstream_attention_dropout_default_is_refused_once_with_exit_2(capsys):
+def test_the_upstream_attention_dropout_default_is_refused_once_with_exit_2(capsys,
+                                                                          monkeypatch):
+    from megatron_zeppelin.megatron.loop import fatal
+
     with pytest.raises(SystemExit) as info:
         lm.validate_megatron_lm_args(megatron_lm_args(attention_dropout=0.1))
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["megatron-zeppelin: --attention-dropout=0.1 is not supported with "
-                   "--context-parallel-mode zeppelin: zeppelin attention has no dropout "
-                   "(Megatron-LM's default is 0.1); pass --attention-dropout 0.0"]
-    with pytest.raises(SystemExit):  # other ranks exit too, silently
+    message = ("--attention-dropout=0.1 is not supported with --context-parallel-mode "
+               "zeppelin: zeppelin attention has no dropout (Megatron-LM's default is 0.1); "
+               "pass --attention-dropout 0.0")
+    assert err == ["megatron-zeppelin: " + message]
+    # another rank waits for torchrun to stop it (had it left first, torchrun would have
+    # stopped rank 0 before it printed); still running after the grace, it prints, naming itself
+    slept: list[float] = []
+    monkeypatch.setattr(fatal.time, "sleep", slept.append)
+    with pytest.raises(SystemExit) as info:
         lm.validate_megatron_lm_args(megatron_lm_args(attention_dropout=0.1, rank=3))
-    assert capsys.readouterr().err == ""
+    assert info.value.code == 2 and slept == [fatal.PEER_GRACE_S]
+    assert capsys.readouterr().err.strip() == "megatron-zeppelin: rank 3: " + message
 
 
 def test_static_mode_refuses_zeppelin_flags_that_would_do_nothing():

@@ -31,14 +31,13 @@ each rank holds about ``1/CP`` of them. Only core attention and the batch layout
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import torch
 
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError, ModelSpec, ZeppelinConfig
-from megatron_zeppelin.megatron.loop import args as train_args
+from megatron_zeppelin.megatron.loop import args as train_args, fatal
 from megatron_zeppelin.megatron.lm.features import refusals
 from megatron_zeppelin.options import dest_of, settings
 from megatron_zeppelin.parallel import PoolLayout
@@ -92,10 +91,9 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
     line on rank 0 and exit status 2 on every rank (no traceback)."""
     try:
         check_megatron_lm_args(args)
-    except ConfigError as exc:
-        if getattr(args, "rank", 0) == 0:
-            print(f"megatron-zeppelin: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    except ConfigError as exc:  # rank 0 prints; the others wait for torchrun to stop them
+        raise SystemExit(fatal.user_error(exc, fatal.PEER_GRACE_S, "megatron-zeppelin: ",
+                                          getattr(args, "rank", 0))) from None
 
 
 def _model_spec(args: argparse.Namespace) -> ModelSpec:

@@ -50,13 +50,15 @@ def _record_for_launcher(message: str) -> None:
         pass  # the summary then shows torchrun's generic line; our stderr line stands
 
 
-def user_error(exc: ConfigError, grace_s: float = PEER_GRACE_S) -> int:
+def user_error(exc: ConfigError, grace_s: float = PEER_GRACE_S, prefix: str = f"{PROG}: error: ",
+               rank: int | None = -1) -> int:
     """Print a user error once (rank 0, or the process when not launched) -> exit status 2;
-    another rank waits ``grace_s`` for the launcher to stop it, then prints it itself."""
-    rank = env.rank()
+    another rank waits ``grace_s`` for the launcher to stop it, then prints it itself.
+    ``prefix`` starts the line; ``rank``: this process's (default: the launcher's ``RANK``)."""
+    rank = env.rank() if rank == -1 else rank
     if rank not in (None, 0):
         time.sleep(grace_s)
-    line = f"{PROG}: error: " + (f"rank {rank}: " if rank not in (None, 0) else "") + str(exc)
+    line = prefix + (f"rank {rank}: " if rank not in (None, 0) else "") + str(exc)
     print(line, file=sys.stderr, flush=True)
     _record_for_launcher(line)
     return EXIT_USER_ERROR
