@@ -228,9 +228,10 @@ def main() -> None:
     config = get_model_config(model[0])
     config.grad_scale_func = optimizer.scale_loss
     config.timers = get_timers()
-    # static mode too: gloo reads an isend's buffer after the call returns, and Megatron frees
-    # the output of a send in flight (zeppelin's glue keeps them on gloo: pipelined_schedule)
-    config.deallocate_pipeline_outputs = False
+    if args.context_parallel_mode == "static":  # zeppelin's glue does it (pipelined_schedule):
+        # gloo reads an isend's buffer after the call returns, and Megatron frees the output
+        # of a send in flight
+        config.deallocate_pipeline_outputs = False
     from megatron.core.distributed import finalize_model_grads
 
     config.finalize_model_grads_func = finalize_model_grads
@@ -245,7 +246,8 @@ def main() -> None:
         inner = inner.module
     core_attention = inner.decoder.layers[0].self_attention.core_attention
     result = {"mode": args.context_parallel_mode, "world": dist.get_world_size(),
-              "wrapper": type(model[0]).__name__, "model": type(inner).__name__, "start": start, "losses": [], "grad_norms": [],
+              "wrapper": type(model[0]).__name__, "model": type(inner).__name__,
+              "start": start, "losses": [], "grad_norms": [],
               "tokens_per_iteration": [], "rank_tokens": [], "rank_pads": [], "pad_tokens": 0,
               "core_attention": type(core_attention).__name__, "plans": []}
     last = int(stop) if stop else args.train_iters

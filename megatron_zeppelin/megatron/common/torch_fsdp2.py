@@ -24,6 +24,7 @@ and its base class's ``finish_grad_sync`` does not.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterator
 
 import torch
@@ -41,9 +42,7 @@ def torch_fsdp2(config: Any, module: torch.nn.Module, device: str) -> Any:
     return per_token_torch_fsdp2()(config, TorchFullyShardedDataParallelConfig(), module)
 
 
-_CLASS: list = []  # built once, on first use (megatron-core is imported then)
-
-
+@functools.cache  # built once, on first use (megatron-core is imported then)
 def per_token_torch_fsdp2() -> type:
     """megatron-core's ``TorchFullyShardedDataParallel`` mended for per-token loss (module
     doc), with its constructor's signature (Megatron-LM's ``get_model`` builds it as its own).
@@ -51,8 +50,6 @@ def per_token_torch_fsdp2() -> type:
     included, with the root (megatron-core's default set less ``ColumnParallelLinear``, as
     it does for local layers: our layers' linear layers are megatron-core's own, and
     wrapping them again inside a wrapped ``TransformerLayer`` fails)."""
-    if _CLASS:
-        return _CLASS[0]
     from megatron.core.distributed.torch_fully_sharded_data_parallel import (
         TorchFullyShardedDataParallel)
     from megatron.core.models.common.embeddings.language_model_embedding import (
@@ -86,7 +83,6 @@ def per_token_torch_fsdp2() -> type:
                 if param.grad is not None:
                     param.grad.mul_(scaling_factor)
 
-    _CLASS.append(PerTokenTorchFSDP)
     return PerTokenTorchFSDP
 
 
