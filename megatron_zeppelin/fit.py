@@ -7,8 +7,11 @@ What is measured (``runtime/probe.py`` takes it per micro-batch; ``Measurements`
   length (a LOCAL call: its tokens' sum of squares over their sum; a ring step: s / G), its
   forward FLOPs in the cost model's convention (``2 a d c^2`` per sequence, causal), seconds
   of work and tier (``local`` / ``intra`` / ``inter``);
-* ``linear``: a micro-batch's tokens on this rank and the seconds of work of everything but
-  attention and remap (forward + backward);
+* ``linear``: a micro-batch's real tokens on this rank and the seconds of work of everything
+  but attention and remap (forward + backward); a micro-batch that gave the rank pad tokens
+  only is recorded with 0 tokens and not fitted (its time is the model's fixed cost: taken per
+  token, such ranks rated the GEMM 100x slow through Megatron-LM, whose planner had left half
+  the pool empty);
 
 Seconds of work: a device's own time on CUDA; on CPU the rank's own CPU seconds, since ranks
 that share cores (``HardwareProfile.shared_by``) compute faster while their peers wait, so wall

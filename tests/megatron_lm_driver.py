@@ -254,7 +254,7 @@ def main() -> None:
     for iteration in range(start + 1, last + 1):
         before = len(records)
         out = step(P.forward_step, train_it, model, optimizer, scheduler, config,
-                   T.get_forward_backward_func(), iteration=iteration)
+                   T.get_forward_backward_func(), iteration=iteration - 1)  # 0-based, as train()
         args.consumed_train_samples += args.global_batch_size
         loss = on_last_stage({k: float(v) for k, v in out[0].items()}, last_rank)
         mine = records[before:]

@@ -45,7 +45,8 @@ FLAGS = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "32",
 
 
 def _train(rank: int, world: int, out: str, process: bool):
-    from megatron_zeppelin.megatron.loop import online_fit, preflight, train
+    from megatron_zeppelin.megatron.common import online_fit
+    from megatron_zeppelin.megatron.loop import preflight, train
 
     seen = []
     step = online_fit.OnlineFit.step
@@ -196,3 +197,28 @@ def test_a_rank_whose_sequences_are_all_local_has_its_attention_measured():
         squares = 2.0 * 4 * 16 * sum(s * s for s in lengths)
         assert records == [("forward", length, squares, "local"),
                            ("backward", length, squares, "local")], (lengths, records)
+
+
+def test_a_pad_only_micro_batch_is_timed_but_not_fitted_as_a_rate():
+    """A micro-batch the plan gave this rank no token of (one pad token) costs the model's
+    fixed time: ``OnlineFit`` records the real tokens (0 there) and the fit prices only the
+    others per token (through Megatron-LM, empty ranks rated the GEMM 100x slow)."""
+    from types import SimpleNamespace
+
+    from megatron_zeppelin.megatron.common.online_fit import OnlineFit
+
+    state = SimpleNamespace(probe=None)
+    online = OnlineFit(SimpleNamespace(), None, state, SimpleNamespace(cost=None),
+                       lambda planner: 0, "cpu")
+    assert state.probe is online.probe  # the engines time their calls into it
+    batches = [SimpleNamespace(packed_seq_params=SimpleNamespace(num_tokens=n))
+               for n in (0, 40, 0, 40, 0, 40)]
+    for _ in online.watch(batches):
+        spin(0.005)
+    online.finish()
+    measured = online.probe.take()
+    assert [n for n, _ in measured.linear] == [0, 40] * 3
+    prior = load_hardware("cpu")
+    per_token = fit.summarize(measured, prior)[len(prior.attention_tflops) + 1]
+    busy = [s for n, s in measured.linear if n]
+    assert per_token == pytest.approx(sorted(busy)[1] * prior.shared_by / 40)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_zeppelin.config import ConfigError
+from megatron_zeppelin.config import ConfigError, ModelSpec
 from megatron_zeppelin.megatron.lm.batch import (HostBatchTap, PoolStats, host_lengths,
                                                  linear_batch, linear_index, sample_sequences)
 from megatron_zeppelin.plan import AttentionTask, Plan, Segment, Tier, Topology
@@ -133,6 +133,34 @@ def test_a_rank_the_plan_leaves_empty_holds_pad_tokens_only():
     assert "pad tokens 3 (27.27%), empty (pad only) in 2 micro-batches" in stats.summary()
 
 
+def test_a_training_step_is_timed_from_its_first_micro_batch_and_estimated(monkeypatch):
+    """``PoolStats``: training micro-batches (with their plan) make the step; evaluation's
+    (no plan) are counted in the totals only; ``end_step`` sums the plans' estimates and
+    times the step from its first micro-batch."""
+    from megatron_zeppelin.cost_model import CostModel
+    from megatron_zeppelin.config import load_cluster, load_hardware
+    from megatron_zeppelin.estimate import estimate_plan
+    from megatron_zeppelin.megatron.lm import batch as lm_batch
+
+    plan, fields = two_rank_plan(), megatron_fields()
+    batch = linear_batch(fields, plan, 0, [5, 3, 8], max_position=8)
+    cost = CostModel(ModelSpec(name="t", num_layers=2, hidden_size=64, num_attention_heads=4),
+                     load_cluster("cpu-2x2"), load_hardware("cpu"))
+    clock = iter([10.0, 10.75])
+    monkeypatch.setattr(lm_batch.time, "perf_counter", lambda: next(clock))
+    stats = PoolStats()
+    stats.add(batch, 0.001, None)  # evaluation
+    stats.add(batch, 0.001, plan)  # the step starts (10.0)
+    stats.add(batch, 0.001, plan)
+    estimated, measured, micro = stats.end_step(cost)  # ends at 10.75
+    assert micro == 2 and measured == pytest.approx(0.75)
+    assert estimated == pytest.approx(2 * estimate_plan(plan, cost).step_s) and estimated > 0
+    line = stats.summary(7, (estimated, measured, micro))
+    assert line.startswith("zeppelin: 3 micro-batches on this rank") and \
+        f"; iteration 7: 2 micro-batches, step 0.750 s (est. {estimated:.3f} s)" in line
+    assert stats.end_step(cost) == (0.0, 0.0, 0) and stats.steps == 2
+
+
 def test_model_chunks_share_each_micro_batch_plan():
     """Virtual pipeline stages: chunk 0 reads micro-batches 0, 1, then chunk 1 reads them
     (the interleaved schedule's order); each is planned once and both chunks get that plan."""
@@ -150,7 +178,9 @@ def test_model_chunks_share_each_micro_batch_plan():
     assert planned and plans.plan(1, [5, 3], planner) == (first, False)
     assert plans.plan(1, [8], planner) == (second, False)
     assert calls == [[5, 3], [8]] and not plans.pending  # each planned once, then dropped
+    assert plans.next_index == 2  # a planner switched now plans from micro-batch 2 on
     plans.plan(0, [4, 4], planner)
+    assert plans.next_index == 3
     with pytest.raises(RuntimeError, match=r"model chunk 1 read micro-batch 2 with sequence "
                                            r"lengths \[8\], an earlier chunk with \[4, 4\]"):
         plans.plan(1, [8], planner)

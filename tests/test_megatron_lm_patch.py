@@ -20,7 +20,7 @@ from megatron_zeppelin.megatron.lm import glue as lm
 from megatron_zeppelin.megatron.common.compat import (MEGATRON_CORE_BELOW, MEGATRON_CORE_MIN,
                                                check_cpu_bridge, check_megatron_core,
                                                megatron_core_version, parse_version)
-from megatron_zeppelin.megatron.lm.features import RULES
+from megatron_zeppelin.megatron.lm.features import RULES, refusals
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "apply_megatron_patch.sh"
@@ -77,7 +77,8 @@ def trigger(rule) -> dict:
               "fp8": "hybrid", "fp4": "e2m1", "cuda_graph_impl": "local",
               "moe_token_dispatcher_type": "allgather",
               "moe_router_load_balancing_type": "seq_aux_loss",
-              "zeppelin_overlong": "split",
+              "zeppelin_overlong": "split", "zeppelin_watchdog_timeout": 60.0,
+              "zeppelin_planner_process": False,
               "hierarchical_context_parallel_sizes": [2, 8], "window_size": (128, 4),
               "experimental_attention_variant": "dsa", "data_parallel_sharding_strategy":
               "no_shard", "tensor_model_parallel_size": 2}
@@ -105,6 +106,30 @@ def test_every_refused_feature_is_named_with_its_alternative(rule):
         lm.check_megatron_lm_args(megatron_lm_args(**trigger(rule)))
     message = str(info.value)
     assert message.startswith(rule.given or f"{rule.flag}=") and rule.alternative in message
+
+
+def test_rules_on_zeppelin_flags_know_their_defaults():
+    parser = argparse.ArgumentParser()
+    train_args.add_zeppelin_args(parser)
+    defaults = vars(parser.parse_args([]))
+    ours = [rule for rule in RULES if rule.name in defaults]
+    assert len(ours) >= 3 and all(rule.default == defaults[rule.name] for rule in ours)
+    assert not refusals(megatron_lm_args())  # the defaults pass
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"zeppelin_profile_out": "p.yaml"},
+     r"--zeppelin-profile-out='p.yaml' is invalid: expected given only with"),
+    ({"zeppelin_fit_interval": -1}, r"--zeppelin-fit-interval=-1 is invalid"),
+    ({"zeppelin_fit_interval": 2, "zeppelin_profile_out": "/nonexistent/p.yaml"},
+     r"--zeppelin-profile-out='/nonexistent/p.yaml' is invalid: expected a file in an "
+     r"existing"),
+    ({"zeppelin_capacity_factor": 0.0}, r"--zeppelin-capacity-factor=0.0 is invalid"),
+])
+def test_the_zeppelin_flags_are_checked_at_validation(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        lm.check_megatron_lm_args(megatron_lm_args(seq_length=256, **overrides))
+    lm.check_megatron_lm_args(megatron_lm_args(seq_length=256, zeppelin_fit_interval=2))
 
 
 def test_upstream_defaults_that_zeppelin_supports_pass():

@@ -355,6 +355,36 @@ def test_every_stage_and_chunk_runs_each_micro_batch_with_the_same_plan(pipeline
             assert [d for c, d in plans[rank] if c == chunk] == reference, (rank, chunk)
 
 
+def test_the_online_fit_refits_every_stage_alike_and_trains_like_static(pipelined, tree,
+                                                                         tmp_path):
+    """--zeppelin-fit-interval 1 through the patch (PP 2 x CP 2): after every step each rank
+    measures, rank 0 broadcasts the fit, every stage and chunk switches at the same micro-batch
+    (the first of the next step) and still plans each micro-batch alike; the profile is
+    written; the log gives each step's time and estimate; training equals static mode's."""
+    from megatron_zeppelin.config import load_hardware
+
+    schedule, _, static, _ = pipelined
+    flags = [*PIPELINE, *SCHEDULES[schedule], *(DOCUMENTS if schedule == "1f1b" else [])]
+    profile = tmp_path / "fitted.yaml"
+    proc = run(tree, tmp_path, "pp-fit", 4, *ZEPPELIN, "--context-parallel-size", "2", *flags,
+               "--zeppelin-fit-interval", "1", "--zeppelin-profile-out", str(profile),
+               "--log-interval", "1", ok=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fitted = json.loads((tmp_path / "pp-fit.json").read_text())
+    assert_same_training(fitted, static)
+    for iteration in (1, 2, 3):
+        assert f"hardware profile refitted at iteration {iteration}: plans from micro-batch " \
+               f"{GBS * iteration} on use it" in proc.stdout
+        assert f"; iteration {iteration}: {GBS} micro-batches, step " in proc.stdout
+    assert proc.stdout.count("(est. ") == 3
+    assert load_hardware(str(profile)).source.startswith("fitted during training")
+    plans = fitted["plans"]
+    for rank in range(4):
+        for chunk in range(2 if schedule == "interleaved" else 1):
+            assert [d for c, d in plans[rank] if c == chunk] == \
+                [d for c, d in plans[0] if c == 0], (rank, chunk)
+
+
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_multi_token_prediction_with_pipelines_trains_like_static(tree, tmp_path, schedule):
     """--mtp-num-layers 1 with PP 2 x CP 2: megatron-core builds the MTP layer on the last

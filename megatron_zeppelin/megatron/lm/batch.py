@@ -24,13 +24,16 @@ carry loss mask 0, skip core attention and are counted (``PoolStats``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.estimate import estimate_plan
 from megatron_zeppelin.megatron.common.packing import (ZeppelinPackedSeqParams, pad_count,
                                                       packed_seq_params_for_rank)
 from megatron_zeppelin.plan import Plan
@@ -194,10 +197,16 @@ class ChunkPlans:
             del self.pending[index]
         return entry[1], planned
 
+    @property
+    def next_index(self) -> int:
+        """The index of the next micro-batch to be planned (0 = the first any chunk read)."""
+        return max(self.read)
+
 
 @dataclass
 class PoolStats:
-    """What this rank's zeppelin batches held so far (nothing is padded silently)."""
+    """What this rank's zeppelin batches held so far (nothing is padded silently), and the
+    training step in progress: its plans and when its first micro-batch was read."""
 
     micro_batches: int = 0
     tokens: int = 0
@@ -205,8 +214,12 @@ class PoolStats:
     empty: int = 0  # micro-batches the plan gave this rank no token of
     max_tokens: int = 0
     plan_seconds: float = 0.0
+    steps: int = 0
+    step_plans: list = field(default_factory=list)  # the step in progress (training only)
+    step_started: float | None = None  # perf_counter at its first micro-batch
 
-    def add(self, batch: LinearBatch, plan_seconds: float) -> None:
+    def add(self, batch: LinearBatch, plan_seconds: float, plan: Plan | None = None) -> None:
+        """A micro-batch; ``plan``: its plan when it trains (evaluation: None)."""
         real = batch.packed_seq_params.num_tokens
         self.micro_batches += 1
         self.tokens += real
@@ -214,12 +227,33 @@ class PoolStats:
         self.empty += real == 0
         self.max_tokens = max(self.max_tokens, real + batch.pad_tokens)
         self.plan_seconds += plan_seconds
+        if plan is not None:
+            if not self.step_plans:
+                self.step_started = time.perf_counter()
+            self.step_plans.append(plan)
 
-    def summary(self) -> str:
+    def end_step(self, cost: CostModel) -> tuple[float, float, int]:
+        """``(estimated s, measured s, micro-batches)`` of the step just done: the sum of its
+        micro-batches' step estimates on ``cost`` (the profile in force, as our loop's log)
+        and the host time from its first micro-batch's read to now."""
+        estimated = sum(estimate_plan(p, cost).step_s for p in self.step_plans)
+        measured = time.perf_counter() - self.step_started if self.step_plans else 0.0
+        micro, self.step_plans, self.step_started = len(self.step_plans), [], None
+        self.steps += 1
+        return estimated, measured, micro
+
+    def summary(self, iteration: int | None = None,
+                step: tuple[float, float, int] | None = None) -> str:
+        """One log line; ``step``: ``end_step``'s figures of ``iteration``."""
         n = max(1, self.micro_batches)
         share = self.pad_tokens / max(1, self.tokens + self.pad_tokens)
-        return (f"zeppelin: {self.micro_batches} micro-batches on this rank, tokens per "
+        line = (f"zeppelin: {self.micro_batches} micro-batches on this rank, tokens per "
                 f"micro-batch mean {self.tokens / n:.0f} max {self.max_tokens}, pad tokens "
                 f"{self.pad_tokens} ({100 * share:.2f}%), empty (pad only) in {self.empty} "
-                f"micro-batches, planning "
-                f"{1000 * self.plan_seconds / n:.2f} ms per micro-batch")
+                f"micro-batches, planning {1000 * self.plan_seconds / n:.2f} ms per "
+                "micro-batch")
+        if step is None:
+            return line
+        estimated, measured, micro = step
+        return (f"{line}; iteration {iteration}: {micro} micro-batches, step {measured:.3f} s "
+                f"(est. {estimated:.3f} s)")

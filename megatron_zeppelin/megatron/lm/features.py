@@ -72,13 +72,6 @@ STATIC_ONLY = "use --context-parallel-mode static for it"
 NO_GRAPH = "token counts and rings change every micro-batch, so no graph can be captured"
 
 RULES: tuple[Rule, ...] = (
-    Rule("--zeppelin-fit-interval", "zeppelin_fit_interval", 0, lambda v, a: v > 0,
-         "the online profile fit runs in scripts/pretrain_gpt.py only (Megatron-LM's loop "
-         "has no measurement hook yet)", "drop the flag, or fit with scripts/pretrain_gpt.py "
-         "and pass its --zeppelin-profile-out file as --zeppelin-hardware"),
-    Rule("--zeppelin-profile-out", "zeppelin_profile_out", None, _set,
-         "nothing is fitted in Megatron-LM's loop (see --zeppelin-fit-interval)",
-         "drop the flag, or fit with scripts/pretrain_gpt.py"),
     Rule("--no-overlap-p2p-communication", "overlap_p2p_comm", True,
          lambda v, a: not v and _virtual_stages(a),
          "with virtual pipeline stages zeppelin's ordered pipeline P2P sends one direction per "
@@ -204,6 +197,14 @@ RULES: tuple[Rule, ...] = (
          "policy and its bf16 optimizer takes only CUDA tensors, so no CPU/gloo test compares "
          "it with Megatron DDP and none has run on a GPU", "train in fp32 or use "
          "--use-megatron-fsdp --use-distributed-optimizer", given="--bf16 with --use-torch-fsdp2"),
+    Rule("--zeppelin-watchdog-timeout", "zeppelin_watchdog_timeout", 20.0,
+         lambda v, a: v != 20.0, "zeppelin's heartbeat watchdog runs in scripts/pretrain_gpt.py "
+         "only; in Megatron-LM's loop a failed peer ends the run through Megatron's collective "
+         "timeout", "drop the flag (--distributed-timeout-minutes bounds the wait)"),
+    Rule("--no-zeppelin-planner-process", "zeppelin_planner_process", True, lambda v, a: not v,
+         "through Megatron-LM, get_batch plans each micro-batch on the training thread (neither "
+         "a planner process nor a thread)", "drop the flag",
+         given="--no-zeppelin-planner-process"),
     Rule("--zeppelin-overlong", "zeppelin_overlong", "error", lambda v, a: v != "error",
          "Megatron-LM's samples hold at most --seq-length tokens, so no sequence is ever longer "
          "than the planner's limit", "drop the flag"),

@@ -20,7 +20,10 @@ The patch adds these hooks to Megatron-LM, each importing this package only in z
   pipeline parallelism, variable sequence lengths and the ordered P2P communicator
   (``pipelined_schedule``);
 * ``get_model`` wraps the chunks in Megatron-FSDP over each pipeline stage's ranks
-  (``fsdp_stage_mesh``), and in torch FSDP2 with per-token loss (``torch_fsdp2_class``).
+  (``fsdp_stage_mesh``), and in torch FSDP2 with per-token loss (``torch_fsdp2_class``);
+* ``train_step`` ends (after the optimizer step, on every rank) with ``train_step_done``: the
+  online profile fit (``--zeppelin-fit-interval``) and the log line of the step's estimated
+  and measured time.
 
 Megatron keeps its own CP groups: ``--context-parallel-size`` ranks form a pool, exactly the
 ranks a static CP group would be. So Megatron's data loader, micro-batch count, DDP gradient
@@ -39,7 +42,7 @@ from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError, ModelSpec, ZeppelinConfig
 from megatron_zeppelin.megatron.loop import args as train_args, fatal
 from megatron_zeppelin.megatron.lm.features import refusals
-from megatron_zeppelin.options import dest_of, settings
+from megatron_zeppelin.options import dest_of, from_flags, settings
 from megatron_zeppelin.parallel import PoolLayout
 
 _STATE: dict = {}  # Megatron-LM runs one model per process: its PoolRuntime and PoolStats
@@ -73,6 +76,10 @@ def check_megatron_lm_args(args: argparse.Namespace) -> None:
     refused = refusals(args)
     if refused:
         raise ConfigError(refused[0])
+    from_flags(train_args.ZeppelinRuntimeArgs, args, train_args.ZEPPELIN_PREFIX)  # its checks
+    seq_length = getattr(args, "seq_length", None) or getattr(args, "encoder_seq_length", None)
+    if seq_length:  # the planner's options (Megatron's validate_args requires a length)
+        from_flags(ZeppelinConfig, args, train_args.ZEPPELIN_PREFIX, max_seqlen=seq_length)
     layout = pool_layout(args, env.local_world_size())
     args.zeppelin_gpus_per_node = layout.gpus_per_node
     train_args.planner_strategy(args, layout.cp)  # --zeppelin-strategy and its options
@@ -108,8 +115,8 @@ def _model_spec(args: argparse.Namespace) -> ModelSpec:
 
 def _state(args: argparse.Namespace) -> dict:
     """``{"runtime": train.PoolRuntime, "stats": PoolStats, "tp_host": gloo TP group or
-    None, "plans": ChunkPlans}``, built once after Megatron's init (every rank creates every
-    pool's groups, in the same order)."""
+    None, "plans": ChunkPlans, "online": OnlineFit or None}``, built once after Megatron's
+    init (every rank creates every pool's groups, in the same order)."""
     if _STATE:
         return _STATE
     from megatron.core import parallel_state
@@ -134,9 +141,25 @@ def _state(args: argparse.Namespace) -> dict:
                           "DP, PP innermost first; drop --use-tp-pp-dp-mapping)")
     chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     runtime.state.keep_used = runtimes_in_flight(layout, chunks)
+    plans = ChunkPlans(chunks)
     _STATE.update(runtime=runtime, stats=PoolStats(), tp_host=new_tp_host_group(layout),
-                  plans=ChunkPlans(chunks))
+                  plans=plans, online=_online_fit(options, runtime, plans))
     return _STATE
+
+
+def _online_fit(args: argparse.Namespace, runtime, plans):
+    """The online profile fit of ``--zeppelin-fit-interval`` (None without it): a refit
+    switches ``runtime``'s planner from the next micro-batch ``get_batch`` plans (the same
+    index on every rank: ``train_step_done`` runs on every rank after the same step)."""
+    if not args.zeppelin_fit_interval:
+        return None
+    from megatron_zeppelin.megatron.common.online_fit import OnlineFit
+
+    def switch(planner) -> int:
+        runtime.planner = planner
+        return plans.next_index
+
+    return OnlineFit(args, runtime.pool, runtime.state, runtime.planner, switch, args.device)
 
 
 def zeppelin_gpt_model(args: argparse.Namespace, transformer_layer_spec):
@@ -162,12 +185,6 @@ def zeppelin_gpt_model(args: argparse.Namespace, transformer_layer_spec):
     return build, spec
 
 
-def _log_every(args: argparse.Namespace) -> int:
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-
-    return max(1, getattr(args, "log_interval", 1) * get_num_microbatches())
-
-
 def get_batch(data_iterator, vp_stage=None):
     """Megatron-LM's ``get_batch`` in zeppelin mode: (tokens, labels, loss_mask,
     attention_mask=None, position_ids, packed_seq_params) of this rank's linear layout.
@@ -191,7 +208,10 @@ def get_batch(data_iterator, vp_stage=None):
 
     args = get_args()
     state = _state(args)
-    runtime = state["runtime"]
+    runtime, online = state["runtime"], state["online"]
+    training = torch.is_grad_enabled()  # Megatron-LM evaluates under no_grad: not measured
+    if online is not None:
+        runtime.state.probe = online.probe if training else None
     tap = HostBatchTap(data_iterator)
     fields = batch_on_this_tp_rank(tap, every_field=args.pipeline_model_parallel_size > 1)
     lengths = host_lengths(tap, fields, get_tokenizer().eod, args.reset_attention_mask,
@@ -202,13 +222,34 @@ def get_batch(data_iterator, vp_stage=None):
     pad = args.tensor_model_parallel_size if args.sequence_parallel else 1
     batch = linear_batch(fields, plan, runtime.pool.rank, lengths, pad_multiple=pad,
                          max_position=args.seq_length)
-    stats = state["stats"]
     if planned:  # once per micro-batch, whichever chunk read it first
-        stats.add(batch, seconds)
-        if args.rank == 0 and stats.micro_batches % _log_every(args) == 0:
-            print(stats.summary(), flush=True)
+        state["stats"].add(batch, seconds, plan if training else None)
+        if online is not None and training:
+            online.begin(batch.packed_seq_params.num_tokens)  # real tokens
+        elif online is not None:
+            online.finish()
     return (batch.tokens, batch.labels, batch.loss_mask, None, batch.position_ids,
             batch.packed_seq_params)
+
+
+def train_step_done(iteration: int | None) -> None:
+    """The end of Megatron-LM's ``train_step`` (the patch calls it on every rank after the
+    optimizer step; ``iteration``: the step just done, counted from 1 as Megatron logs it):
+    the online fit collects the step's measurements and refits every
+    ``--zeppelin-fit-interval`` steps (``common/online_fit.py``), and every ``--log-interval``
+    steps rank 0 logs this rank's batches and the step's estimated and measured time
+    (``PoolStats.summary``)."""
+    from megatron.training import get_args
+
+    args = get_args()
+    state = _state(args)
+    stats, online = state["stats"], state["online"]
+    iteration = stats.steps + 1 if iteration is None else iteration
+    if online is not None:
+        online.step(iteration)
+    estimated = stats.end_step(state["runtime"].planner.cost)
+    if args.rank == 0 and iteration % max(1, getattr(args, "log_interval", 1)) == 0:
+        print(stats.summary(iteration, estimated), flush=True)
 
 
 def pipelined_schedule(schedule):
@@ -274,4 +315,5 @@ def torch_fsdp2_class() -> type:
 
 
 __all__ = ["check_megatron_lm_args", "validate_megatron_lm_args", "zeppelin_gpt_model",
-           "get_batch", "pipelined_schedule", "fsdp_stage_mesh", "torch_fsdp2_class"]
+           "get_batch", "train_step_done", "pipelined_schedule", "fsdp_stage_mesh",
+           "torch_fsdp2_class"]

@@ -30,7 +30,7 @@ from megatron_zeppelin.megatron.loop.corpus import DocumentSource, MicroBatchSam
 from megatron_zeppelin.megatron.common.data import ZeppelinDataIterator
 from megatron_zeppelin.megatron.common.groups import Pool
 from megatron_zeppelin.megatron.common.pipeline_p2p import schedule_kwargs
-from megatron_zeppelin.megatron.loop.online_fit import OnlineFit
+from megatron_zeppelin.megatron.common.online_fit import OnlineFit
 from megatron_zeppelin.megatron.loop.train_log import Logger, StepLog, banner
 from megatron_zeppelin.megatron.loop.watchdog import Watchdog, start_watchdog
 from megatron_zeppelin.megatron.common.model import build_gpt_model, make_transformer_config
@@ -350,7 +350,8 @@ def train(args: argparse.Namespace, layout: PoolLayout, ready: preflight.Ready,
         logger = Logger(args, runtime.cost, dist.get_rank() == 0, sampler.stats,
                         counts_plans=pool_rank == 0 and tp_rank == 0 and first_stage,
                         pools=layout.dp, order=getattr(sampler, "regroup", None))
-        online = OnlineFit(args, runtime.pool, runtime.state, runtime.planner, data, logger, device) \
+        online = OnlineFit(args, runtime.pool, runtime.state, runtime.planner,
+                           replanning(data, logger), device) \
             if args.zeppelin_fit_interval else None
         try:
             loop(args, layout, run, data, logger, start, online)
@@ -361,6 +362,16 @@ def train(args: argparse.Namespace, layout: PoolLayout, ready: preflight.Ready,
     finally:
         runtime.close()
     return logger.history
+
+
+def replanning(data: ZeppelinDataIterator, logger: Logger):
+    """The online fit's ``switch``: ``data`` plans with the refitted planner from the
+    micro-batch after the one planned ahead, and the log's estimates follow its profile."""
+    def switch(planner) -> int:
+        logger.cost = planner.cost
+        return data.replan(planner)
+
+    return switch
 
 
 def resume(args: argparse.Namespace, ready: preflight.Ready, run: checkpoint.Training

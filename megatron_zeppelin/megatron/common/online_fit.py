@@ -6,32 +6,39 @@ micro-batch's linear span). Every N iterations each rank adds active link sample
 attention lengths no call measured yet (``Probe.ping_attention``, up to ``--seq-length``:
 a length no plan uses is measured too) and summarizes its measurements
 (``fit.summarize``), rank 0 combines all ranks' summaries and broadcasts the coefficients
-(``probe.agree``: one profile on every rank), and every rank's data iterator hands the planner a
-``PlanFunction`` on the new profile, which plans from the same micro-batch index on every rank
-(``ZeppelinDataIterator.replan``: the one after the micro-batch already planned ahead). The log
-line's step estimate uses the profile in force. ``--zeppelin-profile-out`` gets the profile
-after every refit (rank 0).
+(``probe.agree``: one profile on every rank), and every rank switches to a ``PlanFunction`` on
+the new profile from the same micro-batch index (``switch``: our loop's data iterator plans from
+the one after the micro-batch already planned ahead, ``ZeppelinDataIterator.replan``; the
+Megatron-LM glue from the next micro-batch ``get_batch`` reads). The log line's step estimate
+uses the profile in force. ``--zeppelin-profile-out`` gets the profile after every refit
+(rank 0).
+
+Both training loops use it: ours (``loop/train.py``) and Megatron-LM's through the patch
+(``lm/glue.py``: ``train_step`` calls ``step`` after the optimizer step; evaluation is not
+measured).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch.distributed as dist
 
 from megatron_zeppelin import fit
 from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.planner.service import PlanFunction
 from megatron_zeppelin.runtime.probe import Probe, agree, ping_links
 
 
 class OnlineFit:
     """Measure, refit and switch (module doc). ``state``: the pool's attention state (its
-    engines get the probe); ``planner``: the pool's ``PlanFunction``; ``logger``: its cost
-    model follows the profile in force."""
+    engines get the probe); ``planner``: the pool's ``PlanFunction``; ``switch(planner)``
+    plans with the refitted ``PlanFunction`` from a micro-batch index every rank shares and
+    returns that index."""
 
-    def __init__(self, args, pool, state, planner, data, logger, device: str) -> None:
-        self.args, self.planner, self.data, self.logger = args, planner, data, logger
-        self.pool = pool
+    def __init__(self, args, pool, state, planner: PlanFunction,
+                 switch: Callable[[PlanFunction], int], device: str) -> None:
+        self.args, self.planner, self.switch, self.pool = args, planner, switch, pool
         self.probe = Probe(device)
         state.probe = self.probe
         self.measured = fit.Measurements()
@@ -41,12 +48,19 @@ class OnlineFit:
         self._span = None
 
     def watch(self, batches: Iterator) -> Iterator:
-        """``batches`` with each micro-batch's span timed (linear = span less the engine);
-        the span of a micro-batch ends when the next one is drawn or at ``finish``."""
+        """``batches`` with each micro-batch's span timed (``begin``)."""
         for batch in batches:
-            self.finish()
-            self._span = (self.probe.start(), batch.tokens.shape[1])
+            self.begin(batch.packed_seq_params.num_tokens)
             yield batch
+
+    def begin(self, tokens: int) -> None:
+        """A micro-batch of ``tokens`` (this rank's real tokens, pads not counted) starts: the
+        last one's span ends. Its linear time is the span less the engine's; the span of the
+        last micro-batch of an iteration ends at ``finish``. A micro-batch the plan gave this
+        rank no token of (pad only) records 0 tokens, which the fit skips: its time is the
+        model's fixed cost per micro-batch, not a rate per token."""
+        self.finish()
+        self._span = (self.probe.start(), tokens)
 
     def finish(self) -> None:
         """End the last micro-batch's span (after the forward-backward pass)."""
@@ -75,9 +89,8 @@ class OnlineFit:
         profile = fit.to_profile(coefficients, prior, self.cost,
                                  f"iteration {iteration}")
         self.cost = CostModel(self.cost.model, self.cost.cluster, profile, self.cost.tp)
-        index = self.data.replan(dataclasses.replace(self.planner, cost=self.cost))
+        index = self.switch(dataclasses.replace(self.planner, cost=self.cost))
         self.switches.append((iteration, index))
-        self.logger.cost = self.cost
         if dist.get_rank() == 0:
             measured = ", ".join(f"{k} {1e3 * v / micro:.1f}" for k, v in parts.items())
             print(f"hardware profile refitted at iteration {iteration}: plans from micro-batch "
