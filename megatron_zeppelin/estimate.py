@@ -230,6 +230,16 @@ def estimate_plan(plan: Plan, cost: CostModel, routed: bool = True) -> PlanEstim
                         est.remap_s)
 
 
+def iteration_seconds(plans: Sequence[Plan], cost: CostModel) -> float:
+    """An iteration's estimate: its micro-batches' step estimates plus, per micro-batch, the
+    model's fixed time (``HardwareProfile.linear_fixed_us``: the same in every plan, so the
+    planner scores plans without it). What the training logs print as ``est.``."""
+    if not plans:
+        return 0.0
+    fixed = cost.hardware.linear_fixed_us * 1e-6
+    return sum(estimate_plan(p, cost).step_s + fixed for p in plans)
+
+
 def remap_a2a_seconds(moves: Iterable[Move], topology: Topology, cost: CostModel) -> float:
     """One all-to-all of the remap (``qkvo_bytes`` per token and GPU): inside a node over the
     GPUs' NVLink, across nodes through the sending and receiving GPUs' own NICs (static

@@ -9,9 +9,9 @@ What is measured (``runtime/probe.py`` takes it per micro-batch; ``Measurements`
   of work and tier (``local`` / ``intra`` / ``inter``);
 * ``linear``: a micro-batch's real tokens on this rank and the seconds of work of everything
   but attention and remap (forward + backward); a micro-batch that gave the rank pad tokens
-  only is recorded with 0 tokens and not fitted (its time is the model's fixed cost: taken per
-  token, such ranks rated the GEMM 100x slow through Megatron-LM, whose planner had left half
-  the pool empty);
+  only is recorded with 0 tokens: its time is the model's fixed cost, a point of the line but
+  no rate per token (taken per token, such ranks rated the GEMM 100x slow through Megatron-LM,
+  whose planner had left half the pool empty);
 
 Seconds of work: a device's own time on CUDA; on CPU the rank's own CPU seconds, since ranks
 that share cores (``HardwareProfile.shared_by``) compute faster while their peers wait, so wall
@@ -38,7 +38,9 @@ calls nearest that length in log; lengths with no call: times the median of thos
 calls shorter than the table's first length are left out: their time is the call's fixed
 cost, which the table, clamped below its first length, would spread over every longer call);
 the backward/forward ratio (median of backward seconds over the fitted forward time); the
-linear seconds per token (median ratio) -> ``gemm_tflops``; bandwidth and latency of each
+linear seconds per token (the slope of seconds over tokens, so the model's fixed cost per
+micro-batch is left out; else the median ratio: ``_linear_line``) -> ``gemm_tflops``, and the
+line's intercept -> ``linear_fixed_us``; bandwidth and latency of each
 tier (Theil-Sen line seconds = latency + bytes / bandwidth: the median of pairwise slopes,
 robust to up to ~29% outliers) over the active samples and, unless the ring step's cost below
 holds the exchange waits, the waited exchanges (a wait is the peer's lateness as much as the
@@ -72,6 +74,7 @@ LINK_TIERS = ("intra", "inter")
 MAX_SAMPLES = 4096  # per kind and rank: the newest are kept (a few micro-batches of calls)
 MAX_PAIRS = 64  # points a Theil-Sen fit pairs up (spread over the length range)
 MIN_SAMPLES = 3  # fewer measurements of a coefficient keep the prior's value
+LINE_SPREAD = 0.25  # linear fit: pairs whose token counts differ by this share of the largest
 REMAP_EXCHANGES = 4  # remap all-to-alls per layer: q/k/v there and the output back, fwd + bwd
 
 
@@ -132,6 +135,33 @@ def robust_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]
     return slope, statistics.median(y - slope * x for x, y in points)
 
 
+def _linear_line(samples: Sequence[tuple[float, float]], shared: float
+                 ) -> tuple[float, float]:
+    """``(seconds per token, fixed seconds per micro-batch)`` of the linear part from
+    ``(tokens, seconds of work)`` per micro-batch (x ``shared``): the line's slope, so that the
+    model's fixed cost per micro-batch (launches, the loop's host work: the same for every
+    plan) is not spread over the tokens, which would over-price a plan's busiest rank by
+    ``fixed x (n / typical n - 1)``, and its intercept. The slope is the median over pairs of
+    micro-batches whose token counts differ by at least ``LINE_SPREAD`` of the largest (nearer
+    pairs measure noise), a pad-only micro-batch at 0 tokens; with fewer than ``MIN_SAMPLES``
+    such pairs, or a line with a negative fixed cost: the median seconds per token, fixed cost
+    included (so 0 fixed). NaNs: nothing to rate."""
+    points = sorted((n, s * shared) for n, s in samples)
+    ratios = [s / n for n, s in points if n > 0]
+    ratio = (_median(ratios), 0.0) if len(ratios) >= MIN_SAMPLES else (math.nan, math.nan)
+    if len(points) > MAX_PAIRS:
+        step = (len(points) - 1) / (MAX_PAIRS - 1)
+        points = [points[round(i * step)] for i in range(MAX_PAIRS)]
+    gap = LINE_SPREAD * (points[-1][0] if points else 0.0)
+    slopes = [(s2 - s1) / (n2 - n1) for i, (n1, s1) in enumerate(points)
+              for n2, s2 in points[i + 1:] if n2 - n1 >= gap > 0]
+    if len(slopes) < MIN_SAMPLES:
+        return ratio
+    slope = statistics.median(slopes)
+    fixed = statistics.median(s - slope * n for n, s in points)
+    return (slope, fixed) if slope > 0 and fixed >= 0 else ratio
+
+
 def _nearest(length: float, log_lengths: Sequence[float]) -> int:
     x = math.log(length)
     return min(range(len(log_lengths)), key=lambda i: abs(log_lengths[i] - x))
@@ -139,7 +169,7 @@ def _nearest(length: float, log_lengths: Sequence[float]) -> int:
 
 def summary_size(prior: HardwareProfile) -> int:
     """Length of a summary vector for ``prior``'s length grid."""
-    return len(prior.attention_tflops) + 8
+    return len(prior.attention_tflops) + 9
 
 
 def summarize(m: Measurements, prior: HardwareProfile) -> list[float]:
@@ -162,8 +192,8 @@ def summarize(m: Measurements, prior: HardwareProfile) -> list[float]:
               for phase, length, flops, seconds, _ in m.attention
               if phase == "backward" and flops > 0 and length >= shortest]
     out = rates + [_median(ratios) if len(ratios) >= MIN_SAMPLES else math.nan]
-    per_token = [s * shared / n for n, s in m.linear if n > 0]
-    out.append(_median(per_token) if len(per_token) >= MIN_SAMPLES else math.nan)
+    per_token, fixed = _linear_line(m.linear, shared)
+    out.append(per_token)
     links = m.ping + (m.link if len(m.ring_rounds) < MIN_SAMPLES else [])
     for tier in LINK_TIERS:
         xs = [b for t, b, _ in links if t == tier]
@@ -173,6 +203,7 @@ def summarize(m: Measurements, prior: HardwareProfile) -> list[float]:
     per_byte = 1e-9 / prior.intra_gbyte_per_s if prior.intra_gbyte_per_s else 0.0
     beyond = [s - latency - b * per_byte for b, s in m.remap]
     out.append(_median(beyond) if len(beyond) >= MIN_SAMPLES else math.nan)
+    out.append(fixed)
     return out
 
 
@@ -219,7 +250,7 @@ def to_profile(coefficients: Sequence[float], prior: HardwareProfile, cost: Cost
     model the run trains (its linear FLOPs per token turn seconds per token into TFLOP/s)."""
     n = len(prior.attention_tflops)
     table = _attention_table(coefficients[:n], prior)
-    bwd, per_token, *links, host, remap = coefficients[n:]
+    bwd, per_token, *links, host, remap, fixed = coefficients[n:]
     changes: dict = {}
     if any(math.isfinite(c) for c in coefficients[:n]):
         changes["attention_tflops"] = tuple((length, round(f / 1e12, 9)) for (length, _), f
@@ -241,6 +272,8 @@ def to_profile(coefficients: Sequence[float], prior: HardwareProfile, cost: Cost
         changes["ring_step_overhead_us"] = max(0.0, host) * 2e6  # forward + backward
     if math.isfinite(remap):
         changes["remap_overhead_us"] = max(0.0, remap) * REMAP_EXCHANGES * 1e6
+    if math.isfinite(fixed) and _usable(per_token):  # the line's two ends go together
+        changes["linear_fixed_us"] = max(0.0, fixed) * 1e6
     source = f"fitted during training from {prior.name!r}" + (f": {note}" if note else "")
     return dataclasses.replace(prior, source=source, **changes)
 

@@ -39,7 +39,11 @@ class HardwareProfile:
     ``ring_step_overhead_us``: the engine's host work per ring step and layer, forward and
     backward together (0: not modelled); ``remap_overhead_us``: the remapping layer's host work
     per layer, forward and backward together, on top of its bytes (its all-to-alls' setup and
-    the wait for the slowest rank; 0: not modelled). ``intra_*`` / ``inter_*``: measured link figures
+    the wait for the slowest rank; 0: not modelled). ``linear_fixed_us``: a rank's time per
+    micro-batch that does not grow with its tokens (kernel launches, the training loop's host
+    work), forward and backward: the same in every plan, so plans are scored without it; an
+    iteration's estimate adds it per micro-batch (``estimate.iteration_seconds``; 0: not
+    modelled). ``intra_*`` / ``inter_*``: measured link figures
     (a profile fitted during training, ``fit.py``) that replace the cluster's nominal NVLink /
     NIC bandwidth and latency in the cost model (``links``); None keeps the cluster's.
     ``shared_by``: how many ranks share one device's compute (1 on GPUs; 4 CPU ranks on 2
@@ -59,6 +63,7 @@ class HardwareProfile:
     kernel: str = field(kw_only=True)
     ring_step_overhead_us: float = field(default=0.0, kw_only=True)
     remap_overhead_us: float = field(default=0.0, kw_only=True)
+    linear_fixed_us: float = field(default=0.0, kw_only=True)
     intra_gbyte_per_s: float | None = field(default=None, kw_only=True)
     intra_latency_us: float | None = field(default=None, kw_only=True)
     inter_gbit_per_s: float | None = field(default=None, kw_only=True)
@@ -85,7 +90,8 @@ class HardwareProfile:
                     "positive lengths and positive TFLOP/s")
         object.__setattr__(self, "attention_tflops", tuple(sorted(table)))
         for key in ("p2p_gbyte_per_s", "p2p_latency_us", "intra_latency_us",
-                    "inter_latency_us", "ring_step_overhead_us", "remap_overhead_us"):
+                    "inter_latency_us", "ring_step_overhead_us", "remap_overhead_us",
+                    "linear_fixed_us"):
             if getattr(self, key) is not None:
                 require(getattr(self, key) >= 0, f"hardware.{key}", getattr(self, key),
                         "a number >= 0")

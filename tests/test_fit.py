@@ -268,7 +268,7 @@ def test_a_ring_steps_cost_is_the_median_micro_batchs_mean_round_waits_included(
     # per micro-batch: most rounds quick, a few preempted (the tail is the cost); one stalled
     m.ring_rounds.extend([(0.001 * 9 + 0.041, 10), (0.001 * 9 + 0.041, 10),
                           (0.001 * 9 + 0.041, 10), (5.0, 10)])
-    index = fit.summary_size(prior) - 2  # host per ring step, before the remap's
+    index = fit.summary_size(prior) - 3  # host per ring step, before the remap's and fixed
     assert fit.summarize(m, prior)[index] == pytest.approx(0.005)
     m.ring_rounds[:] = m.ring_rounds[:2]  # too few micro-batches: the per-round median
     assert fit.summarize(m, prior)[index] == pytest.approx(0.001)
@@ -284,3 +284,29 @@ def test_where_rounds_hold_the_waits_links_come_from_the_active_pings_only():
     m.ring_rounds.extend([(0.01, 2)] * 3)  # the waits are priced per ring step: pings only
     assert fit.summarize(m, prior)[n + 2:n + 4] == pytest.approx([1 / 2e9, 1e-4])
     assert latency > 1e-3
+
+
+@pytest.mark.parametrize("fixed", [0.0, 0.02])
+def test_the_linear_rate_leaves_the_fixed_cost_per_micro_batch_out(fixed):
+    """seconds = fixed + rate x tokens (+-3% noise), pad-only micro-batches at 0 tokens: the
+    fitted rate is the slope, not seconds / tokens (which spreads the fixed cost over the
+    tokens), and the fixed cost the intercept; a rank whose micro-batches all hold about the
+    same tokens keeps the ratio (fixed cost included, so 0 fixed); the profile gets both."""
+    from megatron_zeppelin.fit import _linear_line
+
+    rate = 1e-4
+    tokens = [0, 0, 40, 60, 100, 128, 128, 200, 256, 90, 30, 0]
+    samples = [(n, (fixed + rate * n) * (1 + 0.03 * ((i * 7) % 5 - 2) / 2))
+               for i, n in enumerate(tokens)]
+    slope, intercept = _linear_line(samples, 1.0)
+    assert slope == pytest.approx(rate, rel=0.05) and intercept == pytest.approx(fixed, abs=1e-3)
+    assert _linear_line(samples, 2.0)[0] == pytest.approx(2 * rate, rel=0.05)
+    same = [(n, fixed + rate * n) for n in (128, 127, 128, 120, 128)]
+    assert _linear_line(same, 1.0) == (pytest.approx(fixed / 128 + rate, rel=0.01), 0.0)
+    assert all(math.isnan(x) for x in _linear_line([(0, 0.02)] * 5, 1.0))  # no token to rate
+    prior = load_hardware("cpu")
+    measured = fit.Measurements(linear=samples)
+    coefficients = fit.summarize(measured, dataclasses.replace(prior, shared_by=1.0))
+    assert len(coefficients) == fit.summary_size(prior)
+    profile = fit.to_profile(coefficients, prior, make_cost("llama-7b", "cpu-2x2", nodes=2))
+    assert profile.linear_fixed_us == pytest.approx(1e6 * max(0.0, intercept))

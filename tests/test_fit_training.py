@@ -199,10 +199,11 @@ def test_a_rank_whose_sequences_are_all_local_has_its_attention_measured():
                            ("backward", length, squares, "local")], (lengths, records)
 
 
-def test_a_pad_only_micro_batch_is_timed_but_not_fitted_as_a_rate():
+def test_a_pad_only_micro_batch_prices_the_fixed_cost_not_the_tokens():
     """A micro-batch the plan gave this rank no token of (one pad token) costs the model's
-    fixed time: ``OnlineFit`` records the real tokens (0 there) and the fit prices only the
-    others per token (through Megatron-LM, empty ranks rated the GEMM 100x slow)."""
+    fixed time: ``OnlineFit`` records the real tokens (0 there), and the fit takes the line
+    through the micro-batches: per token its slope, the pad-only ones its intercept (taken
+    per token, through Megatron-LM, empty ranks rated the GEMM 100x slow)."""
     from types import SimpleNamespace
 
     from megatron_zeppelin.megatron.common.online_fit import OnlineFit
@@ -213,12 +214,13 @@ def test_a_pad_only_micro_batch_is_timed_but_not_fitted_as_a_rate():
     assert state.probe is online.probe  # the engines time their calls into it
     batches = [SimpleNamespace(packed_seq_params=SimpleNamespace(num_tokens=n))
                for n in (0, 40, 0, 40, 0, 40)]
-    for _ in online.watch(batches):
-        spin(0.005)
+    for batch in online.watch(batches):
+        spin(0.01 + 0.02 * (batch.packed_seq_params.num_tokens > 0))
     online.finish()
     measured = online.probe.take()
     assert [n for n, _ in measured.linear] == [0, 40] * 3
     prior = load_hardware("cpu")
-    per_token = fit.summarize(measured, prior)[len(prior.attention_tflops) + 1]
-    busy = [s for n, s in measured.linear if n]
-    assert per_token == pytest.approx(sorted(busy)[1] * prior.shared_by / 40)
+    coefficients = fit.summarize(measured, prior)
+    per_token, fixed = coefficients[len(prior.attention_tflops) + 1], coefficients[-1]
+    assert per_token == pytest.approx(0.02 * prior.shared_by / 40, rel=0.25)
+    assert fixed == pytest.approx(0.01 * prior.shared_by, rel=0.25)

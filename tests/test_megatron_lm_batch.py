@@ -137,6 +137,8 @@ def test_a_training_step_is_timed_from_its_first_micro_batch_and_estimated(monke
     """``PoolStats``: training micro-batches (with their plan) make the step; evaluation's
     (no plan) are counted in the totals only; ``end_step`` sums the plans' estimates and
     times the step from its first micro-batch."""
+    import dataclasses
+
     from megatron_zeppelin.cost_model import CostModel
     from megatron_zeppelin.config import load_cluster, load_hardware
     from megatron_zeppelin.estimate import estimate_plan
@@ -144,8 +146,9 @@ def test_a_training_step_is_timed_from_its_first_micro_batch_and_estimated(monke
 
     plan, fields = two_rank_plan(), megatron_fields()
     batch = linear_batch(fields, plan, 0, [5, 3, 8], max_position=8)
+    hardware = dataclasses.replace(load_hardware("cpu"), linear_fixed_us=1000.0)
     cost = CostModel(ModelSpec(name="t", num_layers=2, hidden_size=64, num_attention_heads=4),
-                     load_cluster("cpu-2x2"), load_hardware("cpu"))
+                     load_cluster("cpu-2x2"), hardware)
     clock = iter([10.0, 10.75])
     monkeypatch.setattr(lm_batch.time, "perf_counter", lambda: next(clock))
     stats = PoolStats()
@@ -154,7 +157,8 @@ def test_a_training_step_is_timed_from_its_first_micro_batch_and_estimated(monke
     stats.add(batch, 0.001, plan)
     estimated, measured, micro = stats.end_step(cost)  # ends at 10.75
     assert micro == 2 and measured == pytest.approx(0.75)
-    assert estimated == pytest.approx(2 * estimate_plan(plan, cost).step_s) and estimated > 0
+    # the plans' estimates and the fixed time of each micro-batch (1 ms)
+    assert estimated == pytest.approx(2 * (estimate_plan(plan, cost).step_s + 1e-3))
     line = stats.summary(7, (estimated, measured, micro))
     assert line.startswith("zeppelin: 3 micro-batches on this rank") and \
         f"; iteration 7: 2 micro-batches, step 0.750 s (est. {estimated:.3f} s)" in line

@@ -63,3 +63,59 @@ def checkpoints_body(rank: int, world: int, tmp: str) -> None:
 
 def test_megatron_fsdp_pipeline_checkpoints_resume_across_data_parallel_wrappers(tmp_path):
     run_world(checkpoints_body, 4, str(tmp_path), start_method="spawn", timeout_s=600)
+
+
+class _Meta:
+    def __init__(self, rows: tuple[int, int], width: int) -> None:
+        self.offsets, self.sizes = (rows[0], 0), (rows[1] - rows[0], width)
+
+
+class _Sharded:
+    """A stand-in for Megatron-FSDP's uneven DTensor: ``rows`` of a ``[8, 3]`` tensor."""
+
+    def __init__(self, full, rows: tuple[int, int]) -> None:
+        self._local_tensor = full[rows[0]:rows[1]].clone()
+        meta = _Meta(rows, full.shape[1])
+        self._local_tensor.__create_chunk_list__ = lambda: [meta]
+
+    def to_local(self):
+        return self._local_tensor
+
+    def __create_chunk_list__(self):
+        return self._local_tensor.__create_chunk_list__()
+
+
+def _add_other_stages(rank: int, world: int) -> list:
+    """2 stages of 2 ranks, each stage sharding an [8, 3] tensor its own way (stage 0 rows
+    0-2 | 3-7, stage 1 rows 0-4 | 5-7; with an empty shard too); the shared group pairs rank r
+    of stage 0 with rank r of stage 1, as Megatron's embedding group does."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_zeppelin.megatron.common.fsdp_tensors import add_other_stages
+
+    stage, position = divmod(rank, 2)
+    splits = [[(0, 3), (3, 8)], [(0, 5), (5, 8)], [(0, 8), (8, 8)]]
+    dp = [dist.new_group([2 * s, 2 * s + 1]) for s in range(2)][stage]  # every rank, in order
+    shared = [dist.new_group([p, p + 2]) for p in range(2)][position]
+    answers = []
+    for case in ((0, 1), (2, 1)):  # unequal splits; a stage holding all rows on one rank
+        full = [torch.arange(24.0).view(8, 3) * (s + 1) for s in range(2)]
+        rows = splits[case[stage]][position]
+        sharded, owner = _Sharded(full[stage], rows), types.SimpleNamespace()
+        add_other_stages(sharded, owner, dp, shared)
+        first = sharded.to_local().clone()
+        add_other_stages(sharded, owner, dp, shared)  # again (both stages summed): the
+        # exchanges kept on the owner after the first call
+        answers.append((first.tolist(), sharded.to_local().tolist(),
+                        (full[0] + full[1])[rows[0]:rows[1]].tolist(),
+                        (2 * (full[0] + full[1]))[rows[0]:rows[1]].tolist()))
+    return answers
+
+
+def test_a_weight_shared_by_two_stages_is_summed_across_their_unequal_shards():
+    for answers in run_world(_add_other_stages, 4):
+        for first, second, summed, doubled in answers:
+            assert first == summed and second == doubled

@@ -3,9 +3,11 @@
 megatron-core 0.16.1's Megatron-FSDP keeps each parameter (and its ``main_grad``) as a DTensor
 whose local shard is this rank's piece of a flattened bucket: shards may be uneven, and empty
 on some ranks. ``full_tensor`` gathers the whole tensor on every rank of the FSDP group (DP x
-CP); ``scatter_into`` copies this rank's piece of a whole tensor back into its shard. Used by
-the checkpoints of our loop (``loop/checkpoint_fsdp.py``) and by the shared-embedding gradient
-sum across pipeline stages (``fsdp_stages.py``), which both entry points run.
+CP); ``scatter_into`` copies this rank's piece of a whole tensor back into its shard (both
+used by the checkpoints of our loop, ``loop/checkpoint_fsdp.py``); ``add_other_stages`` sums a
+weight shared by pipeline stages, each stage sharding it its own way, by exchanging only
+overlapping pieces (the shared-embedding gradient, ``fsdp_stages.py``, which both entry points
+run).
 """
 from __future__ import annotations
 
@@ -53,6 +55,60 @@ def local_slices(dtensor: Any) -> tuple[slice, ...]:
         update_uneven_dtensor_chunk_metadata(dtensor)
     meta, = dtensor.__create_chunk_list__()
     return tuple(slice(o, o + s) for o, s in zip(meta.offsets, meta.sizes))
+
+
+def _overlap(a: tuple[slice, ...], b: tuple[slice, ...]) -> tuple[slice, ...] | None:
+    """The block both ``a`` and ``b`` cover (None: they do not meet)."""
+    both = tuple(slice(max(x.start, y.start), min(x.stop, y.stop)) for x, y in zip(a, b))
+    return both if all(s.start < s.stop for s in both) else None
+
+
+def _shift(block: tuple[slice, ...], origin: tuple[slice, ...]) -> tuple[slice, ...]:
+    return tuple(slice(s.start - o.start, s.stop - o.start) for s, o in zip(block, origin))
+
+
+def _exchanges(dtensor: Any, dp_group: Any, shared_group: Any) -> list[tuple[int, tuple]]:
+    """``[(world rank, block of this rank's shard)]``: each rank of another stage whose shard
+    of the shared tensor meets this rank's, and where (collective over ``dp_group`` and
+    ``shared_group``; the shards never move, so the caller keeps the answer)."""
+    mine = local_slices(dtensor)
+    stage: list = [None] * dp_group.size()
+    bounds = tuple((s.start, s.stop) for s in mine)
+    dist.all_gather_object(stage, (dist.get_rank(), bounds), group=dp_group)
+    stages: list = [None] * dist.get_world_size(shared_group)
+    dist.all_gather_object(stages, stage, group=shared_group)
+    out = []
+    for rank, theirs in (entry for other in stages if other != stage for entry in other):
+        block = _overlap(mine, tuple(slice(*b) for b in theirs))
+        if block is not None:
+            out.append((rank, _shift(block, mine)))
+    return out
+
+
+@torch.no_grad()
+def add_other_stages(dtensor: Any, owner: Any, dp_group: Any, shared_group: Any) -> None:
+    """Add to this rank's shard of ``dtensor`` (sharded over ``dp_group``, this stage's FSDP
+    group) the same elements of the other stages' copies (``shared_group``: one rank per
+    stage, this one's counterparts; each stage shards its copy its own way): every rank sends
+    each overlapping rank of another stage the block they share and receives its block, one
+    batch of P2P ops (per rank about one shard each way). ``owner`` (the parameter) keeps
+    who-overlaps-whom after the first call."""
+    exchanges = getattr(owner, "_zeppelin_stage_exchanges", None)
+    if exchanges is None:
+        exchanges = _exchanges(dtensor, dp_group, shared_group)
+        owner._zeppelin_stage_exchanges = exchanges
+    local = dtensor.to_local()
+    ops, received = [], []
+    for rank, block in exchanges:
+        buffer = torch.empty_like(local[block])
+        ops += [dist.P2POp(dist.isend, local[block].contiguous(), rank),
+                dist.P2POp(dist.irecv, buffer, rank)]
+        received.append((block, buffer))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    for block, buffer in received:  # after every send took its copy
+        local[block] += buffer
 
 
 @torch.no_grad()

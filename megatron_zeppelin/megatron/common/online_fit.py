@@ -108,5 +108,5 @@ def describe(profile) -> str:
         ("intra GB/s", profile.intra_gbyte_per_s), ("inter Gbit/s", profile.inter_gbit_per_s))
         if value is not None)
     return (f"attention peak {peak:.3g} TFLOP/s, bwd/fwd {profile.attention_bwd_ratio:.2f}, "
-            f"GEMM {profile.gemm_tflops:.3g} TFLOP/s{links}, ring step "
-            f"{profile.ring_step_overhead_us:.1f} us")
+            f"GEMM {profile.gemm_tflops:.3g} TFLOP/s + {profile.linear_fixed_us / 1e3:.3g} ms "
+            f"per micro-batch{links}, ring step {profile.ring_step_overhead_us:.1f} us")

@@ -245,9 +245,9 @@ def train_step_done(iteration: int | None) -> None:
     state = _state(args)
     stats, online = state["stats"], state["online"]
     iteration = stats.steps + 1 if iteration is None else iteration
+    estimated = stats.end_step(state["runtime"].planner.cost)  # the profile it planned with
     if online is not None:
         online.step(iteration)
-    estimated = stats.end_step(state["runtime"].planner.cost)
     if args.rank == 0 and iteration % max(1, getattr(args, "log_interval", 1)) == 0:
         print(stats.summary(iteration, estimated), flush=True)
 
@@ -269,7 +269,7 @@ def pipelined_schedule(schedule):
     seven reruns; the deallocation saves nothing worth that on CPU. Megatron-FSDP's forward
     hooks return each unit's output as a view (``view_as``), which that deallocation refuses
     (freeing a view would release no memory). With Megatron-FSDP the gradients of weights
-    shared across stages are summed as whole tensors (``fsdp_stages.py``)."""
+    shared across stages are summed row by row between overlapping shards (``fsdp_stages.py``)."""
     from megatron.training import get_args
 
     megatron_args = get_args()

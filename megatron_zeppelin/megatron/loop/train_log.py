@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError
 from megatron_zeppelin.cost_model import CostModel
-from megatron_zeppelin.estimate import estimate_plan
+from megatron_zeppelin.estimate import estimate_plan, iteration_seconds
 from megatron_zeppelin.megatron.loop.corpus import DocumentSource, DocumentStats, describe_lengths
 from megatron_zeppelin.megatron.loop.microbatch_order import resolve
 from megatron_zeppelin.parallel import PoolLayout
@@ -46,7 +46,7 @@ class StepLog:
     seconds: float
     chosen: str = ""  # the plans' names (``Plan.name``: zeppelin's portfolio picks one per
     # micro-batch, "+remap" only on a plan that remaps)
-    estimated_s: float = 0.0  # the plans' step estimates, summed (the profile in force)
+    estimated_s: float = 0.0  # the iteration's estimate (estimate.iteration_seconds, in force)
     seqlens: tuple = ()  # per micro-batch, the planned sequence lengths (replayable)
     mtp_losses: tuple[float, ...] = ()  # Megatron's "mtp_1 loss", ... (--mtp-num-layers)
     plan_names: tuple[str, ...] = ()  # per micro-batch, in order, its plan's ``Plan.name``
@@ -140,7 +140,7 @@ class Logger:
                       imbalance, sum(e.remap_bytes for e in estimates) * self.pools,
                       sum(p.plan_time_s for p in self.plans) * 1e3, float(grad_norm or 0.0),
                       seconds, chosen_candidates(self.plans),
-                      sum(e.step_s for e in estimates),
+                      iteration_seconds(self.plans, self.cost),
                       tuple(tuple(p.seqlens) for p in self.plans), mtp,
                       tuple(p.name for p in self.plans))
         self.history.append(log)
