@@ -2,8 +2,9 @@
 
 Test scaffolding, not project code: run from a patched Megatron-LM core_v0.16.1 tree with
 ``torchrun --nproc-per-node N tests/megatron_lm_driver.py --harness-out OUT.json
-[--harness-stop N] <Megatron-LM flags>`` (``--harness-stop``: the last iteration to run, default
-``--train-iters``). It mirrors ``megatron.training.pretrain()``: Megatron's ``parse_args`` (with
+[--harness-stop N] [--harness-kill R:I] <Megatron-LM flags>`` (``--harness-stop``: the last
+iteration to run, default ``--train-iters``; ``--harness-kill``: rank R kills itself with
+SIGKILL before iteration I). It mirrors ``megatron.training.pretrain()``: Megatron's ``parse_args`` (with
 ``pretrain_gpt``'s extra-args provider) and ``validate_args`` (which runs zeppelin's checks),
 ``setup_model_and_optimizer`` (Megatron's builder, which loads ``--load``), Megatron's data
 iterators and ``train_step(forward_step)``; ``--save`` saves with Megatron's
@@ -24,6 +25,7 @@ import contextlib
 import hashlib
 import json
 import os
+import signal
 import sys
 import warnings
 
@@ -218,6 +220,7 @@ def parameters(chunk, inner) -> list:
 
 def main() -> None:
     out_path, stop = _harness_option("--harness-out"), _harness_option("--harness-stop")
+    kill = _harness_option("--harness-kill")  # "RANK:ITERATION": that rank dies (SIGKILL) there
     sys.argv[0] = "pretrain_gpt.py"
     initialize()
     args = get_args()
@@ -252,6 +255,8 @@ def main() -> None:
               "core_attention": type(core_attention).__name__, "plans": []}
     last = int(stop) if stop else args.train_iters
     for iteration in range(start + 1, last + 1):
+        if kill and kill == f"{rank}:{iteration}":
+            os.kill(os.getpid(), signal.SIGKILL)
         before = len(records)
         out = step(P.forward_step, train_it, model, optimizer, scheduler, config,
                    T.get_forward_backward_func(), iteration=iteration - 1)  # 0-based, as train()

@@ -77,8 +77,7 @@ def trigger(rule) -> dict:
               "fp8": "hybrid", "fp4": "e2m1", "cuda_graph_impl": "local",
               "moe_token_dispatcher_type": "allgather",
               "moe_router_load_balancing_type": "seq_aux_loss",
-              "zeppelin_overlong": "split", "zeppelin_watchdog_timeout": 60.0,
-              "zeppelin_planner_process": False,
+              "zeppelin_overlong": "split", "zeppelin_planner_process": False,
               "hierarchical_context_parallel_sizes": [2, 8], "window_size": (128, 4),
               "experimental_attention_variant": "dsa", "data_parallel_sharding_strategy":
               "no_shard", "tensor_model_parallel_size": 2}
@@ -113,7 +112,7 @@ def test_rules_on_zeppelin_flags_know_their_defaults():
     train_args.add_zeppelin_args(parser)
     defaults = vars(parser.parse_args([]))
     ours = [rule for rule in RULES if rule.name in defaults]
-    assert len(ours) >= 3 and all(rule.default == defaults[rule.name] for rule in ours)
+    assert len(ours) >= 2 and all(rule.default == defaults[rule.name] for rule in ours)
     assert not refusals(megatron_lm_args())  # the defaults pass
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -222,6 +223,21 @@ args = parse_args(P.extra_args_provider)
 validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
 print("MODE", args.context_parallel_mode)
 """
+
+
+def test_a_rank_killed_in_training_is_named_by_every_other_rank(tree, tmp_path):
+    """Zeppelin's watchdog through the patch: rank 3 dies (SIGKILL) before iteration 2; every
+    rank still running names it (its heartbeat thread, the explanation of the gloo error it
+    met, or torchrun's SIGTERM asking it first) and exits with status 1; no live rank is
+    blamed."""
+    proc = run(tree, tmp_path, "killed", 4, *ZEPPELIN, "--context-parallel-size", "2",
+               "--harness-kill", "3:2", ok=False)
+    assert proc.returncode != 0
+    named = re.findall(r"pretrain_gpt.py: error: rank (\d): rank 3 \(pid \d+ on .*\) died",
+                       proc.stderr)
+    assert set(named) == {"0", "1", "2"}, proc.stderr[-3000:]  # (torchrun repeats them)
+    assert not re.search(r"error: rank \d: rank [012] ", proc.stderr)
+    assert "zeppelin watchdog: a rank silent for 20 s is named" in proc.stdout
 
 
 def test_static_mode_does_not_need_megatron_zeppelin(tree):

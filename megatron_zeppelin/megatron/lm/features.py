@@ -8,13 +8,16 @@ Supported features need no rule: they run through Megatron's own code (the build
 pipeline, the optimizer) with only core attention and the batch layout changed (``lm.py``).
 
 Values are read with ``getattr(args, name, default)``: Megatron-LM's experimental ``--yaml-cfg``
-namespace may lack keys its parser would have defaulted. Standard library only.
+namespace may lack keys its parser would have defaulted. Standard library only (and the
+FSDP reasons of ``common/fsdp_limits.py``, which our script's checks share).
 """
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from megatron_zeppelin.megatron.common import fsdp_limits
 
 
 @dataclass(frozen=True)
@@ -158,17 +161,12 @@ RULES: tuple[Rule, ...] = (
          given="--use-megatron-fsdp without --use-distributed-optimizer"),
     Rule("--data-parallel-sharding-strategy", "data_parallel_sharding_strategy", "no_shard",
          lambda v, a: v == "no_shard" and _get(a, "use_megatron_fsdp", False),
-         "(Megatron-LM's default) megatron-core 0.16.1's Megatron-FSDP fails at the first "
-         "optimizer step with it, in static mode too (start_param_sync all-gathers weight "
-         "buckets that no_shard never allocates)",
+         f"(Megatron-LM's default) {fsdp_limits.NO_SHARD}",
          "pass --data-parallel-sharding-strategy optim_grads_params, optim_grads or optim"),
     Rule("--overlap-grad-reduce", "overlap_grad_reduce", False,
          lambda v, a: bool(v) and _get(a, "use_megatron_fsdp", False)
          and _get(a, "data_parallel_sharding_strategy", "no_shard") == "optim",
-         "with optim sharding, megatron-core 0.16.1's backward hooks reduce through "
-         "GradReducePipeline._bucket_group_gradient_reduce, which adds each rank's own "
-         "unreduced gradient to the reduced shard (measured through this patch on CPU/gloo: "
-         "grad norms about 9% off Megatron DDP's)",
+         fsdp_limits.OPTIM_OVERLAP,
          "drop --overlap-grad-reduce, or use --data-parallel-sharding-strategy optim_grads or "
          "optim_grads_params",
          given="--overlap-grad-reduce with --use-megatron-fsdp "
@@ -176,9 +174,7 @@ RULES: tuple[Rule, ...] = (
     Rule("--tensor-model-parallel-size", "tensor_model_parallel_size", 1,
          lambda v, a: v > 1 and _get(a, "use_megatron_fsdp", False)
          and _get(a, "transformer_impl", "transformer_engine") == "local",
-         "megatron-core 0.16.1's Megatron-FSDP finds tensor-parallel parameters through "
-         "Transformer Engine's TELinear: with local layers it fails, and mended its grad norms "
-         "were 8.8x off Megatron DDP's (our scripts/pretrain_gpt.py, CPU/gloo, TP 2 x PP 2)",
+         fsdp_limits.TP_WITHOUT_TE,
          "use --transformer-impl transformer_engine, or --use-distributed-optimizer under "
          "Megatron DDP", given="--tensor-model-parallel-size > 1 with --use-megatron-fsdp "
          "--transformer-impl local"),
@@ -193,14 +189,8 @@ RULES: tuple[Rule, ...] = (
          "checked), or scripts/pretrain_gpt.py (its FSDP checkpoints cross modes)",
          given="--save or --load with --use-megatron-fsdp or --use-torch-fsdp2"),
     Rule("--bf16", "bf16", False, lambda v, a: bool(v) and _get(a, "use_torch_fsdp2", False),
-         "untested: megatron-core 0.16.1's FSDP2 wrapper gives fully_shard no mixed-precision "
-         "policy and its bf16 optimizer takes only CUDA tensors, so no CPU/gloo test compares "
-         "it with Megatron DDP and none has run on a GPU", "train in fp32 or use "
+         fsdp_limits.FSDP2_BF16, "train in fp32 or use "
          "--use-megatron-fsdp --use-distributed-optimizer", given="--bf16 with --use-torch-fsdp2"),
-    Rule("--zeppelin-watchdog-timeout", "zeppelin_watchdog_timeout", 20.0,
-         lambda v, a: v != 20.0, "zeppelin's heartbeat watchdog runs in scripts/pretrain_gpt.py "
-         "only; in Megatron-LM's loop a failed peer ends the run through Megatron's collective "
-         "timeout", "drop the flag (--distributed-timeout-minutes bounds the wait)"),
     Rule("--no-zeppelin-planner-process", "zeppelin_planner_process", True, lambda v, a: not v,
          "through Megatron-LM, get_batch plans each micro-batch on the training thread (neither "
          "a planner process nor a thread)", "drop the flag",

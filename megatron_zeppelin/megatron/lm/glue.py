@@ -144,7 +144,46 @@ def _state(args: argparse.Namespace) -> dict:
     plans = ChunkPlans(chunks)
     _STATE.update(runtime=runtime, stats=PoolStats(), tp_host=new_tp_host_group(layout),
                   plans=plans, online=_online_fit(options, runtime, plans))
+    _watchdog(args)
     return _STATE
+
+
+def _watchdog(args: argparse.Namespace) -> None:
+    """Zeppelin's heartbeat watchdog (``--zeppelin-watchdog-timeout``, ``loop/watchdog.py``)
+    for Megatron-LM's run (collective: every rank builds its model): a rank that dies, stops
+    or fails is named by the others, which then exit (status 1) instead of waiting in a
+    collective. An uncaught exception is handed to it (``sys.excepthook``: a communication
+    error waits for the verdict naming the peer behind it; any other is this rank's failure,
+    published), SIGTERM from the launcher first asks it which peer died (as our script does;
+    Megatron-LM's ``--exit-signal-handler`` replaces this handler when training starts), and a
+    normal exit tells the peers this rank is done (``atexit``)."""
+    import atexit
+    import signal
+    import sys
+
+    from megatron_zeppelin.megatron.loop.watchdog import start_watchdog
+
+    dog, line = start_watchdog(args.zeppelin_watchdog_timeout)
+    if args.rank == 0:
+        print(f"zeppelin watchdog: {line}", flush=True)
+    if dog is None:
+        return
+    previous, stop = sys.excepthook, signal.getsignal(signal.SIGTERM)
+
+    def hook(kind, exc, traceback) -> None:
+        previous(kind, exc, traceback)
+        dog.explain(exc)
+
+    def stopped(signum, frame) -> None:  # torchrun stops the others when a rank dies
+        found = dog.dead_here()
+        if found:
+            fatal.fault(f"{found} (the launcher then stopped this rank)")
+        signal.signal(signal.SIGTERM, stop)
+        signal.raise_signal(signal.SIGTERM)
+
+    sys.excepthook = hook
+    signal.signal(signal.SIGTERM, stopped)
+    atexit.register(dog.leave, "done")
 
 
 def _online_fit(args: argparse.Namespace, runtime, plans):

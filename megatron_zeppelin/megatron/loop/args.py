@@ -28,6 +28,7 @@ from megatron_zeppelin.parallel import PoolLayout
 from megatron_zeppelin.planner.registry import (add_option_flags, given_options, option_dests,
                                                 strategies_from_flags)
 
+from megatron_zeppelin.megatron.common import fsdp_limits
 from megatron_zeppelin.megatron.loop import pipeline
 from megatron_zeppelin.megatron.loop.sections import (
     MODES, ZEPPELIN_PREFIX, AttentionArgs, CheckpointArgs, DataArgs, LoggingArgs, ModelArgs,
@@ -161,31 +162,6 @@ def resolve_data_source(args: argparse.Namespace, argv: Sequence[str]) -> None:
         args.data_path = None
 
 
-# what megatron-core 0.16.1's Megatron-FSDP does with these strategies in our runs (CPU/gloo)
-FSDP_STRATEGIES_REFUSED = {
-    "no_shard": "(Megatron-LM's default) megatron-core 0.16.1's Megatron-FSDP fails at the "
-                "first optimizer step (start_param_sync all-gathers weight buckets that "
-                "no_shard never allocates)",
-}
-
-# megatron-core 0.16.1's Megatron-FSDP with optim and --overlap-grad-reduce: on the last
-# micro-batch (after no_sync exits) the backward hooks reduce each bucket through
-# GradReducePipeline._bucket_group_gradient_reduce (megatron/core/distributed/fsdp/src/
-# megatron_fsdp/param_and_grad_buffer.py), which with optim's unsharded gradient buffer
-# reduce-scatters into a new tensor and adds it ('local_grad += reduced_grad') to this rank's
-# slice of its own unreduced gradient: each shard is the DP x CP sum plus the rank's own part
-# (tests/test_training_fsdp.py measures it). Without overlap finish_grad_sync reduce-scatters
-# the buffer in place (reduce_scatter_gradients), exact, provided the hooks never reduce:
-# Megatron-LM sets no_sync_func only with --overlap-grad-reduce (training.py), and so do we
-# for Megatron-FSDP (train.build_stage).
-FSDP_OPTIM_OVERLAP = (
-    "megatron-core 0.16.1's Megatron-FSDP reduces optim's gradients in the backward hooks with "
-    "overlap on and adds each rank's own unreduced gradient to the reduced one "
-    "(GradReducePipeline._bucket_group_gradient_reduce: 'local_grad += reduced_grad'), so it "
-    "is not exact; add --no-overlap-grad-reduce (Megatron-LM's default: one exact in-place "
-    "reduce-scatter after the backward) or pass optim_grads / optim_grads_params")
-
-
 def check_fsdp(args: argparse.Namespace) -> None:
     """``--use-megatron-fsdp`` and ``--data-parallel-sharding-strategy``: what runs with them."""
     strategy = args.data_parallel_sharding_strategy
@@ -198,21 +174,22 @@ def check_fsdp(args: argparse.Namespace) -> None:
         check_torch_fsdp2(args)
     if not args.use_megatron_fsdp:
         return
-    if strategy in FSDP_STRATEGIES_REFUSED:
+    if strategy == "no_shard":
         raise ConfigError(f"--use-megatron-fsdp with --data-parallel-sharding-strategy="
-                          f"{strategy}: {FSDP_STRATEGIES_REFUSED[strategy]}; pass optim_grads "
-                          "or optim_grads_params (full FSDP)")
+                          f"{strategy} (Megatron-LM's default): {fsdp_limits.NO_SHARD}; pass "
+                          "optim_grads or optim_grads_params (full FSDP)")
     if strategy == "optim" and args.overlap_grad_reduce:
         raise ConfigError("--use-megatron-fsdp --data-parallel-sharding-strategy=optim with "
-                          f"--overlap-grad-reduce (the default): {FSDP_OPTIM_OVERLAP}")
+                          f"--overlap-grad-reduce (the default): {fsdp_limits.OPTIM_OVERLAP}; "
+                          "add --no-overlap-grad-reduce (Megatron-LM's default: one exact "
+                          "in-place reduce-scatter after the backward) or pass optim_grads / "
+                          "optim_grads_params")
     if args.tensor_model_parallel_size > 1 and not te_layers(args):
         raise ConfigError(f"--use-megatron-fsdp with --tensor-model-parallel-size="
                           f"{args.tensor_model_parallel_size} needs Transformer Engine's layers "
-                          "(--device cuda with transformer_engine installed): megatron-core "
-                          "0.16.1's Megatron-FSDP finds tensor-parallel parameters through TE's "
-                          "TELinear and fails without it (mended, its grad norms were 8.8x off "
-                          "Megatron DDP's on CPU/gloo, TP 2 x PP 2); use "
-                          "--use-distributed-optimizer with TP here")
+                          f"(--device cuda with transformer_engine installed): "
+                          f"{fsdp_limits.TP_WITHOUT_TE}; use --use-distributed-optimizer with "
+                          "TP here")
     if args.bf16 and (args.save or args.load):
         raise ConfigError(f"--use-megatron-fsdp --bf16 with --{'save' if args.save else 'load'}: "
                           "its checkpoints are written in fp32 only (the model's weights are "
@@ -240,13 +217,8 @@ def check_torch_fsdp2(args: argparse.Namespace) -> None:
                           "gradients and Adam state itself, without pipeline stages (as in "
                           "Megatron-LM); drop one of the two")
     if args.bf16:
-        raise ConfigError("--use-torch-fsdp2 --bf16: untested, so refused: megatron-core "
-                          "0.16.1's wrapper gives fully_shard no MixedPrecisionPolicy (bf16 "
-                          "shards, bf16 reduce-scatters) and its bf16 optimizer "
-                          "(Float16OptimizerWithFloat16Params: fp32 main copies of the DTensor "
-                          "shards) takes only CUDA tensors, so no CPU/gloo test compares it "
-                          "with DDP bf16 and none has run on a GPU; train in fp32 or use "
-                          "--use-megatron-fsdp")
+        raise ConfigError(f"--use-torch-fsdp2 --bf16: {fsdp_limits.FSDP2_BF16}; train in fp32 "
+                          "or use --use-megatron-fsdp")
 
 
 def validate_args(args: argparse.Namespace, world_size: int, local_world_size: int | None

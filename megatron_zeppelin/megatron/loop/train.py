@@ -177,7 +177,7 @@ def build_stage(args: argparse.Namespace, state: ZeppelinAttentionState, spec: M
     config, modules = build_chunks(args, state, spec)
     chunks = data_parallel_chunks(args, config, modules)
     # Megatron-FSDP without overlap reduces after the backward only if no_sync never ran
-    # (args.FSDP_OPTIM_OVERLAP): no no_sync_func then, as Megatron-LM's training.py
+    # (common/fsdp_limits.OPTIM_OVERLAP): no no_sync_func then, as Megatron-LM's training.py
     if args.overlap_grad_reduce or not args.use_megatron_fsdp:
         config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else \
             [chunk.no_sync for chunk in chunks]

@@ -228,7 +228,8 @@ class Watchdog:
             return
         if _is_communication_error(exc):
             verdict = self.poll()
-            if verdict:
+            if verdict:  # kept first: a SIGTERM handler asking dead_here then gets it
+                self.verdict = verdict
                 self.found.set()
                 self.stopped.set()
                 self.on_fault(verdict)
