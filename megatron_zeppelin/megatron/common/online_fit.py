@@ -56,9 +56,9 @@ class OnlineFit:
     def begin(self, tokens: int) -> None:
         """A micro-batch of ``tokens`` (this rank's real tokens, pads not counted) starts: the
         last one's span ends. Its linear time is the span less the engine's; the span of the
-        last micro-batch of an iteration ends at ``finish``. A micro-batch the plan gave this
-        rank no token of (pad only) records 0 tokens, which the fit skips: its time is the
-        model's fixed cost per micro-batch, not a rate per token."""
+        last micro-batch of an iteration ends at ``finish`` (before the optimizer step). A
+        micro-batch the plan gave this rank no token of (pad only) records 0 tokens: its time
+        is the model's fixed cost per micro-batch (``fit._linear_line``), not a rate."""
         self.finish()
         self._span = (self.probe.start(), tokens)
 

@@ -308,12 +308,14 @@ def pipelined_schedule(schedule):
     seven reruns; the deallocation saves nothing worth that on CPU. Megatron-FSDP's forward
     hooks return each unit's output as a view (``view_as``), which that deallocation refuses
     (freeing a view would release no memory). With Megatron-FSDP the gradients of weights
-    shared across stages are summed row by row between overlapping shards (``fsdp_stages.py``)."""
+    shared across stages are summed row by row between overlapping shards (``fsdp_stages.py``).
+    With the online fit the schedule ends the last micro-batch's timed span."""
     from megatron.training import get_args
 
     megatron_args = get_args()
+    online = _STATE.get("online")
     if megatron_args.pipeline_model_parallel_size == 1:
-        return schedule
+        return schedule if online is None else _ending_spans(schedule, online)
     from megatron.core.utils import get_model_config
 
     from megatron_zeppelin.megatron.common.fsdp_stages import summing_shared_embeddings
@@ -328,6 +330,18 @@ def pipelined_schedule(schedule):
             config.finalize_model_grads_func = summing_shared_embeddings(
                 config.finalize_model_grads_func)
         return schedule(*args, model=model, **kwargs, **schedule_kwargs(config))
+
+    return run if online is None else _ending_spans(run, online)
+
+
+def _ending_spans(schedule, online):
+    """``schedule`` ending the online fit's last micro-batch span when it returns, before the
+    optimizer step (as our loop does): that span then holds no optimizer time."""
+    def run(*args, **kwargs):
+        try:
+            return schedule(*args, **kwargs)
+        finally:
+            online.finish()
 
     return run
 
