@@ -168,7 +168,9 @@ def _watchdog(args: argparse.Namespace) -> None:
         print(f"zeppelin watchdog: {line}", flush=True)
     if dog is None:
         return
-    previous, stop = sys.excepthook, signal.getsignal(signal.SIGTERM)
+    previous = sys.excepthook
+    stop = signal.getsignal(signal.SIGTERM)
+    stop = signal.SIG_DFL if stop is None else stop  # None: not set from Python
 
     def hook(kind, exc, traceback) -> None:
         previous(kind, exc, traceback)
