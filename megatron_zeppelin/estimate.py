@@ -230,14 +230,15 @@ def estimate_plan(plan: Plan, cost: CostModel, routed: bool = True) -> PlanEstim
                         est.remap_s)
 
 
-def iteration_seconds(plans: Sequence[Plan], cost: CostModel) -> float:
-    """An iteration's estimate: its micro-batches' step estimates plus, per micro-batch, the
-    model's fixed time (``HardwareProfile.linear_fixed_us``: the same in every plan, so the
-    planner scores plans without it). What the training logs print as ``est.``."""
-    if not plans:
+def iteration_seconds(estimates: Sequence[PlanEstimate], cost: CostModel) -> float:
+    """An iteration's estimate from its micro-batches' (``estimate_plan`` on ``cost``): their
+    step estimates plus, per micro-batch, the model's fixed time
+    (``HardwareProfile.linear_fixed_us``: the same in every plan, so the planner scores plans
+    without it). What the training logs print as ``est.``."""
+    if not estimates:
         return 0.0
     fixed = cost.hardware.linear_fixed_us * 1e-6
-    return sum(estimate_plan(p, cost).step_s + fixed for p in plans)
+    return sum(e.step_s + fixed for e in estimates)
 
 
 def remap_a2a_seconds(moves: Iterable[Move], topology: Topology, cost: CostModel) -> float:

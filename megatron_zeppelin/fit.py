@@ -119,17 +119,19 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def robust_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+def robust_line(xs: Sequence[float], ys: Sequence[float], min_gap: float = 0.0,
+                min_pairs: int = 1) -> tuple[float, float]:
     """Theil-Sen fit y = intercept + slope * x: (slope, intercept); NaNs when under
-    ``MIN_SAMPLES`` points or all x equal. Deterministic: at most ``MAX_PAIRS`` points, taken
-    evenly over the points sorted by x."""
+    ``MIN_SAMPLES`` points or fewer than ``min_pairs`` pairs of points whose x differ (by at
+    least ``min_gap`` when given). Deterministic: at most ``MAX_PAIRS`` points, taken evenly
+    over the points sorted by x."""
     points = sorted(zip(xs, ys))
     if len(points) > MAX_PAIRS:
         step = (len(points) - 1) / (MAX_PAIRS - 1)
         points = [points[round(i * step)] for i in range(MAX_PAIRS)]
     slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points)
-              for x2, y2 in points[i + 1:] if x2 > x1]
-    if len(points) < MIN_SAMPLES or not slopes:
+              for x2, y2 in points[i + 1:] if x2 > x1 and x2 - x1 >= min_gap]
+    if len(points) < MIN_SAMPLES or len(slopes) < max(1, min_pairs):
         return math.nan, math.nan
     slope = statistics.median(slopes)
     return slope, statistics.median(y - slope * x for x, y in points)
@@ -146,19 +148,12 @@ def _linear_line(samples: Sequence[tuple[float, float]], shared: float
     pairs measure noise), a pad-only micro-batch at 0 tokens; with fewer than ``MIN_SAMPLES``
     such pairs, or a line with a negative fixed cost: the median seconds per token, fixed cost
     included (so 0 fixed). NaNs: nothing to rate."""
-    points = sorted((n, s * shared) for n, s in samples)
-    ratios = [s / n for n, s in points if n > 0]
+    tokens = [n for n, _ in samples]
+    seconds = [s * shared for _, s in samples]
+    ratios = [s / n for n, s in zip(tokens, seconds) if n > 0]
     ratio = (_median(ratios), 0.0) if len(ratios) >= MIN_SAMPLES else (math.nan, math.nan)
-    if len(points) > MAX_PAIRS:
-        step = (len(points) - 1) / (MAX_PAIRS - 1)
-        points = [points[round(i * step)] for i in range(MAX_PAIRS)]
-    gap = LINE_SPREAD * (points[-1][0] if points else 0.0)
-    slopes = [(s2 - s1) / (n2 - n1) for i, (n1, s1) in enumerate(points)
-              for n2, s2 in points[i + 1:] if n2 - n1 >= gap > 0]
-    if len(slopes) < MIN_SAMPLES:
-        return ratio
-    slope = statistics.median(slopes)
-    fixed = statistics.median(s - slope * n for n, s in points)
+    slope, fixed = robust_line(tokens, seconds, LINE_SPREAD * max(tokens, default=0.0),
+                               MIN_SAMPLES)
     return (slope, fixed) if slope > 0 and fixed >= 0 else ratio
 
 

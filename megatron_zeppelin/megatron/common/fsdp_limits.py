@@ -8,6 +8,15 @@ NO_SHARD = ("megatron-core 0.16.1's Megatron-FSDP fails at the first optimizer s
             "no_shard, in static mode too (start_param_sync all-gathers weight buckets that "
             "no_shard never allocates)")
 
+# On the last micro-batch (after no_sync exits) the backward hooks reduce each bucket through
+# GradReducePipeline._bucket_group_gradient_reduce (megatron/core/distributed/fsdp/src/
+# megatron_fsdp/param_and_grad_buffer.py), which with optim's unsharded gradient buffer
+# reduce-scatters into a new tensor and adds it ('local_grad += reduced_grad') to this rank's
+# slice of its own unreduced gradient: each shard is the DP x CP sum plus the rank's own part
+# (tests/test_training_fsdp.py measures it). Without overlap finish_grad_sync reduce-scatters
+# the buffer in place (reduce_scatter_gradients), exact, provided the hooks never reduce:
+# Megatron-LM sets no_sync_func only with --overlap-grad-reduce (training.py), and so does our
+# loop for Megatron-FSDP (train.build_stage).
 OPTIM_OVERLAP = ("with optim sharding megatron-core 0.16.1's Megatron-FSDP reduces the "
                  "gradients in its backward hooks (GradReducePipeline."
                  "_bucket_group_gradient_reduce) and adds each rank's own unreduced gradient to "

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_zeppelin.cost_model import CostModel
-from megatron_zeppelin.estimate import iteration_seconds
+from megatron_zeppelin.estimate import estimate_plan, iteration_seconds
 from megatron_zeppelin.megatron.common.packing import (ZeppelinPackedSeqParams, pad_count,
                                                       packed_seq_params_for_rank)
 from megatron_zeppelin.plan import Plan
@@ -236,7 +236,8 @@ class PoolStats:
         """``(estimated s, measured s, micro-batches)`` of the step just done: its estimate on
         ``cost`` (``estimate.iteration_seconds``, the profile in force, as our loop's log) and
         the host time from its first micro-batch's read to now."""
-        estimated = iteration_seconds(self.step_plans, cost)
+        estimated = iteration_seconds([estimate_plan(p, cost) for p in self.step_plans],
+                                      cost)
         measured = time.perf_counter() - self.step_started if self.step_plans else 0.0
         micro, self.step_plans, self.step_started = len(self.step_plans), [], None
         self.steps += 1

@@ -158,7 +158,6 @@ def _watchdog(args: argparse.Namespace) -> None:
     Megatron-LM's ``--exit-signal-handler`` replaces this handler when training starts), and a
     normal exit tells the peers this rank is done (``atexit``)."""
     import atexit
-    import signal
     import sys
 
     from megatron_zeppelin.megatron.loop.watchdog import start_watchdog
@@ -169,22 +168,13 @@ def _watchdog(args: argparse.Namespace) -> None:
     if dog is None:
         return
     previous = sys.excepthook
-    stop = signal.getsignal(signal.SIGTERM)
-    stop = signal.SIG_DFL if stop is None else stop  # None: not set from Python
 
     def hook(kind, exc, traceback) -> None:
         previous(kind, exc, traceback)
         dog.explain(exc)
 
-    def stopped(signum, frame) -> None:  # torchrun stops the others when a rank dies
-        found = dog.dead_here()
-        if found:
-            fatal.fault(f"{found} (the launcher then stopped this rank)")
-        signal.signal(signal.SIGTERM, stop)
-        signal.raise_signal(signal.SIGTERM)
-
     sys.excepthook = hook
-    signal.signal(signal.SIGTERM, stopped)
+    fatal.take_sigterm_in_python()  # torchrun stops the others when a rank dies
     atexit.register(dog.leave, "done")
 
 
@@ -265,10 +255,8 @@ def get_batch(data_iterator, vp_stage=None):
                          max_position=args.seq_length)
     if planned:  # once per micro-batch, whichever chunk read it first
         state["stats"].add(batch, seconds, plan if training else None)
-        if online is not None and training:
+        if online is not None and training:  # (the schedule ends the last span)
             online.begin(batch.packed_seq_params.num_tokens)  # real tokens
-        elif online is not None:
-            online.finish()
     return (batch.tokens, batch.labels, batch.loss_mask, None, batch.position_ids,
             batch.packed_seq_params)
 

@@ -91,14 +91,36 @@ def take_sigterm() -> None:
 
     def wait() -> None:
         signal.sigwait({signal.SIGTERM})
-        for verdict in _sigterm_verdict:
-            found = verdict()
-            if found:
-                fault(f"{found} (the launcher then stopped this rank)")
+        _report_verdict()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # default action: end
         signal.raise_signal(signal.SIGTERM)
 
     threading.Thread(target=wait, name="zeppelin-sigterm", daemon=True).start()
+
+
+def take_sigterm_in_python() -> None:
+    """``take_sigterm`` for a process whose threads already exist (Megatron-LM through the
+    patch): a Python handler, which runs once the main thread returns to Python, reports a
+    peer's death; otherwise SIGTERM does what it did before (the previous handler, or the
+    default: the process ends). Call from the main thread."""
+    previous = signal.getsignal(signal.SIGTERM)
+    previous = signal.SIG_DFL if previous is None else previous  # None: not set from Python
+
+    def handler(signum, frame) -> None:
+        _report_verdict()
+        signal.signal(signal.SIGTERM, previous)
+        signal.raise_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _report_verdict() -> None:
+    """On SIGTERM: a peer's death the watchdog finds (``on_sigterm``) ends this rank as a
+    fault naming it; nothing otherwise."""
+    for verdict in _sigterm_verdict:
+        found = verdict()
+        if found:
+            fault(f"{found} (the launcher then stopped this rank)")
 
 
 def run(main: Callable[[], int]) -> int:

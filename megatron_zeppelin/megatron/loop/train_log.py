@@ -140,7 +140,7 @@ class Logger:
                       imbalance, sum(e.remap_bytes for e in estimates) * self.pools,
                       sum(p.plan_time_s for p in self.plans) * 1e3, float(grad_norm or 0.0),
                       seconds, chosen_candidates(self.plans),
-                      iteration_seconds(self.plans, self.cost),
+                      iteration_seconds(estimates, self.cost),
                       tuple(tuple(p.seqlens) for p in self.plans), mtp,
                       tuple(p.name for p in self.plans))
         self.history.append(log)
