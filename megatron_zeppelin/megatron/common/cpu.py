@@ -41,7 +41,10 @@ functions of kinds 1, 2 and 5 live in ``cpu_replacements.py``; this module appli
    ``schedules.forward_backward_no_pipelining`` and the two pipelining schedules (1F1B,
    interleaved: ``total_num_tokens`` on "cuda"; their P2P shape and activation buffers use
    ``current_device()``, bridged above; gloo runs the sends and receives),
-   ``FP32Optimizer.__init__`` (``_scale``), ``clip_grads.get_grad_norm_fp32`` /
+   ``FP32Optimizer.__init__`` (``_scale``), the bf16 optimizer's ``MixedPrecisionOptimizer.
+   __init__`` (``_scale_one``) and ``Float16OptimizerWithFloat16Params.__init__`` (its
+   ``param.type()`` checks name CUDA types: the redirect names a CPU tensor's CUDA twin),
+   ``clip_grads.get_grad_norm_fp32`` /
    ``count_zeros_fp32`` (scratch buffers), ``utils.local_multi_tensor_l2_norm`` (its result) and
    ``dist_checkpointing.serialization.save`` / ``load`` (``state_dict_saver`` and
    ``exchange_utils`` build tensors on "cuda"; the torch_dist writer also needs ``psutil``).
@@ -68,8 +71,8 @@ module that bound it by name (``from .clip_grads import clip_grad_by_total_norm_
 6. Megatron-FSDP (``--use-megatron-fsdp``): its CUDA side streams and events, added by
    ``cpu_fsdp.enable_megatron_fsdp_on_cpu()`` when a run wraps its model with it (cpu_fsdp.py).
 
-Not bridged (not on our path; they fail loudly): the fp16/bf16 ``MixedPrecisionOptimizer``
-(literal "cuda" buffers), other CUDA streams/events
+Not bridged (not on our path; they fail loudly): fp16's loss scaler (our script offers no
+``--fp16``), other CUDA streams/events
 (``num_distributed_optimizer_instances > 1``, the combined 1F1B schedule, ``StragglerDetector``),
 ``overlap_p2p_comm`` of the interleaved schedule, ``torch.autocast("cuda")`` (``enable_autocast``) and the
 ``torch.compile``-decorated fused kernels (keep the ``*_fusion`` config flags off on CPU).
@@ -218,6 +221,9 @@ def _patch_specs() -> list[tuple[str, str, Callable[[Any], Any]]]:
         ("megatron.core.pipeline_parallel.schedules",
          "forward_backward_pipelining_with_interleaving", run_on_cpu),
         ("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__", run_on_cpu),
+        ("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.__init__", run_on_cpu),
+        ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
+         run_on_cpu),
         ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
          run_on_cpu),
         ("megatron.core.optimizer.distrib_optimizer",

@@ -255,9 +255,6 @@ def validate_args(args: argparse.Namespace, world_size: int, local_world_size: i
     pipeline.check(args, layout)
     planner_strategy(args, layout.cp)
     check_fsdp(args)
-    if args.bf16 and args.device == "cpu":
-        raise ConfigError("--bf16 with --device cpu: megatron-core's bf16 optimizer needs CUDA; "
-                          "train in fp32 on CPU")
     if args.mock_data and (args.vocab_size or 0) < 256:
         raise ConfigError(f"--vocab-size={args.vocab_size}: the built-in byte corpus needs "
                           ">= 256")

@@ -248,7 +248,8 @@ class TrainingArgs:
                                         "(saving a checkpoint first when --save is set)")
     seed: int = setting(1234, "random seed")
     device: str = setting("cuda", "where to train", choices=DEVICES)
-    bf16: bool = setting(False, "bf16 parameters (GPU only)")
+    bf16: bool = setting(False, "bf16 parameters (as Megatron-LM's Float16Module), gradients "
+                         "accumulated and reduced in fp32, fp32 main weights in the optimizer")
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "micro_batch_size", "global_batch_size", "train_iters",

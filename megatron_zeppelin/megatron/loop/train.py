@@ -153,6 +153,8 @@ def build_chunks(args: argparse.Namespace, state: ZeppelinAttentionState, spec: 
             pre_process=parallel_state.is_pipeline_first_stage(False, vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(False, vp_stage),
             vp_stage=vp_stage, mtp_use_te=use_te)
+        if args.bf16:  # every parameter bf16, as Megatron-LM's Float16Module makes them (the
+            module = module.bfloat16()  # local norms are built in fp32 whatever params_dtype)
         modules.append(module.cuda() if args.device == "cuda" else module)
     return config, modules
 
@@ -210,6 +212,7 @@ def data_parallel_chunks(args: argparse.Namespace, config, modules: list) -> lis
     fsdp = args.use_megatron_fsdp
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=args.overlap_grad_reduce,
+        grad_reduce_in_fp32=args.bf16,  # Megatron-LM's default for bf16 (validate_args)
         use_distributed_optimizer=args.use_distributed_optimizer or fsdp,
         use_megatron_fsdp=fsdp,
         data_parallel_sharding_strategy=args.data_parallel_sharding_strategy)
