@@ -23,12 +23,14 @@ def documents() -> list[torch.Tensor]:
     return [torch.randint(0, 256, (n,), generator=g) for n in LENGTHS]
 
 
-def reference(module, docs):
-    """One process: every document whole, exact packed attention; mean per-token loss + grads."""
+def reference(module, docs, dtype: torch.dtype | None = None):
+    """One process: every document whole, exact packed attention; mean per-token loss + grads
+    (with ``module``'s weights in ``dtype`` if given)."""
     from megatron_zeppelin.megatron.common.model import build_gpt_model
     from megatron_zeppelin.megatron.common.packing import packed_seq_params_for_documents
 
     ref = build_gpt_model(module.spec, module.config, max_sequence_length=1024)
+    ref = ref if dtype is None else ref.to(dtype)
     ref.load_state_dict(module.state_dict())
     params = packed_seq_params_for_documents([d.numel() for d in docs])
     tokens = torch.cat(docs)[None]

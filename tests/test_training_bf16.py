@@ -20,24 +20,6 @@ pytestmark = pytest.mark.distributed
 BF16 = ("--bf16",)
 
 
-def one_process(module, docs, dtype: torch.dtype):
-    """Loss and gradients of one process on every document whole, with ``module``'s weights
-    in ``dtype`` (``module``: a bf16 GPT model chunk; exact packed attention)."""
-    from megatron_zeppelin.megatron.common.model import build_gpt_model
-    from megatron_zeppelin.megatron.common.packing import packed_seq_params_for_documents
-
-    ref = build_gpt_model(module.spec, module.config, max_sequence_length=1024).to(dtype)
-    ref.load_state_dict(module.state_dict())
-    params = packed_seq_params_for_documents([d.numel() for d in docs])
-    tokens = torch.cat(docs)[None]
-    labels = torch.cat([torch.cat([d[1:], d.new_zeros(1)]) for d in docs])[None]
-    mask = torch.cat([torch.cat([torch.ones(d.numel() - 1), torch.zeros(1)]) for d in docs])
-    losses = ref(tokens, params.position_ids(), None, labels=labels, packed_seq_params=params)
-    loss = (losses[0].float() * mask).sum() / mask.sum()
-    loss.backward()
-    return loss.item(), {n: p.grad.float() for n, p in ref.named_parameters()}
-
-
 def gradient_error(grads: dict, truth: dict) -> float:
     """Largest |difference| over all gradients, relative to the largest |true gradient|."""
     scale = max(g.abs().max().item() for g in truth.values())
@@ -45,7 +27,7 @@ def gradient_error(grads: dict, truth: dict) -> float:
 
 
 def step_body(rank: int, world: int, tmp: str) -> None:
-    from test_megatron_zeppelin import FLAGS, documents, run_mode
+    from test_megatron_zeppelin import FLAGS, documents, reference, run_mode
 
     from megatron_zeppelin.megatron.loop import args as train_args, train
 
@@ -57,8 +39,8 @@ def step_body(rank: int, world: int, tmp: str) -> None:
     assert plan.linear != plan.attention  # the remapping layer runs in bf16 too
     assert {p.dtype for p in module.parameters()} == {torch.bfloat16}  # norms included
     assert {g.dtype for g in grads.values()} == {torch.float32}  # main grads
-    truth_loss, truth = one_process(module, docs, torch.float32)
-    bf16_loss, bf16 = one_process(module, docs, torch.bfloat16)
+    truth_loss, truth = reference(module, docs, torch.float32)  # the same weights, upcast
+    bf16_loss, bf16 = reference(module, docs, torch.bfloat16)
     own = gradient_error(bf16, truth)  # what bf16 costs one process
     assert own > 1e-4, own  # bf16 really ran (fp32 would agree to ~1e-7)
     _, static_loss, static_grads, _ = run_mode("static", rank, load=tmp, extra=BF16)
@@ -100,6 +82,14 @@ def training_body(rank: int, world: int, tmp: str) -> None:
     run(world, zeppelin + do + ["--save", f"{tmp}/d", "--exit-interval", "1"])
     runs["do resumed"] = run(world, zeppelin + do + ["--load", f"{tmp}/d"])
     runs["do resumed static"] = run(world, static + do + ["--load", f"{tmp}/d"])
+    run(world, zeppelin + fsdp + ["--save", f"{tmp}/f", "--exit-interval", "1"])
+    # fp32 main weights and Adam state cross optimizers and FSDP (saved under other keys)
+    crossings = {("plain", "do"): run(world, zeppelin + do + ["--load", f"{tmp}/z"]),
+                 ("do", "plain"): run(world, zeppelin + ["--load", f"{tmp}/d"]),
+                 ("fsdp", "plain"): run(world, zeppelin + ["--load", f"{tmp}/f"]),
+                 ("plain", "fsdp"): run(world, zeppelin + fsdp + ["--load", f"{tmp}/z"]),
+                 ("fsdp", "do"): run(world, zeppelin + do + ["--load", f"{tmp}/f"]),
+                 ("fsdp", "fsdp"): run(world, zeppelin + fsdp + ["--load", f"{tmp}/f"])}
     pairs = {}
     for name, extra in (("pp", []), ("mtp", ["--mtp-num-layers", "1"]), ("mla", list(MLA))):
         base = pipeline if name == "pp" else FLAGS + list(BF16)
@@ -115,6 +105,8 @@ def training_body(rank: int, world: int, tmp: str) -> None:
     assert close(runs["do"], full, 1e-5) and close(runs["fsdp"], full, 1e-5), runs
     assert close(runs["resumed"], full[1:], 1e-7), (runs["resumed"], full)
     assert close(runs["do resumed"], runs["do"][1:], 1e-7), runs
+    for (saved, loaded), resumed in crossings.items():  # as exact as a resume
+        assert close(resumed, full[1:], 1e-6), (saved, loaded, resumed, full)
     # another partition of the attention (another mode, stages, MTP, MLA): bf16 rounding
     assert bf16_close(runs["static"], full) and bf16_close(runs["do resumed static"], full[1:])
     for name, (z, s) in pairs.items():
@@ -131,7 +123,33 @@ def bf16_close(a: list[tuple], b: list[tuple]) -> bool:
 
 def test_bf16_training_with_every_optimizer_pipelines_mtp_mla_and_checkpoints(tmp_path):
     """Three bf16 iterations: the distributed optimizer and Megatron-FSDP train as Megatron
-    DDP does, a checkpoint resumes exactly (fp32 main weights and Adam state restored), the
+    DDP does, a checkpoint resumes exactly (fp32 main weights and Adam state restored) and
+    crosses between the plain and the distributed optimizer and Megatron-FSDP, the
     distributed optimizer's also in static mode; with PP 2 x CP 2, MTP and MLA zeppelin trains
     as static mode does, within bf16's rounding."""
     run_world(training_body, 4, str(tmp_path), start_method="spawn", timeout_s=600)
+
+
+def precision_body(rank: int, world: int, tmp: str) -> None:
+    from test_distributed_optimizer import FLAGS, ZEPPELIN, run
+
+    from megatron_zeppelin.config import ConfigError
+
+    run(world, FLAGS + ZEPPELIN + ["--save", f"{tmp}/fp32", "--exit-interval", "1"])
+    try:
+        run(world, FLAGS + ZEPPELIN + list(BF16) + ["--load", f"{tmp}/fp32"])
+    except ConfigError as error:
+        message = str(error)
+    else:
+        raise AssertionError("an fp32 checkpoint's optimizer state loaded into a bf16 run")
+    assert "was saved in fp32" in message and "trains in bf16" in message, message
+    assert "--no-load-optim" in message, message
+    resumed = run(world, FLAGS + ZEPPELIN + list(BF16) + ["--load", f"{tmp}/fp32",
+                                                          "--no-load-optim"])
+    assert rank != 0 or [it for it, _, _ in resumed] == [2, 3], resumed
+
+
+def test_optimizer_state_does_not_cross_precisions_but_the_model_does(tmp_path):
+    """An fp32 checkpoint holds no fp32 main weights for a bf16 optimizer: refused in one
+    line naming both precisions; with --no-load-optim the model loads (weights cast)."""
+    run_world(precision_body, 4, str(tmp_path), start_method="spawn", timeout_s=300)

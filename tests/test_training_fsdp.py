@@ -229,7 +229,6 @@ def test_torch_fsdp2_checkpoints_resume_across_modes(tmp_path):
 @pytest.mark.parametrize("extra, match", [
     (["--data-parallel-sharding-strategy", "optim"],
      "--data-parallel-sharding-strategy=optim without --use-megatron-fsdp"),
-    (FSDP + ["--bf16", "--save", "ckpt"], "--use-megatron-fsdp --bf16 with --save"),
     (FSDP + ["--tensor-model-parallel-size", "2"], "--use-megatron-fsdp with "
      r"--tensor-model-parallel-size=2 needs Transformer Engine's layers \(--device cuda"),
     (["--use-megatron-fsdp"], "--use-megatron-fsdp with --data-parallel-sharding-strategy="

@@ -190,11 +190,6 @@ def check_fsdp(args: argparse.Namespace) -> None:
                           f"(--device cuda with transformer_engine installed): "
                           f"{fsdp_limits.TP_WITHOUT_TE}; use --use-distributed-optimizer with "
                           "TP here")
-    if args.bf16 and (args.save or args.load):
-        raise ConfigError(f"--use-megatron-fsdp --bf16 with --{'save' if args.save else 'load'}: "
-                          "its checkpoints are written in fp32 only (the model's weights are "
-                          "the optimizer's fp32 main weights, checkpoint_fsdp.py); train in fp32 "
-                          "or use --use-distributed-optimizer")
 
 
 def te_layers(args: argparse.Namespace) -> bool:

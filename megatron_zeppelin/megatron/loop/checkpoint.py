@@ -34,12 +34,12 @@ import torch.distributed as dist
 
 from megatron_zeppelin.megatron.loop.checkpoint_files import (
     CHECKPOINT_VERSION, SCHEDULE_FLAGS, TRACKER, Found, Training, check_pipeline,
-    check_schedule, check_shapes, inspect, iteration_dir, refuse)
+    check_precision, check_schedule, check_shapes, inspect, iteration_dir, refuse)
 from megatron_zeppelin.megatron.loop.checkpoint_fsdp import full_state_view
 from megatron_zeppelin.megatron.loop.checkpoint_optimizer import (
-    MAIN_PARAMS, check_optimizer_kind, convert_optimizer_state, give_main_params,
-    main_params_from_model, model_shards, optimizer_metadata, saved_distributed,
-    take_main_params)
+    MAIN_PARAMS, convert_optimizer_state, give_main_params,
+    main_params_from_model, model_shards, optimizer_metadata, read_main_params_as_saved,
+    saved_distributed, take_main_params)
 
 __all__ = ["CHECKPOINT_VERSION", "MAIN_PARAMS", "SCHEDULE_FLAGS", "TRACKER", "Found", "Training",
            "check_pipeline", "check_schedule", "check_shapes", "convert_optimizer_state",
@@ -158,6 +158,7 @@ def load(found: Found, run: Training, load_optim: bool, load_rng: bool) -> dict:
     if load_optim:
         request["optimizer"] = run.optimizer.sharded_state_dict(
             models, is_loading=True, metadata=optimizer_metadata(run))
+        read_main_params_as_saved(request["optimizer"], common, run)
         if from_model:
             take_main_params(request, found)
     names = model_shards(models) if from_model else {}
@@ -181,14 +182,15 @@ def load(found: Found, run: Training, load_optim: bool, load_rng: bool) -> dict:
 def _check_request(found: Found, common: dict, run: Training, load_optim: bool,
                    from_model: bool) -> None:
     """What this run would read (factories applied: global shapes) is in the checkpoint,
-    and the optimizer kinds can cross; refused in one line naming the path otherwise."""
+    and the optimizer state is of this precision; refused in one line naming the path otherwise."""
     from megatron.core.dist_checkpointing.mapping import apply_factories
 
     probe = model_state(run)
     if load_optim:
-        check_optimizer_kind(found, common, run)
+        check_precision(found, probe)
         probe["optimizer"] = run.optimizer.sharded_state_dict(
             dict(probe), is_loading=True, metadata=optimizer_metadata(run))
+        read_main_params_as_saved(probe["optimizer"], common, run)
     apply_factories(probe)
     if from_model:
         take_main_params(probe, found)

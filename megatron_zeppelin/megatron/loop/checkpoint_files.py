@@ -213,6 +213,30 @@ def check_shapes(found: Found, sharded: dict) -> None:
                          "--num-query-groups, --ffn-hidden-size, --vocab-size)")
 
 
+def check_precision(found: Found, models: dict) -> None:
+    """The model's weights were saved in this run's dtype (bf16 with --bf16, else fp32);
+    else the optimizer state is of the other precision (fp32 main parameters or none) and the
+    load is refused, offering the model alone (its weights cast on load)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    saved = found.metadata.state_dict_metadata
+    for tensor in nested_values(models):
+        if isinstance(tensor, ShardedTensor) and tensor.key in saved:
+            was = getattr(getattr(saved[tensor.key], "properties", None), "dtype", None)
+            if was is not None and was != tensor.dtype:
+                raise refuse(found.path, f"was saved in {_precision(was)} ({tensor.key}) and "
+                             f"this run trains in {_precision(tensor.dtype)}:"
+                             " optimizer state does not cross precisions; train with the same "
+                             "--bf16 setting, or pass --no-load-optim to load the model only "
+                             "(its weights cast)")
+            return
+
+
+def _precision(dtype: Any) -> str:
+    return {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
+
+
 @dataclass
 class Training:
     """What a checkpoint holds, live: the DDP model chunks of this pipeline stage (one

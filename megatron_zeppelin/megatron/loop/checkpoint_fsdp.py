@@ -5,7 +5,7 @@ megatron-core 0.16.1 writes Megatron-FSDP's state only as ``fsdp_dtensor`` (one 
 parameter, Megatron-LM's ``--ckpt-format fsdp_dtensor``), which neither Megatron DDP nor the
 distributed optimizer reads. Here an FSDP run is checkpointed through a *full-state view*
 (``full_state_view``) that looks to ``checkpoint.save`` / ``checkpoint.load`` like a run of
-the plain fp32 optimizer:
+the plain optimizer (fp32, or with ``--bf16`` megatron-core's plain bf16 optimizer):
 
 * the model's sharded state dict is the GPT model's own (Megatron-LM's keys), its tensors
   the full parameters gathered from the FSDP shards over DP x CP (megatron-core's
@@ -14,7 +14,11 @@ the plain fp32 optimizer:
   to model space, ``common_step``, torch Adam's param groups;
 * loading copies each rank's slice of the loaded full tensors into its shards (the
   optimizer's fp32 main weights, then ``install_optimized_model_weights`` into the model's)
-  and into Adam's state.
+  and into Adam's state;
+* with ``--bf16`` (Megatron-FSDP) the model's tensors are the bf16 rounding of the main weights
+  (what ``install_optimized_model_weights`` gives the model) and the fp32 main weights are
+  saved as the plain bf16 optimizer saves them (``optimizer.state.fp32_param.<name>``); a
+  load takes them from there, so a bf16 run resumes exactly, with or without FSDP.
 
 Torch FSDP2 (``--use-torch-fsdp2``, ``FullTorchFSDP2Model``) is viewed the same way: its model's
 parameters are the DTensor shards the plain optimizer steps, and Adam's state is sharded as
@@ -28,13 +32,14 @@ written): fine for models whose largest tensor fits a rank, as in our runs.
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.megatron.common.fsdp_tensors import (
     full_tensor, is_megatron_fsdp, scatter_into)
+from megatron_zeppelin.megatron.loop.checkpoint_optimizer import BF16_MAIN_PARAMS
 
 
 def full_parameters(fsdp_chunk: Any) -> dict[str, torch.Tensor]:
@@ -67,6 +72,8 @@ class FullModel:
         self.fsdp = fsdp_chunk.module  # MegatronFSDP: .module is the GPT model
         self.params = dict(self.fsdp.param_and_grad_buffer.optimizer_named_parameters)
         self.group = self.fsdp.dist_index.get_dp_group()
+        # its parameters are the fp32 main weights; with --bf16 the model's are their rounding
+        self.dtype = torch.bfloat16 if fsdp_chunk.config.bf16 else None
 
     def sharded_state_dict(self) -> dict:
         """The GPT model's sharded state dict, built while its parameters are full copies of
@@ -94,7 +101,7 @@ class FullModel:
     def _full_parameter(self, name: str, param: Any) -> torch.nn.Parameter:
         """A full copy of FSDP parameter ``name`` with the attributes megatron-core set on
         the model's own parameter (tensor-parallel layout, ``allreduce``, ...)."""
-        return _tagged_full(param, self.fsdp.raw_param.get(name), self.group)
+        return _tagged_full(param, self.fsdp.raw_param.get(name), self.group, self.dtype)
 
     def load_state_dict(self, state: dict) -> None:
         _scatter_all(state, self.params)
@@ -126,10 +133,13 @@ class FullTorchFSDP2Model:
         _scatter_all(state, self.params)
 
 
-def _tagged_full(param: Any, attributes: Any, group: Any) -> torch.nn.Parameter:
-    """A full copy of the DTensor ``param`` with the public attributes megatron-core set on
-    ``attributes`` (tensor-parallel layout, ``allreduce``, ...), tagged with ``param``."""
-    full = torch.nn.Parameter(full_tensor(param, group), requires_grad=False)
+def _tagged_full(param: Any, attributes: Any, group: Any,
+                 dtype: torch.dtype | None = None) -> torch.nn.Parameter:
+    """A full copy of the DTensor ``param`` (in ``dtype`` if given) with the public attributes
+    megatron-core set on ``attributes`` (tensor-parallel layout, ``allreduce``, ...), tagged
+    with ``param``."""
+    full = full_tensor(param, group)
+    full = torch.nn.Parameter(full if dtype is None else full.to(dtype), requires_grad=False)
     for key, value in (vars(attributes).items() if attributes is not None else ()):
         if not key.startswith("_"):
             setattr(full, key, value)
@@ -145,11 +155,16 @@ def _set_parameters(model: torch.nn.Module, params: dict[str, Any]) -> None:
 
 
 class FullOptimizer:
-    """What ``checkpoint.py`` reads of the optimizer: the plain fp32 optimizer's sharded
-    state dict (Adam state in model space) and its ``load_state_dict``."""
+    """What ``checkpoint.py`` reads of the optimizer: the plain optimizer's sharded state dict
+    (Adam state in model space) and its ``load_state_dict``. In fp32 the plain fp32
+    optimizer's; with ``install_bf16`` (Megatron-FSDP under --bf16: copies the fp32 main
+    weights into the bf16 model weights) megatron-core's plain bf16 optimizer's: the same
+    under ``optimizer``, and the fp32 main weights as ``fp32_from_fp16_params``."""
 
-    def __init__(self, optimizer: Any, group: Any) -> None:
+    def __init__(self, optimizer: Any, group: Any,
+                 install_bf16: Callable[[], None] | None = None) -> None:
         self.group = group
+        self.install_bf16 = install_bf16
         chained = getattr(optimizer, "chained_optimizers", [optimizer])
         if len(chained) != 1:
             raise ValueError(f"{len(chained)} chained optimizers: the FSDP checkpoint view "
@@ -162,7 +177,8 @@ class FullOptimizer:
     def sharded_state_dict(self, models: dict, is_loading: bool = False,
                            metadata: dict | None = None) -> dict:
         from megatron.core.dist_checkpointing.dict_utils import nested_values
-        from megatron.core.dist_checkpointing.optimizer import optim_state_to_sharding_state
+        from megatron.core.dist_checkpointing.optimizer import (
+            make_sharded_optimizer_tensor, optim_state_to_sharding_state)
 
         if is_loading and not self.adam.state:
             if hasattr(self.distributed, "_init_optimizer_states_with_dummy_values"):
@@ -183,7 +199,13 @@ class FullOptimizer:
         step = self._step()
         if step is not None:
             state["state"]["common_step"] = torch.tensor(step)
-        return state
+        if self.install_bf16 is None:
+            return state
+        prefix = BF16_MAIN_PARAMS.rstrip(".")
+        mains = [[make_sharded_optimizer_tensor(by_param[id(p)], full_tensor(p, self.group),
+                                                prefix=prefix) for p in group["params"]]
+                 for group in self.adam.param_groups]
+        return {"optimizer": state, "fp32_from_fp16_params": mains}
 
     def _step(self) -> float | None:
         """Adam's step count, the same on every rank of the FSDP group (torch's Adam keeps
@@ -199,6 +221,17 @@ class FullOptimizer:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        if self.install_bf16 is None:
+            self._load_adam(state)
+            return
+        self._load_adam(state["optimizer"])
+        for mains, group in zip(state["fp32_from_fp16_params"], self.adam.param_groups):
+            for main, param in zip(mains, group["params"]):
+                if param.to_local().numel():  # an empty shard: nothing of it on this rank
+                    scatter_into(main, param.to_local(), BF16_MAIN_PARAMS, param)
+        self.install_bf16()
+
+    def _load_adam(self, state: dict) -> None:
         groups = state["param_groups"]
         if [len(g["params"]) for g in groups] != [len(g["params"])
                                                  for g in self.adam.param_groups]:
@@ -235,6 +268,9 @@ def full_state_view(run: Any) -> Any:
                                     ddp_config=types.SimpleNamespace(
                                         use_distributed_optimizer=False))
               for chunk in run.chunks]
-    optimizer = FullOptimizer(run.optimizer, chunks[0].module.group)
+    install_bf16 = None  # Megatron-FSDP under --bf16 (torch FSDP2 refuses --bf16)
+    if full is FullModel and run.chunks[0].config.bf16:
+        install_bf16 = chunks[0].module.fsdp.install_optimized_model_weights
+    optimizer = FullOptimizer(run.optimizer, chunks[0].module.group, install_bf16)
     return types.SimpleNamespace(chunks=chunks, optimizer=optimizer,
                                  scheduler=run.scheduler, device=run.device, model=chunks[0])

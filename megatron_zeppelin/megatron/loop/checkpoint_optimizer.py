@@ -1,14 +1,15 @@
 """Optimizer state across optimizer kinds: megatron-core's distributed optimizer and the plain
 one save the same Adam tensors (``fully_reshardable``, one tensor per parameter and state in
-model space) but other layouts around them; a checkpoint of one loads into the other in fp32
-(``convert_optimizer_state``), and a plain fp32 checkpoint gives the distributed optimizer its
-main parameters from the model's weights (``take_main_params`` / ``give_main_params``).
+model space) but other layouts around them; a checkpoint of one loads into the other
+(``convert_optimizer_state``). A plain fp32 checkpoint gives the distributed optimizer its
+main parameters from the model's weights (``take_main_params`` / ``give_main_params``); in
+bf16 both keep fp32 main parameters, under other keys (``read_main_params_as_saved``).
 """
 from __future__ import annotations
 
 import torch
 
-from megatron_zeppelin.megatron.loop.checkpoint_files import Found, Training, refuse
+from megatron_zeppelin.megatron.loop.checkpoint_files import Found, Training
 
 
 def optimizer_metadata(run: Training) -> dict | None:
@@ -31,27 +32,33 @@ def saved_distributed(common: dict) -> bool:
     return "distrib_optim_sharding_type" in metadata
 
 
-def check_optimizer_kind(found: Found, common: dict, run: Training) -> None:
-    """Optimizer state crosses between the distributed and the plain optimizer in fp32
-    (``convert_optimizer_state``); megatron-core's bf16 optimizer keeps its fp32 main
-    parameters in another layout, so a crossing with bf16 is refused in one line."""
-    saved, now = saved_distributed(common), run.chunks[0].ddp_config.use_distributed_optimizer
-    if saved != now and run.chunks[0].config.bf16:
-        kind, flag = ("distributed", "without") if saved else ("plain", "with")
-        raise refuse(found.path, f"holds the {kind} optimizer's state: loading it {flag} "
-                     "--use-distributed-optimizer is supported in fp32 only (megatron-core's "
-                     "bf16 optimizers keep fp32 main parameters in other layouts); use the "
-                     "same --use-distributed-optimizer setting, or pass --no-load-optim")
-
-
 MAIN_PARAMS = "optimizer.state.param."  # the distributed optimizer's fp32 main parameters
+BF16_MAIN_PARAMS = "optimizer.state.fp32_param."  # megatron-core's plain bf16 optimizer's
+
+
+def read_main_params_as_saved(sharded: dict, common: dict, run: Training) -> None:
+    """A bf16 checkpoint of the other optimizer kind: the two keep the same fp32 main
+    parameters under other keys (the distributed optimizer's ``optimizer.state.param.<name>``,
+    the plain bf16 optimizer's ``optimizer.state.fp32_param.<name>``); the request's main
+    parameters (in place) are read from the saved kind's keys."""
+    distributed = run.chunks[0].ddp_config.use_distributed_optimizer
+    if not run.chunks[0].config.bf16 or saved_distributed(common) == distributed:
+        return
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    now, saved = ((MAIN_PARAMS, BF16_MAIN_PARAMS) if distributed else
+                  (BF16_MAIN_PARAMS, MAIN_PARAMS))
+    for value in nested_values(sharded):
+        key = getattr(value, "key", None)
+        if isinstance(key, str) and key.startswith(now):
+            value.key = saved + key[len(now):]
 
 
 def main_params_from_model(common: dict, run: Training) -> bool:
     """A plain fp32 checkpoint loaded into the distributed optimizer: its main parameters
     are the model's weights (the plain fp32 optimizer steps the model's own tensors)."""
     return run.chunks[0].ddp_config.use_distributed_optimizer and \
-        not saved_distributed(common)
+        not saved_distributed(common) and not run.chunks[0].config.bf16
 
 
 def take_main_params(sharded: dict, found: Found) -> None:
@@ -109,32 +116,48 @@ def give_main_params(loaded: dict, names: dict) -> None:
 
 def convert_optimizer_state(state: dict, saved_distributed: bool, run: Training) -> None:
     """Loaded optimizer state (in place) into the layout ``run.optimizer.load_state_dict``
-    expects when the other optimizer kind saved it (fp32). The tensors are the
-    same (Adam's ``exp_avg``/``exp_avg_sq`` per parameter in model space,
-    ``fully_reshardable``); the rest differs: the distributed optimizer keeps
-    ``{optimizer: {param_groups (with step)}, param_state, ...}``, the plain one
-    ``{state: {..., common_step}, param_groups}``."""
+    expects when the other optimizer kind saved it. The tensors are the same (Adam's
+    ``exp_avg``/``exp_avg_sq`` per parameter in model space, ``fully_reshardable``; in bf16
+    the fp32 main parameters, read as saved: ``read_main_params_as_saved``); the rest
+    differs: the distributed optimizer keeps ``{optimizer: {param_groups (with step)},
+    param_state, ...}``, the plain fp32 one ``{state: {..., common_step}, param_groups}``, the
+    plain bf16 one the same under ``optimizer``, beside ``fp32_from_fp16_params``."""
     distributed = run.chunks[0].ddp_config.use_distributed_optimizer
     if saved_distributed == distributed:
         return
-    if distributed:  # plain -> distributed: hyper-parameters and the step from the plain state
-        step = state.get("state", {}).get("common_step")
-        groups = [{k: v for k, v in g.items() if k != "params"}
-                  for g in state.pop("param_groups", [])]
-        for group in groups:
-            if step is not None:
-                group["step"] = int(step)
-        state.pop("state", None)
-        state["optimizer"] = {"param_groups": groups}
-        sharding = optimizer_metadata(run)["distrib_optim_sharding_type"]
-        state["param_state_sharding_type"] = sharding
-        return
-    groups = state.pop("optimizer")["param_groups"]
-    asked = state["param_groups"]
-    state["param_groups"] = [{**{k: v for k, v in g.items() if k != "step"},
+    if distributed:
+        _plain_to_distributed(state, run)
+    else:
+        _distributed_to_plain(state, run.chunks[0].config.bf16)
+
+
+def _plain_to_distributed(state: dict, run: Training) -> None:
+    """Hyper-parameters and the step from the plain state (merged with the request)."""
+    plain = state.pop("optimizer") if run.chunks[0].config.bf16 else state
+    step = plain.get("state", {}).get("common_step")
+    groups = [{k: v for k, v in g.items() if k != "params"}
+              for g in plain.pop("param_groups", [])]
+    for group in groups:
+        if step is not None:
+            group["step"] = int(step)
+    plain.pop("state", None)
+    state["optimizer"] = {"param_groups": groups}
+    state["param_state_sharding_type"] = optimizer_metadata(run)["distrib_optim_sharding_type"]
+
+
+def _distributed_to_plain(state: dict, bf16: bool) -> None:
+    """The distributed optimizer's groups (with their step) as the plain optimizer's, with
+    the parameter indices this run asked for, and one ``common_step``."""
+    if bf16:  # the saved and the asked groups were merged under "optimizer"
+        plain = state["optimizer"]
+        groups = asked = plain["param_groups"]
+    else:
+        groups, plain = state.pop("optimizer")["param_groups"], state
+        asked = state["param_groups"]
+    plain["param_groups"] = [{**{k: v for k, v in g.items() if k != "step"},
                               "params": a["params"]} for g, a in zip(groups, asked)]
     steps = {g["step"] for g in groups if "step" in g}
     if steps:
-        state["state"]["common_step"] = torch.tensor(float(steps.pop()))
+        plain["state"]["common_step"] = torch.tensor(float(steps.pop()))
     for key in ("param_state", "param_state_sharding_type"):
         state.pop(key, None)
