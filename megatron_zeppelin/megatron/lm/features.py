@@ -183,8 +183,11 @@ RULES: tuple[Rule, ...] = (
          and (_set(v, a) or _set(_get(a, "load", None), a)),
          "Megatron-LM 0.16.1's checkpoints of FSDP runs have not run through this patch: "
          "Megatron-FSDP's fsdp_dtensor save fails in fp32 with --swiglu in static mode too (it "
-         "looks up module.<name>, the Float16Module's) and did not finish without --swiglu on "
-         "CPU/gloo; FSDP2's torch_dist/torch_dcp checkpoints were not tried",
+         "looks up module.<name>, the Float16Module's), did not finish without --swiglu on "
+         "CPU/gloo, and with --bf16 fails in static mode too ('DTensor chunk metadata is "
+         "invalid', uneven_dtensor.py); FSDP2's torch_dist checkpoints fail in static mode "
+         "too (its optimizer matches parameters by the id of DTensor.to_local(), a new tensor "
+         "each call in torch 2.13)",
          "train without --save/--load here, or use --use-distributed-optimizer (checkpoints "
          "checked), or scripts/pretrain_gpt.py (its FSDP checkpoints cross modes)",
          given="--save or --load with --use-megatron-fsdp or --use-torch-fsdp2"),
