@@ -39,9 +39,14 @@ def run(world: int, argv: list[str], tiers: bool = False) -> list[tuple]:
             for log in train.train(args, layout, ready)]
 
 
-def close(a: list[tuple], b: list[tuple], tol: float = 1e-6) -> bool:
+def close(a: list[tuple], b: list[tuple], tol: float = 1e-6,
+          grad_tol: float | None = None) -> bool:
+    """Same iterations, losses within ``tol`` and grad norms within ``grad_tol`` (default
+    ``tol``), relative."""
+    grad_tol = tol if grad_tol is None else grad_tol
     return len(a) == len(b) and all(x[0] == y[0] and abs(x[1] - y[1]) <= tol * abs(y[1]) and
-                                    abs(x[2] - y[2]) <= tol * abs(y[2]) for x, y in zip(a, b))
+                                    abs(x[2] - y[2]) <= grad_tol * abs(y[2])
+                                    for x, y in zip(a, b))
 
 
 def body(rank: int, world: int, tmp: str) -> None:

@@ -156,9 +156,7 @@ def load(found: Found, run: Training, load_optim: bool, load_rng: bool) -> dict:
     models = model_state(run)
     request: dict = dict(models)
     if load_optim:
-        request["optimizer"] = run.optimizer.sharded_state_dict(
-            models, is_loading=True, metadata=optimizer_metadata(run))
-        read_main_params_as_saved(request["optimizer"], common, run)
+        request["optimizer"] = _optimizer_request(run, models, common)
         if from_model:
             take_main_params(request, found)
     names = model_shards(models) if from_model else {}
@@ -182,19 +180,27 @@ def load(found: Found, run: Training, load_optim: bool, load_rng: bool) -> dict:
 def _check_request(found: Found, common: dict, run: Training, load_optim: bool,
                    from_model: bool) -> None:
     """What this run would read (factories applied: global shapes) is in the checkpoint,
-    and the optimizer state is of this precision; refused in one line naming the path otherwise."""
+    and the optimizer state is of this precision; refused in one line naming the path
+    otherwise."""
     from megatron.core.dist_checkpointing.mapping import apply_factories
 
     probe = model_state(run)
     if load_optim:
         check_precision(found, probe)
-        probe["optimizer"] = run.optimizer.sharded_state_dict(
-            dict(probe), is_loading=True, metadata=optimizer_metadata(run))
-        read_main_params_as_saved(probe["optimizer"], common, run)
+        probe["optimizer"] = _optimizer_request(run, dict(probe), common)
     apply_factories(probe)
     if from_model:
         take_main_params(probe, found)
     check_shapes(found, probe)
+
+
+def _optimizer_request(run: Training, models: dict, common: dict) -> dict:
+    """The optimizer's sharded state dict to load (over the model request ``models``), its
+    main parameters read under the keys the checkpoint's optimizer kind saved them."""
+    request = run.optimizer.sharded_state_dict(models, is_loading=True,
+                                               metadata=optimizer_metadata(run))
+    read_main_params_as_saved(request, common, run)
+    return request
 
 
 def _read(found: Found, request: dict) -> dict:
