@@ -51,7 +51,8 @@ def test_bad_yaml_is_refused_with_the_key(tmp_path, text, match):
     (["--context-parallel-size", "4", "--zeppelin-gpus-per-node", "3"], 4,
      r"CP x TP = 4 GPUs must be whole nodes of --zeppelin-gpus-per-node=3"),
     (["--tensor-model-parallel-size", "3"], 6, r"--tensor-model-parallel-size=3 is invalid"),
-    (["--use-torch-fsdp2", "--bf16"], 1, r"--use-torch-fsdp2 --bf16: megatron-core 0.16.1"),
+    (["--use-torch-fsdp2", "--use-distributed-optimizer"], 1,
+     r"--use-torch-fsdp2 with --use-distributed-optimizer: torch FSDP2 shards"),
     (["--global-batch-size", "3", "--context-parallel-size", "2"], 4,
      r"--global-batch-size=3 must be a multiple of --micro-batch-size x data-parallel size"),
     (["--zeppelin-strategy", "hybrid-dp"], 1, r"--zeppelin-strategy hybrid-dp: only with "

@@ -91,7 +91,6 @@ def trigger(rule) -> dict:
                                             "transformer_impl": "local"},
              "overlap_grad_reduce": {"use_megatron_fsdp": True, "use_distributed_optimizer": True,
                                      "data_parallel_sharding_strategy": "optim"},
-             "bf16": {"use_torch_fsdp2": True},
              "save": {"use_megatron_fsdp": True, "use_distributed_optimizer": True,
                       "data_parallel_sharding_strategy": "optim_grads"},
              "overlap_p2p_comm": {"pipeline_model_parallel_size": 2,

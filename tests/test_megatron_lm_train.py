@@ -512,7 +512,7 @@ def test_torch_fsdp2_trains_like_ddp(tree, tmp_path):
     """--use-torch-fsdp2 through the patch, a pool of 2 on documents: the patched get_model
     builds zeppelin's FSDP2 wrapper (gradients summed and scaled by the global batch's tokens;
     megatron-core 0.16.1's divides them by the rank count), which trains like static mode's
-    Megatron DDP. Megatron-LM asks FSDP2 for untied embeddings."""
+    Megatron DDP, in fp32 and in bf16. Megatron-LM asks FSDP2 for untied embeddings."""
     flags = [*DOCUMENTS, "--untie-embeddings-and-output-weights"]
     fsdp2 = run(tree, tmp_path, "fsdp2-z", 2, *ZEPPELIN, "--context-parallel-size", "2", *flags,
                 "--use-torch-fsdp2")
@@ -520,3 +520,9 @@ def test_torch_fsdp2_trains_like_ddp(tree, tmp_path):
     assert fsdp2["wrapper"] == "PerTokenTorchFSDP" and ddp["wrapper"] == "DistributedDataParallel"
     assert_same_training(fsdp2, ddp)
     assert fsdp2["param_sum"] == pytest.approx(ddp["param_sum"], rel=1e-6)
+    # --bf16: Megatron-LM's Float16Module and bf16 optimizer around the wrapper's fp32 shards,
+    # bf16 compute, fp32 accumulation and reduce-scatter, as Megatron DDP under --bf16
+    bf16 = run(tree, tmp_path, "fsdp2-z-bf16", 2, *ZEPPELIN, "--context-parallel-size", "2",
+               *flags, "--use-torch-fsdp2", "--bf16")
+    ddp_bf16 = run(tree, tmp_path, "ddp-s-untied-bf16", 2, *STATIC, *flags, "--bf16")
+    assert_same_training(bf16, ddp_bf16, rel=1e-5)

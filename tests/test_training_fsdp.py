@@ -242,7 +242,6 @@ def test_torch_fsdp2_checkpoints_resume_across_modes(tmp_path):
      "--use-torch-fsdp2 with --use-distributed-optimizer: "),
     (FSDP2 + ["--pipeline-model-parallel-size", "2"],
      "--use-torch-fsdp2 with --pipeline-model-parallel-size=2: "),
-    (FSDP2 + ["--bf16"], "--use-torch-fsdp2 --bf16: "),
 ])
 def test_fsdp_flags_it_does_not_run_with_are_refused(extra, match):
     from megatron_zeppelin.config import ConfigError

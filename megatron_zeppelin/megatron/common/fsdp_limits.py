@@ -26,9 +26,3 @@ OPTIM_OVERLAP = ("with optim sharding megatron-core 0.16.1's Megatron-FSDP reduc
 TP_WITHOUT_TE = ("megatron-core 0.16.1's Megatron-FSDP finds tensor-parallel parameters "
                  "through Transformer Engine's TELinear: with local layers it fails, and mended "
                  "its grad norms were 8.8x off Megatron DDP's (CPU/gloo, TP 2 x PP 2)")
-
-FSDP2_BF16 = ("megatron-core 0.16.1's FSDP2 wrapper gives fully_shard no mixed-precision policy, "
-              "so gradients accumulate over the micro-batches and are reduce-scattered in bf16 "
-              "(Megatron DDP under --bf16 does both in fp32, as Megatron-LM sets it); it runs "
-              "on CPU/gloo, grad norms 3e-4 off Megatron DDP's at the first step, but no test "
-              "holds it to Megatron-LM's bf16 numerics")

@@ -20,6 +20,17 @@ the reduce-scatter (divide factor 1 and SUM reductions, as Megatron DDP under pe
 and scales the sharded gradients by ``scale_gradients``' factor, so its gradients are Megatron
 DDP's. It also takes the ``force_all_reduce`` that 0.16.1's ``finalize_model_grads`` passes
 and its base class's ``finish_grad_sync`` does not.
+
+Under ``--bf16`` 0.16.1 gives ``fully_shard`` no mixed-precision policy: the bf16 model's
+gradients would accumulate over the micro-batches and be reduce-scattered in bf16, where
+Megatron DDP under ``--bf16`` does both in fp32 (Megatron-LM's
+``--accumulate-allreduce-grads-in-fp32``). ``PerTokenTorchFSDP`` trains Megatron-LM's bf16
+model instead: the shards are fp32 (the bf16 weights upcast: the fp32 main weights megatron-core's
+bf16 optimizer would copy from them), all-gathered in bf16 for forward and backward
+(``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), so each layer computes with
+the bf16 rounding of the main weights; the micro-batches' bf16 gradients accumulate in fp32
+(FSDP2 upcasts them while the sync is off) and are reduce-scattered in fp32 into fp32 sharded
+gradients that the optimizer steps. No bf16 copy of the weights is kept between steps.
 """
 from __future__ import annotations
 
@@ -63,7 +74,9 @@ def per_token_torch_fsdp2() -> type:
         def __init__(self, config, ddp_config, module, sub_modules_to_wrap=None, **kwargs):
             units = sub_modules_to_wrap or {TransformerLayer, LanguageModelEmbedding,
                                             RotaryEmbedding}
-            super().__init__(config, ddp_config, module, sub_modules_to_wrap=units, **kwargs)
+            with bf16_compute_fp32_shards(config.bf16, module):
+                super().__init__(config, ddp_config, module, sub_modules_to_wrap=units,
+                                 **kwargs)
             if config.calculate_per_token_loss:
                 for unit in fsdp_units(self.module):
                     unit.set_gradient_divide_factor(1.0)
@@ -73,7 +86,12 @@ def per_token_torch_fsdp2() -> type:
         def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
             """Nothing left to reduce: FSDP2 waited for its reduce-scatters at the end of the
             backward. (0.16.1's ``_BaseDataParallel.finish_grad_sync`` takes no
-            ``force_all_reduce``, which its own ``finalize_model_grads`` passes.)"""
+            ``force_all_reduce``, which its own ``finalize_model_grads`` passes.) Under
+            ``--bf16`` each fp32 shard's gradient is also its ``main_grad``, where
+            megatron-core's bf16 optimizer reads the gradients of fp32 parameters."""
+            if self.config.bf16:
+                for param in self.module.parameters():
+                    param.main_grad = param.grad
 
         def no_sync(self) -> contextlib.AbstractContextManager[None]:
             return gradient_sync_off(self.module)
@@ -84,6 +102,27 @@ def per_token_torch_fsdp2() -> type:
                     param.grad.mul_(scaling_factor)
 
     return PerTokenTorchFSDP
+
+
+@contextlib.contextmanager
+def bf16_compute_fp32_shards(bf16: bool, module: torch.nn.Module) -> Iterator[None]:
+    """With ``bf16``: ``module``'s parameters upcast to fp32 and every ``fully_shard`` call
+    of megatron-core's wrapper made inside given the bf16-compute, fp32-reduce policy
+    (module doc). Nothing changes without it."""
+    if not bf16:
+        yield
+        return
+    from megatron.core.distributed import torch_fully_sharded_data_parallel as wrapper
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    module.float()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    shard = wrapper.fully_shard
+    wrapper.fully_shard = functools.partial(shard, mp_policy=policy)
+    try:
+        yield
+    finally:
+        wrapper.fully_shard = shard
 
 
 @contextlib.contextmanager

@@ -191,9 +191,6 @@ RULES: tuple[Rule, ...] = (
          "train without --save/--load here, or use --use-distributed-optimizer (checkpoints "
          "checked), or scripts/pretrain_gpt.py (its FSDP checkpoints cross modes)",
          given="--save or --load with --use-megatron-fsdp or --use-torch-fsdp2"),
-    Rule("--bf16", "bf16", False, lambda v, a: bool(v) and _get(a, "use_torch_fsdp2", False),
-         fsdp_limits.FSDP2_BF16, "train in fp32 or use "
-         "--use-megatron-fsdp --use-distributed-optimizer", given="--bf16 with --use-torch-fsdp2"),
     Rule("--no-zeppelin-planner-process", "zeppelin_planner_process", True, lambda v, a: not v,
          "through Megatron-LM, get_batch plans each micro-batch on the training thread (neither "
          "a planner process nor a thread)", "drop the flag",

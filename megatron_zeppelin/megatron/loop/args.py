@@ -211,9 +211,6 @@ def check_torch_fsdp2(args: argparse.Namespace) -> None:
         raise ConfigError(f"--use-torch-fsdp2 with {others[0]}: torch FSDP2 shards parameters, "
                           "gradients and Adam state itself, without pipeline stages (as in "
                           "Megatron-LM); drop one of the two")
-    if args.bf16:
-        raise ConfigError(f"--use-torch-fsdp2 --bf16: {fsdp_limits.FSDP2_BF16}; train in fp32 "
-                          "or use --use-megatron-fsdp")
 
 
 def validate_args(args: argparse.Namespace, world_size: int, local_world_size: int | None

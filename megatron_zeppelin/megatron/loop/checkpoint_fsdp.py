@@ -22,7 +22,9 @@ the plain optimizer (fp32, or with ``--bf16`` megatron-core's plain bf16 optimiz
 
 Torch FSDP2 (``--use-torch-fsdp2``, ``FullTorchFSDP2Model``) is viewed the same way: its model's
 parameters are the DTensor shards the plain optimizer steps, and Adam's state is sharded as
-they are.
+they are; with ``--bf16`` the shards are fp32 (bf16 only while a layer computes,
+``torch_fsdp2.py``): they are the main weights, saved as Megatron-FSDP's are, the model's
+tensors their bf16 rounding.
 
 So a checkpoint saved with ``--use-megatron-fsdp`` or ``--use-torch-fsdp2`` loads without it (plain or distributed
 optimizer, either mode) and the reverse, through ``checkpoint.py``'s existing conversions.
@@ -117,11 +119,13 @@ class FullTorchFSDP2Model:
         self.model = chunk.module  # the GPT model, its parameters FSDP2's DTensors
         self.params = dict(self.model.named_parameters())
         self.group = chunk.process_group
+        # fp32 shards under --bf16 too (the main weights); the model's are their rounding
+        self.dtype = torch.bfloat16 if chunk.config.bf16 else None
 
     def sharded_state_dict(self) -> dict:
         """The GPT model's sharded state dict, built while its parameters are full copies
         tagged with their DTensors (``_zeppelin_fsdp_param``, for ``FullOptimizer``)."""
-        fulls = {name: _tagged_full(param, param, self.group)
+        fulls = {name: _tagged_full(param, param, self.group, self.dtype)
                  for name, param in self.params.items()}
         _set_parameters(self.model, fulls)
         try:
@@ -157,9 +161,10 @@ def _set_parameters(model: torch.nn.Module, params: dict[str, Any]) -> None:
 class FullOptimizer:
     """What ``checkpoint.py`` reads of the optimizer: the plain optimizer's sharded state dict
     (Adam state in model space) and its ``load_state_dict``. In fp32 the plain fp32
-    optimizer's; with ``install_bf16`` (Megatron-FSDP under --bf16: copies the fp32 main
-    weights into the bf16 model weights) megatron-core's plain bf16 optimizer's: the same
-    under ``optimizer``, and the fp32 main weights as ``fp32_from_fp16_params``."""
+    optimizer's; with ``install_bf16`` (under --bf16: Megatron-FSDP's copies the fp32 main
+    weights into the bf16 model weights, torch FSDP2's does nothing, its shards being the
+    main weights) megatron-core's plain bf16 optimizer's: the same under ``optimizer``, and
+    the fp32 main weights as ``fp32_from_fp16_params``."""
 
     def __init__(self, optimizer: Any, group: Any,
                  install_bf16: Callable[[], None] | None = None) -> None:
@@ -169,7 +174,7 @@ class FullOptimizer:
         if len(chained) != 1:
             raise ValueError(f"{len(chained)} chained optimizers: the FSDP checkpoint view "
                              "takes one")
-        # megatron-core's DistributedOptimizer over Megatron-FSDP, its FP32Optimizer over FSDP2
+        # megatron-core's DistributedOptimizer over Megatron-FSDP, its plain one over FSDP2
         self.distributed = chained[0]
         self.adam = self.distributed.optimizer  # torch's Adam
         self.params = [p for group in self.adam.param_groups for p in group["params"]]
@@ -268,9 +273,10 @@ def full_state_view(run: Any) -> Any:
                                     ddp_config=types.SimpleNamespace(
                                         use_distributed_optimizer=False))
               for chunk in run.chunks]
-    install_bf16 = None  # Megatron-FSDP under --bf16 (torch FSDP2 refuses --bf16)
-    if full is FullModel and run.chunks[0].config.bf16:
-        install_bf16 = chunks[0].module.fsdp.install_optimized_model_weights
+    install_bf16 = None
+    if run.chunks[0].config.bf16:  # torch FSDP2's shards are the main weights: nothing to do
+        install_bf16 = chunks[0].module.fsdp.install_optimized_model_weights \
+            if full is FullModel else lambda: None
     optimizer = FullOptimizer(run.optimizer, chunks[0].module.group, install_bf16)
     return types.SimpleNamespace(chunks=chunks, optimizer=optimizer,
                                  scheduler=run.scheduler, device=run.device, model=chunks[0])
