@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Sequence
 from megatron_zeppelin.config import ConfigError, PipelineSpec, ZeppelinConfig, load_setup
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.limits import refuse_untrainable
-from megatron_zeppelin.options import Parser, add_flags, from_flags, int_at_least
+from megatron_zeppelin.options import (Parser, add_flags, from_flags, int_at_least,
+                                       output_file)
 
 if TYPE_CHECKING:
     from megatron_zeppelin.planner.registry import Strategy
@@ -33,27 +34,50 @@ def add_setup_args(p: argparse.ArgumentParser, nodes_nargs: str | None = None) -
     add_flags(p.add_argument_group("planner options"), ZeppelinConfig)
 
 
-def add_workload_args(p: argparse.ArgumentParser, nargs: str | None = None) -> None:
-    p.add_argument("--workload", nargs=nargs, default=["github"] if nargs else "github",
-                   help="built-in workload name(s); see `zeppelin plan --list-workloads`")
-    p.add_argument("--lengths", default=None, help="file with one document length per line "
-                   "(replaces --workload)")
-    p.add_argument("--global-batch-tokens", default="2M", help="tokens per global batch (2M, 512K)")
-    p.add_argument("--seed", type=int, default=0)
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """--workload --lengths --global-batch-tokens --seed (defaults filled by
+    ``sampling_or_lengths``)."""
+    from megatron_zeppelin.sim.workloads import WORKLOADS, token_count
+
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
+                   help="built-in workload the batch is sampled from (default github)")
+    p.add_argument("--lengths", default=None, help="file with one document length per line: "
+                   "the batch (replaces --workload, --global-batch-tokens and --seed)")
+    p.add_argument("--global-batch-tokens", type=token_count, default=None,
+                   help="tokens per global batch (2M, 512K; default 2M)")
+    p.add_argument("--seed", type=int_at_least(0), default=None,
+                   help="sampling seed (default 0)")
+
+
+def sampling_or_lengths(args: argparse.Namespace, defaults: dict[str, tuple[str, object]]
+                        ) -> None:
+    """``--lengths FILE`` is the batch: the sampling flags of ``defaults`` (flag: (dest,
+    default)) given with it are refused, naming one; without it their defaults are filled."""
+    given = [flag for flag, (dest, _) in defaults.items() if getattr(args, dest) is not None]
+    if args.lengths and given:
+        raise ConfigError(f"--lengths {args.lengths!r} with {given[0]}: the file is the batch "
+                          f"(all of its documents); drop {given[0]}")
+    for dest, default in defaults.values():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+
+
+SAMPLING = {"--workload": ("workload", "github"),
+            "--global-batch-tokens": ("global_batch_tokens", 2 << 20), "--seed": ("seed", 0)}
 
 
 def zeppelin_config(args: argparse.Namespace) -> ZeppelinConfig:
     return from_flags(ZeppelinConfig, args)
 
 
-def batch_lengths(args: argparse.Namespace, workload: str) -> list[int]:
+def batch_lengths(args: argparse.Namespace) -> list[int]:
     """The documents of one global batch: from --lengths (all of them) or sampled."""
-    from megatron_zeppelin.sim.workloads import parse_tokens, read_lengths, sample_batch
+    from megatron_zeppelin.sim.workloads import read_lengths, sample_batch
 
+    sampling_or_lengths(args, SAMPLING)
     if args.lengths:
         return read_lengths(args.lengths)
-    budget = parse_tokens(args.global_batch_tokens)
-    return sample_batch(workload, budget, random.Random(args.seed))
+    return sample_batch(args.workload, args.global_batch_tokens, random.Random(args.seed))
 
 
 def add_strategy_args(p: argparse.ArgumentParser) -> None:
@@ -98,7 +122,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = pipeline_spec(args)
     setup = load_setup(args.model, args.cluster, args.nodes, args.hardware, config, args.tp)
     cost = CostModel(setup.model, setup.cluster, setup.hardware, setup.tp)
-    lengths = batch_lengths(args, args.workload)
+    lengths = batch_lengths(args)
     refuse_untrainable(lengths, setup.model, setup.cluster, args.lengths or "the batch")
     if spec.pp > 1:
         return plan_pipeline(lengths, strategies, cost, config, spec, args.json)
@@ -181,9 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_strategy_args(p)
     add_pipeline_args(p)
     p.add_argument("--validate", action="store_true", help="also run Plan.validate()")
-    p.add_argument("--plot", default=None, metavar="FILE",
-                   help="draw the batch as ranks x time for every strategy side by side (PNG; "
-                        "simulated: linear, attention, exposed communication)")
+    p.add_argument("--plot", type=output_file((".png", ".svg", ".pdf")), default=None,
+                   metavar="FILE", help="draw the batch as ranks x time for every strategy "
+                   "side by side (.png, .svg or .pdf; simulated: linear, attention, exposed "
+                   "communication)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_plan)
     for register in _extra_commands():
@@ -208,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         args.passthrough = unknown
         return args.func(args)
-    except (ValueError, ConfigError, FileNotFoundError) as exc:
+    except (ValueError, ConfigError, OSError) as exc:
         print(f"zeppelin: error: {exc}", file=sys.stderr)
         return 2
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from megatron_zeppelin.config_yaml import from_dict, read_yaml, resolve_config_path
 from megatron_zeppelin.errors import ConfigError
@@ -281,8 +282,19 @@ def hardware_for(cluster: ClusterSpec, kernel: str | None = None) -> HardwarePro
 
 
 def load_cluster(name_or_path: str | os.PathLike, nodes: int | None = None) -> ClusterSpec:
+    """The cluster of a YAML file or shipped name; its ``hardware:`` is a shipped profile's
+    name or a YAML path, a relative one read from the cluster file's folder where it is there
+    (else from the working folder); checked here, an error naming the cluster file and key."""
     path = resolve_config_path(name_or_path, "clusters")
     cluster = from_dict(ClusterSpec, read_yaml(path), where=str(path))
+    hardware = Path(cluster.hardware)
+    beside = path.parent / hardware
+    if hardware.suffix in (".yaml", ".yml") and not hardware.is_absolute() and beside.exists():
+        cluster = dataclasses.replace(cluster, hardware=str(beside))
+    try:
+        resolve_config_path(cluster.hardware, "hardware")
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: hardware={hardware!s}: {exc}") from None
     return cluster.with_nodes(nodes) if nodes is not None else cluster
 
 

@@ -9,6 +9,7 @@ a profile or cluster back in the keys the loaders read. Bare names resolve to
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -39,8 +40,8 @@ def _coerce(cls_name: str, key: str, hint: Any, value: Any) -> Any:
                 value, "an integer")
         return value
     if hint is float:
-        require(isinstance(value, (int, float)) and not isinstance(value, bool),
-                f"{cls_name}.{key}", value, "a number")
+        require(isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value), f"{cls_name}.{key}", value, "a finite number")
         return float(value)
     if hint is str:
         require(isinstance(value, str), f"{cls_name}.{key}", value, "a string")
@@ -62,7 +63,10 @@ def from_dict(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
     unknown = sorted(set(data) - set(names))
     if unknown:
         raise ConfigError(f"{where or cls.__name__}: unknown key(s) {unknown}; valid keys: {names}")
-    kwargs = {k: _coerce(cls.__name__, k, hints[k], v) for k, v in data.items()}
+    try:
+        kwargs = {k: _coerce(cls.__name__, k, hints[k], v) for k, v in data.items()}
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}" if where else str(exc)) from None
     required = [f.name for f in dataclasses.fields(cls)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     missing = [k for k in required if k not in kwargs]
@@ -97,9 +101,49 @@ def resolve_config_path(name_or_path: str | os.PathLike, kind: str) -> Path:
     return candidate
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping (PyYAML keeps the
+    last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """The YAML document ``text`` (strict: no key twice); a syntax error is a ConfigError
+    naming ``where`` (the file or flag), the problem and its line."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        line = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"{where} is not valid YAML: {problem}{line}") from None
+
+
+def read_text(path: str | os.PathLike, what: str) -> str:
+    """The text of file ``path``; an unreadable one (a folder, no permission, not UTF-8) is
+    a ConfigError naming ``what`` (a flag, or the kind of file) and the path."""
+    try:
+        return Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {str(path)!r} does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {str(path)!r} is not a text file (UTF-8): byte "
+                          f"{exc.object[exc.start]:#04x} at offset {exc.start}") from None
+    except OSError as exc:
+        raise ConfigError(f"{what} {str(path)!r} cannot be read: {exc.strerror}") from None
+
+
 def read_yaml(path: Path) -> dict:
-    with open(path) as f:
-        data = yaml.safe_load(f)
+    data = load_yaml(read_text(path, "config file"), str(path))
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a YAML mapping at top level, got "
                           f"{type(data).__name__}")

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import pathlib
 import types
 import typing
 from typing import Any, Iterable, Mapping
@@ -207,6 +209,56 @@ def check_value(action: argparse.Action, value: Any, what: str) -> Any:
     if action.choices is not None and value not in action.choices:
         raise ConfigError(f"{what}={value!r} is invalid: expected one of {list(action.choices)}")
     return value
+
+
+def number_at_least(minimum: float, exclusive: bool = False):
+    """An argparse ``type`` for a finite number ``>= minimum`` (``> minimum`` when
+    ``exclusive``): a bad value is argparse's one-line error naming the flag."""
+    bound = f"{'>' if exclusive else '>='} {minimum:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < minimum or (exclusive and value == minimum):
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a number {bound}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def output_file(suffixes: Iterable[str] = (), exist_ok: bool = True):
+    """An argparse ``type`` for a file the command will write: refused before any work when
+    its folder does not exist, it is a folder, it exists and ``exist_ok`` is false, or its
+    suffix is not one of ``suffixes`` (when given)."""
+    suffixes = tuple(suffixes)
+
+    def parse(text: str) -> str:
+        path = pathlib.Path(text)
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r} is a folder: expected a file path")
+        if not path.parent.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r}: folder {str(path.parent)!r} does not "
+                                             "exist")
+        if not exist_ok and path.exists():
+            raise argparse.ArgumentTypeError(f"{text!r} exists: expected a new file")
+        if suffixes and path.suffix.lower() not in suffixes:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a file ending in "
+                                             f"one of {list(suffixes)}")
+        return text
+
+    parse.__name__ = "output file"
+    return parse
+
+
+def output_folder(text: str) -> str:
+    """An argparse ``type`` for a folder the command writes into (made if missing): refused
+    before any work when it is a file."""
+    if pathlib.Path(text).exists() and not pathlib.Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file: expected a folder")
+    return text
 
 
 class Parser(argparse.ArgumentParser):

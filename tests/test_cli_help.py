@@ -1,5 +1,6 @@
 """Every ``zeppelin`` command and bench target prints its --help (argparse formats help text with
-``%``: a literal percent sign in a help string breaks ``--help``)."""
+``%``: a literal percent sign in a help string breaks ``--help``); ``zeppelin plan`` refuses bad
+input in one line before any work."""
 from __future__ import annotations
 
 import pytest
@@ -15,3 +16,28 @@ def test_help_prints(argv, capsys):
         cli.main([*argv, "--help"])
     assert done.value.code == 0
     assert "usage: zeppelin" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lengths", __file__, "--workload", "arxiv"],
+     "with --workload: the file is the batch (all of its documents); drop --workload"),
+    (["--lengths", "/"], "--lengths '/' cannot be read"),
+    (["--plot", "/"], "argument --plot: '/' is a folder: expected a file path"),
+    (["--plot", "/no/such/x.png"], "folder '/no/such' does not exist"),
+    (["--plot", "plan.txt"], "expected a file ending in one of ['.png', '.svg', '.pdf']"),
+    (["--global-batch-tokens", "abc"], "argument --global-batch-tokens: 'abc' is invalid"),
+])
+def test_plan_refuses_bad_input_before_planning(argv, message, capsys):
+    """Each refusal is one line naming the flag, before any batch is sampled or planned."""
+    base = ["plan", "--model", "gpt-tiny", "--cluster", "cpu-2x2"]
+    assert cli.main(base + argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_a_binary_lengths_file_is_named(tmp_path, capsys):
+    path = tmp_path / "lengths.bin"
+    path.write_bytes(b"\xa4\xff\x00")
+    assert cli.main(["plan", "--model", "gpt-tiny", "--cluster", "cpu-2x2", "--lengths",
+                     str(path)]) == 2
+    assert f"--lengths '{path}' is not a text file (UTF-8): byte 0xa4" in capsys.readouterr().err

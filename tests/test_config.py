@@ -1,4 +1,5 @@
 """Config dataclasses and strict YAML loading."""
+import re
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,47 @@ def test_setup_rejects_tp_not_dividing_node(tp):
 def test_nodes_override():
     assert load_cluster("h200-8nic", nodes=16).world_size == 128
     assert Path(configs_dir()).name == "configs"
+
+
+MODEL = "name: x\nnum_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\n"
+
+
+@pytest.mark.parametrize("text,match", [
+    (MODEL + "num_layers: 3\n", r"m.yaml is not valid YAML: key 'num_layers' is given twice "
+                                r"\(line 5"),
+    (MODEL + "vocab_size: [2\n", r"m.yaml is not valid YAML: .*\(line \d+, column \d+\)"),
+    (MODEL.replace("hidden_size: 64", "hidden_size: 64.5"),
+     r"m.yaml: ModelSpec.hidden_size=64.5 is invalid: expected an integer"),
+])
+def test_yaml_mistakes_are_one_line_naming_the_file(tmp_path, text, match):
+    """A key given twice (PyYAML keeps the last silently), a syntax error (with its line)
+    and a wrong type all name the file."""
+    path = tmp_path / "m.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match) as info:
+        load_model(path)
+    assert "\n" not in str(info.value)
+
+
+def test_infinite_numbers_and_folders_are_refused(tmp_path):
+    path = tmp_path / "h.yaml"
+    path.write_text(re.sub(r"(?m)^gemm_tflops: .*$", "gemm_tflops: .inf",
+                           (CONFIGS / "hardware" / "cpu.yaml").read_text()))
+    with pytest.raises(ConfigError, match=r"h.yaml: HardwareProfile.gemm_tflops=inf is invalid: "
+                                          "expected a finite number"):
+        load_hardware(path)
+    (tmp_path / "d.yaml").mkdir()
+    with pytest.raises(ConfigError, match=r"config file '.*d.yaml' cannot be read"):
+        load_model(tmp_path / "d.yaml")
+
+
+def test_a_clusters_hardware_path_is_read_beside_it(tmp_path):
+    (tmp_path / "hw.yaml").write_text((CONFIGS / "hardware" / "cpu.yaml").read_text())
+    text = (CONFIGS / "clusters" / "cpu-2x2.yaml").read_text()
+    (tmp_path / "c.yaml").write_text(text.replace("hardware: cpu", "hardware: hw.yaml"))
+    assert load_hardware(load_cluster(tmp_path / "c.yaml").hardware).name == \
+        load_hardware("cpu").name
+    (tmp_path / "bad.yaml").write_text(text.replace("hardware: cpu", "hardware: nope.yaml"))
+    with pytest.raises(ConfigError, match=r"bad.yaml: hardware=nope.yaml: hardware config file "
+                                          "'nope.yaml' does not exist"):
+        load_cluster(tmp_path / "bad.yaml")

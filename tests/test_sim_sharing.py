@@ -108,8 +108,11 @@ def test_optimizer_and_lower_bound_pay_the_fair_share():
     shared_opt = step_time([plan], cost, replace(base, shared_cores=1.0)).optimizer_s - host
     assert shared_opt == pytest.approx(4 * opt, rel=1e-12)
     fixed = lower_bound([], cost, 4, base)
-    assert lower_bound([512] * 4, cost, 4, replace(base, shared_cores=2.0)) - fixed == \
-        pytest.approx(2 * (lower_bound([512] * 4, cost, 4, base) - fixed), rel=1e-9)
+    lin, compute = linear_parts(np.asarray([2048.0, 0.0]), cost, base)
+    host = (lin[0] - compute[0] - lin[1] + compute[1]) / 4  # per-token work off the cores
+    assert host > 0
+    assert lower_bound([512] * 4, cost, 4, replace(base, shared_cores=2.0)) - fixed - host == \
+        pytest.approx(2 * (lower_bound([512] * 4, cost, 4, base) - fixed - host), rel=1e-9)
 
 
 def test_a_negative_core_count_is_refused_naming_the_key():

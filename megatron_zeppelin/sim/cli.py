@@ -13,7 +13,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from megatron_zeppelin.config import ZeppelinConfig
-from megatron_zeppelin.options import add_flags, from_flags, int_at_least
+from megatron_zeppelin.options import add_flags, from_flags, int_at_least, output_folder
+from megatron_zeppelin.sim.workloads import WORKLOADS, token_count
 
 
 def _add_simulate_args(p: argparse.ArgumentParser) -> None:
@@ -25,15 +26,18 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int_at_least(1), nargs="+", default=None,
                    help="node counts to sweep (default: the cluster YAML's)")
     p.add_argument("--tp", type=int_at_least(1), default=1, help="tensor-parallel size per rank")
-    p.add_argument("--workload", nargs="+", default=["github"], help="built-in workloads")
-    p.add_argument("--lengths", default=None, help="file with one document length per line "
-                   "(one batch; replaces --workload)")
-    p.add_argument("--global-batch-tokens", default=None,
-                   help="tokens per global batch (2M, 512K; default: --tokens-per-gpu x GPUs)")
-    p.add_argument("--tokens-per-gpu", default="64K", help="tokens per GPU per global batch")
-    p.add_argument("--batches", type=int_at_least(1), default=2,
-                   help="global batches per setting (mean)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload", nargs="+", choices=sorted(WORKLOADS), default=None,
+                   help="built-in workloads (default github)")
+    p.add_argument("--lengths", default=None, help="file with one document length per line: "
+                   "one batch (replaces --workload, the token flags, --batches and --seed)")
+    p.add_argument("--global-batch-tokens", type=token_count, default=None,
+                   help="tokens per global batch (2M, 512K; replaces --tokens-per-gpu)")
+    p.add_argument("--tokens-per-gpu", type=token_count, default=None,
+                   help="tokens per GPU per global batch (default 64K)")
+    p.add_argument("--batches", type=int_at_least(1), default=None,
+                   help="global batches per setting, their mean reported (default 2)")
+    p.add_argument("--seed", type=int_at_least(0), default=None,
+                   help="sampling seed (default 0)")
     p.add_argument("--strategies", nargs="+", default=list(DEFAULT_VARIANTS),
                    help=f"variants to simulate: {list(VARIANTS)}")
     p.add_argument("--baseline", default="static-cp", help="variant speedups are relative to")
@@ -46,24 +50,32 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     add_pipeline_args(p)
     p.add_argument("--compare-orders", action="store_true",
                    help="with --pp: also simulate arrival-order micro-batches")
-    p.add_argument("--plot", default=None, help="folder for speedup and per-rank load PNGs")
+    p.add_argument("--plot", type=output_folder, default=None,
+                   help="folder for speedup and per-rank load PNGs (made if missing)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _settings(args: argparse.Namespace):
     """The sweep's settings from the flags; raises ValueError naming a bad flag."""
+    from megatron_zeppelin.cli import SAMPLING, sampling_or_lengths
     from megatron_zeppelin.config import load_cluster
     from megatron_zeppelin.sim.sweep import settings_from_args
-    from megatron_zeppelin.sim.workloads import parse_tokens
 
     if not args.model or not args.cluster:
         raise ValueError("--model and --cluster are required")
     nodes = args.nodes or [load_cluster(args.cluster).nodes]
-    tokens = parse_tokens(args.global_batch_tokens) if args.global_batch_tokens else 0
-    return settings_from_args(args.model, args.cluster, nodes, args.workload, args.tp, tokens,
-                              parse_tokens(args.tokens_per_gpu), args.batches, args.seed,
-                              args.lengths)
+    if args.global_batch_tokens is not None and args.tokens_per_gpu is not None:
+        raise ValueError(f"--global-batch-tokens {args.global_batch_tokens} with "
+                         f"--tokens-per-gpu {args.tokens_per_gpu}: pass one (the batch's size "
+                         "or its share per GPU)")
+    sampling_or_lengths(args, {**SAMPLING, "--workload": ("workload", ["github"]),
+                               "--global-batch-tokens": ("global_batch_tokens", 0),
+                               "--tokens-per-gpu": ("tokens_per_gpu", 64 << 10),
+                               "--batches": ("batches", 2)})
+    return settings_from_args(args.model, args.cluster, nodes, args.workload, args.tp,
+                              args.global_batch_tokens, args.tokens_per_gpu, args.batches,
+                              args.seed, args.lengths)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -78,6 +90,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from megatron_zeppelin.cli import pipeline_spec
 
     spec = pipeline_spec(args)
+    if args.compare_orders and spec.pp == 1:
+        raise ValueError("--compare-orders applies only with --pp >= 2")
     settings = _settings(args)
     config = from_flags(ZeppelinConfig, args, routing=True, remap=True)
     if spec.pp > 1:
@@ -134,7 +148,9 @@ def _to_json(result) -> dict:
            "documents": result.documents, "tokens": result.tokens,
            "lower_bound_s": result.lower_bound_s, "skipped": [list(s) for s in result.skipped],
            "results": []}
-    out["setting"].pop("lengths")
+    if out["setting"].pop("lengths"):  # the file's batch: no sampling sizes
+        for key in ("tokens", "tokens_per_gpu", "batches"):
+            out["setting"].pop(key)
     for r in result.results:
         first = asdict(r.first)
         for key in ("rank_linear_s", "rank_attention_s", "rank_wait_s"):

@@ -111,17 +111,21 @@ def lower_bound(seqlens, cost: CostModel, world: int, profile: SimProfile | None
                 ) -> float:
     """Perfectly balanced compute, no communication, no host work beyond one rank's fixed
     costs: (every sequence's attention forward + backward at the best rate any chunk of it
-    reaches + the linear modules' per-token work) / ranks (x the fair share of
-    ``shared_cores``, every rank computing at once) + one rank's fixed linear costs."""
+    reaches + the linear modules' per-token compute) / ranks (x the fair share of
+    ``shared_cores``, every rank computing at once) + their per-token work that takes no
+    core (the host's wall time) / ranks + one rank's fixed linear costs."""
     profile = profile or profile_of(cost)
     s = np.asarray(seqlens, dtype=np.float64)
     flops = cost.attention_flops(s)  # elementwise on the array
     forward = flops / (profile.best_tflops_up_to(s) * 1e12) * profile.compute_scale
     attention = float(np.sum(forward * (1.0 + profile.least_ratio_up_to(s)))) * \
         cost.model.num_layers
-    fixed = float(step_model.linear_seconds(np.zeros(1), cost, profile)[0])
-    linear = float(step_model.linear_seconds(np.asarray([s.sum()]), cost, profile)[0]) - fixed
-    return (attention + linear) / world * profile.fair_share(world) + fixed
+    (fixed, fixed_compute), (whole, compute) = (
+        (float(a[0]), float(c[0])) for a, c in (
+            step_model.linear_parts(np.asarray([n]), cost, profile) for n in (0.0, s.sum())))
+    compute -= fixed_compute
+    other = whole - fixed - compute
+    return (attention + compute) / world * profile.fair_share(world) + other / world + fixed
 
 
 def simulate(plan: Plan, cost: CostModel, options: SimOptions = SimOptions(),

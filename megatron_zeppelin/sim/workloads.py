@@ -17,6 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
+from megatron_zeppelin.config_yaml import read_text
 from megatron_zeppelin.sim import published
 
 Sampler = Callable[[random.Random], int]
@@ -144,6 +145,23 @@ def parse_tokens(text: str | int) -> int:
     return value
 
 
+MAX_TOKENS = 1 << 30  # 1G tokens: 16x the largest global batches trained (16M-64M tokens)
+
+
+def token_count(text: str) -> int:
+    """An argparse ``type`` for a token-count flag (``parse_tokens``, at most ``MAX_TOKENS``):
+    a bad value is argparse's one-line error naming the flag."""
+    import argparse
+
+    try:
+        value = parse_tokens(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("token count ", "", 1)) from None
+    if value > MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected at most 1G tokens")
+    return value
+
+
 def sample_batch(workload: Workload | str, global_batch_tokens: int, rng: random.Random,
                  max_len: int | None = None) -> list[int]:
     """Documents drawn until the next one would overflow ``global_batch_tokens``.
@@ -165,21 +183,21 @@ def sample_batch(workload: Workload | str, global_batch_tokens: int, rng: random
         total += length
 
 
-def read_lengths(path: str | os.PathLike) -> list[int]:
-    """One positive integer length per line (blank lines and # comments skipped)."""
+def read_lengths(path: str | os.PathLike, what: str = "--lengths") -> list[int]:
+    """One positive integer length per line (blank lines and # comments skipped); ``what``:
+    the flag that named the file, for errors about it."""
     lengths = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            text = line.split("#", 1)[0].strip()
-            if not text:
-                continue
-            try:
-                value = int(text)
-            except ValueError:
-                raise ValueError(f"{path}:{lineno}: {text!r} is not an integer length") from None
-            if value <= 0:
-                raise ValueError(f"{path}:{lineno}: length {value} is invalid: expected >= 1")
-            lengths.append(value)
+    for lineno, line in enumerate(read_text(path, what).splitlines(), 1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"{path}:{lineno}: {text!r} is not an integer length") from None
+        if value <= 0:
+            raise ValueError(f"{path}:{lineno}: length {value} is invalid: expected >= 1")
+        lengths.append(value)
     if not lengths:
         raise ValueError(f"{path}: no lengths found (expected one integer per line)")
     return lengths

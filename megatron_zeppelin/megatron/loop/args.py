@@ -20,9 +20,8 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
-import yaml
-
 from megatron_zeppelin.config import ConfigError, ZeppelinConfig
+from megatron_zeppelin.config_yaml import load_yaml, read_text
 from megatron_zeppelin.options import Parser, add_flags, from_flags, yaml_defaults
 from megatron_zeppelin.parallel import PoolLayout
 from megatron_zeppelin.planner.registry import (add_option_flags, given_options, option_dests,
@@ -123,13 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def apply_yaml(parser: argparse.ArgumentParser, path: str) -> None:
     """Make the YAML file's values the parser's defaults (command-line flags still win)."""
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"--yaml-cfg {path!r} does not exist") from None
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"--yaml-cfg {path!r} cannot be read: {exc}") from None
+    data = load_yaml(read_text(path, "--yaml-cfg"), f"--yaml-cfg {path!r}")
     parser.set_defaults(**yaml_defaults(parser, data, path, ignore=("yaml_cfg",)))
 
 
