@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import pathlib
 import types
 import typing
@@ -253,12 +254,48 @@ def output_file(suffixes: Iterable[str] = (), exist_ok: bool = True):
     return parse
 
 
+def _unwritable(path: pathlib.Path) -> str | None:
+    """Why folder ``path`` (made if missing) cannot be written, or None: it, or the nearest
+    existing folder above it, is a file or not writable."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{str(probe)!r} is a file"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{str(probe)!r} is not writable"
+    return None
+
+
 def output_folder(text: str) -> str:
     """An argparse ``type`` for a folder the command writes into (made if missing): refused
-    before any work when it is a file."""
-    if pathlib.Path(text).exists() and not pathlib.Path(text).is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a file: expected a folder")
+    before any work when it, or the nearest existing folder above it, is a file or cannot be
+    written."""
+    reason = _unwritable(pathlib.Path(text))
+    if reason:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a folder ({reason})")
     return text
+
+
+def writable_folder(flag: str, text: str, file: str | None = None) -> pathlib.Path:
+    """``text`` as a folder the command will make (if missing) and write into (``file``: the
+    flag's value is that file of the folder), checked now without making anything:
+    ``ConfigError`` naming ``flag`` when it cannot be (``_unwritable``)."""
+    reason = _unwritable(pathlib.Path(text))
+    if reason is None:
+        return pathlib.Path(text)
+    expected = "a folder" if file is None else "a file in a folder that can be written"
+    raise ConfigError(f"{flag}={file or text!r} is invalid: expected {expected} ({reason})")
+
+
+def make_folder(flag: str, path: pathlib.Path) -> pathlib.Path:
+    """Make ``path`` (and its parents) if missing; ``ConfigError`` naming ``flag`` if not."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{flag}: cannot make the folder {str(path)!r}: "
+                          f"{exc.strerror or exc}") from None
+    return path
 
 
 class Parser(argparse.ArgumentParser):

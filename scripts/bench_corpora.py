@@ -29,7 +29,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from megatron_zeppelin.errors import ConfigError  # noqa: E402
+from megatron_zeppelin.options import (Parser, int_at_least, make_folder,  # noqa: E402
+                                       writable_folder)
 from megatron_zeppelin.sim.report import geomean  # noqa: E402
+
+PROG = "bench_corpora.py"
 
 BASELINE = "static"  # two-node TE CP: the paper's baseline, not a peer
 STRATEGIES = ("static", "zeppelin", "static-cp", "static-cp-best", "hybrid-dp",
@@ -56,8 +61,10 @@ def strategies() -> list[str]:
 def ensure_corpora(folder: Path) -> None:
     missing = [name for name in CORPUS_FLAGS if not (folder / f"{name}.idx").exists()]
     if missing:
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_corpora.py"), "--output",
-                        str(folder), "--corpus", *missing], check=True)
+        done = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_corpora.py"),
+                               "--output", str(folder), "--corpus", *missing])
+        if done.returncode:
+            raise SystemExit(f"{PROG}: make_corpora.py failed (exit status {done.returncode})")
 
 
 def measure(corpus: str, folder: Path, out: Path, args: argparse.Namespace) -> dict:
@@ -171,30 +178,84 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> str:
     return "\n".join(head + body + ["### Across corpora", ""] + summary(results)) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+SMOKE = {"iterations": 3, "warmup": 1, "rounds": 1}  # --smoke, and no tuning
+DEFAULTS = {"iterations": 12, "warmup": 2, "rounds": 3}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, their values and relations checked before any corpus is written or any run
+    starts (a bad one: ``ConfigError`` naming it)."""
+    p = Parser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--corpora", default=str(ROOT / "build" / "corpora"))
     p.add_argument("--corpus", nargs="+", default=list(CORPUS_FLAGS), choices=list(CORPUS_FLAGS))
     p.add_argument("--output", default=str(ROOT / "build" / "bench" / "corpora.md"))
-    p.add_argument("--iterations", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iterations", type=int_at_least(1), default=None,
+                   help=f"steps per run (default {DEFAULTS['iterations']})")
+    p.add_argument("--warmup", type=int_at_least(0), default=None,
+                   help=f"first steps of each run dropped, < --iterations (default "
+                        f"{DEFAULTS['warmup']})")
+    p.add_argument("--rounds", type=int_at_least(1), default=None,
+                   help=f"interleaved runs per strategy (default {DEFAULTS['rounds']})")
     p.add_argument("--no-tune", dest="tune", action="store_false")
     p.add_argument("--smoke", action="store_true", help="3 steps, 1 round, no tuning")
     p.add_argument("--best-peers", action="store_true",
                    help="zeppelin vs each corpus's fastest peers only (BEST_PEERS, tuned knobs "
                         "fixed, no sweep)")
     args = p.parse_args(argv)
-    if args.smoke:
-        args.iterations, args.warmup, args.rounds, args.tune = 3, 1, 1, False
-    folder, output = Path(args.corpora), Path(args.output)
+    for name, value in (SMOKE if args.smoke else DEFAULTS).items():
+        if args.smoke and getattr(args, name) is not None:
+            raise ConfigError(f"--{name}={getattr(args, name)} is invalid with --smoke (it "
+                              f"sets --{name} {value}): drop one of them")
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.tune = args.tune and not args.smoke
+    if args.warmup >= args.iterations:
+        raise ConfigError(f"--warmup={args.warmup} is invalid: expected < --iterations "
+                          f"{args.iterations} (at least one step is measured)")
+    twice = sorted({c for c in args.corpus if args.corpus.count(c) > 1})
+    if twice:
+        raise ConfigError(f"--corpus lists {', '.join(twice)} more than once: expected each "
+                          "corpus at most once")
+    if Path(args.output).is_dir():
+        raise ConfigError(f"--output={args.output!r} is a folder: expected a file path")
+    return args
+
+
+def check_runs(folder: Path, args: argparse.Namespace) -> None:
+    """The flags of every corpus's training runs, checked as ``bench train`` checks them (so
+    that ``--iterations`` the training flags refuse fails here, not after the corpora)."""
+    from megatron_zeppelin.bench.train import training_shape
+
+    for corpus in args.corpus:
+        try:
+            training_shape(["--data-path", str(folder / corpus), *CORPUS_FLAGS[corpus]],
+                           args.iterations)
+        except ValueError as exc:
+            raise ConfigError(f"--iterations={args.iterations} is invalid for the training "
+                              f"runs: {exc}") from None
+
+
+def run(args: argparse.Namespace) -> None:
+    folder = writable_folder("--corpora", args.corpora)
+    output = Path(args.output)
+    writable_folder("--output", str(output.parent), args.output)
+    check_runs(folder, args)
     ensure_corpora(folder)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    make_folder("--output", output.parent)
     results = {c: measure(c, folder, output.with_name(f"{output.stem}-{c}.json"), args)
                for c in args.corpus}
     text = report(results, args)
     output.write_text(text)
     print(text + f"\nwrote {output}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The measurement; bad input is one line on stderr and exit status 2, before any work."""
+    try:
+        run(parse_args(argv))
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

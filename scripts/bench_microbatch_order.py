@@ -15,13 +15,17 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
 
-from megatron_zeppelin.config import load_setup
+from megatron_zeppelin.config import load_cluster, load_hardware, load_model
 from megatron_zeppelin.cost_model import FWD_BWD_LINEAR, CostModel
-from megatron_zeppelin.megatron.loop.microbatch_order import Regrouper
+from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.options import Parser, int_at_least
 from megatron_zeppelin.planner.microbatches import idle_share
-from megatron_zeppelin.sim.workloads import get_workload
+from megatron_zeppelin.sim.workloads import WORKLOADS, get_workload
+
+PROG = "bench_microbatch_order.py"
 
 
 def arrival_batches(workload: str, seq_length: int, count: int, seed: int) -> list[list[int]]:
@@ -39,7 +43,7 @@ def arrival_batches(workload: str, seq_length: int, count: int, seed: int) -> li
     return out
 
 
-def timed(regroup: Regrouper, batches: list[list[list[int]]]) -> tuple[list[float], list]:
+def timed(regroup, batches: list[list[list[int]]]) -> tuple[list[float], list]:
     """Seconds of ``regroup`` on each global batch in turn (one Regrouper over the run, as in
     training: its cost function's cache warms up over the batches); the last grouping."""
     times, dealt = [], None
@@ -50,21 +54,52 @@ def timed(regroup: Regrouper, batches: list[list[list[int]]]) -> tuple[list[floa
     return times, dealt
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=[64, 128, 256, 512],
-                        help="micro-batches per global batch, all pools together")
-    parser.add_argument("--pools", type=int, default=2, help="data-parallel pools")
-    parser.add_argument("--pp", type=int, default=4, help="pipeline stages")
-    parser.add_argument("--cp", type=int, default=8, help="ranks of a pool (one node)")
-    parser.add_argument("--seq-length", type=int, default=32768)
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, every value checked before any work (a bad one: ``ConfigError``)."""
+    parser = Parser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--micro-batches", type=int_at_least(1), nargs="+",
+                        default=[64, 128, 256, 512],
+                        help="micro-batches per global batch, all pools together (each a "
+                             "multiple of --pools)")
+    parser.add_argument("--pools", type=int_at_least(1), default=2, help="data-parallel pools")
+    parser.add_argument("--pp", type=int_at_least(1), default=4, help="pipeline stages")
+    parser.add_argument("--cp", type=int_at_least(1), default=8,
+                        help="ranks of a pool (one node)")
+    parser.add_argument("--seq-length", type=int_at_least(1), default=32768)
     parser.add_argument("--model", default="llama-7b")
     parser.add_argument("--cluster", default="h200-8nic")
-    parser.add_argument("--workload", default="longtail")
-    parser.add_argument("--repeats", type=int, default=5, help="global batches per size")
+    parser.add_argument("--workload", default="longtail", choices=sorted(WORKLOADS))
+    parser.add_argument("--repeats", type=int_at_least(1), default=5,
+                        help="global batches per size")
     args = parser.parse_args(argv)
-    setup = load_setup(args.model, args.cluster, nodes=1)
-    cost = CostModel(setup.model, setup.cluster.with_topology(1, args.cp), setup.hardware)
+    for total in args.micro_batches:
+        if total % args.pools:
+            raise ConfigError(f"--micro-batches={total} is invalid: expected a multiple of "
+                              f"--pools {args.pools} (each pool runs the same number)")
+    return args
+
+
+def load(args: argparse.Namespace) -> CostModel:
+    """The cost model of ``--model`` on a pool of ``--cp`` ranks of ``--cluster``; a bad name
+    or file is ``ConfigError`` naming its flag."""
+    try:
+        model = load_model(args.model)
+    except ConfigError as exc:
+        raise ConfigError(f"--model={args.model!r}: {exc}") from None
+    try:
+        cluster = load_cluster(args.cluster, nodes=1)
+    except ConfigError as exc:
+        raise ConfigError(f"--cluster={args.cluster!r}: {exc}") from None
+    try:
+        cluster = cluster.with_topology(1, args.cp)
+    except ConfigError as exc:
+        raise ConfigError(f"--cp={args.cp} on --cluster {args.cluster}: {exc}") from None
+    return CostModel(model, cluster, load_hardware(cluster.hardware))
+
+
+def run(args: argparse.Namespace, cost: CostModel) -> None:
+    from megatron_zeppelin.megatron.loop.microbatch_order import Regrouper  # imports torch
+
     print(f"{args.model} on {args.cluster}, a pool of {args.cp} ranks, PP {args.pp}, "
           f"{args.pools} pool(s), {args.seq_length:,} tokens per micro-batch, {args.workload}")
     print("ms per global batch, median (max) over --repeats batches; first: the first batch")
@@ -90,5 +125,17 @@ def main(argv=None) -> None:
               f"{step * 1e3:>12.0f} {median / step:>15.2%}")
 
 
+def main(argv=None) -> int:
+    """The table; bad input is one line on stderr and exit status 2 (checked before any
+    work)."""
+    try:
+        args = parse_args(argv)
+        run(args, load(args))
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,8 +3,9 @@
 
 Known exceptions live in scripts/size_allowlist.txt, one a line:
 ``path[:function] <limit> # reason`` (the limit is today's size: growing past it fails too).
-Exit 1 when a file or function exceeds its limit and is not allowed; exit 0 otherwise.
-Usage: python scripts/check_sizes.py [--all]   (--all also prints the allowed ones)
+Exit 1 when a file or function exceeds its limit and is not allowed; exit 0 otherwise; exit 2
+on an argument other than these:
+Usage: python scripts/check_sizes.py [--all] [--help]   (--all also prints the allowed ones)
 """
 from __future__ import annotations
 
@@ -63,6 +64,14 @@ def allowed() -> dict[str, int]:
 
 
 def main(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:
+        print(__doc__.strip().splitlines()[-1])
+        return 0
+    unknown = [arg for arg in argv if arg != "--all"]
+    if unknown:
+        print(f"check_sizes.py: error: unrecognized argument {unknown[0]!r}: expected --all or "
+              "--help", file=sys.stderr)
+        return 2
     found, limits = sizes(), allowed()
     bad = [f"{key}: {n} lines (limit {limits.get(key, FILE_LINES if ':' not in key else FUNCTION_LINES)})"
            for key, n in sorted(found.items()) if n > limits.get(key, 0)]

@@ -32,6 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "scripts"))  # make_pipeline_report, benchmarks_report_tables
 
+from megatron_zeppelin.errors import ConfigError  # noqa: E402
+from megatron_zeppelin.options import (Parser, int_at_least, make_folder,  # noqa: E402
+                                       writable_folder)
 from megatron_zeppelin.sim import report  # noqa: E402
 from megatron_zeppelin.sim.sweep import (DEFAULT_TOKENS_PER_GPU,  # noqa: E402
                                          MAX_MEGATRON_SEQUENCES, Setting,
@@ -341,28 +344,46 @@ NARRATIVE = [
 ]
 
 
-def sweeps(args) -> tuple:
+def saved_sweeps(args) -> tuple | None:
+    """The sweeps saved in ``--results FILE`` when it exists (else None), read before any
+    work: a file that is not this script's saved sweeps is ``ConfigError`` naming the flag."""
+    if not args.results or not Path(args.results).exists():
+        return None
+    try:
+        out = pickle.loads(Path(args.results).read_bytes())
+    except Exception as exc:  # noqa: BLE001 - unpickling a foreign file raises anything
+        raise ConfigError(f"--results={args.results!r} is not the saved sweeps of this script: "
+                          f"{type(exc).__name__}: {exc}") from None
+    if not (isinstance(out, tuple) and len(out) == 4):
+        raise ConfigError(f"--results={args.results!r} is not the saved sweeps of this script: "
+                          f"expected 4 parts, got {type(out).__name__}")
+    return out
+
+
+def sweeps(args, saved: tuple | None) -> tuple:
     """The paper, ablation and 1024-GPU sweeps and the (wall, CPU) seconds they took; with
-    ``--results FILE``: read from FILE when it exists (a previous run's, to rewrite the report
-    only), else run and saved there."""
-    saved = Path(args.results) if args.results else None
-    if saved and saved.exists():
-        print(f"sweeps read from {saved} (not rerun)", file=sys.stderr)
-        return pickle.loads(saved.read_bytes())
+    ``--results FILE``: ``saved``, read from FILE when it exists (a previous run's, to rewrite
+    the report only), else run and saved there."""
+    if saved is not None:
+        print(f"sweeps read from {args.results} (not rerun)", file=sys.stderr)
+        return saved
     started = time.perf_counter()
     out = (sweep(paper_settings(args.quick, args.batches), MAIN, "paper", args.jobs),
            sweep(ablation_settings(args.quick, args.batches), ABLATION, "ablation", args.jobs),
            sweep(scale_settings(args.quick), MAIN, "1024 GPUs", args.jobs),
            (time.perf_counter() - started, cpu_seconds()))
-    if saved:
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        saved.write_bytes(pickle.dumps(out))
+    if args.results:
+        make_folder("--results", Path(args.results).parent)
+        Path(args.results).write_bytes(pickle.dumps(out))
     return out
 
 
-def main(argv=None) -> int:
-    """Run the sweeps, write the plots and the Markdown file."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+PROG = "make_benchmarks_report.py"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags (a bad value or an unknown flag: ``ConfigError`` naming it)."""
+    parser = Parser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--output", default=str(ROOT / "build" / "benchmarks" / "benchmarks.md"),
                         help="the Markdown report (its PNGs go to img/ next to it); default "
                         "build/benchmarks/benchmarks.md, outside the tracked files: pass "
@@ -371,25 +392,66 @@ def main(argv=None) -> int:
     parser.add_argument("--fidelity-json", default=None, metavar="FILE",
                         help="the JSON of `zeppelin bench fidelity --json FILE` (measured full "
                         "training steps vs the simulator), formatted into the report")
-    parser.add_argument("--batches", type=int, default=2, help="batches per paper setting")
+    parser.add_argument("--batches", type=int_at_least(1), default=2,
+                        help="batches per paper setting")
     parser.add_argument("--measured", default=None, help="the Markdown table of "
                         "scripts/bench_corpora.py, put first (measured before simulated)")
-    parser.add_argument("--jobs", type=int, default=1, help="settings run in this many "
-                        "processes at once (the same results; default 1)")
+    parser.add_argument("--jobs", type=int_at_least(1), default=1, help="settings run in this "
+                        "many processes at once (the same results; default 1)")
     parser.add_argument("--results", default=None, metavar="FILE", help="the sweeps' results: "
                         "read from FILE when it exists (the report rewritten without rerunning "
                         "them), else saved there after the sweeps")
-    args = parser.parse_args(argv)
-    if args.jobs < 1 or args.batches < 1:
-        parser.error(f"--jobs {args.jobs} / --batches {args.batches} is invalid: expected "
-                     "integers >= 1")
-    paper, ablation, scale, seconds = sweeps(args)
+    return parser.parse_args(argv)
+
+
+def read_inputs(args: argparse.Namespace) -> tuple[list[str], list[str], tuple | None]:
+    """(the fidelity section, the kept pipeline section, the saved sweeps): the input files
+    read and the output folders checked before any sweep; a bad one is ``ConfigError`` naming
+    its flag."""
+    for flag, path in (("--output", args.output), ("--results", args.results)):
+        if path and Path(path).is_dir():
+            raise ConfigError(f"{flag}={path!r} is a folder: expected a file path")
+    writable_folder("--output", str(Path(args.output).parent / "img"), args.output)
+    if args.results and not Path(args.results).exists():
+        writable_folder("--results", str(Path(args.results).parent), args.results)
+    read = [("--fidelity-json", args.fidelity_json, fidelity_section),
+            ("--measured", args.measured, measured_lines),
+            ("--output", args.output, lambda path: kept_sections(Path(path)))]
+    out = []
+    for flag, path, reader in read:
+        try:
+            out.append(reader(path))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{flag}={path!r} cannot be read: {describe(exc)}") from None
+    return out[0], out[2], saved_sweeps(args)
+
+
+def describe(exc: Exception) -> str:
+    """An exception as a short reason (an OSError without its path, a KeyError as its key)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    if isinstance(exc, KeyError):
+        return f"no key {exc}"
+    return str(exc) or type(exc).__name__
+
+
+def run(args: argparse.Namespace) -> None:
+    """Run the sweeps, write the plots and the Markdown file."""
+    fidelity_lines, kept, saved = read_inputs(args)
+    paper, ablation, scale, seconds = sweeps(args, saved)
     output = Path(args.output)
-    images = plots(paper, scale, ablation, output.parent / "img")
-    fidelity_lines = fidelity_section(args.fidelity_json)
-    kept = kept_sections(output)
+    images = plots(paper, scale, ablation, make_folder("--output", output.parent / "img"))
     write_document(output, paper, scale, ablation, images, fidelity_lines, seconds, args, kept)
     print(f"wrote {output} ({cpu_seconds():.0f} s CPU)", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    """The report; bad input is one line on stderr and exit status 2, before any sweep."""
+    try:
+        run(parse_args(argv))
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

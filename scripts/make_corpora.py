@@ -31,6 +31,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from megatron_zeppelin.errors import ConfigError  # noqa: E402
+from megatron_zeppelin.options import (Parser, int_at_least, make_folder,  # noqa: E402
+                                       writable_folder)
+
+PROG = "make_corpora.py"
+
 CORPORA = {"longtail": None, "arxiv": "arxiv", "prolong": "prolong64k"}  # name -> workload
 SCALE = 8
 
@@ -70,31 +76,55 @@ def write_corpus(prefix: Path, lengths: list[int]) -> int:
     return offset
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, every value checked before any corpus is drawn (a bad one: ConfigError)."""
+    from megatron_zeppelin.sim.workloads import token_count
+
+    p = Parser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--output", required=True, help="folder for NAME.bin / NAME.idx")
     p.add_argument("--corpus", nargs="+", default=list(CORPORA), choices=list(CORPORA))
-    p.add_argument("--tokens", default="4M", help="tokens per drawn corpus (arxiv, prolong)")
-    p.add_argument("--scale", type=int, default=SCALE, help="document lengths divided by this")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokens", type=token_count, default=None,
+                   help="tokens per drawn corpus (arxiv, prolong; default 4M)")
+    p.add_argument("--scale", type=int_at_least(1), default=None,
+                   help=f"drawn document lengths divided by this (default {SCALE})")
+    p.add_argument("--seed", type=int_at_least(0), default=None,
+                   help="seed of the drawn lengths (default 0)")
     args = p.parse_args(argv)
-    from megatron_zeppelin.sim.workloads import parse_tokens
+    twice = sorted({name for name in args.corpus if args.corpus.count(name) > 1})
+    if twice:
+        raise ConfigError(f"--corpus lists {', '.join(twice)} more than once: expected each "
+                          "corpus at most once")
+    drawn = [name for name in args.corpus if CORPORA[name] is not None]
+    for flag in ("tokens", "scale", "seed"):
+        if getattr(args, flag) is not None and not drawn:
+            raise ConfigError(f"--{flag}={getattr(args, flag)} is invalid with --corpus "
+                              f"{' '.join(args.corpus)}: it sets the drawn corpora (arxiv, "
+                              "prolong); longtail is the built-in corpus as it is")
+    args.tokens = 4 << 20 if args.tokens is None else args.tokens
+    args.scale = SCALE if args.scale is None else args.scale
+    args.seed = 0 if args.seed is None else args.seed
+    return args
 
-    try:
-        tokens = parse_tokens(args.tokens)
-    except ValueError as exc:
-        p.error(f"--tokens: {exc}")
-    if args.scale < 1:
-        p.error(f"--scale={args.scale} is invalid: expected an integer >= 1")
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
+
+def write_all(args: argparse.Namespace, out: Path) -> None:
     for name in args.corpus:
-        lengths = corpus_lengths(name, tokens, args.scale, args.seed)
+        lengths = corpus_lengths(name, args.tokens, args.scale, args.seed)
         written = write_corpus(out / name, lengths)
         ordered = sorted(lengths)
         print(f"{out / name}: {len(lengths):,} documents, {written:,} tokens; median "
               f"{ordered[len(ordered) // 2]:,}, p99 {ordered[int(0.99 * len(ordered))]:,}, "
               f"max {ordered[-1]:,} tokens per document", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the corpora; bad input is one line on stderr and exit status 2, before any."""
+    try:
+        args = parse_args(argv)
+        out = make_folder("--output", writable_folder("--output", args.output))
+        write_all(args, out)
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

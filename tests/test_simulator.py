@@ -221,7 +221,8 @@ def test_bad_inputs_name_the_value():
     (["--lengths", __file__, "--batches", "5"], "with --batches: the file is the batch"),
     (["--seed", "-1"], "argument --seed: -1 is invalid: expected an integer >= 0"),
     (["--compare-orders"], "--compare-orders applies only with --pp >= 2"),
-    (["--plot", __file__], "argument --plot: '" + __file__ + "' is a file: expected a folder"),
+    (["--plot", __file__ + "/sub"],  # a file above the folder
+     f"argument --plot: '{__file__}/sub' is invalid: expected a folder ('{__file__}' is a file)"),
     (["--global-batch-tokens", "-5"], "is invalid"),
     (["--strategies", "zeppelin", "warp"], "unknown strategy 'warp'"),
     (["--nodes", "0"], "argument --nodes: 0 is invalid"),
