@@ -39,7 +39,7 @@ def test_profile_uses_the_cost_models_flop_count(tmp_path):
     assert profile.kernel_overhead_us == 20.0 and profile.p2p_gbyte_per_s == 2.5
     loaded = load_hardware(write_yaml(profile, tmp_path / "hw.yaml", "test profile"))
     assert loaded == profile
-    cluster = build_cluster("cpu-test", "cpu-test", p2p)
+    cluster = build_cluster("cpu-test", str(tmp_path / "hw.yaml"), p2p)  # the written profile
     again = load_cluster(write_yaml(cluster, tmp_path / "cl.yaml", "test cluster"))
     assert again == cluster and again.nic_gbit_per_s == pytest.approx(20.0)
     assert (again.gpus_per_node, again.nics_per_node, again.nodes) == (2, 1, 2)

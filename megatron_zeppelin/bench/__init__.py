@@ -26,7 +26,8 @@ converge   a run started from a wrong profile reaches the right decisions by fit
 sharing    unequal work on ranks sharing the cores: measured makespan vs the estimate's
            shared_peak, the ideal schedule and fair sharing (sharing.py)
 
-``zeppelin calibrate`` (calibrate.py) measures this machine and writes a hardware profile;
+``zeppelin calibrate`` (calibrate.py, flags: calibrate_cli.py) measures this machine and writes
+a hardware profile;
 ``zeppelin calibrate-sim`` (calibrate_sim.py) the simulator's own profile (``configs/sim/``).
 This package is the top of the layer order: it may import every other layer.
 """
@@ -74,7 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     targets = p.add_subparsers(dest="target", required=True)
     for name in TARGETS:
         importlib.import_module(f"megatron_zeppelin.bench.{name}").register(targets)
-    from megatron_zeppelin.bench import calibrate, calibrate_sim
+    from megatron_zeppelin.bench import calibrate_cli, calibrate_sim
 
-    calibrate.register(sub)
+    calibrate_cli.register(sub)
     calibrate_sim.register(sub)

@@ -47,6 +47,7 @@ from megatron_zeppelin.bench.contention import (layer_work, measure_compute_scal
 from megatron_zeppelin.bench.p2p_link import fit_line, measure_p2p
 from megatron_zeppelin.bench.workers import run_forked
 from megatron_zeppelin.config import ModelSpec, load_model
+from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.sim.profile import SimProfile
 
 CALL_TOKENS = 16
@@ -387,10 +388,32 @@ def calibrate_sim(model_name: str, cluster: str, max_length: int) -> SimProfile:
     return replace(profile, ring_step_us=ring_us, token_host_ns=token_ns)
 
 
-def cmd_calibrate_sim(args) -> int:
-    from megatron_zeppelin.bench.calibrate import output_path
+DEFAULT_OUTPUT = "zeppelin-calibration/sim-cpu-2x2.yaml"
 
-    path = output_path(args.output, args.force, "simulator profile")
+
+def check_setup(model_name: str, cluster: str) -> None:
+    """``--model`` and ``--cluster`` load, and the cluster is the emulated one of ``RANKS``
+    ranks (ConfigError naming the flag) before anything is measured."""
+    from megatron_zeppelin.config import load_cluster
+
+    try:
+        load_model(model_name)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"--model={model_name!r} is invalid: {exc}") from None
+    try:
+        world = load_cluster(cluster).world_size
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"--cluster={cluster!r} is invalid: {exc}") from None
+    if world != RANKS:
+        raise ConfigError(f"--cluster={cluster!r} is invalid: expected an emulated cluster of "
+                          f"{RANKS} ranks (this machine runs them), it has {world}")
+
+
+def cmd_calibrate_sim(args) -> int:
+    from megatron_zeppelin.bench.calibrate_cli import output_path
+
+    path = output_path(args.output or DEFAULT_OUTPUT, args.force, "--output")
+    check_setup(args.model, args.cluster)
     started = time.perf_counter()
     profile = calibrate_sim(args.model, args.cluster, args.max_length)
     profile.to_yaml(path, "The simulator's own profile (megatron_zeppelin/sim/profile.py), "
@@ -406,13 +429,17 @@ def cmd_calibrate_sim(args) -> int:
 
 
 def register(sub) -> None:
+    from megatron_zeppelin.options import int_at_least, output_file
+
     c = sub.add_parser("calibrate-sim", help="measure this machine for the simulator's own "
                        "profile (configs/sim/)", description=__doc__)
     c.add_argument("--model", default="gpt-tiny", help="model YAML (name or path) whose shape "
                    "is measured")
     c.add_argument("--cluster", default="cpu-2x2", help="the emulated cluster (its name names "
                    "the profile)")
-    c.add_argument("--max-length", type=int, default=4096, help="longest attention length")
-    c.add_argument("--output", default="zeppelin-calibration/sim-cpu-2x2.yaml")
+    c.add_argument("--max-length", type=int_at_least(16), default=4096,
+                   help="longest attention length (at least 16)")
+    c.add_argument("--output", type=output_file(), default=None, metavar="FILE",
+                   help=f"where to write the profile (default {DEFAULT_OUTPUT})")
     c.add_argument("--force", action="store_true", help="overwrite --output")
     c.set_defaults(func=cmd_calibrate_sim)

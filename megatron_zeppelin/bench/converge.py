@@ -31,7 +31,8 @@ import statistics
 import tempfile
 from collections import Counter
 
-from megatron_zeppelin.options import require
+from megatron_zeppelin.bench.flags import port_number
+from megatron_zeppelin.options import int_at_least, number_at_least, output_file, require
 
 RUNS = ("right", "right-again", "wrong")
 TARGET_ITERATION = 20
@@ -172,15 +173,18 @@ def report(rows: list[dict], args: argparse.Namespace, logs: dict | None = None,
 def register(targets: argparse._SubParsersAction) -> None:
     p = targets.add_parser("converge", help="a run started from a wrong profile reaches the "
                            "right decisions by fitting online: by which iteration (CPU, 4 ranks)")
-    p.add_argument("--iterations", type=int, default=30)
-    p.add_argument("--interval", type=int, default=5, help="refit every N iterations")
-    p.add_argument("--attention", type=float, default=2.0,
+    p.add_argument("--iterations", type=int_at_least(1), default=30)
+    p.add_argument("--interval", type=int_at_least(1), default=5,
+                   help="refit every N iterations")
+    p.add_argument("--attention", type=number_at_least(0, exclusive=True), default=2.0,
                    help="the wrong start's attention rates: this many times too fast")
-    p.add_argument("--links", type=float, default=3.0, help="the wrong start's links: this "
-                   "many times too fast inside a node, too slow across nodes")
+    p.add_argument("--links", type=number_at_least(0, exclusive=True), default=3.0,
+                   help="the wrong start's links: this many times too fast inside a node, "
+                   "too slow across nodes")
     p.add_argument("--tolerance", type=float, default=0.1,
                    help="agreement this close to the floor counts as converged")
-    p.add_argument("--json", default="", help="write the windows here")
-    p.add_argument("--port", type=int, default=29751)
+    p.add_argument("--json", type=output_file(), default=None, metavar="FILE",
+                   help="write the windows here")
+    p.add_argument("--port", type=port_number(), default=29751)
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
     p.set_defaults(func=bench_converge)

@@ -187,6 +187,9 @@ def bench_decisions(args: argparse.Namespace) -> int:
             if getattr(args, name) != default:
                 raise ValueError(f"--{name}={getattr(args, name)} measures: --rejudge "
                                  f"{args.rejudge} takes the file's measurements (drop one)")
+        if args.json and Path(args.json).resolve() == Path(args.rejudge).resolve():
+            raise ValueError(f"--json={args.json} is invalid: it is the --rejudge file (the "
+                             "measurements would be overwritten); name another file")
         return report(rejudge(args.rejudge, args.extra), args, {"rejudged": args.rejudge})
     for name in ("batches", "stride", "repeats"):
         if getattr(args, name) < 1:
@@ -234,6 +237,9 @@ def _validate(argv: list[str]):
 
 
 def register(targets: argparse._SubParsersAction) -> None:
+    from megatron_zeppelin.bench.flags import port_number
+    from megatron_zeppelin.options import output_file
+
     p = targets.add_parser("decisions", help="the portfolio's pick vs every candidate "
                            "measured per micro-batch (CPU, 4 ranks)", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -247,12 +253,13 @@ def register(targets: argparse._SubParsersAction) -> None:
                    help="untimed rounds first")
     p.add_argument("--tolerance", type=float, default=0.05,
                    help="a pick within this fraction of the measured fastest is also counted")
-    p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
+    p.add_argument("--json", type=output_file(), default=None, metavar="FILE",
+                   help="write the results here")
     p.add_argument("--rejudge", default=None, metavar="FILE",
                    help="no training: re-estimate the candidates of a --json FILE's "
                    "micro-batches with the current model and judge them on its measurements "
                    "(training flags: the file's, or those given after --)")
-    p.add_argument("--port", type=int, default=MEASURING["port"],
+    p.add_argument("--port", type=port_number(free=True), default=MEASURING["port"],
                    help="the ranks' rendezvous port (0: a free one)")
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
     p.set_defaults(func=bench_decisions)

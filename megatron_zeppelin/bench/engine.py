@@ -93,14 +93,15 @@ class NoKernel:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="zeppelin bench engine", description=__doc__.split(
-        "\n\n")[0])
+    from megatron_zeppelin.options import Parser, int_at_least, number_at_least
+
+    parser = Parser(prog="zeppelin bench engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--lengths", default=None,
                         help="comma-separated sequence lengths (tokens) of the batch")
     parser.add_argument("--strategy", default="zeppelin",
                         help="planner strategy (zeppelin, static-cp, hybrid-dp, ...)")
-    parser.add_argument("--capacity-factor", type=float, default=1.05,
+    parser.add_argument("--capacity-factor", type=number_at_least(0), default=1.05,
                         help="capacity_tokens_per_gpu = factor x mean tokens per rank (small "
                              "values force rings); 0 lets the planner derive it")
     parser.add_argument("--heads", type=int, default=None)
@@ -109,14 +110,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--ranks", type=int, default=4,
                         help="CUDA: ranks sharing the one GPU (2 nodes x ranks/2)")
     parser.add_argument("--iters", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int_at_least(0), default=1)
     parser.add_argument("--forward-only", action="store_true", help="time the forward only")
     parser.add_argument("--ring-size", type=int, default=4, help="ring part: positions")
     parser.add_argument("--ring-lengths", default=None,
                         help="ring part: the group's sequence lengths (comma-separated)")
-    parser.add_argument("--max-local-ratio", type=float, default=None,
+    parser.add_argument("--max-local-ratio", type=number_at_least(0, True), default=None,
                         help="target: local-only engine / raw kernels (CUDA 1.10)")
-    parser.add_argument("--max-ring-ratio", type=float, default=None,
+    parser.add_argument("--max-ring-ratio", type=number_at_least(0, True), default=None,
                         help="target: ring path / raw kernels of its blocks (CUDA 1.5)")
     parser.add_argument("--parts", default=None, help=f"comma-separated, of {', '.join(PARTS)}")
     args = parser.parse_args(argv)
@@ -153,6 +154,22 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                      "integers")
     if args.heads % args.kv_heads:
         parser.error(f"--kv-heads={args.kv_heads} must divide --heads={args.heads}")
+    _check_plan(parser, args)
+
+
+def _check_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a bad ``--lengths`` or ``--strategy`` before any part runs."""
+    from megatron_zeppelin.planner import STRATEGIES
+
+    try:
+        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        parser.error(f"--lengths={args.lengths!r} is invalid: expected positive integers")
+    if args.strategy not in STRATEGIES:
+        parser.error(f"--strategy={args.strategy!r} is invalid: expected one of "
+                     f"{list(STRATEGIES)}")
 
 
 def make_bench_plan(args: argparse.Namespace, nodes: int = 1, gpus_per_node: int = 2):

@@ -221,14 +221,25 @@ def format_fidelity(report: FidelityReport) -> str:
     return "\n".join(lines)
 
 
+ENGINE_FLAGS = {"--batches": 2, "--tokens": 32 * 1024, "--seed": 0}  # --engine's, defaults
+
+
 def _cmd_fidelity(args) -> int:
-    """``zeppelin bench fidelity``: full training steps (default) or ``--engine`` alone."""
-    from megatron_zeppelin.bench.fidelity_train import bench_fidelity_train
-    from megatron_zeppelin.sim.workloads import parse_tokens
+    """``zeppelin bench fidelity``: full training steps (default) or ``--engine`` alone; a
+    flag of the other mode is refused (it would be ignored)."""
+    from megatron_zeppelin.bench import fidelity_train
+    from megatron_zeppelin.bench.flags import refuse_given
 
     if not args.engine:
-        return bench_fidelity_train(args)
-    report = run_fidelity(FidelityOptions(batches=args.batches, tokens=parse_tokens(args.tokens),
+        refuse_given(args, ENGINE_FLAGS, "without --engine")
+        return fidelity_train.bench_fidelity_train(args)
+    refuse_given(args, {**fidelity_train.MEASURING, "--sim-profile":
+                        fidelity_train.DEFAULT_SIM_PROFILE, "--calibrate": None, "--json": None,
+                        "--resimulate": None}, "with --engine")
+    if args.extra:
+        raise ValueError(f"training flags after -- ({' '.join(args.extra)}) are invalid with "
+                         "--engine: it trains nothing (drop them)")
+    report = run_fidelity(FidelityOptions(batches=args.batches, tokens=args.tokens,
                                           seed=args.seed))
     print(format_fidelity(report))
     return 0 if all(report.mean_abs_error(s) <= TARGET_ERROR
@@ -237,6 +248,8 @@ def _cmd_fidelity(args) -> int:
 
 def register(targets) -> None:
     from megatron_zeppelin.bench import fidelity_train
+    from megatron_zeppelin.options import int_at_least
+    from megatron_zeppelin.sim.workloads import token_count
 
     p = targets.add_parser("fidelity", help="measured full training steps (4 gloo ranks as 2 "
                            "nodes x 2) vs the simulator's step model, same micro-batches and "
@@ -246,9 +259,12 @@ def register(targets) -> None:
     fidelity_train.add_arguments(p)
     p.add_argument("--engine", action="store_true", help="time the attention engine alone "
                    f"(target {TARGET_ERROR * 100:.0f} percent) instead of full training steps")
-    p.add_argument("--batches", type=int, default=2, help="--engine: global batches")
-    p.add_argument("--tokens", default="32K", help="--engine: tokens per batch")
-    p.add_argument("--seed", type=int, default=0, help="--engine: batch seed")
+    p.add_argument("--batches", type=int_at_least(1), default=ENGINE_FLAGS["--batches"],
+                   help="--engine: global batches (default 2)")
+    p.add_argument("--tokens", type=token_count, default=ENGINE_FLAGS["--tokens"],
+                   help="--engine: tokens per batch (default 32K)")
+    p.add_argument("--seed", type=int_at_least(0), default=ENGINE_FLAGS["--seed"],
+                   help="--engine: batch seed (default 0)")
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags for the training runs "
                    "(after --)")
     p.set_defaults(func=_cmd_fidelity)

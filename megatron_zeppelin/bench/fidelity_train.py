@@ -26,10 +26,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_zeppelin.bench.flags import check_ports, port_number, refuse_given
+from megatron_zeppelin.options import output_file
+
 TARGET_ERROR = 0.15
 DEFAULT_SIM_PROFILE = "cpu-2x2"  # configs/sim/: the emulated cluster the runs train on
 DEFAULT_STRATEGIES = ("static,zeppelin,static-cp:zeppelin-cp-size=1,static-cp:zeppelin-cp-size=2,"
                       "hybrid-dp,hydraulis")
+# the flags of the training runs and their defaults (unused by --resimulate and --engine)
+MEASURING = {"--strategies": DEFAULT_STRATEGIES, "--iterations": 6, "--warmup": 2,
+             "--rounds": 2, "--port": 29651}
+# the keys of a --json file (``to_json``): the whole file's, and each strategy's
+SAVED_KEYS = ("strategies", "load_average", "target", "profile", "iterations", "warmup",
+              "rounds", "flags")
+ROW_KEYS = ("measured_s", "simulated_s", "chosen", "refused", "seqlens", "median_measured_s",
+            "median_simulated_s", "error", "spread")
 
 
 @dataclass
@@ -197,12 +208,7 @@ def resimulate(path: str, profile_name) -> tuple[list[StrategyFidelity], tuple[f
     today's step model; ValueError naming the file when a strategy's steps lack them."""
     from megatron_zeppelin.bench.train import parse_entry
 
-    try:
-        data = json.loads(Path(path).read_text())
-        rows = rows_from_json(data)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"--resimulate={path} is invalid: expected a `bench fidelity --json` "
-                         f"file ({exc})") from None
+    data, rows = read_saved(path)
     for row in rows:
         if row.measured_s and len(row.seqlens) != len(row.measured_s):
             raise ValueError(f"--resimulate={path}: strategy {row.label} has no micro-batch "
@@ -212,6 +218,63 @@ def resimulate(path: str, profile_name) -> tuple[list[StrategyFidelity], tuple[f
                                  int(data["iterations"]),
                                  [{"seqlens": step} for step in row.seqlens], profile_name)
     return rows, tuple(data.get("load_average", (0.0, 0.0)))
+
+
+def read_saved(path: str) -> tuple[dict, list[StrategyFidelity]]:
+    """(the data, the rows) of a ``--json`` file; ValueError naming ``--resimulate``, the
+    file and what is wrong: unreadable, a key ``to_json`` does not write (it would be
+    ignored), a missing one, no strategy."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"--resimulate={path} is invalid: {why} (expected a `bench fidelity "
+                          "--json` file)")
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise bad(str(exc)) from None
+    if not isinstance(data, dict) or not isinstance(data.get("strategies"), dict):
+        raise bad("no mapping 'strategies'")
+    for where, keys, allowed in [("", data, SAVED_KEYS)] + [
+            (f"strategy {label!r}: ", row, ROW_KEYS) for label, row in data["strategies"].items()
+            if isinstance(row, dict)]:
+        unknown = [k for k in keys if k not in allowed]
+        if unknown:
+            raise bad(f"{where}unknown key {unknown[0]!r}; valid keys: {list(allowed)}")
+    if not data["strategies"]:
+        raise bad("no strategies")
+    missing = [k for k in ("flags", "iterations") if k not in data]
+    if missing:
+        raise bad(f"no key {missing[0]!r}")
+    try:
+        return data, rows_from_json(data)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise bad(f"{type(exc).__name__}: {exc}") from None
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse bad or unused flags before anything runs (ValueError naming the flag)."""
+    from megatron_zeppelin.bench.train import parse_entries, training_shape
+
+    for name, value, least in (("--iterations", args.iterations, 1), ("--rounds", args.rounds, 1),
+                               ("--warmup", args.warmup, 0)):
+        if value < least:
+            raise ValueError(f"{name}={value} is invalid: expected an integer >= {least}")
+    if args.resimulate and args.json:
+        raise ValueError(f"--json={args.json} is invalid with --resimulate: the re-simulated "
+                         "report is printed, the measured file stays as it was")
+    if args.resimulate:
+        unless = f"with --resimulate {args.resimulate} (its runs, as they were measured)"
+        refuse_given(args, MEASURING, unless)
+        if args.extra:
+            raise ValueError(f"training flags after -- ({' '.join(args.extra)}) are invalid "
+                             f"{unless}: they would be ignored (drop them)")
+        return
+    parse_entries(args.strategies)
+    check_ports("--port", args.port, args.rounds)  # one world per round
+    training_shape(args.extra, args.iterations)
+    if args.warmup >= args.iterations:
+        raise ValueError(f"--warmup={args.warmup} is invalid: expected < --iterations "
+                         f"{args.iterations}")
 
 
 def calibrate_first(args: argparse.Namespace) -> None:
@@ -240,16 +303,7 @@ def calibrate_first(args: argparse.Namespace) -> None:
 def bench_fidelity_train(args: argparse.Namespace) -> int:
     from megatron_zeppelin.sim.profile import load_sim_profile
 
-    for name, value, least in (("--iterations", args.iterations, 1), ("--rounds", args.rounds, 1),
-                               ("--warmup", args.warmup, 0)):
-        if value < least:
-            raise ValueError(f"{name}={value} is invalid: expected an integer >= {least}")
-    if args.warmup >= args.iterations:
-        raise ValueError(f"--warmup={args.warmup} is invalid: expected < --iterations "
-                         f"{args.iterations}")
-    if args.resimulate and args.json:
-        raise ValueError(f"--json={args.json} is invalid with --resimulate: the re-simulated "
-                         "report is printed, the measured file stays as it was")
+    check_flags(args)
     if args.calibrate:
         calibrate_first(args)
     load_sim_profile(args.sim_profile)  # a bad profile is refused before any training
@@ -263,18 +317,23 @@ def bench_fidelity_train(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
+    p.add_argument("--strategies", default=MEASURING["--strategies"],
                    help="comma-separated NAME[:FLAG=VALUE...] as `bench train` takes them")
-    p.add_argument("--iterations", type=int, default=6, help="steps per run")
-    p.add_argument("--warmup", type=int, default=2, help="first steps of each run dropped")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved runs per strategy")
+    p.add_argument("--iterations", type=int, default=MEASURING["--iterations"],
+                   help="steps per run")
+    p.add_argument("--warmup", type=int, default=MEASURING["--warmup"],
+                   help="first steps of each run dropped")
+    p.add_argument("--rounds", type=int, default=MEASURING["--rounds"],
+                   help="interleaved runs per strategy")
     p.add_argument("--sim-profile", default=DEFAULT_SIM_PROFILE,
                    help="the simulator's profile (configs/sim/ name or YAML path)")
-    p.add_argument("--calibrate", default=None, metavar="FILE",
-                   help="run `zeppelin calibrate-sim` first (minutes), write its profile to "
-                   "FILE and judge with it instead of --sim-profile")
-    p.add_argument("--json", default=None, metavar="FILE", help="write every step here")
+    p.add_argument("--calibrate", type=output_file(), default=None,
+                   metavar="FILE", help="run `zeppelin calibrate-sim` first (minutes), write "
+                   "its profile to FILE and judge with it instead of --sim-profile")
+    p.add_argument("--json", type=output_file(), default=None, metavar="FILE",
+                   help="write every step here")
     p.add_argument("--resimulate", default=None, metavar="FILE",
                    help="train nothing: re-simulate the steps of a --json FILE under "
                    "--sim-profile and report against its measured steps")
-    p.add_argument("--port", type=int, default=29651)
+    p.add_argument("--port", type=port_number(), default=MEASURING["--port"],
+                   help="first rendezvous port (one per round, counting up)")

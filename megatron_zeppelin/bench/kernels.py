@@ -45,8 +45,9 @@ MODES = ("stream", "synced")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="zeppelin bench kernels",
-                                     description=__doc__.split("\n\n")[0])
+    from megatron_zeppelin.options import Parser, int_at_least, output_file
+
+    parser = Parser(prog="zeppelin bench kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--heads", type=int, default=None)
     parser.add_argument("--kv-heads", type=int, default=None)
@@ -59,10 +60,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="calls timed one by one, a device sync after each (median)")
     parser.add_argument("--max-ratio", type=float, default=None,
                         help="target: ours/raw per call at >= --ratio-from-tokens (CUDA 1.05)")
-    parser.add_argument("--ratio-from-tokens", type=int, default=4096)
+    parser.add_argument("--ratio-from-tokens", type=int_at_least(1), default=4096)
     parser.add_argument("--max-extra-us", type=float, default=None,
                         help="target: extra microseconds per call, every size (CUDA 20)")
-    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument("--json", type=output_file(), default=None, metavar="FILE",
+                        help="also write the figures to this file")
     args = parser.parse_args(argv)
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key) is None:

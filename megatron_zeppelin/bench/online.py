@@ -20,7 +20,8 @@ import argparse
 import statistics
 
 from megatron_zeppelin.bench.train import Entry, layout_line, run_entries, training_shape
-from megatron_zeppelin.options import require
+from megatron_zeppelin.bench.flags import check_ports, port_number
+from megatron_zeppelin.options import int_at_least, output_file, require
 
 
 def _ratio(logs: list[dict]) -> str:
@@ -34,7 +35,7 @@ def bench_online(args: argparse.Namespace) -> int:
             f"at least 2 x --interval = {2 * args.interval} (a refit, then iterations after it)")
     require(0 <= args.warmup < args.iterations, "--warmup", args.warmup,
             f"in [0, --iterations={args.iterations})")
-    require(args.repeats >= 1, "--repeats", args.repeats, "an integer >= 1")
+    check_ports("--port", args.port, args.repeats)  # one world per round
     ways = {"off": {"zeppelin-fit-interval": "0"},
             "measure": {"zeppelin-fit-interval": str(args.iterations + 1)},
             "fit": {"zeppelin-fit-interval": str(args.interval),
@@ -68,11 +69,14 @@ def bench_online(args: argparse.Namespace) -> int:
 def register(targets: argparse._SubParsersAction) -> None:
     p = targets.add_parser("online", help="online profile fit: probe overhead and estimate "
                            "error before/after (CPU, 4 ranks)")
-    p.add_argument("--iterations", type=int, default=16)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--interval", type=int, default=4, help="refit every N iterations (fit)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--profile-out", default=None, help="write the fitted profile here")
-    p.add_argument("--port", type=int, default=29711)
+    p.add_argument("--iterations", type=int_at_least(1), default=16)
+    p.add_argument("--warmup", type=int_at_least(0), default=2)
+    p.add_argument("--interval", type=int_at_least(1), default=4,
+                   help="refit every N iterations (fit)")
+    p.add_argument("--repeats", type=int_at_least(1), default=3)
+    p.add_argument("--profile-out", type=output_file(), default=None,
+                   metavar="FILE", help="write the fitted profile here (YAML)")
+    p.add_argument("--port", type=port_number(), default=29711,
+                   help="first rendezvous port (one per round, counting up)")
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
     p.set_defaults(func=bench_online)

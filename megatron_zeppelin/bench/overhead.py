@@ -36,9 +36,11 @@ import threading
 import time
 from pathlib import Path
 
-from megatron_zeppelin.bench.train import (RANKS, RUN_TIMEOUT_S, Entry, parse_entry, run_flags,
-                                           train_in_world)
+from megatron_zeppelin.bench.flags import check_ports, port_number
+from megatron_zeppelin.bench.train import (RANKS, RUN_TIMEOUT_S, Entry, parse_entries,
+                                           run_flags, train_in_world, training_shape)
 from megatron_zeppelin.bench.workers import free_port, run_spawned, training_rank_env
+from megatron_zeppelin.options import output_file
 
 TOP = 12
 
@@ -268,10 +270,7 @@ def profile_lines(label: str, rows: list[list], steps: int, reference: dict | No
 
 def check(args: argparse.Namespace) -> list[Entry]:
     """The entries of ``--strategies``; a bad flag refused naming it."""
-    entries = [parse_entry(s) for s in args.strategies.split(",") if s.strip()]
     args.profile = None if args.profile == "none" else args.profile
-    if not entries:
-        raise ValueError("--strategies: no strategy given")
     if args.iterations < 2 or not 0 <= args.warmup < args.iterations - 1:
         raise ValueError(f"--iterations {args.iterations} / --warmup {args.warmup}: expected "
                          "0 <= warmup < iterations - 1 (two steps measured at least)")
@@ -281,6 +280,9 @@ def check(args: argparse.Namespace) -> list[Entry]:
                             "overhead.py").is_file():
         raise ValueError(f"--before {args.before!r}: not a checkout with this benchmark "
                          "(megatron_zeppelin/bench/overhead.py missing)")
+    entries = parse_entries(args.strategies)
+    check_ports("--port", args.port, 2 * args.rounds + 1)  # one world per run, at most
+    training_shape(args.extra, args.iterations)
     return entries
 
 
@@ -396,8 +398,9 @@ def register(targets: argparse._SubParsersAction) -> None:
                    help="a checkout of this repository before the change to measure (with "
                         "this benchmark; its C++ extensions built): each round runs every "
                         "entry there too, interleaved; printed: CPU before -> after")
-    p.add_argument("--json", default=None, metavar="FILE", help="write the figures here")
-    p.add_argument("--port", type=int, default=None,
+    p.add_argument("--json", type=output_file(), default=None, metavar="FILE",
+                   help="write the figures here")
+    p.add_argument("--port", type=port_number(), default=None,
                    help="first rendezvous port of the runs (default: a free one per world)")
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
     p.set_defaults(func=bench_overhead)

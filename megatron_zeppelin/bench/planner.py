@@ -49,15 +49,14 @@ def bench_planner(args: argparse.Namespace) -> int:
     from megatron_zeppelin.sim.workloads import get_workload
 
     workload = get_workload(args.workload)
+    setups = [(gpus, documents, _setup(args, gpus, documents)) for gpus, documents in args.sizes]
     load = os.getloadavg()[0]
     print(f"plan time (median ms, runs), workload {workload.name}, model {args.model}, cluster "
           f"{args.cluster}; up to {args.repeats} runs within {args.budget:.0f} s per cell; load "
           f"average {load:.1f} on {os.cpu_count()} cores")
     heads = [f"{name}/{backend}" if name == "zeppelin" else name for name, backend in COLUMNS]
     print(f"{'GPUs x docs':>14} " + " ".join(f"{h:>16}" for h in heads))
-    for gpus, documents in args.sizes:
-        setup = load_setup(args.model, args.cluster, nodes=1)
-        setup = load_setup(args.model, args.cluster, nodes=gpus // setup.cluster.gpus_per_node)
+    for gpus, documents, setup in setups:  # every size checked before the first line
         cost = CostModel(setup.model, setup.cluster, setup.hardware)
         rng = random.Random(args.seed)
         lengths = [workload.draw(rng) for _ in range(documents)]
@@ -73,24 +72,39 @@ def bench_planner(args: argparse.Namespace) -> int:
     return 0
 
 
+def _setup(args: argparse.Namespace, gpus: int, documents: int):
+    """The setup of ``gpus`` GPUs of ``--cluster`` (whole nodes; ValueError naming --sizes)."""
+    per_node = load_setup(args.model, args.cluster, nodes=1).cluster.gpus_per_node
+    if gpus % per_node:
+        raise ValueError(f"--sizes {gpus}x{documents} is invalid: expected GPUs a multiple of "
+                         f"the {per_node} GPUs per node of {args.cluster}")
+    return load_setup(args.model, args.cluster, nodes=gpus // per_node)
+
+
 def _size(text: str) -> tuple[int, int]:
     try:
         gpus, documents = (int(x) for x in text.lower().split("x"))
     except ValueError:
+        gpus = documents = 0
+    if gpus < 1 or documents < 1:
         raise argparse.ArgumentTypeError(f"size {text!r} is invalid: expected GPUSxDOCUMENTS, "
-                                         "e.g. 1024x4096") from None
+                                         "both >= 1, e.g. 1024x4096")
     return gpus, documents
 
 
 def register(targets: argparse._SubParsersAction) -> None:
+    from megatron_zeppelin.options import int_at_least, number_at_least
+    from megatron_zeppelin.sim.workloads import WORKLOADS
+
     q = targets.add_parser("planner", help="plan time of every strategy, side by side")
     q.add_argument("--model", default="llama-7b")
     q.add_argument("--cluster", default="h200-8nic")
-    q.add_argument("--workload", default="github")
+    q.add_argument("--workload", choices=sorted(WORKLOADS), default="github")
     q.add_argument("--sizes", type=_size, nargs="+", default=list(SIZES),
                    help="GPUSxDOCUMENTS (default: 64x512 1024x4096 1024x38000)")
-    q.add_argument("--repeats", type=int, default=21)
-    q.add_argument("--budget", type=float, default=30.0,
+    q.add_argument("--repeats", type=int_at_least(1), default=21,
+                   help="runs per cell at most (default 21)")
+    q.add_argument("--budget", type=number_at_least(0), default=30.0,
                    help="seconds after which a cell is not run again")
-    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--seed", type=int_at_least(0), default=0)
     q.set_defaults(func=bench_planner)

@@ -148,9 +148,7 @@ def format_result(times: dict[str, list[float]], args) -> str:
 
 
 def _command(args) -> int:
-    for key in ("steps", "block", "documents", "layers", "hidden", "tokens"):
-        if getattr(args, key) < 1:
-            raise ValueError(f"--{key} {getattr(args, key)} is invalid: expected an integer >= 1")
+    _cost(args)  # a bad --model, --cluster or --nodes is refused before the plans are made
     print(format_result(run(args), args))
     return 0
 
@@ -158,15 +156,20 @@ def _command(args) -> int:
 def register(targets) -> None:
     p = targets.add_parser("planning", help="CPU training step with planning alongside (planner "
                            "process, worker thread) vs plans precomputed")
+    from megatron_zeppelin.options import int_at_least
+    from megatron_zeppelin.sim.workloads import WORKLOADS
+
+    count = int_at_least(1)
     p.add_argument("--model", default="llama-7b")
     p.add_argument("--cluster", default="h200-8nic")
-    p.add_argument("--nodes", type=int, default=128)
-    p.add_argument("--workload", default="github")
-    p.add_argument("--documents", type=int, default=4096, help="documents per global batch")
-    p.add_argument("--steps", type=int, default=30, help="measured steps per way")
-    p.add_argument("--block", type=int, default=5, help="measured steps per block")
-    p.add_argument("--layers", type=int, default=48)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--tokens", type=int, default=2048, help="tokens of rank 0 the step runs on")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nodes", type=count, default=128)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="github")
+    p.add_argument("--documents", type=count, default=4096, help="documents per global batch")
+    p.add_argument("--steps", type=count, default=30, help="measured steps per way")
+    p.add_argument("--block", type=count, default=5, help="measured steps per block")
+    p.add_argument("--layers", type=count, default=48)
+    p.add_argument("--hidden", type=count, default=256)
+    p.add_argument("--tokens", type=count, default=2048,
+                   help="tokens of rank 0 the step runs on")
+    p.add_argument("--seed", type=int_at_least(0), default=0)
     p.set_defaults(func=_command)

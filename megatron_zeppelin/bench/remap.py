@@ -44,7 +44,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_zeppelin.bench.train import RANKS, YAML, Entry, run_entries
+from megatron_zeppelin.bench.flags import check_ports, port_number
+from megatron_zeppelin.bench.train import RANKS, YAML, Entry, run_entries, training_shape
+from megatron_zeppelin.options import int_at_least, number_at_least, output_file
 from megatron_zeppelin.bench.workers import run_spawned
 
 SEQ, MICRO = 4096, 4 * 4096  # the YAML's --seq-length and one micro-batch's tokens
@@ -314,6 +316,9 @@ def line(f: dict) -> str:
 
 def bench_remap(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.settings.split(",") if n.strip()]
+    if not names or len(set(names)) < len(names):
+        raise ValueError(f"--settings={args.settings!r} is invalid: expected some of "
+                         f"{list(SETTINGS)}, each once")
     for n in names:
         if n not in SETTINGS:
             raise ValueError(f"--settings: unknown setting {n!r}: expected some of "
@@ -322,6 +327,8 @@ def bench_remap(args: argparse.Namespace) -> int:
                              ("--exchange-reps", args.exchange_reps, 1)):
         if value < low:
             raise ValueError(f"{flag}={value} is invalid: expected an integer >= {low}")
+    check_ports("--port", args.port, 1 + args.rounds * len(names))  # one world per run
+    training_shape(["--seed", str(args.seed)], args.iterations)  # the runs' shared flags
     if not 0 <= args.warmup < args.iterations:
         raise ValueError(f"--warmup={args.warmup} is invalid: expected 0 <= it < --iterations "
                          f"{args.iterations}")
@@ -358,12 +365,14 @@ def register(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--iterations", type=int, default=6, help="steps per run")
     p.add_argument("--warmup", type=int, default=2, help="first steps of each run dropped")
     p.add_argument("--rounds", type=int, default=3, help="interleaved runs per setting")
-    p.add_argument("--seed", type=int, default=1234, help="training seed (the corpora's "
-                   "order is designed for it)")
-    p.add_argument("--loss-rtol", type=float, default=1e-4,
+    p.add_argument("--seed", type=int_at_least(0), default=1234, help="training seed (the "
+                   "corpora's order is designed for it)")
+    p.add_argument("--loss-rtol", type=number_at_least(0), default=1e-4,
                    help="relative tolerance of the final losses' agreement (fp32)")
-    p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
+    p.add_argument("--json", type=output_file(), default=None, metavar="FILE",
+                   help="write the results here")
     p.add_argument("--exchange-reps", type=int, default=20,
                    help="timed remap exchange pairs per plan (module doc)")
-    p.add_argument("--port", type=int, default=29711)
+    p.add_argument("--port", type=port_number(), default=29711,
+                   help="first rendezvous port (one per spawned world, counting up)")
     p.set_defaults(func=bench_remap)

@@ -141,14 +141,18 @@ def _units(p: argparse.ArgumentParser, args) -> tuple[int, ...]:
 
 
 def run(argv: list[str]) -> dict:
-    p = argparse.ArgumentParser(prog="zeppelin bench rings", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_zeppelin.bench.flags import ExitParser
+    from megatron_zeppelin.options import output_file
+
+    p = ExitParser(prog="zeppelin bench rings", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--units", default="0,10,40,160", help="compute per round, in matmul units "
                    "(comma list, the first is the exchange alone: use 0)")
     p.add_argument("--rounds", type=int, default=40, help="rounds per measurement")
     p.add_argument("--repeats", type=int, default=3, help="repeats of the whole table")
     p.add_argument("--bytes", type=int, default=65536, help="bytes each rank sends per round")
-    p.add_argument("--json", default="", help="write the rows here")
+    p.add_argument("--json", type=output_file(), default=None, metavar="FILE",
+                   help="write the rows here")
     args = p.parse_args(argv)
     units = _units(p, args)
     load0 = os.getloadavg()[0]

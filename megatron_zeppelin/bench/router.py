@@ -127,15 +127,17 @@ def model_paper_step(cluster: str) -> str:
 
 def run(argv: Sequence[str] | None = None) -> None:
     """Print tables (a) and (b); see the module docstring. ``argv``: command-line options."""
-    parser = argparse.ArgumentParser(prog="zeppelin bench router", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=50, help="timing repeats (default 50)")
-    parser.add_argument("--nodes", type=int, nargs="+", default=[16, 128],
+    from megatron_zeppelin.options import Parser, int_at_least
+
+    parser = Parser(prog="zeppelin bench router", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int_at_least(1), default=50,
+                        help="timing repeats (default 50)")
+    parser.add_argument("--nodes", type=int_at_least(2), nargs="+", default=[16, 128],
                         help="node counts for table (a) (default 16 128)")
-    parser.add_argument("--seed", type=int, default=0, help="flow generator seed (default 0)")
+    parser.add_argument("--seed", type=int_at_least(0), default=0,
+                        help="flow generator seed (default 0)")
     args = parser.parse_args(argv)
-    if args.repeats < 1 or any(n < 2 for n in args.nodes):
-        parser.error(f"--repeats={args.repeats} must be >= 1 and --nodes={args.nodes} >= 2")
     print(f"(a) router time, ms (median of {args.repeats}; python: of "
           f"{max(1, args.repeats // 10)}); default backend: {backend_name()}")
     print(f"{'cluster':10s} {'nodes':>5s} {'flows':9s} {'count':>6s} {'cpp raw':>9s} "

@@ -96,12 +96,16 @@ def _check(p: argparse.ArgumentParser, args) -> tuple:
 def run(argv: list[str]) -> dict:
     from megatron_zeppelin.config import load_model
 
-    p = argparse.ArgumentParser(prog="zeppelin bench sharing", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_zeppelin.bench.flags import ExitParser
+    from megatron_zeppelin.options import output_file
+
+    p = ExitParser(prog="zeppelin bench sharing", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mixes", default=";".join(",".join(map(str, m)) for m in MIXES),
                    help="units of compute per rank, one mix per ';' (the first all equal)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats of each mix")
-    p.add_argument("--json", default="", help="write the rows here")
+    p.add_argument("--json", type=output_file(), default=None, metavar="FILE",
+                   help="write the rows here")
     args = p.parse_args(argv)
     mixes = _check(p, args)
     cores = len(os.sched_getaffinity(0))

@@ -31,7 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatron_zeppelin.bench.flags import check_ports, port_number
 from megatron_zeppelin.bench.workers import run_spawned, training_rank_env
+from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.options import int_at_least, number_at_least, output_file
 
 if TYPE_CHECKING:
     from megatron_zeppelin.parallel import PoolLayout
@@ -87,6 +90,26 @@ def parse_entry(text: str) -> Entry:
     if not name:
         raise ValueError(f"--strategies {text!r}: no strategy name")
     return Entry(name, options)
+
+
+def parse_entries(text: str) -> list[Entry]:
+    """``--strategies`` -> its entries: at least one, each a known strategy, none twice
+    (ValueError naming the flag)."""
+    from megatron_zeppelin.planner import dynamic_cp
+    from megatron_zeppelin.planner.registry import STRATEGIES
+
+    entries = [parse_entry(s) for s in text.split(",") if s.strip()]
+    if not entries:
+        raise ValueError(f"--strategies={text!r} is invalid: expected at least one strategy")
+    known = [STATIC, *STRATEGIES, dynamic_cp.NAME]
+    labels = [e.label for e in entries]
+    for e in entries:
+        if e.name not in known:
+            raise ValueError(f"--strategies: unknown strategy {e.name!r}: expected some of "
+                             f"{list(dict.fromkeys(known))}")
+        if labels.count(e.label) > 1:
+            raise ValueError(f"--strategies={text!r} is invalid: {e.label!r} is given twice")
+    return entries
 
 
 def _rank(rank: int, world: int, port: int, runs: list[list[str]], out: str) -> None:
@@ -210,8 +233,35 @@ def training_shape(extra: list[str], iterations: int) -> tuple[int, "PoolLayout"
     here first (a bad one is refused once, before any process starts)."""
     from megatron_zeppelin.megatron.loop import args as train_args
 
+    refuse_owned(extra)
     args = train_args.parse_args(run_flags(Entry(STATIC), iterations, extra))
+    warmup = args.lr_warmup_iters
+    if args.lr_decay_iters is None and warmup >= iterations:
+        if any(t.partition("=")[0] == "--lr-warmup-iters" for t in extra):
+            raise ConfigError(f"--lr-warmup-iters={warmup} is invalid: expected < --iterations "
+                              f"{iterations} (the steps of each run)")
+        raise ConfigError(f"--iterations={iterations} is invalid: expected an integer >= "
+                          f"{warmup + 1} (the runs warm the learning rate up over {warmup} "
+                          f"iterations: lr_warmup_iters of {YAML.name})")
     return args.seq_length, train_args.validate_args(args, RANKS, RANKS)
+
+
+# training flags the benchmarks set on every run themselves: given after --, refused
+OWNED = {"--train-iters": "pass --iterations",
+         "--log-interval": "the benchmark records every step itself",
+         "--log-json": "the benchmark records every step itself",
+         "--context-parallel-mode": "each run's mode is the benchmark's (--strategies)",
+         "--zeppelin-strategy": "each run's strategy is the benchmark's (--strategies)"}
+
+
+def refuse_owned(extra: list[str]) -> None:
+    """ConfigError naming a flag of ``extra`` that every run sets itself (``OWNED``): it
+    would be ignored."""
+    for token in extra:
+        flag = token.partition("=")[0]
+        if flag in OWNED:
+            raise ConfigError(f"{token} after -- is invalid: the benchmark sets {flag} on every "
+                              f"run ({OWNED[flag]})")
 
 
 def layout_line(layout: "PoolLayout") -> str:
@@ -304,23 +354,13 @@ def to_json(entries: list[Entry], args: argparse.Namespace) -> dict:
 
 
 def bench_train(args: argparse.Namespace) -> int:
-    from megatron_zeppelin.planner.registry import STRATEGIES
-    from megatron_zeppelin.planner import dynamic_cp
-
-    entries = [parse_entry(s) for s in args.strategies.split(",") if s.strip()]
-    known = {STATIC, *STRATEGIES, dynamic_cp.NAME}
-    for e in entries:
-        if e.name not in known:
-            raise ValueError(f"--strategies: unknown strategy {e.name!r}: expected some of "
-                             f"{[STATIC, *STRATEGIES]}")
-    for name, value in (("--iterations", args.iterations), ("--rounds", args.rounds)):
-        if value < 1:
-            raise ValueError(f"{name}={value} is invalid: expected an integer >= 1")
-    if not 0 <= args.warmup < args.iterations:
+    entries = parse_entries(args.strategies)
+    check_ports("--port", args.port, args.rounds + args.tune)  # one world per round, tuning
+    seq_length, layout = training_shape(args.extra, args.iterations)
+    if args.warmup >= args.iterations:
         raise ValueError(f"--warmup={args.warmup} is invalid: expected 0 <= it < --iterations "
                          f"{args.iterations}")
     runner = Runner(args)
-    seq_length, layout = training_shape(args.extra, args.iterations)
     print(f"tiny GPT ({YAML.name} + {' '.join(args.extra) or 'no flags'}), "
           f"{layout_line(layout)}; {args.rounds} interleaved round(s) of {args.iterations} "
           f"steps per strategy, first {args.warmup} of each dropped; same documents and seed "
@@ -343,14 +383,18 @@ def register(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--strategies", default="static,zeppelin",
                    help="comma-separated NAME[:FLAG=VALUE...]: static (static mode) or "
                         "registered strategies")
-    p.add_argument("--iterations", type=int, default=12, help="steps per run")
-    p.add_argument("--warmup", type=int, default=2, help="first steps of each run dropped")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved runs per strategy")
+    p.add_argument("--iterations", type=int_at_least(1), default=12, help="steps per run")
+    p.add_argument("--warmup", type=int_at_least(0), default=2,
+                   help="first steps of each run dropped")
+    p.add_argument("--rounds", type=int_at_least(1), default=3,
+                   help="interleaved runs per strategy")
     p.add_argument("--tune", action="store_true",
                    help="sweep each peer's own knob by measurement first (module doc)")
-    p.add_argument("--loss-rtol", type=float, default=1e-4,
+    p.add_argument("--loss-rtol", type=number_at_least(0), default=1e-4,
                    help="relative tolerance of the final losses' agreement (fp32)")
-    p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
-    p.add_argument("--port", type=int, default=29611)
+    p.add_argument("--json", type=output_file(), default=None, metavar="FILE",
+                   help="write the results here")
+    p.add_argument("--port", type=port_number(), default=29611,
+                   help="first rendezvous port (one per spawned world, counting up)")
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
     p.set_defaults(func=bench_train)

@@ -89,12 +89,17 @@ def plan_figures(plan, window: int | None) -> dict[str, int]:
 
 
 def bench_window(args: argparse.Namespace) -> int:
-    bad = [w for w in args.windows if w < 0]
-    if bad:
-        raise ValueError(f"--windows {bad[0]} is invalid: expected a window of >= 0 tokens")
     setup = load_setup(args.model, args.cluster, nodes=args.nodes)
     cost = CostModel(setup.model, setup.cluster, setup.hardware, 1)
+    world = setup.cluster.world_size
+    cp = world if args.cp is None else args.cp
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    if cp not in divisors:
+        raise ValueError(f"--cp={cp} is invalid: expected a divisor of the {world} GPUs of "
+                         f"{args.nodes} x {args.cluster}: one of {divisors}")
     lengths = sample_batch(args.workload, args.tokens, random.Random(args.seed))
+    plans = [(strategy, make_plan(strategy, lengths, cost, setup.zeppelin, **options))
+             for strategy, options in (("zeppelin", {}), ("static-cp", {"cp_size": cp}))]
     spec = setup.model
     token_bytes = 2 * spec.kv_heads * spec.head_dim * spec.bytes_per_element  # k and v
     print(f"{args.model} on {args.nodes} x {args.cluster}, {len(lengths)} documents "
@@ -102,8 +107,7 @@ def bench_window(args: argparse.Namespace) -> int:
           f"{token_bytes} bytes/token; ring groups only (LOCAL sequences have no ring)")
     print(f"{'strategy':>10} {'window':>7} {'pairs vs full':>14} {'steps skipped':>14} "
           f"{'whole blocks GB':>16} {'engine sends GB':>16}")
-    for strategy, options in (("zeppelin", {}), ("static-cp", {"cp_size": args.cp})):
-        plan = make_plan(strategy, lengths, cost, setup.zeppelin, **options)
+    for strategy, plan in plans:  # planned before the first line: a refusal prints nothing
         full = plan_figures(plan, None)
         for window in args.windows:
             got = plan_figures(plan, window)
@@ -117,13 +121,19 @@ def bench_window(args: argparse.Namespace) -> int:
 
 
 def register(targets: argparse._SubParsersAction) -> None:
+    from megatron_zeppelin.options import int_at_least
+    from megatron_zeppelin.sim.workloads import WORKLOADS, token_count
+
     p = targets.add_parser("window", help="sliding window: ring compute and KV relay saved")
     p.add_argument("--model", default="llama-7b")
     p.add_argument("--cluster", default="h200-8nic")
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--workload", default="github")
-    p.add_argument("--tokens", type=int, default=262144, help="tokens of the batch")
-    p.add_argument("--cp", type=int, default=16, help="static CP size")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--windows", type=int, nargs="+", default=[512, 4096])
+    p.add_argument("--nodes", type=int_at_least(1), default=2)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="github")
+    p.add_argument("--tokens", type=token_count, default=262144,
+                   help="tokens of the batch (256K, 2M; default 256K)")
+    p.add_argument("--cp", type=int_at_least(1), default=None,
+                   help="static CP size, a divisor of the GPUs (default: all of them)")
+    p.add_argument("--seed", type=int_at_least(0), default=0)
+    p.add_argument("--windows", type=int_at_least(0), nargs="+", default=[512, 4096],
+                   help="window sizes in tokens")
     p.set_defaults(func=bench_window)

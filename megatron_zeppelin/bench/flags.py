@@ -1,0 +1,80 @@
+"""Flag types and checks shared by the ``zeppelin bench`` targets and ``calibrate``: bad input
+is refused before any work, in one line naming the flag, its value and what is allowed (the
+argparse ``type``s raise ``ArgumentTypeError``: the ``options.Parser`` line; the checks
+``ConfigError``: exit status 2)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from typing import Any, Mapping
+
+from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.options import Parser
+
+MAX_PORT = 65535
+
+
+def port_number(free: bool = False):
+    """An argparse ``type`` for a rendezvous port, 1..65535 (0 too when ``free``: the command
+    picks a free one)."""
+    low = 0 if free else 1
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if not low <= value <= MAX_PORT:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is invalid: expected a TCP port {low}..{MAX_PORT}"
+                + (" (0: a free one)" if free else ""))
+        return value
+
+    parse.__name__ = "port"
+    return parse
+
+
+def check_ports(flag: str, first: int | None, count: int) -> None:
+    """ConfigError naming ``flag`` unless the ``count`` consecutive ports from ``first`` (one
+    per spawned world) are all ports (``first`` None or 0: free ports are picked)."""
+    if first and first + count - 1 > MAX_PORT:
+        raise ConfigError(f"{flag}={first} is invalid: expected at most {MAX_PORT - count + 1} "
+                          f"(the runs take {count} consecutive ports from it)")
+
+
+def int_list(minimum: int, what: str = "integers"):
+    """An argparse ``type`` for comma-separated integers ``>= minimum`` (at least one): the
+    tuple of them."""
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(x) for x in text.split(","))
+        except ValueError:
+            values = ()
+        if not values or min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected comma-separated "
+                                             f"{what} >= {minimum}, e.g. "
+                                             f"{minimum},{2 * max(minimum, 1)}")
+        return values
+
+    parse.__name__ = "integer list"
+    return parse
+
+
+def refuse_given(args: argparse.Namespace, defaults: Mapping[str, Any], unless: str) -> None:
+    """ConfigError naming the first flag of ``defaults`` (``--flag``: its default) whose value
+    in ``args`` is not its default: it would be ignored (``unless`` says why)."""
+    for flag, default in defaults.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value != default:
+            raise ConfigError(f"{flag}={value!r} is invalid {unless}: it would be ignored "
+                              "(drop it)")
+
+
+class ExitParser(Parser):
+    """A parser of a bench module run on its own argv: an error is one line on stderr and
+    ``SystemExit(2)`` (no usage block), whether or not ``zeppelin``'s entry point is above."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        print(f"zeppelin: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
