@@ -145,31 +145,32 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--parts={args.parts!r} is invalid on {args.device}: expected some of "
                      f"{', '.join(valid)}")
     args.parts = parts
-    try:
-        ring = [int(x) for x in args.ring_lengths.split(",") if x.strip()]
-    except ValueError:
-        ring = []
-    if not ring or min(ring) < 1:
-        parser.error(f"--ring-lengths={args.ring_lengths!r} is invalid: expected positive "
-                     "integers")
+    args.ring_lengths = _lengths(parser, "--ring-lengths", args.ring_lengths)
     if args.heads % args.kv_heads:
         parser.error(f"--kv-heads={args.kv_heads} must divide --heads={args.heads}")
     _check_plan(parser, args)
 
 
 def _check_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse a bad ``--lengths`` or ``--strategy`` before any part runs."""
+    """Refuse a bad ``--lengths`` or ``--strategy`` before any part runs (``args.lengths``
+    becomes the list)."""
     from megatron_zeppelin.planner import STRATEGIES
 
-    try:
-        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-    except ValueError:
-        lengths = []
-    if not lengths or min(lengths) < 1:
-        parser.error(f"--lengths={args.lengths!r} is invalid: expected positive integers")
+    args.lengths = _lengths(parser, "--lengths", args.lengths)
     if args.strategy not in STRATEGIES:
         parser.error(f"--strategy={args.strategy!r} is invalid: expected one of "
                      f"{list(STRATEGIES)}")
+
+
+def _lengths(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    """The comma-separated positive lengths ``text`` of ``flag``, or the parser's error."""
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        parser.error(f"{flag}={text!r} is invalid: expected positive integers")
+    return lengths
 
 
 def make_bench_plan(args: argparse.Namespace, nodes: int = 1, gpus_per_node: int = 2):
@@ -178,9 +179,7 @@ def make_bench_plan(args: argparse.Namespace, nodes: int = 1, gpus_per_node: int
     from megatron_zeppelin.cost_model import CostModel
     from megatron_zeppelin.planner import make_plan
 
-    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-    if not lengths or min(lengths) < 1:
-        raise ValueError(f"--lengths={args.lengths!r} is invalid: expected positive integers")
+    lengths = args.lengths  # parsed and checked by parse_args
     setup = load_setup("gpt-tiny", "h200-8nic", nodes=nodes)
     cluster = dataclasses.replace(setup.cluster, gpus_per_node=gpus_per_node,
                                   nics_per_node=gpus_per_node, gpu_to_nic=None)

@@ -117,7 +117,7 @@ def ring_vs_raw(args: argparse.Namespace) -> dict:
 
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" \
         else torch.device("cpu")
-    lengths = [int(x) for x in args.ring_lengths.split(",") if x.strip()]
+    lengths = list(args.ring_lengths)  # parsed and checked by engine.parse_args
     scale, size = args.head_dim ** -0.5, args.ring_size
     backend = "native" if device.type == "cuda" else "torch"
     layouts = [ZigzagLayout(lengths, size, p) for p in range(size)]
