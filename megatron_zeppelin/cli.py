@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Sequence
 from megatron_zeppelin.config import ConfigError, PipelineSpec, ZeppelinConfig, load_setup
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.limits import refuse_untrainable
-from megatron_zeppelin.options import (Parser, add_flags, from_flags, int_at_least,
-                                       output_file)
+from megatron_zeppelin.options import (Parser, add_flags, exit_status, from_flags,
+                                       int_at_least, output_file)
 
 if TYPE_CHECKING:
     from megatron_zeppelin.planner.registry import Strategy
@@ -226,16 +226,15 @@ def _extra_commands():
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``zeppelin`` command: bad input is one line on stderr and exit status 2."""
-    try:
+    def work() -> int:
         parser = build_parser()
         args, unknown = parser.parse_known_args(argv)
         if unknown and not getattr(args, "passthrough_flags", False):
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         args.passthrough = unknown
         return args.func(args)
-    except (ValueError, ConfigError, OSError) as exc:
-        print(f"zeppelin: error: {exc}", file=sys.stderr)
-        return 2
+
+    return exit_status("zeppelin", work)
 
 
 if __name__ == "__main__":

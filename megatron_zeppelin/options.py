@@ -26,6 +26,7 @@ import dataclasses
 import math
 import os
 import pathlib
+import sys
 import types
 import typing
 from typing import Any, Iterable, Mapping
@@ -296,6 +297,17 @@ def make_folder(flag: str, path: pathlib.Path) -> pathlib.Path:
         raise ConfigError(f"{flag}: cannot make the folder {str(path)!r}: "
                           f"{exc.strerror or exc}") from None
     return path
+
+
+def exit_status(prog: str, work: typing.Callable[[], int | None]) -> int:
+    """Run an entry point's ``work``; its status (0 for None), or 2 with bad input (a
+    ``ConfigError``, ``ValueError`` or ``OSError``) printed as one line on stderr."""
+    try:
+        status = work()
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0 if status is None else status
 
 
 class Parser(argparse.ArgumentParser):

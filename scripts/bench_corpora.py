@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from megatron_zeppelin.errors import ConfigError  # noqa: E402
-from megatron_zeppelin.options import (Parser, int_at_least, make_folder,  # noqa: E402
-                                       writable_folder)
+from megatron_zeppelin.options import (Parser, exit_status, int_at_least,  # noqa: E402
+                                       make_folder, writable_folder)
 from megatron_zeppelin.sim.report import geomean  # noqa: E402
 
 PROG = "bench_corpora.py"
@@ -251,12 +251,7 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The measurement; bad input is one line on stderr and exit status 2, before any work."""
-    try:
-        run(parse_args(argv))
-    except (ConfigError, ValueError, OSError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(PROG, lambda: run(parse_args(argv)))
 
 
 if __name__ == "__main__":

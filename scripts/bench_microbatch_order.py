@@ -21,7 +21,7 @@ import time
 from megatron_zeppelin.config import load_cluster, load_hardware, load_model
 from megatron_zeppelin.cost_model import FWD_BWD_LINEAR, CostModel
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.options import Parser, int_at_least
+from megatron_zeppelin.options import Parser, exit_status, int_at_least
 from megatron_zeppelin.planner.microbatches import idle_share
 from megatron_zeppelin.sim.workloads import WORKLOADS, get_workload
 
@@ -128,13 +128,11 @@ def run(args: argparse.Namespace, cost: CostModel) -> None:
 def main(argv=None) -> int:
     """The table; bad input is one line on stderr and exit status 2 (checked before any
     work)."""
-    try:
+    def work() -> None:
         args = parse_args(argv)
         run(args, load(args))
-    except (ConfigError, ValueError, OSError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+
+    return exit_status(PROG, work)
 
 
 if __name__ == "__main__":

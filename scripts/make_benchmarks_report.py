@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "scripts"))  # make_pipeline_report, benchmarks_report_tables
 
 from megatron_zeppelin.errors import ConfigError  # noqa: E402
-from megatron_zeppelin.options import (Parser, int_at_least, make_folder,  # noqa: E402
-                                       writable_folder)
+from megatron_zeppelin.options import (Parser, exit_status, int_at_least,  # noqa: E402
+                                       make_folder, writable_folder)
 from megatron_zeppelin.sim import report  # noqa: E402
 from megatron_zeppelin.sim.sweep import (DEFAULT_TOKENS_PER_GPU,  # noqa: E402
                                          MAX_MEGATRON_SEQUENCES, Setting,
@@ -447,12 +447,7 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> int:
     """The report; bad input is one line on stderr and exit status 2, before any sweep."""
-    try:
-        run(parse_args(argv))
-    except (ConfigError, ValueError, OSError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(PROG, lambda: run(parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from megatron_zeppelin.errors import ConfigError  # noqa: E402
-from megatron_zeppelin.options import (Parser, int_at_least, make_folder,  # noqa: E402
-                                       writable_folder)
+from megatron_zeppelin.options import (Parser, exit_status, int_at_least,  # noqa: E402
+                                       make_folder, writable_folder)
 
 PROG = "make_corpora.py"
 
@@ -118,14 +118,11 @@ def write_all(args: argparse.Namespace, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the corpora; bad input is one line on stderr and exit status 2, before any."""
-    try:
+    def work() -> None:
         args = parse_args(argv)
-        out = make_folder("--output", writable_folder("--output", args.output))
-        write_all(args, out)
-    except (ConfigError, ValueError, OSError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        write_all(args, make_folder("--output", writable_folder("--output", args.output)))
+
+    return exit_status(PROG, work)
 
 
 if __name__ == "__main__":
