@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -114,6 +115,14 @@ class _StrictLoader(yaml.SafeLoader):
                     None, None, f"key {key!r} is given twice", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+# YAML 1.2 floats that YAML 1.1 (PyYAML) reads as strings: ``3e-3``, ``1E5``, ``5.e-1`` (1.1
+# wants a dot and a signed exponent). Tried after PyYAML's own int and float patterns.
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
 
 
 def load_yaml(text: str, where: str) -> Any:

@@ -128,6 +128,28 @@ def master_address() -> tuple[str, int] | None:
     return (os.environ.get("MASTER_ADDR", "localhost"), port) if port is not None else None
 
 
+def check_rendezvous() -> None:
+    """What torch.distributed's ``env://`` rendezvous reads, checked (torchrun sets it; a
+    process started by hand must): WORLD_SIZE >= 1, RANK in [0, WORLD_SIZE), MASTER_ADDR set,
+    MASTER_PORT in [1, 65535]; a bad one is a ValueError naming the variable."""
+    world = _int("WORLD_SIZE")
+    if not world:
+        raise ValueError(f"environment variable WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} "
+                         "is invalid: expected an integer >= 1")
+    rank = _int("RANK")
+    if rank is None or rank >= world:
+        raise ValueError(f"environment variable RANK={os.environ.get('RANK')!r} is invalid: "
+                         f"expected an integer in [0, {world}) (WORLD_SIZE={world})")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name, "").strip():
+            raise ValueError(f"environment variable {name} is not set: torchrun sets it; a "
+                             "process started by hand must (the rendezvous address)")
+    port = _int("MASTER_PORT")
+    if port is None or not 1 <= port <= 65535:
+        raise ValueError(f"environment variable MASTER_PORT={os.environ['MASTER_PORT']!r} is "
+                         "invalid: expected a port number in [1, 65535]")
+
+
 def store_in_launcher() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
 

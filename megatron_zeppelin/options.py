@@ -186,6 +186,10 @@ def yaml_defaults(parser: argparse.ArgumentParser, data: Any, where: str,
         if dest not in actions or dest in ignore:
             valid = sorted(set(actions) - ignore)
             raise ConfigError(f"{where}: unknown key {key!r}; valid keys: {valid}")
+        if dest in values:
+            twin = next(k for k in data if str(k).replace("-", "_") == dest)
+            raise ConfigError(f"{where}: keys {twin!r} and {key!r} both set "
+                              f"{actions[dest].option_strings[0]}: keep one")
         values[dest] = check_value(actions[dest], value, f"{where}: {key}")
     return values
 
@@ -203,8 +207,9 @@ def check_value(action: argparse.Action, value: Any, what: str) -> Any:
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(f"{what}={value!r} is invalid: expected an integer")
     if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{what}={value!r} is invalid: expected a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value):
+            raise ConfigError(f"{what}={value!r} is invalid: expected a finite number")
         value = float(value)
     if kind in (None, str) and not isinstance(value, str):
         raise ConfigError(f"{what}={value!r} is invalid: expected a string")

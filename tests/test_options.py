@@ -91,19 +91,35 @@ def test_out_of_range_training_flags_are_refused_by_name(flags, match):
 
 
 @pytest.mark.parametrize("text,match", [
-    ("lr: fast\n", r"c\.yaml: lr='fast' is invalid: expected a number"),
+    ("lr: fast\n", r"c\.yaml: lr='fast' is invalid: expected a finite number"),
     ("num-layers: 2.5\n", r"c\.yaml: num-layers=2\.5 is invalid: expected an integer"),
     ("mock_data: yes please\n", r"c\.yaml: mock_data='yes please' is invalid: expected true"),
     ("zeppelin_overlong: trim\n", r"c\.yaml: zeppelin_overlong='trim' is invalid: expected one "
                                   r"of \['error', 'split', 'drop'\]"),
     ("- a list\n", r"c\.yaml: expected a mapping of flag names to values, got list"),
     ("yaml_cfg: other.yaml\n", r"unknown key 'yaml_cfg'"),
+    ("hidden_size: 64\nhidden-size: 32\n", r"c\.yaml: keys 'hidden_size' and 'hidden-size' both "
+                                          r"set --hidden-size: keep one"),
+    ("lr: .inf\n", r"c\.yaml: lr=inf is invalid: expected a finite number"),
+    ("lr: 1e400\n", r"c\.yaml: lr=inf is invalid: expected a finite number"),
 ])
 def test_yaml_values_are_type_checked_naming_the_file_and_key(tmp_path, text, match):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(text)
     with pytest.raises(ConfigError, match=match):
         train_args.parse_args(["--yaml-cfg", str(cfg)])
+
+
+def test_yaml_reads_exponent_floats_as_numbers(tmp_path):
+    """``3e-3`` is a float in YAML 1.2 and to every user; PyYAML (YAML 1.1) reads it as a
+    string, which the training flags then refused as "not a number"."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("lr: 3e-3\nmin_lr: 1E-5\nweight_decay: .5e-1\nadam_beta2: '9.5e-1'\n")
+    with pytest.raises(ConfigError, match=r"adam_beta2='9.5e-1' is invalid: expected a finite "):
+        train_args.parse_args(TRAIN + ["--yaml-cfg", str(cfg)])  # quoted: a string, as written
+    cfg.write_text("lr: 3e-3\nmin_lr: 1E-5\nweight_decay: .5e-1\nseed: 12\n")
+    args = train_args.parse_args(TRAIN + ["--yaml-cfg", str(cfg)])
+    assert (args.lr, args.min_lr, args.weight_decay, args.seed) == (3e-3, 1e-5, 0.05, 12)
 
 
 def test_yaml_sets_planner_options_by_their_training_flag_names(tmp_path):

@@ -188,3 +188,28 @@ def test_a_truncated_checkpoint_is_one_line_naming_the_file(tmp_path):
     assert re.search(rf"--load: checkpoint {tmp_path}/iter_0000001 is incomplete: "
                      rf"{shard.name} has \d+ bytes, \d+ expected", lines[0]), lines
     exits(load)
+
+
+def test_a_rank_that_never_joins_is_one_line_naming_the_rendezvous():
+    """A process started by hand with WORLD_SIZE=2 whose peer never comes: a bounded wait
+    (ZEPPELIN_P2P_TIMEOUT_S), then one line naming the rank, the rendezvous and the count that
+    joined, exit status 1 (a fault), no traceback (torch's DistStoreError before)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    environ = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "ZEPPELIN_P2P_TIMEOUT_S": "3"}
+    flags = [f if f != "4" or FLAGS[i - 1] != "--context-parallel-size" else "2"
+             for i, f in enumerate(FLAGS)]
+    done = subprocess.run([sys.executable, SCRIPT, *flags, "--train-iters", "1",
+                           "--zeppelin-watchdog-timeout", "1"], env=environ, text=True,
+                          capture_output=True, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert len(lines) == 1 and re.match(
+        rf"pretrain_gpt.py: error: rank 0: the 2 ranks did not all meet at the rendezvous "
+        rf"127.0.0.1:{port} within ZEPPELIN_P2P_TIMEOUT_S=3 s \(.*1/2 clients joined", lines[0]), \
+        done.stderr

@@ -60,6 +60,10 @@ def test_mock_data_and_data_path_together_are_refused(tmp_path):
     (["--save-interval", "0"], r"^--save-interval=0 is invalid: expected >= 1"),
     (["--exit-interval", "0"], r"^--exit-interval=0 is invalid: expected >= 1"),
     (["--zeppelin-watchdog-timeout", "-1"], r"^--zeppelin-watchdog-timeout=-1.0 is invalid"),
+    (["--hidden-size", "66"], r"^--hidden-size=66 is invalid: expected a multiple of "
+                              r"--num-attention-heads=4$"),
+    (["--num-query-groups", "3"], r"^--num-query-groups=3 is invalid: expected a divisor of "
+                                  r"--num-attention-heads=4$"),
     (["--tp", "0"], r"unrecognized arguments: --tp 0"),
     (["--lr-warmup", "2"], r"unrecognized arguments: --lr-warmup 2"),  # no abbreviations
 ])
@@ -77,6 +81,11 @@ def test_bad_training_flags_are_refused_by_name(flags, match):
     ("ZEPPELIN_P2P_TIMEOUT_S", "soon", r"ZEPPELIN_P2P_TIMEOUT_S='soon' is invalid"),
     ("ZEPPELIN_P2P_TIMEOUT_S", "10", r"--zeppelin-watchdog-timeout=20 is invalid: expected "
                                      r"fewer seconds than ZEPPELIN_P2P_TIMEOUT_S=10"),
+    ("ZEPPELIN_PLANNER_TIMEOUT_S", "-1", r"ZEPPELIN_PLANNER_TIMEOUT_S='-1' is invalid: expected "
+                                         r"a positive number of seconds"),
+    ("ZEPPELIN_PLANNER_BACKEND", "rust", r"ZEPPELIN_PLANNER_BACKEND='rust' is invalid"),
+    ("ZEPPELIN_REMAP_EXCHANGE", "ring", r"ZEPPELIN_REMAP_EXCHANGE='ring' is invalid: expected "
+                                        r"one of \['all-to-all', 'pairs'\]"),
 ])
 def test_bad_environment_variables_are_refused_before_training(monkeypatch, variable, value,
                                                                match):
@@ -117,6 +126,39 @@ def test_output_paths_are_checked(tmp_path):
         preflight.check(validated(BASE + ["--save", str(blocker / "ckpt")]))
     with pytest.raises(ConfigError, match=r"--log-json '.*': folder .*missing does not exist"):
         preflight.check(validated(BASE + ["--log-json", str(tmp_path / "missing" / "l.jsonl")]))
+    with pytest.raises(ConfigError, match=r"--log-json '.*' is a folder: expected a file"):
+        preflight.check(validated(BASE + ["--log-json", str(tmp_path)]))
+
+
+@pytest.mark.parametrize("flag,value,match", [
+    ("--zeppelin-cluster", "nope", r"^--zeppelin-cluster 'nope': unknown clusters config "
+                                   r"'nope'; shipped: \[.*'cpu-2x2'"),
+    ("--zeppelin-hardware", "missing.yaml", r"^--zeppelin-hardware 'missing.yaml': hardware "
+                                            r"config file 'missing.yaml' does not exist"),
+])
+def test_planner_files_are_checked_by_flag(flag, value, match):
+    with pytest.raises(ConfigError, match=match):
+        preflight.check(validated(BASE + [flag, value]))
+
+
+@pytest.mark.parametrize("variables,match", [
+    ({"MASTER_PORT": "abc"}, r"MASTER_PORT='abc' is invalid: expected a port number in "
+                             r"\[1, 65535\]"),
+    ({"MASTER_PORT": "99999"}, r"MASTER_PORT='99999' is invalid"),
+    ({"MASTER_ADDR": ""}, r"MASTER_ADDR is not set: torchrun sets it"),
+    ({"RANK": "4"}, r"RANK='4' is invalid: expected an integer in \[0, 4\) \(WORLD_SIZE=4\)"),
+    ({"WORLD_SIZE": "0"}, r"WORLD_SIZE='0' is invalid: expected an integer >= 1"),
+])
+def test_a_process_started_by_hand_needs_a_sound_rendezvous(monkeypatch, variables, match):
+    """What torchrun sets, set by hand: a bad one is one line naming it, before
+    torch.distributed reads it (it raised a traceback)."""
+    from megatron_zeppelin import env
+
+    base = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for name, value in {**base, **variables}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=match):
+        env.check_rendezvous()
 
 
 def test_overlong_error_is_checked_against_the_corpus():
@@ -162,6 +204,52 @@ def test_a_megatron_indexed_dataset_is_read_and_bad_ones_are_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"corpus.idx is not a Megatron index \(it starts "
                                           r"with b'garbagega', not b'MMIDIDX"):
         preflight.check(validated(flags))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_document(tmp_path):
+    """A corpus tokenized for another vocabulary: the piece that holds an id >= --vocab-size
+    (or < 0) is refused when read, naming the file, the document and the position (the
+    embedding's IndexError on every rank before)."""
+    prefix = tmp_path / "corpus"
+    indexed_dataset(prefix, [[1, 2, 3], [5, 300, 7], [4, -1]])
+    flags = [x for x in BASE if x != "--mock-data"] + ["--data-path", str(prefix)]
+    source = preflight.check(validated(flags)).source
+    assert source.tokens(0, 0, 3).tolist() == [1, 2, 3]
+    assert source.tokens(1, 0, 1).tolist() == [5]  # the piece read is checked, not the rest
+    with pytest.raises(ConfigError, match=r"--data-path '.*corpus': document 1 holds token id "
+                                          r"300 at position 1, outside \[0, --vocab-size 256\)"):
+        source.tokens(1, 0, 3)
+    with pytest.raises(ConfigError, match=r"document 2 holds token id -1 at position 1"):
+        source.tokens(2, 1, 2)
+    wide = validated(flags[:flags.index("--vocab-size")] + ["--vocab-size", "512"] +
+                     flags[flags.index("--vocab-size") + 2:])
+    assert preflight.check(wide).source.tokens(1, 0, 3).tolist() == [5, 300, 7]
+
+
+def test_empty_documents_are_skipped_and_counted(tmp_path):
+    """Zero-token documents (the planner refused them from the planner process, naming no
+    file) are passed over by the stream and counted in the banner's corpus line; a corpus of
+    nothing else is refused up front."""
+    from megatron_zeppelin.megatron.loop.corpus import (DocumentStream, check_overlong,
+                                                         describe_lengths)
+
+    prefix = tmp_path / "corpus"
+    indexed_dataset(prefix, [[1, 2, 3], [], [4, 5], []])
+    flags = [x for x in BASE if x != "--mock-data"] + ["--data-path", str(prefix)]
+    lengths = preflight.check(validated(flags)).source.lengths()
+    assert describe_lengths(lengths, 256).endswith("; 2 empty (0 tokens), skipped")
+    stream = DocumentStream(lengths, seed=0, max_len=256, overlong="split")
+    seen = []
+    for _ in range(6):
+        seen.append(stream.peek())
+        stream.advance()
+    assert {doc for doc, _, _ in seen} == {0, 2} and all(end > start for _, start, end in seen)
+    indexed_dataset(prefix, [[], []])
+    with pytest.raises(ConfigError, match=r"--data-path '.*corpus': .*corpus.bin is empty: "
+                                          r"the dataset holds no tokens"):
+        preflight.check(validated(flags))
+    with pytest.raises(ConfigError, match=r"^--data-path 'x': all 2 documents are empty"):
+        check_overlong([0, 0], 256, "split", "--data-path 'x'")
 
 
 # ----------------------------------------------------------------------------- checkpoints

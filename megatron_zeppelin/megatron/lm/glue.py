@@ -40,7 +40,7 @@ import torch
 
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError, ModelSpec, ZeppelinConfig
-from megatron_zeppelin.megatron.loop import args as train_args, fatal
+from megatron_zeppelin.megatron.loop import args as train_args, fatal, preflight
 from megatron_zeppelin.megatron.lm.features import refusals
 from megatron_zeppelin.options import dest_of, from_flags, settings
 from megatron_zeppelin.parallel import PoolLayout
@@ -83,6 +83,7 @@ def check_megatron_lm_args(args: argparse.Namespace) -> None:
     layout = pool_layout(args, env.local_world_size())
     args.zeppelin_gpus_per_node = layout.gpus_per_node
     train_args.planner_strategy(args, layout.cp)  # --zeppelin-strategy and its options
+    preflight.check_planner_files(args)  # --zeppelin-cluster, --zeppelin-hardware
 
 
 def pool_layout(args: argparse.Namespace, local_world_size: int | None = None) -> PoolLayout:

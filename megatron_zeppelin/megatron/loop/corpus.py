@@ -29,6 +29,7 @@ from dataclasses import asdict
 from functools import cached_property
 from typing import Protocol, Sequence
 
+import numpy
 import torch
 
 from megatron_zeppelin.config import ConfigError
@@ -118,9 +119,10 @@ class BuiltinCorpus:
 class IndexedDocuments:
     """Megatron's indexed dataset (``--data-path PREFIX`` for ``PREFIX.bin``/``PREFIX.idx``):
     each stored sequence is one document. A missing, garbage or truncated pair is refused with
-    a ``ConfigError`` naming the file."""
+    a ``ConfigError`` naming the file; so is a token id outside ``[0, vocab_size)``, found when
+    its piece is read (every piece read is checked unless the file's dtype cannot hold one)."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, vocab_size: int | None = None) -> None:
         for suffix in (".idx", ".bin"):
             if not os.path.isfile(prefix + suffix):
                 raise ConfigError(f"--data-path {prefix!r}: {prefix + suffix} does not exist "
@@ -128,6 +130,9 @@ class IndexedDocuments:
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         _check_index(prefix)
+        if os.path.getsize(prefix + ".bin") == 0:
+            raise ConfigError(f"--data-path {prefix!r}: {prefix}.bin is empty: the dataset holds "
+                              "no tokens")
         try:
             self.dataset = IndexedDataset(prefix)
             sizes = self.dataset.sequence_lengths
@@ -142,8 +147,11 @@ class IndexedDocuments:
         if actual < needed:
             raise ConfigError(f"--data-path {prefix!r}: {prefix}.bin has {actual} bytes, its "
                               f"index needs {needed}: the file is truncated")
-        self.name = f"indexed dataset {prefix}"
+        self.name, self.prefix = f"indexed dataset {prefix}", prefix
         self._lengths = [int(n) for n in sizes]
+        info = numpy.iinfo(self.dataset.index.dtype)
+        self.vocab_size = vocab_size if vocab_size is not None and (
+            info.max >= vocab_size or info.min < 0) else None
 
     def __len__(self) -> int:
         return len(self._lengths)
@@ -153,6 +161,15 @@ class IndexedDocuments:
 
     def tokens(self, index: int, start: int, end: int) -> torch.Tensor:
         array = self.dataset.get(index, offset=start, length=end - start)
+        if self.vocab_size is not None and len(array):
+            low, high = int(array.min()), int(array.max())
+            if low < 0 or high >= self.vocab_size:
+                bad = low if low < 0 else high
+                where = int(numpy.flatnonzero(array == bad)[0]) + start
+                raise ConfigError(f"--data-path {self.prefix!r}: document {index} holds token "
+                                  f"id {bad} at position {where}, outside [0, --vocab-size "
+                                  f"{self.vocab_size}): was it tokenized with another "
+                                  "tokenizer? (set --vocab-size to the tokenizer's)")
         return torch.from_numpy(array.astype("int64"))
 
 
@@ -179,9 +196,11 @@ def _check_index(prefix: str) -> None:
                           f"{sequences} sequences and {documents} documents take {expected})")
 
 
-def open_source(mock_data: bool, data_path: str | None) -> DocumentSource:
-    """The source of ``--mock-data`` / ``--data-path`` (validated: exactly one is set)."""
-    return BuiltinCorpus() if mock_data else IndexedDocuments(data_path)
+def open_source(mock_data: bool, data_path: str | None,
+                vocab_size: int | None = None) -> DocumentSource:
+    """The source of ``--mock-data`` / ``--data-path`` (validated: exactly one is set);
+    ``vocab_size``: token ids read from ``--data-path`` are checked against it."""
+    return BuiltinCorpus() if mock_data else IndexedDocuments(data_path, vocab_size)
 
 
 def describe_lengths(lengths: Sequence[int], max_len: int) -> str:
@@ -190,20 +209,26 @@ def describe_lengths(lengths: Sequence[int], max_len: int) -> str:
     total = sum(ordered)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
     longer = len(ordered) - bisect.bisect_right(ordered, max_len)
+    empty = bisect.bisect_right(ordered, 0)
+    skipped = f"; {empty:,} empty (0 tokens), skipped" if empty else ""
     return (f"{len(ordered):,} documents, {total:,} tokens; tokens per document: mean "
             f"{total / len(ordered):,.0f}, median {statistics.median(ordered):,.0f}, p99 "
-            f"{p99:,}, max {ordered[-1]:,}; {longer:,} longer than --seq-length {max_len:,}")
+            f"{p99:,}, max {ordered[-1]:,}; {longer:,} longer than --seq-length "
+            f"{max_len:,}{skipped}")
 
 
 def check_overlong(lengths: Sequence[int], max_len: int, policy: str, what: str) -> None:
     """Refuse up front what the stream would refuse later: with ``--zeppelin-overlong error``
-    any document longer than ``max_len``; with ``drop``, a corpus with nothing shorter."""
+    any document longer than ``max_len``; with ``drop``, a corpus with nothing shorter; a
+    corpus whose documents are all empty."""
     longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[longest] == 0:
+        raise ConfigError(f"{what}: all {len(lengths):,} documents are empty (0 tokens)")
     if policy == "error" and lengths[longest] > max_len:
         raise ConfigError(f"{what}: document {longest} has {lengths[longest]:,} tokens, more "
                           f"than --seq-length {max_len:,}; pass --zeppelin-overlong split (equal "
                           "pieces) or drop (counted)")
-    if policy == "drop" and min(lengths) > max_len:
+    if policy == "drop" and not any(0 < n <= max_len for n in lengths):
         raise ConfigError(f"{what}: every document is longer than --seq-length {max_len:,} and "
                           "--zeppelin-overlong drop would drop them all")
 
@@ -232,19 +257,22 @@ class DocumentStream:
         self._pieces: list[Piece] | None = None
 
     def _current(self) -> list[Piece]:
-        """The pieces of the document under the cursor (moving past dropped documents)."""
+        """The pieces of the document under the cursor (moving past dropped documents, and
+        past empty ones: they hold nothing to train on, and the banner counts them)."""
         skipped = 0
         while self._pieces is None:
             doc = self._order[self.index]
-            pieces = self._admit(doc, OverlongTally())  # counted when the cursor takes it
-            if pieces:
-                self._pieces = [(doc, start, end) for start, end in pieces]
-                break
-            self._admit(doc, self.stats)  # dropped: counted as the cursor passes it
+            if self.lengths[doc]:
+                pieces = self._admit(doc, OverlongTally())  # counted when the cursor takes it
+                if pieces:
+                    self._pieces = [(doc, start, end) for start, end in pieces]
+                    break
+                self._admit(doc, self.stats)  # dropped: counted as the cursor passes it
             skipped += 1
             if skipped > len(self.lengths):
-                raise ConfigError(f"--zeppelin-overlong drop drops every document: all "
-                                  f"are longer than --seq-length {self.max_len:,}")
+                raise ConfigError("no document can be trained on: each is empty or, with "
+                                  "--zeppelin-overlong drop, longer than --seq-length "
+                                  f"{self.max_len:,}")
             self._next_document()
         return self._pieces
 

@@ -6,6 +6,7 @@ rank 0, ``fatal.user_error``) instead of one rank failing while the others wait 
 
 * environment variables (``env.py``'s readers: backends, timeouts) and the watchdog bound
   against the P2P timeout;
+* the planner's cluster and hardware files (``--zeppelin-cluster``, ``--zeppelin-hardware``);
 * the device (CUDA visible for ``--device cuda``), optional packages (TensorBoard);
 * the corpus (the built-in one, or ``--data-path``'s index and data file) and the overlong
   policy against its longest document;
@@ -42,6 +43,9 @@ def check_environment(args: argparse.Namespace) -> None:
         env.attention_backend(kernels.choices())
         env.transport()
         env.router_backend()
+        env.planner_backend()
+        env.planner_timeout_s()
+        env.remap_exchange()
         p2p = env.p2p_timeout_s()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -66,6 +70,19 @@ def check_device_and_packages(args: argparse.Namespace) -> None:
                           "which is not installed: pip install 'megatron-zeppelin[tensorboard]'")
 
 
+def check_planner_files(args: argparse.Namespace) -> None:
+    """``--zeppelin-cluster`` and ``--zeppelin-hardware`` load (a bad one is named by flag)."""
+    from megatron_zeppelin.config import load_cluster, load_hardware
+
+    for flag, value, load in (("--zeppelin-cluster", args.zeppelin_cluster, load_cluster),
+                              ("--zeppelin-hardware", args.zeppelin_hardware, load_hardware)):
+        if value:
+            try:
+                load(value)
+            except ConfigError as exc:
+                raise ConfigError(f"{flag} {value!r}: {exc}") from None
+
+
 def check_outputs(args: argparse.Namespace) -> None:
     if args.save:
         try:
@@ -78,13 +95,19 @@ def check_outputs(args: argparse.Namespace) -> None:
         folder = os.path.dirname(os.path.abspath(args.log_json))
         if not os.path.isdir(folder):
             raise ConfigError(f"--log-json {args.log_json!r}: folder {folder} does not exist")
+        if os.path.isdir(args.log_json):
+            raise ConfigError(f"--log-json {args.log_json!r} is a folder: expected a file "
+                              "(one JSON line per iteration is appended to it)")
+        if not os.access(args.log_json if os.path.exists(args.log_json) else folder, os.W_OK):
+            raise ConfigError(f"--log-json {args.log_json!r}: not writable")
 
 
 def check(args: argparse.Namespace) -> Ready:
     """Run every check (``args`` already passed ``validate_args``)."""
     check_environment(args)
     check_device_and_packages(args)
-    source = open_source(args.mock_data, args.data_path)
+    check_planner_files(args)
+    source = open_source(args.mock_data, args.data_path, args.vocab_size or 256)
     what = "--mock-data" if args.mock_data else f"--data-path {args.data_path!r}"
     check_overlong(source.lengths(), args.seq_length, args.zeppelin_overlong, what)
     check_outputs(args)

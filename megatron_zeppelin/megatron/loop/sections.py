@@ -55,6 +55,13 @@ class ModelArgs:
                   "num_query_groups", "ffn_hidden_size", "vocab_size", "seq_length",
                   "mtp_num_layers")
         _at_least(self, 0, "mtp_loss_scaling_factor")
+        heads = self.num_attention_heads
+        if heads is not None and self.num_query_groups is not None:
+            require(heads % self.num_query_groups == 0, "model.num_query_groups",
+                    self.num_query_groups, f"a divisor of --num-attention-heads={heads}")
+        if heads is not None and self.hidden_size is not None:
+            require(self.hidden_size % heads == 0, "model.hidden_size", self.hidden_size,
+                    f"a multiple of --num-attention-heads={heads}")
 
     def mtp_fields(self) -> dict:
         """The ``TransformerConfig`` fields of multi-token prediction (none without it)."""

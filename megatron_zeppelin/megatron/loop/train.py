@@ -24,7 +24,7 @@ from megatron_zeppelin import api, env
 from megatron_zeppelin.config import ConfigError, ModelSpec, load_cluster, load_hardware
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.megatron.loop import (args as train_args, checkpoint, microbatch_order,
-                                              pipeline, preflight)
+                                              fatal, pipeline, preflight)
 from megatron_zeppelin.megatron.common.core_attention import ZeppelinAttentionState, planning_hardware
 from megatron_zeppelin.megatron.loop.corpus import DocumentSource, MicroBatchSampler
 from megatron_zeppelin.megatron.common.data import ZeppelinDataIterator
@@ -305,11 +305,17 @@ def init_process_group(args: argparse.Namespace) -> None:
     """gloo on CPU; on CUDA this process's GPU (torchrun's LOCAL_RANK) is made current
     first, so that NCCL binds every communicator to it."""
     timeout = datetime.timedelta(seconds=env.p2p_timeout_s())
-    if args.device == "cpu":
-        dist.init_process_group("gloo", timeout=timeout)
-        return
-    torch.cuda.set_device(env.local_rank())  # preflight checked it is a GPU of this node
-    dist.init_process_group("nccl", timeout=timeout)
+    if args.device == "cuda":
+        torch.cuda.set_device(env.local_rank())  # preflight checked it is a GPU of this node
+    try:
+        dist.init_process_group("gloo" if args.device == "cpu" else "nccl", timeout=timeout)
+    except (dist.DistStoreError, dist.DistNetworkError) as exc:  # a rank or a store never came
+        host, port = env.master_address()
+        fatal.fault(f"the {env.world_size()} ranks did not all meet at the rendezvous "
+                    f"{host}:{port} within ZEPPELIN_P2P_TIMEOUT_S={timeout.seconds} s "
+                    f"({str(exc).strip().splitlines()[0]}); start WORLD_SIZE processes in "
+                    "all (torchrun --nnodes x --nproc-per-node), each with this MASTER_ADDR and "
+                    "MASTER_PORT")
 
 
 def setup_megatron(args: argparse.Namespace) -> None:
@@ -448,6 +454,10 @@ def main(argv=None) -> int:
     if not env.launched_by_torchrun():
         raise ConfigError("launch with torchrun (it sets RANK/WORLD_SIZE), e.g. torchrun "
                           "--nproc-per-node 4 scripts/pretrain_gpt.py --yaml-cfg ...")
+    try:
+        env.check_rendezvous()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     layout = train_args.validate_args(args, env.world_size(), env.local_world_size())
     ready = preflight.check(args)
     init_process_group(args)
