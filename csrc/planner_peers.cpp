@@ -40,8 +40,9 @@ i64 fewest_ranks(const Problem& pb, i64 seqlen, i64 capacity) {
     if (zigzag_share_bound(seqlen, k) <= capacity) return k;
   }
   throw CapacityError{"a sequence of " + std::to_string(seqlen) +
-                      " tokens does not fit the pool at " + std::to_string(capacity) +
-                      " tokens per rank"};
+                      " tokens does not fit the pool of " + std::to_string(pb.nodes * pb.gpn) +
+                      " ranks at " + std::to_string(capacity) +
+                      " tokens per rank (--max-seqlen-per-dp-cp-rank): raise it"};
 }
 
 // baselines._least_loaded_block: first rank of the block, -1 if none.

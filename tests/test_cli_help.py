@@ -35,6 +35,23 @@ def test_plan_refuses_bad_input_before_planning(argv, message, capsys):
     assert message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("strategy", ["hybrid-dp", "megatron-hybrid-cp"])
+@pytest.mark.parametrize("backend", ["cpp", "python"])
+def test_a_per_rank_limit_too_small_for_the_longest_document_names_the_flag(
+        strategy, backend, tmp_path, capsys, monkeypatch):
+    """megatron-hybrid-cp handed such a batch to megatron-core's scheduler, which asserted (a
+    traceback); both strategies now say which document, the pool and the flag to raise."""
+    monkeypatch.setenv("ZEPPELIN_PLANNER_BACKEND", backend)
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("50\n2\n2\n")
+    assert cli.main(["plan", "--model", "gpt-tiny", "--cluster", "cpu-2x2", "--lengths",
+                     str(lengths), "--strategy", strategy, "--max-seqlen-per-dp-cp-rank",
+                     "10"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("zeppelin: error: a sequence of 50 tokens does not fit the pool of 4 ranks "
+                   "at 10 tokens per rank (--max-seqlen-per-dp-cp-rank): raise it\n"), err
+
+
 def test_a_binary_lengths_file_is_named(tmp_path, capsys):
     path = tmp_path / "lengths.bin"
     path.write_bytes(b"\xa4\xff\x00")

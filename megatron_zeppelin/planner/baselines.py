@@ -277,8 +277,9 @@ def _fewest_ranks(seqlen: int, capacity: int, topo: Topology) -> int:
         k = nodes * topo.gpus_per_node
         if zigzag_share_bound(seqlen, k) <= capacity:
             return k
-    raise CapacityError(f"a sequence of {seqlen} tokens does not fit the pool at "
-                        f"{capacity} tokens per rank")
+    raise CapacityError(f"a sequence of {seqlen} tokens does not fit the pool of "
+                        f"{topo.world_size} ranks at {capacity} tokens per rank "
+                        "(--max-seqlen-per-dp-cp-rank): raise it")
 
 
 def _least_loaded_block(loads: list[float], tokens: list[int], room: int, k: int,
@@ -327,9 +328,15 @@ def plan_megatron_hybrid_cp(seqlens: Sequence[int], cost: CostModel, config: Zep
 
     batch = prepare(seqlens, cost.cluster.topology(cost.tp), config)
     per_rank = max_seqlen_per_rank or default_max_seqlen_per_rank(batch)
+    _fewest_ranks(max(batch.seqlens), per_rank, batch.topology)  # the longest fits, or says so
     scheduler = BalancedCPScheduler(max_seq_len_per_rank=per_rank,
                                     dp_cp_group=_PoolGroup(batch.topology.world_size))
-    _, id_groups = scheduler.get_groups_and_subsamples(list(enumerate(batch.seqlens)), None)
+    try:
+        _, id_groups = scheduler.get_groups_and_subsamples(list(enumerate(batch.seqlens)), None)
+    except AssertionError as exc:  # its own limits, asserted
+        raise CapacityError(f"megatron-hybrid-cp: megatron-core's BalancedCPScheduler refused "
+                            f"{len(batch.seqlens)} sequences at {per_rank} tokens per rank "
+                            f"(--max-seqlen-per-dp-cp-rank): {str(exc).strip()}") from None
     return plan_from_waves("megatron-hybrid-cp", batch, id_groups)
 
 
