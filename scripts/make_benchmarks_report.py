@@ -344,20 +344,36 @@ NARRATIVE = [
 ]
 
 
+SWEEP_FLAGS = {"quick": False, "batches": 2}  # what the sweeps were run with (their defaults)
+
+
 def saved_sweeps(args) -> tuple | None:
     """The sweeps saved in ``--results FILE`` when it exists (else None), read before any
-    work: a file that is not this script's saved sweeps is ``ConfigError`` naming the flag."""
+    work: a file that is not this script's saved sweeps is ``ConfigError`` naming the flag;
+    so is a sweep flag (``--quick``, ``--batches``, ``--jobs``) the saved sweeps were not run
+    with, as they are not rerun. ``args`` takes the saved ``--quick``/``--batches``."""
     if not args.results or not Path(args.results).exists():
         return None
     try:
-        out = pickle.loads(Path(args.results).read_bytes())
+        saved = pickle.loads(Path(args.results).read_bytes())
     except Exception as exc:  # noqa: BLE001 - unpickling a foreign file raises anything
         raise ConfigError(f"--results={args.results!r} is not the saved sweeps of this script: "
                           f"{type(exc).__name__}: {exc}") from None
-    if not (isinstance(out, tuple) and len(out) == 4):
-        raise ConfigError(f"--results={args.results!r} is not the saved sweeps of this script: "
-                          f"expected 4 parts, got {type(out).__name__}")
-    return out
+    if not (isinstance(saved, dict) and set(saved) == {*SWEEP_FLAGS, "sweeps"} and
+            isinstance(saved["sweeps"], tuple) and len(saved["sweeps"]) == 4):
+        raise ConfigError(f"--results={args.results!r} is not the saved sweeps of this script "
+                          f"(or was saved by an older version of it: delete it to rerun)")
+    given = {"quick": args.quick or None, "batches": args.batches}
+    for flag, value in given.items():
+        if value is not None and value != saved.get(flag, value):
+            raise ConfigError(f"--{flag}={value} is invalid with --results={args.results!r}: "
+                              f"its sweeps were run with --{flag}={saved[flag]} and are read, "
+                              "not rerun (drop the flag, or delete the file to rerun)")
+    if args.jobs != 1:
+        raise ConfigError(f"--jobs={args.jobs} is invalid with --results={args.results!r}: "
+                          "the saved sweeps are read, not rerun (drop --jobs)")
+    args.quick, args.batches = saved["quick"], saved["batches"]
+    return saved["sweeps"]
 
 
 def sweeps(args, saved: tuple | None) -> tuple:
@@ -374,7 +390,8 @@ def sweeps(args, saved: tuple | None) -> tuple:
            (time.perf_counter() - started, cpu_seconds()))
     if args.results:
         make_folder("--results", Path(args.results).parent)
-        Path(args.results).write_bytes(pickle.dumps(out))
+        saved = {"quick": args.quick, "batches": args.batches, "sweeps": out}
+        Path(args.results).write_bytes(pickle.dumps(saved))
     return out
 
 
@@ -392,8 +409,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fidelity-json", default=None, metavar="FILE",
                         help="the JSON of `zeppelin bench fidelity --json FILE` (measured full "
                         "training steps vs the simulator), formatted into the report")
-    parser.add_argument("--batches", type=int_at_least(1), default=2,
-                        help="batches per paper setting")
+    parser.add_argument("--batches", type=int_at_least(1), default=None,
+                        help=f"batches per paper setting (default {SWEEP_FLAGS['batches']})")
     parser.add_argument("--measured", default=None, help="the Markdown table of "
                         "scripts/bench_corpora.py, put first (measured before simulated)")
     parser.add_argument("--jobs", type=int_at_least(1), default=1, help="settings run in this "
@@ -438,6 +455,8 @@ def describe(exc: Exception) -> str:
 def run(args: argparse.Namespace) -> None:
     """Run the sweeps, write the plots and the Markdown file."""
     fidelity_lines, kept, saved = read_inputs(args)
+    if saved is None:
+        args.batches = args.batches or SWEEP_FLAGS["batches"]
     paper, ablation, scale, seconds = sweeps(args, saved)
     output = Path(args.output)
     images = plots(paper, scale, ablation, make_folder("--output", output.parent / "img"))

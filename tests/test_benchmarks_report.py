@@ -32,3 +32,19 @@ def test_the_pipeline_section_of_the_previous_report_is_kept(tmp_path):
                    "### Hand-written findings\n- one\n\n")
     assert script.kept_sections(old) == [BEGIN, "## Pipeline", "rows", END, "",
                                          "### Hand-written findings", "- one"]
+
+
+def test_saved_sweeps_carry_the_flags_they_were_run_with(tmp_path):
+    """--results FILE read back: the report's header describes the saved sweeps (--quick,
+    --batches) whatever the command line says; the flags that would change them are
+    refused, not ignored (tests/test_scripts_bad_input.py)."""
+    import pickle
+
+    script = load_script("make_benchmarks_report")
+    saved = tmp_path / "results.pkl"
+    saved.write_bytes(pickle.dumps({"quick": True, "batches": 3, "sweeps": (1, 2, 3, 4)}))
+    args = script.parse_args(["--results", str(saved)])
+    assert script.saved_sweeps(args) == (1, 2, 3, 4)
+    assert (args.quick, args.batches) == (True, 3)
+    args = script.parse_args(["--results", str(saved), "--quick", "--batches", "3"])
+    assert script.saved_sweeps(args) == (1, 2, 3, 4)

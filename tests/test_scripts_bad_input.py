@@ -104,13 +104,18 @@ def test_bench_corpora_refuses_before_writing_corpora(tmp_path, argv, flag):
     (["--results", "DIR"], "--results"),
     (["--results", "NOT_PICKLE"], "--results"),
     (["--results", "FILE/results.pkl"], "--results"),
+    (["--results", "OLD_RESULTS"], "--results"),
+    (["--results", "SAVED", "--batches", "3"], "--batches=3 is invalid with --results"),
+    (["--results", "SAVED", "--quick"], "--quick=True is invalid with --results"),
+    (["--results", "SAVED", "--jobs", "2"], "--jobs=2 is invalid with --results"),
     (["--bogus"], "--bogus"),
 ])
 def test_make_benchmarks_report_refuses_before_any_sweep(tmp_path, argv, flag):
     inputs = tmp_path / "inputs"
     inputs.mkdir()
     files = {"BAD_JSON": '{"a": 1}', "NOT_JSON": "{", "BINARY": b"\xa4\xff",
-             "NOT_PICKLE": pickle.dumps([1])}
+             "NOT_PICKLE": pickle.dumps([1]), "OLD_RESULTS": pickle.dumps((1, 2, 3, 4)),
+             "SAVED": pickle.dumps({"quick": False, "batches": 2, "sweeps": (1, 2, 3, 4)})}
     for name, content in files.items():
         path = inputs / name
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
