@@ -63,7 +63,7 @@ UNEQUAL = [(5, 9), (7, 3), (1, 12), (4, 0), (0, 6), (16, 16), (2, 1)]
 @pytest.mark.parametrize("force_math", [False, True])
 def test_block_forward_backward_exact(heads, kv_heads, causal, pieces, force_math, monkeypatch):
     if force_math:  # the exact math path (GPU's torch path) on every pair, in row chunks
-        monkeypatch.setattr(torch_math, "_use_aten_cpu", lambda *args: False)
+        monkeypatch.setattr(torch_math, "_cpu_kernels", lambda q: False)
         monkeypatch.setattr(torch_math, "MATH_SCORE_ELEMENTS", 150)
     q, k, v, cu_q, cu_k = random_block(1, heads, kv_heads, pieces)
     scale = 0.37
@@ -302,3 +302,62 @@ def test_te_softmax_stats_round_trip(packed, monkeypatch):
     if not packed:
         assert stats[2, 1, 3, 0] == lse[1, 6] and torch.isposinf(stats[0, :, 3]).all()
     torch.testing.assert_close(te_backend.lse_from_te(stats, pieces, 4), lse)
+
+
+WINDOW_PIECES = [(1, 1), (2, 2), (5, 5), (64, 64), (65, 65), (66, 66), (130, 130), (0, 0),
+                 (201, 201), (7, 12), (12, 7)]
+
+
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+@pytest.mark.parametrize("window", [1, 3, 8, 64])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.float64, 1e-12),
+                                        (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("v_head_dim", [8, 12])
+def test_windowed_blocks_on_cpu_equal_the_masked_math_path(heads, kv_heads, window, dtype, atol,
+                                                           v_head_dim, monkeypatch):
+    """The torch backend's sliding window on CPU (``cpu_window``: chunks of L rows through the
+    CPU flash kernel; pieces no longer than L + 1 as plain causal) against the masked math
+    path in float64 (the exact reference it replaced): out, lse and the gradients, pieces of
+    every length around the window and chunk edges, GQA/MQA, a wider value head (MLA)."""
+    q, k, v, cu_q, cu_k = random_block(5, heads, kv_heads, WINDOW_PIECES, dtype)
+    v = torch.randn(v.shape[0], kv_heads, v_head_dim,
+                    generator=torch.Generator().manual_seed(6)).to(dtype)
+    dout = torch.randn(q.shape[0], heads, v_head_dim,
+                       generator=torch.Generator().manual_seed(7)).to(dtype)
+    scale, band = 0.3, (window, 0)
+    calls = []
+    real_forward = torch_math.cpu_window.forward
+    monkeypatch.setattr(torch_math.cpu_window, "forward",
+                        lambda *a: calls.append(1) or real_forward(*a))
+    out, lse = kernels.block_forward(q, k, v, cu_q, cu_k, True, scale, "torch", band)
+    grads = kernels.block_backward(dout, q, k, v, out, lse, cu_q, cu_k, True, scale, "torch",
+                                   band)
+    assert calls == [1]  # the long pieces went through the chunked path, in one call
+    monkeypatch.setattr(torch_math, "_cpu_kernels", lambda q: False)
+    wide = [x.double() for x in (q, k, v, dout)]
+    want_out, want_lse = kernels.block_forward(*wide[:3], cu_q, cu_k, True, scale, "torch",
+                                               band)
+    want = kernels.block_backward(wide[3], *wide[:3], want_out, want_lse, cu_q, cu_k, True,
+                                  scale, "torch", band)
+    assert out.dtype == dtype and lse.dtype == kernels.accum_dtype(dtype)
+    torch.testing.assert_close(lse.double(), want_lse, atol=atol, rtol=0)
+    for got, ref in zip((out, *grads), (want_out, *want)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), ref, atol=atol * max(1, ref.abs().max()),
+                                   rtol=0)
+
+
+def test_a_window_that_excludes_no_key_is_no_window():
+    """A band side that excludes nothing is dropped: pieces no longer than L + 1 run as plain
+    causal (the CPU flash kernel, as without a window); only (L, 0) on equal pieces that it
+    cuts is chunked."""
+    from megatron_zeppelin.runtime.kernels import cpu_window
+
+    assert cpu_window.effective_band(5, 5, (4, 0)) == (-1, 0)
+    assert cpu_window.effective_band(6, 6, (4, 0)) == (4, 0)
+    assert cpu_window.effective_band(3, 9, (8, 2)) == (-1, -1)  # row 0 sees key 8 already
+    assert cpu_window.effective_band(3, 9, (8, 1)) == (-1, 1)
+    assert cpu_window.effective_band(3, 9, (7, 1)) == (7, 1)
+    assert cpu_window.effective_band(4, 4, (-1, 3)) == (-1, -1)
+    assert cpu_window.takes(6, 6, (4, 0)) and not cpu_window.takes(6, 7, (4, 0))
+    assert not cpu_window.takes(6, 6, (0, 0)) and not cpu_window.takes(6, 6, (4, 1))

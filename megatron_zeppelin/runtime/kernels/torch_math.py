@@ -3,7 +3,11 @@
 Per pair of pieces: on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ backward),
 which returns and accepts the logsumexp; elsewhere, and for causal pairs with ``tq != tk``, an
 exact math path (scores materialised per pair in row chunks, accumulated in float32, float64
-for float64). Sliding windows (``base.band``) take the math path, masked. The CPU flash kernel
+for float64). Sliding windows (``base.band``) on CPU: a window that excludes no key of a pair
+is dropped (``cpu_window.effective_band``); the pairs where Megatron's ``(L, 0)`` binds run
+together through the CPU flash kernel in chunks of ``L`` rows (``cpu_window``, O(tokens x
+L)); other bands (a ring step's trimmed pairs, at most about ``L x L``) take the math path,
+masked; off CPU every band takes the math path. The CPU flash kernel
 needs one head dim for q, k and v: a different value head dim (multi-latent attention) is
 zero-padded there (``base.pad_head_dims``), equal ones are passed as strided views (no copy per
 pair); the math path takes it as it is. On CUDA this is the slow path (``base.select`` warns once when ``auto`` lands
@@ -11,17 +15,46 @@ here): fp32/fp64 tensors and head dims the native kernel refuses.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from megatron_zeppelin.runtime.kernels import cpu_window
 from megatron_zeppelin.runtime.kernels.base import (Pieces, Window, accum_dtype, band,
                                                     pad_head_dims, register)
 
 MATH_SCORE_ELEMENTS = 1 << 26  # scores the math path materialises at once (fp32: 256 MiB)
 
 
-def _use_aten_cpu(q: torch.Tensor, tq: int, tk: int, causal: bool,
-                  window: Window | None) -> bool:
-    return q.device.type == "cpu" and window is None and (not causal or tq == tk)
+class _Split(NamedTuple):
+    """The pairs of a call by path: ``flash`` (query rows, key rows, causal) for the CPU flash
+    kernel, ``banded`` ``cpu_window.Chunks`` or None, ``math`` (query rows, key rows, band)."""
+
+    flash: list[tuple[slice, slice, bool]]
+    banded: cpu_window.Chunks | None
+    math: list[tuple[slice, slice, Window]]
+
+
+def _cpu_kernels(q: torch.Tensor) -> bool:
+    """Whether the CPU flash kernel takes this call's pairs (else all take the math path)."""
+    return q.device.type == "cpu"
+
+
+def _split(q: torch.Tensor, k: torch.Tensor, pieces: Pieces, causal: bool,
+           window: Window | None) -> _Split:
+    cpu = _cpu_kernels(q)
+    flash, banded, math = [], [], []
+    for qs, ks in _pairs(pieces):
+        tq, tk = qs.stop - qs.start, ks.stop - ks.start
+        pair_band = cpu_window.effective_band(tq, tk, band(causal, window))
+        if cpu and (pair_band == (-1, -1) or (pair_band == (-1, 0) and tq == tk)):
+            flash.append((qs, ks, pair_band == (-1, 0)))
+        elif cpu and cpu_window.takes(tq, tk, pair_band):
+            banded.append((qs, ks))
+        else:
+            math.append((qs, ks, pair_band))
+    chunks = cpu_window.Chunks.of(banded, window[0], q.shape[0], k.shape[0]) if banded else None
+    return _Split(flash, chunks, math)
 
 
 def _cpu_flash_forward(q, k, v, causal, scale):
@@ -85,12 +118,14 @@ class TorchMath:
         out = q.new_zeros((tq_all, heads, v.shape[-1]))
         lse = torch.full((heads, tq_all), float("-inf"), dtype=accum_dtype(q.dtype),
                          device=q.device)
-        for qs, ks in _pairs(pieces):
-            if _use_aten_cpu(q, qs.stop - qs.start, ks.stop - ks.start, causal, window):
-                out[qs], lse[:, qs] = _cpu_flash_forward(q[qs], k[ks], v[ks], causal, scale)
-            else:
-                out[qs], lse[:, qs] = _math_forward(q[qs], k[ks], v[ks], band(causal, window),
-                                                    scale)
+        split = _split(q, k, pieces, causal, window)
+        for qs, ks, pair_causal in split.flash:
+            out[qs], lse[:, qs] = _cpu_flash_forward(q[qs], k[ks], v[ks], pair_causal, scale)
+        if split.banded is not None:
+            rows = split.banded.q_index
+            out[rows], lse[:, rows] = cpu_window.forward(q, k, v, split.banded, scale)
+        for qs, ks, pair_band in split.math:
+            out[qs], lse[:, qs] = _math_forward(q[qs], k[ks], v[ks], pair_band, scale)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float,
@@ -98,13 +133,17 @@ class TorchMath:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         # a row that sees no key anywhere has lse -inf: +inf makes its probabilities 0
         lse = lse.to(accum_dtype(q.dtype)).masked_fill(torch.isneginf(lse), float("inf"))
-        for qs, ks in _pairs(pieces):
-            if _use_aten_cpu(q, qs.stop - qs.start, ks.stop - ks.start, causal, window):
-                dq[qs], dk[ks], dv[ks] = _cpu_flash_backward(dout[qs], q[qs], k[ks], v[ks],
-                                                             out[qs], lse[:, qs], causal, scale)
-            else:
-                dq[qs], dk[ks], dv[ks] = _math_backward(dout[qs], q[qs], k[ks], v[ks], out[qs],
-                                                        lse[:, qs], band(causal, window), scale)
+        split = _split(q, k, pieces, causal, window)
+        for qs, ks, pair_causal in split.flash:
+            dq[qs], dk[ks], dv[ks] = _cpu_flash_backward(dout[qs], q[qs], k[ks], v[ks], out[qs],
+                                                         lse[:, qs], pair_causal, scale)
+        if split.banded is not None:
+            q_rows, k_rows = split.banded.q_index, split.banded.k_index
+            dq[q_rows], dk[k_rows], dv[k_rows] = cpu_window.backward(dout, q, k, v, out, lse,
+                                                                     split.banded, scale)
+        for qs, ks, pair_band in split.math:
+            dq[qs], dk[ks], dv[ks] = _math_backward(dout[qs], q[qs], k[ks], v[ks], out[qs],
+                                                    lse[:, qs], pair_band, scale)
         return dq, dk, dv
 
 
