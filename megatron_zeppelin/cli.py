@@ -234,7 +234,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.passthrough = unknown
         return args.func(args)
 
-    return exit_status("zeppelin", work)
+    return exit_status("zeppelin", work, SETTING_FLAGS)
+
+
+# The planner's and the configs' setting names that messages use, and the flag that sets each
+# here (messages shown by ``zeppelin`` name its flags; training's name its own).
+SETTING_FLAGS = {"tensor_model_parallel_size": "--tp", "cp_size": "--cp-size",
+                 "max_seqlen": "--max-seqlen", "capacity_tokens_per_gpu":
+                 "--capacity-tokens-per-gpu", "capacity_factor": "--capacity-factor",
+                 "max_seqlen_per_rank": "--max-seqlen-per-dp-cp-rank",
+                 "the overlong policy": "--overlong"}
 
 
 if __name__ == "__main__":

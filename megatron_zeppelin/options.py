@@ -26,6 +26,7 @@ import dataclasses
 import math
 import os
 import pathlib
+import re
 import sys
 import types
 import typing
@@ -304,13 +305,19 @@ def make_folder(flag: str, path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def exit_status(prog: str, work: typing.Callable[[], int | None]) -> int:
+def exit_status(prog: str, work: typing.Callable[[], int | None],
+                flags: typing.Mapping[str, str] | None = None) -> int:
     """Run an entry point's ``work``; its status (0 for None), or 2 with bad input (a
-    ``ConfigError``, ``ValueError`` or ``OSError``) printed as one line on stderr."""
+    ``ConfigError``, ``ValueError`` or ``OSError``) printed as one line on stderr, with the
+    setting names of ``flags`` (``{"cp_size": "--cp-size"}``: the planner's words) replaced
+    by this entry point's flags."""
     try:
         status = work()
     except (ConfigError, ValueError, OSError) as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        message = str(exc)
+        for name, flag in (flags or {}).items():
+            message = re.sub(rf"(?<![\w-]){name}(?![\w-])", flag, message)
+        print(f"{prog}: error: {message}", file=sys.stderr)
         return 2
     return 0 if status is None else status
 

@@ -52,6 +52,24 @@ def test_a_per_rank_limit_too_small_for_the_longest_document_names_the_flag(
                    "at 10 tokens per rank (--max-seqlen-per-dp-cp-rank): raise it\n"), err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--max-seqlen", "10", "--overlong", "error"],
+     "more than --max-seqlen allows (10 tokens); raise it, or set --overlong to 'split'"),
+    (["--cp-size", "3", "--strategy", "static-cp"],
+     "--cp-size=3 is invalid: expected a divisor of the pool size 4"),
+    (["--tp", "3"], "--tp=3 is invalid: expected a positive divisor of gpus_per_node=2"),
+])
+def test_planner_errors_name_the_flags_of_zeppelin_plan(argv, message, tmp_path, capsys):
+    """The planner's messages use setting names (max_seqlen, cp_size...); ``zeppelin`` shows
+    them with its own flags (training shows its own)."""
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("50\n20\n")
+    assert cli.main(["plan", "--model", "gpt-tiny", "--cluster", "cpu-2x2", "--lengths",
+                     str(lengths), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
 def test_a_binary_lengths_file_is_named(tmp_path, capsys):
     path = tmp_path / "lengths.bin"
     path.write_bytes(b"\xa4\xff\x00")
