@@ -123,6 +123,9 @@ def test_rules_on_zeppelin_flags_know_their_defaults():
      r"--zeppelin-profile-out='/nonexistent/p.yaml' is invalid: expected a file in an "
      r"existing"),
     ({"zeppelin_capacity_factor": 0.0}, r"--zeppelin-capacity-factor=0.0 is invalid"),
+    ({"zeppelin_cluster": "nope"}, r"^--zeppelin-cluster 'nope': unknown clusters config"),
+    ({"zeppelin_hardware": "nope.yaml"}, r"^--zeppelin-hardware 'nope.yaml': hardware config "
+                                         r"file 'nope.yaml' does not exist"),
 ])
 def test_the_zeppelin_flags_are_checked_at_validation(overrides, match):
     with pytest.raises(ConfigError, match=match):
