@@ -29,7 +29,10 @@ struct Costs {
   double linear_per_token = 0;
   double ring_step_s = 0;  // host work per ring step, all layers, fwd + bwd
   double remap_step_s = 0;  // the remap's host work per micro-batch, all layers, fwd + bwd
+  double window = 0;        // the model's sliding window (tokens), where window_share > 0
+  double window_share = 0;  // fraction of layers with the window
 
+  double window_work(double seqlen) const;
   double flops(double chunk) const;
   double compute(double seqlen, i64 ring) const;
   double routed(double nbytes) const;

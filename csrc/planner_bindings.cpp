@@ -40,6 +40,8 @@ Problem make_problem(const py::tuple& t) {
   c.linear_per_token = k[13].cast<double>();
   c.ring_step_s = k[14].cast<double>();
   c.remap_step_s = k[15].cast<double>();
+  c.window = k[16].cast<double>();
+  c.window_share = k[17].cast<double>();
   pb.routing = t[5].cast<bool>();
   pb.remap = t[6].cast<bool>();
   pb.slack = t[7].cast<double>();

@@ -62,9 +62,18 @@ double Costs::flops(double chunk) const {
   return interp(std::log(chunk), log_lengths, flops_per_s);
 }
 
+// cost_model.window_work (scalar branch), the same expression.
+double Costs::window_work(double seqlen) const {
+  if (window_share <= 0.0) return 1.0;
+  if (seqlen <= window + 1.0) return 1.0;
+  const double w = window + 1.0;
+  return (1.0 - window_share) +
+         window_share * std::min(1.0, (2.0 * seqlen * w - window * w) / (seqlen * seqlen));
+}
+
 double Costs::compute(double seqlen, i64 ring) const {
   const double g = static_cast<double>(ring);
-  return attn_coef * seqlen * seqlen / g / flops(seqlen / g);
+  return attn_coef * seqlen * seqlen * window_work(seqlen) / g / flops(seqlen / g);
 }
 
 double Costs::routed(double nbytes) const {

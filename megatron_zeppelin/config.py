@@ -40,11 +40,21 @@ class ModelSpec:
     bytes_per_element: int = 2
     num_experts: int | None = None
     moe_router_topk: int = 1
+    window_size: int | None = None  # sliding window: a token sees itself and this many before
+    window_layers: int | None = None  # layers with the window (default: all of them)
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                     "bytes_per_element", "moe_router_topk"):
             require_positive_int(f"model.{key}", getattr(self, key))
+        if self.window_size is not None:
+            require(isinstance(self.window_size, int) and self.window_size >= 0,
+                    "model.window_size", self.window_size, "an integer >= 0")
+        if self.window_layers is not None:
+            require(self.window_size is not None and isinstance(self.window_layers, int) and
+                    0 <= self.window_layers <= self.num_layers, "model.window_layers",
+                    self.window_layers, f"an integer in [0, num_layers={self.num_layers}], "
+                    "with window_size")
         for key in ("num_query_groups", "ffn_hidden_size", "kv_channels", "num_experts"):
             if getattr(self, key) is not None:
                 require_positive_int(f"model.{key}", getattr(self, key))
@@ -58,6 +68,14 @@ class ModelSpec:
     @property
     def kv_heads(self) -> int:
         return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def window_share(self) -> float:
+        """The fraction of layers that attend a sliding window (0.0 without one)."""
+        if self.window_size is None:
+            return 0.0
+        layers = self.num_layers if self.window_layers is None else self.window_layers
+        return layers / self.num_layers
 
     @property
     def head_dim(self) -> int:

@@ -5,7 +5,9 @@ h hidden, f FFN, B bytes per element, L layers. All times are seconds for a whol
 step of the sequence (forward + backward, all layers).
 
 * Attention forward FLOPs of a causal sequence of s tokens: 2*a*d*s^2 (QK^T and PV, halved by
-  the causal mask); backward costs ``attention_bwd_ratio`` x the forward time.
+  the causal mask); backward costs ``attention_bwd_ratio`` x the forward time. A sliding window
+  of W tokens keeps ``s (W + 1) - W (W + 1) / 2`` of the ``s^2 / 2`` pairs once s > W + 1
+  (``window_work``, on the model's share of windowed layers).
 * Linear forward FLOPs per token: 2*(h*(a+2g)*d + a*d*h + m*h*f) with m = 3 for SwiGLU (2
   otherwise); MoE multiplies the FFN part by top-k. Forward + backward = 3x forward.
 * A zigzag ring over G ranks runs G steps; per step each rank computes 2*a*d*(s/G)^2 forward
@@ -30,6 +32,26 @@ from megatron_zeppelin.plan import Tier
 
 FWD_BWD_LINEAR = 3.0  # backward of a GEMM is two GEMMs of the forward's size
 DKV_BYTES = 4  # the engine accumulates dK/dV in fp32 and sends the accumulator
+
+
+def window_work(seqlen, window: int, share: float):
+    """The fraction of a causal sequence's attention work (``s^2``, the dense model's count)
+    its layers do when ``share`` of them attend a sliding window of ``window`` tokens
+    (Megatron's ``window_size=(window, 0)``): ``(1 - share) + share * kept``, where a windowed
+    layer keeps ``(2 s (W + 1) - W (W + 1)) / s^2`` of it (at most 1; 1 while s <= W + 1).
+    ``seqlen``: a number or a numpy array; 1.0 without a window (``share`` 0). The C++
+    planner twin (``Costs::window_work``) evaluates the same expression."""
+    if share <= 0.0:
+        return 1.0
+    if isinstance(seqlen, np.ndarray):
+        w = window + 1.0
+        with np.errstate(divide="ignore", invalid="ignore"):  # short ones take 1.0
+            kept = np.minimum(1.0, (2.0 * seqlen * w - window * w) / (seqlen * seqlen))
+        return (1.0 - share) + share * np.where(seqlen > w, kept, 1.0)
+    if seqlen <= window + 1.0:
+        return 1.0
+    w = window + 1.0
+    return (1.0 - share) + share * min(1.0, (2.0 * seqlen * w - window * w) / (seqlen * seqlen))
 
 
 @dataclass(frozen=True)
@@ -71,8 +93,11 @@ class CostModel:
 
     # ------------------------------------------------------------------ compute
     def attention_flops(self, seqlen: float) -> float:
-        """Causal attention forward FLOPs of one sequence, one layer."""
-        return 2.0 * self.heads * self.model.head_dim * seqlen * seqlen
+        """Causal attention forward FLOPs of one sequence, one layer on average (the model's
+        sliding window on its share of layers: ``window_work``); ``seqlen`` may be an array."""
+        m = self.model
+        return 2.0 * self.heads * m.head_dim * seqlen * seqlen * \
+            window_work(seqlen, m.window_size or 0, m.window_share)
 
     def attention_time(self, seqlen: float, ring: int = 1) -> float:
         """Forward + backward attention compute of one rank's share of a sequence.
@@ -180,8 +205,8 @@ class CostKernel:
     C++ planner twin (``csrc/planner_costs.h``) evaluates the same expressions on the same numbers, so both
     backends compute the same doubles and make the same decisions.
 
-    compute(s, G): ``attn_coef * s * s / G / F(s / G)`` with F the profile's FLOP/s at the
-    chunk length (log interpolation) and attn_coef = 2 a d (1 + bwd ratio) L.
+    compute(s, G): ``attn_coef * s * s * window_work(s) / G / F(s / G)`` with F the profile's
+    FLOP/s at the chunk length (log interpolation) and attn_coef = 2 a d (1 + bwd ratio) L.
     comm(c, tier, routed): one ring step's forward KV and backward KV + fp32 dK/dV of a chunk
     of c tokens, all layers: over NVLink (INTRA), the GPU's NIC, or routed over every NIC
     (``routed_message_seconds`` on a log grid, interpolated in log-log).
@@ -211,6 +236,8 @@ class CostKernel:
     nic_share_byte_per_s: float  # one GPU's share of its node's NICs
     ring_step_s: float = 0.0  # host work per ring step, all layers, fwd + bwd
     remap_step_s: float = 0.0  # the remap's host work per micro-batch, all layers, fwd + bwd
+    window: int = 0  # the model's sliding window (tokens), where window_share > 0
+    window_share: float = 0.0  # fraction of layers with the window (``window_work``)
 
     @classmethod
     def of(cls, cost: "CostModel") -> "CostKernel":
@@ -231,7 +258,8 @@ class CostKernel:
             kv_heads=cost.kv_heads, ranks_per_node=c.gpus_per_node // cost.tp,
             nic_share_byte_per_s=c.nic_byte_per_s * len(set(c.gpu_to_nic)) / c.gpus_per_node,
             ring_step_s=hw.ring_step_overhead_us * 1e-6 * m.num_layers,
-            remap_step_s=hw.remap_overhead_us * 1e-6 * m.num_layers)
+            remap_step_s=hw.remap_overhead_us * 1e-6 * m.num_layers,
+            window=m.window_size or 0, window_share=m.window_share)
 
     def flops(self, chunk: float) -> float:
         """Achieved attention FLOP/s at a query chunk of ``chunk`` tokens."""
@@ -239,7 +267,8 @@ class CostKernel:
 
     def compute(self, seqlen: float, ring: int) -> float:
         """Forward + backward attention compute of one rank's 1/ring share of a sequence."""
-        return self.attn_coef * seqlen * seqlen / ring / self.flops(seqlen / ring)
+        return self.attn_coef * seqlen * seqlen * \
+            window_work(seqlen, self.window, self.window_share) / ring / self.flops(seqlen / ring)
 
     def routed(self, nbytes: float) -> float:
         """One routed message of ``nbytes`` (the tabulated ``routed_message_seconds``)."""
@@ -275,7 +304,8 @@ class CostKernel:
         FlexSP runs it) over ``group`` ranks: the full length over the busiest rank's heads,
         ceil(heads / group) of them (an uneven split where group does not divide them)."""
         share = -(-self.heads // group) / self.heads
-        return self.attn_coef * seqlen * seqlen * share / self.flops(seqlen)
+        return self.attn_coef * seqlen * seqlen * \
+            window_work(seqlen, self.window, self.window_share) * share / self.flops(seqlen)
 
     def ulysses_comm(self, tokens: float, group: int, tier: Tier) -> float:
         """One rank's all-to-alls, all layers, for ``tokens`` tokens it holds in the linear

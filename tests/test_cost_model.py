@@ -19,6 +19,52 @@ def test_attention_flops_are_causal_and_quadratic(cost_7b):
     assert cost_7b.attention_flops(2000) == 4 * cost_7b.attention_flops(1000)
 
 
+def test_a_sliding_window_prices_the_pairs_it_keeps(cost_7b):
+    """Window W on a share of the layers: a windowed layer keeps s (W + 1) - W (W + 1) / 2
+    of the s^2 / 2 causal pairs once s > W + 1; the planner's kernel, the estimate and the
+    simulator's FLOP count (array or number) agree; short sequences cost as without it."""
+    windowed = dataclasses.replace(cost_7b.model, window_size=512, window_layers=24)
+    cost = CostModel(windowed, cost_7b.cluster, cost_7b.hardware)
+    share, kept = 24 / 32, (2 * 8192 * 513 - 512 * 513) / 8192 ** 2
+    assert cost.attention_flops(8192) == pytest.approx(
+        cost_7b.attention_flops(8192) * ((1 - share) + share * kept), rel=1e-12)
+    assert cost.attention_flops(500) == cost_7b.attention_flops(500)
+    lengths = np.asarray([1.0, 500.0, 8192.0])
+    assert cost.attention_flops(lengths).tolist() == [cost.attention_flops(x) for x in lengths]
+    assert cost.kernel.compute(8192, 4) / cost_7b.kernel.compute(8192, 4) == pytest.approx(
+        (1 - share) + share * kept, rel=1e-12)
+    assert cost.kernel.compute(513, 1) == cost_7b.kernel.compute(513, 1)
+
+
+def test_a_sliding_window_keeps_long_documents_local_where_dense_attention_rings_them():
+    """Priced as its dense twin, a windowed model's long documents went to rings across nodes
+    (attention ~ s^2 outweighs the traffic); with the window's O(s W) work they stay local."""
+    import random
+
+    from megatron_zeppelin.sim.workloads import sample_batch
+
+    dense = make_cost("llama-7b", "h200-8nic", nodes=4)
+    lengths = sample_batch("prolong64k", 16 * 1024 * 32, random.Random(1))
+    tiers = {}
+    for window in (None, 512):
+        model = dataclasses.replace(dense.model, window_size=window)
+        plan = make_plan("zeppelin", lengths, CostModel(model, dense.cluster, dense.hardware))
+        tiers[window] = [t.tier for t in plan.tasks]
+    assert tiers[None].count(Tier.INTER) > tiers[512].count(Tier.INTER)
+    assert tiers[512].count(Tier.LOCAL) > tiers[None].count(Tier.LOCAL)
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"window_layers": 2}, r"model.window_layers=2 is invalid: expected an integer in "
+                           r"\[0, num_layers=32\], with window_size"),
+    ({"window_size": 512, "window_layers": 33}, r"model.window_layers=33 is invalid"),
+    ({"window_size": -1}, r"model.window_size=-1 is invalid: expected an integer >= 0"),
+])
+def test_bad_window_settings_are_refused(cost_7b, fields, match):
+    with pytest.raises(ConfigError, match=match):
+        dataclasses.replace(cost_7b.model, **fields)
+
+
 def test_linear_flops_per_token_matches_the_formula(cost_7b):
     h, d, a, f = 4096, 128, 32, 11008
     assert cost_7b.linear_flops_per_token() == 2 * (h * 3 * a * d + a * d * h + 3 * h * f)

@@ -149,6 +149,25 @@ def test_the_probe_splits_a_micro_batch_into_what_the_estimate_prices():
     assert got.remap[0][0] == 1024.0 and probe.take().attention == []
 
 
+def test_the_probe_counts_a_sliding_windows_work_as_the_estimate_prices_it():
+    """With the engine's calls under a window, a call's FLOPs are the pairs the window keeps
+    (``cost_model.window_work`` of each whole sequence, spread over a ring's steps), and its
+    length stays the chunks' (where the estimate looks its rate up)."""
+    from megatron_zeppelin.cost_model import window_work
+    from megatron_zeppelin.runtime.probe import Probe
+
+    probe = Probe("cpu")
+    probe.flops_per_square, probe.window = 2.0 * 4 * 16, 64
+    probe.attention(probe.start(), "forward", [1000.0, 50.0], "local")
+    probe.attention(probe.start(), "backward", [250.0], "intra", [1000.0])
+    local, ring = probe.take().attention
+    assert local[:3] == ("forward", (1000.0 ** 2 + 50.0 ** 2) / 1050.0,
+                         128.0 * (1000.0 ** 2 * window_work(1000.0, 64, 1.0) + 50.0 ** 2))
+    assert ring[:3] == ("backward", 250.0, 128.0 * 250.0 ** 2 * window_work(1000.0, 64, 1.0))
+    assert window_work(1000.0, 64, 1.0) == pytest.approx((2 * 1000 * 65 - 64 * 65) / 1e6)
+    assert window_work(65.0, 64, 1.0) == 1.0 and window_work(1000.0, 64, 0.0) == 1.0
+
+
 def test_the_probe_pings_the_engines_kernel_at_lengths_no_call_measured():
     import torch
 

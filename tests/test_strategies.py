@@ -160,7 +160,10 @@ def test_backends_give_the_same_plans_bit_for_bit(seed, monkeypatch):
         cost = make_cost(cluster=rng.choice(["h200-8nic", "a800-4nic"]), nodes=nodes,
                          gpus_per_node=gpn)
         shared = dataclasses.replace(cost.hardware, shared_by=rng.choice([1.0, 2.0, 3.0]))
-        cost = CostModel(cost.model, cost.cluster, shared, cost.tp)
+        window = rng.choice([None, None, 511, 4096])  # sliding windows on some layers
+        model = dataclasses.replace(cost.model, window_size=window, window_layers=None if
+                                    window is None else rng.randint(1, cost.model.num_layers))
+        cost = CostModel(model, cost.cluster, shared, cost.tp)
         lengths = sample_batch(rng.choice(sorted(WORKLOADS)), 16 * 1024 * nodes * gpn, rng)
         config = ZeppelinConfig(remap=rng.random() < 0.8, routing=rng.random() < 0.8,
                                 capacity_factor=rng.choice([1.0, 2.0]))

@@ -295,6 +295,7 @@ class AttentionEngine:
         kernel, probe = self._kernel(q), self.probe
         if probe is not None:
             probe.flops_per_square = 2.0 * q.shape[1] * q.shape[2]
+            probe.window = window
             probe.calls_like(kernel, q, k, v, scale)
             started = probe.start()
         if whole is not None:  # one fused call over the whole buffer: its outputs, no copies
@@ -351,7 +352,8 @@ class AttentionEngine:
                             g, seqlens = len(ring.group.ring), self.plan.seqlens
                             probe.attention(started, p.phase.name.lower(),
                                             [seqlens[s] / g for s in ring.group.seqs],
-                                            ring.group.tier.name.lower())
+                                            ring.group.tier.name.lower(),
+                                            [seqlens[s] for s in ring.group.seqs])
             if queue:
                 fill(queue, posted.in_flight, lambda call: self._local(p, call))
             with p.lanes.ring():

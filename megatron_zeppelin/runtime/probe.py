@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin import fit
+from megatron_zeppelin.cost_model import window_work
 from megatron_zeppelin.runtime.kernels.base import make_pieces
 
 
@@ -69,13 +70,20 @@ class Probe:
         end.record()
         self._queued.append((started, end, record))
 
-    def attention(self, started, phase: str, lengths: Sequence[float], tier: str) -> None:
+    def attention(self, started, phase: str, lengths: Sequence[float], tier: str,
+                  whole: Sequence[float] | None = None) -> None:
         """End a kernel call over query chunks of ``lengths`` tokens (each causal, its own
         keys) of ``tier``: length = sum of squares over sum, FLOPs per unit head (scaled in
-        ``_add``)."""
+        ``_add``). With the call's sliding window (``window``) the FLOPs count each square
+        times the share of its sequence's pairs the window keeps (``cost_model.window_work``
+        of the sequence's ``whole`` length; default: the chunk is the sequence), as the
+        estimate prices it; the length stays the chunks' (the estimate's rate lookup)."""
+        whole = lengths if whole is None else whole
+        share = 0.0 if self.window is None else 1.0
         squares = sum(n * n for n in lengths)
-        self.stop(started, ("attention", phase, squares / max(1.0, sum(lengths)), squares,
-                            tier))
+        work = sum(n * n * window_work(w, self.window or 0, share)
+                   for n, w in zip(lengths, whole))
+        self.stop(started, ("attention", phase, squares / max(1.0, sum(lengths)), work, tier))
 
     def link(self, tier: str, nbytes: float, posted_s: float, waited_s: float) -> None:
         """A ring exchange (CPU): posted at ``posted_s`` (perf_counter), completed now after a
@@ -114,6 +122,7 @@ class Probe:
             self.rounds = [0.0, 0]
 
     flops_per_square = 0.0  # 2 x heads x head_dim of this rank's calls (set by the engine)
+    window: int | None = None  # the sliding window of the engine's current calls
     _like: tuple = ()  # (kernel, heads, kv heads, head dim, value head dim, dtype, device, scale)
 
     def calls_like(self, kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

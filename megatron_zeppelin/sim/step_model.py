@@ -184,7 +184,7 @@ def build_work(plan: Plan, cost: CostModel, profile: SimProfile) -> list[tuple[_
     owner = np.repeat(np.arange(len(groups)), [len(g.seqs) for g in groups])
     s = np.asarray([plan.seqlens[q] for g in groups for q in g.seqs], dtype=np.float64)
     g = np.asarray([len(groups[i].ring) for i in owner], dtype=np.float64)
-    flops = 2.0 * cost.heads * cost.model.head_dim * s * s  # cost.attention_flops, vectorised
+    flops = cost.attention_flops(s)  # vectorised; the model's sliding window included
     fwd = profile.attention_forward_s(flops / (g * g), s / g) * profile.compute_scale
     bwd = fwd * profile.backward_ratio(s / g)
     extra = profile.attention_call_us * 1e-6 * profile.compute_scale + \

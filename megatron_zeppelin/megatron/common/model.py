@@ -103,6 +103,18 @@ def make_transformer_config(spec: ModelSpec, *, normalization: str = "RMSNorm",
         cross_entropy_loss_fusion=False, **attention, **(mtp or {}))
 
 
+def windowed_layers(window_size, window_attn_skip_freq, num_layers: int
+                    ) -> tuple[Optional[int], Optional[int]]:
+    """``(L, how many of num_layers attend it)`` for Megatron's ``window_size=(L, 0)`` and
+    ``window_attn_skip_freq`` (megatron-core's own per-layer rule), or ``(None, None)``
+    without a window: the planner's ``ModelSpec.window_size``/``window_layers``."""
+    if window_size is None or window_size[0] < 0:
+        return None, None
+    count = sum(bool(is_layer_window_attention(window_size, window_attn_skip_freq, n))
+                for n in range(1, num_layers + 1))
+    return int(window_size[0]), count
+
+
 def layer_window(config: TransformerConfig, layer_number: int) -> Optional[int]:
     """The sliding window ``L`` of layer ``layer_number`` (1-based; Megatron's
     ``window_size=(L, 0)`` and ``window_attn_skip_freq`` pattern), None for full causal

@@ -105,13 +105,19 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
 
 
 def _model_spec(args: argparse.Namespace) -> ModelSpec:
+    from megatron_zeppelin.megatron.common.model import windowed_layers
+
+    window, layers = windowed_layers(getattr(args, "window_size", None),
+                                     getattr(args, "window_attn_skip_freq", None),
+                                     args.num_layers)
     return ModelSpec(name="megatron-lm", num_layers=args.num_layers,
                      hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                      num_query_groups=args.num_query_groups if args.group_query_attention
                      else None, ffn_hidden_size=args.ffn_hidden_size,
                      kv_channels=args.kv_channels, vocab_size=args.padded_vocab_size,
                      swiglu=args.swiglu, bytes_per_element=2 if args.bf16 or args.fp16 else 4,
-                     num_experts=args.num_experts, moe_router_topk=args.moe_router_topk)
+                     num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                     window_size=window, window_layers=layers)
 
 
 def _state(args: argparse.Namespace) -> dict:

@@ -33,7 +33,8 @@ from megatron_zeppelin.megatron.common.pipeline_p2p import schedule_kwargs
 from megatron_zeppelin.megatron.common.online_fit import OnlineFit
 from megatron_zeppelin.megatron.loop.train_log import Logger, StepLog, banner
 from megatron_zeppelin.megatron.loop.watchdog import Watchdog, start_watchdog
-from megatron_zeppelin.megatron.common.model import build_gpt_model, make_transformer_config
+from megatron_zeppelin.megatron.common.model import (build_gpt_model, make_transformer_config,
+                                                     windowed_layers)
 from megatron_zeppelin.options import from_flags
 from megatron_zeppelin.parallel import PoolLayout
 from megatron_zeppelin.planner.registry import strategy_class
@@ -42,11 +43,16 @@ from megatron_zeppelin.router import RouterTopology
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
+    """The planner's view of the model (sliding windows included: ``windowed_layers``)."""
+    fields = train_args.AttentionArgs.from_namespace(args).config_fields(args.num_layers)
+    window, layers = windowed_layers(fields.get("window_size"),
+                                     fields.get("window_attn_skip_freq"), args.num_layers)
     return ModelSpec(name="pretrain_gpt", num_layers=args.num_layers,
                      hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                      num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
                      vocab_size=args.vocab_size or 256, swiglu=args.swiglu,
-                     bytes_per_element=4 if args.device == "cpu" else 2)
+                     bytes_per_element=4 if args.device == "cpu" else 2, window_size=window,
+                     window_layers=layers)
 
 
 def make_cost_model(args: argparse.Namespace, spec: ModelSpec, layout: PoolLayout) -> CostModel:
