@@ -116,7 +116,10 @@ def bf16_compute_fp32_shards(bf16: bool, module: torch.nn.Module) -> Iterator[No
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     module.float()
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # cast_forward_inputs off: as Megatron's Float16Module, which casts no keyword input,
+    # float inputs stay as given (the loss mask MTP counts tokens with, RoPE's frequencies)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                  cast_forward_inputs=False)
     shard = wrapper.fully_shard
     wrapper.fully_shard = functools.partial(shard, mp_policy=policy)
     try:
