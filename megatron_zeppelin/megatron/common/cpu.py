@@ -7,10 +7,12 @@ schedules and the fp32 ``get_megatron_optimizer`` (Adam), gradient clipping incl
 ``disable_cpu_mode()`` restores every original object. Patches, by kind (the replacement
 functions of kinds 1, 2 and 5 live in ``cpu_replacements.py``; this module applies them):
 
-1. Global torch patches (the only three): ``torch.cuda.current_device`` -> ``torch.device("cpu")``,
-   ``torch.cuda.synchronize`` -> no-op (CPU kernels are synchronous) and
+1. Global torch patches (the only four): ``torch.cuda.current_device`` -> ``torch.device("cpu")``,
+   ``torch.cuda.synchronize`` -> no-op (CPU kernels are synchronous),
    ``torch.cuda.current_stream`` -> a stream whose waits are no-ops (megatron-core 0.19's DDP
-   asks for it before every gradient reduction). About forty
+   asks for it before every gradient reduction), and ``torch.nn.functional.embedding``, whose
+   plain calls on a bf16/fp16 weight sum the weight's gradient in fp32 as CUDA's backward does
+   (CPU's sums in bf16; ``cpu_replacements.make_cpu_embedding``). About forty
    megatron-core call sites pass ``current_device()`` inline as ``device=`` inside large
    functions, e.g. ``RotaryEmbedding.get_emb`` (moves ``inv_freq`` "to the GPU" on first use),
    the DDP grad buffer (``_ParamAndGradBuffer.__init__``), ``GlobalMemoryBuffer.get_tensor``
@@ -203,6 +205,7 @@ def _patch_specs() -> list[tuple[str, str, Callable[[Any], Any]]]:
         ("torch.cuda", "current_device", lambda _: replace.cpu_current_device),
         ("torch.cuda", "synchronize", lambda _: replace.cpu_synchronize),
         ("torch.cuda", "current_stream", lambda _: replace.cpu_current_stream),
+        ("torch.nn.functional", "embedding", replace.make_cpu_embedding),
         (random_mod, "_get_cuda_rng_state", lambda _: replace.cpu_get_rng_state),
         (random_mod, "_set_cuda_rng_state", lambda _: replace.cpu_set_rng_state),
         (random_mod, "CudaRNGStatesTracker.add", lambda _: replace.cpu_tracker_add),
