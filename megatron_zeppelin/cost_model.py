@@ -44,14 +44,19 @@ def window_work(seqlen, window: int, share: float):
     if share <= 0.0:
         return 1.0
     if isinstance(seqlen, np.ndarray):
-        w = window + 1.0
         with np.errstate(divide="ignore", invalid="ignore"):  # short ones take 1.0
-            kept = np.minimum(1.0, (2.0 * seqlen * w - window * w) / (seqlen * seqlen))
-        return (1.0 - share) + share * np.where(seqlen > w, kept, 1.0)
+            kept = np.minimum(1.0, _window_kept(seqlen, window))
+        return (1.0 - share) + share * np.where(seqlen > window + 1.0, kept, 1.0)
     if seqlen <= window + 1.0:
         return 1.0
+    return (1.0 - share) + share * min(1.0, _window_kept(seqlen, window))
+
+
+def _window_kept(seqlen, window: int):
+    """``(2 s (W + 1) - W (W + 1)) / s^2``: a windowed layer's share of the dense count, valid
+    once s > W + 1 (before the cap at 1)."""
     w = window + 1.0
-    return (1.0 - share) + share * min(1.0, (2.0 * seqlen * w - window * w) / (seqlen * seqlen))
+    return (2.0 * seqlen * w - window * w) / (seqlen * seqlen)
 
 
 @dataclass(frozen=True)
@@ -95,9 +100,9 @@ class CostModel:
     def attention_flops(self, seqlen: float) -> float:
         """Causal attention forward FLOPs of one sequence, one layer on average (the model's
         sliding window on its share of layers: ``window_work``); ``seqlen`` may be an array."""
-        m = self.model
-        return 2.0 * self.heads * m.head_dim * seqlen * seqlen * \
-            window_work(seqlen, m.window_size or 0, m.window_share)
+        k = self.kernel
+        return 2.0 * self.heads * self.model.head_dim * seqlen * seqlen * \
+            window_work(seqlen, k.window, k.window_share)
 
     def attention_time(self, seqlen: float, ring: int = 1) -> float:
         """Forward + backward attention compute of one rank's share of a sequence.

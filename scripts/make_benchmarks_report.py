@@ -365,7 +365,7 @@ def saved_sweeps(args) -> tuple | None:
                           f"(or was saved by an older version of it: delete it to rerun)")
     given = {"quick": args.quick or None, "batches": args.batches}
     for flag, value in given.items():
-        if value is not None and value != saved.get(flag, value):
+        if value is not None and value != saved[flag]:
             raise ConfigError(f"--{flag}={value} is invalid with --results={args.results!r}: "
                               f"its sweeps were run with --{flag}={saved[flag]} and are read, "
                               "not rerun (drop the flag, or delete the file to rerun)")

@@ -45,13 +45,12 @@ def takes(tq: int, tk: int, band: Window) -> bool:
 
 @dataclass(frozen=True)
 class Chunks:
-    """The banded pairs of one call as chunks of ``width`` rows: ``q_rows``/``k_rows``
-    ``[chunks, width]`` index the zero-row-extended q / k (the pad row past a piece's end);
+    """The banded pairs of one call as chunks of ``width`` rows (``Chunks.of``):
+    ``q_rows``/``k_rows`` ``[chunks, width]`` index the zero-row-extended q / k (the pad row past a piece's end);
     ``later`` the chunks that have a previous chunk in their piece (that chunk is ``later -
     1``); ``q_real``/``k_real`` the real rows of the flattened chunks and ``q_index``/
     ``k_index`` their rows in q / k."""
 
-    width: int
     q_rows: torch.Tensor
     k_rows: torch.Tensor
     later: torch.Tensor
@@ -74,7 +73,7 @@ class Chunks:
             later += [False] + [True] * (n - 1)
         q, k = torch.cat(q_rows), torch.cat(k_rows)
         q_real, k_real = q.reshape(-1) != tq_all, k.reshape(-1) != tk_all
-        return cls(width, q, k, torch.tensor(later).nonzero().squeeze(1), q_real, k_real,
+        return cls(q, k, torch.tensor(later).nonzero().squeeze(1), q_real, k_real,
                    q.reshape(-1)[q_real], k.reshape(-1)[k_real])
 
 
