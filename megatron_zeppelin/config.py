@@ -22,11 +22,21 @@ from megatron_zeppelin.options import (require, require_positive, require_positi
 from megatron_zeppelin.plan import Topology
 
 OVERLONG_POLICIES = ("error", "split", "drop")
+# multi-latent attention's dims, defaults as Megatron-LM's flags (--q-lora-rank ... --v-head-dim)
+MLA_DEFAULTS = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
+                "qk_pos_emb_head_dim": 64, "v_head_dim": 128}
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Transformer dimensions (Megatron names). ``num_query_groups`` < heads means GQA/MQA."""
+    """Transformer dimensions (Megatron names). ``num_query_groups`` < heads means GQA/MQA.
+
+    ``multi_latent_attention`` (DeepSeek-V2/V3): queries and keys have ``qk_head_dim +
+    qk_pos_emb_head_dim`` per head, values ``v_head_dim``, one key/value head per query head
+    (``num_query_groups`` must then be unset or equal the heads), from low-rank projections
+    (``q_lora_rank``: None is a full query projection; ``kv_lora_rank``); the dims default to
+    Megatron-LM's flags (``MLA_DEFAULTS``) and are refused without it.
+    """
 
     name: str
     num_layers: int
@@ -42,6 +52,12 @@ class ModelSpec:
     moe_router_topk: int = 1
     window_size: int | None = None  # sliding window: a token sees itself and this many before
     window_layers: int | None = None  # layers with the window (default: all of them)
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_head_dim: int | None = None
+    qk_pos_emb_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
@@ -61,13 +77,84 @@ class ModelSpec:
         heads = self.num_attention_heads
         require(heads % self.kv_heads == 0, "model.num_query_groups", self.num_query_groups,
                 f"a divisor of num_attention_heads={heads}")
-        if self.kv_channels is None:
+        if self.kv_channels is None and not self.multi_latent_attention:
             require(self.hidden_size % heads == 0, "model.hidden_size", self.hidden_size,
                     f"a multiple of num_attention_heads={heads} (or set kv_channels)")
+        self._check_mla()
+
+    def _check_mla(self) -> None:
+        require(isinstance(self.multi_latent_attention, bool), "model.multi_latent_attention",
+                self.multi_latent_attention, "true or false")
+        for key in MLA_DEFAULTS:
+            value = getattr(self, key)
+            if value is None:
+                continue
+            require(self.multi_latent_attention, f"model.{key}", value,
+                    "unset without multi_latent_attention: true")
+            require_positive_int(f"model.{key}", value)
+        if self.multi_latent_attention:
+            heads = self.num_attention_heads
+            require(self.num_query_groups in (None, heads), "model.num_query_groups",
+                    self.num_query_groups, f"unset or num_attention_heads={heads}: multi-latent "
+                    "attention has one key/value head per query head")
+
+    def mla(self, key: str) -> int | None:
+        """An MLA dim (``MLA_DEFAULTS``'s keys): the field, else Megatron-LM's default."""
+        value = getattr(self, key)
+        return MLA_DEFAULTS[key] if value is None else value
 
     @property
     def kv_heads(self) -> int:
         return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def qk_dim(self) -> int:
+        """Width of one query (and key) head: ``head_dim``, or MLA's ``qk_head_dim +
+        qk_pos_emb_head_dim``."""
+        if not self.multi_latent_attention:
+            return self.head_dim
+        return self.mla("qk_head_dim") + self.mla("qk_pos_emb_head_dim")
+
+    @property
+    def v_dim(self) -> int:
+        """Width of one value (and attention output) head: ``head_dim``, or MLA's
+        ``v_head_dim``."""
+        return self.mla("v_head_dim") if self.multi_latent_attention else self.head_dim
+
+    @property
+    def pair_dim(self) -> int:
+        """``qk_dim + v_dim``: a query/key pair's FLOPs per head are twice it (QK^T and PV),
+        a token's K and V per KV head, or q and out per query head, this many elements."""
+        return self.qk_dim + self.v_dim
+
+    def attention_linears(self, heads: int, kv_heads: int) -> list[tuple[int, int]]:
+        """(in, out) features of one layer's attention projections with ``heads`` query and
+        ``kv_heads`` KV heads (one tensor-parallel rank's: the heads // tp): fused QKV and
+        output, or MLA's query (full, or down and up), key/value down (with the RoPE key)
+        and up, and output (its down-projections whole on every rank, as Megatron duplicates
+        them)."""
+        h = self.hidden_size
+        if not self.multi_latent_attention:
+            d = self.head_dim
+            return [(h, (heads + 2 * kv_heads) * d), (heads * d, h)]
+        q_lora, kv_lora = self.mla("q_lora_rank"), self.mla("kv_lora_rank")
+        query = [(h, heads * self.qk_dim)] if q_lora is None else \
+            [(h, q_lora), (q_lora, heads * self.qk_dim)]
+        key_value = [(h, kv_lora + self.mla("qk_pos_emb_head_dim")),
+                     (kv_lora, heads * (self.mla("qk_head_dim") + self.v_dim))]
+        return query + key_value + [(heads * self.v_dim, h)]
+
+    def attention_weights(self, heads: int, kv_heads: int) -> int:
+        """Weights of ``attention_linears``."""
+        return sum(n * m for n, m in self.attention_linears(heads, kv_heads))
+
+    def parameter_count(self) -> int:
+        """Parameters of the GPT (untied embeddings, RMSNorm weights, all experts)."""
+        h, f = self.hidden_size, self.ffn
+        experts = self.num_experts or 1
+        mlp = (3 if self.swiglu else 2) * h * f * experts + (h * experts if self.num_experts else 0)
+        layer = self.attention_weights(self.num_attention_heads, self.kv_heads) + mlp + 2 * h
+        return self.num_layers * layer + 2 * self.vocab_size * h + h
 
     @property
     def window_share(self) -> float:

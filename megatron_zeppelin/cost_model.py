@@ -1,18 +1,20 @@
 """Cost model: FLOPs, bytes and time per sequence and tier; crossover chunk lengths.
 
-Notation (per rank, i.e. per tensor-parallel group): a query heads, g KV heads, d head dim,
-h hidden, f FFN, B bytes per element, L layers. All times are seconds for a whole training
-step of the sequence (forward + backward, all layers).
+Notation (per rank, i.e. per tensor-parallel group): a query heads, g KV heads, P = q/k head
+dim + v head dim (``ModelSpec.pair_dim``: 2d with head dim d, qk + rope + v dims under
+multi-latent attention), h hidden, f FFN, B bytes per element, L layers. All times are seconds
+for a whole training step of the sequence (forward + backward, all layers).
 
-* Attention forward FLOPs of a causal sequence of s tokens: 2*a*d*s^2 (QK^T and PV, halved by
+* Attention forward FLOPs of a causal sequence of s tokens: a*P*s^2 (QK^T and PV, halved by
   the causal mask); backward costs ``attention_bwd_ratio`` x the forward time. A sliding window
   of W tokens keeps ``s (W + 1) - W (W + 1) / 2`` of the ``s^2 / 2`` pairs once s > W + 1
   (``window_work``, on the model's share of windowed layers).
-* Linear forward FLOPs per token: 2*(h*(a+2g)*d + a*d*h + m*h*f) with m = 3 for SwiGLU (2
-  otherwise); MoE multiplies the FFN part by top-k. Forward + backward = 3x forward.
-* A zigzag ring over G ranks runs G steps; per step each rank computes 2*a*d*(s/G)^2 forward
-  FLOPs and sends the KV of s/G tokens, (s/G)*2*g*d*B bytes per layer; backward sends KV again
-  and dK/dV as the fp32 accumulator, so a step moves (s/G)*2*g*d*(2B + 4) bytes in all.
+* Linear forward FLOPs per token: 2*(attention weights + m*h*f) with m = 3 for SwiGLU (2
+  otherwise; attention weights ``ModelSpec.attention_weights``: h*(a+2g)*d + a*d*h, or MLA's
+  low-rank projections); MoE multiplies the FFN part by top-k. Forward + backward = 3x forward.
+* A zigzag ring over G ranks runs G steps; per step each rank computes a*P*(s/G)^2 forward
+  FLOPs and sends the KV of s/G tokens, (s/G)*g*P*B bytes per layer; backward sends KV again
+  and dK/dV as the fp32 accumulator, so a step moves (s/G)*g*P*(2B + 4) bytes in all.
   Communication is hidden when a step's compute exceeds its transfer; that defines the
   crossover chunk length of each tier.
 """
@@ -89,19 +91,19 @@ class CostModel:
 
     def kv_bytes(self, tokens: float) -> float:
         """Bytes of K and V for ``tokens`` tokens, one layer."""
-        return tokens * 2 * self.kv_heads * self.model.head_dim * self.model.bytes_per_element
+        return tokens * self.kv_heads * self.model.pair_dim * self.model.bytes_per_element
 
     def qkvo_bytes(self, tokens: float) -> float:
         """Bytes of q, k, v in and the attention output back, one layer, forward."""
         m = self.model
-        return tokens * (2 * self.heads + 2 * self.kv_heads) * m.head_dim * m.bytes_per_element
+        return tokens * (self.heads + self.kv_heads) * m.pair_dim * m.bytes_per_element
 
     # ------------------------------------------------------------------ compute
     def attention_flops(self, seqlen: float) -> float:
         """Causal attention forward FLOPs of one sequence, one layer on average (the model's
         sliding window on its share of layers: ``window_work``); ``seqlen`` may be an array."""
         k = self.kernel
-        return 2.0 * self.heads * self.model.head_dim * seqlen * seqlen * \
+        return self.heads * self.model.pair_dim * seqlen * seqlen * \
             window_work(seqlen, k.window, k.window_share)
 
     def attention_time(self, seqlen: float, ring: int = 1) -> float:
@@ -120,12 +122,10 @@ class CostModel:
     def linear_flops_per_token(self) -> float:
         """Forward FLOPs per token of one layer's linear modules (QKV, proj, MLP)."""
         m = self.model
-        d, h = m.head_dim, m.hidden_size
         ffn_mats = 3 if m.swiglu else 2
         experts = m.moe_router_topk if m.num_experts else 1
-        qkv_proj = h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h
-        mlp = ffn_mats * h * m.ffn * experts / self.tp
-        return 2.0 * (qkv_proj + mlp)
+        mlp = ffn_mats * m.hidden_size * m.ffn * experts / self.tp
+        return 2.0 * (m.attention_weights(self.heads, self.kv_heads) + mlp)
 
     def linear_time(self, tokens: float) -> float:
         """Forward + backward time of the linear modules and the LM head for ``tokens`` tokens."""
@@ -234,7 +234,7 @@ class CostKernel:
     routed_log_sizes: tuple[float, ...]
     routed_log_times: tuple[float, ...]
     linear_per_token: float  # linear_time(1)
-    head_bytes: float  # one head of one token, one layer (head_dim x bytes per element)
+    pair_bytes: float  # a q/k head and a v head of one token, one layer (model.pair_dim)
     heads: int  # query heads per rank (per GPU of its tensor-parallel group)
     kv_heads: int
     ranks_per_node: int
@@ -249,7 +249,7 @@ class CostKernel:
         m, c, hw = cost.model, cost.cluster, cost.hardware
         log_sizes, log_times = _routed_table(c)
         return cls(
-            attn_coef=2.0 * cost.heads * m.head_dim * (1.0 + hw.attention_bwd_ratio)
+            attn_coef=cost.heads * m.pair_dim * (1.0 + hw.attention_bwd_ratio)
             * m.num_layers,
             log_lengths=hw.log_lengths, flops_per_s=hw.flops_per_s,
             kv_per_token=cost.kv_bytes(1),
@@ -259,7 +259,7 @@ class CostKernel:
             nic_latency_s=c.nic_latency_us * 1e-6, routable=len(set(c.gpu_to_nic)) > 1,
             routed_log_sizes=tuple(log_sizes.tolist()), routed_log_times=tuple(log_times.tolist()),
             linear_per_token=cost.linear_time(1),
-            head_bytes=float(m.head_dim * m.bytes_per_element), heads=cost.heads,
+            pair_bytes=float(m.pair_dim * m.bytes_per_element), heads=cost.heads,
             kv_heads=cost.kv_heads, ranks_per_node=c.gpus_per_node // cost.tp,
             nic_share_byte_per_s=c.nic_byte_per_s * len(set(c.gpu_to_nic)) / c.gpus_per_node,
             ring_step_s=hw.ring_step_overhead_us * 1e-6 * m.num_layers,
@@ -320,7 +320,7 @@ class CostKernel:
         span whole nodes) through the GPU's share of its node's NICs, the rest over NVLink."""
         if group == 1:
             return 0.0
-        per_token = (2 * self.heads + 2 * max(self.kv_heads, group)) * self.head_bytes
+        per_token = (self.heads + max(self.kv_heads, group)) * self.pair_bytes
         sent = 2.0 * per_token * tokens * (group - 1) / group  # forward + backward, one layer
         local = group if tier != Tier.INTER else self.ranks_per_node
         cross = (group - local) / (group - 1)

@@ -289,17 +289,6 @@ def remap_fixed_seconds(moves: Sequence[Move], topology: Topology, cost: CostMod
     return 2.0 * kernel.layers * latency + kernel.remap_step_s
 
 
-def parameter_count(cost: CostModel) -> int:
-    """Parameters of the model (all experts, untied embeddings, RMSNorm weights)."""
-    model = cost.model
-    h, d, f = model.hidden_size, model.head_dim, model.ffn
-    a, g = model.num_attention_heads, model.kv_heads
-    experts = model.num_experts or 1
-    mlp = (3 if model.swiglu else 2) * h * f * experts + (h * experts if model.num_experts else 0)
-    layer = h * (a + 2 * g) * d + a * d * h + mlp + 2 * h
-    return model.num_layers * layer + 2 * model.vocab_size * h + h
-
-
 def grad_allreduce_seconds(cost: CostModel) -> float:
     """Seconds of the gradient all-reduce over the pool (grads in the model's dtype).
 
@@ -309,7 +298,7 @@ def grad_allreduce_seconds(cost: CostModel) -> float:
     g = ranks per node.
     """
     cluster, tp, nodes = cost.cluster, cost.tp, cost.cluster.nodes
-    per_gpu = parameter_count(cost) * cost.model.bytes_per_element / tp
+    per_gpu = cost.model.parameter_count() * cost.model.bytes_per_element / tp
     g = cluster.gpus_per_node // tp
     intra = 2.0 * (g - 1) / g * per_gpu / cluster.nvlink_byte_per_s if g > 1 else 0.0
     nics = len(set(cluster.gpu_to_nic))

@@ -65,6 +65,46 @@ def test_bad_window_settings_are_refused(cost_7b, fields, match):
         dataclasses.replace(cost_7b.model, **fields)
 
 
+def test_multi_latent_attention_prices_its_own_head_dims_and_projections():
+    """MLA (DeepSeek-V2-Lite): q/k heads of 128 + 64 dims, v heads of 128, one KV head per
+    query head; attention FLOPs, KV and q/k/v/out bytes follow those widths, the linear FLOPs
+    MLA's low-rank projections. Its dense twin, as it was planned before (head dim hidden /
+    heads = 128 here), is 1.25x low on both (with DeepSeek-V3's hidden 7,168 over 128 heads,
+    head dim 56, 2.9x)."""
+    cost = make_cost("deepseek-v2-lite", "h200-8nic")
+    h, a, qk, v, kv_lora, rope, f = 2048, 16, 192, 128, 512, 64, 1408
+    assert cost.kv_heads == a and cost.model.pair_dim == qk + v
+    assert cost.attention_flops(1000) == a * (qk + v) * 1000 ** 2  # 2 a qk s^2/2 + 2 a v s^2/2
+    assert cost.kv_bytes(10) == 10 * a * (qk + v) * 2
+    assert cost.qkvo_bytes(10) == 10 * (a * qk + a * qk + a * v + a * v) * 2
+    attention = h * a * qk + h * (kv_lora + rope) + kv_lora * a * (128 + v) + a * v * h
+    assert cost.linear_flops_per_token() == 2 * (attention + 3 * h * f * 6)
+    twin = dataclasses.replace(cost.model, multi_latent_attention=False, kv_lora_rank=None,
+                               qk_head_dim=None, qk_pos_emb_head_dim=None, v_head_dim=None)
+    gqa = CostModel(twin, cost.cluster, cost.hardware)
+    assert cost.attention_flops(4096) / gqa.attention_flops(4096) == pytest.approx(320 / 256)
+    assert cost.kv_bytes(1) / gqa.kv_bytes(1) == pytest.approx(320 / 256)
+    assert cost.kernel.attn_coef / gqa.kernel.attn_coef == pytest.approx(320 / 256)
+    with_q_lora = dataclasses.replace(cost.model, q_lora_rank=1536)
+    assert with_q_lora.attention_weights(a, a) == attention - h * a * qk + h * 1536 + 1536 * a * qk
+    tp2 = make_cost("deepseek-v2-lite", "h200-8nic", tp=2)  # down-projections on every rank
+    assert tp2.model.attention_weights(8, 8) == h * 8 * qk + h * (kv_lora + rope) + \
+        kv_lora * 8 * (128 + v) + 8 * v * h
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"kv_lora_rank": 512}, r"model.kv_lora_rank=512 is invalid: expected unset without "
+                            r"multi_latent_attention: true"),
+    ({"multi_latent_attention": True, "num_query_groups": 8},
+     r"model.num_query_groups=8 is invalid: expected unset or num_attention_heads=32"),
+    ({"multi_latent_attention": True, "v_head_dim": 0}, r"model.v_head_dim=0 is invalid"),
+    ({"multi_latent_attention": "yes"}, r"model.multi_latent_attention='yes' is invalid"),
+])
+def test_bad_multi_latent_attention_settings_are_refused(cost_7b, fields, match):
+    with pytest.raises(ConfigError, match=match):
+        dataclasses.replace(cost_7b.model, **{"num_query_groups": None, **fields})
+
+
 def test_linear_flops_per_token_matches_the_formula(cost_7b):
     h, d, a, f = 4096, 128, 32, 11008
     assert cost_7b.linear_flops_per_token() == 2 * (h * 3 * a * d + a * d * h + 3 * h * f)

@@ -98,6 +98,9 @@ def test_the_strategy_and_its_options_plan_each_micro_batch(tmp_path):
     (["--window-size", "8,0", "--window-attn-skip-freq", "0"],
      r"--window-attn-skip-freq='0' is invalid: expected an integer >= 1"),
     (["--multi-latent-attention", "--v-head-dim", "0"], r"--v-head-dim=0 is invalid"),
+    (["--multi-latent-attention", "--num-query-groups", "2"],
+     r"--num-query-groups=2 is invalid with --multi-latent-attention: expected unset or "
+     r"--num-attention-heads 4"),
 ])
 def test_bad_attention_settings_are_refused(extra, match):
     with pytest.raises(ConfigError, match=match):
@@ -116,6 +119,25 @@ def test_attention_settings_become_megatron_config_fields():
     assert fields["multi_latent_attention"] and fields["v_head_dim"] == 8
     assert attention.windows(2) == (None, 8)
     assert train_args.AttentionArgs().windows(2) == (None,)
+
+
+def test_the_planner_sees_mla_head_dims_and_the_windowed_layers():
+    """``train.model_spec``: the planner prices MLA's q/k (qk + RoPE dims) and v heads, a
+    key/value head per query head, and the layers the window applies to."""
+    from megatron_zeppelin.megatron.loop import train
+
+    args = train_args.parse_args(BASE + ["--multi-latent-attention", "--q-lora-rank", "16",
+                                         "--kv-lora-rank", "8", "--qk-head-dim", "8",
+                                         "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6",
+                                         "--window-size", "8,0",
+                                         "--window-attn-skip-freq", "[1,0]"])
+    train_args.validate_args(args, 1, None)
+    spec = train.model_spec(args)
+    assert (spec.qk_dim, spec.v_dim, spec.kv_heads) == (12, 6, 4)
+    assert (spec.mla("q_lora_rank"), spec.mla("kv_lora_rank")) == (16, 8)
+    assert (spec.window_size, spec.window_layers) == (8, 1)
+    plain = train.model_spec(train_args.parse_args(BASE))
+    assert not plain.multi_latent_attention and plain.qk_dim == plain.v_dim == plain.head_dim
 
 
 def test_missing_data_and_required_flags():

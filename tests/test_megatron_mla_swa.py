@@ -11,7 +11,8 @@ from distributed import run_world
 
 pytestmark = pytest.mark.distributed
 
-MLA = ("--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "8",
+MLA = ("--num-query-groups", "4", "--multi-latent-attention",  # MLA: a KV head per head
+       "--q-lora-rank", "16", "--kv-lora-rank", "8",
        "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6")
 SWA = ("--window-size", "40,0", "--window-attn-skip-freq", "2")  # layer 1 local, layer 2 global
 VARIANTS = {"mla": MLA, "swa": SWA, "mla+swa": MLA + ("--window-size", "12,0")}

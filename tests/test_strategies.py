@@ -163,6 +163,10 @@ def test_backends_give_the_same_plans_bit_for_bit(seed, monkeypatch):
         window = rng.choice([None, None, 511, 4096])  # sliding windows on some layers
         model = dataclasses.replace(cost.model, window_size=window, window_layers=None if
                                     window is None else rng.randint(1, cost.model.num_layers))
+        if rng.random() < 0.3:  # multi-latent attention: its own head dims and projections
+            model = dataclasses.replace(model, num_query_groups=None, multi_latent_attention=True,
+                                        q_lora_rank=rng.choice([None, 1536]), kv_lora_rank=512,
+                                        qk_pos_emb_head_dim=64, v_head_dim=rng.choice([64, 128]))
         cost = CostModel(model, cost.cluster, shared, cost.tp)
         lengths = sample_batch(rng.choice(sorted(WORKLOADS)), 16 * 1024 * nodes * gpn, rng)
         config = ZeppelinConfig(remap=rng.random() < 0.8, routing=rng.random() < 0.8,

@@ -5,8 +5,8 @@ Measured (the simulator's and the planner's inputs, ``HardwareProfile`` fields):
 * causal attention forward and backward time by document length through the engine's own
   block call (``kernels.select(backend)`` then ``backend.forward``/``backward`` on precomputed
   ``Pieces``, what a LOCAL call of the engine runs) with the selected backend -> the profile's
-  ``kernel``, ``attention_tflops`` per length (forward FLOPs 2*heads*head_dim*s^2 per document,
-  the cost model's count) and ``attention_bwd_ratio`` (median over lengths >= 1K). A call
+  ``kernel``, ``attention_tflops`` per length (forward FLOPs heads*(head_dim+v_head_dim)*s^2
+  per document, the cost model's count) and ``attention_bwd_ratio`` (median over lengths >= 1K). A call
   packs ``tokens_per_call // length`` documents of one length (at least one), as GPU-FACTS
   measured (64K tokens per call on CUDA); defaults: 128..128K tokens on CUDA (bf16),
   128..8K on CPU (fp32, one document per call);
@@ -57,9 +57,10 @@ OVERHEAD_TOKENS = 64
 @dataclass(frozen=True)
 class CalibrateOptions:
     """What to measure. backend: attention kernel backend (``auto``: what the engine picks);
-    model: take heads, KV heads, head dim and GEMM shapes from it (else heads/kv_heads/
-    head_dim and square ``gemm_size`` GEMMs); lengths (None: the device's default) and
-    tokens_per_call (None: the device's default; 0: one document per call); gemm_tokens: the
+    model: take heads, KV heads, head dims and GEMM shapes from it (else heads/kv_heads/
+    head_dim/v_head_dim, None: head_dim, and square ``gemm_size`` GEMMs); lengths (None: the
+    device's default) and tokens_per_call (None: the device's default; 0: one document per
+    call); gemm_tokens: the
     token dimension of the model's GEMMs; concurrency: CPU processes measuring at once (in
     step: each point ``max_repeats`` runs); threads: torch threads per process; min_time_s:
     alone, measure each point for at least this long (at most ``max_repeats`` runs)."""
@@ -70,6 +71,7 @@ class CalibrateOptions:
     heads: int = 4
     kv_heads: int | None = None
     head_dim: int = 64
+    v_head_dim: int | None = None
     lengths: tuple[int, ...] | None = None
     tokens_per_call: int | None = None
     gemm_size: int = 1024
@@ -88,15 +90,18 @@ class CalibrateOptions:
         if self.model is not None:
             object.__setattr__(self, "heads", self.model.num_attention_heads)
             object.__setattr__(self, "kv_heads", self.model.kv_heads)
-            object.__setattr__(self, "head_dim", self.model.head_dim)
+            object.__setattr__(self, "head_dim", self.model.qk_dim)
+            object.__setattr__(self, "v_head_dim", self.model.v_dim)
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
         if self.lengths is None:
             object.__setattr__(self, "lengths", DEFAULT_LENGTHS[self.device])
         if self.tokens_per_call is None:
             object.__setattr__(self, "tokens_per_call", DEFAULT_TOKENS_PER_CALL[self.device])
-        for key in ("heads", "kv_heads", "head_dim", "gemm_size", "gemm_tokens", "concurrency",
-                    "threads", "max_repeats"):
+        for key in ("heads", "kv_heads", "head_dim", "v_head_dim", "gemm_size", "gemm_tokens",
+                    "concurrency", "threads", "max_repeats"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key}={value!r} is invalid: expected an integer >= 1")
@@ -166,11 +171,12 @@ def attention_block(length: int, docs: int, opts: CalibrateOptions):
     gen = torch.Generator(device=opts.device).manual_seed(length)
     total = length * docs
 
-    def rand(heads: int) -> torch.Tensor:
-        return torch.randn(total, heads, opts.head_dim, generator=gen, device=opts.device,
+    def rand(heads: int, dim: int) -> torch.Tensor:
+        return torch.randn(total, heads, dim, generator=gen, device=opts.device,
                            dtype=opts.dtype)
 
-    q, k, v, dout = rand(opts.heads), rand(opts.kv_heads), rand(opts.kv_heads), rand(opts.heads)
+    q, k = rand(opts.heads, opts.head_dim), rand(opts.kv_heads, opts.head_dim)
+    v, dout = rand(opts.kv_heads, opts.v_head_dim), rand(opts.heads, opts.v_head_dim)
     cu = [length * i for i in range(docs + 1)]
     pieces = kernels.make_pieces(cu, cu, opts.device)
     return (q, k, v, dout), pieces, kernels.select(opts.backend, q)
@@ -191,10 +197,10 @@ def time_attention(length: int, opts: CalibrateOptions) -> tuple[float, float]:
 def model_gemms(model: ModelSpec, tokens: int) -> list[tuple[int, int, int]]:
     """(m, k, n) of one layer's GEMMs on ``tokens`` tokens: QKV, output projection, MLP in
     (doubled for SwiGLU) and out, each forward, data gradient and weight gradient."""
-    h, d = model.hidden_size, model.head_dim
+    h = model.hidden_size
     ffn_in = model.ffn * (2 if model.swiglu else 1)
-    linears = [(h, (model.num_attention_heads + 2 * model.kv_heads) * d),
-               (model.num_attention_heads * d, h), (h, ffn_in), (model.ffn, h)]
+    linears = model.attention_linears(model.num_attention_heads, model.kv_heads) + \
+        [(h, ffn_in), (model.ffn, h)]
     shapes = []
     for k, n in linears:
         shapes += [(tokens, k, n), (tokens, n, k), (k, tokens, n)]
@@ -275,7 +281,8 @@ def build_profile(name: str, sample: ComputeSample, p2p: P2PSample | None,
     each raised to their running maximum over lengths before the table and the backward
     ratio (median over lengths >= 1K) are taken.
     """
-    flops = [opts.documents(n) * 2.0 * opts.heads * opts.head_dim * n * n for n in sample.lengths]
+    flops = [opts.documents(n) * opts.heads * (opts.head_dim + opts.v_head_dim) * n * n
+             for n in sample.lengths]
     fwd = running_max([f / t for f, t in zip(flops, sample.fwd_s)])
     bwd = running_max([f / t for f, t in zip(flops, sample.bwd_s)])
     table = tuple((n, round(f / 1e12, 6)) for n, f in zip(sample.lengths, fwd))
@@ -291,7 +298,8 @@ def build_profile(name: str, sample: ComputeSample, p2p: P2PSample | None,
     source = (f"zeppelin calibrate on {platform.node()} ({where}, {os.cpu_count()} cores), "
               f"torch {torch.__version__}, {datetime.date.today().isoformat()}: attention "
               f"backend {sample.backend} (kernel {sample.kernel}) causal {opts.dtype} "
-              f"heads={opts.heads}/{opts.kv_heads} head_dim={opts.head_dim}, "
+              f"heads={opts.heads}/{opts.kv_heads} head_dim={opts.head_dim}"
+              f"{'' if opts.v_head_dim == opts.head_dim else f'/{opts.v_head_dim}'}, "
               f"{per_call}, {processes} "
               f"process(es) x {opts.threads} thread(s), fastest runs, running max over "
               f"lengths; {gemm}"

@@ -154,9 +154,7 @@ def head_kernels(inputs: tuple) -> None:
 
 def optimizer_line(model: ModelSpec, opts: CalibrateOptions) -> tuple[float, float]:
     """(fixed s, s per parameter) of an Adam step with gradient-norm clipping."""
-    from megatron_zeppelin.sim.step_model import parameter_count
-
-    params = parameter_count(model)
+    params = model.parameter_count()
     results = []
     for scale in (1, 4):
         tensors = [torch.nn.Parameter(torch.randn(params * scale // 8)) for _ in range(8)]

@@ -218,7 +218,7 @@ def exchange_costs(replayed: dict, port: int, reps: int, plans: int = 4) -> dict
     for name, rep in replayed.items():
         cost = rep["cost"]
         m = cost.model
-        widths = ((cost.heads + 2 * cost.kv_heads) * m.head_dim, cost.heads * m.head_dim)
+        widths = (cost.heads * m.qk_dim + cost.kv_heads * m.pair_dim, cost.heads * m.v_dim)
         chosen = [p for p in rep["remap_plans"] if p.remaps][:plans]
         for exchange, key in (("all-to-all", "measured"), ("pairs", "measured_pairs")):
             cases += [(p, *widths, exchange) for p in chosen]

@@ -101,7 +101,7 @@ def bench_window(args: argparse.Namespace) -> int:
     plans = [(strategy, make_plan(strategy, lengths, cost, setup.zeppelin, **options))
              for strategy, options in (("zeppelin", {}), ("static-cp", {"cp_size": cp}))]
     spec = setup.model
-    token_bytes = 2 * spec.kv_heads * spec.head_dim * spec.bytes_per_element  # k and v
+    token_bytes = spec.kv_heads * spec.pair_dim * spec.bytes_per_element  # k and v
     print(f"{args.model} on {args.nodes} x {args.cluster}, {len(lengths)} documents "
           f"({sum(lengths):,} tokens, longest {max(lengths):,}) of {args.workload}; KV "
           f"{token_bytes} bytes/token; ring groups only (LOCAL sequences have no ring)")

@@ -294,7 +294,7 @@ class AttentionEngine:
         whole = whole_buffer_call(waves, self.tokens, self.inter)
         kernel, probe = self._kernel(q), self.probe
         if probe is not None:
-            probe.flops_per_square = 2.0 * q.shape[1] * q.shape[2]
+            probe.flops_per_square = float(q.shape[1] * (q.shape[2] + v.shape[2]))
             probe.window = window
             probe.calls_like(kernel, q, k, v, scale)
             started = probe.start()

@@ -121,7 +121,7 @@ class Probe:
                 self.data.ring_rounds.append((self.rounds[0], self.rounds[1]))
             self.rounds = [0.0, 0]
 
-    flops_per_square = 0.0  # 2 x heads x head_dim of this rank's calls (set by the engine)
+    flops_per_square = 0.0  # heads x (q head dim + v head dim) of this rank's calls (engine)
     window: int | None = None  # the sliding window of the engine's current calls
     _like: tuple = ()  # (kernel, heads, kv heads, head dim, value head dim, dtype, device, scale)
 

@@ -45,7 +45,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from megatron_zeppelin.config import ClusterSpec, ModelSpec
+from megatron_zeppelin.config import ClusterSpec
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.sim.network import GpuMap
@@ -103,16 +103,6 @@ def sim_cluster(cluster: ClusterSpec, profile: SimProfile) -> ClusterSpec:
                    nvlink_latency_us=profile.intra_latency_us,
                    nic_gbit_per_s=profile.inter_gbyte_per_s * 8.0,
                    nic_latency_us=profile.inter_latency_us)
-
-
-def parameter_count(model: ModelSpec) -> int:
-    """Parameters of the GPT (untied embeddings, RMSNorm weights, all experts)."""
-    h, d, f = model.hidden_size, model.head_dim, model.ffn
-    experts = model.num_experts or 1
-    mlp = (3 if model.swiglu else 2) * h * f * experts + (h * experts if model.num_experts else 0)
-    layer = h * (model.num_attention_heads + 2 * model.kv_heads) * d + \
-        model.num_attention_heads * d * h + mlp + 2 * h
-    return model.num_layers * layer + 2 * model.vocab_size * h + h
 
 
 def allreduce_s(nbytes: float, ranks: int, latency_us: float, gbyte_per_s: float) -> float:
@@ -344,7 +334,7 @@ def step_time(plans: Sequence[Plan], cost: CostModel, profile: SimProfile,
     to back, the gradient all-reduce over the pool's ranks, the optimizer step."""
     details = [micro_batch_detail(p, cost, profile, options) for p in plans]
     micro = tuple(d[0] for d in details)
-    params = parameter_count(cost.model) / cost.tp
+    params = cost.model.parameter_count() / cost.tp
     ranks = plans[0].topology.world_size if plans else 1
     sync = allreduce_s(params * cost.model.bytes_per_element, ranks,
                        profile.allreduce_latency_us, profile.allreduce_gbyte_per_s) + \

@@ -30,7 +30,7 @@ def ulysses_pass_times(plan: Plan, cost: CostModel, profile: SimProfile
     topo, cluster = plan.topology, cost.cluster
     world, gpn = topo.world_size, topo.gpus_per_node
     heads, kv_heads = cost.heads, cost.kv_heads
-    head_bytes = cost.model.head_dim * cost.model.bytes_per_element
+    pair_bytes = cost.model.pair_dim * cost.model.bytes_per_element
     compute = np.zeros(world)
     sent = np.zeros(world)  # bytes each rank sends (and receives) per pass, one layer
     cross = np.zeros(world)  # ... of them to other nodes
@@ -47,7 +47,7 @@ def ulysses_pass_times(plan: Plan, cost: CostModel, profile: SimProfile
         if size == 1:
             continue
         tokens = float(s.sum()) / size
-        per_token = (2 * heads + 2 * max(kv_heads, size)) * head_bytes
+        per_token = (heads + max(kv_heads, size)) * pair_bytes
         nodes = members // gpn
         for r, node in zip(members, nodes):
             nbytes = per_token * tokens / size  # to each peer, q/k/v there + output back

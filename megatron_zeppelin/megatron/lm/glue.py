@@ -39,7 +39,7 @@ import time
 import torch
 
 from megatron_zeppelin import env
-from megatron_zeppelin.config import ConfigError, ModelSpec, ZeppelinConfig
+from megatron_zeppelin.config import MLA_DEFAULTS, ConfigError, ModelSpec, ZeppelinConfig
 from megatron_zeppelin.megatron.loop import args as train_args, fatal, preflight
 from megatron_zeppelin.megatron.lm.features import refusals
 from megatron_zeppelin.options import dest_of, from_flags, settings
@@ -110,14 +110,18 @@ def _model_spec(args: argparse.Namespace) -> ModelSpec:
     window, layers = windowed_layers(getattr(args, "window_size", None),
                                      getattr(args, "window_attn_skip_freq", None),
                                      args.num_layers)
+    # multi-latent attention: megatron-core's MLA has a key/value head per query head, whatever
+    # --num-query-groups says, and its own head dims
+    mla = {key: getattr(args, key) for key in ("multi_latent_attention", *MLA_DEFAULTS)} \
+        if getattr(args, "multi_latent_attention", False) else {}
     return ModelSpec(name="megatron-lm", num_layers=args.num_layers,
                      hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                      num_query_groups=args.num_query_groups if args.group_query_attention
-                     else None, ffn_hidden_size=args.ffn_hidden_size,
+                     and not mla else None, ffn_hidden_size=args.ffn_hidden_size,
                      kv_channels=args.kv_channels, vocab_size=args.padded_vocab_size,
                      swiglu=args.swiglu, bytes_per_element=2 if args.bf16 or args.fp16 else 4,
                      num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
-                     window_size=window, window_layers=layers)
+                     window_size=window, window_layers=layers, **mla)
 
 
 def _state(args: argparse.Namespace) -> dict:

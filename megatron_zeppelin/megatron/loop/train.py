@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin import api, env
-from megatron_zeppelin.config import ConfigError, ModelSpec, load_cluster, load_hardware
+from megatron_zeppelin.config import (MLA_DEFAULTS, ConfigError, ModelSpec, load_cluster,
+                                      load_hardware)
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.megatron.loop import (args as train_args, checkpoint, microbatch_order,
                                               fatal, pipeline, preflight)
@@ -43,16 +44,18 @@ from megatron_zeppelin.router import RouterTopology
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
-    """The planner's view of the model (sliding windows included: ``windowed_layers``)."""
+    """The planner's view of the model (sliding windows included: ``windowed_layers``;
+    multi-latent attention's dims)."""
     fields = train_args.AttentionArgs.from_namespace(args).config_fields(args.num_layers)
     window, layers = windowed_layers(fields.get("window_size"),
                                      fields.get("window_attn_skip_freq"), args.num_layers)
+    mla = {key: fields[key] for key in ("multi_latent_attention", *MLA_DEFAULTS) if key in fields}
     return ModelSpec(name="pretrain_gpt", num_layers=args.num_layers,
                      hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                      num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
                      vocab_size=args.vocab_size or 256, swiglu=args.swiglu,
                      bytes_per_element=4 if args.device == "cpu" else 2, window_size=window,
-                     window_layers=layers)
+                     window_layers=layers, **mla)
 
 
 def make_cost_model(args: argparse.Namespace, spec: ModelSpec, layout: PoolLayout) -> CostModel:
@@ -63,7 +66,7 @@ def make_cost_model(args: argparse.Namespace, spec: ModelSpec, layout: PoolLayou
     cluster = cluster.with_topology(layout.nodes, layout.gpus_per_node)
     hardware = load_hardware(args.zeppelin_hardware) if args.zeppelin_hardware else \
         planning_hardware(cluster, args.zeppelin_attention_backend, args.device,
-                          torch.bfloat16 if args.bf16 else torch.float32, spec.head_dim)
+                          torch.bfloat16 if args.bf16 else torch.float32, spec.qk_dim)
     return CostModel(spec, cluster, hardware, layout.tp)
 
 
@@ -277,7 +280,7 @@ def make_data(args: argparse.Namespace, source: DocumentSource, runtime: PoolRun
     ``position``: a checkpoint's data position to continue from. Plans come from the planner
     process (``--zeppelin-planner-process``, the default) or a thread of this one; each plan's
     attention runtime is prepared ahead, on the iterator's worker thread."""
-    pool, planner = runtime.pool, runtime.planner
+    planner = runtime.planner
     sampler = make_sampler(args, source, runtime)
     if position is not None:
         why = sampler.load_state_dict(position)
