@@ -36,7 +36,9 @@ struct Costs {
   double flops(double chunk) const;
   double compute(double seqlen, i64 ring) const;
   double routed(double nbytes) const;
-  double comm(double chunk, int tier, bool routed) const;
+  // (KV rows, dK/dV rows; -1: as many) a ring hop carries under the window
+  std::pair<double, double> relayed(double seqlen, i64 ring) const;
+  double comm(double chunk, int tier, bool routed, double dkv = -1.0) const;
   double dkv_tail(double chunk, int tier, bool routed) const;
   double task_time(double seqlen, i64 ring, int tier, bool routed) const;
 };

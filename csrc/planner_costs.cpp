@@ -80,9 +80,19 @@ double Costs::routed(double nbytes) const {
   return std::exp(interp(std::log(nbytes), routed_log_sizes, routed_log_times));
 }
 
-double Costs::comm(double chunk, int tier, bool use_routing) const {
+std::pair<double, double> Costs::relayed(double seqlen, i64 ring) const {
+  const double g = static_cast<double>(ring);
+  const double chunk = seqlen / g;
+  if (window_share <= 0.0) return {chunk, -1.0};
+  const double dense = (1.0 - window_share) * chunk;
+  return {dense + window_share * std::min(chunk, window),
+          dense + window_share * std::min(chunk, 2.0 * window * (g - 1.0) / g)};
+}
+
+double Costs::comm(double chunk, int tier, bool use_routing, double dkv) const {
   const double fwd = kv_per_token * chunk;
-  const double bwd = fwd * bwd_bytes_factor;
+  const double bwd =
+      dkv < 0.0 ? fwd * bwd_bytes_factor : fwd + kv_per_token * dkv * (bwd_bytes_factor - 1.0);
   double per_layer;
   if (tier == INTER && use_routing && routable) {
     per_layer = routed(fwd) + routed(bwd);
@@ -112,7 +122,8 @@ double Costs::task_time(double seqlen, i64 ring, int tier, bool use_routing) con
   if (ring == 1) return c;
   const double g = static_cast<double>(ring);
   c = c + g * ring_step_s;  // the engine's host work per ring step
-  return c + (g - 1) * std::max(0.0, comm(seqlen / g, tier, use_routing) - c / g);
+  const auto [kv, dkv] = relayed(seqlen, ring);
+  return c + (g - 1) * std::max(0.0, comm(kv, tier, use_routing, dkv) - c / g);
 }
 
 }  // namespace zeppelin_planner

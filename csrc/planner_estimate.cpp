@@ -26,6 +26,7 @@ struct RingGroup {
   const std::vector<i64>* members;
   double compute = 0.0, share = 0.0;
   int tier = LOCAL;
+  double kv = 0.0, dkv = 0.0;  // rows a hop carries, where a sliding window trims them
 };
 
 // estimate._pace
@@ -147,15 +148,22 @@ Estimate estimate_tasks(const Problem& pb, const Tasks& tasks, const std::vector
     if (fresh) groups.push_back(RingGroup{&it->first, 0.0, 0.0, tasks[seq].tier});
     groups[it->second].compute += k.compute(s, g);
     groups[it->second].share += s / static_cast<double>(g);
+    if (k.window_share > 0.0) {
+      const auto [kv, dkv] = k.relayed(s, g);
+      groups[it->second].kv += kv;
+      groups[it->second].dkv += dkv;
+    }
   }
   std::vector<double> per_round(groups.size());
   for (size_t i = 0; i < groups.size(); ++i) {
     RingGroup& grp = groups[i];
     const double g = static_cast<double>(grp.members->size());
     grp.compute = grp.compute + g * k.ring_step_s;  // the engine's host work per ring step
+    const bool trimmed = k.window_share > 0.0;
+    const double kv = trimmed ? grp.kv : grp.share, dkv = trimmed ? grp.dkv : -1.0;
     const double hidden =
-        (g - 1) * std::max(0.0, k.comm(grp.share, grp.tier, pb.routing) - grp.compute / g) +
-        k.dkv_tail(grp.share, grp.tier, pb.routing);
+        (g - 1) * std::max(0.0, k.comm(kv, grp.tier, pb.routing, dkv) - grp.compute / g) +
+        k.dkv_tail(trimmed ? dkv : grp.share, grp.tier, pb.routing);
     for (i64 r : *grp.members) {
       ring[r] += grp.compute;
       exposed[r] += hidden;

@@ -14,7 +14,8 @@ for a whole training step of the sequence (forward + backward, all layers).
   low-rank projections); MoE multiplies the FFN part by top-k. Forward + backward = 3x forward.
 * A zigzag ring over G ranks runs G steps; per step each rank computes a*P*(s/G)^2 forward
   FLOPs and sends the KV of s/G tokens, (s/G)*g*P*B bytes per layer; backward sends KV again
-  and dK/dV as the fp32 accumulator, so a step moves (s/G)*g*P*(2B + 4) bytes in all.
+  and dK/dV as the fp32 accumulator, so a step moves (s/G)*g*P*(2B + 4) bytes in all (a
+  sliding window trims the rows a hop carries: ``CostKernel.relayed``).
   Communication is hidden when a step's compute exceeds its transfer; that defines the
   crossover chunk length of each tier.
 """
@@ -152,13 +153,18 @@ class CostModel:
 
     def ring_step_bytes(self, seqlen: float, ring: int) -> float:
         """Bytes one rank sends in one ring step, one layer, forward + backward: KV forward,
-        KV again and the fp32 dK/dV accumulator backward."""
+        KV again and the fp32 dK/dV accumulator backward (trimmed under a sliding window:
+        ``CostKernel.relayed``)."""
         b = self.model.bytes_per_element
-        return self.kv_bytes(seqlen / ring) * (2 * b + DKV_BYTES) / b
+        kv, dkv = self.kernel.relayed(seqlen, ring)
+        if dkv is None:
+            return self.kv_bytes(kv) * (2 * b + DKV_BYTES) / b
+        return self.kv_bytes(kv) * 2 + self.kv_bytes(dkv) * DKV_BYTES / b
 
     def ring_step_comm_time(self, seqlen: float, ring: int, tier: Tier, routed: bool) -> float:
         """Forward + backward transfer time of one ring step, all layers."""
-        return self.kernel.comm(seqlen / ring, tier, routed)
+        kv, dkv = self.kernel.relayed(seqlen, ring)
+        return self.kernel.comm(kv, tier, routed, dkv)
 
     def ring_bytes(self, seqlen: float, ring: int) -> float:
         """Bytes one rank sends over a whole ring (forward + backward, all layers)."""
@@ -211,10 +217,12 @@ class CostKernel:
     backends compute the same doubles and make the same decisions.
 
     compute(s, G): ``attn_coef * s * s * window_work(s) / G / F(s / G)`` with F the profile's
-    FLOP/s at the chunk length (log interpolation) and attn_coef = 2 a d (1 + bwd ratio) L.
-    comm(c, tier, routed): one ring step's forward KV and backward KV + fp32 dK/dV of a chunk
-    of c tokens, all layers: over NVLink (INTRA), the GPU's NIC, or routed over every NIC
-    (``routed_message_seconds`` on a log grid, interpolated in log-log).
+    FLOP/s at the chunk length (log interpolation) and attn_coef = a P (1 + bwd ratio) L.
+    comm(c, tier, routed, dkv): one ring step's forward KV and backward KV + fp32 dK/dV of a
+    chunk of c tokens (dkv: the accumulator's rows when they differ, ``relayed``), all layers:
+    over NVLink (INTRA), the GPU's NIC, or routed over every NIC (``routed_message_seconds`` on
+    a log grid, interpolated in log-log). relayed(s, G): the rows a hop carries under the
+    model's sliding window (the engine's trimming).
     task_time(s, G): compute + G * ring_step_s + (G - 1) * max(0, comm - compute / G -
     ring_step_s) (exposed ring traffic; ring_step_s: the engine's host work per ring step, all
     layers, forward + backward, ``HardwareProfile.ring_step_overhead_us``).
@@ -279,10 +287,25 @@ class CostKernel:
         """One routed message of ``nbytes`` (the tabulated ``routed_message_seconds``)."""
         return math.exp(interp(math.log(nbytes), self.routed_log_sizes, self.routed_log_times))
 
-    def comm(self, chunk: float, tier: Tier, routed: bool) -> float:
-        """Transfer time of one ring step of ``chunk`` tokens per rank, all layers, fwd + bwd."""
+    def relayed(self, seqlen: float, ring: int) -> tuple[float, float | None]:
+        """(KV rows, dK/dV accumulator rows or None: as many) one ring hop carries for a
+        sequence's 1/ring share, mean over layers. The engine trims a windowed layer's hops to
+        the rows later positions read (``ZigzagLayout.held_rows``/``dkv_rows``): on average
+        ``min(s/G, L)`` KV rows and ``min(s/G, 2 L (G-1)/G)`` accumulator rows, exact once
+        ``L <= s / (2G)`` (a chunk), an upper bound below (``tests/test_cost_model.py``)."""
+        chunk = seqlen / ring
+        if self.window_share <= 0.0:
+            return chunk, None
+        dense = (1.0 - self.window_share) * chunk
+        return (dense + self.window_share * min(chunk, self.window),
+                dense + self.window_share * min(chunk, 2.0 * self.window * (ring - 1) / ring))
+
+    def comm(self, chunk: float, tier: Tier, routed: bool, dkv: float | None = None) -> float:
+        """Transfer time of one ring step of ``chunk`` KV tokens per rank (``dkv``: the dK/dV
+        accumulator's tokens, None: as many), all layers, fwd + bwd."""
         fwd = self.kv_per_token * chunk
-        bwd = fwd * self.bwd_bytes_factor
+        bwd = fwd * self.bwd_bytes_factor if dkv is None else \
+            fwd + self.kv_per_token * dkv * (self.bwd_bytes_factor - 1.0)
         if tier == Tier.INTER and routed and self.routable:
             per_layer = self.routed(fwd) + self.routed(bwd)
         elif tier == Tier.INTRA:
@@ -295,7 +318,7 @@ class CostKernel:
         """The backward's last exchange, all layers: the fp32 dK/dV accumulator of a chunk of
         ``chunk`` tokens returns to its owner after the last step, with no compute left to
         hide it behind."""
-        nbytes = self.kv_per_token * chunk * (self.bwd_bytes_factor - 1.0)
+        nbytes = self.kv_per_token * chunk * (self.bwd_bytes_factor - 1.0)  # chunk: its rows
         if tier == Tier.INTER and routed and self.routable:
             per_layer = self.routed(nbytes)
         elif tier == Tier.INTRA:
@@ -336,7 +359,8 @@ class CostKernel:
         if ring == 1:
             return compute
         compute = compute + ring * self.ring_step_s
-        return compute + (ring - 1) * max(0.0, self.comm(seqlen / ring, tier, routed)
+        kv, dkv = self.relayed(seqlen, ring)
+        return compute + (ring - 1) * max(0.0, self.comm(kv, tier, routed, dkv)
                                           - compute / ring)
 
 

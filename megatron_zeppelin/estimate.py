@@ -81,19 +81,24 @@ def estimate_tasks(tasks: Sequence[AttentionTask], seqlens: Sequence[int], topol
             local[w][task.ring[0]] += kernel.compute(s, 1)
             tokens[w][task.ring[0]] += s
             continue
-        sums = groups.setdefault((w, task.ring), [0.0, 0.0, task.tier])
+        sums = groups.setdefault((w, task.ring), [0.0, 0.0, task.tier, 0.0, 0.0])
         sums[0] += kernel.ulysses_compute(s, g) if ulysses else kernel.compute(s, g)
         sums[1] += s / g
+        if kernel.window_share > 0.0:  # the rows a hop carries (a sliding window trims them)
+            kv, dkv = kernel.relayed(s, g)
+            sums[3] += kv
+            sums[4] += dkv
     paced: list[list[tuple[tuple[int, ...], int, float]]] = [[] for _ in range(waves)]
-    for (w, members), (compute, share, tier) in groups.items():
+    for (w, members), (compute, share, tier, kv, dkv) in groups.items():
         g = len(members)
         if ulysses:
             compute, hidden = compute + kernel.ulysses_comm(share, g, tier), 0.0
         else:  # one fused exchange per ring step, overlapped with that step's compute (and
             # the engine's host work per step)
             compute = compute + g * kernel.ring_step_s
-            hidden = (g - 1) * max(0.0, kernel.comm(share, tier, routed) - compute / g) + \
-                kernel.dkv_tail(share, tier, routed)
+            kv, dkv = (kv, dkv) if kernel.window_share > 0.0 else (share, None)
+            hidden = (g - 1) * max(0.0, kernel.comm(kv, tier, routed, dkv) - compute / g) + \
+                kernel.dkv_tail(share if dkv is None else dkv, tier, routed)
         for r in members:
             ring[w][r] += compute
             exposed[w][r] += hidden

@@ -54,6 +54,35 @@ def test_a_sliding_window_keeps_long_documents_local_where_dense_attention_rings
     assert tiers[512].count(Tier.LOCAL) > tiers[None].count(Tier.LOCAL)
 
 
+def test_windowed_ring_hops_are_priced_as_the_engine_trims_them(cost_7b):
+    """``CostKernel.relayed``: a windowed layer's hop carries on average min(s/G, L) KV rows
+    and min(s/G, 2L(G-1)/G) dK/dV rows, as the engine's layouts send (``held_rows``,
+    ``dkv_rows``): exactly once the window fits in a zigzag chunk (L <= s/2G), never less
+    than they send below; the ring's comm and task time follow, dense layers unchanged."""
+    from megatron_zeppelin.runtime.zigzag import ZigzagLayout
+
+    for s, g, window in ((4096, 4, 64), (4096, 8, 256), (1001, 3, 100), (4096, 4, 1024),
+                         (1000, 4, 300), (8192, 8, 4096), (4096, 4, 5000), (100, 2, 10)):
+        model = dataclasses.replace(cost_7b.model, window_size=window, window_layers=32)
+        kernel = CostModel(model, cost_7b.cluster, cost_7b.hardware).kernel
+        layouts = [ZigzagLayout([s], g, p, window) for p in range(g)]
+        sent_kv = sum(x.relay_tokens(t) for x in layouts for t in range(1, g)) / (g * (g - 1))
+        sent_dkv = sum(layouts[0].dkv_tokens(p) for p in range(g)) / g
+        kv, dkv = kernel.relayed(s, g)
+        if window <= s / (2 * g):
+            assert (kv, dkv) == pytest.approx((sent_kv, sent_dkv), rel=1e-12), (s, g, window)
+        assert kv >= sent_kv - 1e-9 and dkv >= sent_dkv - 1e-9, (s, g, window)
+    half = CostModel(dataclasses.replace(cost_7b.model, window_size=64, window_layers=16),
+                     cost_7b.cluster, cost_7b.hardware)
+    kv, dkv = half.kernel.relayed(8192, 4)  # half the layers dense: 2048 rows, half 64 / 96
+    assert (kv, dkv) == (0.5 * 2048 + 0.5 * 64, 0.5 * 2048 + 0.5 * 96)
+    assert cost_7b.kernel.relayed(8192, 4) == (2048.0, None)
+    assert half.ring_step_comm_time(8192, 4, Tier.INTER, False) < \
+        cost_7b.ring_step_comm_time(8192, 4, Tier.INTER, False)
+    assert half.ring_step_bytes(8192, 4) == pytest.approx(
+        half.kv_bytes(kv) * 2 + half.kv_bytes(dkv) * 4 / 2)
+
+
 @pytest.mark.parametrize("fields,match", [
     ({"window_layers": 2}, r"model.window_layers=2 is invalid: expected an integer in "
                            r"\[0, num_layers=32\], with window_size"),

@@ -261,8 +261,10 @@ def test_window_bench_counts_the_engine_blocks():
         assert figures["whole"] == 3 * sum(lengths)  # 3 hops of every block
         if window is None:  # no window: whole blocks travel (causal zigzag reads them all)
             assert figures["sent"] == figures["whole"]
+            assert figures["dkv_sent"] == figures["dkv_whole"] == 4 * sum(lengths)
         else:
             assert figures["needed"] == figures["sent"] < figures["whole"]
+            assert figures["dkv_sent"] < figures["dkv_whole"]
         assert sum(block_pairs(b) for b in ZigzagLayout([9], 1, 0, window).blocks(0)) == \
             sum(min(t, window if window is not None else t) + 1 for t in range(9))
     assert ring_figures([800], 4, 20)["skipped"] == 6  # of 12 steps after the first

@@ -6,10 +6,11 @@ ring group (ring size > 1) and ring position, from the engine's own ring blocks
 
 * attended (query, key) pairs with the window vs full causal attention (the kernels' work);
 * ring steps whose compute is skipped (no block: the held KV lies wholly outside the window);
-* KV relay per pass (forward; backward relays the same KV, its dK/dV accumulators keep every
-  row), in bytes: every KV block whole on every hop (no window, or a window without trimming)
-  vs what the engine sends (each hop forwards only the rows some later position still reads,
-  ``ZigzagLayout.held_rows``). Skipping whole transfers saves nothing in the zigzag layout:
+* KV relay per pass (forward; backward relays the same KV), in bytes: every KV block whole on
+  every hop (no window, or a window without trimming) vs what the engine sends (each hop
+  forwards only the rows some later position still reads, ``ZigzagLayout.held_rows``);
+* the backward's dK/dV accumulators (fp32, ``G`` hops each, the last one home): whole vs what
+  the engine sends (the rows some position after the owner reads, ``ZigzagLayout.dkv_rows``). Skipping whole transfers saves nothing in the zigzag layout:
   position ``p - 1`` holds the chunk right after position ``p``'s mirror chunk, so the last hop
   of every KV block is needed; trimming rows is what saves.
 
@@ -23,7 +24,7 @@ import random
 import torch
 
 from megatron_zeppelin.config import load_setup
-from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.cost_model import DKV_BYTES, CostModel
 from megatron_zeppelin.planner import make_plan
 from megatron_zeppelin.plan import Tier
 from megatron_zeppelin.runtime.zigzag import ZigzagLayout
@@ -58,7 +59,7 @@ def needed_rows(layout: ZigzagLayout, step: int) -> set[int]:
 def ring_figures(lengths: list[int], size: int, window: int | None) -> dict[str, int]:
     """Pairs, skipped steps and relay tokens (sent / needed) of one ring group."""
     layouts = [ZigzagLayout(lengths, size, p, window) for p in range(size)]
-    out = dict(pairs=0, steps=0, skipped=0, whole=0, sent=0, needed=0)
+    out = dict(pairs=0, steps=0, skipped=0, whole=0, sent=0, needed=0, dkv_whole=0, dkv_sent=0)
     for p, layout in enumerate(layouts):
         for step in range(size):
             blocks = layout.blocks(step)
@@ -66,6 +67,8 @@ def ring_figures(lengths: list[int], size: int, window: int | None) -> dict[str,
             out["steps"] += step > 0
             out["skipped"] += step > 0 and not blocks
             out["sent"] += layout.relay_tokens(step) if step else 0  # what the engine receives
+        out["dkv_whole"] += size * layout.tokens()  # rounds 1..G carry p's accumulator
+        out["dkv_sent"] += size * layout.dkv_tokens(p)
     for source in range(size):  # the KV block of ``source`` hops source -> source+1 -> ...
         later: set[int] = set()
         for step in range(size - 1, 0, -1):  # the hop into ``step`` carries what is needed
@@ -78,7 +81,8 @@ def ring_figures(lengths: list[int], size: int, window: int | None) -> dict[str,
 
 
 def plan_figures(plan, window: int | None) -> dict[str, int]:
-    total = dict(pairs=0, steps=0, skipped=0, whole=0, sent=0, needed=0)
+    total = dict.fromkeys(("pairs", "steps", "skipped", "whole", "sent", "needed", "dkv_whole",
+                           "dkv_sent"), 0)
     for group in plan.ring_groups:
         if group.tier == Tier.LOCAL or len(group.ring) == 1:
             continue
@@ -106,7 +110,8 @@ def bench_window(args: argparse.Namespace) -> int:
           f"({sum(lengths):,} tokens, longest {max(lengths):,}) of {args.workload}; KV "
           f"{token_bytes} bytes/token; ring groups only (LOCAL sequences have no ring)")
     print(f"{'strategy':>10} {'window':>7} {'pairs vs full':>14} {'steps skipped':>14} "
-          f"{'whole blocks GB':>16} {'engine sends GB':>16}")
+          f"{'KV whole GB':>12} {'KV sent GB':>17} {'dKV whole GB':>13} {'dKV sent GB':>17}")
+    dkv_bytes = token_bytes / spec.bytes_per_element * DKV_BYTES  # the fp32 accumulator
     for strategy, plan in plans:  # planned before the first line: a refusal prints nothing
         full = plan_figures(plan, None)
         for window in args.windows:
@@ -114,10 +119,15 @@ def bench_window(args: argparse.Namespace) -> int:
             share = got["pairs"] / full["pairs"] if full["pairs"] else 0.0
             skipped = f"{got['skipped']}/{got['steps']}"
             whole, sent = got["whole"] * token_bytes / 1e9, got["sent"] * token_bytes / 1e9
-            saving = 1 - sent / whole if whole else 0.0
-            print(f"{strategy:>10} {window:>7} {share:>13.1%} {skipped:>14} {whole:>16.3f} "
-                  f"{sent:>16.3f} ({saving:.0%} less)")
+            dkv_whole, dkv_sent = (got[k] * dkv_bytes / 1e9 for k in ("dkv_whole", "dkv_sent"))
+            print(f"{strategy:>10} {window:>7} {share:>13.1%} {skipped:>14} {whole:>12.3f} "
+                  f"{sent:>10.3f} {_less(sent, whole)} {dkv_whole:>13.3f} {dkv_sent:>10.3f} "
+                  f"{_less(dkv_sent, dkv_whole)}")
     return 0
+
+
+def _less(part: float, whole: float) -> str:
+    return f"({1 - part / whole if whole else 0.0:>4.0%} less)"
 
 
 def register(targets: argparse._SubParsersAction) -> None:

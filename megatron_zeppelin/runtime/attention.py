@@ -63,15 +63,15 @@ def recv_like(layout: ZigzagLayout, step: int, phase: Phase, tail: tuple[int, ..
     """(shape, dtype) of what ring position ``layout.position`` receives at ``step``.
 
     Both phases: the next KV block ``[tokens, *tail]`` (``schedule.sends_kv``); backward
-    also the dKV accumulator of the block held at ``step`` in the accumulator dtype
-    (``schedule.sends_dkv``). ``tail`` is ``(kv_heads, head_dim + v_head_dim)`` (k and v side
+    also the dKV accumulator of the block held at ``step`` (its ``dkv_rows``) in the
+    accumulator dtype (``schedule.sends_dkv``). ``tail`` is ``(kv_heads, head_dim + v_head_dim)`` (k and v side
     by side), dtype the KV dtype. What position p+1 receives is exactly what position p sends.
     """
     phase, size, like = Phase(phase), layout.ring_size, []
     if sends_kv(size, step):
         like.append(((layout.relay_tokens(step + 1), *tail), dtype))
     if phase is Phase.BACKWARD and sends_dkv(size, step):
-        like.append(((layout.tokens(layout.source(step)), *tail), accum_dtype(dtype)))
+        like.append(((layout.dkv_tokens(layout.source(step)), *tail), accum_dtype(dtype)))
     return like
 
 
@@ -173,7 +173,6 @@ class RingGroupRun:
     def _backward_compute(self, step: int) -> None:
         if step >= compute_steps(self.layout.ring_size):
             return
-        held = self.blocks.held[step]
         fresh = torch.zeros(self.kv.shape, dtype=self.dq.dtype, device=self.dq.device)
         for block in self.blocks[step]:
             rows = block.q_rows
@@ -184,9 +183,10 @@ class RingGroupRun:
                 self.scale, block.window)
             _add_rows(self.dq, rows, dq)
             _add_rows(fresh, block.k_rows, torch.cat((dk, dv), dim=-1))
-        if held is not None:  # the accumulator keeps every row of the source
-            whole = (self.layout.tokens(self.layout.source(step)), *fresh.shape[1:])
-            fresh = fresh.new_zeros(whole).index_copy_(0, held, fresh)
+        index = self.blocks.dkv_index[step]
+        if index is not None:  # the held rows' places in the travelling accumulator
+            rows = (self.layout.dkv_tokens(self.layout.source(step)), *fresh.shape[1:])
+            fresh = fresh.new_zeros(rows).index_copy_(0, index, fresh)
         self.fresh_dkv = fresh
 
     def _backward_receive(self, step: int, received: Sequence[torch.Tensor]) -> None:
@@ -194,10 +194,15 @@ class RingGroupRun:
         received = list(received)
         kv_next = received.pop(0) if sends_kv(size, step) else None
         dkv_in = received.pop(0) if sends_dkv(size, step) else None
-        if step < compute_steps(size):
+        own = self.blocks.own_dkv
+        if step == 0 and own is not None:  # the rows nobody else reads stay home
+            self.own_dkv, self.dkv = self.fresh_dkv, self.fresh_dkv.index_select(0, own)
+        elif step < compute_steps(size):
             self.dkv = self.fresh_dkv if dkv_in is None else self.fresh_dkv.add_(dkv_in)
+        elif own is not None:  # the final accumulator of this rank's own KV, into its rows
+            self.dkv = self.own_dkv.index_copy_(0, own, dkv_in)
         else:
-            self.dkv = dkv_in  # the final accumulator of this rank's own KV
+            self.dkv = dkv_in
         if kv_next is not None:
             self.kv = kv_next
 
@@ -208,6 +213,7 @@ class RingGroupRun:
                  self._v(self.dkv).to(dtype))
         del self.dout, self.q, self.out, self.lse, self.kv, self.dq, self.dkv
         self.__dict__.pop("fresh_dkv", None)
+        self.__dict__.pop("own_dkv", None)
         return grads
 
 

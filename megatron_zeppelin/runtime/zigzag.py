@@ -30,7 +30,10 @@ of the ring (in the zigzag layout position ``p - 1`` holds the chunk right after
 ``p``'s mirror chunk, so the last hop is needed whenever both chunks hold tokens), but each hop
 forwards only the rows some later position of its journey still reads (``held_rows``; blocks
 index the held rows, ``relay`` picks the rows to forward). In backward the dK/dV accumulator
-keeps every row of its source (the rows a step read are scattered into it, ``held``).
+that travels carries the rows some position after the owner reads (``dkv_rows``: the rows held
+at step 1, a superset of every later step's); the owner keeps its own step's gradient of the
+other rows at home and writes the returned accumulator into its rows (``StepBlocks.own_dkv``).
+The sums are the same, in the same order, as with whole accumulators.
 
 ``ZigzagLayout`` holds that geometry for one ring position; ``device_blocks`` moves every step's
 blocks (row indices, ``kernels.Pieces``) to the device once.
@@ -66,12 +69,15 @@ class Block(NamedTuple):
 
 
 class StepBlocks(tuple):
-    """Per ring step, its blocks (a tuple of tuples); ``held[step]``: int64 rows of the source's
-    buffer held at ``step`` (None: all) and ``relay[step]``: rows of the held block to forward
-    for ``step + 1`` (None: all), built once per layout and device (``device_blocks``)."""
+    """Per ring step, its blocks (a tuple of tuples); ``relay[step]``: int64 rows of the held
+    block to forward for ``step + 1`` (None: all) and ``dkv_index[step]``: where the held rows go in the
+    travelling dK/dV accumulator (None: they are its rows); ``own_dkv``: the rows of this
+    position's own dK/dV that travel (None: all). Built once per layout and device
+    (``device_blocks``)."""
 
-    held: tuple = ()
     relay: tuple = ()
+    dkv_index: tuple = ()
+    own_dkv: torch.Tensor | None = None
 
 
 class ZigzagLayout:
@@ -215,16 +221,38 @@ class ZigzagLayout:
         held = self.held_rows(self.source(step), step)
         return self.tokens(self.source(step)) if held is None else len(held)
 
+    def dkv_rows(self, source: int) -> tuple[int, ...] | None:
+        """Rows of ``source``'s dK/dV the travelling accumulator carries: those some position
+        after the owner reads (the rows held at step 1), None for all of them."""
+        return None if self.ring_size == 1 else self.held_rows(source, 1)
+
+    def dkv_tokens(self, source: int) -> int:
+        """Rows of ``source``'s travelling dK/dV accumulator."""
+        rows = self.dkv_rows(source)
+        return self.tokens(source) if rows is None else len(rows)
+
+    def dkv_index(self, step: int) -> tuple[int, ...] | None:
+        """Positions of the rows held at ``step`` in the travelling accumulator's rows (None:
+        the same rows, or step 0, whose gradient is the owner's whole own)."""
+        if step == 0:
+            return None
+        source = self.source(step)
+        held, rows = self.held_rows(source, step), self.dkv_rows(source)
+        if held is None or held == rows:
+            return None
+        return held if rows is None else tuple(bisect.bisect_left(rows, r) for r in held)
+
 
 def device_blocks(layout: ZigzagLayout, device: torch.device | str) -> StepBlocks:
     """Every step's blocks with their indices and offsets on ``device`` (one move; rows that
-    form one range stay slices), and each step's held and relayed rows."""
+    form one range stay slices), each step's relayed rows and dK/dV accumulator rows."""
     size = layout.ring_size
     host = [layout.blocks(step) for step in range(size)]
     flat = [b._replace(q_rows=_as_slice(b.q_rows), k_rows=_as_slice(b.k_rows))
             for step in host for b in step]
-    rows = [_rows_tensor(layout.held_rows(layout.source(t), t)) for t in range(size)] + \
-        [_rows_tensor(layout.relay_rows(t)) if t + 1 < size else None for t in range(size)]
+    rows = [_rows_tensor(layout.relay_rows(t)) if t + 1 < size else None for t in range(size)] + \
+        [_rows_tensor(layout.dkv_index(t)) for t in range(size)] + \
+        [_rows_tensor(layout.dkv_rows(layout.position))]
     moved = to_device([_index(t) for b in flat for t in (b.q_rows, b.k_rows, b.pieces.cu_q_dev,
                                                          b.pieces.cu_k_dev)] + rows, device)
     n = 4 * len(flat)
@@ -232,7 +260,8 @@ def device_blocks(layout: ZigzagLayout, device: torch.device | str) -> StepBlock
                          b.pieces._replace(cu_q_dev=cq, cu_k_dev=ck), b.causal, b.window)
                    for b, (q, k, cq, ck) in zip(flat, zip(*[iter(moved[:n])] * 4))])
     steps = StepBlocks(tuple(next(placed) for _ in step) for step in host)
-    steps.held, steps.relay = tuple(moved[n:n + size]), tuple(moved[n + size:])
+    steps.relay, steps.dkv_index = tuple(moved[n:n + size]), tuple(moved[n + size:n + 2 * size])
+    steps.own_dkv = moved[-1]
     return steps
 
 
