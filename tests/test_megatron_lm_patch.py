@@ -169,6 +169,26 @@ def test_multi_latent_attention_and_causal_sliding_windows_pass():
                                                    apply_rope_fusion=True))
 
 
+def test_the_glue_plans_megatron_lms_mla_and_windowed_layers_as_they_run():
+    """``glue._model_spec`` (no Megatron-LM needed): MLA's head dims and one KV head per
+    query head (megatron-core's MLA ignores --num-query-groups), the windowed layers."""
+    from megatron_zeppelin.megatron.lm.glue import _model_spec
+
+    megatron = argparse.Namespace(
+        num_layers=3, hidden_size=64, num_attention_heads=4, group_query_attention=True,
+        num_query_groups=2, ffn_hidden_size=128, kv_channels=None, padded_vocab_size=256,
+        swiglu=True, bf16=True, fp16=False, num_experts=None, moe_router_topk=2,
+        window_size=(128, 0), window_attn_skip_freq=[1, 1, 0], multi_latent_attention=True,
+        q_lora_rank=None, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+        v_head_dim=12)
+    spec = _model_spec(megatron)
+    assert (spec.kv_heads, spec.qk_dim, spec.v_dim, spec.bytes_per_element) == (4, 24, 12, 2)
+    assert (spec.window_size, spec.window_layers) == (128, 2)
+    plain = _model_spec(argparse.Namespace(**{**vars(megatron), "multi_latent_attention": False,
+                                              "window_size": None}))
+    assert (plain.kv_heads, plain.qk_dim, plain.v_dim, plain.window_size) == (2, 16, 16, None)
+
+
 def test_the_upstream_attention_dropout_default_is_refused_once_with_exit_2(capsys,
                                                                           monkeypatch):
     from megatron_zeppelin.megatron.loop import fatal
