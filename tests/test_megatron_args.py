@@ -99,8 +99,8 @@ def test_the_strategy_and_its_options_plan_each_micro_batch(tmp_path):
      r"--window-attn-skip-freq='0' is invalid: expected an integer >= 1"),
     (["--multi-latent-attention", "--v-head-dim", "0"], r"--v-head-dim=0 is invalid"),
     (["--multi-latent-attention", "--num-query-groups", "2"],
-     r"--num-query-groups=2 is invalid with --multi-latent-attention: expected unset or "
-     r"--num-attention-heads 4"),
+     r"--num-query-groups=2 \(flag or --yaml-cfg key\) is invalid with "
+     r"--multi-latent-attention: expected unset or --num-attention-heads 4"),
 ])
 def test_bad_attention_settings_are_refused(extra, match):
     with pytest.raises(ConfigError, match=match):

@@ -230,9 +230,9 @@ def validate_args(args: argparse.Namespace, world_size: int, local_world_size: i
                           "--window-size: pass the window ('L,0') it applies")
     heads, groups = args.num_attention_heads, args.num_query_groups
     if args.multi_latent_attention and groups not in (None, heads):
-        raise ConfigError(f"--num-query-groups={groups} is invalid with --multi-latent-attention: "
-                          f"expected unset or --num-attention-heads {heads} (MLA has a key/value "
-                          "head per query head)")
+        raise ConfigError(f"--num-query-groups={groups} (flag or --yaml-cfg key) is invalid with "
+                          f"--multi-latent-attention: expected unset or --num-attention-heads "
+                          f"{heads} (MLA has a key/value head per query head)")
     tp = config.parallel.tensor_model_parallel_size
     if config.model.num_attention_heads % tp:
         raise ConfigError(f"--tensor-model-parallel-size={tp} is invalid: expected a divisor of "
