@@ -48,7 +48,7 @@ import torch
 from megatron_zeppelin.plan import zigzag_bounds
 from megatron_zeppelin.runtime.device_index import to_device
 from megatron_zeppelin.runtime.kernels import Pieces, make_pieces
-from megatron_zeppelin.runtime.window import add_pair, chunk_rows, window_pair
+from megatron_zeppelin.zigzag_window import add_pair, chunk_rows, window_pair
 
 
 class Block(NamedTuple):

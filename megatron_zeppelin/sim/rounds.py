@@ -45,8 +45,9 @@ LOCAL_POLICIES = ("engine", "fill", "share")
 
 class RingCosts(NamedTuple):
     """A ring group of a wave: members in ring order, per-step forward compute (seconds, incl.
-    one kernel launch) and KV bytes each member sends per step; ``cross[p]``: hop p -> p+1
-    crosses nodes."""
+    one kernel launch), KV bytes each member sends per step and, in KV bytes, the dK/dV
+    accumulator it sends (fewer than the KV's whole chunk under a sliding window; None: the
+    same as ``kv_bytes``); ``cross[p]``: hop p -> p+1 crosses nodes."""
 
     index: int
     members: np.ndarray
@@ -54,6 +55,11 @@ class RingCosts(NamedTuple):
     step_s: float
     kv_bytes: float
     cross: np.ndarray
+    dkv_bytes: float | None = None
+
+    @property
+    def accumulator_bytes(self) -> float:
+        return self.kv_bytes if self.dkv_bytes is None else self.dkv_bytes
 
 
 @dataclass(frozen=True)
@@ -95,12 +101,15 @@ def exchange_rounds(size: int, spec: PassSpec) -> int:
     return schedule.exchange_rounds(size, _phase(spec))
 
 
-def round_bytes(sizes: np.ndarray, kv_bytes: np.ndarray, r: int, spec: PassSpec) -> np.ndarray:
+def round_bytes(sizes: np.ndarray, kv_bytes: np.ndarray, r: int, spec: PassSpec,
+                dkv_bytes: np.ndarray | None = None) -> np.ndarray:
     """Bytes each member of each ring sends in round ``r`` (KV, plus the dKV accumulator in
-    backward); ``sizes``/``kv_bytes`` per ring."""
+    backward); ``sizes``/``kv_bytes``/``dkv_bytes`` (the accumulator in KV bytes; None: as
+    ``kv_bytes``) per ring."""
     out = np.where(sends_kv(sizes, r), kv_bytes, 0.0)
     if spec.backward:
-        out = out + np.where(sends_dkv(sizes, r), kv_bytes * spec.acc_per_kv_byte, 0.0)
+        acc = kv_bytes if dkv_bytes is None else dkv_bytes
+        out = out + np.where(sends_dkv(sizes, r), acc * spec.acc_per_kv_byte, 0.0)
     return out
 
 
@@ -139,6 +148,7 @@ class _Hops:
                             key=lambda g: -len(g.members))
         self.sizes = np.asarray([len(g.members) for g in self.rings], dtype=np.int64)
         self.kv = np.asarray([g.kv_bytes for g in self.rings])
+        self.dkv = np.asarray([g.accumulator_bytes for g in self.rings])
         members = [g.members for g in self.rings]
         self.src = np.concatenate(members) if members else np.zeros(0, np.int64)
         self.dst = np.concatenate([np.roll(m, -1) for m in members]) if members else self.src
@@ -318,7 +328,7 @@ def _ring_exchanges(hops: _Hops, r: int, spec: PassSpec, links: Links, state: _R
     n = hops.active(r, spec)
     if n == 0:
         return
-    nbytes = round_bytes(hops.sizes, hops.kv, r, spec)[hops.ring[:n]]
+    nbytes = round_bytes(hops.sizes, hops.kv, r, spec, hops.dkv)[hops.ring[:n]]
     cluster = links.cluster
     times = nbytes / cluster.nvlink_byte_per_s + cluster.nvlink_latency_us * 1e-6
     if contended:
@@ -349,7 +359,8 @@ def _global_step(inter: list[RingCosts], r: int, spec: PassSpec, links: Links,
                  state: _RoundState) -> float:
     """Seconds of global inter-node step ``r`` of node-connected rings ``inter``."""
     sizes = np.asarray([len(g.members) for g in inter])
-    per_ring = round_bytes(sizes, np.asarray([g.kv_bytes for g in inter]), r, spec)
+    per_ring = round_bytes(sizes, np.asarray([g.kv_bytes for g in inter]), r, spec,
+                           np.asarray([g.accumulator_bytes for g in inter]))
     key = tuple((g.index, float(b)) for g, b in zip(inter, per_ring) if b > 0)
     if key in state.step_cache:
         return state.step_cache[key]

@@ -45,7 +45,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from megatron_zeppelin.config import ClusterSpec
+from megatron_zeppelin.config import ClusterSpec, ModelSpec
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.sim.network import GpuMap
@@ -53,6 +53,7 @@ from megatron_zeppelin.sim.profile import SimProfile
 from megatron_zeppelin.sim.rounds import Links, PassSpec, RingCosts, simulate_pass
 from megatron_zeppelin.sim.sharing import shared_finish
 from megatron_zeppelin.sim.ulysses import ulysses_pass_times
+from megatron_zeppelin.zigzag_window import relay_rows
 
 GEMM_CALLS_FWD = 4  # QKV, projection, MLP in, MLP out
 GEMM_CALLS_BWD = 8  # data and weight gradients of each
@@ -181,7 +182,9 @@ def build_work(plan: Plan, cost: CostModel, profile: SimProfile) -> list[tuple[_
         profile.ring_step_us * 1e-6
     step_f = np.bincount(owner, fwd, len(groups)) + extra
     step_b = np.bincount(owner, bwd, len(groups)) + extra
-    chunk_kv = np.bincount(owner, s / g, len(groups)) * cost.kv_bytes(1)
+    kv_rows, dkv_rows = relayed_rows(s, g, cost.model)
+    chunk_kv = np.bincount(owner, kv_rows, len(groups)) * cost.kv_bytes(1)
+    chunk_dkv = np.bincount(owner, dkv_rows, len(groups)) * cost.kv_bytes(1)
     out = [(_Work([], [[] for _ in range(world)]), _Work([], [[] for _ in range(world)]))
            for _ in range(plan.num_waves)]
     first = 0
@@ -198,10 +201,25 @@ def build_work(plan: Plan, cost: CostModel, profile: SimProfile) -> list[tuple[_
         nodes = members // gpn
         cross = nodes != np.roll(nodes, -1)
         f_work.rings.append(RingCosts(index, members, group.tier, float(step_f[index]),
-                                      float(chunk_kv[index]), cross))
+                                      float(chunk_kv[index]), cross, float(chunk_dkv[index])))
         b_work.rings.append(RingCosts(index, members, group.tier, float(step_b[index]),
-                                      float(chunk_kv[index]), cross))
+                                      float(chunk_kv[index]), cross, float(chunk_dkv[index])))
     return out
+
+
+def relayed_rows(s: np.ndarray, g: np.ndarray, model: ModelSpec
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Per sequence of a ring group (lengths ``s``, ring sizes ``g``): the KV rows and dK/dV
+    accumulator rows one hop carries, mean over the model's layers. A windowed layer's hops
+    carry what the engine sends (``zigzag_window.relay_rows``, counted on the zigzag
+    geometry), the others the whole chunk ``s / g``."""
+    chunk = s / g
+    share = model.window_share
+    if share <= 0.0:
+        return chunk, chunk
+    rows = np.asarray([relay_rows(int(n), int(k), model.window_size) for n, k in zip(s, g)],
+                      dtype=np.float64).reshape(-1, 2)
+    return (1.0 - share) * chunk + share * rows[:, 0], (1.0 - share) * chunk + share * rows[:, 1]
 
 
 class PassEnds(NamedTuple):

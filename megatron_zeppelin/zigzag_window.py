@@ -1,0 +1,86 @@
+"""Sliding-window geometry of zigzag ring blocks (pure arithmetic on host offsets).
+
+A query at document position ``i`` sees keys ``i - L .. i`` (Megatron's ``window_size=(L,
+0)``). ``window_pair`` trims one (query chunk, key chunk) pair of a ring step to the rows that
+see a key and the keys a row sees, and names the END-aligned band (``kernels.base.band``) the
+kernel runs it with; ``add_pair`` groups pairs of one band into calls whose query rows are
+distinct. ``runtime.zigzag.ZigzagLayout`` builds its windowed blocks and relayed rows from
+them; ``relay_rows`` counts those rows for one sequence (what the simulator prices). Standard
+library only, below the runtime (no torch).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from megatron_zeppelin.plan import zigzag_bounds
+
+
+def chunk_rows(offset: int, chunks) -> tuple[int, int]:
+    """Buffer rows where the two chunks of a sequence start."""
+    return offset, offset + chunks[0][1] - chunks[0][0]
+
+
+def window_pair(qa: int, qb: int, ka: int, kb: int, window: int):
+    """Query positions ``[qa, qb)`` vs key positions ``[ka, kb)`` under causal + window:
+    ``((qa', qb', ka', kb'), band)`` trimmed to the rows that see a key and the keys a row sees
+    (band ``(-1, -1)``: every key visible to every row; else the END-aligned ``(L - s, s)``),
+    or None when no query sees any key."""
+    qa, kb = max(qa, ka), min(kb, qb)      # a query sees keys <= itself
+    qb, ka = min(qb, kb + window), max(ka, qa - window)  # and keys >= itself - L
+    if qa >= qb or ka >= kb:
+        return None
+    if ka >= qb - 1 - window and kb - 1 <= qa:
+        return (qa, qb, ka, kb), (-1, -1)
+    shift = qb - kb
+    return (qa, qb, ka, kb), (window - shift, shift)
+
+
+def add_pair(calls: list, key, pair: tuple[int, int, int, int]) -> None:
+    """Add ``pair`` to the first call of band ``key`` whose query rows it does not overlap
+    (a call's query rows must be distinct: the merge writes each row once)."""
+    for band_key, pairs in calls:
+        if band_key == key and all(pair[0] + pair[1] <= s or s + n <= pair[0]
+                                   for s, n, _, _ in pairs):
+            pairs.append(pair)
+            return
+    calls.append((key, [pair]))
+
+
+@lru_cache(maxsize=65536)
+def relay_rows(length: int, ring: int, window: int) -> tuple[float, float]:
+    """(KV rows, dK/dV accumulator rows) one hop of a ring of ``ring`` positions carries on
+    average for one sequence of ``length`` tokens under the window, as the engine sends them:
+    the hop into step ``t`` carries the rows of the source's two zigzag chunks that positions
+    at steps ``t..G-1`` read (``ZigzagLayout.held_rows``), the accumulator those of step 1
+    (``dkv_rows``); means over sources and hops (KV) or sources (accumulator)."""
+    if ring == 1:
+        return 0.0, 0.0
+    bounds = zigzag_bounds(length, ring)
+
+    def chunks(position: int) -> list[tuple[int, int]]:
+        mirror = 2 * ring - 1 - position
+        return [(bounds[position], bounds[position + 1]), (bounds[mirror], bounds[mirror + 1])]
+
+    kv = dkv = 0
+    for source in range(ring):
+        keys, needed = chunks(source), []  # key position ranges read at this step or later
+        for later in range(ring - 1, 0, -1):  # the hop into step ``later``: rows read from it on
+            for qa, qb in chunks((source + later) % ring):
+                for ka, kb in keys:
+                    pair = window_pair(qa, qb, ka, kb, window)
+                    if pair is not None:
+                        needed.append(pair[0][2:])
+            kv += _covered(needed)
+        dkv += _covered(needed)  # after the loop: the rows of step 1 and later
+    return kv / (ring * (ring - 1)), dkv / ring
+
+
+def _covered(ranges: list[tuple[int, int]]) -> int:
+    """Positions in the union of half-open ``ranges``."""
+    total, end = 0, None
+    for a, b in sorted(ranges):
+        if end is None or a >= end:
+            total, end = total + b - a, b
+        elif b > end:
+            total, end = total + b - end, b
+    return total
