@@ -318,7 +318,7 @@ class CostKernel:
         """The backward's last exchange, all layers: the fp32 dK/dV accumulator of a chunk of
         ``chunk`` tokens returns to its owner after the last step, with no compute left to
         hide it behind."""
-        nbytes = self.kv_per_token * chunk * (self.bwd_bytes_factor - 1.0)  # chunk: its rows
+        nbytes = self.kv_per_token * chunk * (self.bwd_bytes_factor - 1.0)  # the accumulator rows
         if tier == Tier.INTER and routed and self.routable:
             per_layer = self.routed(nbytes)
         elif tier == Tier.INTRA:
