@@ -25,6 +25,7 @@ OVERLONG_POLICIES = ("error", "split", "drop")
 # multi-latent attention's dims, defaults as Megatron-LM's flags (--q-lora-rank ... --v-head-dim)
 MLA_DEFAULTS = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
                 "qk_pos_emb_head_dim": 64, "v_head_dim": 128}
+MLA_FIELDS = ("multi_latent_attention", *MLA_DEFAULTS)  # ModelSpec's, named as Megatron's flags
 
 
 @dataclass(frozen=True)

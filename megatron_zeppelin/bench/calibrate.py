@@ -6,9 +6,9 @@ Measured (the simulator's and the planner's inputs, ``HardwareProfile`` fields):
   block call (``kernels.select(backend)`` then ``backend.forward``/``backward`` on precomputed
   ``Pieces``, what a LOCAL call of the engine runs) with the selected backend -> the profile's
   ``kernel``, ``attention_tflops`` per length (forward FLOPs heads*(head_dim+v_head_dim)*s^2
-  per document, the cost model's count) and ``attention_bwd_ratio`` (median over lengths >= 1K). A call
-  packs ``tokens_per_call // length`` documents of one length (at least one), as GPU-FACTS
-  measured (64K tokens per call on CUDA); defaults: 128..128K tokens on CUDA (bf16),
+  per document, the cost model's count) and ``attention_bwd_ratio`` (median over lengths >=
+  1K). A call packs ``tokens_per_call // length`` documents of one length (at least one), as
+  GPU-FACTS measured (64K tokens per call on CUDA); defaults: 128..128K tokens on CUDA (bf16),
   128..8K on CPU (fp32, one document per call);
 * GEMM throughput -> ``gemm_tflops``: with ``--model``, the layer's own GEMMs (QKV, output
   projection, MLP in and out; forward, data and weight gradients) on ``gemm_tokens`` tokens;

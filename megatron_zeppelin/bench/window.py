@@ -10,9 +10,11 @@ ring group (ring size > 1) and ring position, from the engine's own ring blocks
   every hop (no window, or a window without trimming) vs what the engine sends (each hop
   forwards only the rows some later position still reads, ``ZigzagLayout.held_rows``);
 * the backward's dK/dV accumulators (fp32, ``G`` hops each, the last one home): whole vs what
-  the engine sends (the rows some position after the owner reads, ``ZigzagLayout.dkv_rows``). Skipping whole transfers saves nothing in the zigzag layout:
-  position ``p - 1`` holds the chunk right after position ``p``'s mirror chunk, so the last hop
-  of every KV block is needed; trimming rows is what saves.
+  the engine sends (the rows some position after the owner reads, ``ZigzagLayout.dkv_rows``).
+
+Skipping whole transfers saves nothing in the zigzag layout: position ``p - 1`` holds the chunk
+right after position ``p``'s mirror chunk, so the last hop of every KV block is needed;
+trimming rows is what saves.
 
 Host arithmetic only (no timing), so the figures are the same on any machine.
 """

@@ -64,8 +64,9 @@ def recv_like(layout: ZigzagLayout, step: int, phase: Phase, tail: tuple[int, ..
 
     Both phases: the next KV block ``[tokens, *tail]`` (``schedule.sends_kv``); backward
     also the dKV accumulator of the block held at ``step`` (its ``dkv_rows``) in the
-    accumulator dtype (``schedule.sends_dkv``). ``tail`` is ``(kv_heads, head_dim + v_head_dim)`` (k and v side
-    by side), dtype the KV dtype. What position p+1 receives is exactly what position p sends.
+    accumulator dtype (``schedule.sends_dkv``). ``tail`` is ``(kv_heads, head_dim +
+    v_head_dim)`` (k and v side by side), dtype the KV dtype. What position p+1 receives is
+    exactly what position p sends.
     """
     phase, size, like = Phase(phase), layout.ring_size, []
     if sends_kv(size, step):

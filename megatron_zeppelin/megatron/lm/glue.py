@@ -39,7 +39,7 @@ import time
 import torch
 
 from megatron_zeppelin import env
-from megatron_zeppelin.config import MLA_DEFAULTS, ConfigError, ModelSpec, ZeppelinConfig
+from megatron_zeppelin.config import MLA_FIELDS, ConfigError, ModelSpec, ZeppelinConfig
 from megatron_zeppelin.megatron.loop import args as train_args, fatal, preflight
 from megatron_zeppelin.megatron.lm.features import refusals
 from megatron_zeppelin.options import dest_of, from_flags, settings
@@ -112,7 +112,7 @@ def _model_spec(args: argparse.Namespace) -> ModelSpec:
                                      args.num_layers)
     # multi-latent attention: megatron-core's MLA has a key/value head per query head, whatever
     # --num-query-groups says, and its own head dims
-    mla = {key: getattr(args, key) for key in ("multi_latent_attention", *MLA_DEFAULTS)} \
+    mla = {key: getattr(args, key) for key in MLA_FIELDS} \
         if getattr(args, "multi_latent_attention", False) else {}
     return ModelSpec(name="megatron-lm", num_layers=args.num_layers,
                      hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,

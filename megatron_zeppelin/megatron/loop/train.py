@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin import api, env
-from megatron_zeppelin.config import (MLA_DEFAULTS, ConfigError, ModelSpec, load_cluster,
+from megatron_zeppelin.config import (MLA_FIELDS, ConfigError, ModelSpec, load_cluster,
                                       load_hardware)
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.megatron.loop import (args as train_args, checkpoint, microbatch_order,
@@ -49,7 +49,7 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
     fields = train_args.AttentionArgs.from_namespace(args).config_fields(args.num_layers)
     window, layers = windowed_layers(fields.get("window_size"),
                                      fields.get("window_attn_skip_freq"), args.num_layers)
-    mla = {key: fields[key] for key in ("multi_latent_attention", *MLA_DEFAULTS) if key in fields}
+    mla = {key: fields[key] for key in MLA_FIELDS if key in fields}
     return ModelSpec(name="pretrain_gpt", num_layers=args.num_layers,
                      hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                      num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,

@@ -46,7 +46,8 @@ def takes(tq: int, tk: int, band: Window) -> bool:
 @dataclass(frozen=True)
 class Chunks:
     """The banded pairs of one call as chunks of ``width`` rows (``Chunks.of``):
-    ``q_rows``/``k_rows`` ``[chunks, width]`` index the zero-row-extended q / k (the pad row past a piece's end);
+    ``q_rows``/``k_rows`` ``[chunks, width]`` index the zero-row-extended q / k (the pad row
+    past a piece's end);
     ``later`` the chunks that have a previous chunk in their piece (that chunk is ``later -
     1``); ``q_real``/``k_real`` the real rows of the flattened chunks and ``q_index``/
     ``k_index`` their rows in q / k."""
