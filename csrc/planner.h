@@ -17,6 +17,23 @@ using i64 = std::int64_t;
 
 enum Tier : int { INTER = 0, INTRA = 1, LOCAL = 2 };
 
+// Twin of cost_model.WindowParts: a windowed layer's ring work of one rank's share.
+struct WindowParts {
+  double even = 0.0, first = 0.0, rest = 0.0;
+  i64 reach = 1;
+  double kv = 0.0, dkv = 0.0;
+};
+
+// Twin of cost_model.RingWindow: a ring's windowed work summed over its sequences.
+struct RingWindow {
+  i64 ring = 1;
+  double even = 0.0, first = 0.0, kv = 0.0, dkv = 0.0;
+  std::vector<double> near;  // work of the steps d away from step 0, d in [0, ring / 2]
+  RingWindow(i64 ring_size = 1)  // NOLINT: implicit, so that RingGroup{...} default-inits it
+      : ring(ring_size), near(static_cast<size_t>(ring_size / 2 + 1), 0.0) {}
+  RingWindow& add(const WindowParts& parts);
+};
+
 // Twin of cost_model.CostKernel (planner_costs.cpp).
 struct Costs {
   double attn_coef = 0;
@@ -38,6 +55,11 @@ struct Costs {
   double routed(double nbytes) const;
   // (KV rows, dK/dV rows; -1: as many) a ring hop carries under the window
   std::pair<double, double> relayed(double seqlen, i64 ring) const;
+  std::pair<double, double> trimmed(double chunk, i64 ring) const;
+  double dense_compute(double seqlen, i64 ring) const;
+  WindowParts window_parts(double seqlen, i64 ring) const;
+  double ring_exposed(double dense, const RingWindow& window, double share, int tier,
+                      bool routed) const;
   double comm(double chunk, int tier, bool routed, double dkv = -1.0) const;
   double dkv_tail(double chunk, int tier, bool routed) const;
   double task_time(double seqlen, i64 ring, int tier, bool routed) const;

@@ -85,8 +85,67 @@ std::pair<double, double> Costs::relayed(double seqlen, i64 ring) const {
   const double chunk = seqlen / g;
   if (window_share <= 0.0) return {chunk, -1.0};
   const double dense = (1.0 - window_share) * chunk;
-  return {dense + window_share * std::min(chunk, window),
-          dense + window_share * std::min(chunk, 2.0 * window * (g - 1.0) / g)};
+  const auto [kv, dkv] = trimmed(chunk, ring);
+  return {dense + window_share * kv, dense + window_share * dkv};
+}
+
+std::pair<double, double> Costs::trimmed(double chunk, i64 ring) const {
+  const double g = static_cast<double>(ring);
+  return {std::min(chunk, window), std::min(chunk, 2.0 * window * (g - 1.0) / g)};
+}
+
+RingWindow& RingWindow::add(const WindowParts& parts) {
+  even = even + parts.even;
+  first = first + parts.first;
+  kv = kv + parts.kv;
+  dkv = dkv + parts.dkv;
+  if (parts.rest > 0.0) {  // over the min(G - 1, 2D) steps within the reach
+    const double per_step =
+        parts.rest / static_cast<double>(std::min<i64>(ring - 1, 2 * parts.reach));
+    for (i64 d = 1; d <= parts.reach; ++d) near[d] = near[d] + per_step;
+  }
+  return *this;
+}
+
+double Costs::dense_compute(double seqlen, i64 ring) const {
+  const double g = static_cast<double>(ring);
+  return attn_coef * seqlen * seqlen / g / flops(seqlen / g) * (1.0 - window_share);
+}
+
+WindowParts Costs::window_parts(double seqlen, i64 ring) const {
+  const double g = static_cast<double>(ring);
+  const double chunk = seqlen / g;
+  const double windowed = attn_coef * seqlen * seqlen / g / flops(chunk) * window_share;
+  const auto [kv, dkv] = trimmed(chunk, ring);
+  if (seqlen <= window + 1.0) {
+    return WindowParts{windowed, 0.0, 0.0, std::max<i64>(1, ring / 2), kv, dkv};
+  }
+  const double w = window + 1.0;
+  const double kept = std::min(1.0, (2.0 * seqlen * w - window * w) / (seqlen * seqlen));
+  const double work = windowed * kept, half = seqlen / (2.0 * g);
+  const double band = window * (window + 1.0) / 2.0;
+  const double step0 = window <= half ? 2.0 * g * (half * (window + 1.0) - band) + band
+                                     : 2.0 * g * half * (half + 1.0) / 2.0;
+  const double first = work * std::min(1.0, step0 / (kept * seqlen * seqlen / 2.0));
+  const i64 reach =
+      std::max<i64>(1, std::min<i64>(ring / 2, static_cast<i64>(std::ceil(window / half))));
+  return WindowParts{0.0, first, work - first, reach, kv, dkv};
+}
+
+double Costs::ring_exposed(double dense, const RingWindow& window, double share, int tier,
+                           bool use_routing) const {
+  const i64 ring = window.ring;
+  const double g = static_cast<double>(ring), w = window_share, h = ring_step_s;
+  double exposed =
+      (g - 1) * std::max(0.0, comm(share, tier, use_routing) * (1.0 - w) - dense / g -
+                                  (1.0 - w) * h);
+  const double hop = comm(window.kv, tier, use_routing, window.dkv) * w;
+  const double even = window.even / g + w * h;
+  exposed = exposed + std::max(0.0, hop - window.first - even);
+  for (i64 t = 1; t < ring - 1; ++t) {
+    exposed = exposed + std::max(0.0, hop - window.near[std::min(t, ring - t)] - even);
+  }
+  return exposed;
 }
 
 double Costs::comm(double chunk, int tier, bool use_routing, double dkv) const {
@@ -121,9 +180,14 @@ double Costs::task_time(double seqlen, i64 ring, int tier, bool use_routing) con
   double c = compute(seqlen, ring);
   if (ring == 1) return c;
   const double g = static_cast<double>(ring);
+  if (window_share > 0.0) {
+    return c + g * ring_step_s +
+           ring_exposed(dense_compute(seqlen, ring),
+                        RingWindow(ring).add(window_parts(seqlen, ring)), seqlen / g, tier,
+                        use_routing);
+  }
   c = c + g * ring_step_s;  // the engine's host work per ring step
-  const auto [kv, dkv] = relayed(seqlen, ring);
-  return c + (g - 1) * std::max(0.0, comm(kv, tier, use_routing, dkv) - c / g);
+  return c + (g - 1) * std::max(0.0, comm(seqlen / g, tier, use_routing) - c / g);
 }
 
 }  // namespace zeppelin_planner

@@ -26,7 +26,8 @@ struct RingGroup {
   const std::vector<i64>* members;
   double compute = 0.0, share = 0.0;
   int tier = LOCAL;
-  double kv = 0.0, dkv = 0.0;  // rows a hop carries, where a sliding window trims them
+  double dense = 0.0;  // the dense layers' compute, where a sliding window is set
+  RingWindow window;   // the windowed layers' steps and rows
 };
 
 // estimate._pace
@@ -149,9 +150,9 @@ Estimate estimate_tasks(const Problem& pb, const Tasks& tasks, const std::vector
     groups[it->second].compute += k.compute(s, g);
     groups[it->second].share += s / static_cast<double>(g);
     if (k.window_share > 0.0) {
-      const auto [kv, dkv] = k.relayed(s, g);
-      groups[it->second].kv += kv;
-      groups[it->second].dkv += dkv;
+      groups[it->second].dense += k.dense_compute(s, g);
+      if (groups[it->second].window.ring != g) groups[it->second].window = RingWindow(g);
+      groups[it->second].window.add(k.window_parts(s, g));
     }
   }
   std::vector<double> per_round(groups.size());
@@ -159,11 +160,15 @@ Estimate estimate_tasks(const Problem& pb, const Tasks& tasks, const std::vector
     RingGroup& grp = groups[i];
     const double g = static_cast<double>(grp.members->size());
     grp.compute = grp.compute + g * k.ring_step_s;  // the engine's host work per ring step
-    const bool trimmed = k.window_share > 0.0;
-    const double kv = trimmed ? grp.kv : grp.share, dkv = trimmed ? grp.dkv : -1.0;
-    const double hidden =
-        (g - 1) * std::max(0.0, k.comm(kv, grp.tier, pb.routing, dkv) - grp.compute / g) +
-        k.dkv_tail(trimmed ? dkv : grp.share, grp.tier, pb.routing);
+    double hidden;
+    if (k.window_share > 0.0) {  // each step's exchange behind that step's own compute
+      const double dkv = (1.0 - k.window_share) * grp.share + k.window_share * grp.window.dkv;
+      hidden = k.ring_exposed(grp.dense, grp.window, grp.share, grp.tier, pb.routing) +
+               k.dkv_tail(dkv, grp.tier, pb.routing);
+    } else {
+      hidden = (g - 1) * std::max(0.0, k.comm(grp.share, grp.tier, pb.routing) - grp.compute / g) +
+               k.dkv_tail(grp.share, grp.tier, pb.routing);
+    }
     for (i64 r : *grp.members) {
       ring[r] += grp.compute;
       exposed[r] += hidden;

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -32,6 +31,7 @@ from megatron_zeppelin.config import ClusterSpec, ModelSpec
 from megatron_zeppelin.hardware_profile import HardwareProfile
 from megatron_zeppelin.twin_arithmetic import interp
 from megatron_zeppelin.plan import Tier
+from megatron_zeppelin.routed_cost import routed_table
 
 FWD_BWD_LINEAR = 3.0  # backward of a GEMM is two GEMMs of the forward's size
 DKV_BYTES = 4  # the engine accumulates dK/dV in fp32 and sends the accumulator
@@ -60,6 +60,40 @@ def _window_kept(seqlen, window: int):
     once s > W + 1 (before the cap at 1)."""
     w = window + 1.0
     return (2.0 * seqlen * w - window * w) / (seqlen * seqlen)
+
+
+class WindowParts(NamedTuple):
+    """A windowed layer's ring work of one rank's share of a sequence, all windowed layers
+    (seconds: ``first`` at step 0, ``rest`` spread over the steps within ``reach`` of it,
+    ``even`` over every step) and the rows each hop carries (``CostKernel.window_parts``)."""
+
+    even: float
+    first: float
+    rest: float
+    reach: int
+    kv: float
+    dkv: float
+
+
+class RingWindow:
+    """The windowed layers' work of a ring of ``ring`` positions, summed over its sequences
+    (``add``, in sequence order): ``near[d]``, the work of the steps ``d`` away from step 0
+    (steps d and G - d), ``first``, ``even``, and the hop rows ``kv``, ``dkv``."""
+
+    def __init__(self, ring: int) -> None:
+        self.ring, self.even, self.first, self.kv, self.dkv = ring, 0.0, 0.0, 0.0, 0.0
+        self.near = [0.0] * (ring // 2 + 1)
+
+    def add(self, parts: WindowParts) -> "RingWindow":
+        self.even += parts.even
+        self.first += parts.first
+        self.kv += parts.kv
+        self.dkv += parts.dkv
+        if parts.rest > 0.0:  # over the min(G - 1, 2D) steps within the reach
+            per_step = parts.rest / min(self.ring - 1, 2 * parts.reach)
+            for d in range(1, parts.reach + 1):
+                self.near[d] += per_step
+        return self
 
 
 @dataclass(frozen=True)
@@ -140,7 +174,7 @@ class CostModel:
         """Time of one routed inter-node message of ``nbytes`` (a number or numpy array):
         the routed-transfer model for a single flow (``routed_message_seconds``), tabulated
         once on a log grid of sizes and interpolated (as ``CostKernel.routed``)."""
-        log_sizes, log_times = _routed_table(self.cluster)
+        log_sizes, log_times = routed_table(self.cluster)
         return np.exp(np.interp(np.log(nbytes), log_sizes, log_times))
 
     def remap_seconds_per_token(self) -> float:
@@ -225,7 +259,10 @@ class CostKernel:
     model's sliding window (the engine's trimming).
     task_time(s, G): compute + G * ring_step_s + (G - 1) * max(0, comm - compute / G -
     ring_step_s) (exposed ring traffic; ring_step_s: the engine's host work per ring step, all
-    layers, forward + backward, ``HardwareProfile.ring_step_overhead_us``).
+    layers, forward + backward, ``HardwareProfile.ring_step_overhead_us``). With a sliding
+    window the windowed layers' work is not spread evenly over the steps (the band of each
+    chunk with itself at step 0, the rest at the steps that hold the neighbouring chunks), so
+    their hops hide behind what each step computes (``window_parts``, ``ring_exposed``).
     """
 
     attn_coef: float
@@ -255,7 +292,7 @@ class CostKernel:
     @classmethod
     def of(cls, cost: "CostModel") -> "CostKernel":
         m, c, hw = cost.model, cost.cluster, cost.hardware
-        log_sizes, log_times = _routed_table(c)
+        log_sizes, log_times = routed_table(c)
         return cls(
             attn_coef=cost.heads * m.pair_dim * (1.0 + hw.attention_bwd_ratio)
             * m.num_layers,
@@ -297,8 +334,59 @@ class CostKernel:
         if self.window_share <= 0.0:
             return chunk, None
         dense = (1.0 - self.window_share) * chunk
-        return (dense + self.window_share * min(chunk, self.window),
-                dense + self.window_share * min(chunk, 2.0 * self.window * (ring - 1) / ring))
+        kv, dkv = self._trimmed(chunk, ring)
+        return dense + self.window_share * kv, dense + self.window_share * dkv
+
+    def _trimmed(self, chunk: float, ring: int) -> tuple[float, float]:
+        """(KV rows, dK/dV rows) a windowed layer's hop carries of a chunk (``relayed``)."""
+        return min(chunk, self.window), min(chunk, 2.0 * self.window * (ring - 1) / ring)
+
+    def dense_compute(self, seqlen: float, ring: int) -> float:
+        """``compute`` of the layers without the sliding window (the model's dense share)."""
+        return self.attn_coef * seqlen * seqlen / ring / self.flops(seqlen / ring) * \
+            (1.0 - self.window_share)
+
+    def window_parts(self, seqlen: float, ring: int) -> WindowParts:
+        """Where a windowed layer's work of one rank's 1/ring share falls in the ring's steps,
+        all windowed layers (``WindowParts``). In the zigzag layout (chunks of ``c = s/2G``) a
+        window of ``L`` keeps each chunk's band with itself (``c (L+1) - L (L+1)/2`` pairs, or
+        the chunk's ``c (c+1)/2`` once ``L > c``), computed at step 0 with, while ``L <= c``,
+        the band between the two middle chunks (``L (L+1)/2``, held together); the rest
+        reaches the chunks up to ``D = ceil(L / c)`` away, held by the positions ``1..D`` steps
+        before and after this one (``reach``, at most G/2: then every step). A sequence no
+        longer than ``L + 1`` attends densely: its windowed layers' work is spread evenly
+        (``even``)."""
+        chunk, window = seqlen / ring, self.window
+        windowed = self.attn_coef * seqlen * seqlen / ring / self.flops(chunk) * \
+            self.window_share
+        kv, dkv = self._trimmed(chunk, ring)
+        if seqlen <= window + 1.0:
+            return WindowParts(windowed, 0.0, 0.0, max(1, ring // 2), kv, dkv)
+        kept = min(1.0, _window_kept(seqlen, window))
+        work, half, band = windowed * kept, seqlen / (2 * ring), window * (window + 1.0) / 2.0
+        step0 = 2.0 * ring * (half * (window + 1.0) - band) + band if window <= half else \
+            2.0 * ring * half * (half + 1.0) / 2.0
+        first = work * min(1.0, step0 / (kept * seqlen * seqlen / 2.0))
+        reach = max(1, min(ring // 2, math.ceil(window / half)))
+        return WindowParts(0.0, first, work - first, reach, kv, dkv)
+
+    def ring_exposed(self, dense: float, window: RingWindow, share: float, tier: Tier,
+                     routed: bool) -> float:
+        """Ring traffic not hidden, G - 1 hops, all layers, of a ring whose members each hold
+        ``share`` tokens and compute ``dense`` seconds in the dense layers (spread evenly over
+        the G steps) and ``window`` in the windowed ones. The hop into step t overlaps step
+        t-1's compute and host work: a dense layer's hops each hide behind 1/G of its compute;
+        a windowed layer's first hop behind step 0's band work, the others behind the work of
+        their steps (``window.near``: none beyond the window's reach)."""
+        g, w, h = window.ring, self.window_share, self.ring_step_s
+        exposed = (g - 1) * max(0.0, self.comm(share, tier, routed) * (1.0 - w) - dense / g
+                                - (1.0 - w) * h)
+        hop = self.comm(window.kv, tier, routed, window.dkv) * w
+        even = window.even / g + w * h
+        exposed = exposed + max(0.0, hop - window.first - even)
+        for t in range(1, g - 1):
+            exposed = exposed + max(0.0, hop - window.near[min(t, g - t)] - even)
+        return exposed
 
     def comm(self, chunk: float, tier: Tier, routed: bool, dkv: float | None = None) -> float:
         """Transfer time of one ring step of ``chunk`` KV tokens per rank (``dkv``: the dK/dV
@@ -358,89 +446,11 @@ class CostKernel:
         compute = self.compute(seqlen, ring)
         if ring == 1:
             return compute
+        if self.window_share > 0.0:
+            return compute + ring * self.ring_step_s + self.ring_exposed(
+                self.dense_compute(seqlen, ring),
+                RingWindow(ring).add(self.window_parts(seqlen, ring)), seqlen / ring, tier,
+                routed)
         compute = compute + ring * self.ring_step_s
-        kv, dkv = self.relayed(seqlen, ring)
-        return compute + (ring - 1) * max(0.0, self.comm(kv, tier, routed, dkv)
+        return compute + (ring - 1) * max(0.0, self.comm(seqlen / ring, tier, routed)
                                           - compute / ring)
-
-
-# ----------------------------------------------------------------------------- routed transfers
-# The one definition of what a routed transfer costs (the cost model's per-message times and the
-# simulator's analytic step use it; the router's integer-tick search ``router/model.py`` imports
-# its pipeline formula and chunk rule, and ``csrc/router_model.h`` is that module's C++ twin).
-
-DEFAULT_MAX_CHUNKS = 8  # chunks a routed slice is pipelined in, at most
-DEFAULT_MIN_CHUNK_BYTES = 1 << 20  # ... while a chunk of the largest slice keeps 1 MiB
-
-
-def chunk_cap(largest_bytes: int, max_chunks: int = DEFAULT_MAX_CHUNKS,
-              min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES) -> int:
-    """Most chunks a routed step whose largest slice has ``largest_bytes`` bytes may use."""
-    return min(max_chunks, max(1, largest_bytes // min_chunk_bytes))
-
-
-def pipeline_time(d, n, m, f, chunks: int):
-    """A routed step pipelined in ``chunks`` chunks (batch t: dispatch legs of chunk t, NIC
-    legs of chunk t-1, combine legs of chunk t-2), from the per-chunk times of its busiest
-    dispatch, NIC and combine resources (d, n, m) and f, the most any resource carries in a
-    full batch (a NIC, or a GPU's NVLink direction with dispatch and combine legs at once).
-    Integers in, integers out (the router's ticks) or floats (seconds)."""
-    if chunks == 1:
-        return d + n + m
-    if chunks == 2:
-        return d + max(d, n) + max(n, m) + m
-    return d + max(d, n) + (chunks - 2) * f + max(n, m) + m
-
-
-class RoutedLoad(NamedTuple):
-    """The busiest resource of each phase of a routed step: the seconds its bytes take over the
-    whole step (``*_s``) and the messages it serves per chunk (``*_msgs``; every message pays
-    its link's latency once per chunk). ``shared``: a GPU's NVLink direction carrying its
-    dispatch and combine legs together (what a full pipeline batch waits for)."""
-
-    dispatch_s: float
-    dispatch_msgs: float
-    nic_s: float
-    nic_msgs: float
-    combine_s: float
-    combine_msgs: float
-    shared_s: float
-    shared_msgs: float
-
-
-def pipelined_seconds(load: RoutedLoad, cluster: ClusterSpec, largest_slice_bytes: float
-                      ) -> float:
-    """Seconds of a routed step at its best chunk count (1 .. ``chunk_cap``), ``pipeline_time``
-    on the per-chunk phase times of ``load``."""
-    lv, ln = cluster.nvlink_latency_us * 1e-6, cluster.nic_latency_us * 1e-6
-    best = float("inf")
-    for c in range(1, chunk_cap(int(largest_slice_bytes)) + 1):
-        d = load.dispatch_s / c + load.dispatch_msgs * lv
-        n = load.nic_s / c + load.nic_msgs * ln
-        m = load.combine_s / c + load.combine_msgs * lv
-        f = max(n, load.shared_s / c + load.shared_msgs * lv)
-        best = min(best, pipeline_time(d, n, m, f, c))
-    return best
-
-
-def routed_message_seconds(cluster: ClusterSpec, nbytes: float) -> float:
-    """One inter-node message of ``nbytes`` through the routing layer: split evenly over r NIC
-    rails (r - 1 slices relayed through proxy GPUs over NVLink, one slice per rail) and
-    pipelined (``pipelined_seconds``); the best r. r = 1 is the direct NIC, so the result never
-    exceeds a direct send."""
-    rails = len(set(cluster.gpu_to_nic))
-    nv, nic = cluster.nvlink_byte_per_s, cluster.nic_byte_per_s
-    best = nbytes / nic + cluster.nic_latency_us * 1e-6
-    for r in range(2, rails + 1):
-        relay = (r - 1) * nbytes / (r * nv)  # the source's dispatch and the sink's combine
-        load = RoutedLoad(relay, r - 1, nbytes / (r * nic), 1, relay, r - 1, relay, r - 1)
-        best = min(best, pipelined_seconds(load, cluster, nbytes / r))
-    return best
-
-
-@lru_cache(maxsize=64)
-def _routed_table(cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
-    """``routed_message_seconds`` on a log grid of sizes (1 KiB .. 8 GiB), as logs."""
-    sizes = np.logspace(10, 33, 93, base=2.0)
-    times = [routed_message_seconds(cluster, float(b)) for b in sizes]
-    return np.log(sizes), np.log(times)

@@ -8,8 +8,9 @@ expressions in the same order, so the portfolio picks the same candidate in both
 * per wave w and rank r: ``ring`` = the compute of its ring groups (tasks sharing a ring run
   as one fused call per step, G > 1) plus the engine's host work per ring step
   (``CostKernel.ring_step_s``, G per group), ``exposed`` = each group's exchange per step (the KV of
-  all its sequences, ``CostKernel.comm``) not hidden behind that step's compute, G - 1 times,
-  and the backward's last dK/dV return (``CostKernel.dkv_tail``);
+  all its sequences, ``CostKernel.comm``) not hidden behind that step's compute, G - 1 times
+  (with a sliding window, behind each step's own compute: ``CostKernel.ring_exposed``), and
+  the backward's last dK/dV return (``CostKernel.dkv_tail``);
   ``local`` = the compute of its LOCAL tasks; the engine runs LOCAL work while ring traffic is
   in flight, so the rank's attention time is ``ring + max(local, exposed)``. A Ulysses group
   (FlexSP) costs its compute at the full lengths over 1/G of the heads plus its all-to-alls
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
 from megatron_zeppelin.twin_arithmetic import add_up
-from megatron_zeppelin.cost_model import FWD_BWD_LINEAR, CostModel
+from megatron_zeppelin.cost_model import FWD_BWD_LINEAR, CostModel, RingWindow
 from megatron_zeppelin.plan import AttentionTask, Plan, Tier, Topology
 
 
@@ -75,30 +76,29 @@ def estimate_tasks(tasks: Sequence[AttentionTask], seqlens: Sequence[int], topol
     tokens = [[0.0] * world for _ in range(waves)]
     groups: dict[tuple[int, tuple[int, ...]], list] = {}  # (wave, ring): [compute, tokens]
     ulysses = attention_kind == "ulysses"
+    windowed = kernel.window_share > 0.0 and not ulysses
     for task in tasks:
         s, g, w = seqlens[task.seq], len(task.ring), task.wave
         if g == 1:
             local[w][task.ring[0]] += kernel.compute(s, 1)
             tokens[w][task.ring[0]] += s
             continue
-        sums = groups.setdefault((w, task.ring), [0.0, 0.0, task.tier, 0.0, 0.0])
+        sums = groups.setdefault((w, task.ring), [0.0, 0.0, task.tier, 0.0, None])
         sums[0] += kernel.ulysses_compute(s, g) if ulysses else kernel.compute(s, g)
         sums[1] += s / g
-        if kernel.window_share > 0.0:  # the rows a hop carries (a sliding window trims them)
-            kv, dkv = kernel.relayed(s, g)
-            sums[3] += kv
-            sums[4] += dkv
+        if windowed:  # dense layers' work, the windowed layers' steps and trimmed rows
+            sums[3] += kernel.dense_compute(s, g)
+            if sums[4] is None:
+                sums[4] = RingWindow(g)
+            sums[4].add(kernel.window_parts(s, g))
     paced: list[list[tuple[tuple[int, ...], int, float]]] = [[] for _ in range(waves)]
-    for (w, members), (compute, share, tier, kv, dkv) in groups.items():
+    for (w, members), (compute, share, tier, dense, window) in groups.items():
         g = len(members)
         if ulysses:
             compute, hidden = compute + kernel.ulysses_comm(share, g, tier), 0.0
-        else:  # one fused exchange per ring step, overlapped with that step's compute (and
-            # the engine's host work per step)
-            compute = compute + g * kernel.ring_step_s
-            kv, dkv = (kv, dkv) if kernel.window_share > 0.0 else (share, None)
-            hidden = (g - 1) * max(0.0, kernel.comm(kv, tier, routed, dkv) - compute / g) + \
-                kernel.dkv_tail(share if dkv is None else dkv, tier, routed)
+        else:
+            compute = compute + g * kernel.ring_step_s  # the engine's host work per step
+            hidden = _ring_hidden(kernel, compute, share, g, tier, routed, dense, window)
         for r in members:
             ring[w][r] += compute
             exposed[w][r] += hidden
@@ -107,6 +107,20 @@ def estimate_tasks(tasks: Sequence[AttentionTask], seqlens: Sequence[int], topol
     att = [_pace([ring[w][r] + max(local[w][r], exposed[w][r]) for r in range(world)],
                  paced[w]) for w in range(waves)]
     return _step(att, tokens, linear_tokens, moves, topology, cost)
+
+
+def _ring_hidden(kernel, compute: float, share: float, g: int, tier: Tier, routed: bool,
+                 dense: float, window: RingWindow | None) -> float:
+    """A ring group's traffic not hidden: one fused exchange per ring step behind that step's
+    compute and host work (``compute``, all steps), or with a sliding window behind each step's
+    own work (``dense``, ``window``: ``CostKernel.ring_exposed``), and the backward's last
+    dK/dV return."""
+    if window is None:
+        return (g - 1) * max(0.0, kernel.comm(share, tier, routed) - compute / g) + \
+            kernel.dkv_tail(share, tier, routed)
+    dkv = (1.0 - kernel.window_share) * share + kernel.window_share * window.dkv
+    return kernel.ring_exposed(dense, window, share, tier, routed) + \
+        kernel.dkv_tail(dkv, tier, routed)
 
 
 def _pace(att: list[float], groups: list[tuple[tuple[int, ...], int, float]]) -> list[float]:

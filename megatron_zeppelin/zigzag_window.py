@@ -75,6 +75,47 @@ def relay_rows(length: int, ring: int, window: int) -> tuple[float, float]:
     return kv / (ring * (ring - 1)), dkv / ring
 
 
+@lru_cache(maxsize=65536)
+def step_pairs(length: int, ring: int, window: int) -> tuple[float, ...]:
+    """Per ring step ``t`` of a ring of ``ring`` positions, the (query, key) pairs under the
+    window one position computes for one sequence of ``length`` tokens, mean over positions:
+    at step t position p attends its two zigzag chunks against those of position ``p - t``
+    (the engine's blocks, ``ZigzagLayout``). The steps sum to the sequence's windowed pairs
+    over ``ring``."""
+    bounds = zigzag_bounds(length, ring)
+
+    def chunks(position: int) -> list[tuple[int, int]]:
+        mirror = 2 * ring - 1 - position
+        return [(bounds[position], bounds[position + 1]), (bounds[mirror], bounds[mirror + 1])]
+
+    out = []
+    for step in range(ring):
+        total = 0
+        for position in range(ring):
+            for qa, qb in chunks(position):
+                for ka, kb in chunks((position - step) % ring):
+                    total += visible_pairs(qa, qb, ka, kb, window)
+        out.append(total / ring)
+    return tuple(out)
+
+
+def visible_pairs(qa: int, qb: int, ka: int, kb: int, window: int) -> int:
+    """Pairs (query i in ``[qa, qb)``, key k in ``[ka, kb)``) with ``i - window <= k <= i``."""
+    return _clamped_sum(qa, qb, kb - 1 + window, window + 1) - \
+        _clamped_sum(qa, qb, ka - 1 + window, window + 1)
+
+
+def _clamped_sum(lo: int, hi: int, top: int, cap: int) -> int:
+    """``sum(min(cap, max(0, top + 1 - i)) for i in range(lo, hi))``: a query's keys below
+    ``top - window + 1`` (``visible_pairs``), in O(1)."""
+    full_end = min(hi, top + 2 - cap)  # i < full_end: the cap
+    total = cap * max(0, full_end - lo)
+    a, b = max(lo, top + 2 - cap), min(hi, top + 1)  # i in [a, b): top + 1 - i
+    if b > a:
+        total += (b - a) * (2 * top + 2 - a - b + 1) // 2
+    return total
+
+
 def _covered(ranges: list[tuple[int, int]]) -> int:
     """Positions in the union of half-open ``ranges``."""
     total, end = 0, None

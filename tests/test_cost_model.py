@@ -83,6 +83,66 @@ def test_windowed_ring_hops_are_priced_as_the_engine_trims_them(cost_7b):
         half.kv_bytes(kv) * 2 + half.kv_bytes(dkv) * 4 / 2)
 
 
+def test_windowed_ring_steps_are_priced_where_the_zigzag_geometry_puts_their_work(cost_7b):
+    """``CostKernel.window_parts``: a windowed layer computes each zigzag chunk's band with
+    itself (and the two middle chunks' band) at step 0, the rest at the ``reach`` steps on
+    either side, as ``zigzag_window.step_pairs`` counts the engine's blocks: step 0's share
+    exact while the window fits in a chunk, the reach always."""
+    from megatron_zeppelin.zigzag_window import step_pairs
+
+    for s, g, window in ((4096, 4, 64), (4096, 8, 256), (65536, 16, 512), (4096, 8, 512),
+                         (8192, 4, 3000), (1000, 4, 50)):
+        model = dataclasses.replace(cost_7b.model, window_size=window, window_layers=32)
+        kernel = CostModel(model, cost_7b.cluster, cost_7b.hardware).kernel
+        parts = kernel.window_parts(s, g)
+        pairs = step_pairs(s, g, window)
+        busy = [t for t in range(1, g) if pairs[t] > 0]
+        assert parts.reach == max(min(t, g - t) for t in busy), (s, g, window)
+        assert parts.first + parts.rest == pytest.approx(kernel.compute(s, g), rel=1e-12)
+        if window <= s / (2 * g) and s % (2 * g) == 0:
+            assert parts.first / (parts.first + parts.rest) == \
+                pytest.approx(pairs[0] / sum(pairs), rel=1e-12), (s, g, window)
+    short = CostModel(dataclasses.replace(cost_7b.model, window_size=512, window_layers=32),
+                      cost_7b.cluster, cost_7b.hardware).kernel.window_parts(400, 4)
+    assert (short.first, short.rest, short.reach) == (0.0, 0.0, 2) and short.even > 0
+
+
+def test_a_windowed_ring_exposes_the_hops_of_steps_with_nothing_to_compute(cost_7b):
+    """A 64K document with a 512 window over 8 ranks across nodes: the windowed layers
+    compute at steps 0, 1 and 7 only, so 5 of the 7 hops hide behind nothing but the host
+    work, where an even spread of the compute hid every hop behind 1/8 of it. Dense layers
+    (a window on 16 of 32) keep the even spread; a model without a window is unchanged."""
+    s, g, tier = 65536, 8, Tier.INTER
+    model = dataclasses.replace(cost_7b.model, window_size=512, window_layers=32)
+    kernel = CostModel(model, cost_7b.cluster, cost_7b.hardware).kernel
+    parts = kernel.window_parts(s, g)
+    hop = kernel.comm(parts.kv, tier, True, parts.dkv)
+    host = kernel.ring_step_s
+    assert parts.reach == 1 and parts.first > 10 * parts.rest
+    compute = kernel.compute(s, g) + g * host
+    exposed = kernel.task_time(s, g, tier) - compute
+    assert exposed == pytest.approx(
+        max(0.0, hop - parts.first - host) + max(0.0, hop - parts.rest / 2 - host)
+        + 5 * max(0.0, hop - host), rel=1e-12)
+    even = (g - 1) * max(0.0, hop - compute / g)
+    assert exposed >= 5 * (hop - host) > even - compute / g * 7  # 5 hops wholly exposed
+    assert exposed > 1.2 * even
+    half = CostModel(dataclasses.replace(cost_7b.model, window_size=512, window_layers=16),
+                     cost_7b.cluster, cost_7b.hardware).kernel
+    dense_part = half.comm(s / g, tier, True) * 0.5 - \
+        half.attn_coef * s * s / g / half.flops(s / g) * 0.5 / g - 0.5 * host
+    windowed = half.window_parts(s, g)
+    hop = half.comm(windowed.kv, tier, True, windowed.dkv) * 0.5
+    assert half.task_time(s, g, tier) - half.compute(s, g) - g * host == pytest.approx(
+        (g - 1) * max(0.0, dense_part) + max(0.0, hop - windowed.first - 0.5 * host)
+        + max(0.0, hop - windowed.rest / 2 - 0.5 * host) + 5 * max(0.0, hop - 0.5 * host),
+        rel=1e-12)
+    plain = cost_7b.kernel
+    c = plain.compute(s, g) + g * host
+    assert plain.task_time(s, g, tier) == c + (g - 1) * max(0.0, plain.comm(s / g, tier, True)
+                                                            - c / g)
+
+
 @pytest.mark.parametrize("fields,match", [
     ({"window_layers": 2}, r"model.window_layers=2 is invalid: expected an integer in "
                            r"\[0, num_layers=32\], with window_size"),
@@ -213,7 +273,7 @@ def test_estimate_counts_cross_node_ring_hops():
 @pytest.mark.parametrize("cluster", ["a800-4nic", "h800-8nic", "h200-8nic"])
 def test_routed_messages_follow_the_router_and_never_lose_to_direct(cluster):
     from megatron_zeppelin.config import load_cluster
-    from megatron_zeppelin.cost_model import routed_message_seconds
+    from megatron_zeppelin.routed_cost import routed_message_seconds
     from megatron_zeppelin.router import Flow, RouterTopology, route
 
     spec = load_cluster(cluster, nodes=2)
@@ -237,7 +297,7 @@ def test_routed_transfer_cost_is_the_routers_model_of_an_even_split(cluster, mib
     (``router.evaluate``, the integer twin of the C++ router) of the flow split evenly over
     r rails, at the best r and chunk count; ticks round link costs by up to 5e-4."""
     from megatron_zeppelin.config import load_cluster
-    from megatron_zeppelin.cost_model import routed_message_seconds
+    from megatron_zeppelin.routed_cost import routed_message_seconds
     from megatron_zeppelin.router import Flow, RouterTopology, Slice, evaluate
 
     spec = load_cluster(cluster, nodes=2)

@@ -370,3 +370,45 @@ def test_windowed_rings_are_simulated_with_the_rows_the_engine_sends():
             4 * (0.5 * chunk + 0.5 * dkv * dense.kv_bytes(1)))
     slow, fast = (simulate(plan, cost, SimOptions(inter_mode="ring")) for cost in (dense, windowed))
     assert fast.ring_exposed_s < slow.ring_exposed_s and fast.iteration_s < slow.iteration_s
+
+
+def test_windowed_ring_steps_are_simulated_where_their_work_falls():
+    """``zigzag_window.step_pairs`` counts each step's windowed (query, key) pairs on the
+    zigzag chunks (brute force agrees); the simulator's windowed ring computes them in those
+    steps (step 0 the most, steps beyond the window's reach only the per-step host work and
+    launch), and a model with the window on half its layers simulates as the mean of its
+    dense and all-windowed twins (the two kinds of layers run apart)."""
+    import dataclasses
+
+    from megatron_zeppelin.cost_model import CostModel
+    from megatron_zeppelin.plan import zigzag_bounds
+    from megatron_zeppelin.sim.profile import profile_of as sim_profile
+    from megatron_zeppelin.sim.step_model import StepOptions, attention_ends, build_work
+    from megatron_zeppelin.zigzag_window import step_pairs
+
+    for s, g, window in ((100, 4, 10), (97, 3, 40), (64, 4, 0), (50, 2, 100)):
+        b = zigzag_bounds(s, g)
+        spans = [[(b[p], b[p + 1]), (b[2 * g - 1 - p], b[2 * g - p])] for p in range(g)]
+        brute = [sum(1 for p in range(g) for qa, qb in spans[p]
+                     for ka, kb in spans[(p - t) % g] for i in range(qa, qb)
+                     for k in range(ka, kb) if i - window <= k <= i) / g for t in range(g)]
+        assert step_pairs(s, g, window) == pytest.approx(brute, abs=1e-12), (s, g, window)
+    dense = make_cost(cluster="a800-4nic", nodes=2)
+    windowed = CostModel(dataclasses.replace(dense.model, window_size=512), dense.cluster,
+                         dense.hardware)
+    plan = make_plan("static-cp", [65536] * 4, dense, cp_size=16)
+    profile = sim_profile(windowed)
+    extra = profile.attention_call_us * 1e-6 * profile.compute_scale + \
+        profile.ring_step_us * 1e-6
+    for work in build_work(plan, windowed, profile)[0]:
+        for ring in work.rings:
+            steps = np.asarray(ring.step_s)
+            assert steps.shape == (16,) and steps.argmax() == 0
+            assert steps[2:15] == pytest.approx(np.full(13, extra))
+    half = CostModel(dataclasses.replace(dense.model, window_size=512, window_layers=16),
+                     dense.cluster, dense.hardware)
+    ends = {name: attention_ends(plan, cost, sim_profile(half), StepOptions())[0]
+            for name, cost in (("dense", dense), ("windowed", windowed), ("half", half))}
+    for field in ("fwd", "bwd", "compute"):
+        assert getattr(ends["half"], field) == pytest.approx(
+            0.5 * getattr(ends["dense"], field) + 0.5 * getattr(ends["windowed"], field))

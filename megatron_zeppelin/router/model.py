@@ -15,7 +15,7 @@ chunks, every message cut in C). A batch lasts as long as its busiest resource; 
 the dispatch and combine legs of a GPU share its NVLink egress (and ingress). With the
 per-chunk maxima d (dispatch), n (NIC), m (combine) over all resources of a phase, and f, the
 maximum of n and of a GPU's dispatch plus combine load on one NVLink direction, the step time
-is ``cost_model.pipeline_time`` (the one definition the cost model and the simulator use too)::
+is ``routed_cost.pipeline_time`` (the one definition the cost model and the simulator use too)::
 
     C = 1:   d + n + m                     (three sequential phases)
     C = 2:   d + max(d, n) + max(n, m) + m
@@ -24,7 +24,7 @@ is ``cost_model.pipeline_time`` (the one definition the cost model and the simul
 Everything is computed scaled by C (a per-chunk load times C is ``W + C*m*lat``, an exact
 integer) and the step time rounded up once: ``T = ceil(scaled / C)`` ticks.
 
-Chunk counts (``cost_model.chunk_cap``). A schedule may use ``C`` in
+Chunk counts (``routed_cost.chunk_cap``). A schedule may use ``C`` in
 ``1..chunk_cap(largest slice)``, where
 ``chunk_cap(b) = min(max_chunks, max(1, b // min_chunk_bytes))``: a chunk of the largest slice
 stays at least ``min_chunk_bytes``. The router keeps the C with the least T (ties: fewer).
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megatron_zeppelin.cost_model import (DEFAULT_MAX_CHUNKS, DEFAULT_MIN_CHUNK_BYTES,
+from megatron_zeppelin.routed_cost import (DEFAULT_MAX_CHUNKS, DEFAULT_MIN_CHUNK_BYTES,
                                           chunk_cap, pipeline_time)
 
 # schedule.check_tick_range keeps every resource load scaled at up to max_chunks chunks below

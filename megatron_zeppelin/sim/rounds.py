@@ -45,14 +45,15 @@ LOCAL_POLICIES = ("engine", "fill", "share")
 
 class RingCosts(NamedTuple):
     """A ring group of a wave: members in ring order, per-step forward compute (seconds, incl.
-    one kernel launch), KV bytes each member sends per step and, in KV bytes, the dK/dV
+    one kernel launch; one number, or one per step where a sliding window makes them differ),
+    KV bytes each member sends per step and, in KV bytes, the dK/dV
     accumulator it sends (fewer than the KV's whole chunk under a sliding window; None: the
     same as ``kv_bytes``); ``cross[p]``: hop p -> p+1 crosses nodes."""
 
     index: int
     members: np.ndarray
     tier: Tier
-    step_s: float
+    step_s: float | np.ndarray
     kv_bytes: float
     cross: np.ndarray
     dkv_bytes: float | None = None
@@ -277,14 +278,19 @@ def _compute_matrix(rings: list[RingCosts], local: list[list[tuple[float, float]
                   *(exchange_rounds(len(g.members), spec) for g in rings),
                   *(len(g.members) for g in rings)])
     compute = np.zeros((rounds + 1, world))  # a ring adds its step to rows [0, G): diffs
-    if rings:
-        members = np.concatenate([g.members for g in rings])
-        sizes = np.repeat([len(g.members) for g in rings], [len(g.members) for g in rings])
-        steps = np.repeat([g.step_s * spec.compute_scale for g in rings],
-                          [len(g.members) for g in rings])
+    even = [g for g in rings if np.ndim(g.step_s) == 0]
+    if even:
+        members = np.concatenate([g.members for g in even])
+        sizes = np.repeat([len(g.members) for g in even], [len(g.members) for g in even])
+        steps = np.repeat([g.step_s * spec.compute_scale for g in even],
+                          [len(g.members) for g in even])
         np.add.at(compute[0], members, steps)
         np.add.at(compute, (sizes, members), -steps)
     compute = np.cumsum(compute, axis=0)[:rounds]
+    for ring in rings:  # per-step seconds (sliding windows): step r in round r
+        if np.ndim(ring.step_s):
+            compute[:len(ring.members), ring.members] += \
+                np.asarray(ring.step_s)[:, None] * spec.compute_scale
     for rank, seconds in enumerate(parts):
         if seconds:
             compute[:len(seconds), rank] += np.asarray(seconds) * spec.compute_scale

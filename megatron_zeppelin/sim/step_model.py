@@ -41,6 +41,7 @@ optimizer step, and the training loop's host work per step and per micro-batch. 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -53,7 +54,7 @@ from megatron_zeppelin.sim.profile import SimProfile
 from megatron_zeppelin.sim.rounds import Links, PassSpec, RingCosts, simulate_pass
 from megatron_zeppelin.sim.sharing import shared_finish
 from megatron_zeppelin.sim.ulysses import ulysses_pass_times
-from megatron_zeppelin.zigzag_window import relay_rows
+from megatron_zeppelin.zigzag_window import relay_rows, step_pairs
 
 GEMM_CALLS_FWD = 4  # QKV, projection, MLP in, MLP out
 GEMM_CALLS_BWD = 8  # data and weight gradients of each
@@ -182,6 +183,12 @@ def build_work(plan: Plan, cost: CostModel, profile: SimProfile) -> list[tuple[_
         profile.ring_step_us * 1e-6
     step_f = np.bincount(owner, fwd, len(groups)) + extra
     step_b = np.bincount(owner, bwd, len(groups)) + extra
+    if cost.model.window_share > 0.0:  # windowed layers compute unevenly across the steps
+        weights = step_weights(s, g, cost.model)
+        step_f = [_group_steps(fwd * g, weights, owner, i, len(group.ring)) + extra
+                  for i, group in enumerate(groups)]
+        step_b = [_group_steps(bwd * g, weights, owner, i, len(group.ring)) + extra
+                  for i, group in enumerate(groups)]
     kv_rows, dkv_rows = relayed_rows(s, g, cost.model)
     chunk_kv = np.bincount(owner, kv_rows, len(groups)) * cost.kv_bytes(1)
     chunk_dkv = np.bincount(owner, dkv_rows, len(groups)) * cost.kv_bytes(1)
@@ -200,11 +207,43 @@ def build_work(plan: Plan, cost: CostModel, profile: SimProfile) -> list[tuple[_
         members = np.asarray(group.ring, dtype=np.int64)
         nodes = members // gpn
         cross = nodes != np.roll(nodes, -1)
-        f_work.rings.append(RingCosts(index, members, group.tier, float(step_f[index]),
+        f_work.rings.append(RingCosts(index, members, group.tier, _step(step_f[index]),
                                       float(chunk_kv[index]), cross, float(chunk_dkv[index])))
-        b_work.rings.append(RingCosts(index, members, group.tier, float(step_b[index]),
+        b_work.rings.append(RingCosts(index, members, group.tier, _step(step_b[index]),
                                       float(chunk_kv[index]), cross, float(chunk_dkv[index])))
     return out
+
+
+def _step(seconds) -> float | np.ndarray:
+    """A ring's per-step seconds: one number (every step alike) or one per step."""
+    return seconds if isinstance(seconds, np.ndarray) else float(seconds)
+
+
+def step_weights(s: np.ndarray, g: np.ndarray, model: ModelSpec) -> list[np.ndarray | None]:
+    """Per sequence of a ring group (lengths ``s``, ring sizes ``g``), the share of its
+    attention work each ring step computes, mean over positions and over the model's layers:
+    each layer's pairs as they fall on the zigzag geometry, dense or windowed
+    (``zigzag_window.step_pairs``: the band of each chunk with itself at step 0, the rest at
+    the steps holding its neighbours). None for a sequence on one rank."""
+    share, window, out = model.window_share, model.window_size, []
+    for n, k in zip(s.tolist(), g.tolist()):
+        if k == 1:
+            out.append(None)
+            continue
+        dense = np.asarray(step_pairs(int(n), int(k), int(n)))  # a window past the start
+        mixed = (1.0 - share) * dense + share * np.asarray(step_pairs(int(n), int(k), window))
+        out.append(mixed / mixed.sum())
+    return out
+
+
+def _group_steps(total: np.ndarray, weights: list, owner: np.ndarray, group: int,
+                 size: int) -> np.ndarray | float:
+    """Per step, the seconds ring group ``group`` computes: its sequences' ``total``
+    (all steps) spread by their ``weights``."""
+    if size == 1:
+        return 0.0
+    members = np.flatnonzero(owner == group)
+    return sum((total[i] * weights[i] for i in members), np.zeros(size))
 
 
 def relayed_rows(s: np.ndarray, g: np.ndarray, model: ModelSpec
@@ -244,13 +283,35 @@ def attention_ends(plan: Plan, cost: CostModel, profile: SimProfile, options: St
     bpe = cost.model.bytes_per_element
     acc = bpe if options.dkv_dtype == "kv" else (8 if bpe > 4 else 4)
     call = profile.attention_call_us * 1e-6 * profile.compute_scale
-    out = []
-    for works in build_work(plan, cost, profile):
-        ends = [simulate_pass(work.rings, work.local, plan.topology.world_size,
-                              PassSpec(backward, 1.0, acc / bpe, call), links)
-                for backward, work in zip((False, True), works)]
-        out.append(PassEnds(ends[0][0], ends[1][0], ends[0][1] + ends[1][1]))
+    out = None
+    for weight, kind in layer_kinds(cost):
+        waves = []
+        for works in build_work(plan, kind, profile):
+            ends = [simulate_pass(work.rings, work.local, plan.topology.world_size,
+                                  PassSpec(backward, 1.0, acc / bpe, call), links)
+                    for backward, work in zip((False, True), works)]
+            waves.append(PassEnds(weight * ends[0][0], weight * ends[1][0],
+                                  weight * (ends[0][1] + ends[1][1])))
+        out = waves if out is None else [PassEnds(*(a + b for a, b in zip(x, y)))
+                                         for x, y in zip(out, waves)]
     return out
+
+
+def layer_kinds(cost: CostModel) -> list[tuple[float, CostModel]]:
+    """(share of the layers, the cost model of those layers): a model with a sliding window
+    on some of its layers runs two kinds of layers, simulated apart (a windowed layer's hops
+    are not hidden behind a dense layer's compute) and weighted by their shares."""
+    share = cost.model.window_share
+    if share <= 0.0 or share >= 1.0:
+        return [(1.0, cost)]
+    return [(1.0 - share, _kind(cost, 0)), (share, _kind(cost, cost.model.num_layers))]
+
+
+@lru_cache(maxsize=64)
+def _kind(cost: CostModel, window_layers: int) -> CostModel:
+    """``cost`` with the window on ``window_layers`` layers."""
+    return CostModel(replace(cost.model, window_layers=window_layers), cost.cluster,
+                     cost.hardware, cost.tp)
 
 
 def _ulysses_lengths(plan: Plan) -> np.ndarray:
