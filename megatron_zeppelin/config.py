@@ -9,6 +9,8 @@ Every dataclass here is frozen and validated on construction; YAML files are loa
 """
 from __future__ import annotations
 
+import math
+
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -284,8 +286,10 @@ class ZeppelinConfig:
         for key in ("max_seqlen", "capacity_tokens_per_gpu"):
             if getattr(self, key) is not None:
                 require_positive_int(f"zeppelin.{key}", getattr(self, key))
-        require(isinstance(self.capacity_factor, (int, float)) and self.capacity_factor >= 1.0,
-                "zeppelin.capacity_factor", self.capacity_factor, "a number >= 1.0")
+        require(isinstance(self.capacity_factor, (int, float)) and
+                not isinstance(self.capacity_factor, bool) and
+                math.isfinite(self.capacity_factor) and self.capacity_factor >= 1.0,
+                "zeppelin.capacity_factor", self.capacity_factor, "a finite number >= 1.0")
         require(self.overlong in OVERLONG_POLICIES, "zeppelin.overlong", self.overlong,
                 f"one of {list(OVERLONG_POLICIES)}")
         require(isinstance(self.balance_slack, (int, float)) and

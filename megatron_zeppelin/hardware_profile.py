@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from numbers import Integral, Real
 from dataclasses import dataclass, field
 from typing import Mapping, TypeVar
 
@@ -79,16 +80,7 @@ class HardwareProfile:
                 "a number >= 1 (ranks sharing one device's compute)")
         require(self.kernel_overhead_us >= 0, "hardware.kernel_overhead_us",
                 self.kernel_overhead_us, "a number >= 0")
-        table = self.attention_tflops
-        if isinstance(table, Mapping):
-            table = tuple(sorted(table.items()))
-        table = tuple((int(length), float(tflops)) for length, tflops in table)
-        require(len(table) > 0, "hardware.attention_tflops", table,
-                "a non-empty map {length: TFLOP/s}")
-        for length, tflops in table:
-            require(length > 0 and tflops > 0, "hardware.attention_tflops", {length: tflops},
-                    "positive lengths and positive TFLOP/s")
-        object.__setattr__(self, "attention_tflops", tuple(sorted(table)))
+        object.__setattr__(self, "attention_tflops", _attention_table(self.attention_tflops))
         for key in ("p2p_gbyte_per_s", "p2p_latency_us", "intra_latency_us",
                     "inter_latency_us", "ring_step_overhead_us", "remap_overhead_us",
                     "linear_fixed_us"):
@@ -121,3 +113,23 @@ class HardwareProfile:
     def attention_flops_per_s(self, length: float) -> float:
         """Achieved attention FLOP/s for a call whose query chunk has ``length`` tokens."""
         return interp(math.log(length), self.log_lengths, self.flops_per_s)
+
+
+def _attention_table(raw) -> tuple[tuple[int, float], ...]:
+    """``attention_tflops`` as sorted ``(length, TFLOP/s)`` pairs: a map ``{length: TFLOP/s}``
+    or a list of pairs; lengths positive integers (each once), TFLOP/s finite and positive."""
+    allowed = "a non-empty map {length: TFLOP/s} of positive integer lengths and finite " \
+        "positive TFLOP/s"
+    pairs = list(raw.items()) if isinstance(raw, Mapping) else raw
+    require(isinstance(pairs, (list, tuple)) and len(pairs) > 0 and
+            all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs),
+            "hardware.attention_tflops", raw, allowed)
+    for length, tflops in pairs:
+        require(isinstance(length, Integral) and not isinstance(length, bool) and length > 0 and
+                isinstance(tflops, Real) and not isinstance(tflops, bool) and
+                math.isfinite(tflops) and tflops > 0, "hardware.attention_tflops",
+                {length: tflops}, allowed)
+    lengths = [length for length, _ in pairs]
+    require(len(set(lengths)) == len(lengths), "hardware.attention_tflops", raw,
+            allowed + ", each length once")
+    return tuple(sorted((int(length), float(tflops)) for length, tflops in pairs))

@@ -101,6 +101,23 @@ def test_hardware_interpolates_on_log_length_and_clamps():
         HardwareProfile("h", 100, {}, kernel="fa2")
 
 
+@pytest.mark.parametrize("table", [[1, 2, 3], {"abc": 50}, {128: "fast"}, [[128, 50, 7]],
+                                   {128: float("inf")}, {True: 50}, {128.7: 50},
+                                   [[128, 50], [128, 200]], {-4: 10}, "fast"])
+def test_a_bad_attention_table_is_refused_by_name(table):
+    """Every malformed ``attention_tflops`` (scalars, strings, triples, inf, bool or
+    fractional lengths, a length twice) is one ConfigError naming the key, never a
+    TypeError/ValueError from the conversion."""
+    with pytest.raises(ConfigError, match=r"^hardware.attention_tflops=.* is invalid: "
+                                          r"expected a non-empty map \{length: TFLOP/s\}"):
+        HardwareProfile("h", 100, table, kernel="fa2")
+
+
+def test_an_infinite_capacity_factor_is_refused():
+    with pytest.raises(ConfigError, match=r"capacity_factor=inf is invalid: expected a finite"):
+        ZeppelinConfig(capacity_factor=float("inf"))
+
+
 @pytest.mark.parametrize("tp", [3, 0, -2])
 def test_setup_rejects_tp_not_dividing_node(tp):
     with pytest.raises(ConfigError, match=rf"tensor_model_parallel_size={tp} is invalid: "

@@ -59,7 +59,8 @@ def test_the_plan_command_and_training_build_the_same_config():
 
 def test_a_validation_error_names_the_flag_of_the_command_it_came_from(capsys):
     assert cli.main(PLAN + ["--capacity-factor", "0.5"]) == 2
-    assert "--capacity-factor=0.5 is invalid: expected a number >= 1.0" in capsys.readouterr().err
+    assert "--capacity-factor=0.5 is invalid: expected a finite number >= 1.0" in \
+        capsys.readouterr().err
     train = train_args.parse_args(TRAIN + ["--zeppelin-capacity-factor", "0.5"])
     with pytest.raises(ConfigError, match=r"^--zeppelin-capacity-factor=0.5 is invalid"):
         train_args.validate_args(train, 1, None)
