@@ -91,13 +91,23 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
                                           "that take it)"))
 
 
-def selected_strategies(args: argparse.Namespace) -> list[Strategy]:
+def selected_strategies(args: argparse.Namespace, nodes: int) -> list[Strategy]:
     """The ``--strategy`` objects with the options given on the command line (a bad value is
-    refused naming its flag); an option none of them takes is refused, naming it and the
-    strategies that take it."""
+    refused naming its flag, as is an option a pool of ``nodes`` nodes cannot run); an option
+    none of them takes is refused, naming it and the strategies that take it."""
     from megatron_zeppelin.planner.registry import strategies_from_flags
 
-    return strategies_from_flags(args.strategy, args)
+    refuse_repeats("--strategy", args.strategy)
+    return strategies_from_flags(args.strategy, args, nodes=nodes)
+
+
+def refuse_repeats(flag: str, values) -> None:
+    """A ValueError naming ``flag`` when a value is listed twice (each would run twice)."""
+    values = list(values or ())
+    repeated = sorted({v for v in values if values.count(v) > 1}, key=str)
+    if repeated:
+        raise ValueError(f"{flag} lists {', '.join(map(str, repeated))} more than once: each "
+                         "runs once")
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
@@ -117,14 +127,19 @@ def pipeline_spec(args: argparse.Namespace) -> PipelineSpec:
 def cmd_plan(args: argparse.Namespace) -> int:
     from megatron_zeppelin.planner.report import format_table, summarize
 
-    strategies = selected_strategies(args)
     config = zeppelin_config(args)
     spec = pipeline_spec(args)
     setup = load_setup(args.model, args.cluster, args.nodes, args.hardware, config, args.tp)
+    strategies = selected_strategies(args, setup.cluster.nodes)
     cost = CostModel(setup.model, setup.cluster, setup.hardware, setup.tp)
     lengths = batch_lengths(args)
     refuse_untrainable(lengths, setup.model, setup.cluster, args.lengths or "the batch")
     if spec.pp > 1:
+        given = [flag for flag, value in (("--plot", args.plot), ("--validate", args.validate))
+                 if value]
+        if given:
+            raise ValueError(f"{' and '.join(given)}: only without --pp (with --pp the report "
+                             "is the pipeline's per-stage table)")
         return plan_pipeline(lengths, strategies, cost, config, spec, args.json)
     plans, routed = [], []
     for strategy in strategies:

@@ -77,6 +77,10 @@ class ModelSpec:
         for key in ("num_query_groups", "ffn_hidden_size", "kv_channels", "num_experts"):
             if getattr(self, key) is not None:
                 require_positive_int(f"model.{key}", getattr(self, key))
+        if self.num_experts is not None:
+            require(self.moe_router_topk <= self.num_experts, "model.moe_router_topk",
+                    self.moe_router_topk, f"at most num_experts={self.num_experts} (experts "
+                    "per token)")
         heads = self.num_attention_heads
         require(heads % self.kv_heads == 0, "model.num_query_groups", self.num_query_groups,
                 f"a divisor of num_attention_heads={heads}")

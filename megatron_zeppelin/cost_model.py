@@ -107,6 +107,13 @@ class CostModel:
     kernel: "CostKernel" = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.tp, int) and not isinstance(self.tp, bool) and self.tp >= 1):
+            raise ValueError(f"tensor_model_parallel_size={self.tp!r} is invalid: expected an "
+                             "integer >= 1")
+        if self.model.kv_heads % self.tp:
+            raise ValueError(f"tensor_model_parallel_size={self.tp} must divide the model's "
+                             f"{self.model.kv_heads} key/value heads (num_query_groups), as "
+                             "Megatron requires")
         if self.model.num_attention_heads % self.tp or self.cluster.gpus_per_node % self.tp:
             raise ValueError(f"tensor_model_parallel_size={self.tp} must divide "
                              f"num_attention_heads={self.model.num_attention_heads} and "

@@ -128,7 +128,20 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, section
             extra["choices"] = meta["choices"]
         if meta["metavar"]:
             extra["metavar"] = meta["metavar"]
-        parser.add_argument(*names, type=kind, default=default, **extra)
+        parser.add_argument(*names, type=finite_float if kind is float else kind,
+                            default=default, **extra)
+
+
+def finite_float(text: str) -> float:
+    """The argparse ``type`` of a float setting: a finite number (``inf``, ``nan`` and
+    ``1e400`` are refused in argparse's one line naming the flag)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a finite number")
+    return value
 
 
 def _help(text: str, default: Any, kind: type) -> str:
@@ -207,11 +220,14 @@ def check_value(action: argparse.Action, value: Any, what: str) -> Any:
     kind = action.type
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(f"{what}={value!r} is invalid: expected an integer")
-    if kind is float:
+    if kind in (float, finite_float):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                 not math.isfinite(value):
             raise ConfigError(f"{what}={value!r} is invalid: expected a finite number")
         value = float(value)
+    if kind in (None, str) and isinstance(value, list) and value and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        value = ",".join(str(v) for v in value)  # a YAML list of integers: window_size [L, 0]
     if kind in (None, str) and not isinstance(value, str):
         raise ConfigError(f"{what}={value!r} is invalid: expected a string")
     if action.choices is not None and value not in action.choices:
@@ -247,6 +263,9 @@ def output_file(suffixes: Iterable[str] = (), exist_ok: bool = True):
         path = pathlib.Path(text)
         if path.is_dir():
             raise argparse.ArgumentTypeError(f"{text!r} is a folder: expected a file path")
+        if path.parent.exists() and not path.parent.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r}: {str(path.parent)!r} is a file, not "
+                                             "a folder")
         if not path.parent.is_dir():
             raise argparse.ArgumentTypeError(f"{text!r}: folder {str(path.parent)!r} does not "
                                              "exist")

@@ -89,7 +89,21 @@ def test_the_strategy_and_its_options_plan_each_micro_batch(tmp_path):
 
 
 @pytest.mark.parametrize("extra,match", [
-    (["--window-size", "10,3"], r"--window-size='10,3' is invalid: expected 'L,0' with L >= 0"),
+    (["--window-size", "10,3"],
+     r"--window-size='10,3' is invalid: expected 'L,0' with 0 <= L < 2147483647"),
+    (["--window-size", "99999999999999999999,0"], r"--window-size='9+,0' is invalid"),
+    (["--window-size", "8,0", "--window-attn-skip-freq", "[0,0]"],
+     r"--window-attn-skip-freq='\[0,0\]' is invalid: expected a pattern with at least one "
+     r"windowed layer"),
+    (["--window-attn-skip-freq", "[1,2]"], r"'\[1,2\]' is invalid: expected .* per layer "
+     r"\(1: sliding window\)"),
+    (["--q-lora-rank", "16"],
+     r"--q-lora-rank=16 is invalid: expected given only with --multi-latent-attention"),
+    (["--v-head-dim", "64"], r"--v-head-dim=64 is invalid: expected given only with --multi"),
+    (["--multi-latent-attention", "--qk-pos-emb-head-dim", "3"],
+     r"--qk-pos-emb-head-dim=3 is invalid: expected an even number \(RoPE"),
+    (["--hidden-size", "12"], r"--hidden-size=12 is invalid with --num-attention-heads 4: "
+     r"expected an even head dim"),
     (["--window-size", "abc"], r"--window-size='abc' is invalid"),
     (["--window-size=-2,0"], r"--window-size='-2,0' is invalid"),
     (["--window-attn-skip-freq", "2"], r"--window-attn-skip-freq=2 without --window-size"),

@@ -94,7 +94,7 @@ def test_cli_strategy_options_are_typed_settings_whose_errors_name_the_flag(caps
     args = cli.build_parser().parse_args(
         base + ["--strategy", "zeppelin", "hybrid-dp", "megatron-hybrid-cp", "flexsp",
                 "--no-portfolio", "--max-seqlen-per-dp-cp-rank", "20000"])
-    assert [s.label() for s in cli.selected_strategies(args)] == [
+    assert [s.label() for s in cli.selected_strategies(args, 2)] == [
         "zeppelin(portfolio=False)", "hybrid-dp(max_seqlen_per_rank=20000)",
         "megatron-hybrid-cp(max_seqlen_per_rank=20000)", "flexsp"]
 

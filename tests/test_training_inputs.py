@@ -60,6 +60,22 @@ def test_mock_data_and_data_path_together_are_refused(tmp_path):
     (["--save-interval", "0"], r"^--save-interval=0 is invalid: expected >= 1"),
     (["--exit-interval", "0"], r"^--exit-interval=0 is invalid: expected >= 1"),
     (["--zeppelin-watchdog-timeout", "-1"], r"^--zeppelin-watchdog-timeout=-1.0 is invalid"),
+    (["--zeppelin-watchdog-timeout", "0.001"],
+     r"^--zeppelin-watchdog-timeout=0.001 is invalid: expected 0 \(off\) or seconds >= 1"),
+    (["--lr", "inf"], r"argument --lr: 'inf' is invalid: expected a finite number"),
+    (["--min-lr", "1e400"], r"argument --min-lr: '1e400' is invalid: expected a finite"),
+    (["--zeppelin-capacity-factor", "nan"], r"'nan' is invalid: expected a finite number"),
+    (["--seq-length", "1"], r"^--seq-length=1 is invalid: expected >= 2"),
+    (["--mtp-loss-scaling-factor", "0.5"], r"^--mtp-loss-scaling-factor=0.5 is invalid: "
+                                           r"expected given only with --mtp-num-layers"),
+    (["--exit-on-missing-checkpoint"], r"^--exit-on-missing-checkpoint=True is invalid: "
+                                       r"expected given only with --load"),
+    (["--no-load-optim"], r"^--load-optim=False is invalid: expected given only with --load"),
+    (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler", "--load",
+      "/nonexistent"], r"^--override-opt_param-scheduler and "
+                       r"--use-checkpoint-opt_param-scheduler cannot be used together"),
+    (["--context-parallel-mode", "zeppelin", "--zeppelin-strategy", "static-cp",
+      "--zeppelin-cp-size", "2", "--zeppelin-cp-nodes", "1"], r"^--zeppelin-cp-nodes=1 is invalid: expected unset when the CP size is given"),
     (["--hidden-size", "66"], r"^--hidden-size=66 is invalid: expected a multiple of "
                               r"--num-attention-heads=4$"),
     (["--num-query-groups", "3"], r"^--num-query-groups=3 is invalid: expected a divisor of "
@@ -70,6 +86,36 @@ def test_mock_data_and_data_path_together_are_refused(tmp_path):
 def test_bad_training_flags_are_refused_by_name(flags, match):
     with pytest.raises(ConfigError, match=match):
         validated(BASE + flags)
+
+
+def test_bad_files_and_pool_options_are_refused_by_name(tmp_path):
+    """A file as --load, a folder as --zeppelin-profile-out, an empty or repeated --yaml-cfg,
+    an empty --data-path and --zeppelin-cp-nodes the pool cannot run: one error each, naming
+    the flag; a YAML list is a window (window_size: [L, 0])."""
+    afile, empty, listed = tmp_path / "afile", tmp_path / "empty.yaml", tmp_path / "w.yaml"
+    afile.write_text("x")
+    empty.write_text("")
+    listed.write_text("window_size: [64, 0]\nwindow_attn_skip_freq: [1, 0]\n")
+    cases = [
+        (BASE + ["--load", str(afile)], r"^--load='.*afile' is invalid: expected a checkpoint "
+                                         r"folder \(this is a file\)"),
+        (BASE + ["--zeppelin-fit-interval", "1", "--zeppelin-profile-out", str(tmp_path)],
+         r"^--zeppelin-profile-out='.*' is invalid: expected a file \(not a folder\)"),
+        (BASE + ["--yaml-cfg", str(empty)], r"^--yaml-cfg '.*empty.yaml' is empty"),
+        (["--yaml-cfg", README_YAML, "--yaml-cfg", str(empty)], r"^--yaml-cfg is given 2 times"),
+        (["--yaml-cfg="], r"^--yaml-cfg='' is invalid: expected a YAML file"),
+        ([x for x in BASE if x != "--mock-data"] + ["--data-path", ""],
+         r"^--data-path='' is invalid: expected a dataset PREFIX"),
+    ]
+    for flags, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            validated(flags)
+    with pytest.raises(ConfigError, match=r"^--zeppelin-cp-nodes=3 is invalid: expected a "
+                                          r"divisor of the pool's 2 node\(s\)"):
+        validated(["--yaml-cfg", README_YAML, "--zeppelin-strategy", "static-cp",
+                   "--zeppelin-cp-nodes", "3"], 4)
+    args = validated(BASE + ["--yaml-cfg", str(listed)])
+    assert (args.window_size, args.window_attn_skip_freq) == ("64,0", "1,0")
 
 
 # ----------------------------------------------------------------------------- preflight

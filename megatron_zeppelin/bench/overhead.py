@@ -37,8 +37,9 @@ import time
 from pathlib import Path
 
 from megatron_zeppelin.bench.flags import check_ports, port_number
-from megatron_zeppelin.bench.train import (RANKS, RUN_TIMEOUT_S, Entry, parse_entries,
-                                           run_flags, train_in_world, training_shape)
+from megatron_zeppelin.bench.train import (RANKS, RUN_TIMEOUT_S, Entry, check_flags,
+                                           parse_entries, run_flags, train_in_world,
+                                           training_shape)
 from megatron_zeppelin.bench.workers import free_port, run_spawned, training_rank_env
 from megatron_zeppelin.options import output_file
 
@@ -281,6 +282,7 @@ def check(args: argparse.Namespace) -> list[Entry]:
         raise ValueError(f"--before {args.before!r}: not a checkout with this benchmark "
                          "(megatron_zeppelin/bench/overhead.py missing)")
     entries = parse_entries(args.strategies)
+    check_flags(entries, args.iterations, args.extra)
     check_ports("--port", args.port, 2 * args.rounds + 1)  # one world per run, at most
     training_shape(args.extra, args.iterations)
     return entries

@@ -198,6 +198,18 @@ def run_entries(entries: list[Entry], iterations: int, extra: list[str], port: i
         return [(r.get("logs", []), r.get("refused", "")) for r in results]
 
 
+def check_flags(entries: list[Entry], iterations: int, extra: list[str]) -> None:
+    """Parse every entry's training flags before any rank is spawned: an unknown flag or a
+    malformed value is one ConfigError naming the entry."""
+    from megatron_zeppelin.megatron.loop import args as train_args
+
+    for entry in entries:
+        try:
+            train_args.parse_args(run_flags(entry, iterations, extra))
+        except ConfigError as exc:
+            raise ConfigError(f"--strategies {entry.label!r}: {exc}") from None
+
+
 def run_flags(entry: Entry, iterations: int, extra: list[str]) -> list[str]:
     """pretrain_gpt.py's flags of one run of ``entry``."""
     return ["--yaml-cfg", str(YAML), "--train-iters", str(iterations), "--log-interval",
@@ -355,6 +367,7 @@ def to_json(entries: list[Entry], args: argparse.Namespace) -> dict:
 
 def bench_train(args: argparse.Namespace) -> int:
     entries = parse_entries(args.strategies)
+    check_flags(entries, args.iterations, args.extra)
     check_ports("--port", args.port, args.rounds + args.tune)  # one world per round, tuning
     seq_length, layout = training_shape(args.extra, args.iterations)
     if args.warmup >= args.iterations:

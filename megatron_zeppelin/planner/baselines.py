@@ -72,8 +72,13 @@ class StaticCP(Strategy):
     def __post_init__(self) -> None:
         _positive_option(self.name, "cp_size", self.cp_size)
         _positive_option(self.name, "cp_nodes", self.cp_nodes)
-        if self.cp_size is not None and self.cp_nodes is not None:
-            raise ValueError("static-cp takes cp_size or cp_nodes, not both")
+        require(self.cp_size is None or self.cp_nodes is None, f"{self.name}.cp_nodes",
+                self.cp_nodes, f"unset when the CP size is given too ({self.cp_size}): pass "
+                "one of the two")
+
+    def check_pool(self, nodes: int) -> None:
+        require(self.cp_nodes is None or nodes % self.cp_nodes == 0, f"{self.name}.cp_nodes",
+                self.cp_nodes, f"a divisor of the pool's {nodes} node(s)")
 
     def group_size(self, batch: Batch) -> int:
         """The CP size of this batch (``cp_size``, ``cp_nodes`` or the default)."""

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Sequence
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.options import add_flags, dest_of, flag_of, from_flags, settings
+from megatron_zeppelin.options import add_flags, dest_of, flag_of, from_flags, reword, settings
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.plan_checks import ATTENTION_KINDS
 from megatron_zeppelin.planner.common import with_derived_capacity
@@ -56,6 +56,9 @@ class Strategy:
         (``config.capacity_tokens_per_gpu`` unset) grows when a greedy placement cannot meet
         it (``common.with_derived_capacity``)."""
         return with_derived_capacity(self.place, seqlens, cost, config)
+
+    def check_pool(self, nodes: int) -> None:
+        """Refuse options a pool of ``nodes`` nodes cannot run (ConfigError naming them)."""
 
     def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         """The strategy itself, at the capacity ``config`` gives."""
@@ -113,6 +116,11 @@ def make_plan(strategy: str | Strategy, seqlens: Sequence[int], cost: CostModel,
               config: ZeppelinConfig = ZeppelinConfig(), **options: Any) -> Plan:
     """Plan one global batch with ``strategy`` (a registered name with its ``options``, or a
     ``Strategy`` object)."""
+    if not isinstance(cost, CostModel):
+        raise ValueError(f"cost={cost!r} is invalid: expected a CostModel (model, cluster and "
+                         "hardware: config.load_setup)")
+    if not isinstance(config, ZeppelinConfig):
+        raise ValueError(f"config={config!r} is invalid: expected a ZeppelinConfig")
     if isinstance(strategy, Strategy):
         if options:
             raise ValueError(f"options {sorted(options)} given with a Strategy object: set them "
@@ -143,10 +151,12 @@ def option_dests(prefix: str = "") -> dict[str, str]:
 
 
 def strategies_from_flags(names: Sequence[str], args: Any, prefix: str = "",
-                          asked: str = "--strategy") -> list[Strategy]:
+                          asked: str = "--strategy", nodes: int | None = None
+                          ) -> list[Strategy]:
     """The strategies ``names`` with the option flags given in ``args`` (a bad value refused
     naming its flag); an option given that none of them takes is refused naming the flag,
-    the strategies that take it and ``asked`` (the flag that chose the strategies)."""
+    the strategies that take it and ``asked`` (the flag that chose the strategies). With
+    ``nodes``, each checks its options against a pool of that many nodes (``check_pool``)."""
     chosen = [strategy_class(name) for name in names]
     taken = {f.name for cls in chosen for f in settings(cls)}
     for cls in STRATEGIES.values():
@@ -156,7 +166,13 @@ def strategies_from_flags(names: Sequence[str], args: Any, prefix: str = "",
                           if f.name in {g.name for g in settings(c)}]
                 raise ConfigError(f"{flag_of(f, prefix)} is an option of {owners}, none of "
                                   f"which is {asked} {' '.join(names)}")
-    return [from_flags(cls, args, prefix, given_only=True) for cls in chosen]
+    strategies = [from_flags(cls, args, prefix, given_only=True) for cls in chosen]
+    for strategy in strategies if nodes is not None else ():
+        try:
+            strategy.check_pool(nodes)
+        except ConfigError as exc:
+            raise ConfigError(reword(str(exc), type(strategy), prefix)) from None
+    return strategies
 
 
 def given_options(strategy: Strategy) -> dict[str, Any]:

@@ -58,12 +58,17 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
 
 def _settings(args: argparse.Namespace):
     """The sweep's settings from the flags; raises ValueError naming a bad flag."""
-    from megatron_zeppelin.cli import SAMPLING, sampling_or_lengths
+    from megatron_zeppelin.cli import SAMPLING, refuse_repeats, sampling_or_lengths
     from megatron_zeppelin.config import load_cluster
     from megatron_zeppelin.sim.sweep import settings_from_args
 
-    if not args.model or not args.cluster:
-        raise ValueError("--model and --cluster are required")
+    missing = [flag for flag, value in (("--model", args.model), ("--cluster", args.cluster))
+               if not value]
+    if missing:
+        raise ValueError(f"{' and '.join(missing)}: required")
+    for flag, values in (("--nodes", args.nodes), ("--workload", args.workload),
+                         ("--strategies", getattr(args, "strategies", None))):
+        refuse_repeats(flag, values)
     nodes = args.nodes or [load_cluster(args.cluster).nodes]
     if args.global_batch_tokens is not None and args.tokens_per_gpu is not None:
         raise ValueError(f"--global-batch-tokens {args.global_batch_tokens} with "

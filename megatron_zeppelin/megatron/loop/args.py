@@ -93,10 +93,12 @@ def add_zeppelin_args(p: argparse.ArgumentParser, with_mode: bool = False) -> No
                      ZEPPELIN_PREFIX)
 
 
-def planner_strategy(args: argparse.Namespace, pool_size: int) -> tuple[str, dict]:
-    """(strategy name, options) that plans each micro-batch of a pool of ``pool_size`` ranks:
-    static mode is static CP over the whole pool; zeppelin mode is ``--zeppelin-strategy``
-    with its option flags (an option it does not take is refused, naming it)."""
+def planner_strategy(args: argparse.Namespace, pool_size: int, nodes: int | None = None
+                     ) -> tuple[str, dict]:
+    """(strategy name, options) that plans each micro-batch of a pool of ``pool_size`` ranks
+    (on ``nodes`` nodes: options the pool cannot run are refused): static mode is static CP
+    over the whole pool; zeppelin mode is ``--zeppelin-strategy`` with its option flags (an
+    option it does not take is refused, naming it)."""
     if args.context_parallel_mode == "static":
         given = [flag for dest, flag in option_dests(ZEPPELIN_PREFIX).items()
                  if getattr(args, dest, None) is not None]
@@ -108,7 +110,7 @@ def planner_strategy(args: argparse.Namespace, pool_size: int) -> tuple[str, dic
                               "pass --context-parallel-mode zeppelin")
         return "static-cp", {"cp_size": pool_size}
     strategy, = strategies_from_flags([args.zeppelin_strategy], args, ZEPPELIN_PREFIX,
-                                      "--zeppelin-strategy")
+                                      "--zeppelin-strategy", nodes)
     return strategy.name, given_options(strategy)
 
 
@@ -123,12 +125,22 @@ def build_parser() -> argparse.ArgumentParser:
 def apply_yaml(parser: argparse.ArgumentParser, path: str) -> None:
     """Make the YAML file's values the parser's defaults (command-line flags still win)."""
     data = load_yaml(read_text(path, "--yaml-cfg"), f"--yaml-cfg {path!r}")
+    if data is None:
+        raise ConfigError(f"--yaml-cfg {path!r} is empty: expected a mapping of flag names to "
+                          "values")
     parser.set_defaults(**yaml_defaults(parser, data, path, ignore=("yaml_cfg",)))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
+    tokens = sys.argv[1:] if argv is None else list(argv)
+    given = [t for t in tokens if t == "--yaml-cfg" or t.startswith("--yaml-cfg=")]
+    if len(given) > 1:
+        raise ConfigError(f"--yaml-cfg is given {len(given)} times: pass one file (its "
+                          "values can be overridden by flags)")
     first, _ = parser.parse_known_args(argv)
+    if first.yaml_cfg is not None and not first.yaml_cfg.strip():
+        raise ConfigError("--yaml-cfg='' is invalid: expected a YAML file")
     if first.yaml_cfg:
         apply_yaml(parser, first.yaml_cfg)
     args = parser.parse_args(argv)
@@ -215,6 +227,9 @@ def validate_args(args: argparse.Namespace, world_size: int, local_world_size: i
         if getattr(args, flag) is None:
             raise ConfigError(f"--{flag.replace('_', '-')} is required (flag or --yaml-cfg key)")
     config = TrainConfig.from_args(args)
+    if args.data_path is not None and not args.data_path.strip():
+        raise ConfigError("--data-path='' is invalid: expected a dataset PREFIX (PREFIX.bin/"
+                          ".idx)")
     if not args.mock_data and not args.data_path:
         raise ConfigError("no data: pass --mock-data (built-in corpus) or --data-path PREFIX")
     if args.mock_data and args.data_path:
@@ -233,6 +248,10 @@ def validate_args(args: argparse.Namespace, world_size: int, local_world_size: i
         raise ConfigError(f"--num-query-groups={groups} (flag or --yaml-cfg key) is invalid with "
                           f"--multi-latent-attention: expected unset or --num-attention-heads "
                           f"{heads} (MLA has a key/value head per query head)")
+    if not args.multi_latent_attention and (args.hidden_size // heads) % 2:
+        raise ConfigError(f"--hidden-size={args.hidden_size} is invalid with "
+                          f"--num-attention-heads {heads}: expected an even head dim (hidden / "
+                          f"heads = {args.hidden_size // heads}; RoPE rotates pairs of dims)")
     tp = config.parallel.tensor_model_parallel_size
     if config.model.num_attention_heads % tp:
         raise ConfigError(f"--tensor-model-parallel-size={tp} is invalid: expected a divisor of "
@@ -243,7 +262,7 @@ def validate_args(args: argparse.Namespace, world_size: int, local_world_size: i
     args.zeppelin_gpus_per_node = layout.gpus_per_node
     layout.micro_batches(args.global_batch_size, args.micro_batch_size)
     pipeline.check(args, layout)
-    planner_strategy(args, layout.cp)
+    planner_strategy(args, layout.cp, layout.nodes)
     check_fsdp(args)
     if args.mock_data and (args.vocab_size or 0) < 256:
         raise ConfigError(f"--vocab-size={args.vocab_size}: the built-in byte corpus needs "

@@ -8,7 +8,8 @@ import ast
 import os
 from dataclasses import dataclass
 
-from megatron_zeppelin.options import from_flags, require, setting
+from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.options import from_flags, require, setting, settings
 from megatron_zeppelin.planner import STRATEGIES, dynamic_cp
 from megatron_zeppelin.runtime.kernels import choices as attention_backends
 
@@ -19,6 +20,10 @@ NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 ZEPPELIN_PREFIX = "zeppelin-"
 MICROBATCH_ORDERS = ("auto", "balanced", "arrival")  # megatron/loop/microbatch_order.py
+LOAD_ONLY = ("exit_on_missing_checkpoint", "load_optim", "load_rng",
+             "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler")
+MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+MAX_WINDOW = 2 ** 31 - 1  # the kernels' window sizes are 32-bit integers
 
 
 def _at_least(section, minimum, *names: str) -> None:
@@ -52,9 +57,13 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "num_layers", "hidden_size", "num_attention_heads",
-                  "num_query_groups", "ffn_hidden_size", "vocab_size", "seq_length",
-                  "mtp_num_layers")
+                  "num_query_groups", "ffn_hidden_size", "vocab_size", "mtp_num_layers")
+        _at_least(self, 2, "seq_length")  # a sample of one token has no label
         _at_least(self, 0, "mtp_loss_scaling_factor")
+        if self.mtp_num_layers is None:
+            require(self.mtp_loss_scaling_factor == 0.1, "model.mtp_loss_scaling_factor",
+                    self.mtp_loss_scaling_factor, "given only with --mtp-num-layers (it weighs "
+                    "the multi-token prediction losses)")
         heads = self.num_attention_heads
         if heads is not None and self.num_query_groups is not None:
             require(heads % self.num_query_groups == 0, "model.num_query_groups",
@@ -79,9 +88,10 @@ def _window_pair(text: str | None) -> tuple[int, int] | None:
         pair = tuple(int(x) for x in str(text).strip("()").split(","))
     except ValueError:
         pair = ()
-    require(len(pair) == 2 and pair[0] >= 0 and pair[1] == 0, "attention.window_size", text,
-            "'L,0' with L >= 0: each token sees itself and the L tokens before it (zeppelin "
-            "and static modes run causal attention)")
+    require(len(pair) == 2 and 0 <= pair[0] < MAX_WINDOW and pair[1] == 0,
+            "attention.window_size", text, f"'L,0' with 0 <= L < {MAX_WINDOW}: each token sees "
+            "itself and the L tokens before it (zeppelin and static modes run causal "
+            "attention)")
     return pair
 
 
@@ -100,8 +110,11 @@ def skip_freq(text: str | None, num_layers: int | None,
         return value
     ok = isinstance(value, (list, tuple)) and all(v in (0, 1) for v in value) and (
         num_layers is None or len(value) == num_layers)
+    layers = "" if num_layers is None else f"{num_layers} layers; "
     require(ok, what, text, "an integer N >= 1 or a list of 0/1 "
-            f"per layer ({num_layers} layers; 1: sliding window), e.g. [1,1,0]")
+            f"per layer ({layers}1: sliding window), e.g. [1,1,0]")
+    require(any(value), what, text, "a pattern with at least one windowed layer (1): this one "
+            "gives no layer the window; drop --window-size for full attention")
     return list(value)
 
 
@@ -127,6 +140,14 @@ class AttentionArgs:
     def __post_init__(self) -> None:
         _at_least(self, 1, "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                   "v_head_dim")
+        require(self.qk_pos_emb_head_dim % 2 == 0, "attention.qk_pos_emb_head_dim",
+                self.qk_pos_emb_head_dim, "an even number (RoPE rotates pairs of dims)")
+        if not self.multi_latent_attention:
+            for f in settings(type(self)):
+                if f.name in MLA_DIMS and getattr(self, f.name) != f.default:
+                    require(False, f"attention.{f.name}", getattr(self, f.name),
+                            "given only with --multi-latent-attention (a dim of its "
+                            "projections)")
         _window_pair(self.window_size)
         skip_freq(self.window_attn_skip_freq, None)
 
@@ -306,11 +327,18 @@ class CheckpointArgs:
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "save_interval")
-        require(not (self.override_opt_param_scheduler and
-                     self.use_checkpoint_opt_param_scheduler),
-                "checkpoint.override_opt_param_scheduler", True,
-                "not together with --use-checkpoint-opt_param-scheduler (take the schedule of "
-                "the flags or of the checkpoint, not both)")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ConfigError("--override-opt_param-scheduler and "
+                              "--use-checkpoint-opt_param-scheduler cannot be used together: "
+                              "take the schedule of the flags or of the checkpoint")
+        if self.load is None:
+            for f in settings(type(self)):
+                if f.name in LOAD_ONLY and getattr(self, f.name) != f.default:
+                    require(False, f"checkpoint.{f.name}", getattr(self, f.name),
+                            "given only with --load (it says how to resume)")
+        else:
+            require(not os.path.isfile(self.load), "checkpoint.load", self.load,
+                    "a checkpoint folder (this is a file)")
 
 
 @dataclass(frozen=True)
@@ -361,7 +389,9 @@ class ZeppelinRuntimeArgs:
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "gpus_per_node")
-        _at_least(self, 0.0, "watchdog_timeout")
+        require(self.watchdog_timeout == 0 or self.watchdog_timeout >= 1.0,
+                "zeppelin.watchdog_timeout", self.watchdog_timeout,
+                "0 (off) or seconds >= 1 (heartbeats go every min(1 s, T/4) through the store)")
         require(self.strategy in STRATEGIES or self.strategy == dynamic_cp.NAME,
                 "zeppelin.strategy", self.strategy, f"one of {list(STRATEGIES)}")
         require(self.strategy in STRATEGIES, "zeppelin.strategy", self.strategy,
@@ -372,5 +402,6 @@ class ZeppelinRuntimeArgs:
             require(self.fit_interval > 0, "zeppelin.profile_out", self.profile_out,
                     "given only with --zeppelin-fit-interval > 0 (nothing is fitted otherwise)")
             folder = os.path.dirname(os.path.abspath(self.profile_out))
-            require(os.path.isdir(folder) and os.access(folder, os.W_OK), "zeppelin.profile_out",
-                    self.profile_out, "a file in an existing, writable folder")
+            require(os.path.isdir(folder) and os.access(folder, os.W_OK) and
+                    not os.path.isdir(self.profile_out), "zeppelin.profile_out",
+                    self.profile_out, "a file (not a folder) in an existing, writable folder")
