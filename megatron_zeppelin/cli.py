@@ -18,6 +18,7 @@ from megatron_zeppelin.options import (Parser, add_flags, exit_status, from_flag
                                        int_at_least, output_file)
 
 if TYPE_CHECKING:
+    from megatron_zeppelin.plan import Topology
     from megatron_zeppelin.planner.registry import Strategy
 
 
@@ -91,14 +92,14 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
                                           "that take it)"))
 
 
-def selected_strategies(args: argparse.Namespace, nodes: int) -> list[Strategy]:
+def selected_strategies(args: argparse.Namespace, pool: Topology) -> list[Strategy]:
     """The ``--strategy`` objects with the options given on the command line (a bad value is
-    refused naming its flag, as is an option a pool of ``nodes`` nodes cannot run); an option
+    refused naming its flag, as is an option ``pool`` cannot run); an option
     none of them takes is refused, naming it and the strategies that take it."""
     from megatron_zeppelin.planner.registry import strategies_from_flags
 
     refuse_repeats("--strategy", args.strategy)
-    return strategies_from_flags(args.strategy, args, nodes=nodes)
+    return strategies_from_flags(args.strategy, args, pool=pool)
 
 
 def refuse_repeats(flag: str, values) -> None:
@@ -130,7 +131,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = zeppelin_config(args)
     spec = pipeline_spec(args)
     setup = load_setup(args.model, args.cluster, args.nodes, args.hardware, config, args.tp)
-    strategies = selected_strategies(args, setup.cluster.nodes)
+    strategies = selected_strategies(args, setup.cluster.topology(setup.tp))
     cost = CostModel(setup.model, setup.cluster, setup.hardware, setup.tp)
     lengths = batch_lengths(args)
     refuse_untrainable(lengths, setup.model, setup.cluster, args.lengths or "the batch")

@@ -13,6 +13,7 @@ from megatron_zeppelin import cli
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.estimate import estimate_step
+from megatron_zeppelin.plan import Topology
 from megatron_zeppelin.planner import STRATEGIES, Strategy, get_strategy, make_plan, native
 from megatron_zeppelin.planner.common import CapacityError
 from megatron_zeppelin.planner.overlong import OverlongTally, piece_bounds
@@ -94,7 +95,7 @@ def test_cli_strategy_options_are_typed_settings_whose_errors_name_the_flag(caps
     args = cli.build_parser().parse_args(
         base + ["--strategy", "zeppelin", "hybrid-dp", "megatron-hybrid-cp", "flexsp",
                 "--no-portfolio", "--max-seqlen-per-dp-cp-rank", "20000"])
-    assert [s.label() for s in cli.selected_strategies(args, 2)] == [
+    assert [s.label() for s in cli.selected_strategies(args, Topology(2, 8))] == [
         "zeppelin(portfolio=False)", "hybrid-dp(max_seqlen_per_rank=20000)",
         "megatron-hybrid-cp(max_seqlen_per_rank=20000)", "flexsp"]
 

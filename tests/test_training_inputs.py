@@ -100,7 +100,8 @@ def test_bad_files_and_pool_options_are_refused_by_name(tmp_path):
         (BASE + ["--load", str(afile)], r"^--load='.*afile' is invalid: expected a checkpoint "
                                          r"folder \(this is a file\)"),
         (BASE + ["--zeppelin-fit-interval", "1", "--zeppelin-profile-out", str(tmp_path)],
-         r"^--zeppelin-profile-out='.*' is invalid: expected a file \(not a folder\)"),
+         r"^--zeppelin-profile-out='.*' is invalid: expected a file in an existing, writable "
+         r"folder \(not a folder\)"),
         (BASE + ["--yaml-cfg", str(empty)], r"^--yaml-cfg '.*empty.yaml' is empty"),
         (["--yaml-cfg", README_YAML, "--yaml-cfg", str(empty)], r"^--yaml-cfg is given 2 times"),
         (["--yaml-cfg="], r"^--yaml-cfg='' is invalid: expected a YAML file"),
@@ -114,6 +115,10 @@ def test_bad_files_and_pool_options_are_refused_by_name(tmp_path):
                                           r"divisor of the pool's 2 node\(s\)"):
         validated(["--yaml-cfg", README_YAML, "--zeppelin-strategy", "static-cp",
                    "--zeppelin-cp-nodes", "3"], 4)
+    with pytest.raises(ConfigError, match=r"^--zeppelin-cp-size=3 is invalid: expected a "
+                                          r"divisor of the pool's 4 ranks"):
+        validated(["--yaml-cfg", README_YAML, "--zeppelin-strategy", "static-cp",
+                   "--zeppelin-cp-size", "3"], 4)
     args = validated(BASE + ["--yaml-cfg", str(listed)])
     assert (args.window_size, args.window_attn_skip_freq) == ("64,0", "1,0")
 

@@ -76,9 +76,13 @@ class StaticCP(Strategy):
                 self.cp_nodes, f"unset when the CP size is given too ({self.cp_size}): pass "
                 "one of the two")
 
-    def check_pool(self, nodes: int) -> None:
-        require(self.cp_nodes is None or nodes % self.cp_nodes == 0, f"{self.name}.cp_nodes",
-                self.cp_nodes, f"a divisor of the pool's {nodes} node(s)")
+    def check_pool(self, pool: Topology) -> None:
+        require(self.cp_nodes is None or pool.nodes % self.cp_nodes == 0,
+                f"{self.name}.cp_nodes", self.cp_nodes, f"a divisor of the pool's {pool.nodes} "
+                "node(s)")
+        require(self.cp_size is None or pool.world_size % self.cp_size == 0,
+                f"{self.name}.cp_size", self.cp_size, f"a divisor of the pool's "
+                f"{pool.world_size} ranks")
 
     def group_size(self, batch: Batch) -> int:
         """The CP size of this batch (``cp_size``, ``cp_nodes`` or the default)."""

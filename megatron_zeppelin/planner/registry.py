@@ -21,7 +21,7 @@ from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.options import add_flags, dest_of, flag_of, from_flags, reword, settings
-from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.plan import Plan, Topology
 from megatron_zeppelin.plan_checks import ATTENTION_KINDS
 from megatron_zeppelin.planner.common import with_derived_capacity
 
@@ -57,8 +57,8 @@ class Strategy:
         it (``common.with_derived_capacity``)."""
         return with_derived_capacity(self.place, seqlens, cost, config)
 
-    def check_pool(self, nodes: int) -> None:
-        """Refuse options a pool of ``nodes`` nodes cannot run (ConfigError naming them)."""
+    def check_pool(self, pool: Topology) -> None:
+        """Refuse options ``pool`` cannot run (ConfigError naming them)."""
 
     def place(self, seqlens: Sequence[int], cost: CostModel, config: ZeppelinConfig) -> Plan:
         """The strategy itself, at the capacity ``config`` gives."""
@@ -151,12 +151,12 @@ def option_dests(prefix: str = "") -> dict[str, str]:
 
 
 def strategies_from_flags(names: Sequence[str], args: Any, prefix: str = "",
-                          asked: str = "--strategy", nodes: int | None = None
+                          asked: str = "--strategy", pool: Topology | None = None
                           ) -> list[Strategy]:
     """The strategies ``names`` with the option flags given in ``args`` (a bad value refused
     naming its flag); an option given that none of them takes is refused naming the flag,
     the strategies that take it and ``asked`` (the flag that chose the strategies). With
-    ``nodes``, each checks its options against a pool of that many nodes (``check_pool``)."""
+    ``pool``, each checks its options against that pool (``check_pool``)."""
     chosen = [strategy_class(name) for name in names]
     taken = {f.name for cls in chosen for f in settings(cls)}
     for cls in STRATEGIES.values():
@@ -167,9 +167,9 @@ def strategies_from_flags(names: Sequence[str], args: Any, prefix: str = "",
                 raise ConfigError(f"{flag_of(f, prefix)} is an option of {owners}, none of "
                                   f"which is {asked} {' '.join(names)}")
     strategies = [from_flags(cls, args, prefix, given_only=True) for cls in chosen]
-    for strategy in strategies if nodes is not None else ():
+    for strategy in strategies if pool is not None else ():
         try:
-            strategy.check_pool(nodes)
+            strategy.check_pool(pool)
         except ConfigError as exc:
             raise ConfigError(reword(str(exc), type(strategy), prefix)) from None
     return strategies

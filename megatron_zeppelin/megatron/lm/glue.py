@@ -82,7 +82,7 @@ def check_megatron_lm_args(args: argparse.Namespace) -> None:
         from_flags(ZeppelinConfig, args, train_args.ZEPPELIN_PREFIX, max_seqlen=seq_length)
     layout = pool_layout(args, env.local_world_size())
     args.zeppelin_gpus_per_node = layout.gpus_per_node
-    train_args.planner_strategy(args, layout.cp, layout.nodes)  # --zeppelin-strategy, options
+    train_args.planner_strategy(args, layout.cp, layout.topology)  # the strategy, options
     preflight.check_planner_files(args)  # --zeppelin-cluster, --zeppelin-hardware
 
 

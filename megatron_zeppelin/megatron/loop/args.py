@@ -24,6 +24,7 @@ from megatron_zeppelin.config import ConfigError, ZeppelinConfig
 from megatron_zeppelin.config_yaml import load_yaml, read_text
 from megatron_zeppelin.options import Parser, add_flags, from_flags, yaml_defaults
 from megatron_zeppelin.parallel import PoolLayout
+from megatron_zeppelin.plan import Topology
 from megatron_zeppelin.planner.registry import (add_option_flags, given_options, option_dests,
                                                 strategies_from_flags)
 
@@ -93,10 +94,10 @@ def add_zeppelin_args(p: argparse.ArgumentParser, with_mode: bool = False) -> No
                      ZEPPELIN_PREFIX)
 
 
-def planner_strategy(args: argparse.Namespace, pool_size: int, nodes: int | None = None
+def planner_strategy(args: argparse.Namespace, pool_size: int, pool: Topology | None = None
                      ) -> tuple[str, dict]:
     """(strategy name, options) that plans each micro-batch of a pool of ``pool_size`` ranks
-    (on ``nodes`` nodes: options the pool cannot run are refused): static mode is static CP
+    (``pool``: options it cannot run are refused): static mode is static CP
     over the whole pool; zeppelin mode is ``--zeppelin-strategy`` with its option flags (an
     option it does not take is refused, naming it)."""
     if args.context_parallel_mode == "static":
@@ -110,7 +111,7 @@ def planner_strategy(args: argparse.Namespace, pool_size: int, nodes: int | None
                               "pass --context-parallel-mode zeppelin")
         return "static-cp", {"cp_size": pool_size}
     strategy, = strategies_from_flags([args.zeppelin_strategy], args, ZEPPELIN_PREFIX,
-                                      "--zeppelin-strategy", nodes)
+                                      "--zeppelin-strategy", pool)
     return strategy.name, given_options(strategy)
 
 
@@ -262,7 +263,7 @@ def validate_args(args: argparse.Namespace, world_size: int, local_world_size: i
     args.zeppelin_gpus_per_node = layout.gpus_per_node
     layout.micro_batches(args.global_batch_size, args.micro_batch_size)
     pipeline.check(args, layout)
-    planner_strategy(args, layout.cp, layout.nodes)
+    planner_strategy(args, layout.cp, layout.topology)
     check_fsdp(args)
     if args.mock_data and (args.vocab_size or 0) < 256:
         raise ConfigError(f"--vocab-size={args.vocab_size}: the built-in byte corpus needs "

@@ -404,4 +404,4 @@ class ZeppelinRuntimeArgs:
             folder = os.path.dirname(os.path.abspath(self.profile_out))
             require(os.path.isdir(folder) and os.access(folder, os.W_OK) and
                     not os.path.isdir(self.profile_out), "zeppelin.profile_out",
-                    self.profile_out, "a file (not a folder) in an existing, writable folder")
+                    self.profile_out, "a file in an existing, writable folder (not a folder)")
