@@ -415,3 +415,16 @@ def test_zeppelin_plan_refuses_a_document_no_pool_can_hold(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1
     assert ("document 2 has 99,999,999,999 tokens; 2 x h200-8nic (16 GPUs x 141 GiB) holds at "
             "most 9,240,576 tokens of one document of llama-7b") in err
+
+
+def test_an_attention_backend_that_cannot_run_is_refused_before_training():
+    """An explicit --zeppelin-attention-backend not installed, or unable to run on the CPU in
+    this dtype, is refused by preflight (before the process group), naming the flag."""
+    for backend, match in (("flash_attn", r"needs flash_attn, which is not installed"),
+                           ("native", r"needs fp16/bf16 tensors, got torch.float32")):
+        args = validated(BASE + ["--zeppelin-attention-backend", backend])
+        with pytest.raises(ConfigError, match=rf"^--zeppelin-attention-backend {backend}: "
+                                              rf"{match}"):
+            preflight.check_attention_backend(args)
+    preflight.check_attention_backend(validated(BASE + ["--zeppelin-attention-backend",
+                                                        "torch"]))

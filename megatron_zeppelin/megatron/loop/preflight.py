@@ -65,9 +65,29 @@ def check_device_and_packages(args: argparse.Namespace) -> None:
         raise ConfigError(f"LOCAL_RANK={env.local_rank()} but this node shows "
                           f"{torch.cuda.device_count()} GPU(s): start at most one process per "
                           "GPU (torchrun --nproc-per-node)")
+    check_attention_backend(args)
     if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError(f"--tensorboard-dir {args.tensorboard_dir!r} needs TensorBoard, "
                           "which is not installed: pip install 'megatron-zeppelin[tensorboard]'")
+
+
+def check_attention_backend(args: argparse.Namespace) -> None:
+    """An explicit ``--zeppelin-attention-backend`` is installed and, on CPU, runs there (a
+    CUDA one is checked by the engine on its first block, on the device)."""
+    import torch
+
+    from megatron_zeppelin.runtime import kernels
+
+    name = getattr(args, "zeppelin_attention_backend", "auto")
+    if name == "auto":
+        return
+    backend = kernels.get(name)
+    why = backend.unavailable()
+    if why is None and args.device == "cpu":
+        why = backend.refuses(torch.empty((1, 1, 1), dtype=torch.bfloat16 if args.bf16 else
+                                          torch.float32))
+    if why:
+        raise ConfigError(f"--zeppelin-attention-backend {name}: {why}")
 
 
 def check_planner_files(args: argparse.Namespace) -> None:
