@@ -67,7 +67,8 @@ class ModelSpec:
                     "bytes_per_element", "moe_router_topk"):
             require_positive_int(f"model.{key}", getattr(self, key))
         if self.window_size is not None:
-            require(isinstance(self.window_size, int) and self.window_size >= 0,
+            require(isinstance(self.window_size, int) and not isinstance(self.window_size, bool)
+                    and self.window_size >= 0,
                     "model.window_size", self.window_size, "an integer >= 0")
         if self.window_layers is not None:
             require(self.window_size is not None and isinstance(self.window_layers, int) and
@@ -297,8 +298,12 @@ class ZeppelinConfig:
         require(self.overlong in OVERLONG_POLICIES, "zeppelin.overlong", self.overlong,
                 f"one of {list(OVERLONG_POLICIES)}")
         require(isinstance(self.balance_slack, (int, float)) and
+                not isinstance(self.balance_slack, bool) and
                 0.0 <= self.balance_slack <= 1.0, "zeppelin.balance_slack", self.balance_slack,
                 "a number in [0, 1]")
+        for key in ("routing", "remap"):
+            require(isinstance(getattr(self, key), bool), f"zeppelin.{key}",
+                    getattr(self, key), "true or false")
 
 
 MICROBATCH_ORDERS = ("balanced", "arrival")

@@ -71,3 +71,17 @@ def test_the_planner_api_names_a_bad_argument(seqlens, cost, config, match):
     real = {"cost": make_cost(), "config": ZeppelinConfig()}
     with pytest.raises(ValueError, match=match):
         make_plan("zeppelin", seqlens, real.get(cost, cost), real.get(config, config))
+
+
+def test_config_fields_are_type_checked():
+    """A string where a bool belongs (truthy: it switched routing on), a bool as a number or a
+    window: refused naming the field."""
+    from megatron_zeppelin.config import ZeppelinConfig
+
+    for fields, match in (({"routing": "no"}, r"zeppelin.routing='no' is invalid: expected "
+                                               r"true or false"),
+                          ({"balance_slack": True}, r"zeppelin.balance_slack=True is invalid")):
+        with pytest.raises(ConfigError, match=match):
+            ZeppelinConfig(**fields)
+    with pytest.raises(ConfigError, match=r"model.window_size=True is invalid"):
+        dataclasses.replace(make_cost().model, window_size=True)

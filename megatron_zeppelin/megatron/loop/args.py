@@ -226,7 +226,10 @@ def validate_args(args: argparse.Namespace, world_size: int, local_world_size: i
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "global_batch_size", "train_iters"):
         if getattr(args, flag) is None:
-            raise ConfigError(f"--{flag.replace('_', '-')} is required (flag or --yaml-cfg key)")
+            where = f"; --yaml-cfg {args.yaml_cfg!r} leaves it unset or null" \
+                if args.yaml_cfg else ""
+            raise ConfigError(f"--{flag.replace('_', '-')} is required (flag or --yaml-cfg "
+                              f"key{where})")
     config = TrainConfig.from_args(args)
     if args.data_path is not None and not args.data_path.strip():
         raise ConfigError("--data-path='' is invalid: expected a dataset PREFIX (PREFIX.bin/"
