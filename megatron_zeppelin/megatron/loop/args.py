@@ -219,6 +219,24 @@ def check_torch_fsdp2(args: argparse.Namespace) -> None:
                           "Megatron-LM); drop one of the two")
 
 
+def check_attention(args: argparse.Namespace) -> None:
+    """The attention flags that depend on the model's size: the window pattern per layer,
+    MLA's one KV head per query head, and an even RoPE head dim."""
+    skip_freq(args.window_attn_skip_freq, args.num_layers, "--window-attn-skip-freq")
+    if args.window_attn_skip_freq is not None and args.window_size is None:
+        raise ConfigError(f"--window-attn-skip-freq={args.window_attn_skip_freq} without "
+                          "--window-size: pass the window ('L,0') it applies")
+    heads, groups = args.num_attention_heads, args.num_query_groups
+    if args.multi_latent_attention and groups not in (None, heads):
+        raise ConfigError(f"--num-query-groups={groups} (flag or --yaml-cfg key) is invalid with "
+                          f"--multi-latent-attention: expected unset or --num-attention-heads "
+                          f"{heads} (MLA has a key/value head per query head)")
+    if not args.multi_latent_attention and (args.hidden_size // heads) % 2:
+        raise ConfigError(f"--hidden-size={args.hidden_size} is invalid with "
+                          f"--num-attention-heads {heads}: expected an even head dim (hidden / "
+                          f"heads = {args.hidden_size // heads}; RoPE rotates pairs of dims)")
+
+
 def validate_args(args: argparse.Namespace, world_size: int, local_world_size: int | None
                   ) -> PoolLayout:
     """Refuse bad settings with the flag, the value and what is allowed (before training);
@@ -243,19 +261,7 @@ def validate_args(args: argparse.Namespace, world_size: int, local_world_size: i
     if config.optim.lr_warmup_iters >= decay:
         raise ConfigError(f"--lr-warmup-iters={config.optim.lr_warmup_iters} is invalid: expected "
                           f"< --lr-decay-iters {decay} (default: --train-iters)")
-    skip_freq(args.window_attn_skip_freq, args.num_layers, "--window-attn-skip-freq")
-    if args.window_attn_skip_freq is not None and args.window_size is None:
-        raise ConfigError(f"--window-attn-skip-freq={args.window_attn_skip_freq} without "
-                          "--window-size: pass the window ('L,0') it applies")
-    heads, groups = args.num_attention_heads, args.num_query_groups
-    if args.multi_latent_attention and groups not in (None, heads):
-        raise ConfigError(f"--num-query-groups={groups} (flag or --yaml-cfg key) is invalid with "
-                          f"--multi-latent-attention: expected unset or --num-attention-heads "
-                          f"{heads} (MLA has a key/value head per query head)")
-    if not args.multi_latent_attention and (args.hidden_size // heads) % 2:
-        raise ConfigError(f"--hidden-size={args.hidden_size} is invalid with "
-                          f"--num-attention-heads {heads}: expected an even head dim (hidden / "
-                          f"heads = {args.hidden_size // heads}; RoPE rotates pairs of dims)")
+    check_attention(args)
     tp = config.parallel.tensor_model_parallel_size
     if config.model.num_attention_heads % tp:
         raise ConfigError(f"--tensor-model-parallel-size={tp} is invalid: expected a divisor of "
