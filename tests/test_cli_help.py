@@ -56,7 +56,7 @@ def test_a_per_rank_limit_too_small_for_the_longest_document_names_the_flag(
     (["--max-seqlen", "10", "--overlong", "error"],
      "more than --max-seqlen allows (10 tokens); raise it, or set --overlong to 'split'"),
     (["--cp-size", "3", "--strategy", "static-cp"],
-     "--cp-size=3 is invalid: expected a divisor of the pool size 4"),
+     "--cp-size=3 is invalid: expected a divisor of the pool's 4 ranks"),
     (["--tp", "3"], "--tp=3 is invalid: expected a positive divisor of gpus_per_node=2"),
 ])
 def test_planner_errors_name_the_flags_of_zeppelin_plan(argv, message, tmp_path, capsys):
