@@ -56,6 +56,7 @@ struct Costs {
   // (KV rows, dK/dV rows; -1: as many) a ring hop carries under the window
   std::pair<double, double> relayed(double seqlen, i64 ring) const;
   std::pair<double, double> trimmed(double chunk, i64 ring) const;
+  double unwindowed(double seqlen, i64 ring) const;
   double dense_compute(double seqlen, i64 ring) const;
   WindowParts window_parts(double seqlen, i64 ring) const;
   double ring_exposed(double dense, const RingWindow& window, double share, int tier,

@@ -107,15 +107,19 @@ RingWindow& RingWindow::add(const WindowParts& parts) {
   return *this;
 }
 
-double Costs::dense_compute(double seqlen, i64 ring) const {
+double Costs::unwindowed(double seqlen, i64 ring) const {
   const double g = static_cast<double>(ring);
-  return attn_coef * seqlen * seqlen / g / flops(seqlen / g) * (1.0 - window_share);
+  return attn_coef * seqlen * seqlen / g / flops(seqlen / g);
+}
+
+double Costs::dense_compute(double seqlen, i64 ring) const {
+  return unwindowed(seqlen, ring) * (1.0 - window_share);
 }
 
 WindowParts Costs::window_parts(double seqlen, i64 ring) const {
   const double g = static_cast<double>(ring);
   const double chunk = seqlen / g;
-  const double windowed = attn_coef * seqlen * seqlen / g / flops(chunk) * window_share;
+  const double windowed = unwindowed(seqlen, ring) * window_share;
   const auto [kv, dkv] = trimmed(chunk, ring);
   if (seqlen <= window + 1.0) {
     return WindowParts{windowed, 0.0, 0.0, std::max<i64>(1, ring / 2), kv, dkv};

@@ -348,10 +348,13 @@ class CostKernel:
         """(KV rows, dK/dV rows) a windowed layer's hop carries of a chunk (``relayed``)."""
         return min(chunk, self.window), min(chunk, 2.0 * self.window * (ring - 1) / ring)
 
+    def _unwindowed(self, seqlen: float, ring: int) -> float:
+        """``compute`` of one rank's share as if no layer had the window."""
+        return self.attn_coef * seqlen * seqlen / ring / self.flops(seqlen / ring)
+
     def dense_compute(self, seqlen: float, ring: int) -> float:
         """``compute`` of the layers without the sliding window (the model's dense share)."""
-        return self.attn_coef * seqlen * seqlen / ring / self.flops(seqlen / ring) * \
-            (1.0 - self.window_share)
+        return self._unwindowed(seqlen, ring) * (1.0 - self.window_share)
 
     def window_parts(self, seqlen: float, ring: int) -> WindowParts:
         """Where a windowed layer's work of one rank's 1/ring share falls in the ring's steps,
@@ -364,8 +367,7 @@ class CostKernel:
         longer than ``L + 1`` attends densely: its windowed layers' work is spread evenly
         (``even``)."""
         chunk, window = seqlen / ring, self.window
-        windowed = self.attn_coef * seqlen * seqlen / ring / self.flops(chunk) * \
-            self.window_share
+        windowed = self._unwindowed(seqlen, ring) * self.window_share
         kv, dkv = self._trimmed(chunk, ring)
         if seqlen <= window + 1.0:
             return WindowParts(windowed, 0.0, 0.0, max(1, ring // 2), kv, dkv)

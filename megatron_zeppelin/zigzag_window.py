@@ -55,12 +55,7 @@ def relay_rows(length: int, ring: int, window: int) -> tuple[float, float]:
     (``dkv_rows``); means over sources and hops (KV) or sources (accumulator)."""
     if ring == 1:
         return 0.0, 0.0
-    bounds = zigzag_bounds(length, ring)
-
-    def chunks(position: int) -> list[tuple[int, int]]:
-        mirror = 2 * ring - 1 - position
-        return [(bounds[position], bounds[position + 1]), (bounds[mirror], bounds[mirror + 1])]
-
+    chunks = _position_chunks(zigzag_bounds(length, ring), ring)
     kv = dkv = 0
     for source in range(ring):
         keys, needed = chunks(source), []  # key position ranges read at this step or later
@@ -82,12 +77,7 @@ def step_pairs(length: int, ring: int, window: int) -> tuple[float, ...]:
     at step t position p attends its two zigzag chunks against those of position ``p - t``
     (the engine's blocks, ``ZigzagLayout``). The steps sum to the sequence's windowed pairs
     over ``ring``."""
-    bounds = zigzag_bounds(length, ring)
-
-    def chunks(position: int) -> list[tuple[int, int]]:
-        mirror = 2 * ring - 1 - position
-        return [(bounds[position], bounds[position + 1]), (bounds[mirror], bounds[mirror + 1])]
-
+    chunks = _position_chunks(zigzag_bounds(length, ring), ring)
     out = []
     for step in range(ring):
         total = 0
@@ -114,6 +104,16 @@ def _clamped_sum(lo: int, hi: int, top: int, cap: int) -> int:
     if b > a:
         total += (b - a) * (2 * top + 2 - a - b + 1) // 2
     return total
+
+
+def _position_chunks(bounds, ring: int):
+    """``chunks(position)``: the document ranges of the two zigzag chunks ``position``
+    holds, given a sequence's ``zigzag_bounds``."""
+    def chunks(position: int) -> list[tuple[int, int]]:
+        mirror = 2 * ring - 1 - position
+        return [(bounds[position], bounds[position + 1]), (bounds[mirror], bounds[mirror + 1])]
+
+    return chunks
 
 
 def _covered(ranges: list[tuple[int, int]]) -> int:

@@ -185,10 +185,8 @@ def build_work(plan: Plan, cost: CostModel, profile: SimProfile) -> list[tuple[_
     step_b = np.bincount(owner, bwd, len(groups)) + extra
     if cost.model.window_share > 0.0:  # windowed layers compute unevenly across the steps
         weights = step_weights(s, g, cost.model)
-        step_f = [_group_steps(fwd * g, weights, owner, i, len(group.ring)) + extra
-                  for i, group in enumerate(groups)]
-        step_b = [_group_steps(bwd * g, weights, owner, i, len(group.ring)) + extra
-                  for i, group in enumerate(groups)]
+        step_f = [steps + extra for steps in _group_steps(fwd * g, weights, owner, groups)]
+        step_b = [steps + extra for steps in _group_steps(bwd * g, weights, owner, groups)]
     kv_rows, dkv_rows = relayed_rows(s, g, cost.model)
     chunk_kv = np.bincount(owner, kv_rows, len(groups)) * cost.kv_bytes(1)
     chunk_dkv = np.bincount(owner, dkv_rows, len(groups)) * cost.kv_bytes(1)
@@ -236,14 +234,15 @@ def step_weights(s: np.ndarray, g: np.ndarray, model: ModelSpec) -> list[np.ndar
     return out
 
 
-def _group_steps(total: np.ndarray, weights: list, owner: np.ndarray, group: int,
-                 size: int) -> np.ndarray | float:
-    """Per step, the seconds ring group ``group`` computes: its sequences' ``total``
-    (all steps) spread by their ``weights``."""
-    if size == 1:
-        return 0.0
-    members = np.flatnonzero(owner == group)
-    return sum((total[i] * weights[i] for i in members), np.zeros(size))
+def _group_steps(total: np.ndarray, weights: list, owner: np.ndarray, groups
+                 ) -> list[np.ndarray | float]:
+    """Per ring group, the seconds each step computes: its sequences' ``total`` (all
+    steps) spread by their ``weights``, summed in sequence order (0.0 for a LOCAL group)."""
+    out = [np.zeros(len(group.ring)) if len(group.ring) > 1 else 0.0 for group in groups]
+    for i, group in enumerate(owner.tolist()):
+        if weights[i] is not None:
+            out[group] = out[group] + total[i] * weights[i]
+    return out
 
 
 def relayed_rows(s: np.ndarray, g: np.ndarray, model: ModelSpec

@@ -34,6 +34,17 @@ def _at_least(section, minimum, *names: str) -> None:
             require(value >= minimum, f"{section.SECTION}.{name}", value, f">= {minimum}")
 
 
+def _only_with(section, names: tuple[str, ...], enabled: bool, needs: str) -> None:
+    """Unless ``enabled``, each field of ``names`` keeps its declared default (one that
+    differs is refused: it would be ignored; errors say ``<section>.<field>=``)."""
+    if enabled:
+        return
+    for f in settings(type(section)):
+        if f.name in names and getattr(section, f.name) != f.default:
+            require(False, f"{section.SECTION}.{f.name}", getattr(section, f.name),
+                    f"given only with {needs}")
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     SECTION = "model"
@@ -60,10 +71,8 @@ class ModelArgs:
                   "num_query_groups", "ffn_hidden_size", "vocab_size", "mtp_num_layers")
         _at_least(self, 2, "seq_length")  # a sample of one token has no label
         _at_least(self, 0, "mtp_loss_scaling_factor")
-        if self.mtp_num_layers is None:
-            require(self.mtp_loss_scaling_factor == 0.1, "model.mtp_loss_scaling_factor",
-                    self.mtp_loss_scaling_factor, "given only with --mtp-num-layers (it weighs "
-                    "the multi-token prediction losses)")
+        _only_with(self, ("mtp_loss_scaling_factor",), self.mtp_num_layers is not None,
+                   "--mtp-num-layers (it weighs the multi-token prediction losses)")
         heads = self.num_attention_heads
         if heads is not None and self.num_query_groups is not None:
             require(heads % self.num_query_groups == 0, "model.num_query_groups",
@@ -142,12 +151,8 @@ class AttentionArgs:
                   "v_head_dim")
         require(self.qk_pos_emb_head_dim % 2 == 0, "attention.qk_pos_emb_head_dim",
                 self.qk_pos_emb_head_dim, "an even number (RoPE rotates pairs of dims)")
-        if not self.multi_latent_attention:
-            for f in settings(type(self)):
-                if f.name in MLA_DIMS and getattr(self, f.name) != f.default:
-                    require(False, f"attention.{f.name}", getattr(self, f.name),
-                            "given only with --multi-latent-attention (a dim of its "
-                            "projections)")
+        _only_with(self, MLA_DIMS, self.multi_latent_attention,
+                   "--multi-latent-attention (a dim of its projections)")
         _window_pair(self.window_size)
         skip_freq(self.window_attn_skip_freq, None)
 
@@ -331,12 +336,8 @@ class CheckpointArgs:
             raise ConfigError("--override-opt_param-scheduler and "
                               "--use-checkpoint-opt_param-scheduler cannot be used together: "
                               "take the schedule of the flags or of the checkpoint")
-        if self.load is None:
-            for f in settings(type(self)):
-                if f.name in LOAD_ONLY and getattr(self, f.name) != f.default:
-                    require(False, f"checkpoint.{f.name}", getattr(self, f.name),
-                            "given only with --load (it says how to resume)")
-        else:
+        _only_with(self, LOAD_ONLY, self.load is not None, "--load (it says how to resume)")
+        if self.load is not None:
             require(not os.path.isfile(self.load), "checkpoint.load", self.load,
                     "a checkpoint folder (this is a file)")
 
