@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 from megatron_zeppelin.config import ConfigError, PipelineSpec, ZeppelinConfig, load_setup
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.limits import refuse_untrainable
+from megatron_zeppelin.plan import OverlongReport
 from megatron_zeppelin.options import (Parser, add_flags, exit_status, from_flags,
                                        int_at_least, output_file)
 
@@ -95,11 +96,15 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
 def selected_strategies(args: argparse.Namespace, pool: Topology) -> list[Strategy]:
     """The ``--strategy`` objects with the options given on the command line (a bad value is
     refused naming its flag, as is an option ``pool`` cannot run); an option
-    none of them takes is refused, naming it and the strategies that take it."""
-    from megatron_zeppelin.planner.registry import strategies_from_flags
+    none of them takes is refused, naming it and the strategies that take it, as is a
+    planner setting none of them reads (``--balance-slack`` without zeppelin)."""
+    from megatron_zeppelin.planner.registry import refuse_unread_settings, strategies_from_flags
 
     refuse_repeats("--strategy", args.strategy)
-    return strategies_from_flags(args.strategy, args, pool=pool)
+    chosen = strategies_from_flags(args.strategy, args, pool=pool)
+    refuse_unread_settings(zeppelin_config(args), [type(s) for s in chosen],
+                           f"--strategy {' '.join(args.strategy)}")
+    return chosen
 
 
 def refuse_repeats(flag: str, values) -> None:
@@ -161,9 +166,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(f"{setup.model.name} on {setup.cluster.nodes} x {setup.cluster.name} "
               f"({setup.cluster.world_size} GPUs, TP={setup.tp}): {len(lengths)} documents, "
-              f"{sum(lengths)} tokens, longest {max(lengths)}")
+              f"{sum(lengths)} tokens, longest {max(lengths)}{overlong_note(plans[0].overlong)}")
         print(format_table(summaries))
     return 0
+
+
+def overlong_note(report: OverlongReport) -> str:
+    """What ``--overlong`` did to the batch, for the report's header ("" when nothing)."""
+    if report.dropped_sequences:
+        return (f"; --overlong drop left out {report.dropped_sequences} of them "
+                f"({report.dropped_tokens} tokens)")
+    if report.split_sequences:
+        return (f"; --overlong split cut {report.split_sequences} of them into "
+                f"{report.split_pieces} pieces")
+    return ""
 
 
 def plan_pipeline(lengths: list[int], strategies: list[Strategy], cost: CostModel,
@@ -259,7 +275,7 @@ SETTING_FLAGS = {"tensor_model_parallel_size": "--tp", "cp_size": "--cp-size",
                  "max_seqlen": "--max-seqlen", "capacity_tokens_per_gpu":
                  "--capacity-tokens-per-gpu", "capacity_factor": "--capacity-factor",
                  "max_seqlen_per_rank": "--max-seqlen-per-dp-cp-rank",
-                 "the overlong policy": "--overlong"}
+                 "the overlong policy": "--overlong", "num_microbatches": "--microbatches"}
 
 
 if __name__ == "__main__":

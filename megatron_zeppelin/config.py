@@ -19,7 +19,7 @@ from pathlib import Path
 from megatron_zeppelin.config_yaml import from_dict, read_yaml, resolve_config_path
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.hardware_profile import ATTENTION_KERNELS, HardwareProfile
-from megatron_zeppelin.options import (require, require_positive, require_positive_int,
+from megatron_zeppelin.options import (only_with, require, require_positive, require_positive_int,
                                        reword, setting)
 from megatron_zeppelin.plan import Topology
 
@@ -66,6 +66,8 @@ class ModelSpec:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                     "bytes_per_element", "moe_router_topk"):
             require_positive_int(f"model.{key}", getattr(self, key))
+        require(self.bytes_per_element in (1, 2, 4), "model.bytes_per_element",
+                self.bytes_per_element, "1 (fp8), 2 (bf16/fp16) or 4 (fp32)")
         if self.window_size is not None:
             require(isinstance(self.window_size, int) and not isinstance(self.window_size, bool)
                     and self.window_size >= 0,
@@ -206,6 +208,9 @@ class ClusterSpec:
             require_positive_int(f"cluster.{key}", getattr(self, key))
         for key in ("nvlink_gbyte_per_s", "nic_gbit_per_s", "gpu_memory_gib"):
             require_positive(f"cluster.{key}", getattr(self, key))
+        require(self.nics_per_node <= self.gpus_per_node, "cluster.nics_per_node",
+                self.nics_per_node, f"at most gpus_per_node={self.gpus_per_node} (each NIC "
+                "carries the inter-node traffic of the GPUs attached to it)")
         for key in ("nvlink_latency_us", "nic_latency_us"):
             value = getattr(self, key)
             require(isinstance(value, (int, float)) and value >= 0, f"cluster.{key}", value,
@@ -295,6 +300,9 @@ class ZeppelinConfig:
                 not isinstance(self.capacity_factor, bool) and
                 math.isfinite(self.capacity_factor) and self.capacity_factor >= 1.0,
                 "zeppelin.capacity_factor", self.capacity_factor, "a finite number >= 1.0")
+        only_with(self, ("capacity_factor",), self.capacity_tokens_per_gpu is None,
+                  "without zeppelin.capacity_tokens_per_gpu (a given capacity replaces the "
+                  "factor)")
         require(self.overlong in OVERLONG_POLICIES, "zeppelin.overlong", self.overlong,
                 f"one of {list(OVERLONG_POLICIES)}")
         require(isinstance(self.balance_slack, (int, float)) and
@@ -333,11 +341,12 @@ class PipelineSpec:
         require_positive_int("pipeline.pp", self.pp)
         require_positive_int("pipeline.vpp", self.vpp)
         require(self.vpp == 1 or self.pp >= 2, "pipeline.vpp", self.vpp,
-                "1 when pp is 1 (the interleaved schedule needs pp >= 2)")
+                "1 when pipeline.pp is 1 (the interleaved schedule needs pipeline.pp >= 2)")
         if self.microbatches is not None:
             require_positive_int("pipeline.microbatches", self.microbatches)
             require(self.vpp == 1 or self.microbatches % self.pp == 0, "pipeline.microbatches",
-                    self.microbatches, f"a multiple of pp={self.pp} with vpp={self.vpp} "
+                    self.microbatches, f"a multiple of pipeline.pp={self.pp} with "
+                    f"pipeline.vpp={self.vpp} "
                     "(megatron-core's interleaved schedule)")
         require(self.microbatch_order in MICROBATCH_ORDERS, "pipeline.microbatch_order",
                 self.microbatch_order, f"one of {list(MICROBATCH_ORDERS)}")

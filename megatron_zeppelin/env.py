@@ -95,8 +95,8 @@ def megatron_lm_path() -> str | None:
 
 
 def local_world_size() -> int | None:
-    raw = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(raw) if raw and raw.isdigit() else None
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(raw) if raw.isascii() and raw.isdigit() else None
 
 
 def local_rank() -> int:
@@ -110,7 +110,7 @@ def launched_by_torchrun() -> bool:
 
 def _int(name: str) -> int | None:
     raw = os.environ.get(name, "").strip()
-    return int(raw) if raw.isdigit() else None
+    return int(raw) if raw.isascii() and raw.isdigit() else None
 
 
 def rank() -> int | None:

@@ -71,7 +71,7 @@ def int_at_least(minimum: int):
     integer >= 1``)."""
     def parse(text: str) -> int:
         try:
-            value = int(text)
+            value = integer(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected an integer "
                                              f">= {minimum}") from None
@@ -89,8 +89,28 @@ def settings(section: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(section) if "help" in f.metadata]
 
 
+def only_with(section, names: tuple[str, ...], enabled: bool, when: str) -> None:
+    """Unless ``enabled``, each field of ``names`` keeps its declared default (one that
+    differs is refused: it would be ignored; errors say ``<section>.<field>=``, expected
+    "given only ``when``", e.g. ``with --mtp-num-layers``)."""
+    if enabled:
+        return
+    for f in settings(type(section)):
+        if f.name in names and getattr(section, f.name) != f.default:
+            require(False, f"{section.SECTION}.{f.name}", getattr(section, f.name),
+                    f"given only {when}")
+
+
 def flag_of(f: dataclasses.Field, prefix: str = "") -> str:
     return f.metadata["flag"] or "--" + prefix + f.name.replace("_", "-")
+
+
+def name_flags(message: str, flags: typing.Mapping[str, str]) -> str:
+    """``message`` with each setting name of ``flags`` (a whole word) replaced by its flag, so
+    that an error from the planner names the flag this entry point takes."""
+    for name, flag in flags.items():
+        message = re.sub(rf"(?<![\w-]){name}(?![\w-])", flag, message)
+    return message
 
 
 def dest_of(f: dataclasses.Field, prefix: str = "") -> str:
@@ -128,8 +148,17 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, section
             extra["choices"] = meta["choices"]
         if meta["metavar"]:
             extra["metavar"] = meta["metavar"]
-        parser.add_argument(*names, type=finite_float if kind is float else kind,
+        parser.add_argument(*names, type={float: finite_float, int: integer}.get(kind, kind),
                             default=default, **extra)
+
+
+def integer(text: str) -> int:
+    """``text`` as an integer: ASCII digits with an optional sign (``int`` alone also takes
+    ``1_000`` and full-width or other Unicode digits); ValueError otherwise. The argparse
+    ``type`` of an integer setting."""
+    if not re.fullmatch(r"[+-]?[0-9]+", text.strip()):
+        raise ValueError(f"{text!r} is not an integer")
+    return int(text)
 
 
 def finite_float(text: str) -> float:
@@ -169,11 +198,12 @@ def from_flags(section: type, args: argparse.Namespace, prefix: str = "", *,
 
 
 def reword(message: str, section: type, prefix: str = "", skip: Iterable[str] = ()) -> str:
-    """``<section>.<field>=`` in ``message`` -> ``--<flag>=`` (the name the user typed)."""
+    """``<section>.<field>`` in ``message`` -> ``--<flag>`` (the name the user typed)."""
     label = getattr(section, "SECTION", section.__name__)
     for f in settings(section):
         if f.name not in skip:
-            message = message.replace(f"{label}.{f.name}=", f"{flag_of(f, prefix)}=")
+            message = re.sub(rf"(?<![\w.]){re.escape(label)}\.{f.name}(?!\w)",
+                             flag_of(f, prefix), message)
     return message
 
 
@@ -218,7 +248,7 @@ def check_value(action: argparse.Action, value: Any, what: str) -> Any:
             raise ConfigError(f"{what}={value!r} is invalid: expected true or false")
         return value
     kind = action.type
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+    if kind in (int, integer) and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(f"{what}={value!r} is invalid: expected an integer")
     if kind in (float, finite_float):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
@@ -333,10 +363,7 @@ def exit_status(prog: str, work: typing.Callable[[], int | None],
     try:
         status = work()
     except (ConfigError, ValueError, OSError) as exc:
-        message = str(exc)
-        for name, flag in (flags or {}).items():
-            message = re.sub(rf"(?<![\w-]){name}(?![\w-])", flag, message)
-        print(f"{prog}: error: {message}", file=sys.stderr)
+        print(f"{prog}: error: {name_flags(str(exc), flags or {})}", file=sys.stderr)
         return 2
     return 0 if status is None else status
 

@@ -7,7 +7,7 @@ import pytest
 from megatron_zeppelin import cli
 from megatron_zeppelin.config import ConfigError
 from megatron_zeppelin.cost_model import CostModel
-from megatron_zeppelin.planner import get_strategy
+from megatron_zeppelin.planner import get_strategy, make_plan
 
 from conftest import make_cost
 
@@ -30,9 +30,26 @@ PLAN = ["plan", "--model", "llama-7b", "--cluster", "h200-8nic", "--nodes", "2"]
     (["simulate", "--model", "llama-7b", "--cluster", "h200-8nic", "--nodes", "2", "2"],
      "--nodes lists 2 more than once"),
     (["calibrate", "--output", "{tmp}/afile/x.yaml"], "afile' is a file, not a folder"),
+    (PLAN + ["--capacity-tokens-per-gpu", "200000", "--capacity-factor", "3"],
+     "--capacity-factor=3.0 is invalid: expected given only without --capacity-tokens-per-gpu"),
+    (PLAN + ["--capacity-tokens-per-gpu", "10"],
+     "more than the pool limit (16 ranks x --capacity-tokens-per-gpu 10) allows"),
+    (PLAN + ["--strategy", "static-cp", "hybrid-dp", "--balance-slack", "0.2"],
+     "--balance-slack=0.2 is ignored by --strategy static-cp hybrid-dp: only zeppelin reads"),
+    (PLAN + ["--strategy", "static-cp", "--no-routing"],
+     "--routing=False is ignored by --strategy static-cp"),
+    (PLAN + ["--lengths", "{tmp}/fullwidth"], "fullwidth:2: '２００' is not an integer length"),
+    (PLAN + ["--lengths", "{tmp}/underscore"], "underscore:1: '1_000' is not an integer length"),
+    (["simulate", "--model", "llama-7b", "--cluster", "h200-8nic", "--nodes", "2", "--lengths",
+      "{tmp}/huge"], "huge: document 1 has 1,000,000,000,000 tokens; 2 x h200-8nic"),
+    (PLAN + ["--nodes", "x"], "argument --nodes: 'x' is invalid: expected an integer >= 1"),
+    (PLAN + ["--tp", "１"], "argument --tp: '１' is invalid: expected an integer >= 1"),
 ])
 def test_bad_command_lines_are_one_line_naming_the_flag(argv, message, tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
+    (tmp_path / "fullwidth").write_text("100\n２００\n")
+    (tmp_path / "underscore").write_text("1_000\n")
+    (tmp_path / "huge").write_text("1000\n1000000000000\n")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -85,3 +102,28 @@ def test_config_fields_are_type_checked():
             ZeppelinConfig(**fields)
     with pytest.raises(ConfigError, match=r"model.window_size=True is invalid"):
         dataclasses.replace(make_cost().model, window_size=True)
+    with pytest.raises(ConfigError, match=r"model.bytes_per_element=3 is invalid: expected 1 "
+                                          r"\(fp8\), 2 \(bf16/fp16\) or 4"):
+        dataclasses.replace(make_cost().model, bytes_per_element=3)
+    cluster = make_cost().cluster
+    with pytest.raises(ConfigError, match=rf"cluster.nics_per_node={cluster.gpus_per_node + 1} "
+                                          rf"is invalid: expected at most gpus_per_node="):
+        dataclasses.replace(cluster, nics_per_node=cluster.gpus_per_node + 1, gpu_to_nic=None)
+
+
+def test_the_report_header_counts_what_the_overlong_policy_did(tmp_path, capsys):
+    lengths = tmp_path / "lengths"
+    lengths.write_text("1000\n9000000\n")
+    for policy, said in (("drop", "; --overlong drop left out 1 of them (9000000 tokens)"),
+                         ("split", "; --overlong split cut 1 of them into 90 pieces")):
+        assert cli.main(PLAN + ["--lengths", str(lengths), "--max-seqlen", "100000",
+                                "--overlong", policy, "--strategy", "static-cp"]) == 0
+        header = capsys.readouterr().out.splitlines()[0]
+        assert header.endswith("2 documents, 9001000 tokens, longest 9000000" + said), header
+
+
+def test_the_planner_api_refuses_a_document_no_pool_can_hold():
+    cost = make_cost()
+    with pytest.raises(ConfigError, match=r"seqlens: document 1 has [0-9,]+ tokens; .* holds at "
+                                          r"most"):
+        make_plan("zeppelin", [100, 10 ** 15], cost)

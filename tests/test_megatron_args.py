@@ -67,6 +67,16 @@ def test_bad_yaml_is_refused_with_the_key(tmp_path, text, match):
     (["--context-parallel-mode", "zeppelin", "--zeppelin-strategy", "hybrid-dp",
       "--max-seqlen-per-dp-cp-rank", "0"], 1, r"--max-seqlen-per-dp-cp-rank=0 is invalid: "
                                               r"expected an integer >= 1"),
+    (["--context-parallel-mode", "static", "--zeppelin-balance-slack", "0.1"], 1,
+     r"--zeppelin-balance-slack=0.1 is ignored by --context-parallel-mode static \(static CP\): "
+     r"only zeppelin reads it"),
+    (["--context-parallel-mode", "zeppelin", "--zeppelin-strategy", "hybrid-dp",
+      "--no-zeppelin-remap"], 1, r"--zeppelin-remap=False is ignored by --zeppelin-strategy "
+                                 r"hybrid-dp: only zeppelin reads it"),
+    (["--context-parallel-mode", "zeppelin", "--zeppelin-capacity-tokens-per-gpu", "100",
+      "--zeppelin-capacity-factor", "3"], 1, r"--zeppelin-capacity-factor=3.0 is invalid: "
+                                             r"expected given only without "
+                                             r"--zeppelin-capacity-tokens-per-gpu"),
 ])
 def test_bad_parallel_settings_are_refused(extra, world, match):
     args = train_args.parse_args(BASE + extra)
@@ -187,3 +197,22 @@ def test_transformer_engine_missing_names_the_extra():
             te_core_attention_class()
     else:
         assert te_core_attention_class().__name__ == "ZeppelinTEDotProductAttention"
+
+
+def test_a_strategy_that_cannot_place_a_document_names_the_training_flag():
+    """The preflight plan of one ``--seq-length`` document: the planner's setting names become
+    the training flags that set them."""
+    from types import SimpleNamespace
+
+    from conftest import make_cost
+    from megatron_zeppelin.megatron.loop.train import check_strategy
+    from megatron_zeppelin.planner.service import PlanFunction
+
+    args = train_args.parse_args(BASE + ["--context-parallel-mode", "zeppelin",
+                                         "--zeppelin-capacity-tokens-per-gpu", "10"])
+    cost = make_cost(nodes=1, gpus_per_node=2)
+    planner = PlanFunction("zeppelin", cost, train_args.zeppelin_config(args))
+    with pytest.raises(ConfigError, match=r"--zeppelin-strategy zeppelin cannot run here: .*"
+                                          r"x --zeppelin-capacity-tokens-per-gpu 10\) allows .*"
+                                          r"set --zeppelin-overlong to 'split' or 'drop'"):
+        check_strategy(args, planner, SimpleNamespace(prepare=lambda plan: None))

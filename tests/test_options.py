@@ -10,7 +10,7 @@ import pytest
 from megatron_zeppelin import cli
 from megatron_zeppelin.config import ConfigError, ZeppelinConfig
 from megatron_zeppelin.megatron.loop import args as train_args
-from megatron_zeppelin.options import settings
+from megatron_zeppelin.options import integer, settings
 from megatron_zeppelin.parallel import PoolLayout
 from megatron_zeppelin.sim import cli as sim_cli
 
@@ -70,7 +70,7 @@ def test_a_bad_flag_value_is_one_line_not_a_usage_dump(capsys):
     assert cli.main(PLAN + ["--capacity-factor", "fast"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'fast' is invalid: expected a finite number" in err
-    with pytest.raises(ConfigError, match="invalid int value: 'x'"):
+    with pytest.raises(ConfigError, match="invalid integer value: 'x'"):
         train_args.parse_args(TRAIN + ["--num-layers", "x"])
 
 
@@ -174,7 +174,7 @@ def _integer_flags(command: str) -> list[str]:
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return [a.option_strings[0] for a in sub.choices[command]._actions if a.option_strings
-            and (a.type is int or getattr(a.type, "__name__", "").startswith("int_at_least"))]
+            and (a.type in (int, integer) or getattr(a.type, "__name__", "").startswith("int_at_least"))]
 
 
 @pytest.mark.parametrize("command", ["plan", "simulate"])

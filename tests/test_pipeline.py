@@ -197,7 +197,7 @@ def test_balancing_refuses_what_it_cannot_place():
         balance_microbatches([10, 9000, 20], 2, quadratic(), capacity=8192)
     with pytest.raises(ValueError, match="cannot place 3 documents"):
         balance_microbatches([5, 5, 5], 2, quadratic(), capacity=6)
-    with pytest.raises(ValueError, match="2 documents cannot fill 3 micro-batches"):
+    with pytest.raises(ValueError, match="2 documents cannot fill num_microbatches=3"):
         balance_microbatches([5, 5], 3, quadratic())
     with pytest.raises(ValueError, match="document 1 has length 0"):
         balance_microbatches([5, 0, 4], 2, quadratic())
@@ -301,13 +301,13 @@ PLAN = ["plan", "--model", "llama-7b", "--cluster", "h200-8nic", "--nodes", "2",
     (["--pp", "3"], "--pp=3 is invalid: expected a divisor of num_layers=32 (llama-7b)"),
     (["--pp", "2", "--vpp", "3"], "--vpp=3 is invalid: expected pp x vpp dividing num_layers"),
     (["--pp", "0"], "--pp=0 is invalid: expected a positive integer"),
-    (["--vpp", "2"], "--vpp=2 is invalid: expected 1 when pp is 1"),
+    (["--vpp", "2"], "--vpp=2 is invalid: expected 1 when --pp is 1"),
     (["--pp", "2", "--vpp", "2", "--microbatches", "5"], "--microbatches=5 is invalid: "
-     "expected a multiple of pp=2"),
+     "expected a multiple of --pp=2"),
     (["--microbatches", "4"], "--microbatches and --microbatch-order apply only with --pp"),
     (["--pp", "32"], "--pp=32 is invalid: expected a divisor of the 16 ranks"),
     (["--pp", "2", "--microbatch-order", "random"], "invalid choice: 'random'"),
-    (["--pp", "2", "--microbatches", "4096"], "cannot fill 4096 micro-batches"),
+    (["--pp", "2", "--microbatches", "4096"], "cannot fill --microbatches=4096"),
 ])
 def test_plan_cli_rejects_bad_pipeline_flags(argv, message, capsys):
     assert cli.main(PLAN + argv) == 2

@@ -149,7 +149,8 @@ def test_overlong_policies_error_split_drop():
 def test_a_configured_capacity_bounds_documents_by_the_pool():
     cost = make_cost(nodes=1, gpus_per_node=2)
     with pytest.raises(ValueError,
-                       match=r"more than the pool limit \(ranks x capacity\) allows \(2000"):
+                       match=r"more than the pool limit \(2 ranks x capacity_tokens_per_gpu 1000\) "
+                             r"allows \(2000"):
         make_plan("zeppelin", [2500], cost, ZeppelinConfig(capacity_tokens_per_gpu=1000))
 
 

@@ -89,7 +89,7 @@ def test_cli_strategy_options_are_typed_settings_whose_errors_name_the_flag(caps
     assert "zeppelin: error: --cp-size=0 is invalid: expected an integer >= 1" in \
         capsys.readouterr().err
     assert cli.main(base + ["--strategy", "flexsp", "--buckets", "two"]) == 2
-    assert "--buckets: invalid int value: 'two'" in capsys.readouterr().err
+    assert "--buckets: invalid integer value: 'two'" in capsys.readouterr().err
     # a boolean option is --x/--no-x; an option two strategies share is one flag for both;
     # an option not given keeps the strategy's default
     args = cli.build_parser().parse_args(

@@ -428,3 +428,16 @@ def test_an_attention_backend_that_cannot_run_is_refused_before_training():
             preflight.check_attention_backend(args)
     preflight.check_attention_backend(validated(BASE + ["--zeppelin-attention-backend",
                                                         "torch"]))
+
+
+def test_a_model_no_memory_can_hold_is_refused_before_the_allocator_fails():
+    """Weights and gradients alone, spread over every rank, above a rank's share of the RAM:
+    one line naming the size flags (it was the allocator's traceback on every rank)."""
+    args = validated(BASE + ["--ffn-hidden-size", "100000000000"])
+    with pytest.raises(ConfigError, match=r"^the model has [0-9,]+ parameters or more "
+                                          r"\(--num-layers 2, --hidden-size 64, "
+                                          r"--ffn-hidden-size 100000000000, --vocab-size 256\)"
+                                          r".* more than a rank's share of this node's RAM "
+                                          r"\(4 ranks\) holds"):
+        preflight.check_memory(args, 4, 4)
+    preflight.check_memory(validated(BASE), 4, 4)  # the tiny model fits

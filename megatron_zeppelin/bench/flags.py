@@ -10,7 +10,7 @@ import typing
 from typing import Any, Mapping
 
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.options import Parser
+from megatron_zeppelin.options import Parser, integer
 
 MAX_PORT = 65535
 
@@ -22,7 +22,7 @@ def port_number(free: bool = False):
 
     def parse(text: str) -> int:
         try:
-            value = int(text)
+            value = integer(text)
         except ValueError:
             value = -1
         if not low <= value <= MAX_PORT:
@@ -48,7 +48,7 @@ def int_list(minimum: int, what: str = "integers"):
     tuple of them."""
     def parse(text: str) -> tuple[int, ...]:
         try:
-            values = tuple(int(x) for x in text.split(","))
+            values = tuple(integer(x) for x in text.split(","))
         except ValueError:
             values = ()
         if not values or min(values) < minimum:

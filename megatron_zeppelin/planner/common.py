@@ -81,8 +81,9 @@ def smallest_share(seqlen: int, topology: Topology) -> int:
 
 def pool_limit(world: int, capacity: int) -> int:
     """Longest sequence the pool holds: zigzag over every rank, each share within ``capacity``
-    (by ``zigzag_share_bound``, so the exact shares fit too)."""
-    return capacity if world == 1 else 2 * world * (capacity // 2)
+    (by ``zigzag_share_bound``, so the exact shares fit too), or whole on one rank (an odd
+    ``capacity`` of 1 holds no zigzag chunks, yet a 1-token document)."""
+    return max(capacity, 2 * world * (capacity // 2))
 
 
 def apply_overlong(seqlens: tuple[int, ...], limit: int, policy: str, why: str = "the limit"
@@ -115,7 +116,8 @@ def prepare(seqlens: Sequence[int], topology: Topology, config: ZeppelinConfig) 
     if config.capacity_tokens_per_gpu is not None:
         pool = pool_limit(topology.world_size, config.capacity_tokens_per_gpu)
         if not limit or pool < limit:
-            limit, why = pool, "the pool limit (ranks x capacity)"
+            limit, why = pool, (f"the pool limit ({topology.world_size} ranks x "
+                                f"capacity_tokens_per_gpu {config.capacity_tokens_per_gpu})")
     if limit:
         planned, sources, report = apply_overlong(lengths, limit, config.overlong, why)
     else:

@@ -153,8 +153,8 @@ def _check(lengths: Sequence[int], count: int, capacity: int | None) -> None:
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise ValueError(f"num_microbatches={count!r} is invalid: expected an integer >= 1")
     if len(lengths) < count:
-        raise ValueError(f"{len(lengths)} documents cannot fill {count} micro-batches: expected "
-                         f"at least one document per micro-batch")
+        raise ValueError(f"{len(lengths)} documents cannot fill num_microbatches={count}: "
+                         "expected at least one document per micro-batch")
     bad = next((i for i, n in enumerate(lengths)
                 if not isinstance(n, int) or isinstance(n, bool) or n < 1), None)
     if bad is not None:

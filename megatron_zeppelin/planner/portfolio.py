@@ -68,6 +68,7 @@ class Zeppelin(Strategy):
     summary = ("hierarchical partitioning (local / intra-node / inter-node rings), remap and "
                "routing; the fastest of it and the peers' plans by the estimate")
     routed = True
+    reads = ("routing", "remap", "balance_slack")
     portfolio: bool = setting(True, "zeppelin: score the remap per batch and the peers' plans "
                               "as fallbacks (off: the hierarchical plan alone, with the remap "
                               "as configured)")

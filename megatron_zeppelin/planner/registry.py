@@ -20,10 +20,11 @@ from typing import Any, ClassVar, Sequence
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.limits import refuse_untrainable
 from megatron_zeppelin.options import add_flags, dest_of, flag_of, from_flags, reword, settings
 from megatron_zeppelin.plan import Plan, Topology
 from megatron_zeppelin.plan_checks import ATTENTION_KINDS
-from megatron_zeppelin.planner.common import with_derived_capacity
+from megatron_zeppelin.planner.common import check_lengths, with_derived_capacity
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class Strategy:
     summary: ClassVar[str] = ""
     attention: ClassVar[str] = "ring"
     routed: ClassVar[bool] = False  # runs its inter-node rings through the routing layer
+    # the settings of CHOSEN_SETTINGS it reads (the others it ignores: a changed one is refused)
+    reads: ClassVar[tuple[str, ...]] = ()
     te_attention: ClassVar[bool] = False  # its own system's rings are TE CP (dK/dV in bf16)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -94,6 +97,27 @@ def register(cls: type[Strategy]) -> type[Strategy]:
     return cls
 
 
+# The ``ZeppelinConfig`` settings that only some strategies read (each declares them in
+# ``Strategy.reads``); capacity and the overlong policy apply to every strategy.
+CHOSEN_SETTINGS = ("routing", "remap", "balance_slack")
+
+
+def refuse_unread_settings(config: ZeppelinConfig, chosen: Sequence[type[Strategy]],
+                           asked: str, prefix: str = "") -> None:
+    """ConfigError naming the first setting of ``CHOSEN_SETTINGS`` changed from its default
+    in ``config`` that none of the ``chosen`` strategies reads (it would be ignored), by its
+    flag (``options.flag_of`` with ``prefix``); ``asked``: the choice (``--strategy
+    hybrid-dp``)."""
+    for f in settings(ZeppelinConfig):
+        value = getattr(config, f.name)
+        if f.name not in CHOSEN_SETTINGS or value == f.default or any(
+                f.name in cls.reads for cls in chosen):
+            continue
+        readers = [n for n, cls in STRATEGIES.items() if f.name in cls.reads]
+        raise ConfigError(f"{flag_of(f, prefix)}={value!r} is ignored by {asked}: only "
+                          f"{', '.join(readers)} reads it (drop it)")
+
+
 def strategy_class(name: str) -> type[Strategy]:
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}: expected one of {list(STRATEGIES)}")
@@ -121,6 +145,8 @@ def make_plan(strategy: str | Strategy, seqlens: Sequence[int], cost: CostModel,
                          "hardware: config.load_setup)")
     if not isinstance(config, ZeppelinConfig):
         raise ValueError(f"config={config!r} is invalid: expected a ZeppelinConfig")
+    seqlens = check_lengths(seqlens)
+    refuse_untrainable(seqlens, cost.model, cost.cluster, "seqlens")
     if isinstance(strategy, Strategy):
         if options:
             raise ValueError(f"options {sorted(options)} given with a Strategy object: set them "

@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple, Sequence, TypeVar
 
 from megatron_zeppelin.config import ZeppelinConfig, load_setup
 from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.limits import refuse_untrainable
 from megatron_zeppelin.planner import STRATEGIES, Strategy
 from megatron_zeppelin.planner.common import CapacityError
 from megatron_zeppelin.sim.simulator import SimOptions, SimResult, lower_bound, simulate
@@ -322,6 +323,9 @@ def settings_from_args(model: str, cluster: str, nodes: Sequence[int], workloads
             raise ValueError(f"--nodes {n!r} is invalid: expected integers >= 1")
     if lengths_file:
         lengths = tuple(read_lengths(lengths_file))
+        for n in nodes:  # as ``zeppelin plan`` refuses them
+            setup = load_setup(model, cluster, n, tp=tp)
+            refuse_untrainable(lengths, setup.model, setup.cluster, lengths_file)
         return [Setting(model, cluster, n, f"file:{lengths_file}", tp, tokens, tokens_per_gpu,
                         1, seed, lengths) for n in nodes]
     return [Setting(model, cluster, n, w, tp, tokens, tokens_per_gpu, batches, seed)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from megatron_zeppelin.config_yaml import read_text
+from megatron_zeppelin.options import integer
 from megatron_zeppelin.sim import published
 
 Sampler = Callable[[random.Random], int]
@@ -192,7 +193,7 @@ def read_lengths(path: str | os.PathLike, what: str = "--lengths") -> list[int]:
         if not text:
             continue
         try:
-            value = int(text)
+            value = integer(text)
         except ValueError:
             raise ValueError(f"{path}:{lineno}: {text!r} is not an integer length") from None
         if value <= 0:

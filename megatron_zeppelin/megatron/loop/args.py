@@ -26,7 +26,8 @@ from megatron_zeppelin.options import Parser, add_flags, from_flags, yaml_defaul
 from megatron_zeppelin.parallel import PoolLayout
 from megatron_zeppelin.plan import Topology
 from megatron_zeppelin.planner.registry import (add_option_flags, given_options, option_dests,
-                                                strategies_from_flags)
+                                                refuse_unread_settings, strategies_from_flags,
+                                                strategy_class)
 
 from megatron_zeppelin.megatron.common import fsdp_limits
 from megatron_zeppelin.megatron.loop import pipeline
@@ -65,6 +66,14 @@ class TrainConfig:
                     for name, section in MEGATRON_SECTIONS.items()}
         return cls(**sections, zeppelin=zeppelin_config(args),
                    runtime=from_flags(ZeppelinRuntimeArgs, args, ZEPPELIN_PREFIX))
+
+
+# The planner's setting names in its messages, and the training flag that sets each
+# (``options.name_flags``).
+PLANNER_FLAGS = {"max_seqlen": "--seq-length",
+                 "capacity_tokens_per_gpu": "--zeppelin-capacity-tokens-per-gpu",
+                 "capacity_factor": "--zeppelin-capacity-factor",
+                 "the overlong policy": "--zeppelin-overlong"}
 
 
 def zeppelin_config(args: argparse.Namespace) -> ZeppelinConfig:
@@ -109,10 +118,19 @@ def planner_strategy(args: argparse.Namespace, pool_size: int, pool: Topology | 
             raise ConfigError(f"{', '.join(given)}: only with --context-parallel-mode zeppelin "
                               "(static mode is static CP over the whole CP group): drop it or "
                               "pass --context-parallel-mode zeppelin")
+        _refuse_unread(args, "static-cp", "--context-parallel-mode static (static CP)")
         return "static-cp", {"cp_size": pool_size}
     strategy, = strategies_from_flags([args.zeppelin_strategy], args, ZEPPELIN_PREFIX,
                                       "--zeppelin-strategy", pool)
+    _refuse_unread(args, strategy.name, f"--zeppelin-strategy {strategy.name}")
     return strategy.name, given_options(strategy)
+
+
+def _refuse_unread(args: argparse.Namespace, strategy: str, asked: str) -> None:
+    """Refuse a ``--zeppelin-*`` planner setting ``strategy`` does not read (``registry``'s
+    ``refuse_unread_settings``)."""
+    config = from_flags(ZeppelinConfig, args, ZEPPELIN_PREFIX, max_seqlen=None)
+    refuse_unread_settings(config, [strategy_class(strategy)], asked, ZEPPELIN_PREFIX)
 
 
 def build_parser() -> argparse.ArgumentParser:

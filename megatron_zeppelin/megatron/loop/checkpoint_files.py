@@ -96,7 +96,7 @@ def inspect(load: str, exit_on_missing: bool) -> Found | None:
 def _tracked_iteration(load: str, tracker: str) -> int:
     with open(tracker) as f:
         text = f.read().strip()
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):
         raise ConfigError(f"--load {load!r}: {tracker} holds {text[:40]!r}: expected the "
                           "iteration number of the latest checkpoint")
     return int(text)

@@ -6,6 +6,7 @@ rank 0, ``fatal.user_error``) instead of one rank failing while the others wait 
 
 * environment variables (``env.py``'s readers: backends, timeouts) and the watchdog bound
   against the P2P timeout;
+* the model's size against the memory of the device (``check_memory``: a lower bound);
 * the planner's cluster and hardware files (``--zeppelin-cluster``, ``--zeppelin-hardware``);
 * the device (CUDA visible for ``--device cuda``), optional packages (TensorBoard);
 * the corpus (the built-in one, or ``--data-path``'s index and data file) and the overlong
@@ -71,6 +72,33 @@ def check_device_and_packages(args: argparse.Namespace) -> None:
                           "which is not installed: pip install 'megatron-zeppelin[tensorboard]'")
 
 
+def check_memory(args: argparse.Namespace, world: int, local: int) -> None:
+    """Refuse a model whose weights and gradients alone, sharded over all ``world`` ranks
+    (``local`` of them on this node), exceed this node's memory (``--device cpu``: its RAM
+    shared by its ranks) or one GPU's: a lower bound on what training needs (tied
+    embeddings, no optimizer state, no activations), so never a false refusal; without it
+    such a model fails in the allocator with a traceback on every rank."""
+    import torch
+
+    from megatron_zeppelin.megatron.loop.train import model_spec
+
+    spec = model_spec(args)
+    count = spec.parameter_count() - spec.vocab_size * spec.hidden_size
+    need = count * 2 * (2 if args.bf16 else 4) / world  # bytes per rank
+    if args.device == "cuda":
+        have, where = torch.cuda.get_device_properties(env.local_rank()).total_memory, "GPU"
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
+        where = f"rank's share of this node's RAM ({local} ranks)"
+    if need > have:
+        raise ConfigError(
+            f"the model has {count:,} parameters or more (--num-layers {args.num_layers}, "
+            f"--hidden-size {args.hidden_size}, --ffn-hidden-size {spec.ffn}, --vocab-size "
+            f"{spec.vocab_size}): their weights and gradients alone, spread over all {world} "
+            f"ranks, take {need / 2**30:,.1f} GiB per rank, more than a {where} holds "
+            f"({have / 2**30:,.1f} GiB); shrink the model or add ranks")
+
+
 def check_attention_backend(args: argparse.Namespace) -> None:
     """An explicit ``--zeppelin-attention-backend`` is installed and, on CPU, runs there (a
     CUDA one is checked by the engine on its first block, on the device)."""
@@ -126,6 +154,8 @@ def check(args: argparse.Namespace) -> Ready:
     """Run every check (``args`` already passed ``validate_args``)."""
     check_environment(args)
     check_device_and_packages(args)
+    world = env.world_size() or 1
+    check_memory(args, world, env.local_world_size() or world)
     check_planner_files(args)
     source = open_source(args.mock_data, args.data_path, args.vocab_size or 256)
     what = "--mock-data" if args.mock_data else f"--data-path {args.data_path!r}"

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.options import from_flags, require, setting, settings
+from megatron_zeppelin.options import from_flags, integer, only_with, require, setting
 from megatron_zeppelin.planner import STRATEGIES, dynamic_cp
 from megatron_zeppelin.runtime.kernels import choices as attention_backends
 
@@ -32,17 +32,6 @@ def _at_least(section, minimum, *names: str) -> None:
         value = getattr(section, name)
         if value is not None:
             require(value >= minimum, f"{section.SECTION}.{name}", value, f">= {minimum}")
-
-
-def _only_with(section, names: tuple[str, ...], enabled: bool, needs: str) -> None:
-    """Unless ``enabled``, each field of ``names`` keeps its declared default (one that
-    differs is refused: it would be ignored; errors say ``<section>.<field>=``)."""
-    if enabled:
-        return
-    for f in settings(type(section)):
-        if f.name in names and getattr(section, f.name) != f.default:
-            require(False, f"{section.SECTION}.{f.name}", getattr(section, f.name),
-                    f"given only with {needs}")
 
 
 @dataclass(frozen=True)
@@ -71,8 +60,8 @@ class ModelArgs:
                   "num_query_groups", "ffn_hidden_size", "vocab_size", "mtp_num_layers")
         _at_least(self, 2, "seq_length")  # a sample of one token has no label
         _at_least(self, 0, "mtp_loss_scaling_factor")
-        _only_with(self, ("mtp_loss_scaling_factor",), self.mtp_num_layers is not None,
-                   "--mtp-num-layers (it weighs the multi-token prediction losses)")
+        only_with(self, ("mtp_loss_scaling_factor",), self.mtp_num_layers is not None,
+                  "with --mtp-num-layers (it weighs the multi-token prediction losses)")
         heads = self.num_attention_heads
         if heads is not None and self.num_query_groups is not None:
             require(heads % self.num_query_groups == 0, "model.num_query_groups",
@@ -94,7 +83,7 @@ def _window_pair(text: str | None) -> tuple[int, int] | None:
     if text is None:
         return None
     try:
-        pair = tuple(int(x) for x in str(text).strip("()").split(","))
+        pair = tuple(integer(x) for x in str(text).strip("()").split(","))
     except ValueError:
         pair = ()
     require(len(pair) == 2 and 0 <= pair[0] < MAX_WINDOW and pair[1] == 0,
@@ -151,8 +140,8 @@ class AttentionArgs:
                   "v_head_dim")
         require(self.qk_pos_emb_head_dim % 2 == 0, "attention.qk_pos_emb_head_dim",
                 self.qk_pos_emb_head_dim, "an even number (RoPE rotates pairs of dims)")
-        _only_with(self, MLA_DIMS, self.multi_latent_attention,
-                   "--multi-latent-attention (a dim of its projections)")
+        only_with(self, MLA_DIMS, self.multi_latent_attention,
+                  "with --multi-latent-attention (a dim of its projections)")
         _window_pair(self.window_size)
         skip_freq(self.window_attn_skip_freq, None)
 
@@ -336,7 +325,7 @@ class CheckpointArgs:
             raise ConfigError("--override-opt_param-scheduler and "
                               "--use-checkpoint-opt_param-scheduler cannot be used together: "
                               "take the schedule of the flags or of the checkpoint")
-        _only_with(self, LOAD_ONLY, self.load is not None, "--load (it says how to resume)")
+        only_with(self, LOAD_ONLY, self.load is not None, "with --load (it says how to resume)")
         if self.load is not None:
             require(not os.path.isfile(self.load), "checkpoint.load", self.load,
                     "a checkpoint folder (this is a file)")

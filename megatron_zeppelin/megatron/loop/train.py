@@ -36,7 +36,7 @@ from megatron_zeppelin.megatron.loop.train_log import Logger, StepLog, banner
 from megatron_zeppelin.megatron.loop.watchdog import Watchdog, start_watchdog
 from megatron_zeppelin.megatron.common.model import (build_gpt_model, make_transformer_config,
                                                      windowed_layers)
-from megatron_zeppelin.options import from_flags
+from megatron_zeppelin.options import from_flags, name_flags
 from megatron_zeppelin.parallel import PoolLayout
 from megatron_zeppelin.planner.registry import strategy_class
 from megatron_zeppelin.planner.service import PlanFunction, PlannerService
@@ -86,8 +86,9 @@ def check_strategy(args: argparse.Namespace, planner: PlanFunction,
     try:
         state.prepare(planner([args.seq_length]))
     except (ValueError, ImportError) as exc:
+        reason = name_flags(str(exc).splitlines()[0], train_args.PLANNER_FLAGS)
         raise ConfigError(f"--zeppelin-strategy {planner.strategy} cannot run here: "
-                          f"{str(exc).splitlines()[0]}") from None
+                          f"{reason}") from None
 
 
 def build_state(args: argparse.Namespace, pool: Pool, cost: CostModel, planner: PlanFunction
