@@ -275,7 +275,8 @@ SETTING_FLAGS = {"tensor_model_parallel_size": "--tp", "cp_size": "--cp-size",
                  "max_seqlen": "--max-seqlen", "capacity_tokens_per_gpu":
                  "--capacity-tokens-per-gpu", "capacity_factor": "--capacity-factor",
                  "max_seqlen_per_rank": "--max-seqlen-per-dp-cp-rank",
-                 "the overlong policy": "--overlong", "num_microbatches": "--microbatches"}
+                 "the overlong policy": "--overlong", "num_microbatches": "--microbatches",
+                 "cluster.nodes": "--nodes"}
 
 
 if __name__ == "__main__":

@@ -183,6 +183,9 @@ class ModelSpec:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
 
+MAX_GPUS = 1 << 20  # a cluster's GPUs: far beyond any built (and the router's 1M nodes' range)
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """Node type and count. Bandwidths are per direction: NVLink per GPU, NIC per NIC.
@@ -206,6 +209,9 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         for key in ("gpus_per_node", "nics_per_node", "nodes"):
             require_positive_int(f"cluster.{key}", getattr(self, key))
+        require(self.nodes * self.gpus_per_node <= MAX_GPUS, "cluster.nodes", self.nodes,
+                f"at most {MAX_GPUS // self.gpus_per_node} nodes of {self.gpus_per_node} GPUs "
+                f"({MAX_GPUS} GPUs)")
         for key in ("nvlink_gbyte_per_s", "nic_gbit_per_s", "gpu_memory_gib"):
             require_positive(f"cluster.{key}", getattr(self, key))
         require(self.nics_per_node <= self.gpus_per_node, "cluster.nics_per_node",

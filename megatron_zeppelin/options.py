@@ -372,5 +372,12 @@ class Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one ``ConfigError`` line (no usage dump), so that
     the entry point prints it once and exits with status 2."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # every ``type=int`` / ``type=float`` of this parser (its groups and subparsers too):
+        # ASCII digits, finite numbers (``int`` alone takes "1_0" and full-width digits)
+        self.register("type", int, integer)
+        self.register("type", float, finite_float)
+
     def error(self, message: str) -> typing.NoReturn:
         raise ConfigError(f"{message} (see {self.prog} --help)")

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from megatron_zeppelin import cli
-from megatron_zeppelin.config import ConfigError
+from megatron_zeppelin.config import ConfigError, ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.planner import get_strategy, make_plan
 
@@ -44,6 +44,8 @@ PLAN = ["plan", "--model", "llama-7b", "--cluster", "h200-8nic", "--nodes", "2"]
       "{tmp}/huge"], "huge: document 1 has 1,000,000,000,000 tokens; 2 x h200-8nic"),
     (PLAN + ["--nodes", "x"], "argument --nodes: 'x' is invalid: expected an integer >= 1"),
     (PLAN + ["--tp", "１"], "argument --tp: '１' is invalid: expected an integer >= 1"),
+    (["calibrate", "--backend", "native", "--output", "{tmp}/c.yaml"],
+     "--backend='native' is invalid here: needs fp16/bf16 tensors"),
 ])
 def test_bad_command_lines_are_one_line_naming_the_flag(argv, message, tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
@@ -127,3 +129,31 @@ def test_the_planner_api_refuses_a_document_no_pool_can_hold():
     with pytest.raises(ConfigError, match=r"seqlens: document 1 has [0-9,]+ tokens; .* holds at "
                                           r"most"):
         make_plan("zeppelin", [100, 10 ** 15], cost)
+
+
+@pytest.mark.parametrize("strategy,options,match", [
+    ("hybrid-dp", {"max_seqlen_per_rank": 10 ** 30}, r"hybrid-dp.max_seqlen_per_rank=1000+ is "
+                                                      r"invalid: expected an integer <= 2147483647"),
+    ("static-cp-best", {"max_cp_size": 10 ** 30}, r"static-cp-best.max_cp_size=1000+ is invalid"),
+    ("flexsp", {"node_limit": 10 ** 30}, r"flexsp.node_limit=1000+ is invalid"),
+    ("zeppelin", {"portfolio": "yes"}, r"zeppelin.portfolio='yes' is invalid: expected true or "
+                                       r"false"),
+    ("static-cp", {"cp_size": True}, r"static-cp.cp_size=True is invalid"),
+    (["zeppelin"], {}, r"strategy \['zeppelin'\] is invalid: expected a name"),
+])
+def test_strategy_options_of_the_planner_api_are_type_checked(strategy, options, match):
+    """Values no flag parser typed: a pybind cast error, a solver TypeError or a bool taken
+    as 1 before."""
+    with pytest.raises(ValueError, match=match):
+        make_plan(strategy, [100, 200], make_cost(), **options)
+
+
+def test_capacities_beyond_the_batch_plan_as_the_whole_batch():
+    """A capacity (or a factor) larger than the batch means the batch (no rank holds more);
+    the C++ twin's 64-bit capacity overflowed before."""
+    cost = make_cost()
+    for config in (ZeppelinConfig(capacity_tokens_per_gpu=10 ** 30),
+                   ZeppelinConfig(capacity_factor=1e300)):
+        assert make_plan("zeppelin", [100, 200], cost, config).capacity == 300
+    plan = make_plan("flexsp", [100, 150, 200], cost, buckets=10 ** 9)  # a bucket per length
+    assert sorted(plan.seqlens) == [100, 150, 200]

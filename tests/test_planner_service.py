@@ -118,3 +118,46 @@ def test_the_planning_benchmark_pairs_rounds_so_drifting_load_cancels():
     # the machine gets twice as slow in the second round; planning alongside costs 1% in each
     times = {"precomputed": [1.0, 1.0, 2.0, 2.0, 2.0], "process": [1.01, 1.01, 2.02, 2.02, 2.02]}
     assert paired_ratio(times, "process", 2) == pytest.approx(1.01)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_finite_stream_hands_out_every_micro_batch_then_stops(prefetch):
+    """The last micro-batch was lost: planning ahead past the stream's end raised
+    StopIteration while the current micro-batch was still to be returned."""
+    import torch
+
+    from megatron_zeppelin.megatron.common.data import ZeppelinDataIterator
+
+    plan_fn = PlanFunction("zeppelin", make_cost(nodes=1, gpus_per_node=2))
+    stream = iter([[torch.arange(n)] for n in (5, 6, 7)])
+    data = ZeppelinDataIterator(stream, plan_fn, rank=0, prefetch=prefetch)
+    try:
+        got = [sum(s for _, _, s in b.plan.sources) for b in data]
+        assert got == [5, 6, 7]
+        with pytest.raises(StopIteration):
+            next(data)
+    finally:
+        data.close()
+
+
+@pytest.mark.parametrize("batch,match", [
+    ([], r"micro-batch 0 is empty: expected a non-empty list"),
+    (None, r"micro-batch 0 is a NoneType"),
+    ([[1, 2, 3]], r"micro-batch 0, document 0 is list: expected a non-empty 1-D integer"),
+    (["2d"], r"document 0 is a 2-D torch.int64 tensor of 4 elements"),
+    (["float"], r"document 0 is a 1-D torch.float32 tensor"),
+    (["empty"], r"document 0 is a 1-D torch.int64 tensor of 0 elements"),
+])
+def test_a_bad_micro_batch_is_refused_naming_it(batch, match):
+    import torch
+
+    from megatron_zeppelin.megatron.common.data import ZeppelinDataIterator
+
+    named = {"2d": torch.zeros(2, 2, dtype=torch.int64), "float": torch.zeros(3),
+             "empty": torch.zeros(0, dtype=torch.int64)}
+    if isinstance(batch, list):
+        batch = [named.get(d, d) if isinstance(d, str) else d for d in batch]
+    plan_fn = PlanFunction("zeppelin", make_cost(nodes=1, gpus_per_node=2))
+    data = ZeppelinDataIterator(iter([batch]), plan_fn, rank=0, prefetch=False)
+    with pytest.raises(ValueError, match=match):
+        next(data)

@@ -70,6 +70,13 @@ def _check_flags(args: argparse.Namespace) -> None:
             if value is not None:
                 raise ConfigError(f"{flag}={value} is invalid with --model {args.model}: the "
                                   "model's shape is measured (drop one)")
+    if args.backend != "auto":
+        from megatron_zeppelin.runtime.kernels import backend_problem
+
+        why = backend_problem(args.backend, args.device,
+                              torch.bfloat16 if args.device == "cuda" else torch.float32)
+        if why:
+            raise ConfigError(f"--backend={args.backend!r} is invalid here: {why}")
     heads = args.heads or DEFAULT_HEADS
     if args.kv_heads is not None and heads % args.kv_heads:
         raise ConfigError(f"--kv-heads={args.kv_heads} is invalid: expected a divisor of "

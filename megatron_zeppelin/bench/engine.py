@@ -48,6 +48,7 @@ import torch.distributed as dist
 from megatron_zeppelin.bench import engine_ring
 from megatron_zeppelin.bench.engine_local import alternating, slowest_rank_seconds
 from megatron_zeppelin.bench.workers import run_spawned
+from megatron_zeppelin.options import integer
 from megatron_zeppelin.runtime.kernels import accum_dtype
 from megatron_zeppelin.runtime.transport import Pending, Transport
 
@@ -165,7 +166,7 @@ def _check_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 def _lengths(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
     """The comma-separated positive lengths ``text`` of ``flag``, or the parser's error."""
     try:
-        lengths = [int(x) for x in text.split(",") if x.strip()]
+        lengths = [integer(x) for x in text.split(",")]
     except ValueError:
         lengths = []
     if not lengths or min(lengths) < 1:

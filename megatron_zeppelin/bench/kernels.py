@@ -45,7 +45,7 @@ MODES = ("stream", "synced")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from megatron_zeppelin.options import Parser, int_at_least, output_file
+    from megatron_zeppelin.options import Parser, int_at_least, integer, output_file
 
     parser = Parser(prog="zeppelin bench kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -80,7 +80,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False")
     try:
-        args.tokens = [int(x) for x in args.tokens.split(",") if x.strip()]
+        args.tokens = [integer(x) for x in args.tokens.split(",")]
     except ValueError:
         parser.error(f"--tokens={args.tokens!r} is invalid: expected integers")
     if not args.tokens or min(args.tokens) < 1:

@@ -19,6 +19,7 @@ import random
 from megatron_zeppelin.bench import median_ms
 from megatron_zeppelin.config import ZeppelinConfig, load_setup
 from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.options import integer
 
 SIZES = ((64, 512), (1024, 4096), (1024, 38000))  # (GPUs, documents)
 COLUMNS = (("zeppelin", "cpp"), ("zeppelin", "python"), ("hybrid-dp", "cpp"),
@@ -81,14 +82,18 @@ def _setup(args: argparse.Namespace, gpus: int, documents: int):
     return load_setup(args.model, args.cluster, nodes=gpus // per_node)
 
 
+MAX_GPUS, MAX_DOCUMENTS = 1 << 20, 1 << 24  # far beyond any cluster and global batch
+
+
 def _size(text: str) -> tuple[int, int]:
     try:
-        gpus, documents = (int(x) for x in text.lower().split("x"))
+        gpus, documents = (integer(x) for x in text.lower().split("x"))
     except ValueError:
         gpus = documents = 0
-    if gpus < 1 or documents < 1:
+    if not (1 <= gpus <= MAX_GPUS and 1 <= documents <= MAX_DOCUMENTS):
         raise argparse.ArgumentTypeError(f"size {text!r} is invalid: expected GPUSxDOCUMENTS, "
-                                         "both >= 1, e.g. 1024x4096")
+                                         f"GPUs in [1, {MAX_GPUS}] and documents in [1, "
+                                         f"{MAX_DOCUMENTS}], e.g. 1024x4096")
     return gpus, documents
 
 

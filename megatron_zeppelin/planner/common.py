@@ -62,9 +62,11 @@ def check_lengths(seqlens: Sequence[int]) -> tuple[int, ...]:
 def resolve_capacity(seqlens: tuple[int, ...], topology: Topology, config: ZeppelinConfig) -> int:
     """The configured capacity, or ``capacity_factor`` x the mean tokens per rank, raised if
     needed so that every sequence has a legal span (tiny batches on large pools)."""
+    total = sum(seqlens)  # no rank ever holds more: a larger capacity means the same
     if config.capacity_tokens_per_gpu is not None:
-        return config.capacity_tokens_per_gpu
-    capacity = max(1, math.ceil(config.capacity_factor * sum(seqlens) / topology.world_size))
+        return min(config.capacity_tokens_per_gpu, total)
+    capacity = min(max(1, math.ceil(config.capacity_factor * total / topology.world_size)),
+                   total)
     longer = {s for s in seqlens if s > capacity}  # only these need a multi-rank span
     return max([capacity, *(smallest_share(s, topology) for s in longer)])
 

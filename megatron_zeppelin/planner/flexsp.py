@@ -112,10 +112,10 @@ def length_buckets(seqlens: Sequence[int], count: int) -> list[list[int]]:
     batch's length range (log scale), empty buckets dropped, shortest first."""
     lo, hi = math.log(min(seqlens)), math.log(max(seqlens))
     width = (hi - lo) / count or 1.0
-    out: list[list[int]] = [[] for _ in range(count)]
+    out: dict[int, list[int]] = {}  # only the buckets that hold a sequence
     for i, s in enumerate(seqlens):
-        out[min(count - 1, int((math.log(s) - lo) / width))].append(i)
-    return [b for b in out if b]
+        out.setdefault(min(count - 1, int((math.log(s) - lo) / width)), []).append(i)
+    return [out[b] for b in sorted(out)]
 
 
 def group_sizes(world: int, heads: int, gpus_per_node: int | None = None) -> list[int]:

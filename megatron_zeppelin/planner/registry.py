@@ -21,7 +21,8 @@ from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.limits import refuse_untrainable
-from megatron_zeppelin.options import add_flags, dest_of, flag_of, from_flags, reword, settings
+from megatron_zeppelin.options import (add_flags, base_type, dest_of, flag_of, from_flags,
+                                       require, reword, settings)
 from megatron_zeppelin.plan import Plan, Topology
 from megatron_zeppelin.plan_checks import ATTENTION_KINDS
 from megatron_zeppelin.planner.common import check_lengths, with_derived_capacity
@@ -80,6 +81,7 @@ class Strategy:
 
 
 STRATEGIES: dict[str, type[Strategy]] = {}
+MAX_OPTION = 2 ** 31 - 1  # an integer option's largest value (the C++ twin's and solver's)
 
 
 def register(cls: type[Strategy]) -> type[Strategy]:
@@ -124,16 +126,38 @@ def strategy_class(name: str) -> type[Strategy]:
     return STRATEGIES[name]
 
 
+def check_option_types(strategy: Strategy) -> None:
+    """ConfigError naming an option of ``strategy`` whose value is not of its declared type
+    (a bool where an integer belongs, an integer beyond ``MAX_OPTION``, a string for a bool):
+    the checks of the planner API, where no flag parser typed the values."""
+    for f in settings(type(strategy)):
+        value = getattr(strategy, f.name)
+        kind, optional = base_type(type(strategy), f.name)
+        if value is None and optional:
+            continue
+        what = f"{strategy.name}.{f.name}"
+        if kind is bool:
+            require(isinstance(value, bool), what, value, "true or false")
+        elif kind is int:
+            require(isinstance(value, int) and not isinstance(value, bool) and
+                    value <= MAX_OPTION, what, value, f"an integer <= {MAX_OPTION}")
+
+
 def get_strategy(name: str, **options: Any) -> Strategy:
     """The strategy ``name`` with ``options`` (its option fields); raises naming an unknown
     strategy or option and the valid ones."""
+    if not isinstance(name, str):
+        raise ValueError(f"strategy {name!r} is invalid: expected a name, one of "
+                         f"{list(STRATEGIES)}, or a Strategy object")
     cls = strategy_class(name)
     valid = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ValueError(f"strategy {name!r} has no option(s) {unknown}: valid options "
                          f"{valid or 'none'}")
-    return cls(**options)
+    strategy = cls(**options)
+    check_option_types(strategy)
+    return strategy
 
 
 def make_plan(strategy: str | Strategy, seqlens: Sequence[int], cost: CostModel,
@@ -151,6 +175,7 @@ def make_plan(strategy: str | Strategy, seqlens: Sequence[int], cost: CostModel,
         if options:
             raise ValueError(f"options {sorted(options)} given with a Strategy object: set them "
                              "on the object")
+        check_option_types(strategy)
         return strategy.plan(seqlens, cost, config)
     return get_strategy(strategy, **options).plan(seqlens, cost, config)
 

@@ -135,7 +135,7 @@ def parse_tokens(text: str | int) -> int:
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", str(text))
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgG]?)\s*", str(text))
         if not m:
             raise ValueError(f"token count {text!r} is invalid: expected an integer or a number "
                              "with K/M/G, e.g. 2M")

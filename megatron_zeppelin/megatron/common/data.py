@@ -72,6 +72,23 @@ def slice_rank(plan: Plan, rank: int, documents: Sequence[torch.Tensor],
                       packed_seq_params=params, plan=plan)
 
 
+def check_documents(docs, index: int) -> list[int]:
+    """The lengths of micro-batch ``index`` (a non-empty list of non-empty 1-D integer token
+    tensors); ValueError naming the micro-batch, the document and what it is otherwise."""
+    if not isinstance(docs, (list, tuple)) or not docs:
+        what = "empty" if isinstance(docs, (list, tuple)) else f"a {type(docs).__name__}"
+        raise ValueError(f"micro-batch {index} is {what}: expected a non-empty list of 1-D "
+                         "int64 token tensors (one per document)")
+    for i, doc in enumerate(docs):
+        if not (isinstance(doc, torch.Tensor) and doc.dim() == 1 and doc.numel() > 0 and
+                not doc.is_floating_point() and not doc.is_complex() and doc.dtype != torch.bool):
+            what = (f"a {doc.dim()}-D {doc.dtype} tensor of {doc.numel()} elements"
+                    if isinstance(doc, torch.Tensor) else type(doc).__name__)
+            raise ValueError(f"micro-batch {index}, document {i} is {what}: expected a non-empty "
+                             "1-D integer tensor of token ids")
+    return [d.numel() for d in docs]
+
+
 class ZeppelinDataIterator:
     """Wraps a stream of global micro-batches (lists of documents) into this rank's
     ``MicroBatch``es; the plan of micro-batch i+1 is computed while micro-batch i trains.
@@ -100,6 +117,7 @@ class ZeppelinDataIterator:
             if prefetch else None
         self.ahead: tuple[list[torch.Tensor], Future | Plan] | None = None
         self.submitted = 0  # micro-batches handed to the planner so far
+        self.started = False  # whether the first micro-batch was drawn
         self.ahead_position: dict | None = None
 
     def _plan(self, work: int | list[int]) -> Plan:
@@ -109,10 +127,14 @@ class ZeppelinDataIterator:
             self.prepare(plan)
         return plan
 
-    def _submit(self) -> tuple[list[torch.Tensor], Future | Plan]:
+    def _submit(self) -> tuple[list[torch.Tensor], Future | Plan] | None:
+        """Draw the next micro-batch and hand it to the planner; None at the stream's end."""
         self.ahead_position = self._stream_position()
-        docs = next(self.batches)
-        lengths = [d.numel() for d in docs]
+        try:
+            docs = next(self.batches)
+        except StopIteration:
+            return None
+        lengths = check_documents(docs, self.submitted)
         # with a service, the planner process plans it meanwhile; the ticket is awaited here
         work = self.service.submit(lengths) if self.service is not None else lengths
         self.submitted += 1
@@ -132,7 +154,12 @@ class ZeppelinDataIterator:
         return self
 
     def __next__(self) -> MicroBatch:
-        docs, work = self.ahead or self._submit()
+        current = self.ahead if self.started else self._submit()
+        self.started = True
+        if current is None:  # the stream ended (the last micro-batch was handed out)
+            self.ahead = None
+            raise StopIteration
+        docs, work = current
         plan = work.result() if isinstance(work, Future) else work
         self.ahead = self._submit()  # plan the next micro-batch while this one trains
         return slice_rank(plan, self.rank, docs, self.device, self.max_position)

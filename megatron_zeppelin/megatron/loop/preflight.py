@@ -109,11 +109,8 @@ def check_attention_backend(args: argparse.Namespace) -> None:
     name = getattr(args, "zeppelin_attention_backend", "auto")
     if name == "auto":
         return
-    backend = kernels.get(name)
-    why = backend.unavailable()
-    if why is None and args.device == "cpu":
-        why = backend.refuses(torch.empty((1, 1, 1), dtype=torch.bfloat16 if args.bf16 else
-                                          torch.float32))
+    why = kernels.backend_problem(name, args.device,
+                                  torch.bfloat16 if args.bf16 else torch.float32)
     if why:
         raise ConfigError(f"--zeppelin-attention-backend {name}: {why}")
 

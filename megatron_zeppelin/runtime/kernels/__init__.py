@@ -88,6 +88,17 @@ def backend_for(choice: str | None, device: torch.device | str, dtype: torch.dty
     return select(choice, torch.empty((0, 1, head_dim), dtype=dtype, device=device))
 
 
+def backend_problem(name: str, device: str, dtype: torch.dtype) -> str | None:
+    """Why the explicitly chosen backend ``name`` cannot run here: not installed, or (on CPU)
+    refusing ``dtype`` blocks; None when it can (a CUDA backend's blocks are checked by the
+    engine on the device)."""
+    backend = get(name)
+    why = backend.unavailable()
+    if why is None and device == "cpu":
+        why = backend.refuses(torch.empty((1, 1, 1), dtype=dtype))
+    return why
+
+
 def resolve_backend(backend: str | None, q: torch.Tensor) -> str:
     """The name of the backend a call on ``q`` uses (see ``base.select``)."""
     return select(backend, q).name
