@@ -36,6 +36,14 @@ from megatron_zeppelin.megatron.common.groups import Pool, new_pool_groups
 from megatron_zeppelin.parallel import PoolLayout
 
 MODES = ("zeppelin", "static")
+DEVICES = ("cuda", "cpu")
+# flags ``runtime_options`` takes from its own arguments or from the ``PoolLayout``
+SET_ELSEWHERE = {"context_parallel_mode": "pass mode=", "device": "pass device=",
+                 "seq_length": "pass seq_length=",
+                 "context_parallel_size": "the PoolLayout gives the CP size (layout.cp)",
+                 "tensor_model_parallel_size": "the PoolLayout gives the TP size (layout.tp)",
+                 "zeppelin_gpus_per_node": "the PoolLayout gives the node size "
+                                           "(layout.gpus_per_node)"}
 
 
 def process_groups(layout: PoolLayout) -> Pool:
@@ -53,6 +61,8 @@ def runtime_options(seq_length: int, mode: str = "zeppelin", device: str = "cuda
     An unknown name is a ``ValueError`` naming it."""
     from megatron_zeppelin.megatron.loop import args as train_args
 
+    from megatron_zeppelin.options import check_types, from_flags
+
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is invalid: expected one of {list(MODES)}")
     options = vars(train_args.build_parser().parse_args([]))
@@ -60,8 +70,20 @@ def runtime_options(seq_length: int, mode: str = "zeppelin", device: str = "cuda
     if unknown:
         raise ValueError(f"unknown option(s) {unknown}: expected flag destinations of "
                          "scripts/pretrain_gpt.py (e.g. zeppelin_cluster)")
+    given = sorted(set(flags) & set(SET_ELSEWHERE))
+    if given:
+        raise ValueError(f"option(s) {given} are invalid here: "
+                         f"{'; '.join(SET_ELSEWHERE[g] for g in given)}")
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r} is invalid: expected one of {list(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' is invalid here: torch.cuda.is_available() is False")
     options.update(flags, seq_length=seq_length, context_parallel_mode=mode, device=device)
-    return argparse.Namespace(**options)
+    args = argparse.Namespace(**options)
+    for section, fixed in ((train_args.ZeppelinRuntimeArgs, {}),
+                           (train_args.ZeppelinConfig, {"max_seqlen": None})):
+        check_types(from_flags(section, args, train_args.ZEPPELIN_PREFIX, **fixed))
+    return args
 
 
 def pool_runtime(layout: PoolLayout, model: ModelSpec, *, seq_length: int,
@@ -70,6 +92,11 @@ def pool_runtime(layout: PoolLayout, model: ModelSpec, *, seq_length: int,
     ``.close()`` when done): groups -> cost model -> attention state -> planner, built
     collectively. ``model``: the planner's view of the model (layers, hidden size, heads);
     ``flags``: as ``runtime_options``."""
+    if not isinstance(layout, PoolLayout):
+        raise ValueError(f"layout={layout!r} is invalid: expected a PoolLayout")
+    if not isinstance(model, ModelSpec):
+        raise ValueError(f"model={model!r} is invalid: expected a ModelSpec (layers, hidden "
+                         "size, heads: config.load_model or ModelSpec(...))")
     return pool_runtime_from_args(runtime_options(seq_length, mode, device, **flags), layout,
                                   model)
 

@@ -126,6 +126,31 @@ def base_type(section: type, name: str) -> tuple[type, bool]:
     return hint, False
 
 
+def check_types(section: Any, max_int: int | None = None) -> None:
+    """ConfigError naming a setting of ``section`` (a dataclass of ``setting`` fields, errors
+    say ``<SECTION>.<field>=``) whose value is not of its declared type: a bool where an
+    integer belongs (or an integer above ``max_int``), a string for a bool, a non-number for
+    a number. For values given from Python, which no flag parser typed."""
+    label = getattr(section, "SECTION", type(section).__name__)
+    for f in settings(type(section)):
+        value = getattr(section, f.name)
+        kind, optional = base_type(type(section), f.name)
+        if value is None and optional:
+            continue
+        what = f"{label}.{f.name}"
+        if kind is bool:
+            require(isinstance(value, bool), what, value, "true or false")
+        elif kind is int:
+            require(isinstance(value, int) and not isinstance(value, bool) and
+                    (max_int is None or value <= max_int), what, value,
+                    "an integer" + ("" if max_int is None else f" <= {max_int}"))
+        elif kind is float:
+            require(isinstance(value, (int, float)) and not isinstance(value, bool) and
+                    math.isfinite(value), what, value, "a finite number")
+        elif kind is str:
+            require(isinstance(value, str), what, value, "a string")
+
+
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, section: type,
               prefix: str = "", skip: Iterable[str] = (), only: Iterable[str] | None = None,
               defaults: Mapping[str, Any] = {}) -> None:
@@ -327,7 +352,7 @@ def output_folder(text: str) -> str:
     """An argparse ``type`` for a folder the command writes into (made if missing): refused
     before any work when it, or the nearest existing folder above it, is a file or cannot be
     written."""
-    reason = _unwritable(pathlib.Path(text))
+    reason = "empty" if not text.strip() else _unwritable(pathlib.Path(text))
     if reason:
         raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a folder ({reason})")
     return text
@@ -337,7 +362,7 @@ def writable_folder(flag: str, text: str, file: str | None = None) -> pathlib.Pa
     """``text`` as a folder the command will make (if missing) and write into (``file``: the
     flag's value is that file of the folder), checked now without making anything:
     ``ConfigError`` naming ``flag`` when it cannot be (``_unwritable``)."""
-    reason = _unwritable(pathlib.Path(text))
+    reason = "empty" if not text.strip() else _unwritable(pathlib.Path(text))
     if reason is None:
         return pathlib.Path(text)
     expected = "a folder" if file is None else "a file in a folder that can be written"

@@ -58,8 +58,9 @@ def strategies() -> list[str]:
     return [s for s in STRATEGIES if s == BASELINE or s in REGISTERED]
 
 
-def ensure_corpora(folder: Path) -> None:
-    missing = [name for name in CORPUS_FLAGS if not (folder / f"{name}.idx").exists()]
+def ensure_corpora(folder: Path, corpora: list[str]) -> None:
+    """Write those of ``corpora`` missing from ``folder`` (``make_corpora.py``)."""
+    missing = [name for name in corpora if not (folder / f"{name}.idx").exists()]
     if missing:
         done = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_corpora.py"),
                                "--output", str(folder), "--corpus", *missing])
@@ -236,11 +237,12 @@ def check_runs(folder: Path, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    folder = writable_folder("--corpora", args.corpora)
-    output = Path(args.output)
+    # absolute: the training runs start in the repository (bench train's cwd), not here
+    folder = writable_folder("--corpora", args.corpora).resolve()
+    output = Path(args.output).resolve()
     writable_folder("--output", str(output.parent), args.output)
     check_runs(folder, args)
-    ensure_corpora(folder)
+    ensure_corpora(folder, args.corpus)
     make_folder("--output", output.parent)
     results = {c: measure(c, folder, output.with_name(f"{output.stem}-{c}.json"), args)
                for c in args.corpus}

@@ -45,3 +45,34 @@ def test_runtime_options_refuse_unknown_names_and_modes():
         api.runtime_options(512, zeppelin_clustr="cpu-2x2")
     with pytest.raises(ValueError, match="mode='ring' is invalid"):
         api.runtime_options(512, "ring")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"device": "tpu"}, r"device='tpu' is invalid: expected one of \['cuda', 'cpu'\]"),
+    ({"zeppelin_planner_process": "no"}, r"zeppelin.planner_process='no' is invalid: expected "
+                                         r"true or false"),
+    ({"zeppelin_validate_plan": "x"}, r"zeppelin.validate_plan='x' is invalid"),
+    ({"zeppelin_watchdog_timeout": -1}, r"--zeppelin-watchdog-timeout=-1 is invalid"),
+    ({"zeppelin_capacity_factor": "2"}, r"--zeppelin-capacity-factor='2' is invalid"),
+    ({"context_parallel_size": 4}, r"option\(s\) \['context_parallel_size'\] are invalid here: "
+                                   r"the PoolLayout gives the CP size"),
+])
+def test_runtime_options_check_values_given_from_python(kwargs, match):
+    """Values no parser typed (a string for a bool, a negative timeout), a device that does
+    not exist and flags the layout sets: refused naming them, not accepted or a deep error."""
+    from megatron_zeppelin import api
+
+    kwargs = {"device": "cpu", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        api.runtime_options(512, **kwargs)
+
+
+def test_pool_runtime_refuses_a_model_or_layout_of_the_wrong_type():
+    from megatron_zeppelin import api
+    from megatron_zeppelin.parallel import PoolLayout
+
+    layout = PoolLayout(world_size=4, tp=1, cp=4, gpus_per_node=2)
+    with pytest.raises(ValueError, match=r"model=None is invalid: expected a ModelSpec"):
+        api.pool_runtime(layout, None, seq_length=512, device="cpu")
+    with pytest.raises(ValueError, match=r"layout=None is invalid: expected a PoolLayout"):
+        api.pool_runtime(None, None, seq_length=512, device="cpu")

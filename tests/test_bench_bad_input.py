@@ -264,3 +264,18 @@ def test_decisions_refuses_writing_over_the_file_it_rejudges(tmp_path, capsys):
 def test_a_warmup_given_after_the_separator_is_named_as_given(capsys):
     err = refused(["bench", "train", "--iterations", "3", "--", "--lr-warmup-iters", "3"], capsys)
     assert "--lr-warmup-iters=3 is invalid: expected < --iterations 3" in err
+
+
+@pytest.mark.parametrize("entry,said", [
+    ("zeppelin:zeppelin-strategy=hybrid-dp", "option zeppelin-strategy is invalid: the "
+                                             "benchmark sets --zeppelin-strategy on every run"),
+    ("zeppelin:train-iters=100", "the benchmark sets --train-iters on every run"),
+    ("static:max-seqlen-per-dp-cp-rank=2048", "--strategies 'static:max-seqlen-per-dp-cp-rank"
+                                              "=2048': --max-seqlen-per-dp-cp-rank"),
+    ("zeppelin:context-parallel-size=3", "--strategies 'zeppelin:context-parallel-size=3': "),
+])
+def test_an_entry_the_runs_would_refuse_is_refused_before_any_rank_starts(entry, said, capsys):
+    """Options of --strategies entries: one the benchmark sets itself (it ran hybrid-dp under
+    zeppelin's label), or one the run's own checks refuse (4 ranks started first)."""
+    err = refused(["bench", "train", "--strategies", entry], capsys)
+    assert said in err, err

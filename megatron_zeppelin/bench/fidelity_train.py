@@ -253,7 +253,7 @@ def read_saved(path: str) -> tuple[dict, list[StrategyFidelity]]:
 
 def check_flags(args: argparse.Namespace) -> None:
     """Refuse bad or unused flags before anything runs (ValueError naming the flag)."""
-    from megatron_zeppelin.bench.train import check_flags, parse_entries, training_shape
+    from megatron_zeppelin.bench.train import check_flags, parse_entries
 
     for name, value, least in (("--iterations", args.iterations, 1), ("--rounds", args.rounds, 1),
                                ("--warmup", args.warmup, 0)):
@@ -271,7 +271,6 @@ def check_flags(args: argparse.Namespace) -> None:
         return
     check_flags(parse_entries(args.strategies), args.iterations, args.extra)
     check_ports("--port", args.port, args.rounds)  # one world per round
-    training_shape(args.extra, args.iterations)
     if args.warmup >= args.iterations:
         raise ValueError(f"--warmup={args.warmup} is invalid: expected < --iterations "
                          f"{args.iterations}")

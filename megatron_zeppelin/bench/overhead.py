@@ -38,8 +38,7 @@ from pathlib import Path
 
 from megatron_zeppelin.bench.flags import check_ports, port_number
 from megatron_zeppelin.bench.train import (RANKS, RUN_TIMEOUT_S, Entry, check_flags,
-                                           parse_entries, run_flags, train_in_world,
-                                           training_shape)
+                                           parse_entries, run_flags, train_in_world)
 from megatron_zeppelin.bench.workers import free_port, run_spawned, training_rank_env
 from megatron_zeppelin.options import output_file
 
@@ -284,7 +283,6 @@ def check(args: argparse.Namespace) -> list[Entry]:
     entries = parse_entries(args.strategies)
     check_flags(entries, args.iterations, args.extra)
     check_ports("--port", args.port, 2 * args.rounds + 1)  # one world per run, at most
-    training_shape(args.extra, args.iterations)
     return entries
 
 

@@ -86,6 +86,9 @@ def parse_entry(text: str) -> Entry:
             raise ValueError(f"--strategies {text!r}: option {item!r} is not FLAG=VALUE (a "
                              "training flag without its dashes, e.g. "
                              f"hybrid-dp:{CAP_FLAG}=2048)")
+        if f"--{key}" in OWNED:
+            raise ValueError(f"--strategies {text!r}: option {key} is invalid: the benchmark "
+                             f"sets --{key} on every run ({OWNED[f'--{key}']})")
         options[key] = value
     if not name:
         raise ValueError(f"--strategies {text!r}: no strategy name")
@@ -198,16 +201,27 @@ def run_entries(entries: list[Entry], iterations: int, extra: list[str], port: i
         return [(r.get("logs", []), r.get("refused", "")) for r in results]
 
 
-def check_flags(entries: list[Entry], iterations: int, extra: list[str]) -> None:
-    """Parse every entry's training flags before any rank is spawned: an unknown flag or a
-    malformed value is one ConfigError naming the entry."""
+def check_flags(entries: list[Entry], iterations: int, extra: list[str]
+                ) -> tuple[int, "PoolLayout"]:
+    """The flags every run shares first (``training_shape``, whose result this returns), then
+    every entry's, parsed and validated before any rank is spawned, as each run will: an
+    unknown flag, a malformed value or an option the strategy does not take is one
+    ConfigError naming the entry. A strategy this megatron-core lacks (megatron-dynamic-cp
+    without its scheduler) is marked not run (``refused``), not an error."""
     from megatron_zeppelin.megatron.loop import args as train_args
+    from megatron_zeppelin.planner import dynamic_cp
 
+    shape = training_shape(extra, iterations)
     for entry in entries:
         try:
-            train_args.parse_args(run_flags(entry, iterations, extra))
+            args = train_args.parse_args(run_flags(entry, iterations, extra))
+            train_args.validate_args(args, RANKS, RANKS)
         except ConfigError as exc:
+            if entry.name == dynamic_cp.NAME and not dynamic_cp.available():
+                entry.refused = str(exc)
+                continue
             raise ConfigError(f"--strategies {entry.label!r}: {exc}") from None
+    return shape
 
 
 def run_flags(entry: Entry, iterations: int, extra: list[str]) -> list[str]:
@@ -367,9 +381,8 @@ def to_json(entries: list[Entry], args: argparse.Namespace) -> dict:
 
 def bench_train(args: argparse.Namespace) -> int:
     entries = parse_entries(args.strategies)
-    check_flags(entries, args.iterations, args.extra)
+    seq_length, layout = check_flags(entries, args.iterations, args.extra)
     check_ports("--port", args.port, args.rounds + args.tune)  # one world per round, tuning
-    seq_length, layout = training_shape(args.extra, args.iterations)
     if args.warmup >= args.iterations:
         raise ValueError(f"--warmup={args.warmup} is invalid: expected 0 <= it < --iterations "
                          f"{args.iterations}")

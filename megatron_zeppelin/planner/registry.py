@@ -21,8 +21,8 @@ from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.limits import refuse_untrainable
-from megatron_zeppelin.options import (add_flags, base_type, dest_of, flag_of, from_flags,
-                                       require, reword, settings)
+from megatron_zeppelin.options import (add_flags, check_types, dest_of, flag_of, from_flags,
+                                       reword, settings)
 from megatron_zeppelin.plan import Plan, Topology
 from megatron_zeppelin.plan_checks import ATTENTION_KINDS
 from megatron_zeppelin.planner.common import check_lengths, with_derived_capacity
@@ -126,23 +126,6 @@ def strategy_class(name: str) -> type[Strategy]:
     return STRATEGIES[name]
 
 
-def check_option_types(strategy: Strategy) -> None:
-    """ConfigError naming an option of ``strategy`` whose value is not of its declared type
-    (a bool where an integer belongs, an integer beyond ``MAX_OPTION``, a string for a bool):
-    the checks of the planner API, where no flag parser typed the values."""
-    for f in settings(type(strategy)):
-        value = getattr(strategy, f.name)
-        kind, optional = base_type(type(strategy), f.name)
-        if value is None and optional:
-            continue
-        what = f"{strategy.name}.{f.name}"
-        if kind is bool:
-            require(isinstance(value, bool), what, value, "true or false")
-        elif kind is int:
-            require(isinstance(value, int) and not isinstance(value, bool) and
-                    value <= MAX_OPTION, what, value, f"an integer <= {MAX_OPTION}")
-
-
 def get_strategy(name: str, **options: Any) -> Strategy:
     """The strategy ``name`` with ``options`` (its option fields); raises naming an unknown
     strategy or option and the valid ones."""
@@ -156,7 +139,7 @@ def get_strategy(name: str, **options: Any) -> Strategy:
         raise ValueError(f"strategy {name!r} has no option(s) {unknown}: valid options "
                          f"{valid or 'none'}")
     strategy = cls(**options)
-    check_option_types(strategy)
+    check_types(strategy, MAX_OPTION)
     return strategy
 
 
@@ -175,7 +158,7 @@ def make_plan(strategy: str | Strategy, seqlens: Sequence[int], cost: CostModel,
         if options:
             raise ValueError(f"options {sorted(options)} given with a Strategy object: set them "
                              "on the object")
-        check_option_types(strategy)
+        check_types(strategy, MAX_OPTION)
         return strategy.plan(seqlens, cost, config)
     return get_strategy(strategy, **options).plan(seqlens, cost, config)
 
