@@ -279,3 +279,40 @@ def test_an_entry_the_runs_would_refuse_is_refused_before_any_rank_starts(entry,
     zeppelin's label), or one the run's own checks refuse (4 ranks started first)."""
     err = refused(["bench", "train", "--strategies", entry], capsys)
     assert said in err, err
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["bench", "decisions", "--", "--context-parallel-mode", "static"],
+     "--context-parallel-mode after -- is invalid: the benchmark sets"),
+    (["bench", "decisions", "--", "--train-iters", "3"], "no training steps"),
+    (["bench", "online", "--", "--zeppelin-fit-interval", "3"],
+     "--zeppelin-fit-interval after -- is invalid"),
+    (["bench", "converge", "--", "--zeppelin-fit-interval", "2"],
+     "--zeppelin-fit-interval after -- is invalid"),
+])
+def test_flags_the_fit_and_decision_benchmarks_set_are_refused(argv, said, capsys):
+    """They were silently overridden by the benchmark's own values."""
+    assert said in refused(argv, capsys)
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["bench", "kernels", "--head-dim", "1000000000000"], "--head-dim=1000000000000 is "
+                                                          "invalid: expected at most 1024"),
+    (["bench", "kernels", "--tokens", "1000000000000"], "expected at most 16777216"),
+    (["bench", "engine", "--parts", "ring", "--ring-lengths", "1000000000000"],
+     "--ring-lengths=[1000000000000] is invalid: expected at most 16777216"),
+])
+def test_shapes_beyond_any_benchmark_are_refused_before_the_allocator(argv, said, capsys):
+    assert said in refused(argv, capsys)
+
+
+def test_the_ring_ops_module_checks_its_flags(capsys):
+    from megatron_zeppelin.bench import ring_ops
+
+    for flags, said in ((["--kv-heads", "0"], "argument --kv-heads: 0 is invalid"),
+                        (["--tokens", "5"], "argument --tokens: 5 is invalid: expected an "
+                                            "integer >= 8"),
+                        (["--kv-heads", "3"], "--kv-heads=3 is invalid: expected a divisor")):
+        with pytest.raises(SystemExit) as info:
+            ring_ops.main(flags)
+        assert info.value.code == 2 and said in capsys.readouterr().err

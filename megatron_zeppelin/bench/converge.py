@@ -102,7 +102,8 @@ def converged_at(rows: list[dict], tolerance: float) -> int | None:
 
 def bench_converge(args: argparse.Namespace) -> int:
     from megatron_zeppelin import fit
-    from megatron_zeppelin.bench.train import Entry, layout_line, run_entries, training_shape
+    from megatron_zeppelin.bench.train import (FIT_OWNED, Entry, layout_line, refuse_owned,
+                                               run_entries, training_shape)
 
     require(args.interval >= 1, "--interval", args.interval, "an integer >= 1")
     require(args.iterations >= 3 * args.interval, "--iterations", args.iterations,
@@ -110,6 +111,7 @@ def bench_converge(args: argparse.Namespace) -> int:
     for flag, value in (("--attention", args.attention), ("--links", args.links)):
         require(value > 0, flag, value, "a number > 0")
     require(0 <= args.tolerance < 1, "--tolerance", args.tolerance, "in [0, 1)")
+    refuse_owned(args.extra, FIT_OWNED)
     _, layout = training_shape(args.extra, args.iterations)
     from megatron_zeppelin.bench.decisions_rejudge import planner_of
 

@@ -32,7 +32,7 @@ from typing import Sequence
 
 from megatron_zeppelin.bench.decisions_stats import ALPHA, TEST, indistinguishable, ranks, \
     smallest_p
-from megatron_zeppelin.bench.train import RANKS, YAML, layout_line
+from megatron_zeppelin.bench.train import OWNED, RANKS, YAML, layout_line, refuse_owned
 from megatron_zeppelin.bench.workers import free_port
 from megatron_zeppelin.sim.report import geomean
 
@@ -197,6 +197,8 @@ def bench_decisions(args: argparse.Namespace) -> int:
                              "integer >= 1")
     if args.warmup < 0:
         raise ValueError(f"--warmup={args.warmup} is invalid: expected an integer >= 0")
+    refuse_owned(args.extra, {**OWNED, "--train-iters": "it measures --batches sampled "
+                              "micro-batches, no training steps"})
     argv = ["--yaml-cfg", str(YAML), *args.extra, "--context-parallel-mode", "zeppelin",
             "--zeppelin-strategy", NAME]
     layout = _validate(argv)

@@ -47,7 +47,9 @@ import torch.distributed as dist
 
 from megatron_zeppelin.bench import engine_ring
 from megatron_zeppelin.bench.engine_local import alternating, slowest_rank_seconds
+from megatron_zeppelin.bench.flags import check_shape
 from megatron_zeppelin.bench.workers import run_spawned
+from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.options import integer
 from megatron_zeppelin.runtime.kernels import accum_dtype
 from megatron_zeppelin.runtime.transport import Pending, Transport
@@ -147,8 +149,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                      f"{', '.join(valid)}")
     args.parts = parts
     args.ring_lengths = _lengths(parser, "--ring-lengths", args.ring_lengths)
-    if args.heads % args.kv_heads:
-        parser.error(f"--kv-heads={args.kv_heads} must divide --heads={args.heads}")
+    try:
+        check_shape(args, ("ring_lengths",))
+    except ConfigError as exc:
+        parser.error(str(exc))
     _check_plan(parser, args)
 
 

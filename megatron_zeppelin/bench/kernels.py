@@ -37,6 +37,9 @@ from typing import Callable, Sequence
 
 import torch
 
+from megatron_zeppelin.bench.flags import check_shape
+from megatron_zeppelin.errors import ConfigError
+
 DEFAULTS = {"cuda": dict(heads=32, kv_heads=8, head_dim=128, tokens="64,1024,4096,16384,65536",
                          max_ratio=1.05, max_extra_us=20.0),
             "cpu": dict(heads=4, kv_heads=2, head_dim=64, tokens="64,256,1024,4096",
@@ -85,6 +88,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--tokens={args.tokens!r} is invalid: expected integers")
     if not args.tokens or min(args.tokens) < 1:
         parser.error(f"--tokens={args.tokens!r} is invalid: expected positive integers")
+    try:
+        check_shape(args, ("tokens",))
+    except ConfigError as exc:
+        parser.error(str(exc))
     return args
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from megatron_zeppelin.bench.train import Entry, layout_line, run_entries, training_shape
+from megatron_zeppelin.bench.train import (FIT_OWNED, Entry, layout_line, refuse_owned,
+                                           run_entries, training_shape)
 from megatron_zeppelin.bench.flags import check_ports, port_number
 from megatron_zeppelin.options import int_at_least, output_file, require
 
@@ -40,6 +41,7 @@ def bench_online(args: argparse.Namespace) -> int:
             "measure": {"zeppelin-fit-interval": str(args.iterations + 1)},
             "fit": {"zeppelin-fit-interval": str(args.interval),
                     **({"zeppelin-profile-out": args.profile_out} if args.profile_out else {})}}
+    refuse_owned(args.extra, FIT_OWNED)
     _, layout = training_shape(args.extra, args.iterations)
     print(f"tiny GPT, zeppelin mode, {layout_line(layout)}, {args.iterations} steps per "
           f"run, first {args.warmup} dropped, {args.repeats} rounds alternating")

@@ -21,7 +21,6 @@ over to the GPU (one launch each), the timings only in their ratios.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import statistics
 import time
@@ -34,6 +33,9 @@ from megatron_zeppelin.runtime.attention import RingGroupRun
 from megatron_zeppelin.runtime.zigzag import ZigzagLayout
 from megatron_zeppelin.runtime.kernels import accum_dtype
 from megatron_zeppelin.schedule import Phase
+from megatron_zeppelin.bench.flags import ExitParser, check_shape
+from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.options import int_at_least
 
 FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
         "lift_fresh", "_to_copy_noop"}
@@ -162,13 +164,19 @@ def batches_per_round(seeds: int = 8) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=512, help="tokens per sequence")
+    parser = ExitParser(prog="python -m megatron_zeppelin.bench.ring_ops",
+                        description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int_at_least(1), default=20)
+    parser.add_argument("--heads", type=int_at_least(1), default=8)
+    parser.add_argument("--kv-heads", type=int_at_least(1), default=2)
+    parser.add_argument("--head-dim", type=int_at_least(1), default=64)
+    parser.add_argument("--tokens", type=int_at_least(8), default=512,
+                        help="tokens per sequence (a 4-position ring: 8 zigzag chunks)")
     args = parser.parse_args(argv)
+    try:
+        check_shape(args, ("tokens",))
+    except ConfigError as exc:
+        parser.error(str(exc))
     torch.set_num_threads(1)
     print(f"{'case':<14}{'phase':<10}{'step':>5}{'blocks':>7}{'ops/block':>10}"
           f"{'us/step null':>14}{'us/step torch':>15}")

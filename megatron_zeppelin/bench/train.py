@@ -276,18 +276,25 @@ def training_shape(extra: list[str], iterations: int) -> tuple[int, "PoolLayout"
 OWNED = {"--train-iters": "pass --iterations",
          "--log-interval": "the benchmark records every step itself",
          "--log-json": "the benchmark records every step itself",
-         "--context-parallel-mode": "each run's mode is the benchmark's (--strategies)",
-         "--zeppelin-strategy": "each run's strategy is the benchmark's (--strategies)"}
+         "--context-parallel-mode": "each run's mode is the benchmark's choice",
+         "--zeppelin-strategy": "each run's strategy is the benchmark's choice"}
 
 
-def refuse_owned(extra: list[str]) -> None:
-    """ConfigError naming a flag of ``extra`` that every run sets itself (``OWNED``): it
-    would be ignored."""
+# ... and the benchmarks of the online fit (online, converge) set its interval on every run
+FIT_OWNED = {**OWNED, "--zeppelin-fit-interval": "each run's refit interval is the "
+             "benchmark's (--interval)", "--zeppelin-profile-out": "the benchmark writes the "
+             "fitted profiles itself"}
+
+
+def refuse_owned(extra: list[str], owned: dict[str, str] | None = None) -> None:
+    """ConfigError naming a flag of ``extra`` that every run sets itself (``owned``, default
+    ``OWNED``: flag -> why): it would be ignored."""
+    owned = OWNED if owned is None else owned
     for token in extra:
         flag = token.partition("=")[0]
-        if flag in OWNED:
+        if flag in owned:
             raise ConfigError(f"{token} after -- is invalid: the benchmark sets {flag} on every "
-                              f"run ({OWNED[flag]})")
+                              f"run ({owned[flag]})")
 
 
 def layout_line(layout: "PoolLayout") -> str:
