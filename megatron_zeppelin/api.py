@@ -65,6 +65,10 @@ def runtime_options(seq_length: int, mode: str = "zeppelin", device: str = "cuda
 
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is invalid: expected one of {list(MODES)}")
+    if not (isinstance(seq_length, int) and not isinstance(seq_length, bool) and
+            seq_length >= 2):
+        raise ValueError(f"seq_length={seq_length!r} is invalid: expected an integer >= 2 (the "
+                         "longest document, Megatron's --seq-length)")
     options = vars(train_args.build_parser().parse_args([]))
     unknown = sorted(set(flags) - set(options))
     if unknown:
@@ -139,6 +143,13 @@ def planned_micro_batches(batches: Iterator[list[torch.Tensor]], runtime: Any,
     same on every rank of the pool); ``close()`` when done. ``max_position``: the RoPE table
     length (the model's ``max_sequence_length``); ``planner``: another lengths -> ``Plan``
     callable or ``PlannerService`` than ``runtime.planner``."""
+    if max_position is not None and not (isinstance(max_position, int) and
+                                         not isinstance(max_position, bool) and max_position >= 1):
+        raise ValueError(f"max_position={max_position!r} is invalid: expected None or an "
+                         "integer >= 1 (the RoPE table length)")
+    if planner is None and not hasattr(runtime, "planner"):
+        raise ValueError(f"runtime={runtime!r} is invalid: expected the PoolRuntime of "
+                         "pool_runtime (or pass planner=)")
     return ZeppelinDataIterator(batches, planner or runtime.planner, runtime.pool.rank,
                                 device=device, prefetch=prefetch,
                                 prepare=_state(runtime).prepare, max_position=max_position)

@@ -186,6 +186,14 @@ def integer(text: str) -> int:
     return int(text)
 
 
+def nonempty(text: str) -> str:
+    """An argparse ``type`` for a name or path that must be given (an empty string was read as
+    "not given" and silently fell back to the default)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a non-empty value")
+    return text
+
+
 def finite_float(text: str) -> float:
     """The argparse ``type`` of a float setting: a finite number (``inf``, ``nan`` and
     ``1e400`` are refused in argparse's one line naming the flag)."""

@@ -76,3 +76,15 @@ def test_pool_runtime_refuses_a_model_or_layout_of_the_wrong_type():
         api.pool_runtime(layout, None, seq_length=512, device="cpu")
     with pytest.raises(ValueError, match=r"layout=None is invalid: expected a PoolLayout"):
         api.pool_runtime(None, None, seq_length=512, device="cpu")
+
+
+def test_the_api_names_a_bad_length_or_runtime():
+    from megatron_zeppelin import api
+
+    for bad in (None, 0, "1024", True, 10.5):
+        with pytest.raises(ValueError, match=r"seq_length=.* is invalid: expected an integer"):
+            api.runtime_options(bad, device="cpu")
+    with pytest.raises(ValueError, match=r"max_position='x' is invalid"):
+        api.planned_micro_batches(iter([]), None, max_position="x")
+    with pytest.raises(ValueError, match=r"runtime=None is invalid: expected the PoolRuntime"):
+        api.planned_micro_batches(iter([]), None)

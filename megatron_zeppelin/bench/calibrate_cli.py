@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.options import int_at_least, number_at_least, output_file, writable_folder
+from megatron_zeppelin.options import (int_at_least, nonempty, number_at_least, output_file,
+                                       writable_folder)
 
 DEFAULT_HEADS, DEFAULT_HEAD_DIM, DEFAULT_CONCURRENCY = 4, 64, 4
 
@@ -135,7 +136,7 @@ def _add_calibrate_args(c) -> None:
     c.add_argument("--model", default=None, help="model YAML path or shipped name: attention "
                    "heads/head dim and GEMM shapes (else --heads/--kv-heads/--head-dim and "
                    "square GEMMs)")
-    c.add_argument("--name", default=None, help="profile name (default DEVICE-BACKEND)")
+    c.add_argument("--name", type=nonempty, default=None, help="profile name (default DEVICE-BACKEND)")
     c.add_argument("--output", type=output_file(), default=None, help="where to write the "
                    "profile (default zeppelin-calibration/NAME.yaml; never the shipped configs/)")
     c.add_argument("--cluster-output", type=output_file(), default=None, help="CPU: where to "

@@ -240,7 +240,7 @@ def _validate(argv: list[str]):
 
 def register(targets: argparse._SubParsersAction) -> None:
     from megatron_zeppelin.bench.flags import port_number
-    from megatron_zeppelin.options import output_file
+    from megatron_zeppelin.options import nonempty, output_file
 
     p = targets.add_parser("decisions", help="the portfolio's pick vs every candidate "
                            "measured per micro-batch (CPU, 4 ranks)", description=__doc__,
@@ -257,7 +257,7 @@ def register(targets: argparse._SubParsersAction) -> None:
                    help="a pick within this fraction of the measured fastest is also counted")
     p.add_argument("--json", type=output_file(), default=None, metavar="FILE",
                    help="write the results here")
-    p.add_argument("--rejudge", default=None, metavar="FILE",
+    p.add_argument("--rejudge", type=nonempty, default=None, metavar="FILE",
                    help="no training: re-estimate the candidates of a --json FILE's "
                    "micro-batches with the current model and judge them on its measurements "
                    "(training flags: the file's, or those given after --)")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_zeppelin.bench.flags import check_ports, port_number, refuse_given
-from megatron_zeppelin.options import output_file
+from megatron_zeppelin.options import nonempty, output_file
 
 TARGET_ERROR = 0.15
 DEFAULT_SIM_PROFILE = "cpu-2x2"  # configs/sim/: the emulated cluster the runs train on
@@ -324,14 +324,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="first steps of each run dropped")
     p.add_argument("--rounds", type=int, default=MEASURING["--rounds"],
                    help="interleaved runs per strategy")
-    p.add_argument("--sim-profile", default=DEFAULT_SIM_PROFILE,
+    p.add_argument("--sim-profile", type=nonempty, default=DEFAULT_SIM_PROFILE,
                    help="the simulator's profile (configs/sim/ name or YAML path)")
     p.add_argument("--calibrate", type=output_file(), default=None,
                    metavar="FILE", help="run `zeppelin calibrate-sim` first (minutes), write "
                    "its profile to FILE and judge with it instead of --sim-profile")
     p.add_argument("--json", type=output_file(), default=None, metavar="FILE",
                    help="write every step here")
-    p.add_argument("--resimulate", default=None, metavar="FILE",
+    p.add_argument("--resimulate", type=nonempty, default=None, metavar="FILE",
                    help="train nothing: re-simulate the steps of a --json FILE under "
                    "--sim-profile and report against its measured steps")
     p.add_argument("--port", type=port_number(), default=MEASURING["--port"],

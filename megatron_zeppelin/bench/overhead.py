@@ -40,7 +40,7 @@ from megatron_zeppelin.bench.flags import check_ports, port_number
 from megatron_zeppelin.bench.train import (RANKS, RUN_TIMEOUT_S, Entry, check_flags,
                                            parse_entries, run_flags, train_in_world)
 from megatron_zeppelin.bench.workers import free_port, run_spawned, training_rank_env
-from megatron_zeppelin.options import output_file
+from megatron_zeppelin.options import nonempty, output_file
 
 TOP = 12
 
@@ -394,7 +394,7 @@ def register(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", choices=("cpu", "wall", "none"), default="cpu",
                    help="one more run per entry under cProfile on rank 0's training thread, "
                         "timed by its CPU clock (cpu) or the wall clock (wall: waits too)")
-    p.add_argument("--before", default=None, metavar="TREE",
+    p.add_argument("--before", type=nonempty, default=None, metavar="TREE",
                    help="a checkout of this repository before the change to measure (with "
                         "this benchmark; its C++ extensions built): each round runs every "
                         "entry there too, interleaved; printed: CPU before -> after")
