@@ -142,14 +142,16 @@ step_bench_kernels() {  # TINY: the dry run's sizes (plumbing only)
     "$PY" -m megatron_zeppelin.cli bench kernels --device "$DEVICE" "${TINY[@]}" \
         --json "$DIR/bench-kernels.json"
 }
-engine_tiny() {
-    TINY=()
-    [ "$CPU_DRY_RUN" = 1 ] && TINY=(--lengths 512,128,33,5 --ring-lengths 256,64,5 --heads 4
-                                    --kv-heads 2 --head-dim 32 --iters 1 --warmup 0)
+engine_tiny() {  # TINY for every part; TINY_RING only where the ring part runs
+    TINY=() TINY_RING=()
+    [ "$CPU_DRY_RUN" = 1 ] && TINY=(--lengths 512,128,33,5 --heads 4 --kv-heads 2
+                                    --head-dim 32 --iters 1 --warmup 0) \
+        && TINY_RING=(--ring-lengths 256,64,5)
 }
 step_bench_engine() {
     engine_tiny
-    "$PY" -m megatron_zeppelin.cli bench engine --device "$DEVICE" --parts local,ring "${TINY[@]}"
+    "$PY" -m megatron_zeppelin.cli bench engine --device "$DEVICE" --parts local,ring \
+        "${TINY[@]}" "${TINY_RING[@]}"
 }
 step_bench_ranks() {
     engine_tiny

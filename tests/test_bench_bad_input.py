@@ -316,3 +316,14 @@ def test_the_ring_ops_module_checks_its_flags(capsys):
         with pytest.raises(SystemExit) as info:
             ring_ops.main(flags)
         assert info.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,said", [
+    (["--parts", "local", "--ranks", "6"], "--ranks applies only to --parts gpu-ranks"),
+    (["--parts", "local", "--ring-size", "8"], "--ring-size applies only to --parts ring"),
+    (["--parts", "ring", "--lengths", "5"], "--lengths applies only to --parts cpu-ranks, "
+                                            "local, gpu-ranks"),
+    (["--parts", "local,local"], "--parts=local,local lists a part twice"),
+])
+def test_bench_engine_refuses_flags_of_parts_that_do_not_run(flags, said, capsys):
+    assert said in refused(["bench", "engine", *flags], capsys)

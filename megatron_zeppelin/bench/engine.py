@@ -37,6 +37,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -62,6 +63,10 @@ DEFAULTS = {"cpu": dict(lengths="3072,512,384,256,200,128,100,64,33,17,5,1", hea
                          parts="local,ring,gpu-ranks")}
 DEFAULTS["cpu"].update(max_local_ratio=None, max_ring_ratio=None, parts="cpu-ranks,local,ring")
 PARTS = ("cpu-ranks", "local", "ring", "gpu-ranks")
+PLANNED = ("cpu-ranks", "local", "gpu-ranks")  # the parts that run make_bench_plan's plan
+USED_BY = {"--ranks": ("gpu-ranks",), "--ring-size": ("ring",), "--ring-lengths": ("ring",),
+           "--max-ring-ratio": ("ring",), "--max-local-ratio": ("local",),
+           "--lengths": PLANNED, "--strategy": PLANNED, "--capacity-factor": PLANNED}
 
 
 class NullTransport(Transport):
@@ -130,6 +135,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     _check(parser, args)
+    given = {t.partition("=")[0] for t in (sys.argv[1:] if argv is None else argv)}
+    for flag, parts in USED_BY.items():
+        if flag in given and not set(parts) & set(args.parts):
+            parser.error(f"{flag} applies only to --parts {', '.join(parts)}, not to "
+                         f"--parts {','.join(args.parts)}: it would be ignored (drop it)")
+    if len(set(args.parts)) < len(args.parts):
+        parser.error(f"--parts={','.join(args.parts)} lists a part twice")
     return args
 
 
