@@ -38,6 +38,9 @@ def port_number(free: bool = False):
 def check_ports(flag: str, first: int | None, count: int) -> None:
     """ConfigError naming ``flag`` unless the ``count`` consecutive ports from ``first`` (one
     per spawned world) are all ports (``first`` None or 0: free ports are picked)."""
+    if count > MAX_PORT:
+        raise ConfigError(f"the runs would take {count} consecutive ports from {flag}, more than "
+                          f"the {MAX_PORT} there are: run fewer rounds or repeats")
     if first and first + count - 1 > MAX_PORT:
         raise ConfigError(f"{flag}={first} is invalid: expected at most {MAX_PORT - count + 1} "
                           f"(the runs take {count} consecutive ports from it)")

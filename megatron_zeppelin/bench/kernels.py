@@ -45,6 +45,7 @@ DEFAULTS = {"cuda": dict(heads=32, kv_heads=8, head_dim=128, tokens="64,1024,409
             "cpu": dict(heads=4, kv_heads=2, head_dim=64, tokens="64,256,1024,4096",
                         max_ratio=None, max_extra_us=None)}
 MODES = ("stream", "synced")
+RATIO_FROM_TOKENS = 4096  # the ratio target applies to calls of at least this many tokens
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -63,7 +64,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="calls timed one by one, a device sync after each (median)")
     parser.add_argument("--max-ratio", type=float, default=None,
                         help="target: ours/raw per call at >= --ratio-from-tokens (CUDA 1.05)")
-    parser.add_argument("--ratio-from-tokens", type=int_at_least(1), default=4096)
+    parser.add_argument("--ratio-from-tokens", type=int_at_least(1), default=RATIO_FROM_TOKENS)
     parser.add_argument("--max-extra-us", type=float, default=None,
                         help="target: extra microseconds per call, every size (CUDA 20)")
     parser.add_argument("--json", type=output_file(), default=None, metavar="FILE",
@@ -75,6 +76,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for key in ("heads", "kv_heads", "head_dim", "iters", "repeats", "synced"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')}={getattr(args, key)} must be >= 1")
+    if args.max_ratio is None and args.ratio_from_tokens != RATIO_FROM_TOKENS:
+        parser.error(f"--ratio-from-tokens={args.ratio_from_tokens} applies only with a "
+                     "--max-ratio target (none on this device by default): it would be ignored")
     for key in ("max_ratio", "max_extra_us"):
         if getattr(args, key) is not None and getattr(args, key) <= 0:
             parser.error(f"--{key.replace('_', '-')}={getattr(args, key)} must be > 0")

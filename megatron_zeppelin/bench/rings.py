@@ -31,6 +31,7 @@ import time
 import torch
 
 from megatron_zeppelin.bench.workers import run_forked
+from megatron_zeppelin.options import integer
 
 RANKS = 4
 LAYOUTS = {"none": (), "2x2": ((0, 1), (2, 3)), "1x4": ((0, 1, 2, 3),)}
@@ -124,19 +125,26 @@ def sync_rows(table: dict, unit_s: float) -> list[dict]:
     return rows
 
 
+MAX_BYTES = 1 << 30  # per exchange: a GiB each way and rank is beyond any ring hop
+
+
 def _units(p: argparse.ArgumentParser, args) -> tuple[int, ...]:
     """The checked ``--units`` (and the other counts); a bad value exits 2 naming the flag."""
     try:
-        units = tuple(sorted({int(u) for u in args.units.split(",")}))
+        given = [integer(u) for u in args.units.split(",")]
     except ValueError:
-        units = ()
-    if len(units) < 2 or units[0] != 0:
-        p.error(f"--units={args.units!r} is invalid: expected integers >= 0, comma-separated, "
-                "0 among them and at least one above it")
+        given = []
+    units = tuple(sorted(set(given)))
+    if len(units) < 2 or units[0] != 0 or len(units) < len(given):
+        p.error(f"--units={args.units!r} is invalid: expected distinct integers >= 0, "
+                "comma-separated, 0 among them and at least one above it")
     for name, value, least in (("--rounds", args.rounds, 1), ("--repeats", args.repeats, 1),
                                ("--bytes", args.bytes, 4)):
         if value < least:
             p.error(f"{name}={value} is invalid: expected an integer >= {least}")
+    if args.bytes % 4 or args.bytes > MAX_BYTES:
+        p.error(f"--bytes={args.bytes} is invalid: expected a multiple of 4 (fp32 elements) "
+                f"up to {MAX_BYTES}")
     return units
 
 

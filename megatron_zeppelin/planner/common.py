@@ -41,7 +41,8 @@ class Batch:
 
 def check_lengths(seqlens: Sequence[int]) -> tuple[int, ...]:
     """Reject an empty batch and lengths that are not positive integers, naming the item."""
-    if isinstance(seqlens, (str, bytes)) or not hasattr(seqlens, "__iter__"):
+    if isinstance(seqlens, (str, bytes, dict, set, frozenset)) or \
+            not hasattr(seqlens, "__iter__"):
         raise ValueError(f"seqlens={seqlens!r} is invalid: expected a sequence of positive "
                          "integers (tokens per document)")
     lengths = tuple(seqlens)
