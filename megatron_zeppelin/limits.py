@@ -27,6 +27,8 @@ def refuse_untrainable(lengths: Sequence[int], model: ModelSpec, cluster: Cluste
                        where: str) -> None:
     """ConfigError naming the first document of ``where`` longer than any pool can hold."""
     bound = longest_trainable_document(model, cluster)
+    if max(lengths) <= bound:  # the common case in one pass (it runs on every planned batch)
+        return
     for index, length in enumerate(lengths):
         if length > bound:
             raise ConfigError(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import pathlib
@@ -117,6 +118,7 @@ def dest_of(f: dataclasses.Field, prefix: str = "") -> str:
     return flag_of(f, prefix).lstrip("-").replace("-", "_")
 
 
+@functools.lru_cache(maxsize=None)  # a class's annotations do not change
 def base_type(section: type, name: str) -> tuple[type, bool]:
     """(the annotated scalar type of field ``name``, whether None is allowed)."""
     hint = typing.get_type_hints(section)[name]
@@ -173,7 +175,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, section
             extra["choices"] = meta["choices"]
         if meta["metavar"]:
             extra["metavar"] = meta["metavar"]
-        parser.add_argument(*names, type={float: finite_float, int: integer}.get(kind, kind),
+        parser.add_argument(*names, type=CHECKED_TYPES.get(kind, kind),
                             default=default, **extra)
 
 
@@ -204,6 +206,11 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a finite number")
     return value
+
+
+# the argparse types that stand for ``int`` and ``float``: ASCII digits (``int`` alone takes
+# "1_0" and full-width digits), finite numbers (``float`` takes "inf" and "nan")
+CHECKED_TYPES = {int: integer, float: finite_float}
 
 
 def _help(text: str, default: Any, kind: type) -> str:
@@ -407,10 +414,9 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # every ``type=int`` / ``type=float`` of this parser (its groups and subparsers too):
-        # ASCII digits, finite numbers (``int`` alone takes "1_0" and full-width digits)
-        self.register("type", int, integer)
-        self.register("type", float, finite_float)
+        # every ``type=int`` / ``type=float`` of this parser (its groups and subparsers too)
+        for kind, checked in CHECKED_TYPES.items():
+            self.register("type", kind, checked)
 
     def error(self, message: str) -> typing.NoReturn:
         raise ConfigError(f"{message} (see {self.prog} --help)")

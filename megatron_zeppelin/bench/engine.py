@@ -50,7 +50,6 @@ from megatron_zeppelin.bench import engine_ring
 from megatron_zeppelin.bench.engine_local import alternating, slowest_rank_seconds
 from megatron_zeppelin.bench.flags import check_shape
 from megatron_zeppelin.bench.workers import run_spawned
-from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.options import integer
 from megatron_zeppelin.runtime.kernels import accum_dtype
 from megatron_zeppelin.runtime.transport import Pending, Transport
@@ -161,10 +160,7 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                      f"{', '.join(valid)}")
     args.parts = parts
     args.ring_lengths = _lengths(parser, "--ring-lengths", args.ring_lengths)
-    try:
-        check_shape(args, ("ring_lengths",))
-    except ConfigError as exc:
-        parser.error(str(exc))
+    check_shape(parser, args, ("ring_lengths",))
     _check_plan(parser, args)
 
 

@@ -68,8 +68,9 @@ def int_list(minimum: int, what: str = "integers"):
 MAX_HEADS, MAX_HEAD_DIM, MAX_CALL_TOKENS = 1024, 1024, 1 << 24
 
 
-def check_shape(args: argparse.Namespace, token_flags: tuple[str, ...] = ()) -> None:
-    """ConfigError naming a flag of ``args`` beyond the benchmarks' shapes: ``--heads``,
+def check_shape(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                token_flags: tuple[str, ...] = ()) -> None:
+    """``parser.error`` naming a flag of ``args`` beyond the benchmarks' shapes: ``--heads``,
     ``--kv-heads`` (at most ``MAX_HEADS``, dividing ``--heads``), ``--head-dim`` and each
     flag of ``token_flags`` (an integer or a list of them, at most ``MAX_CALL_TOKENS``)."""
     for flag, bound in (("heads", MAX_HEADS), ("kv_heads", MAX_HEADS),
@@ -77,11 +78,11 @@ def check_shape(args: argparse.Namespace, token_flags: tuple[str, ...] = ()) -> 
         value = getattr(args, flag)
         values = value if isinstance(value, (list, tuple)) else [value]
         if max(values) > bound:
-            raise ConfigError(f"--{flag.replace('_', '-')}={value} is invalid: expected at most "
-                              f"{bound}")
+            parser.error(f"--{flag.replace('_', '-')}={value} is invalid: expected at most "
+                         f"{bound}")
     if args.heads % args.kv_heads:
-        raise ConfigError(f"--kv-heads={args.kv_heads} is invalid: expected a divisor of "
-                          f"--heads={args.heads}")
+        parser.error(f"--kv-heads={args.kv_heads} is invalid: expected a divisor of "
+                     f"--heads={args.heads}")
 
 
 def refuse_given(args: argparse.Namespace, defaults: Mapping[str, Any], unless: str) -> None:

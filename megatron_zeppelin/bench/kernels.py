@@ -38,7 +38,6 @@ from typing import Callable, Sequence
 import torch
 
 from megatron_zeppelin.bench.flags import check_shape
-from megatron_zeppelin.errors import ConfigError
 
 DEFAULTS = {"cuda": dict(heads=32, kv_heads=8, head_dim=128, tokens="64,1024,4096,16384,65536",
                          max_ratio=1.05, max_extra_us=20.0),
@@ -82,8 +81,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for key in ("max_ratio", "max_extra_us"):
         if getattr(args, key) is not None and getattr(args, key) <= 0:
             parser.error(f"--{key.replace('_', '-')}={getattr(args, key)} must be > 0")
-    if args.heads % args.kv_heads:
-        parser.error(f"--kv-heads={args.kv_heads} must divide --heads={args.heads}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False")
     try:
@@ -92,10 +89,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--tokens={args.tokens!r} is invalid: expected integers")
     if not args.tokens or min(args.tokens) < 1:
         parser.error(f"--tokens={args.tokens!r} is invalid: expected positive integers")
-    try:
-        check_shape(args, ("tokens",))
-    except ConfigError as exc:
-        parser.error(str(exc))
+    check_shape(parser, args, ("tokens",))
     return args
 
 

@@ -34,7 +34,6 @@ from megatron_zeppelin.runtime.zigzag import ZigzagLayout
 from megatron_zeppelin.runtime.kernels import accum_dtype
 from megatron_zeppelin.schedule import Phase
 from megatron_zeppelin.bench.flags import ExitParser, check_shape
-from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.options import int_at_least
 
 FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
@@ -173,10 +172,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int_at_least(8), default=512,
                         help="tokens per sequence (a 4-position ring: 8 zigzag chunks)")
     args = parser.parse_args(argv)
-    try:
-        check_shape(args, ("tokens",))
-    except ConfigError as exc:
-        parser.error(str(exc))
+    check_shape(parser, args, ("tokens",))
     torch.set_num_threads(1)
     print(f"{'case':<14}{'phase':<10}{'step':>5}{'blocks':>7}{'ops/block':>10}"
           f"{'us/step null':>14}{'us/step torch':>15}")

@@ -72,6 +72,11 @@ def slice_rank(plan: Plan, rank: int, documents: Sequence[torch.Tensor],
                       packed_seq_params=params, plan=plan)
 
 
+# the integer dtypes (bool, float and complex tensors are not token ids)
+TOKEN_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+                          torch.uint16, torch.uint32, torch.uint64})
+
+
 def check_documents(docs, index: int) -> list[int]:
     """The lengths of micro-batch ``index`` (a non-empty list of non-empty 1-D integer token
     tensors); ValueError naming the micro-batch, the document and what it is otherwise."""
@@ -79,14 +84,16 @@ def check_documents(docs, index: int) -> list[int]:
         what = "empty" if isinstance(docs, (list, tuple)) else f"a {type(docs).__name__}"
         raise ValueError(f"micro-batch {index} is {what}: expected a non-empty list of 1-D "
                          "int64 token tensors (one per document)")
-    for i, doc in enumerate(docs):
-        if not (isinstance(doc, torch.Tensor) and doc.dim() == 1 and doc.numel() > 0 and
-                not doc.is_floating_point() and not doc.is_complex() and doc.dtype != torch.bool):
+    lengths = []
+    for i, doc in enumerate(docs):  # one pass: it runs on every micro-batch
+        if not (isinstance(doc, torch.Tensor) and doc.dtype in TOKEN_DTYPES and
+                doc.dim() == 1 and doc.numel() > 0):
             what = (f"a {doc.dim()}-D {doc.dtype} tensor of {doc.numel()} elements"
                     if isinstance(doc, torch.Tensor) else type(doc).__name__)
             raise ValueError(f"micro-batch {index}, document {i} is {what}: expected a non-empty "
                              "1-D integer tensor of token ids")
-    return [d.numel() for d in docs]
+        lengths.append(doc.numel())
+    return lengths
 
 
 class ZeppelinDataIterator:
@@ -117,7 +124,6 @@ class ZeppelinDataIterator:
             if prefetch else None
         self.ahead: tuple[list[torch.Tensor], Future | Plan] | None = None
         self.submitted = 0  # micro-batches handed to the planner so far
-        self.started = False  # whether the first micro-batch was drawn
         self.ahead_position: dict | None = None
 
     def _plan(self, work: int | list[int]) -> Plan:
@@ -154,8 +160,7 @@ class ZeppelinDataIterator:
         return self
 
     def __next__(self) -> MicroBatch:
-        current = self.ahead if self.started else self._submit()
-        self.started = True
+        current = self.ahead if self.submitted else self._submit()
         if current is None:  # the stream ended (the last micro-batch was handed out)
             self.ahead = None
             raise StopIteration
