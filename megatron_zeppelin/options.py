@@ -408,15 +408,47 @@ def exit_status(prog: str, work: typing.Callable[[], int | None],
     return 0 if status is None else status
 
 
+GIVEN = "_given_flags"  # the namespace attribute where ``Parser`` records the flags given
+
+
+class _StoreGiven(argparse._StoreAction):
+    """argparse's plain ``store``, also recording the option string in ``GIVEN``."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        if option_string is not None:
+            given = getattr(namespace, GIVEN, set())
+            given.update(self.option_strings)
+            setattr(namespace, GIVEN, given)
+
+
+def given(args: argparse.Namespace, flag: str, default: Any) -> bool:
+    """Whether ``flag`` (``--sim-profile``) was on the command line: recorded by ``Parser``
+    (so a flag given at its default value counts); for a namespace built otherwise, whether
+    its value differs from ``default``."""
+    if hasattr(args, GIVEN):
+        return flag in getattr(args, GIVEN)
+    return getattr(args, flag.lstrip("-").replace("-", "_")) != default
+
+
 class Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one ``ConfigError`` line (no usage dump), so that
-    the entry point prints it once and exits with status 2."""
+    the entry point prints it once and exits with status 2. Each plain ``store`` option given
+    on the command line is recorded (``given``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # every ``type=int`` / ``type=float`` of this parser (its groups and subparsers too)
         for kind, checked in CHECKED_TYPES.items():
             self.register("type", kind, checked)
+        self.register("action", None, _StoreGiven)
+        self.register("action", "store", _StoreGiven)
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: D102 (argparse's)
+        namespace = argparse.Namespace() if namespace is None else namespace
+        if not hasattr(namespace, GIVEN):
+            setattr(namespace, GIVEN, set())
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> typing.NoReturn:
         raise ConfigError(f"{message} (see {self.prog} --help)")

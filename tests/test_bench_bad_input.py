@@ -191,6 +191,7 @@ def test_bench_planner_repeats_and_sizes_before_the_header(capsys):
     (["--nodes", "0"], "argument --nodes: 0 is invalid: expected an integer >= 2"),
     (["--nodes", "16", "1"], "argument --nodes: 1 is invalid"),
     (["--seed", "-3"], "argument --seed: -3 is invalid"),
+    (["--nodes", "2000000"], "--nodes=2000000 is invalid: expected at most"),
 ])
 def test_bench_router_bad_flag_is_one_line(argv, words, capsys):
     assert words in refused(["bench", "router", *argv], capsys)
@@ -236,6 +237,20 @@ def test_fidelity_refuses_the_other_modes_flags(capsys):
         ["bench", "fidelity", "--batches", "3"], capsys)
     assert "--iterations=3 is invalid with --engine" in refused(
         ["bench", "fidelity", "--engine", "--iterations", "3"], capsys)
+
+
+def test_a_flag_given_at_its_default_value_still_counts_as_given(tmp_path, capsys):
+    # a flag equal to its default used to pass for "not given", and was then ignored
+    assert "--iterations=6 is invalid with --engine" in refused(
+        ["bench", "fidelity", "--engine", "--iterations", "6"], capsys)
+    assert "--batches=2 is invalid without --engine" in refused(
+        ["bench", "fidelity", "--batches", "2"], capsys)
+    err = refused(["bench", "fidelity", "--calibrate", str(tmp_path / "p.yaml"),
+                   "--sim-profile", "cpu-2x2"], capsys)
+    assert "--calibrate=" in err and "--sim-profile=cpu-2x2" in err
+    path = saved_run(tmp_path, lambda d: None)
+    assert "--rounds=2 is invalid with --resimulate" in refused(
+        ["bench", "fidelity", "--resimulate", path, "--rounds", "2"], capsys)
 
 
 # the other targets: strategies, settings, plans

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_zeppelin.bench.flags import check_ports, port_number, refuse_given
-from megatron_zeppelin.options import nonempty, output_file
+from megatron_zeppelin.options import given, nonempty, output_file
 
 TARGET_ERROR = 0.15
 DEFAULT_SIM_PROFILE = "cpu-2x2"  # configs/sim/: the emulated cluster the runs train on
@@ -287,7 +287,7 @@ def calibrate_first(args: argparse.Namespace) -> None:
     if args.resimulate:
         raise ValueError(f"--calibrate={args.calibrate} is invalid with --resimulate: nothing "
                          "is measured to judge")
-    if args.sim_profile != DEFAULT_SIM_PROFILE:
+    if given(args, "--sim-profile", DEFAULT_SIM_PROFILE):
         raise ValueError(f"--calibrate={args.calibrate} is invalid with --sim-profile="
                          f"{args.sim_profile}: the calibration is the profile; pass one")
     seq_length, _ = training_shape(args.extra, args.iterations)

@@ -10,7 +10,7 @@ import typing
 from typing import Any, Mapping
 
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.options import Parser, integer
+from megatron_zeppelin.options import Parser, given, integer
 
 MAX_PORT = 65535
 
@@ -86,11 +86,12 @@ def check_shape(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 
 def refuse_given(args: argparse.Namespace, defaults: Mapping[str, Any], unless: str) -> None:
-    """ConfigError naming the first flag of ``defaults`` (``--flag``: its default) whose value
-    in ``args`` is not its default: it would be ignored (``unless`` says why)."""
+    """ConfigError naming the first flag of ``defaults`` (``--flag``: its default) given on
+    the command line (``options.given``; even at its default value): it would be ignored
+    (``unless`` says why)."""
     for flag, default in defaults.items():
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if value != default:
+        if given(args, flag, default):
             raise ConfigError(f"{flag}={value!r} is invalid {unless}: it would be ignored "
                               "(drop it)")
 

@@ -91,9 +91,9 @@ def measure_median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def time_router(cluster: str, nodes: int, scenario: str, repeats: int, seed: int) -> str:
+def time_router(topo: RouterTopology, cluster: str, nodes: int, scenario: str, repeats: int,
+                seed: int) -> str:
     """One line of table (a): router times in ms for one topology and flow set."""
-    topo = RouterTopology.from_cluster(load_cluster(cluster, nodes=nodes))
     make = make_rings_step if scenario == "rings" else make_all_send_step
     flows = make(nodes, topo.gpus_per_node, random.Random(seed))
     cells = [f"{cluster:10s} {nodes:5d} {scenario:9s} {len(flows):6d}"]
@@ -138,15 +138,16 @@ def run(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int_at_least(0), default=0,
                         help="flow generator seed (default 0)")
     args = parser.parse_args(argv)
+    table = [(cluster, nodes, RouterTopology.from_cluster(load_cluster(cluster, nodes=nodes)))
+             for cluster in ("a800-4nic", "h800-8nic") for nodes in args.nodes]  # bad: no line
     print(f"(a) router time, ms (median of {args.repeats}; python: of "
           f"{max(1, args.repeats // 10)}); default backend: {backend_name()}")
     print(f"{'cluster':10s} {'nodes':>5s} {'flows':9s} {'count':>6s} {'cpp raw':>9s} "
           f"{'cpp':>9s} {'python':>9s} {'direct':>9s} {'routed':>9s}  (last two: modelled "
           "step ms)")
-    for cluster in ("a800-4nic", "h800-8nic"):
-        for nodes in args.nodes:
-            for scenario in ("rings", "all-send"):
-                print(time_router(cluster, nodes, scenario, args.repeats, args.seed))
+    for cluster, nodes, topo in table:
+        for scenario in ("rings", "all-send"):
+            print(time_router(topo, cluster, nodes, scenario, args.repeats, args.seed))
     print("\n(b) one inter-node ring step, 64K-token LLaMA-7B sequence over 2 nodes x 8 GPUs "
           "(KV chunk per layer), modelled ms (routed: pipelined in `chunks`)")
     print(f"{'cluster':10s} {'MiB':>6s} {'direct':>9s} {'routed':>9s} {'chunks':>6s} "
