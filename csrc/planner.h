@@ -17,17 +17,21 @@ using i64 = std::int64_t;
 
 enum Tier : int { INTER = 0, INTRA = 1, LOCAL = 2 };
 
-// Twin of cost_model.WindowParts: a windowed layer's ring work of one rank's share.
+// Twin of cost_window.WindowParts: a windowed layer's ring work of one rank's share.
 struct WindowParts {
   double even = 0.0, first = 0.0, rest = 0.0;
   i64 reach = 1;
   double kv = 0.0, dkv = 0.0;
+  bool halo = false;  // the window fits in every chunk of a ring of 3 or more
 };
 
-// Twin of cost_model.RingWindow: a ring's windowed work summed over its sequences.
+// Twin of cost_window.RingWindow: a ring's windowed work summed over its sequences.
 struct RingWindow {
   i64 ring = 1;
   double even = 0.0, first = 0.0, kv = 0.0, dkv = 0.0;
+  // of kv/dkv: the sequences whose window fits in their chunks, and the others
+  double halo_kv = 0.0, halo_dkv = 0.0, rest_kv = 0.0, rest_dkv = 0.0;
+  i64 rest = 0;
   std::vector<double> near;  // work of the steps d away from step 0, d in [0, ring / 2]
   RingWindow(i64 ring_size = 1)  // NOLINT: implicit, so that RingGroup{...} default-inits it
       : ring(ring_size), near(static_cast<size_t>(ring_size / 2 + 1), 0.0) {}
@@ -59,6 +63,9 @@ struct Costs {
   double unwindowed(double seqlen, i64 ring) const;
   double dense_compute(double seqlen, i64 ring) const;
   WindowParts window_parts(double seqlen, i64 ring) const;
+  // cost_model.CostKernel.halo / accumulator_rows: the engine's halo exchange
+  static bool halo(int tier, bool routed);
+  double accumulator_rows(double share, const RingWindow& window, int tier, bool routed) const;
   double ring_exposed(double dense, const RingWindow& window, double share, int tier,
                       bool routed) const;
   double comm(double chunk, int tier, bool routed, double dkv = -1.0) const;

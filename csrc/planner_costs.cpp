@@ -95,6 +95,14 @@ std::pair<double, double> Costs::trimmed(double chunk, i64 ring) const {
 }
 
 RingWindow& RingWindow::add(const WindowParts& parts) {
+  if (parts.halo) {
+    halo_kv = halo_kv + parts.kv;
+    halo_dkv = halo_dkv + parts.dkv;
+  } else {
+    rest_kv = rest_kv + parts.kv;
+    rest_dkv = rest_dkv + parts.dkv;
+    rest = rest + 1;
+  }
   even = even + parts.even;
   first = first + parts.first;
   kv = kv + parts.kv;
@@ -122,8 +130,9 @@ WindowParts Costs::window_parts(double seqlen, i64 ring) const {
   const double windowed = unwindowed(seqlen, ring) * window_share;
   const auto [kv, dkv] = trimmed(chunk, ring);
   if (seqlen <= window + 1.0) {
-    return WindowParts{windowed, 0.0, 0.0, std::max<i64>(1, ring / 2), kv, dkv};
+    return WindowParts{windowed, 0.0, 0.0, std::max<i64>(1, ring / 2), kv, dkv, false};
   }
+  const bool halo = ring >= 3 && std::floor(seqlen / (2.0 * g)) >= window;  // halo_fits
   const double w = window + 1.0;
   const double kept = std::min(1.0, (2.0 * seqlen * w - window * w) / (seqlen * seqlen));
   const double work = windowed * kept, half = seqlen / (2.0 * g);
@@ -133,7 +142,16 @@ WindowParts Costs::window_parts(double seqlen, i64 ring) const {
   const double first = work * std::min(1.0, step0 / (kept * seqlen * seqlen / 2.0));
   const i64 reach =
       std::max<i64>(1, std::min<i64>(ring / 2, static_cast<i64>(std::ceil(window / half))));
-  return WindowParts{0.0, first, work - first, reach, kv, dkv};
+  return WindowParts{0.0, first, work - first, reach, kv, dkv, halo};
+}
+
+bool Costs::halo(int tier, bool use_routing) { return tier == INTRA || !use_routing; }
+
+double Costs::accumulator_rows(double share, const RingWindow& window, int tier,
+                               bool use_routing) const {
+  const double rows =
+      halo(tier, use_routing) ? window.halo_kv + window.rest_dkv : window.dkv;
+  return (1.0 - window_share) * share + window_share * rows;
 }
 
 double Costs::ring_exposed(double dense, const RingWindow& window, double share, int tier,
@@ -143,8 +161,20 @@ double Costs::ring_exposed(double dense, const RingWindow& window, double share,
   double exposed =
       (g - 1) * std::max(0.0, comm(share, tier, use_routing) * (1.0 - w) - dense / g -
                                   (1.0 - w) * h);
-  const double hop = comm(window.kv, tier, use_routing, window.dkv) * w;
   const double even = window.even / g + w * h;
+  double kv = window.kv, dkv = window.dkv;
+  bool relayed = true;
+  if (halo(tier, use_routing)) {
+    if (window.halo_kv > 0.0) {  // KV to both neighbours behind step 0, once
+      exposed = exposed + std::max(0.0, comm(window.halo_kv, tier, use_routing, 0.0) * w -
+                                            window.first - even);
+    }
+    kv = window.rest_kv;
+    dkv = window.rest_dkv;
+    relayed = window.rest > 0;
+  }
+  if (!relayed) return exposed;
+  const double hop = comm(kv, tier, use_routing, dkv) * w;
   exposed = exposed + std::max(0.0, hop - window.first - even);
   for (i64 t = 1; t < ring - 1; ++t) {
     exposed = exposed + std::max(0.0, hop - window.near[std::min(t, ring - t)] - even);

@@ -162,9 +162,9 @@ Estimate estimate_tasks(const Problem& pb, const Tasks& tasks, const std::vector
     grp.compute = grp.compute + g * k.ring_step_s;  // the engine's host work per ring step
     double hidden;
     if (k.window_share > 0.0) {  // each step's exchange behind that step's own compute
-      const double dkv = (1.0 - k.window_share) * grp.share + k.window_share * grp.window.dkv;
       hidden = k.ring_exposed(grp.dense, grp.window, grp.share, grp.tier, pb.routing) +
-               k.dkv_tail(dkv, grp.tier, pb.routing);
+               k.dkv_tail(k.accumulator_rows(grp.share, grp.window, grp.tier, pb.routing),
+                          grp.tier, pb.routing);
     } else {
       hidden = (g - 1) * std::max(0.0, k.comm(grp.share, grp.tier, pb.routing) - grp.compute / g) +
                k.dkv_tail(grp.share, grp.tier, pb.routing);

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from megatron_zeppelin.config import ClusterSpec, ModelSpec
+from megatron_zeppelin.cost_window import RingWindow, WindowParts, window_kept, window_work
 from megatron_zeppelin.hardware_profile import HardwareProfile
 from megatron_zeppelin.twin_arithmetic import interp
 from megatron_zeppelin.plan import Tier
@@ -35,65 +36,6 @@ from megatron_zeppelin.routed_cost import routed_table
 
 FWD_BWD_LINEAR = 3.0  # backward of a GEMM is two GEMMs of the forward's size
 DKV_BYTES = 4  # the engine accumulates dK/dV in fp32 and sends the accumulator
-
-
-def window_work(seqlen, window: int, share: float):
-    """The fraction of a causal sequence's attention work (``s^2``, the dense model's count)
-    its layers do when ``share`` of them attend a sliding window of ``window`` tokens
-    (Megatron's ``window_size=(window, 0)``): ``(1 - share) + share * kept``, where a windowed
-    layer keeps ``(2 s (W + 1) - W (W + 1)) / s^2`` of it (at most 1; 1 while s <= W + 1).
-    ``seqlen``: a number or a numpy array; 1.0 without a window (``share`` 0). The C++
-    planner twin (``Costs::window_work``) evaluates the same expression."""
-    if share <= 0.0:
-        return 1.0
-    if isinstance(seqlen, np.ndarray):
-        with np.errstate(divide="ignore", invalid="ignore"):  # short ones take 1.0
-            kept = np.minimum(1.0, _window_kept(seqlen, window))
-        return (1.0 - share) + share * np.where(seqlen > window + 1.0, kept, 1.0)
-    if seqlen <= window + 1.0:
-        return 1.0
-    return (1.0 - share) + share * min(1.0, _window_kept(seqlen, window))
-
-
-def _window_kept(seqlen, window: int):
-    """``(2 s (W + 1) - W (W + 1)) / s^2``: a windowed layer's share of the dense count, valid
-    once s > W + 1 (before the cap at 1)."""
-    w = window + 1.0
-    return (2.0 * seqlen * w - window * w) / (seqlen * seqlen)
-
-
-class WindowParts(NamedTuple):
-    """A windowed layer's ring work of one rank's share of a sequence, all windowed layers
-    (seconds: ``first`` at step 0, ``rest`` spread over the steps within ``reach`` of it,
-    ``even`` over every step) and the rows each hop carries (``CostKernel.window_parts``)."""
-
-    even: float
-    first: float
-    rest: float
-    reach: int
-    kv: float
-    dkv: float
-
-
-class RingWindow:
-    """The windowed layers' work of a ring of ``ring`` positions, summed over its sequences
-    (``add``, in sequence order): ``near[d]``, the work of the steps ``d`` away from step 0
-    (steps d and G - d), ``first``, ``even``, and the hop rows ``kv``, ``dkv``."""
-
-    def __init__(self, ring: int) -> None:
-        self.ring, self.even, self.first, self.kv, self.dkv = ring, 0.0, 0.0, 0.0, 0.0
-        self.near = [0.0] * (ring // 2 + 1)
-
-    def add(self, parts: WindowParts) -> "RingWindow":
-        self.even += parts.even
-        self.first += parts.first
-        self.kv += parts.kv
-        self.dkv += parts.dkv
-        if parts.rest > 0.0:  # over the min(G - 1, 2D) steps within the reach
-            per_step = parts.rest / min(self.ring - 1, 2 * parts.reach)
-            for d in range(1, parts.reach + 1):
-                self.near[d] += per_step
-        return self
 
 
 @dataclass(frozen=True)
@@ -371,13 +313,29 @@ class CostKernel:
         kv, dkv = self._trimmed(chunk, ring)
         if seqlen <= window + 1.0:
             return WindowParts(windowed, 0.0, 0.0, max(1, ring // 2), kv, dkv)
-        kept = min(1.0, _window_kept(seqlen, window))
+        halo = ring >= 3 and math.floor(seqlen / (2 * ring)) >= window  # halo_fits
+        kept = min(1.0, window_kept(seqlen, window))
         work, half, band = windowed * kept, seqlen / (2 * ring), window * (window + 1.0) / 2.0
         step0 = 2.0 * ring * (half * (window + 1.0) - band) + band if window <= half else \
             2.0 * ring * half * (half + 1.0) / 2.0
         first = work * min(1.0, step0 / (kept * seqlen * seqlen / 2.0))
         reach = max(1, min(ring // 2, math.ceil(window / half)))
-        return WindowParts(0.0, first, work - first, reach, kv, dkv)
+        return WindowParts(0.0, first, work - first, reach, kv, dkv, halo)
+
+    @staticmethod
+    def halo(tier: Tier, routed: bool) -> bool:
+        """Whether a ring's hops are its own P2P (INTRA, or INTER without routing: not the
+        global inter-node steps), so that the engine runs the sequences whose window fits
+        in their chunks by halo exchange (``runtime.waves.windowed``)."""
+        return tier == Tier.INTRA or not routed
+
+    def accumulator_rows(self, share: float, window: RingWindow, tier: Tier,
+                         routed: bool) -> float:
+        """dK/dV rows of the backward's last return (``dkv_tail``), mean over layers: the
+        dense layers' whole share, the windowed layers' trimmed accumulator, by halo exchange
+        the rows a neighbour read (``window.halo_kv``)."""
+        rows = window.halo_kv + window.rest_dkv if self.halo(tier, routed) else window.dkv
+        return (1.0 - self.window_share) * share + self.window_share * rows
 
     def ring_exposed(self, dense: float, window: RingWindow, share: float, tier: Tier,
                      routed: bool) -> float:
@@ -386,12 +344,24 @@ class CostKernel:
         the G steps) and ``window`` in the windowed ones. The hop into step t overlaps step
         t-1's compute and host work: a dense layer's hops each hide behind 1/G of its compute;
         a windowed layer's first hop behind step 0's band work, the others behind the work of
-        their steps (``window.near``: none beyond the window's reach)."""
+        their steps (``window.near``: none beyond the window's reach). Where the ring's hops
+        are its own P2P (``halo``), the sequences whose window fits in their chunks go by halo
+        exchange: their KV rows (``window.halo_kv`` each way, forward and again backward) once,
+        behind step 0's work (their dK/dV return is ``dkv_tail``'s); the others' hops as
+        above, on their rows."""
         g, w, h = window.ring, self.window_share, self.ring_step_s
         exposed = (g - 1) * max(0.0, self.comm(share, tier, routed) * (1.0 - w) - dense / g
                                 - (1.0 - w) * h)
-        hop = self.comm(window.kv, tier, routed, window.dkv) * w
         even = window.even / g + w * h
+        kv, dkv, relayed = window.kv, window.dkv, True
+        if self.halo(tier, routed):
+            if window.halo_kv > 0.0:  # KV to both neighbours behind step 0, once
+                exposed = exposed + max(0.0, self.comm(window.halo_kv, tier, routed, 0.0) * w
+                                        - window.first - even)
+            kv, dkv, relayed = window.rest_kv, window.rest_dkv, window.rest > 0
+        if not relayed:
+            return exposed
+        hop = self.comm(kv, tier, routed, dkv) * w
         exposed = exposed + max(0.0, hop - window.first - even)
         for t in range(1, g - 1):
             exposed = exposed + max(0.0, hop - window.near[min(t, g - t)] - even)

@@ -118,9 +118,8 @@ def _ring_hidden(kernel, compute: float, share: float, g: int, tier: Tier, route
     if window is None:
         return (g - 1) * max(0.0, kernel.comm(share, tier, routed) - compute / g) + \
             kernel.dkv_tail(share, tier, routed)
-    dkv = (1.0 - kernel.window_share) * share + kernel.window_share * window.dkv
     return kernel.ring_exposed(dense, window, share, tier, routed) + \
-        kernel.dkv_tail(dkv, tier, routed)
+        kernel.dkv_tail(kernel.accumulator_rows(share, window, tier, routed), tier, routed)
 
 
 def _pace(att: list[float], groups: list[tuple[tuple[int, ...], int, float]]) -> list[float]:

@@ -13,6 +13,10 @@ A wave of a plan runs in *rounds* ``r = 0, 1, ...`` per phase (forward, backward
   (``sends_dkv``: the last one returns the accumulator to its owner);
 * so it exchanges in ``exchange_rounds(G)`` rounds and runs ``phase_steps(G)`` rounds.
 
+A windowed ring whose window fits in every zigzag chunk and that has 3 positions or more
+exchanges with its two neighbours only, when its hops are its own P2P (``runtime/halo.py``):
+it runs the rounds of a ring of two (``halo_steps``), sending to both neighbours.
+
 INTER rings whose hops cross nodes travel as *global* steps (``inter_mode`` direct/routed): a
 wave with such rings runs ``global_steps(longest ring)`` global steps, every rank of the pool
 taking part.
@@ -56,16 +60,29 @@ def phase_steps(size: int, phase: Phase) -> int:
     return size + 1
 
 
+HALO_ROUNDS_SIZE = 2  # a halo group runs the rounds of a ring of this size (``halo_steps``)
+
+
+def halo_steps(phase: Phase) -> int:
+    """Rounds of a windowed ring group run by halo exchange (``runtime/halo.py``, where
+    ``zigzag_window.halo_fits``), whatever the ring's size: those of a ring of
+    ``HALO_ROUNDS_SIZE``. Forward 2 (its KV rows out to both neighbours in round 0, their
+    blocks computed in round 1); backward 3 (the KV rows out in round 0, the neighbours' rows'
+    dK/dV home in round 2, ``sends_dkv(..., halo=True)``)."""
+    return phase_steps(HALO_ROUNDS_SIZE, Phase(phase))
+
+
 def sends_kv(size, r):
     """Whether a member of a ring of ``size`` sends its KV block in round ``r`` (both phases);
     elementwise for numpy arrays."""
     return r < size - 1
 
 
-def sends_dkv(size, r):
+def sends_dkv(size, r, halo=False):
     """Whether a member of a ring of ``size`` sends the dK/dV accumulator in backward round
-    ``r``; elementwise for numpy arrays (never for a ring of one)."""
-    return (1 <= r) & (r <= size) & (size > 1)
+    ``r``; elementwise for numpy arrays (never for a ring of one). A halo group (``halo``,
+    ``size`` then ``HALO_ROUNDS_SIZE``) sends its neighbours' rows' dK/dV in round 2 only."""
+    return (1 + halo <= r) & (r <= size) & (size > 1)
 
 
 def exchange_rounds(size, phase: Phase):

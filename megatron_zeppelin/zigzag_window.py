@@ -46,6 +46,36 @@ def add_pair(calls: list, key, pair: tuple[int, int, int, int]) -> None:
     calls.append((key, [pair]))
 
 
+def halo_fits(lengths, ring: int, window: int | None) -> bool:
+    """Whether a windowed ring group of ``ring >= 3`` positions needs only its neighbours'
+    KV: every zigzag chunk of every sequence holds at least ``window`` tokens, so a query's
+    keys lie in its own chunk or the one before it, which position ``p - 1`` holds for chunk
+    ``p`` and position ``p + 1`` for chunk ``2G-1-p`` (chunk ``G`` follows chunk ``G-1`` on
+    position ``G-1`` itself). Then the engine exchanges those rows with both neighbours in
+    one round (``runtime.halo``) instead of relaying them around the ring: the same on every
+    position of the group (a function of the group's lengths, ``ring`` and ``window``)."""
+    if window is None or ring < 3:
+        return False
+    return all(n // (2 * ring) >= window for n in lengths)  # chunk sizes: n // 2G or one more
+
+
+@lru_cache(maxsize=65536)
+def halo_rows(length: int, ring: int, window: int) -> tuple[float, float]:
+    """(KV rows, dK/dV rows) one position sends per pass for one sequence of ``length``
+    tokens in a halo exchange (``halo_fits``), mean over positions: to ``p + 1`` the last
+    ``window`` rows of chunk ``p`` (for ``p < G - 1``), to ``p - 1`` the last ``window``
+    rows of chunk ``2G-1-p`` (for ``p > 0``); the dK/dV of the same rows come back."""
+    bounds = zigzag_bounds(length, ring)
+    sent = 0
+    for p in range(ring):
+        mirror = 2 * ring - 1 - p
+        if p < ring - 1:
+            sent += min(window, bounds[p + 1] - bounds[p])
+        if p > 0:
+            sent += min(window, bounds[mirror + 1] - bounds[mirror])
+    return sent / ring, sent / ring
+
+
 @lru_cache(maxsize=65536)
 def relay_rows(length: int, ring: int, window: int) -> tuple[float, float]:
     """(KV rows, dK/dV accumulator rows) one hop of a ring of ``ring`` positions carries on

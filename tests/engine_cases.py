@@ -107,8 +107,11 @@ def run_case(rank, c, mode, route_group):
     out.backward(dout)
     elapsed = time.perf_counter() - start
     engine.close()
+    runs = [ring.halo for waves, _ in engine._prepared.values()
+            for wave in waves[c["window"]] for ring in wave.rings]
     proxied = engine.inter.stats()["proxied_slices"] if engine.inter is not None else 0
     seqs = sorted({s for s, _, _ in plan.attention[rank]})
     ref = reference_grads(batch, seqs, HEAD_DIM ** -0.5, c["window"])
     got = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
-    return dict(errors=max_errors(plan, rank, got, ref), seconds=elapsed, proxied=proxied)
+    return dict(errors=max_errors(plan, rank, got, ref), seconds=elapsed, proxied=proxied,
+                halo=sum(runs), runs=len(runs))

@@ -83,6 +83,37 @@ def test_windowed_ring_hops_are_priced_as_the_engine_trims_them(cost_7b):
         half.kv_bytes(kv) * 2 + half.kv_bytes(dkv) * 4 / 2)
 
 
+def test_a_ring_whose_window_fits_its_chunks_is_priced_as_the_halo_exchange(cost_7b):
+    """Where a ring's hops are its own P2P (INTRA, or INTER without routing), the sequences
+    whose window fits in their chunks (``zigzag_window.halo_fits``) go by halo exchange: the
+    estimate prices one exchange of their rows each way (KV forward and again backward)
+    behind step 0's work and the dK/dV of those rows home; the other sequences' hops round
+    the ring as before."""
+    from megatron_zeppelin.cost_model import RingWindow
+    from megatron_zeppelin.zigzag_window import halo_fits
+
+    model = dataclasses.replace(cost_7b.model, window_size=512, window_layers=32)
+    kernel = CostModel(model, cost_7b.cluster, cost_7b.hardware).kernel
+    for s, g in ((65536, 8), (8192, 8), (8191, 8), (4096, 2), (20000, 3)):
+        assert kernel.window_parts(s, g).halo == halo_fits([s], g, 512), (s, g)
+    window = RingWindow(8).add(kernel.window_parts(65536, 8))
+    dense, share = 0.0, 65536 / 8
+    even = window.even / 8 + kernel.ring_step_s
+    assert kernel.ring_exposed(dense, window, share, Tier.INTRA, True) == pytest.approx(
+        max(0.0, kernel.comm(512, Tier.INTRA, True, 0.0) - window.first - even))
+    assert kernel.halo(Tier.INTER, False) and not kernel.halo(Tier.INTER, True)
+    assert kernel.ring_exposed(dense, window, share, Tier.INTER, True) > \
+        kernel.ring_exposed(dense, window, share, Tier.INTER, False)  # routed: the relay
+    assert kernel.accumulator_rows(share, window, Tier.INTRA, True) == window.halo_kv == 512
+    assert kernel.accumulator_rows(share, window, Tier.INTER, True) == window.dkv > 512
+    short = RingWindow(8).add(kernel.window_parts(8191, 8))  # 8191 // 16 < 512: the relay
+    assert (short.rest, short.halo_kv) == (1, 0.0)
+    mixed = RingWindow(8).add(kernel.window_parts(65536, 8)).add(kernel.window_parts(8191, 8))
+    assert (mixed.rest, mixed.halo_kv, mixed.rest_kv) == (1, 512, short.kv)
+    assert kernel.ring_exposed(dense, mixed, share, Tier.INTRA, True) <= \
+        kernel.ring_exposed(dense, mixed, share, Tier.INTER, True)
+
+
 def test_windowed_ring_steps_are_priced_where_the_zigzag_geometry_puts_their_work(cost_7b):
     """``CostKernel.window_parts``: a windowed layer computes each zigzag chunk's band with
     itself (and the two middle chunks' band) at step 0, the rest at the ``reach`` steps on

@@ -15,6 +15,7 @@ from attention_reference import make_batch, reference_grads
 from distributed import run_world
 from megatron_zeppelin.plan import zigzag_segments
 from megatron_zeppelin.runtime.attention import RingGroupRun, recv_like, ring_attention
+from megatron_zeppelin.runtime.halo import HaloGroupRun
 from megatron_zeppelin.runtime.zigzag import ZigzagLayout
 from megatron_zeppelin.runtime.ring_comm import RingComm
 from megatron_zeppelin.schedule import Phase
@@ -72,8 +73,9 @@ def test_blocks_cover_exactly_the_causal_pairs(ring_size, lengths):
 
 
 def simulate_ring(lengths, ring_size, heads, kv_heads, head_dim=8, seed=0,
-                  dtype=torch.float32, backend=None, window=None, v_head_dim=None):
-    """Forward and backward of every position of a group in one process."""
+                  dtype=torch.float32, backend=None, window=None, v_head_dim=None, halo=False):
+    """Forward and backward of every position of a group in one process (``halo``: by halo
+    exchange, ``runtime.halo``, else by the ring)."""
     batch = make_batch(lengths, heads, kv_heads, head_dim, seed, v_head_dim)
     scale = head_dim ** -0.5
 
@@ -82,16 +84,17 @@ def simulate_ring(lengths, ring_size, heads, kv_heads, head_dim=8, seed=0,
                           for _, a, b in zigzag_segments(s, n, ring_size, p)]).to(dtype)
 
     batch = {name: [t.to(dtype).double() for t in ts] for name, ts in batch.items()}
-    runs = [RingGroupRun(ZigzagLayout(lengths, ring_size, p, window), scale, backend)
-            for p in range(ring_size)]
+    runs = [(HaloGroupRun if halo else RingGroupRun)(
+        ZigzagLayout(lengths, ring_size, p, window), scale, backend) for p in range(ring_size)]
+    run_rounds = drive_halo if halo else drive
     for p, run in enumerate(runs):
         run.begin_forward(local("q", p), local("k", p), local("v", p))
-    drive(runs, Phase.FORWARD)
+    run_rounds(runs, Phase.FORWARD)
     results = [run.end_forward() for run in runs]
     for p, run in enumerate(runs):
         run.begin_backward(local("dout", p), local("q", p), local("k", p), local("v", p),
                            *results[p])
-    drive(runs, Phase.BACKWARD)
+    run_rounds(runs, Phase.BACKWARD)
     grads = [run.end_backward() for run in runs]
     ref = reference_grads(batch, range(len(lengths)), scale, window)
     errors = []
@@ -119,6 +122,23 @@ def drive(runs, phase):
             run.compute(phase, step)
         for p, run in enumerate(runs):
             run.receive(phase, step, sends[(p - 1) % size] if size > 1 else [])
+
+
+def drive_halo(runs, phase):
+    """Run the halo rounds of every position: position p receives what p - 1 sent towards
+    the next position and what p + 1 sent towards the previous one, checked against what p
+    expects (``recv_like``)."""
+    size = len(runs)
+    for step in range(runs[0].steps(phase)):
+        sends = [[[t.clone() for t in way] for way in run.sends(phase, step)] for run in runs]
+        arriving = [sends[(p - 1) % size][0] + sends[(p + 1) % size][1] for p in range(size)]
+        for p, run in enumerate(runs):
+            like = [x for way in run.recv_like(phase, step) for x in way]
+            got = [(tuple(t.shape), t.dtype) for t in arriving[p]]
+            assert got == [(tuple(s), d) for s, d in like], f"{phase} step {step} position {p}"
+            run.compute(phase, step)
+        for p, run in enumerate(runs):
+            run.receive(phase, step, arriving[p])
 
 
 @pytest.mark.parametrize("ring_size", [1, 2, 3, 4, 6])
@@ -270,3 +290,56 @@ def test_window_bench_counts_the_engine_blocks():
     assert ring_figures([800], 4, 20)["skipped"] == 6  # of 12 steps after the first
     assert ring_figures([800], 4, None)["skipped"] == 0
     assert ring_figures([800], 4, 20)["sent"] < ring_figures([800], 4, None)["sent"] // 4
+    # by halo exchange where the chunks hold the window (800 // 8 >= 20, not 37 or 5): the
+    # 20 rows each neighbour reads, once; the short sequences round the ring as before
+    halo = ring_figures(lengths, size, 20, halo_ok=True)
+    ring = ring_figures([37, 5], size, 20)
+    assert (halo["halo"], halo["seqs"]) == (1, 3) and halo["pairs"] == \
+        ring_figures(lengths, size, 20)["pairs"]
+    assert halo["sent"] - ring["sent"] == halo["dkv_sent"] - ring["dkv_sent"] == 6 * 20
+    assert halo["steps"] == ring["steps"] and halo["skipped"] == ring["skipped"]
+
+
+# halo exchange (runtime/halo.py): windowed rings whose window fits in every chunk
+@pytest.mark.parametrize("ring_size", [3, 4, 5])
+@pytest.mark.parametrize("window", [0, 1, 4, 7])
+def test_halo_fits_exactly_when_positions_read_only_their_neighbours(ring_size, window):
+    """``halo_fits`` holds iff no position reads a KV row of a position other than itself and
+    its two neighbours (checked on every pair), and then ``halo_rows`` counts what is sent."""
+    from megatron_zeppelin.zigzag_window import halo_fits, halo_rows
+
+    for lengths in ([8 * ring_size], [2 * ring_size * window + 1, 50], [3, 40], [97]):
+        layout = ZigzagLayout(lengths, ring_size, 0, window)
+        far = [(q, s) for q in range(ring_size) for s in range(ring_size)
+               if (q - s) % ring_size not in (0, 1, ring_size - 1) and layout.read_rows(q, s)]
+        fits = all(n // (2 * ring_size) >= window for n in lengths)
+        assert halo_fits(lengths, ring_size, window) == fits
+        if fits:
+            assert far == [], (lengths, far)
+            for n in lengths:
+                one = ZigzagLayout([n], ring_size, 0, window)
+                sent = sum(len(one.read_rows((p + d) % ring_size, p))
+                           for p in range(ring_size) for d in (1, -1))
+                assert halo_rows(n, ring_size, window) == (sent / ring_size,) * 2
+    assert not halo_fits([1000], 2, 3) and not halo_fits([1000], 4, None)
+
+
+@pytest.mark.parametrize("ring_size", [3, 4, 6])
+@pytest.mark.parametrize("window,v_head_dim", [(0, None), (1, None), (5, 12), (9, None)])
+def test_simulated_halo_exchange_is_exact(ring_size, window, v_head_dim):
+    """Forward and backward by halo exchange equal the reference (float64): unequal chunks,
+    grouped-query heads, a different value head dim."""
+    lengths = [2 * ring_size * max(window, 1) + r for r in (0, 3, 11, 40)]
+    assert simulate_ring(lengths, ring_size, 4, 2, window=window, v_head_dim=v_head_dim,
+                         halo=True) < 1e-5
+
+
+def test_halo_exchange_matches_the_ring_and_refuses_a_window_past_a_chunk():
+    """A group whose window reaches past a chunk is refused by the halo, not run with
+    missing keys."""
+    from megatron_zeppelin.runtime.halo import halo_blocks
+
+    lengths, size = [64, 41], 4
+    assert simulate_ring(lengths, size, 4, 4, window=5, halo=True) < 1e-5
+    with pytest.raises(ValueError, match="every zigzag chunk at least as long as the window"):
+        halo_blocks(ZigzagLayout(lengths, size, 1, window=6), "cpu")  # 41 // 8 = 5 < 6

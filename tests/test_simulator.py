@@ -400,11 +400,27 @@ def test_windowed_ring_steps_are_simulated_where_their_work_falls():
     profile = sim_profile(windowed)
     extra = profile.attention_call_us * 1e-6 * profile.compute_scale + \
         profile.ring_step_us * 1e-6
-    for work in build_work(plan, windowed, profile)[0]:
+    relay = build_work(plan, windowed, profile, halo_inter=False)[0]  # routed: no halo
+    for work in relay:
         for ring in work.rings:
             steps = np.asarray(ring.step_s)
-            assert steps.shape == (16,) and steps.argmax() == 0
+            assert steps.shape == (16,) and steps.argmax() == 0 and not ring.halo
             assert steps[2:15] == pytest.approx(np.full(13, extra))
+    # by halo exchange (its ring P2P): step 0, then the two neighbours' blocks, the same
+    # work; each way to a neighbour carries half of what a position sends (halo_rows)
+    from megatron_zeppelin.zigzag_window import halo_rows
+
+    for ring_work, halo_work in zip(relay, build_work(plan, windowed, profile)[0]):
+        for ring, halo in zip(ring_work.rings, halo_work.rings):
+            assert halo.halo and halo.rounds_size == 2 and halo.steps == 2
+            assert halo.step_s[0] == ring.step_s[0]
+            assert halo.step_s[1] == pytest.approx(sum(ring.step_s[1:]) - 13 * extra)
+            sent = 4 * halo_rows(65536, 16, 512)[0] / 2 * windowed.kv_bytes(1)
+            assert halo.kv_bytes == pytest.approx(sent) and halo.kv_bytes < ring.kv_bytes
+    # a short sequence in the group (1000 // 32 < 512) runs round the ring beside the halo
+    mixed = make_plan("static-cp", [65536] * 3 + [1000], dense, cp_size=16)
+    for work in build_work(mixed, windowed, profile)[0]:
+        assert [(r.halo, r.steps, r.index) for r in work.rings] == [(True, 2, 0), (False, 16, 0)]
     half = CostModel(dataclasses.replace(dense.model, window_size=512, window_layers=16),
                      dense.cluster, dense.hardware)
     ends = {name: attention_ends(plan, cost, sim_profile(half), StepOptions())[0]
@@ -412,3 +428,27 @@ def test_windowed_ring_steps_are_simulated_where_their_work_falls():
     for field in ("fwd", "bwd", "compute"):
         assert getattr(ends["half"], field) == pytest.approx(
             0.5 * getattr(ends["dense"], field) + 0.5 * getattr(ends["windowed"], field))
+
+
+def test_a_halo_ring_is_simulated_as_one_exchange_with_both_neighbours():
+    """``sim.rounds``: a halo group (4 ranks of one node) sends to both neighbours in round 0
+    (and its dK/dV home in round 2 of the backward), so each pass waits for one latency
+    forward and two backward where the relayed ring waits for G - 1 and G + 1."""
+    from megatron_zeppelin.config import load_cluster
+    from megatron_zeppelin.plan import Tier
+    from megatron_zeppelin.sim.network import GpuMap
+    from megatron_zeppelin.sim.rounds import Links, PassSpec, RingCosts, simulate_pass
+
+    cluster = load_cluster("h200-8nic", nodes=1)
+    links = Links(GpuMap(cluster, 1), "ring", "python")
+    latency = cluster.nvlink_latency_us * 1e-6
+    members, cross = np.arange(4), np.zeros(4, dtype=bool)
+    for backward, hops in ((False, (1, 3)), (True, (2, 5))):
+        spec = PassSpec(backward, 1.0, 1.0, 0.0)
+        halo = RingCosts(0, members, Tier.INTRA, np.zeros(2), 1.0, cross, 1.0, halo=True)
+        ring = RingCosts(0, members, Tier.INTRA, np.zeros(4), 1.0, cross, 1.0)
+        ends = [simulate_pass([r], [[] for _ in range(8)], 8, spec, links)[0]
+                for r in (halo, ring)]
+        for end, count in zip(ends, hops):  # a byte per hop: latency-bound
+            assert end[:4] == pytest.approx(count * (latency + 1 / cluster.nvlink_byte_per_s))
+            assert not end[4:].any()

@@ -5,16 +5,23 @@ ring group (ring size > 1) and ring position, from the engine's own ring blocks
 (``ZigzagLayout(..., window)``, the blocks the engine runs):
 
 * attended (query, key) pairs with the window vs full causal attention (the kernels' work);
-* ring steps whose compute is skipped (no block: the held KV lies wholly outside the window);
+* ring steps whose compute is skipped (no block: the held KV lies wholly outside the window;
+  runs round the ring only);
 * KV relay per pass (forward; backward relays the same KV), in bytes: every KV block whole on
   every hop (no window, or a window without trimming) vs what the engine sends (each hop
   forwards only the rows some later position still reads, ``ZigzagLayout.held_rows``);
 * the backward's dK/dV accumulators (fp32, ``G`` hops each, the last one home): whole vs what
-  the engine sends (the rows some position after the owner reads, ``ZigzagLayout.dkv_rows``).
+  the engine sends (the rows some position after the owner reads, ``ZigzagLayout.dkv_rows``);
+* the sequences run by halo exchange (``runtime/halo.py``: the window fits in each of their
+  chunks on a ring of 3 or more whose hops are its own P2P, i.e. INTRA, or INTER where the
+  strategy does not route; "by halo", of the ring groups' sequences): each position sends its
+  neighbours the rows they read, once (one exchange forward, the dK/dV of those rows home
+  backward) instead of relaying them round the ring; their KV and dK/dV "sent" are those
+  rows.
 
-Skipping whole transfers saves nothing in the zigzag layout: position ``p - 1`` holds the chunk
-right after position ``p``'s mirror chunk, so the last hop of every KV block is needed;
-trimming rows is what saves.
+Around the ring, skipping whole transfers saves nothing in the zigzag layout: position
+``p - 1`` holds the chunk right after position ``p``'s mirror chunk, so the last hop of every
+KV block is needed; trimming rows is what saves, and the halo exchange skips the hops.
 
 Host arithmetic only (no timing), so the figures are the same on any machine.
 """
@@ -28,9 +35,11 @@ import torch
 from megatron_zeppelin.config import load_setup
 from megatron_zeppelin.cost_model import DKV_BYTES, CostModel
 from megatron_zeppelin.planner import make_plan
+from megatron_zeppelin.planner.registry import strategy_class
 from megatron_zeppelin.plan import Tier
 from megatron_zeppelin.runtime.zigzag import ZigzagLayout
 from megatron_zeppelin.sim.workloads import sample_batch
+from megatron_zeppelin.zigzag_window import halo_fits
 
 
 def block_pairs(block) -> int:
@@ -58,19 +67,45 @@ def needed_rows(layout: ZigzagLayout, step: int) -> set[int]:
     return rows
 
 
-def ring_figures(lengths: list[int], size: int, window: int | None) -> dict[str, int]:
-    """Pairs, skipped steps and relay tokens (sent / needed) of one ring group."""
+FIGURES = ("pairs", "steps", "skipped", "whole", "sent", "needed", "dkv_whole", "dkv_sent",
+           "seqs", "halo")
+
+
+def ring_figures(lengths: list[int], size: int, window: int | None,
+                 halo_ok: bool = False) -> dict[str, int]:
+    """Pairs, skipped steps and relay tokens (sent / needed) of one ring group; ``halo_ok``:
+    its hops are its own P2P, so its sequences whose chunks hold the window run by halo
+    exchange, the others round the ring (``runtime.waves.windowed``)."""
+    fits = [halo_ok and halo_fits([n], size, window) for n in lengths]
+    out = dict.fromkeys(FIGURES, 0)
+    for halo in (True, False):
+        part = [n for n, f in zip(lengths, fits) if f == halo]
+        if part:
+            figures = _run_figures(part, size, window, halo)
+            out = {key: out[key] + figures[key] for key in FIGURES}
+    return out
+
+
+def _run_figures(lengths: list[int], size: int, window: int | None,
+                 halo: bool) -> dict[str, int]:
+    """``ring_figures`` of one run: by halo exchange, or round the ring."""
     layouts = [ZigzagLayout(lengths, size, p, window) for p in range(size)]
-    out = dict(pairs=0, steps=0, skipped=0, whole=0, sent=0, needed=0, dkv_whole=0, dkv_sent=0)
+    out = dict.fromkeys(FIGURES, 0)
+    out["seqs"], out["halo"] = len(lengths), len(lengths) if halo else 0
     for p, layout in enumerate(layouts):
         for step in range(size):
             blocks = layout.blocks(step)
             out["pairs"] += sum(block_pairs(b) for b in blocks)
-            out["steps"] += step > 0
-            out["skipped"] += step > 0 and not blocks
-            out["sent"] += layout.relay_tokens(step) if step else 0  # what the engine receives
+            if not halo:  # ring steps (a halo exchange has none to skip)
+                out["steps"] += step > 0
+                out["skipped"] += step > 0 and not blocks
+                out["sent"] += layout.relay_tokens(step) if step else 0  # what arrives
         out["dkv_whole"] += size * layout.tokens()  # rounds 1..G carry p's accumulator
-        out["dkv_sent"] += size * layout.dkv_tokens(p)
+        if halo:  # what its neighbours read, once each way; their dK/dV come back
+            read = sum(len(layout.read_rows((p + d) % size, p)) for d in (1, -1))
+            out["sent"], out["dkv_sent"] = out["sent"] + read, out["dkv_sent"] + read
+        else:
+            out["dkv_sent"] += size * layout.dkv_tokens(p)
     for source in range(size):  # the KV block of ``source`` hops source -> source+1 -> ...
         later: set[int] = set()
         for step in range(size - 1, 0, -1):  # the hop into ``step`` carries what is needed
@@ -82,13 +117,15 @@ def ring_figures(lengths: list[int], size: int, window: int | None) -> dict[str,
     return out
 
 
-def plan_figures(plan, window: int | None) -> dict[str, int]:
-    total = dict.fromkeys(("pairs", "steps", "skipped", "whole", "sent", "needed", "dkv_whole",
-                           "dkv_sent"), 0)
+def plan_figures(plan, window: int | None, routed: bool = False) -> dict[str, int]:
+    """``ring_figures`` summed over the plan's ring groups; ``routed``: its INTER rings go
+    through the global inter-node steps (no halo exchange for them)."""
+    total = dict.fromkeys(FIGURES, 0)
     for group in plan.ring_groups:
         if group.tier == Tier.LOCAL or len(group.ring) == 1:
             continue
-        figures = ring_figures([plan.seqlens[s] for s in group.seqs], len(group.ring), window)
+        figures = ring_figures([plan.seqlens[s] for s in group.seqs], len(group.ring), window,
+                               halo_ok=group.tier == Tier.INTRA or not routed)
         for key, value in figures.items():
             total[key] += value
     return total
@@ -112,19 +149,21 @@ def bench_window(args: argparse.Namespace) -> int:
           f"({sum(lengths):,} tokens, longest {max(lengths):,}) of {args.workload}; KV "
           f"{token_bytes} bytes/token; ring groups only (LOCAL sequences have no ring)")
     print(f"{'strategy':>10} {'window':>7} {'pairs vs full':>14} {'steps skipped':>14} "
-          f"{'KV whole GB':>12} {'KV sent GB':>17} {'dKV whole GB':>13} {'dKV sent GB':>17}")
+          f"{'KV whole GB':>12} {'KV sent GB':>17} {'dKV whole GB':>13} {'dKV sent GB':>17} "
+          f"{'by halo':>13}")
     dkv_bytes = token_bytes / spec.bytes_per_element * DKV_BYTES  # the fp32 accumulator
     for strategy, plan in plans:  # planned before the first line: a refusal prints nothing
+        routed = strategy_class(strategy).routed and setup.zeppelin.routing and args.nodes > 1
         full = plan_figures(plan, None)
         for window in args.windows:
-            got = plan_figures(plan, window)
+            got = plan_figures(plan, window, routed)
             share = got["pairs"] / full["pairs"] if full["pairs"] else 0.0
             skipped = f"{got['skipped']}/{got['steps']}"
             whole, sent = got["whole"] * token_bytes / 1e9, got["sent"] * token_bytes / 1e9
             dkv_whole, dkv_sent = (got[k] * dkv_bytes / 1e9 for k in ("dkv_whole", "dkv_sent"))
             print(f"{strategy:>10} {window:>7} {share:>13.1%} {skipped:>14} {whole:>12.3f} "
                   f"{sent:>10.3f} {_less(sent, whole)} {dkv_whole:>13.3f} {dkv_sent:>10.3f} "
-                  f"{_less(dkv_sent, dkv_whole)}")
+                  f"{_less(dkv_sent, dkv_whole)} {got['halo']:>6}/{got['seqs']:<6}")
     return 0
 
 

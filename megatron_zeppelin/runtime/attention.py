@@ -146,8 +146,12 @@ class RingGroupRun:
         self.lse_acc = torch.full((q.shape[1], n), float("-inf"), dtype=acc, device=q.device)
 
     def _forward_compute(self, step: int) -> None:
-        for block in self.blocks[step]:
-            kv = take(self.kv, block.k_rows)
+        self._forward_blocks(self.blocks[step], self.kv)
+
+    def _forward_blocks(self, blocks, held: torch.Tensor) -> None:
+        """Merge the calls of ``blocks`` against the KV block ``held`` into the output."""
+        for block in blocks:
+            kv = take(held, block.k_rows)
             out, lse = self._kernel.forward(take(self.q, block.q_rows), self._k(kv), self._v(kv),
                                             block.pieces, block.causal, self.scale,
                                             block.window)
@@ -174,21 +178,30 @@ class RingGroupRun:
     def _backward_compute(self, step: int) -> None:
         if step >= compute_steps(self.layout.ring_size):
             return
-        fresh = torch.zeros(self.kv.shape, dtype=self.dq.dtype, device=self.dq.device)
-        for block in self.blocks[step]:
+        fresh = self._backward_blocks(self.blocks[step], self.kv)
+        index = self.blocks.dkv_index[step]
+        if index is not None:  # the held rows' places in the travelling accumulator
+            rows = (self.layout.dkv_tokens(self.layout.source(step)), *fresh.shape[1:])
+            fresh = fresh.new_zeros(rows).index_copy_(0, index, fresh)
+        self.fresh_dkv = fresh
+
+    def _backward_blocks(self, blocks, held: torch.Tensor,
+                         fresh: torch.Tensor | None = None) -> torch.Tensor:
+        """The calls of ``blocks`` against the KV block ``held``: dq accumulated, the block's
+        dK/dV added into ``fresh`` (default: a new zero accumulator shaped like ``held``),
+        returned."""
+        if fresh is None:
+            fresh = torch.zeros(held.shape, dtype=self.dq.dtype, device=self.dq.device)
+        for block in blocks:
             rows = block.q_rows
-            kv = take(self.kv, block.k_rows)
+            kv = take(held, block.k_rows)
             dq, dk, dv = self._kernel.backward(
                 take(self.dout, rows), take(self.q, rows), self._k(kv), self._v(kv),
                 take(self.out, rows), take(self.lse, rows, 1), block.pieces, block.causal,
                 self.scale, block.window)
             _add_rows(self.dq, rows, dq)
             _add_rows(fresh, block.k_rows, torch.cat((dk, dv), dim=-1))
-        index = self.blocks.dkv_index[step]
-        if index is not None:  # the held rows' places in the travelling accumulator
-            rows = (self.layout.dkv_tokens(self.layout.source(step)), *fresh.shape[1:])
-            fresh = fresh.new_zeros(rows).index_copy_(0, index, fresh)
-        self.fresh_dkv = fresh
+        return fresh
 
     def _backward_receive(self, step: int, received: Sequence[torch.Tensor]) -> None:
         size = self.layout.ring_size

@@ -16,7 +16,9 @@ INTER rings, then INTRA rings, then LOCAL sequences. A wave runs in rounds ``r =
 (``schedule``: which round sends what):
 
 1. post the round's exchanges, in global group order: every INTER and INTRA ring's step-``r``
-   P2P (``RingComm``, async; all of them one batch on the pool's group, ``RingBatch``) and,
+   P2P (``RingComm``, async; all of them one batch on the pool's group, ``RingBatch``; with a
+   sliding window that fits in a sequence's chunks, a halo exchange with both neighbours,
+   ``halo.py``, which runs the rounds of a ring of two) and,
    with ``inter_mode`` ``direct``/``routed``, the wave's global inter-node step ``r`` on the
    worker thread (``inter.InterQueue``);
 2. compute step ``r`` of every ring (INTER first, then INTRA);
@@ -46,8 +48,11 @@ the calls themselves (their sequences and order) are fixed by the plan, each LOC
 attended alone, and every call writes its own rows of the output (forward) or of dq, dk, dv
 (backward), disjoint from each other and from the rings' rows.
 
-Deadlock freedom. Each exchange is a set of P2P ops between ring neighbours of one group,
-tagged with the group's global index. Every rank posts its exchanges in one global total order,
+Deadlock freedom. Each exchange is a set of P2P ops between ring neighbours of one group (to
+the next one, and for a halo exchange also to the previous one), tagged with the group's
+global index; a group split by a window into a halo run and a ring run (``waves.windowed``)
+posts both, in that order, under its tag, and messages between two ranks with one tag match
+in posting order. Every rank posts its exchanges in one global total order,
 ``(phase, wave, round, group key)``, the same order on every rank, and completes its round-``r``
 exchanges before it posts round ``r+1``; between a post and its completion it only computes
 (ring steps and LOCAL calls: finite work, no communication, and a helper thread that only waits
@@ -83,6 +88,7 @@ from megatron_zeppelin.plan_checks import ATTENTION_KINDS
 from megatron_zeppelin.router import RouterTopology
 from megatron_zeppelin.runtime import kernels
 from megatron_zeppelin.runtime.attention import RingGroupRun, take
+from megatron_zeppelin.runtime.halo import HaloGroupRun
 from megatron_zeppelin.runtime.device_index import to_device
 from megatron_zeppelin.runtime.inter import InterQueue
 from megatron_zeppelin.runtime.kernels import KernelBackend, accum_dtype
@@ -91,7 +97,7 @@ from megatron_zeppelin.runtime.passes import PostedRound, Tensors, WavePass, fil
 from megatron_zeppelin.runtime.plain import plain_ops
 from megatron_zeppelin.runtime.probe import Probe
 from megatron_zeppelin.runtime.ring_comm import RingBatch
-from megatron_zeppelin.runtime.transport import Transport, get_transport
+from megatron_zeppelin.runtime.transport import Transport, get_transport, warm_up
 from megatron_zeppelin.runtime.ulysses import UlyssesAttention
 from megatron_zeppelin.runtime.waves import (LocalCall, Ring, Wave, build_waves,
                                              whole_buffer_call, windowed)
@@ -224,7 +230,7 @@ class AttentionEngine:
             placed[id(call)] = call._replace(rows=call.rows if rows is None else rows,
                                              pieces=call.pieces._replace(cu_q_dev=cu,
                                                                          cu_k_dev=cu))
-        waves = [Wave([windowed(ring, window, device) for ring in wave.rings],
+        waves = [Wave([part for ring in wave.rings for part in windowed(ring, window, device)],
                        [placed[id(c)] for c in wave.local]) for wave in self.waves]
         self._prepared.setdefault(device, ({}, lanes_for(device)))[0][window] = waves
 
@@ -368,22 +374,22 @@ class AttentionEngine:
     def _begin_rings(self, p: WavePass) -> None:
         t = p.tensors
         for ring in p.wave.rings:
-            run = RingGroupRun(ring.layout, p.scale, p.kernel, ring.blocks)
-            rows = slice(ring.start, ring.end)
+            run = (HaloGroupRun if ring.halo else RingGroupRun)(ring.layout, p.scale, p.kernel,
+                                                                ring.blocks)
+            rows = ring.rows
             if p.phase is Phase.FORWARD:
-                run.begin_forward(t.q[rows], t.k[rows], t.v[rows])
+                run.begin_forward(*(take(x, rows) for x in (t.q, t.k, t.v)))
             else:
-                run.begin_backward(t.dout[rows], t.q[rows], t.k[rows], t.v[rows], t.out[rows],
-                                   t.lse[:, rows])
+                run.begin_backward(*(take(x, rows) for x in (t.dout, t.q, t.k, t.v, t.out)),
+                                   take(t.lse, rows, 1))
             p.runs.append(run)
 
     def _end_rings(self, p: WavePass) -> None:
         for ring, run in zip(p.wave.rings, p.runs):
-            rows = slice(ring.start, ring.end)
-            if p.phase is Phase.FORWARD:
-                p.result[0][rows], p.result[1][:, rows] = run.end_forward()
-            else:
-                p.result[0][rows], p.result[1][rows], p.result[2][rows] = run.end_backward()
+            ends = run.end_forward() if p.phase is Phase.FORWARD else run.end_backward()
+            dims = (0, 1) if p.phase is Phase.FORWARD else (0, 0, 0)  # lse [heads, tokens]
+            for target, value, dim in zip(p.result, ends, dims):
+                _put(target, ring.rows, value, dim)
 
     def _local(self, p: WavePass, call: LocalCall) -> None:
         """One LOCAL call: its rows of the output and lse, or of dq, dk, dv."""
@@ -415,6 +421,11 @@ class AttentionEngine:
         batch = RingBatch(self.transport, self.group, self.timeout_s)
         for ring, run in zip(p.wave.rings, p.runs):
             sends, like = run.sends(p.phase, r), run.recv_like(p.phase, r)
+            if ring.halo:  # (to next, to previous), (from previous, from next)
+                request = ring.comm.exchange_both(sends[0], like[0], sends[1], like[1], r,
+                                                  phase=p.phase, device=k.device, batch=batch)
+                pending.append((request, []))
+                continue
             if ring.routed_send:
                 routed_sends[ring.group.key] = sends
             request = None
@@ -438,7 +449,9 @@ class AttentionEngine:
             waited = time.perf_counter()
             received = request.wait() if request is not None else []
             if self.probe is not None and not self.probe.cuda and request is not None:
-                self._probe_link(ring, run.sends(p.phase, r), posted.at, waited)
+                sends = run.sends(p.phase, r)
+                self._probe_link(ring, sends[0] + sends[1] if ring.halo else sends, posted.at,
+                                 waited)
             if like and ring.routed_recv:  # no flow when a window leaves nothing to relay
                 received = routed.get(ring.group.key) or [
                     torch.empty(shape, dtype=dtype, device=p.tensors.k.device)
@@ -454,24 +467,6 @@ class AttentionEngine:
         nbytes = sum(t.numel() * t.element_size() for t in sends)
         self.probe.link("intra" if ring.group.tier == Tier.INTRA else "inter", nbytes,
                         posted_s, time.perf_counter() - waited_s)
-
-
-# NCCL groups this process has already run a collective on (by id; the groups are held, so
-# an id is never reused while it is here)
-_WARMED: dict[int, dist.ProcessGroup] = {}
-
-
-def warm_up(groups: list[dist.ProcessGroup], device: torch.device) -> None:
-    """A barrier on each NCCL group of ``groups`` that has not yet run a collective in this
-    process: NCCL needs one before a communicator's first P2P batch. Once per group and
-    process (not per engine: an engine is built per plan, and a NCCL barrier waits on the
-    host for the device)."""
-    for group in groups:
-        if id(group) in _WARMED or "nccl" not in str(dist.get_backend(group)):
-            continue
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        dist.barrier(group=group, device_ids=[index])
-        _WARMED[id(group)] = group
 
 
 class _EngineFunction(torch.autograd.Function):

@@ -3,9 +3,11 @@
 A ring is an ordered tuple of ranks of a group (Plan rings; for the world group these are
 global ranks). ``RingComm.exchange`` posts one ring step (send to the next rank, receive from
 the previous one) as one P2P batch through the ring's ``Transport`` and returns at once; the
-returned ``RingRequest.wait`` gives the received tensors. Given a ``RingBatch`` it adds the
-step's ops to that batch instead: the engine posts the steps of every ring of a round on one
-group as one ``batch_isend_irecv`` (one NCCL group call, one launch, instead of one per ring). On gloo the wait is bounded by
+returned ``RingRequest.wait`` gives the received tensors. ``exchange_both`` also sends to the
+previous rank and receives from the next one (the halo exchange of ``halo.py``). Given a
+``RingBatch`` it adds the step's ops to that batch instead: the engine posts the steps of
+every ring of a round on one group as one ``batch_isend_irecv`` (one NCCL group call, one
+launch, instead of one per ring). On gloo the wait is bounded by
 ``timeout_s`` (``env.p2p_timeout_s()`` by default) and raises a RuntimeError naming the ring,
 the phase, the step and the peer, so a failed peer never hangs the others forever; on NCCL it
 joins the current stream to NCCL's (see ``transport``). No process group is created here.
@@ -99,16 +101,45 @@ class RingComm:
         it instead (posted by its owner, on this ring's group)."""
         if device is None:
             device = sends[0].device if sends else torch.device("cpu")
-        received = [torch.empty(shape, dtype=dtype, device=device)
-                    for shape, dtype in (recv_like if recv else ())]
-        # empty tensors are not sent: both sides derive the shapes from the plan
-        ops = [P2P(True, t.contiguous(), self.next, self.tag, (_WHAT, self.name, self.ring,
-                                                                "send", tuple(t.shape), t.dtype,
-                                                                "to", self.next))
-               for t in (sends if send else ()) if t.numel()]
-        ops += [P2P(False, t, self.prev, self.tag, (_WHAT, self.name, self.ring, "receive",
-                                                     tuple(t.shape), t.dtype, "from", self.prev))
-                for t in received if t.numel()]
+        received = self._received(recv_like if recv else (), device)
+        ops = self._ops(sends if send else (), self.next, received, self.prev)
+        return self._post(ops, received, step, phase, batch)
+
+    def exchange_both(self, to_next: Sequence[torch.Tensor], from_prev: Like,
+                      to_prev: Sequence[torch.Tensor], from_next: Like, step: int, *,
+                      phase: Phase = Phase.FORWARD, device: torch.device,
+                      batch: RingBatch | None = None) -> RingRequest:
+        """Post one halo exchange (a ring of at least 3 ranks, ``runtime.halo``): ``to_next``
+        to the next rank and ``to_prev`` to the previous one, receive ``from_prev`` and
+        ``from_next`` (shape, dtype) into new tensors on ``device``; the request's tensors are
+        those from the previous rank, then those from the next. As ``exchange`` otherwise."""
+        if len(self.ring) < 3:
+            raise ValueError(f"{self.name} ring {self.ring}: a halo exchange needs 3 ranks or "
+                             "more (the previous and the next rank differ)")
+        back, ahead = self._received(from_prev, device), self._received(from_next, device)
+        ops = self._ops(to_next, self.next, back, self.prev) + \
+            self._ops(to_prev, self.prev, ahead, self.next)
+        return self._post(ops, back + ahead, step, phase, batch)
+
+    @staticmethod
+    def _received(like: Like, device: torch.device) -> list[torch.Tensor]:
+        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in like]
+
+    def _ops(self, sends: Sequence[torch.Tensor], to: int, received: list[torch.Tensor],
+             source: int) -> list[P2P]:
+        """Sends of ``sends`` to rank ``to`` and receives into ``received`` from ``source``;
+        empty tensors are not sent: both sides derive the shapes from the plan."""
+        ops = [P2P(True, t.contiguous(), to, self.tag, (_WHAT, self.name, self.ring, "send",
+                                                         tuple(t.shape), t.dtype, "to", to))
+               for t in sends if t.numel()]
+        return ops + [P2P(False, t, source, self.tag, (_WHAT, self.name, self.ring, "receive",
+                                                        tuple(t.shape), t.dtype, "from",
+                                                        source))
+                      for t in received if t.numel()]
+
+    def _post(self, ops: list[P2P], received: list[torch.Tensor], step: int, phase: Phase,
+              batch: RingBatch | None) -> RingRequest:
+        """``ops`` added to ``batch``, or posted now through the transport."""
         if batch is not None:
             if batch.group is not self.group:
                 raise ValueError(f"{self.name} ring {self.ring}: a batch of another group")

@@ -244,3 +244,21 @@ def get_transport(choice: str | Transport | None = None) -> Transport:
     if name not in TRANSPORTS:
         raise ValueError(f"transport={name!r} is invalid: expected one of {list(TRANSPORTS)}")
     return TRANSPORTS[name]
+
+
+# NCCL groups this process has already run a collective on (by id; the groups are held, so
+# an id is never reused while it is here)
+_WARMED: dict[int, dist.ProcessGroup] = {}
+
+
+def warm_up(groups: list[dist.ProcessGroup], device: torch.device) -> None:
+    """A barrier on each NCCL group of ``groups`` that has not yet run a collective in this
+    process: NCCL needs one before a communicator's first P2P batch. Once per group and
+    process (not per engine: an engine is built per plan, and a NCCL barrier waits on the
+    host for the device)."""
+    for group in groups:
+        if id(group) in _WARMED or "nccl" not in str(dist.get_backend(group)):
+            continue
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        dist.barrier(group=group, device_ids=[index])
+        _WARMED[id(group)] = group

@@ -4,7 +4,8 @@
 then LOCAL calls), each ring with its ``ZigzagLayout`` (rows ``[start, end)`` of the rank's
 attention buffer ``[tokens, heads, head_dim]``) and ``RingComm``; LOCAL sequences become varlen
 calls (``schedule.local_calls``). Indices are host tensors here; ``windowed`` gives a ring its
-sliding-window layout and moves its blocks to the device (``engine.AttentionEngine.prepare``).
+sliding-window layout (a halo exchange where it fits: ``runtime/halo.py``) and moves its
+blocks to the device (``engine.AttentionEngine.prepare``).
 """
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.plan import Plan, RingGroup, Tier
+from megatron_zeppelin.runtime.halo import HaloBlocks, halo_blocks
 from megatron_zeppelin.runtime.zigzag import StepBlocks, ZigzagLayout, device_blocks
 from megatron_zeppelin.runtime.kernels import Pieces, make_pieces
 from megatron_zeppelin.runtime.ring_comm import RingComm
 from megatron_zeppelin.runtime.transport import Transport
 from megatron_zeppelin.schedule import Phase, local_calls
+from megatron_zeppelin.zigzag_window import halo_fits
 
 
 @dataclasses.dataclass
@@ -35,7 +38,16 @@ class Ring:
     comm: RingComm
     routed_send: bool = False  # outgoing hop goes through the global inter-node step
     routed_recv: bool = False  # incoming hop likewise
-    blocks: StepBlocks | None = None
+    blocks: StepBlocks | HaloBlocks | None = None
+    halo_ok: bool = True  # its hops are its own P2P (not the global inter-node steps)
+    halo: bool = False  # run by halo exchange (``windowed``: HaloBlocks)
+    index: torch.Tensor | None = None  # its rows where they are not [start, end) (``windowed``)
+
+    @property
+    def rows(self) -> slice | torch.Tensor:
+        """Its rows of the rank's buffer: ``[start, end)``, or int64 indices (a part of a
+        group, ``windowed``)."""
+        return slice(self.start, self.end) if self.index is None else self.index
 
 
 class LocalCall(NamedTuple):
@@ -71,11 +83,32 @@ def whole_buffer_call(waves: list[Wave], tokens: int, inter) -> LocalCall | None
     return call if isinstance(call.rows, slice) and call.rows == slice(0, tokens) else None
 
 
-def windowed(ring: Ring, window: int | None, device: torch.device) -> Ring:
-    """``ring`` with its layout for sliding window ``window`` and its blocks on ``device``."""
-    layout = ring.layout if window is None else ZigzagLayout(
-        ring.layout.lengths, ring.layout.ring_size, ring.layout.position, window)
-    return dataclasses.replace(ring, layout=layout, blocks=device_blocks(layout, device))
+def windowed(ring: Ring, window: int | None, device: torch.device) -> list[Ring]:
+    """``ring`` with its layout for sliding window ``window`` and its blocks on ``device``.
+    Where its hops are its own P2P, its sequences whose chunks hold the window
+    (``zigzag_window.halo_fits``: the same on every member) run by halo exchange, the others
+    around the ring: two runs over one ring when it holds both, in that order, each on its
+    own rows of the group's buffer."""
+    old = ring.layout
+    fits = [ring.halo_ok and halo_fits([n], old.ring_size, window) for n in old.lengths]
+    if not any(fits) or all(fits):
+        layout = old if window is None else ZigzagLayout(old.lengths, old.ring_size,
+                                                         old.position, window)
+        blocks = halo_blocks(layout, device) if any(fits) else device_blocks(layout, device)
+        return [dataclasses.replace(ring, layout=layout, blocks=blocks, halo=any(fits))]
+    spans = list(itertools.accumulate((a + b for a, b in old.held(old.position)),
+                                      initial=ring.start))
+    parts = []
+    for halo in (True, False):
+        seqs = [i for i, f in enumerate(fits) if f == halo]
+        layout = ZigzagLayout([old.lengths[i] for i in seqs], old.ring_size, old.position,
+                              window)
+        rows = torch.cat([torch.arange(spans[i], spans[i + 1], dtype=torch.int64)
+                          for i in seqs])
+        blocks = halo_blocks(layout, device) if halo else device_blocks(layout, device)
+        parts.append(dataclasses.replace(ring, layout=layout, blocks=blocks, halo=halo,
+                                         index=rows.to(device)))
+    return parts
 
 
 def build_waves(plan: Plan, rank: int, pg: dist.ProcessGroup, inter, local_call_tokens: int,
@@ -102,6 +135,7 @@ def build_waves(plan: Plan, rank: int, pg: dist.ProcessGroup, inter, local_call_
         if inter is not None and group.tier == Tier.INTER:
             ring.routed_send = inter.crosses(group, position)
             ring.routed_recv = inter.crosses(group, (position - 1) % len(group.ring))
+            ring.halo_ok = False  # the global steps carry ring hops only
         waves[group.wave].rings.append(ring)
     tokens = plan.attention_tokens()[rank]
     if offset != tokens:

@@ -186,18 +186,29 @@ class ZigzagLayout:
         if key not in self._held:
             rows: set[int] = set()
             for later in range(step, self.ring_size):
-                for _, (_, _, k, n) in self._window_pairs((source + later) % self.ring_size,
-                                                          source):
-                    rows.update(range(k, k + n))
+                rows.update(self.read_rows((source + later) % self.ring_size, source))
             full = rows == set(range(self.tokens(source)))
             self._held[key] = None if full else tuple(sorted(rows))
         return self._held[key]
+
+    def read_rows(self, position: int, source: int) -> tuple[int, ...]:
+        """Rows of ``source``'s KV buffer that ``position``'s queries read under the window,
+        sorted (what a halo exchange sends from ``source`` to ``position``)."""
+        rows: set[int] = set()
+        for _, (_, _, k, n) in self._window_pairs(position, source):
+            rows.update(range(k, k + n))
+        return tuple(sorted(rows))
 
     def _window_blocks(self, step: int) -> tuple[Block, ...]:
         """The calls of ``step`` with a sliding window: trimmed pairs grouped by band, key
         rows in the held block (``held_rows``)."""
         source = self.source(step)
-        held = self.held_rows(source, step)
+        return self.window_blocks(source, self.held_rows(source, step))
+
+    def window_blocks(self, source: int, held: tuple[int, ...] | None) -> tuple[Block, ...]:
+        """This position's calls against ``source``'s KV under the window: trimmed pairs
+        grouped by band, key rows in a block of ``source``'s rows ``held`` (sorted; None: its
+        whole buffer)."""
         calls: list[tuple[tuple[int, int] | None, list]] = []
         for key, (q_row, qn, k_row, kn) in self._window_pairs(self.position, source):
             if held is not None:  # a needed range is contiguous in the sorted held rows
@@ -247,22 +258,30 @@ def device_blocks(layout: ZigzagLayout, device: torch.device | str) -> StepBlock
     """Every step's blocks with their indices and offsets on ``device`` (one move; rows that
     form one range stay slices), each step's relayed rows and dK/dV accumulator rows."""
     size = layout.ring_size
-    host = [layout.blocks(step) for step in range(size)]
+    rows = [layout.relay_rows(t) if t + 1 < size else None for t in range(size)] + \
+        [layout.dkv_index(t) for t in range(size)] + [layout.dkv_rows(layout.position)]
+    placed, moved = place_blocks([layout.blocks(step) for step in range(size)], rows, device)
+    steps = StepBlocks(placed)
+    steps.relay, steps.dkv_index = tuple(moved[:size]), tuple(moved[size:2 * size])
+    steps.own_dkv = moved[-1]
+    return steps
+
+
+def place_blocks(calls: list[tuple[Block, ...]], rows: list[tuple[int, ...] | None],
+                 device: torch.device | str) -> tuple[tuple, list]:
+    """``calls`` (groups of blocks) with their indices and offsets on ``device``, and host
+    ``rows`` (tuples, None stays None) as int64 tensors there, in one move; rows of a block
+    that form one range become slices (views, no gather)."""
     flat = [b._replace(q_rows=_as_slice(b.q_rows), k_rows=_as_slice(b.k_rows))
-            for step in host for b in step]
-    rows = [_rows_tensor(layout.relay_rows(t)) if t + 1 < size else None for t in range(size)] + \
-        [_rows_tensor(layout.dkv_index(t)) for t in range(size)] + \
-        [_rows_tensor(layout.dkv_rows(layout.position))]
+            for group in calls for b in group]
     moved = to_device([_index(t) for b in flat for t in (b.q_rows, b.k_rows, b.pieces.cu_q_dev,
-                                                         b.pieces.cu_k_dev)] + rows, device)
+                                                         b.pieces.cu_k_dev)] +
+                      [_rows_tensor(r) for r in rows], device)
     n = 4 * len(flat)
     placed = iter([Block(b.q_rows if q is None else q, b.k_rows if k is None else k,
                          b.pieces._replace(cu_q_dev=cq, cu_k_dev=ck), b.causal, b.window)
                    for b, (q, k, cq, ck) in zip(flat, zip(*[iter(moved[:n])] * 4))])
-    steps = StepBlocks(tuple(next(placed) for _ in step) for step in host)
-    steps.relay, steps.dkv_index = tuple(moved[n:n + size]), tuple(moved[n + size:n + 2 * size])
-    steps.own_dkv = moved[-1]
-    return steps
+    return tuple(tuple(next(placed) for _ in group) for group in calls), moved[n:]
 
 
 def _rows_tensor(rows: tuple[int, ...] | None) -> torch.Tensor | None:

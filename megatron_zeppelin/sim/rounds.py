@@ -48,7 +48,10 @@ class RingCosts(NamedTuple):
     one kernel launch; one number, or one per step where a sliding window makes them differ),
     KV bytes each member sends per step and, in KV bytes, the dK/dV
     accumulator it sends (fewer than the KV's whole chunk under a sliding window; None: the
-    same as ``kv_bytes``); ``cross[p]``: hop p -> p+1 crosses nodes."""
+    same as ``kv_bytes``); ``cross[p]``: hop p -> p+1 crosses nodes. ``halo``: a windowed
+    group run by halo exchange (``runtime/halo.py``): the rounds of a ring of
+    ``schedule.HALO_ROUNDS_SIZE``, each member sending ``kv_bytes`` (``dkv_bytes``) to each
+    neighbour, ``step_s`` its two rounds' compute."""
 
     index: int
     members: np.ndarray
@@ -57,10 +60,21 @@ class RingCosts(NamedTuple):
     kv_bytes: float
     cross: np.ndarray
     dkv_bytes: float | None = None
+    halo: bool = False
 
     @property
     def accumulator_bytes(self) -> float:
         return self.kv_bytes if self.dkv_bytes is None else self.dkv_bytes
+
+    @property
+    def rounds_size(self) -> int:
+        """The ring size whose rounds it runs (``schedule``)."""
+        return schedule.HALO_ROUNDS_SIZE if self.halo else len(self.members)
+
+    @property
+    def steps(self) -> int:
+        """Rounds with compute: one per step (its own ``step_s`` entries where given)."""
+        return len(self.step_s) if np.ndim(self.step_s) else len(self.members)
 
 
 @dataclass(frozen=True)
@@ -103,14 +117,15 @@ def exchange_rounds(size: int, spec: PassSpec) -> int:
 
 
 def round_bytes(sizes: np.ndarray, kv_bytes: np.ndarray, r: int, spec: PassSpec,
-                dkv_bytes: np.ndarray | None = None) -> np.ndarray:
-    """Bytes each member of each ring sends in round ``r`` (KV, plus the dKV accumulator in
-    backward); ``sizes``/``kv_bytes``/``dkv_bytes`` (the accumulator in KV bytes; None: as
-    ``kv_bytes``) per ring."""
+                dkv_bytes: np.ndarray | None = None, halo: np.ndarray | bool = False
+                ) -> np.ndarray:
+    """Bytes each member of each ring sends (per hop) in round ``r`` (KV, plus the dKV
+    accumulator in backward); ``sizes`` (``RingCosts.rounds_size``)/``kv_bytes``/``dkv_bytes``
+    (the accumulator in KV bytes; None: as ``kv_bytes``)/``halo`` per ring."""
     out = np.where(sends_kv(sizes, r), kv_bytes, 0.0)
     if spec.backward:
         acc = kv_bytes if dkv_bytes is None else dkv_bytes
-        out = out + np.where(sends_dkv(sizes, r), acc * spec.acc_per_kv_byte, 0.0)
+        out = out + np.where(sends_dkv(sizes, r, halo), acc * spec.acc_per_kv_byte, 0.0)
     return out
 
 
@@ -141,22 +156,27 @@ def local_parts(work: list[tuple[float, float]], rounds: int, launch_s: float) -
 
 
 class _Hops:
-    """Every ring hop of a wave, flat; rings ordered by size, longest first, so the hops of
-    the rings still exchanging in a round are a prefix. Hop h goes ``src[h] -> dst[h]``."""
+    """Every ring hop of a wave, flat; rings ordered by the size whose rounds they run,
+    longest first, so the hops of the rings still exchanging in a round are a prefix. Hop h
+    goes ``src[h] -> dst[h]``: p -> p+1, and for a halo group also p -> p-1."""
 
     def __init__(self, rings: list[RingCosts], gpus: GpuMap) -> None:
         self.rings = sorted((g for g in rings if len(g.members) > 1),
-                            key=lambda g: -len(g.members))
-        self.sizes = np.asarray([len(g.members) for g in self.rings], dtype=np.int64)
+                            key=lambda g: -g.rounds_size)
+        self.sizes = np.asarray([g.rounds_size for g in self.rings], dtype=np.int64)
+        self.halo = np.asarray([g.halo for g in self.rings], dtype=bool)
         self.kv = np.asarray([g.kv_bytes for g in self.rings])
         self.dkv = np.asarray([g.accumulator_bytes for g in self.rings])
-        members = [g.members for g in self.rings]
-        self.src = np.concatenate(members) if members else np.zeros(0, np.int64)
-        self.dst = np.concatenate([np.roll(m, -1) for m in members]) if members else self.src
-        self.ring = np.repeat(np.arange(len(self.rings)), self.sizes)
-        self.ends = np.cumsum(self.sizes)
-        self.cross = np.concatenate([g.cross for g in self.rings]) if members else \
-            np.zeros(0, bool)
+        ways = [((g.members, np.roll(g.members, -1), g.cross),) + (
+            ((g.members, np.roll(g.members, 1), np.roll(g.cross, 1)),) if g.halo else ())
+            for g in self.rings]  # (sources, destinations, crosses nodes) per direction
+        hops = [way for ring in ways for way in ring]
+        self.src = np.concatenate([w[0] for w in hops]) if hops else np.zeros(0, np.int64)
+        self.dst = np.concatenate([w[1] for w in hops]) if hops else self.src
+        counts = [sum(len(w[0]) for w in ring) for ring in ways]
+        self.ring = np.repeat(np.arange(len(self.rings)), counts)
+        self.ends = np.cumsum(counts)
+        self.cross = np.concatenate([w[2] for w in hops]) if hops else np.zeros(0, bool)
         self.src_nic = _nic_ids(self.src, gpus)
         self.dst_nic = _nic_ids(self.dst, gpus)
         self.nics = gpus.cluster.nodes * gpus.cluster.nics_per_node
@@ -271,12 +291,12 @@ def _compute_matrix(rings: list[RingCosts], local: list[list[tuple[float, float]
     busy = np.full(world, global_steps, dtype=np.int64)
     for ring in rings:
         busy[ring.members] = np.maximum(busy[ring.members],
-                                        exchange_rounds(len(ring.members), spec))
+                                        exchange_rounds(ring.rounds_size, spec))
     parts = [local_parts(work, max(1, int(b)), spec.launch_s) if work else []
              for work, b in zip(local, busy)]
     rounds = max([global_steps, 1, *(len(p) for p in parts),
-                  *(exchange_rounds(len(g.members), spec) for g in rings),
-                  *(len(g.members) for g in rings)])
+                  *(exchange_rounds(g.rounds_size, spec) for g in rings),
+                  *(g.steps for g in rings)])
     compute = np.zeros((rounds + 1, world))  # a ring adds its step to rows [0, G): diffs
     even = [g for g in rings if np.ndim(g.step_s) == 0]
     if even:
@@ -289,7 +309,7 @@ def _compute_matrix(rings: list[RingCosts], local: list[list[tuple[float, float]
     compute = np.cumsum(compute, axis=0)[:rounds]
     for ring in rings:  # per-step seconds (sliding windows): step r in round r
         if np.ndim(ring.step_s):
-            compute[:len(ring.members), ring.members] += \
+            compute[:ring.steps, ring.members] += \
                 np.asarray(ring.step_s)[:, None] * spec.compute_scale
     for rank, seconds in enumerate(parts):
         if seconds:
@@ -334,7 +354,7 @@ def _ring_exchanges(hops: _Hops, r: int, spec: PassSpec, links: Links, state: _R
     n = hops.active(r, spec)
     if n == 0:
         return
-    nbytes = round_bytes(hops.sizes, hops.kv, r, spec, hops.dkv)[hops.ring[:n]]
+    nbytes = round_bytes(hops.sizes, hops.kv, r, spec, hops.dkv, hops.halo)[hops.ring[:n]]
     cluster = links.cluster
     times = nbytes / cluster.nvlink_byte_per_s + cluster.nvlink_latency_us * 1e-6
     if contended:

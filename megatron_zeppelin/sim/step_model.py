@@ -48,13 +48,13 @@ import numpy as np
 
 from megatron_zeppelin.config import ClusterSpec, ModelSpec
 from megatron_zeppelin.cost_model import CostModel
-from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.plan import Plan, Tier
 from megatron_zeppelin.sim.network import GpuMap
 from megatron_zeppelin.sim.profile import SimProfile
 from megatron_zeppelin.sim.rounds import Links, PassSpec, RingCosts, simulate_pass
 from megatron_zeppelin.sim.sharing import shared_finish
 from megatron_zeppelin.sim.ulysses import ulysses_pass_times
-from megatron_zeppelin.zigzag_window import relay_rows, step_pairs
+from megatron_zeppelin.zigzag_window import halo_fits, halo_rows, relay_rows, step_pairs
 
 GEMM_CALLS_FWD = 4  # QKV, projection, MLP in, MLP out
 GEMM_CALLS_BWD = 8  # data and weight gradients of each
@@ -169,47 +169,66 @@ class _Work(NamedTuple):
     local: list[list[tuple[float, float]]]
 
 
-def build_work(plan: Plan, cost: CostModel, profile: SimProfile) -> list[tuple[_Work, _Work]]:
+def build_work(plan: Plan, cost: CostModel, profile: SimProfile, halo_inter: bool = True
+               ) -> list[tuple[_Work, _Work]]:
     """Per wave, the (forward, backward) work of every ring group and LOCAL queue: a G-rank
-    ring step computes 1/G^2 of each sequence's causal work at query length s/G."""
+    ring step computes 1/G^2 of each sequence's causal work at query length s/G. In a layer
+    whose every layer is windowed, a group's sequences whose chunks hold the window run by
+    halo exchange where the engine does (``halo_sequences``; INTER rings only with
+    ``halo_inter``, i.e. ring P2P, not global steps): a second ring over the same members,
+    ahead of the one of its other sequences (``runtime.waves.windowed``)."""
     groups, world, gpn = plan.ring_groups, plan.topology.world_size, plan.topology.gpus_per_node
     owner = np.repeat(np.arange(len(groups)), [len(g.seqs) for g in groups])
     s = np.asarray([plan.seqlens[q] for g in groups for q in g.seqs], dtype=np.float64)
     g = np.asarray([len(groups[i].ring) for i in owner], dtype=np.float64)
+    halo = halo_sequences(plan, cost.model, halo_inter)
+    part, parts = 2 * owner + ~halo, [group for group in groups for _ in range(2)]
     flops = cost.attention_flops(s)  # vectorised; the model's sliding window included
     fwd = profile.attention_forward_s(flops / (g * g), s / g) * profile.compute_scale
     bwd = fwd * profile.backward_ratio(s / g)
     extra = profile.attention_call_us * 1e-6 * profile.compute_scale + \
         profile.ring_step_us * 1e-6
-    step_f = np.bincount(owner, fwd, len(groups)) + extra
-    step_b = np.bincount(owner, bwd, len(groups)) + extra
+    step_f = np.bincount(part, fwd, len(parts)) + extra
+    step_b = np.bincount(part, bwd, len(parts)) + extra
     if cost.model.window_share > 0.0:  # windowed layers compute unevenly across the steps
         weights = step_weights(s, g, cost.model)
-        step_f = [steps + extra for steps in _group_steps(fwd * g, weights, owner, groups)]
-        step_b = [steps + extra for steps in _group_steps(bwd * g, weights, owner, groups)]
-    kv_rows, dkv_rows = relayed_rows(s, g, cost.model)
-    chunk_kv = np.bincount(owner, kv_rows, len(groups)) * cost.kv_bytes(1)
-    chunk_dkv = np.bincount(owner, dkv_rows, len(groups)) * cost.kv_bytes(1)
+        step_f = [steps + extra for steps in _group_steps(fwd * g, weights, part, parts)]
+        step_b = [steps + extra for steps in _group_steps(bwd * g, weights, part, parts)]
+    kv_rows, dkv_rows = relayed_rows(s, g, cost.model, halo)
+    chunk_kv = np.bincount(part, kv_rows, len(parts)) * cost.kv_bytes(1)
+    chunk_dkv = np.bincount(part, dkv_rows, len(parts)) * cost.kv_bytes(1)
+    held = np.bincount(part, minlength=len(parts))
     out = [(_Work([], [[] for _ in range(world)]), _Work([], [[] for _ in range(world)]))
            for _ in range(plan.num_waves)]
-    first = 0
     for index, group in enumerate(groups):
-        count, (f_work, b_work) = len(group.seqs), out[group.wave]
-        part = slice(first, first + count)
-        first += count
+        f_work, b_work = out[group.wave]
         if len(group.ring) == 1:
-            squares = (s[part] ** 2).tolist()
-            f_work.local[group.ring[0]].extend(zip(squares, fwd[part].tolist()))
-            b_work.local[group.ring[0]].extend(zip(squares, bwd[part].tolist()))
+            mine = owner == index
+            squares = (s[mine] ** 2).tolist()
+            f_work.local[group.ring[0]].extend(zip(squares, fwd[mine].tolist()))
+            b_work.local[group.ring[0]].extend(zip(squares, bwd[mine].tolist()))
             continue
-        members = np.asarray(group.ring, dtype=np.int64)
-        nodes = members // gpn
-        cross = nodes != np.roll(nodes, -1)
-        f_work.rings.append(RingCosts(index, members, group.tier, _step(step_f[index]),
-                                      float(chunk_kv[index]), cross, float(chunk_dkv[index])))
-        b_work.rings.append(RingCosts(index, members, group.tier, _step(step_b[index]),
-                                      float(chunk_kv[index]), cross, float(chunk_dkv[index])))
+        nodes = np.asarray(group.ring, dtype=np.int64) // gpn
+        for i in [j for j in (2 * index, 2 * index + 1) if held[j]]:  # halo part, the rest
+            for work, steps in ((f_work, step_f[i]), (b_work, step_b[i])):
+                if i % 2 == 0:  # step 0 in round 0, its two neighbours' blocks in round 1
+                    steps = np.asarray([steps[0], steps[1:].sum() - (len(steps) - 3) * extra])
+                work.rings.append(RingCosts(index, np.asarray(group.ring, dtype=np.int64),
+                                            group.tier, _step(steps), float(chunk_kv[i]),
+                                            nodes != np.roll(nodes, -1), float(chunk_dkv[i]),
+                                            i % 2 == 0))
     return out
+
+
+def halo_sequences(plan: Plan, model: ModelSpec, halo_inter: bool) -> np.ndarray:
+    """Per sequence of the plan's ring groups (in group order), whether the engine runs it
+    by halo exchange in a layer of ``model`` whose every layer is windowed: its chunks hold
+    the window on a ring of 3 or more (``zigzag_window.halo_fits``), and an INTER ring only
+    where its hops are ring P2P (``halo_inter``)."""
+    return np.asarray([model.window_share >= 1.0 and
+                       (group.tier != Tier.INTER or halo_inter) and
+                       halo_fits([plan.seqlens[q]], len(group.ring), model.window_size)
+                       for group in plan.ring_groups for q in group.seqs], dtype=bool)
 
 
 def _step(seconds) -> float | np.ndarray:
@@ -245,18 +264,21 @@ def _group_steps(total: np.ndarray, weights: list, owner: np.ndarray, groups
     return out
 
 
-def relayed_rows(s: np.ndarray, g: np.ndarray, model: ModelSpec
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per sequence of a ring group (lengths ``s``, ring sizes ``g``): the KV rows and dK/dV
-    accumulator rows one hop carries, mean over the model's layers. A windowed layer's hops
-    carry what the engine sends (``zigzag_window.relay_rows``, counted on the zigzag
-    geometry), the others the whole chunk ``s / g``."""
+def relayed_rows(s: np.ndarray, g: np.ndarray, model: ModelSpec,
+                 halo: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per sequence of a ring group (lengths ``s``, ring sizes ``g``; ``halo``: its group
+    runs by halo exchange): the KV rows and dK/dV accumulator rows one hop carries, mean over
+    the model's layers. A windowed layer's hops carry what the engine sends
+    (``zigzag_window.relay_rows``, counted on the zigzag geometry; in a halo exchange each
+    way to a neighbour half of ``halo_rows``), the others the whole chunk ``s / g``."""
     chunk = s / g
     share = model.window_share
     if share <= 0.0:
         return chunk, chunk
-    rows = np.asarray([relay_rows(int(n), int(k), model.window_size) for n, k in zip(s, g)],
-                      dtype=np.float64).reshape(-1, 2)
+    halo = np.zeros(len(s), dtype=bool) if halo is None else halo
+    rows = np.asarray([np.asarray(halo_rows(int(n), int(k), model.window_size)) / 2 if h else
+                       relay_rows(int(n), int(k), model.window_size)
+                       for n, k, h in zip(s, g, halo)], dtype=np.float64).reshape(-1, 2)
     return (1.0 - share) * chunk + share * rows[:, 0], (1.0 - share) * chunk + share * rows[:, 1]
 
 
@@ -285,7 +307,7 @@ def attention_ends(plan: Plan, cost: CostModel, profile: SimProfile, options: St
     out = None
     for weight, kind in layer_kinds(cost):
         waves = []
-        for works in build_work(plan, kind, profile):
+        for works in build_work(plan, kind, profile, options.inter_mode == "ring"):
             ends = [simulate_pass(work.rings, work.local, plan.topology.world_size,
                                   PassSpec(backward, 1.0, acc / bpe, call), links)
                     for backward, work in zip((False, True), works)]
