@@ -61,6 +61,11 @@ def phase_steps(size: int, phase: Phase) -> int:
 
 
 HALO_ROUNDS_SIZE = 2  # a halo group runs the rounds of a ring of this size (``halo_steps``)
+# a group where only some sequences' chunks hold the window: its halo part beside a ring run of
+# the rest (CUDA: the rows saved outweigh the extra calls, as the simulator prices them), or
+# the whole group round the ring (CPU, host-driven: the extra calls cost more, measured by
+# ``zeppelin bench halo``: 0.91-0.96x on 4 gloo ranks, where whole halo groups gain 1.08-1.43x)
+HALO_SPLIT = {"cpu": False, "cuda": True}
 
 
 def halo_steps(phase: Phase) -> int:

@@ -21,8 +21,9 @@
 # Steps (estimates for one H100 from GPU-FACTS' figures; `--list` prints them):
 #   kernel-tests    tests/test_gpu.py but the 4-rank tests: every backend vs float64, the CPU
 #                   stand-in vs the real kernel, the hot path under sync debug mode
-#   rank-tests      tests/test_gpu.py's 4 ranks on one GPU (engine vs float64, a tiny GPT vs one
-#                   process; gloo with the staged transport)
+#   rank-tests      tests/test_gpu.py's 4 ranks on one GPU (engine vs float64, a windowed ring
+#                   by halo exchange vs float64, a tiny GPT vs one process; gloo with the
+#                   staged transport)
 #   contract-tests  the native backend's CPU contract tests (tests/test_native_backend.py,
 #                   tests/test_kernels.py)
 #   bench-kernels   `zeppelin bench kernels --device cuda`: block call vs raw kernel, stream and
@@ -74,8 +75,8 @@ QUICK=(kernel-tests bench-kernels bench-engine train)
 declare -A ESTIMATE=(
     # pytest and CUDA start ~15 s; blocks <= 2K tokens; the hot-path test spawns one process
     [kernel-tests]=60
-    # 4 spawned processes x 2 tests, each starting CUDA and gloo (~15 s), small batches
-    [rank-tests]=150
+    # 4 spawned processes x 3 tests, each starting CUDA and gloo (~15 s), small batches
+    [rank-tests]=210
     # CPU tests on 16 cores
     [contract-tests]=60
     # 164 calls per row (stream 1 + 3 x 20, synced 1 + 20, ours and raw); at 64K tokens a
@@ -97,7 +98,7 @@ declare -A ESTIMATE=(
 )
 declare -A WHAT=(
     [kernel-tests]="GPU tests: backends vs float64, stand-in vs real kernel, hot path syncs"
-    [rank-tests]="GPU tests: 4 ranks on one GPU (engine vs float64, tiny GPT vs 1 process)"
+    [rank-tests]="GPU tests: 4 ranks on one GPU (engine and halo exchange vs float64, tiny GPT vs 1 process)"
     [contract-tests]="the native backend's CPU contract tests"
     [bench-kernels]="block call vs raw kernel, stream + synced (<= 1.05x at >= 4K, <= 20 us)"
     [bench-engine]="local-only engine vs raw (<= 1.10x); ring path vs raw blocks (<= 1.5x)"

@@ -54,15 +54,16 @@ def plan_of(strategy: str, nodes: int, gpus: int, lengths, **options):
 
 def case(label, plan, heads=4, kv_heads=2, dtype="float32", modes=("ring",), seed=0,
          local_call_tokens=LOCAL_CALL_TOKENS, backend=None, transport="direct", window=None,
-         v_head_dim=None):
+         v_head_dim=None, split=False):
     """backend ``native`` runs the native backend's code path through the kernel stand-in
     (bf16); transport ``staged`` stages every exchange through host buffers, ``ordered``
     matches messages by order per rank pair and group as NCCL does (``runtime/ordered.py``:
     an order that only gloo's tags make agree fails); window: sliding window; v_head_dim: a
-    value head dim other than HEAD_DIM (multi-latent attention)."""
+    value head dim other than HEAD_DIM (multi-latent attention); split: a ring group whose
+    sequences only partly fit a halo exchange is split as on CUDA (``schedule.HALO_SPLIT``)."""
     return dict(label=label, plan=plan, heads=heads, kv_heads=kv_heads, dtype=dtype,
                 modes=modes, seed=seed, local_call_tokens=local_call_tokens, backend=backend,
-                transport=transport, window=window, v_head_dim=v_head_dim)
+                transport=transport, window=window, v_head_dim=v_head_dim, split=split)
 
 
 def router_topology(plan) -> RouterTopology:
@@ -101,7 +102,7 @@ def run_case(rank, c, mode, route_group):
                              route_group=route_group,
                              router_topology=router_topology(plan) if mode == "routed" else None,
                              local_call_tokens=c["local_call_tokens"], backend=c["backend"],
-                             transport=c["transport"])
+                             transport=c["transport"], halo_split=c["split"] or None)
     start = time.perf_counter()
     out = engine.forward(q, k, v, window=c["window"])
     out.backward(dout)

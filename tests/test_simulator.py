@@ -421,6 +421,8 @@ def test_windowed_ring_steps_are_simulated_where_their_work_falls():
     mixed = make_plan("static-cp", [65536] * 3 + [1000], dense, cp_size=16)
     for work in build_work(mixed, windowed, profile)[0]:
         assert [(r.halo, r.steps, r.index) for r in work.rings] == [(True, 2, 0), (False, 16, 0)]
+    for work in build_work(mixed, windowed, profile, split=False)[0]:  # as the engine on CPU
+        assert [(r.halo, r.steps, r.index) for r in work.rings] == [(False, 16, 0)]
     half = CostModel(dataclasses.replace(dense.model, window_size=512, window_layers=16),
                      dense.cluster, dense.hardware)
     ends = {name: attention_ends(plan, cost, sim_profile(half), StepOptions())[0]

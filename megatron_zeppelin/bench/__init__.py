@@ -15,6 +15,7 @@ fidelity   measured full training steps vs the simulator's step model (fidelity_
            --engine: the attention engine alone, fidelity.py); exits 1 on a missed target
 online     online profile fit: probe overhead, estimate error before/after      (online.py)
 window     sliding window: ring compute skipped, KV relay sent vs needed          (window.py)
+halo       windowed ring: halo exchange vs round the ring, measured on gloo ranks  (halo.py)
 remap      step time with and without the remapping layer where it should pay    (remap.py)
 decisions  the portfolio's pick vs every candidate measured per micro-batch     (decisions.py)
 overhead   host CPU seconds per training step by thread and planner process, profiled
@@ -40,7 +41,7 @@ import time
 from typing import Callable
 
 TARGETS = ("planner", "planning", "router", "engine", "kernels", "train", "fidelity", "online",
-           "window", "remap", "decisions", "overhead", "rings", "sharing", "converge")
+           "window", "halo", "remap", "decisions", "overhead", "rings", "sharing", "converge")
 
 
 def median_ms(fn: Callable[[], object], repeats: int, budget_s: float) -> tuple[float, int]:

@@ -94,7 +94,8 @@ def replay(entry, extra: list[str], iterations: int, logs: list[dict], profile_n
     routed = strategy_class(planner.strategy).routed and args.zeppelin_routing and \
         cost.cluster.nodes > 1
     options = StepOptions(inter_mode="routed" if routed else "ring",
-                          overlap_grad_reduce=bool(args.overlap_grad_reduce))
+                          overlap_grad_reduce=bool(args.overlap_grad_reduce),
+                          device=args.device)  # the measured runs' engine
     profile = profile_name if isinstance(profile_name, SimProfile) else \
         load_sim_profile(profile_name)
     out = []

@@ -14,7 +14,8 @@ ring group (ring size > 1) and ring position, from the engine's own ring blocks
   the engine sends (the rows some position after the owner reads, ``ZigzagLayout.dkv_rows``);
 * the sequences run by halo exchange (``runtime/halo.py``: the window fits in each of their
   chunks on a ring of 3 or more whose hops are its own P2P, i.e. INTRA, or INTER where the
-  strategy does not route; "by halo", of the ring groups' sequences): each position sends its
+  strategy does not route; "by halo", of the ring groups' sequences; a group split as the
+  engine splits it on CUDA, ``schedule.HALO_SPLIT``): each position sends its
   neighbours the rows they read, once (one exchange forward, the dK/dV of those rows home
   backward) instead of relaying them round the ring; their KV and dK/dV "sent" are those
   rows.
@@ -72,11 +73,13 @@ FIGURES = ("pairs", "steps", "skipped", "whole", "sent", "needed", "dkv_whole", 
 
 
 def ring_figures(lengths: list[int], size: int, window: int | None,
-                 halo_ok: bool = False) -> dict[str, int]:
+                 halo_ok: bool = False, split: bool = True) -> dict[str, int]:
     """Pairs, skipped steps and relay tokens (sent / needed) of one ring group; ``halo_ok``:
     its hops are its own P2P, so its sequences whose chunks hold the window run by halo
-    exchange, the others round the ring (``runtime.waves.windowed``)."""
+    exchange, the others round the ring (``runtime.waves.windowed``; without ``split``, as
+    on CPU, only a group whose every sequence fits)."""
     fits = [halo_ok and halo_fits([n], size, window) for n in lengths]
+    fits = fits if split or all(fits) else [False] * len(fits)
     out = dict.fromkeys(FIGURES, 0)
     for halo in (True, False):
         part = [n for n, f in zip(lengths, fits) if f == halo]

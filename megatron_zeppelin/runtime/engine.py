@@ -16,9 +16,8 @@ INTER rings, then INTRA rings, then LOCAL sequences. A wave runs in rounds ``r =
 (``schedule``: which round sends what):
 
 1. post the round's exchanges, in global group order: every INTER and INTRA ring's step-``r``
-   P2P (``RingComm``, async; all of them one batch on the pool's group, ``RingBatch``; with a
-   sliding window that fits in a sequence's chunks, a halo exchange with both neighbours,
-   ``halo.py``, which runs the rounds of a ring of two) and,
+   P2P (``RingComm``, async; all of them one batch on the pool's group, ``RingBatch``; where
+   a sliding window allows, a halo exchange with both neighbours, ``halo.py``) and,
    with ``inter_mode`` ``direct``/``routed``, the wave's global inter-node step ``r`` on the
    worker thread (``inter.InterQueue``);
 2. compute step ``r`` of every ring (INTER first, then INTRA);
@@ -134,6 +133,21 @@ def refuse_unknown_kind(plan: Plan) -> None:
                          f"{list(ATTENTION_KINDS)}")
 
 
+def _check_options(inter_mode: str, route_group, local_call_tokens: int, backend) -> None:
+    """ValueError naming an ``AttentionEngine`` option that cannot run."""
+    if inter_mode not in INTER_MODES:
+        raise ValueError(f"inter_mode={inter_mode!r} is invalid: expected one of "
+                         f"{list(INTER_MODES)}")
+    if inter_mode != "ring" and route_group is None:
+        raise ValueError(f"inter_mode={inter_mode!r} needs route_group: a second process "
+                         "group over the pool's ranks (dist.new_group)")
+    if not (isinstance(local_call_tokens, int) and local_call_tokens >= 1):
+        raise ValueError(f"local_call_tokens={local_call_tokens!r} is invalid: expected an "
+                         "integer >= 1")
+    if isinstance(backend, str) and backend != kernels.AUTO:
+        kernels.get(backend)  # a bad name fails here, not in the first step
+
+
 class AttentionEngine:
     """Causal attention of a plan's attention layout on one rank (see the module docstring).
 
@@ -148,7 +162,8 @@ class AttentionEngine:
     this length (``schedule.local_calls``); transport: a ``transport.Transport`` or its name
     (None: ``ZEPPELIN_TRANSPORT``); device: prepare the plan's indices there now (else at the
     first call, on the inputs' device); windows: the sliding windows (None: full causal) whose
-    ring blocks ``prepare`` builds ahead (another window's are built at its first call). A
+    ring blocks ``prepare`` builds ahead (another window's are built at its first call); halo /
+    halo_split: ``waves.build_waves`` / ``waves.windowed`` (``zeppelin bench halo``). A
     ``ulysses`` plan runs on ``group`` through ``ulysses.UlyssesAttention`` (backend,
     timeout_s, scale, transport and device apply); ``inter_mode``/``route_group`` route ring
     traffic and have none to route there.
@@ -162,23 +177,14 @@ class AttentionEngine:
                  local_call_tokens: int = LOCAL_CALL_TOKENS,
                  transport: Transport | str | None = None,
                  device: torch.device | str | None = None,
-                 windows: tuple[int | None, ...] = (None,)) -> None:
+                 windows: tuple[int | None, ...] = (None,), halo: bool = True,
+                 halo_split: bool | None = None) -> None:
         refuse_unknown_kind(plan)
         plan.topology.check_world_size(dist.get_world_size(group))
         if dist.get_rank(group) != rank:
             raise ValueError(f"rank={rank} is not this process's rank in the group "
                              f"({dist.get_rank(group)})")
-        if inter_mode not in INTER_MODES:
-            raise ValueError(f"inter_mode={inter_mode!r} is invalid: expected one of "
-                             f"{list(INTER_MODES)}")
-        if inter_mode != "ring" and route_group is None:
-            raise ValueError(f"inter_mode={inter_mode!r} needs route_group: a second process "
-                             "group over the pool's ranks (dist.new_group)")
-        if not (isinstance(local_call_tokens, int) and local_call_tokens >= 1):
-            raise ValueError(f"local_call_tokens={local_call_tokens!r} is invalid: expected an "
-                             "integer >= 1")
-        if isinstance(backend, str) and backend != kernels.AUTO:
-            kernels.get(backend)  # a bad name fails here, not in the first step
+        _check_options(inter_mode, route_group, local_call_tokens, backend)
         self.plan, self.rank, self.group = plan, rank, group
         self.backend, self.scale, self.inter_mode = backend, scale, inter_mode
         self.timeout_s = env.p2p_timeout_s() if timeout_s is None else float(timeout_s)
@@ -196,8 +202,9 @@ class AttentionEngine:
             router_topology=router_topology, timeout_s=self.timeout_s,
             transport=self.transport)
         self.waves = [] if self.ulysses else build_waves(
-            plan, rank, group, self.inter, local_call_tokens, self.timeout_s, self.transport)
-        self.windows = tuple(windows)
+            plan, rank, group, self.inter, local_call_tokens, self.timeout_s, self.transport,
+            halo)
+        self.windows, self.halo_split = tuple(windows), halo_split
         # per device: the waves of each sliding window (None: full causal) and the lanes
         self._prepared: dict[torch.device, tuple[dict[int | None, list[Wave]], Lanes]] = {}
         self._kernels: dict[tuple[torch.device, torch.dtype], KernelBackend] = {}
@@ -230,7 +237,8 @@ class AttentionEngine:
             placed[id(call)] = call._replace(rows=call.rows if rows is None else rows,
                                              pieces=call.pieces._replace(cu_q_dev=cu,
                                                                          cu_k_dev=cu))
-        waves = [Wave([part for ring in wave.rings for part in windowed(ring, window, device)],
+        waves = [Wave([part for ring in wave.rings
+                       for part in windowed(ring, window, device, self.halo_split)],
                        [placed[id(c)] for c in wave.local]) for wave in self.waves]
         self._prepared.setdefault(device, ({}, lanes_for(device)))[0][window] = waves
 

@@ -22,7 +22,7 @@ from megatron_zeppelin.runtime.zigzag import StepBlocks, ZigzagLayout, device_bl
 from megatron_zeppelin.runtime.kernels import Pieces, make_pieces
 from megatron_zeppelin.runtime.ring_comm import RingComm
 from megatron_zeppelin.runtime.transport import Transport
-from megatron_zeppelin.schedule import Phase, local_calls
+from megatron_zeppelin.schedule import HALO_SPLIT, Phase, local_calls
 from megatron_zeppelin.zigzag_window import halo_fits
 
 
@@ -83,14 +83,19 @@ def whole_buffer_call(waves: list[Wave], tokens: int, inter) -> LocalCall | None
     return call if isinstance(call.rows, slice) and call.rows == slice(0, tokens) else None
 
 
-def windowed(ring: Ring, window: int | None, device: torch.device) -> list[Ring]:
+def windowed(ring: Ring, window: int | None, device: torch.device,
+             split: bool | None = None) -> list[Ring]:
     """``ring`` with its layout for sliding window ``window`` and its blocks on ``device``.
     Where its hops are its own P2P, its sequences whose chunks hold the window
     (``zigzag_window.halo_fits``: the same on every member) run by halo exchange, the others
     around the ring: two runs over one ring when it holds both, in that order, each on its
-    own rows of the group's buffer."""
+    own rows of the group's buffer, where ``split`` (None: the device's
+    ``schedule.HALO_SPLIT``)."""
     old = ring.layout
     fits = [ring.halo_ok and halo_fits([n], old.ring_size, window) for n in old.lengths]
+    split = HALO_SPLIT[torch.device(device).type] if split is None else split
+    if not all(fits) and not split:
+        fits = [False] * len(fits)  # one run round the ring (``schedule.HALO_SPLIT``)
     if not any(fits) or all(fits):
         layout = old if window is None else ZigzagLayout(old.lengths, old.ring_size,
                                                          old.position, window)
@@ -112,11 +117,12 @@ def windowed(ring: Ring, window: int | None, device: torch.device) -> list[Ring]
 
 
 def build_waves(plan: Plan, rank: int, pg: dist.ProcessGroup, inter, local_call_tokens: int,
-                timeout_s: float, transport: Transport) -> list[Wave]:
+                timeout_s: float, transport: Transport, halo: bool = True) -> list[Wave]:
     """``rank``'s rings and LOCAL calls per wave of ``plan``, indices on the host: ring groups
     in global order with their layout and ``RingComm`` on process group ``pg``; ``inter`` (an
     ``InterQueue`` or None) decides which hops go through the global inter-node step; LOCAL
-    groups become calls of ``local_call_tokens`` (one call where the wave has no traffic)."""
+    groups become calls of ``local_call_tokens`` (one call where the wave has no traffic);
+    ``halo`` False: windowed rings relay round the ring even where a halo exchange fits."""
     waves = [Wave([], []) for _ in range(plan.num_waves)]
     index = {g.key: i for i, g in enumerate(plan.ring_groups)}
     offset, local = 0, []
@@ -131,7 +137,7 @@ def build_waves(plan: Plan, rank: int, pg: dist.ProcessGroup, inter, local_call_
         comm = RingComm(group.ring, rank, pg, tag=index[group.key],
                         name=f"{group.tier.name} group {group.key}", timeout_s=timeout_s,
                         transport=transport)
-        ring = Ring(group, start, offset, layout, comm)
+        ring = Ring(group, start, offset, layout, comm, halo_ok=halo)
         if inter is not None and group.tier == Tier.INTER:
             ring.routed_send = inter.crosses(group, position)
             ring.routed_recv = inter.crosses(group, (position - 1) % len(group.ring))

@@ -49,6 +49,7 @@ import numpy as np
 from megatron_zeppelin.config import ClusterSpec, ModelSpec
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.plan import Plan, Tier
+from megatron_zeppelin.schedule import HALO_SPLIT
 from megatron_zeppelin.sim.network import GpuMap
 from megatron_zeppelin.sim.profile import SimProfile
 from megatron_zeppelin.sim.rounds import Links, PassSpec, RingCosts, simulate_pass
@@ -66,13 +67,15 @@ class StepOptions:
     ``analytic`` (``network.inter_step_time``); dkv_dtype: ``accumulator`` (fp32 dK/dV, the
     zeppelin engine) or ``kv`` (the KV dtype, Transformer Engine); overlap_grad_reduce: the
     gradient all-reduce overlaps the last backward (Megatron ``--overlap-grad-reduce``);
-    local_policy: the LOCAL queue policy of ``rounds.py`` (``engine`` is the engine's)."""
+    local_policy: the LOCAL queue policy of ``rounds.py`` (``engine`` is the engine's);
+    device: the engine's device type, whose ``schedule.HALO_SPLIT`` applies."""
 
     inter_mode: str = "ring"
     router: str = "auto"
     dkv_dtype: str = "accumulator"
     overlap_grad_reduce: bool = False
     local_policy: str = "engine"
+    device: str = "cuda"
 
 
 @dataclass(frozen=True)
@@ -169,19 +172,20 @@ class _Work(NamedTuple):
     local: list[list[tuple[float, float]]]
 
 
-def build_work(plan: Plan, cost: CostModel, profile: SimProfile, halo_inter: bool = True
-               ) -> list[tuple[_Work, _Work]]:
+def build_work(plan: Plan, cost: CostModel, profile: SimProfile, halo_inter: bool = True,
+               split: bool = True) -> list[tuple[_Work, _Work]]:
     """Per wave, the (forward, backward) work of every ring group and LOCAL queue: a G-rank
     ring step computes 1/G^2 of each sequence's causal work at query length s/G. In a layer
     whose every layer is windowed, a group's sequences whose chunks hold the window run by
     halo exchange where the engine does (``halo_sequences``; INTER rings only with
     ``halo_inter``, i.e. ring P2P, not global steps): a second ring over the same members,
-    ahead of the one of its other sequences (``runtime.waves.windowed``)."""
+    ahead of the one of its other sequences (``runtime.waves.windowed``; ``split`` False:
+    only a group whose every sequence fits, ``schedule.HALO_SPLIT``)."""
     groups, world, gpn = plan.ring_groups, plan.topology.world_size, plan.topology.gpus_per_node
     owner = np.repeat(np.arange(len(groups)), [len(g.seqs) for g in groups])
     s = np.asarray([plan.seqlens[q] for g in groups for q in g.seqs], dtype=np.float64)
     g = np.asarray([len(groups[i].ring) for i in owner], dtype=np.float64)
-    halo = halo_sequences(plan, cost.model, halo_inter)
+    halo = halo_sequences(plan, cost.model, halo_inter, split)
     part, parts = 2 * owner + ~halo, [group for group in groups for _ in range(2)]
     flops = cost.attention_flops(s)  # vectorised; the model's sliding window included
     fwd = profile.attention_forward_s(flops / (g * g), s / g) * profile.compute_scale
@@ -220,15 +224,20 @@ def build_work(plan: Plan, cost: CostModel, profile: SimProfile, halo_inter: boo
     return out
 
 
-def halo_sequences(plan: Plan, model: ModelSpec, halo_inter: bool) -> np.ndarray:
+def halo_sequences(plan: Plan, model: ModelSpec, halo_inter: bool,
+                   split: bool = True) -> np.ndarray:
     """Per sequence of the plan's ring groups (in group order), whether the engine runs it
     by halo exchange in a layer of ``model`` whose every layer is windowed: its chunks hold
-    the window on a ring of 3 or more (``zigzag_window.halo_fits``), and an INTER ring only
-    where its hops are ring P2P (``halo_inter``)."""
-    return np.asarray([model.window_share >= 1.0 and
-                       (group.tier != Tier.INTER or halo_inter) and
-                       halo_fits([plan.seqlens[q]], len(group.ring), model.window_size)
-                       for group in plan.ring_groups for q in group.seqs], dtype=bool)
+    the window on a ring of 3 or more (``zigzag_window.halo_fits``), an INTER ring only
+    where its hops are ring P2P (``halo_inter``), and without ``split`` only in a group whose
+    every sequence does."""
+    out = []
+    for group in plan.ring_groups:
+        fits = [model.window_share >= 1.0 and (group.tier != Tier.INTER or halo_inter) and
+                halo_fits([plan.seqlens[q]], len(group.ring), model.window_size)
+                for q in group.seqs]
+        out += fits if split or all(fits) else [False] * len(fits)
+    return np.asarray(out, dtype=bool)
 
 
 def _step(seconds) -> float | np.ndarray:
@@ -307,7 +316,8 @@ def attention_ends(plan: Plan, cost: CostModel, profile: SimProfile, options: St
     out = None
     for weight, kind in layer_kinds(cost):
         waves = []
-        for works in build_work(plan, kind, profile, options.inter_mode == "ring"):
+        for works in build_work(plan, kind, profile, options.inter_mode == "ring",
+                                HALO_SPLIT[options.device]):
             ends = [simulate_pass(work.rings, work.local, plan.topology.world_size,
                                   PassSpec(backward, 1.0, acc / bpe, call), links)
                     for backward, work in zip((False, True), works)]
