@@ -129,7 +129,7 @@ def register(targets: argparse._SubParsersAction) -> None:
     p = targets.add_parser("halo", help="windowed ring: halo exchange vs round the ring, measured")
     p.add_argument("--ranks", type=int_at_least(3), default=4,
                    help="ring positions, gloo processes (default 4)")
-    p.add_argument("--lengths", type=lengths, default=[8192, 4096, 2048, 300],
+    p.add_argument("--lengths", type=lengths, default=[8192, 4096, 2048],
                    help="the group's sequence lengths, comma-separated")
     p.add_argument("--windows", type=int_at_least(0), nargs="+", default=[64, 256],
                    help="sliding windows in tokens (default 64 256)")
