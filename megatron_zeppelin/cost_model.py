@@ -33,6 +33,7 @@ from megatron_zeppelin.hardware_profile import HardwareProfile
 from megatron_zeppelin.twin_arithmetic import interp
 from megatron_zeppelin.plan import Tier
 from megatron_zeppelin.routed_cost import routed_table
+from megatron_zeppelin.zigzag_window import halo_fits
 
 FWD_BWD_LINEAR = 3.0  # backward of a GEMM is two GEMMs of the forward's size
 DKV_BYTES = 4  # the engine accumulates dK/dV in fp32 and sends the accumulator
@@ -313,7 +314,7 @@ class CostKernel:
         kv, dkv = self._trimmed(chunk, ring)
         if seqlen <= window + 1.0:
             return WindowParts(windowed, 0.0, 0.0, max(1, ring // 2), kv, dkv)
-        halo = ring >= 3 and math.floor(seqlen / (2 * ring)) >= window  # halo_fits
+        halo = halo_fits([seqlen], ring, window)
         kept = min(1.0, window_kept(seqlen, window))
         work, half, band = windowed * kept, seqlen / (2 * ring), window * (window + 1.0) / 2.0
         step0 = 2.0 * ring * (half * (window + 1.0) - band) + band if window <= half else \

@@ -64,7 +64,7 @@ HALO_ROUNDS_SIZE = 2  # a halo group runs the rounds of a ring of this size (``h
 # a group where only some sequences' chunks hold the window: its halo part beside a ring run of
 # the rest (CUDA: the rows saved outweigh the extra calls, as the simulator prices them), or
 # the whole group round the ring (CPU, host-driven: the extra calls cost more, measured by
-# ``zeppelin bench halo``: 0.91-0.96x on 4 gloo ranks, where whole halo groups gain 1.08-1.43x)
+# ``zeppelin bench halo``: 0.89-1.02x on 4-8 gloo ranks, where whole halo groups gain 1.08-1.40x)
 HALO_SPLIT = {"cpu": False, "cuda": True}
 
 

@@ -59,6 +59,14 @@ def halo_fits(lengths, ring: int, window: int | None) -> bool:
     return all(n // (2 * ring) >= window for n in lengths)  # chunk sizes: n // 2G or one more
 
 
+def halo_sequences(lengths, ring: int, window: int | None, split: bool = True) -> list[bool]:
+    """Per sequence of a ring group whose hops are its own P2P, whether the engine runs it by
+    halo exchange: its chunks hold the window (``halo_fits``); where only some do, those
+    beside a ring run of the rest if ``split`` (``schedule.HALO_SPLIT``), else none."""
+    fits = [halo_fits([n], ring, window) for n in lengths]
+    return fits if split or all(fits) else [False] * len(fits)
+
+
 @lru_cache(maxsize=65536)
 def halo_rows(length: int, ring: int, window: int) -> tuple[float, float]:
     """(KV rows, dK/dV rows) one position sends per pass for one sequence of ``length``

@@ -186,17 +186,25 @@ def _lengths(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]
     return lengths
 
 
-def make_bench_plan(args: argparse.Namespace, nodes: int = 1, gpus_per_node: int = 2):
-    """The plan of the benchmark batch on ``nodes`` x ``gpus_per_node`` ranks."""
-    from megatron_zeppelin.config import ZeppelinConfig, load_setup
+def bench_cost(nodes: int, gpus_per_node: int):
+    """The engine benchmarks' cost model: the tiny GPT on ``nodes`` x ``gpus_per_node`` GPUs
+    (one NIC each) of the H200 cluster's profile."""
+    from megatron_zeppelin.config import load_setup
     from megatron_zeppelin.cost_model import CostModel
-    from megatron_zeppelin.planner import make_plan
 
-    lengths = args.lengths  # parsed and checked by parse_args
     setup = load_setup("gpt-tiny", "h200-8nic", nodes=nodes)
     cluster = dataclasses.replace(setup.cluster, gpus_per_node=gpus_per_node,
                                   nics_per_node=gpus_per_node, gpu_to_nic=None)
-    cost = CostModel(setup.model, cluster, setup.hardware, 1)
+    return CostModel(setup.model, cluster, setup.hardware, 1)
+
+
+def make_bench_plan(args: argparse.Namespace, nodes: int = 1, gpus_per_node: int = 2):
+    """The plan of the benchmark batch on ``nodes`` x ``gpus_per_node`` ranks."""
+    from megatron_zeppelin.config import ZeppelinConfig
+    from megatron_zeppelin.planner import make_plan
+
+    lengths = args.lengths  # parsed and checked by parse_args
+    cost = bench_cost(nodes, gpus_per_node)
     world = nodes * gpus_per_node
     capacity = (max(math.ceil(sum(lengths) / world * args.capacity_factor), 1)
                 if args.capacity_factor > 0 else None)

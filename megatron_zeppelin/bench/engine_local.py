@@ -122,12 +122,15 @@ def raw_step(tensors, lengths: list[int], device: torch.device, forward_only: bo
     return cuda_step
 
 
-def engine_step(engine, tensors, forward_only: bool) -> Callable[[], None]:
+def engine_step(engine, tensors, forward_only: bool,
+                window: int | None = None) -> Callable[[], None]:
+    """One forward (+ backward) of ``engine`` on ``tensors`` (q, k, v, dout); ``window``: the
+    sliding window of the call (None: full causal)."""
     q, k, v, dout = tensors
 
     def step() -> None:
         leaves = [t.detach().requires_grad_(not forward_only) for t in (q, k, v)]
-        out = engine.forward(*leaves)
+        out = engine.forward(*leaves, window=window)
         if not forward_only:
             out.backward(dout)
     return step

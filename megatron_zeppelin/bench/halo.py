@@ -16,7 +16,6 @@ mostly the gloo exchange's fixed cost, so the ratio is about rounds; bytes matte
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -36,19 +35,15 @@ WORKER_FLAGS = ("ranks", "windows", "heads", "kv_heads", "head_dim", "iters", "w
 
 def _plan(lengths: list[int], ranks: int):
     """Static CP over ``ranks`` GPUs of one node: the whole batch one INTRA ring group."""
-    from megatron_zeppelin.config import load_setup
-    from megatron_zeppelin.cost_model import CostModel
+    from megatron_zeppelin.bench.engine import bench_cost
     from megatron_zeppelin.planner import make_plan
 
-    setup = load_setup("gpt-tiny", "h200-8nic", nodes=1)
-    cluster = dataclasses.replace(setup.cluster, gpus_per_node=ranks, nics_per_node=ranks,
-                                  gpu_to_nic=None)
-    return make_plan("static-cp", lengths, CostModel(setup.model, cluster, setup.hardware, 1),
-                     cp_size=ranks)
+    return make_plan("static-cp", lengths, bench_cost(1, ranks), cp_size=ranks)
 
 
 def _worker(rank: int, store: str, out_path: str, args: argparse.Namespace, plan) -> None:
-    from megatron_zeppelin.bench.engine_local import alternating, slowest_rank_seconds
+    from megatron_zeppelin.bench.engine_local import (alternating, engine_step,
+                                                      slowest_rank_seconds)
     from megatron_zeppelin.runtime.engine import AttentionEngine
 
     torch.set_num_threads(1)
@@ -63,7 +58,7 @@ def _worker(rank: int, store: str, out_path: str, args: argparse.Namespace, plan
         engines = {name: AttentionEngine(plan, rank, dist.group.WORLD, windows=(window,),
                                          halo=name == "halo", halo_split=args.split or None)
                    for name in ("halo", "ring")}
-        variants = {name: _windowed_step(engine, tensors, window, args.forward_only)
+        variants = {name: engine_step(engine, tensors, args.forward_only, window)
                     for name, engine in engines.items()}
         figures[str(window)] = alternating(
             variants, args.iters, args.warmup,
@@ -72,18 +67,6 @@ def _worker(rank: int, store: str, out_path: str, args: argparse.Namespace, plan
         Path(out_path).write_text(json.dumps(figures))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _windowed_step(engine, tensors, window: int, forward_only: bool):
-    """One forward (+ backward) of ``engine`` with sliding window ``window``."""
-    q, k, v, dout = tensors
-
-    def step() -> None:
-        leaves = [t.detach().requires_grad_(not forward_only) for t in (q, k, v)]
-        out = engine.forward(*leaves, window=window)
-        if not forward_only:
-            out.backward(dout)
-    return step
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,7 +40,7 @@ from megatron_zeppelin.planner.registry import strategy_class
 from megatron_zeppelin.plan import Tier
 from megatron_zeppelin.runtime.zigzag import ZigzagLayout
 from megatron_zeppelin.sim.workloads import sample_batch
-from megatron_zeppelin.zigzag_window import halo_fits
+from megatron_zeppelin.zigzag_window import halo_sequences
 
 
 def block_pairs(block) -> int:
@@ -78,8 +78,7 @@ def ring_figures(lengths: list[int], size: int, window: int | None,
     its hops are its own P2P, so its sequences whose chunks hold the window run by halo
     exchange, the others round the ring (``runtime.waves.windowed``; without ``split``, as
     on CPU, only a group whose every sequence fits)."""
-    fits = [halo_ok and halo_fits([n], size, window) for n in lengths]
-    fits = fits if split or all(fits) else [False] * len(fits)
+    fits = halo_sequences(lengths, size, window, split) if halo_ok else [False] * len(lengths)
     out = dict.fromkeys(FIGURES, 0)
     for halo in (True, False):
         part = [n for n, f in zip(lengths, fits) if f == halo]

@@ -393,9 +393,9 @@ class AttentionEngine:
             p.runs.append(run)
 
     def _end_rings(self, p: WavePass) -> None:
+        dims = (0, 1) if p.phase is Phase.FORWARD else (0, 0, 0)  # lse [heads, tokens]
         for ring, run in zip(p.wave.rings, p.runs):
             ends = run.end_forward() if p.phase is Phase.FORWARD else run.end_backward()
-            dims = (0, 1) if p.phase is Phase.FORWARD else (0, 0, 0)  # lse [heads, tokens]
             for target, value, dim in zip(p.result, ends, dims):
                 _put(target, ring.rows, value, dim)
 

@@ -23,7 +23,7 @@ from megatron_zeppelin.runtime.kernels import Pieces, make_pieces
 from megatron_zeppelin.runtime.ring_comm import RingComm
 from megatron_zeppelin.runtime.transport import Transport
 from megatron_zeppelin.schedule import HALO_SPLIT, Phase, local_calls
-from megatron_zeppelin.zigzag_window import halo_fits
+from megatron_zeppelin.zigzag_window import halo_sequences
 
 
 @dataclasses.dataclass
@@ -87,15 +87,14 @@ def windowed(ring: Ring, window: int | None, device: torch.device,
              split: bool | None = None) -> list[Ring]:
     """``ring`` with its layout for sliding window ``window`` and its blocks on ``device``.
     Where its hops are its own P2P, its sequences whose chunks hold the window
-    (``zigzag_window.halo_fits``: the same on every member) run by halo exchange, the others
+    (``zigzag_window.halo_sequences``: the same on every member) run by halo exchange, the others
     around the ring: two runs over one ring when it holds both, in that order, each on its
     own rows of the group's buffer, where ``split`` (None: the device's
     ``schedule.HALO_SPLIT``)."""
     old = ring.layout
-    fits = [ring.halo_ok and halo_fits([n], old.ring_size, window) for n in old.lengths]
     split = HALO_SPLIT[torch.device(device).type] if split is None else split
-    if not all(fits) and not split:
-        fits = [False] * len(fits)  # one run round the ring (``schedule.HALO_SPLIT``)
+    fits = halo_sequences(old.lengths, old.ring_size, window, split) if ring.halo_ok else \
+        [False] * len(old.lengths)
     if not any(fits) or all(fits):
         layout = old if window is None else ZigzagLayout(old.lengths, old.ring_size,
                                                          old.position, window)

@@ -55,7 +55,8 @@ from megatron_zeppelin.sim.profile import SimProfile
 from megatron_zeppelin.sim.rounds import Links, PassSpec, RingCosts, simulate_pass
 from megatron_zeppelin.sim.sharing import shared_finish
 from megatron_zeppelin.sim.ulysses import ulysses_pass_times
-from megatron_zeppelin.zigzag_window import halo_fits, halo_rows, relay_rows, step_pairs
+from megatron_zeppelin import zigzag_window
+from megatron_zeppelin.zigzag_window import halo_rows, relay_rows, step_pairs
 
 GEMM_CALLS_FWD = 4  # QKV, projection, MLP in, MLP out
 GEMM_CALLS_BWD = 8  # data and weight gradients of each
@@ -227,16 +228,15 @@ def build_work(plan: Plan, cost: CostModel, profile: SimProfile, halo_inter: boo
 def halo_sequences(plan: Plan, model: ModelSpec, halo_inter: bool,
                    split: bool = True) -> np.ndarray:
     """Per sequence of the plan's ring groups (in group order), whether the engine runs it
-    by halo exchange in a layer of ``model`` whose every layer is windowed: its chunks hold
-    the window on a ring of 3 or more (``zigzag_window.halo_fits``), an INTER ring only
-    where its hops are ring P2P (``halo_inter``), and without ``split`` only in a group whose
-    every sequence does."""
+    by halo exchange in a layer of ``model`` whose every layer is windowed: as the engine
+    decides it (``zigzag_window.halo_sequences``, with ``split``), an INTER ring only where
+    its hops are ring P2P (``halo_inter``)."""
     out = []
     for group in plan.ring_groups:
-        fits = [model.window_share >= 1.0 and (group.tier != Tier.INTER or halo_inter) and
-                halo_fits([plan.seqlens[q]], len(group.ring), model.window_size)
-                for q in group.seqs]
-        out += fits if split or all(fits) else [False] * len(fits)
+        own = model.window_share >= 1.0 and (group.tier != Tier.INTER or halo_inter)
+        out += zigzag_window.halo_sequences([plan.seqlens[q] for q in group.seqs],
+                                            len(group.ring), model.window_size, split) \
+            if own else [False] * len(group.seqs)
     return np.asarray(out, dtype=bool)
 
 
