@@ -28,8 +28,8 @@ struct WindowParts {
 // Twin of cost_window.RingWindow: a ring's windowed work summed over its sequences.
 struct RingWindow {
   i64 ring = 1;
-  double even = 0.0, first = 0.0, kv = 0.0, dkv = 0.0;
-  // of kv/dkv: the sequences whose window fits in their chunks, and the others
+  double even = 0.0, first = 0.0;
+  // hop rows (KV, dK/dV): the sequences whose window fits in their chunks, and the others
   double halo_kv = 0.0, halo_dkv = 0.0, rest_kv = 0.0, rest_dkv = 0.0;
   i64 rest = 0;
   std::vector<double> near;  // work of the steps d away from step 0, d in [0, ring / 2]
@@ -63,9 +63,8 @@ struct Costs {
   double unwindowed(double seqlen, i64 ring) const;
   double dense_compute(double seqlen, i64 ring) const;
   WindowParts window_parts(double seqlen, i64 ring) const;
-  // cost_model.CostKernel.halo / accumulator_rows: the engine's halo exchange
-  static bool halo(int tier, bool routed);
-  double accumulator_rows(double share, const RingWindow& window, int tier, bool routed) const;
+  // cost_model.CostKernel.accumulator_rows: the engine's halo exchange
+  double accumulator_rows(double share, const RingWindow& window) const;
   double ring_exposed(double dense, const RingWindow& window, double share, int tier,
                       bool routed) const;
   double comm(double chunk, int tier, bool routed, double dkv = -1.0) const;

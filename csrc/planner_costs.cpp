@@ -105,8 +105,6 @@ RingWindow& RingWindow::add(const WindowParts& parts) {
   }
   even = even + parts.even;
   first = first + parts.first;
-  kv = kv + parts.kv;
-  dkv = dkv + parts.dkv;
   if (parts.rest > 0.0) {  // over the min(G - 1, 2D) steps within the reach
     const double per_step =
         parts.rest / static_cast<double>(std::min<i64>(ring - 1, 2 * parts.reach));
@@ -145,12 +143,8 @@ WindowParts Costs::window_parts(double seqlen, i64 ring) const {
   return WindowParts{0.0, first, work - first, reach, kv, dkv, halo};
 }
 
-bool Costs::halo(int tier, bool use_routing) { return tier == INTRA || !use_routing; }
-
-double Costs::accumulator_rows(double share, const RingWindow& window, int tier,
-                               bool use_routing) const {
-  const double rows =
-      halo(tier, use_routing) ? window.halo_kv + window.rest_dkv : window.dkv;
+double Costs::accumulator_rows(double share, const RingWindow& window) const {
+  const double rows = window.halo_kv + window.rest_dkv;
   return (1.0 - window_share) * share + window_share * rows;
 }
 
@@ -162,19 +156,12 @@ double Costs::ring_exposed(double dense, const RingWindow& window, double share,
       (g - 1) * std::max(0.0, comm(share, tier, use_routing) * (1.0 - w) - dense / g -
                                   (1.0 - w) * h);
   const double even = window.even / g + w * h;
-  double kv = window.kv, dkv = window.dkv;
-  bool relayed = true;
-  if (halo(tier, use_routing)) {
-    if (window.halo_kv > 0.0) {  // KV to both neighbours behind step 0, once
-      exposed = exposed + std::max(0.0, comm(window.halo_kv, tier, use_routing, 0.0) * w -
-                                            window.first - even);
-    }
-    kv = window.rest_kv;
-    dkv = window.rest_dkv;
-    relayed = window.rest > 0;
+  if (window.halo_kv > 0.0) {  // KV to both neighbours behind step 0, once
+    exposed = exposed + std::max(0.0, comm(window.halo_kv, tier, use_routing, 0.0) * w -
+                                          window.first - even);
   }
-  if (!relayed) return exposed;
-  const double hop = comm(kv, tier, use_routing, dkv) * w;
+  if (window.rest <= 0) return exposed;
+  const double hop = comm(window.rest_kv, tier, use_routing, window.rest_dkv) * w;
   exposed = exposed + std::max(0.0, hop - window.first - even);
   for (i64 t = 1; t < ring - 1; ++t) {
     exposed = exposed + std::max(0.0, hop - window.near[std::min(t, ring - t)] - even);

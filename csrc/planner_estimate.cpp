@@ -163,7 +163,7 @@ Estimate estimate_tasks(const Problem& pb, const Tasks& tasks, const std::vector
     double hidden;
     if (k.window_share > 0.0) {  // each step's exchange behind that step's own compute
       hidden = k.ring_exposed(grp.dense, grp.window, grp.share, grp.tier, pb.routing) +
-               k.dkv_tail(k.accumulator_rows(grp.share, grp.window, grp.tier, pb.routing),
+               k.dkv_tail(k.accumulator_rows(grp.share, grp.window),
                           grp.tier, pb.routing);
     } else {
       hidden = (g - 1) * std::max(0.0, k.comm(grp.share, grp.tier, pb.routing) - grp.compute / g) +

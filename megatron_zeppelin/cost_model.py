@@ -323,19 +323,11 @@ class CostKernel:
         reach = max(1, min(ring // 2, math.ceil(window / half)))
         return WindowParts(0.0, first, work - first, reach, kv, dkv, halo)
 
-    @staticmethod
-    def halo(tier: Tier, routed: bool) -> bool:
-        """Whether a ring's hops are its own P2P (INTRA, or INTER without routing: not the
-        global inter-node steps), so that the engine runs the sequences whose window fits
-        in their chunks by halo exchange (``runtime.waves.windowed``)."""
-        return tier == Tier.INTRA or not routed
-
-    def accumulator_rows(self, share: float, window: RingWindow, tier: Tier,
-                         routed: bool) -> float:
+    def accumulator_rows(self, share: float, window: RingWindow) -> float:
         """dK/dV rows of the backward's last return (``dkv_tail``), mean over layers: the
         dense layers' whole share, the windowed layers' trimmed accumulator, by halo exchange
         the rows a neighbour read (``window.halo_kv``)."""
-        rows = window.halo_kv + window.rest_dkv if self.halo(tier, routed) else window.dkv
+        rows = window.halo_kv + window.rest_dkv
         return (1.0 - self.window_share) * share + self.window_share * rows
 
     def ring_exposed(self, dense: float, window: RingWindow, share: float, tier: Tier,
@@ -345,24 +337,21 @@ class CostKernel:
         the G steps) and ``window`` in the windowed ones. The hop into step t overlaps step
         t-1's compute and host work: a dense layer's hops each hide behind 1/G of its compute;
         a windowed layer's first hop behind step 0's band work, the others behind the work of
-        their steps (``window.near``: none beyond the window's reach). Where the ring's hops
-        are its own P2P (``halo``), the sequences whose window fits in their chunks go by halo
-        exchange: their KV rows (``window.halo_kv`` each way, forward and again backward) once,
-        behind step 0's work (their dK/dV return is ``dkv_tail``'s); the others' hops as
-        above, on their rows."""
+        their steps (``window.near``: none beyond the window's reach). The sequences whose
+        window fits in their chunks go by halo exchange (``runtime.waves.windowed``; across
+        nodes in the global steps, both ways): their KV rows (``window.halo_kv`` each way,
+        forward and again backward) once, behind step 0's work (their dK/dV return is
+        ``dkv_tail``'s); the others' hops as above, on their rows."""
         g, w, h = window.ring, self.window_share, self.ring_step_s
         exposed = (g - 1) * max(0.0, self.comm(share, tier, routed) * (1.0 - w) - dense / g
                                 - (1.0 - w) * h)
         even = window.even / g + w * h
-        kv, dkv, relayed = window.kv, window.dkv, True
-        if self.halo(tier, routed):
-            if window.halo_kv > 0.0:  # KV to both neighbours behind step 0, once
-                exposed = exposed + max(0.0, self.comm(window.halo_kv, tier, routed, 0.0) * w
-                                        - window.first - even)
-            kv, dkv, relayed = window.rest_kv, window.rest_dkv, window.rest > 0
-        if not relayed:
+        if window.halo_kv > 0.0:  # KV to both neighbours behind step 0, once
+            exposed = exposed + max(0.0, self.comm(window.halo_kv, tier, routed, 0.0) * w
+                                    - window.first - even)
+        if window.rest <= 0:
             return exposed
-        hop = self.comm(kv, tier, routed, dkv) * w
+        hop = self.comm(window.rest_kv, tier, routed, window.rest_dkv) * w
         exposed = exposed + max(0.0, hop - window.first - even)
         for t in range(1, g - 1):
             exposed = exposed + max(0.0, hop - window.near[min(t, g - t)] - even)

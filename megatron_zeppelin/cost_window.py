@@ -55,13 +55,12 @@ class WindowParts(NamedTuple):
 class RingWindow:
     """The windowed layers' work of a ring of ``ring`` positions, summed over its sequences
     (``add``, in sequence order): ``near[d]``, the work of the steps ``d`` away from step 0
-    (steps d and G - d), ``first``, ``even``, the hop rows ``kv``, ``dkv``; of them, those of
-    the sequences whose window fits in their chunks (``halo_kv``, ``halo_dkv``: where its hops
-    are its own P2P the engine runs them by halo exchange) and of the others (``rest_kv``,
-    ``rest_dkv``, ``rest`` sequences)."""
+    (steps d and G - d), ``first``, ``even``, and the hop rows (KV, dK/dV) of the sequences
+    whose window fits in their chunks (``halo_kv``, ``halo_dkv``: the engine runs them by halo
+    exchange) and of the others (``rest_kv``, ``rest_dkv``, ``rest`` sequences)."""
 
     def __init__(self, ring: int) -> None:
-        self.ring, self.even, self.first, self.kv, self.dkv = ring, 0.0, 0.0, 0.0, 0.0
+        self.ring, self.even, self.first = ring, 0.0, 0.0
         self.near = [0.0] * (ring // 2 + 1)
         self.halo_kv, self.halo_dkv, self.rest_kv, self.rest_dkv = 0.0, 0.0, 0.0, 0.0
         self.rest = 0
@@ -76,8 +75,6 @@ class RingWindow:
             self.rest += 1
         self.even += parts.even
         self.first += parts.first
-        self.kv += parts.kv
-        self.dkv += parts.dkv
         if parts.rest > 0.0:  # over the min(G - 1, 2D) steps within the reach
             per_step = parts.rest / min(self.ring - 1, 2 * parts.reach)
             for d in range(1, parts.reach + 1):

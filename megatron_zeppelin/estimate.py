@@ -119,7 +119,7 @@ def _ring_hidden(kernel, compute: float, share: float, g: int, tier: Tier, route
         return (g - 1) * max(0.0, kernel.comm(share, tier, routed) - compute / g) + \
             kernel.dkv_tail(share, tier, routed)
     return kernel.ring_exposed(dense, window, share, tier, routed) + \
-        kernel.dkv_tail(kernel.accumulator_rows(share, window, tier, routed), tier, routed)
+        kernel.dkv_tail(kernel.accumulator_rows(share, window), tier, routed)
 
 
 def _pace(att: list[float], groups: list[tuple[tuple[int, ...], int, float]]) -> list[float]:

@@ -14,12 +14,13 @@ A wave of a plan runs in *rounds* ``r = 0, 1, ...`` per phase (forward, backward
 * so it exchanges in ``exchange_rounds(G)`` rounds and runs ``phase_steps(G)`` rounds.
 
 A windowed ring whose window fits in every zigzag chunk and that has 3 positions or more
-exchanges with its two neighbours only, when its hops are its own P2P (``runtime/halo.py``):
-it runs the rounds of a ring of two (``halo_steps``), sending to both neighbours.
+exchanges with its two neighbours only (``runtime/halo.py``): it runs the rounds of a ring of
+two (``halo_steps``), sending to both neighbours (across nodes in the global steps below).
 
 INTER rings whose hops cross nodes travel as *global* steps (``inter_mode`` direct/routed): a
-wave with such rings runs ``global_steps(longest ring)`` global steps, every rank of the pool
-taking part.
+wave with such rings runs ``wave_global_steps`` global steps (the exchange rounds of its
+longest INTER ring, a halo group counting as a ring of ``HALO_ROUNDS_SIZE``), every rank of the
+pool taking part.
 
 LOCAL sequences run as calls of ``local_calls`` (``plan.local_call_groups``: shortest first,
 short ones batched into calls of at least the work of one ``LOCAL_CALL_TOKENS``-token sequence).
@@ -32,7 +33,7 @@ simulator's ``fill`` policy).
 from __future__ import annotations
 
 import enum
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from megatron_zeppelin.plan import local_call_groups
 
@@ -100,6 +101,14 @@ def global_steps(longest: int, phase: Phase) -> int:
     """Global inter-node steps of a wave whose longest INTER ring has ``longest`` ranks (0: no
     such ring): the exchange rounds of that ring."""
     return exchange_rounds(longest, phase) if longest > 0 else 0
+
+
+def wave_global_steps(rings: Iterable[tuple[int, bool]], phase: Phase) -> int:
+    """Global inter-node steps of a wave whose INTER ring runs are ``rings`` = (ring size,
+    run by halo exchange) each: those of the longest, a halo run counting as a ring of
+    ``HALO_ROUNDS_SIZE`` (its hops across nodes travel in global steps too)."""
+    return global_steps(max((HALO_ROUNDS_SIZE if halo else size for size, halo in rings),
+                            default=0), phase)
 
 
 def local_calls(lengths: Sequence[int], min_tokens: int = LOCAL_CALL_TOKENS

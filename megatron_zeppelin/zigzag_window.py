@@ -60,11 +60,20 @@ def halo_fits(lengths, ring: int, window: int | None) -> bool:
 
 
 def halo_sequences(lengths, ring: int, window: int | None, split: bool = True) -> list[bool]:
-    """Per sequence of a ring group whose hops are its own P2P, whether the engine runs it by
-    halo exchange: its chunks hold the window (``halo_fits``); where only some do, those
+    """Per sequence of a ring group, whether the engine runs it by halo exchange: its chunks hold the window (``halo_fits``); where only some do, those
     beside a ring run of the rest if ``split`` (``schedule.HALO_SPLIT``), else none."""
     fits = [halo_fits([n], ring, window) for n in lengths]
     return fits if split or all(fits) else [False] * len(fits)
+
+
+def halo_parts(lengths, ring: int, window: int | None, split: bool = True,
+               allowed: bool = True) -> list[tuple[bool, tuple[int, ...]]]:
+    """The runs of one ring group in order, each (by halo exchange, its sequences' indices
+    into ``lengths``): ``halo_sequences``'s halo part first, then the rest round the ring;
+    one run when they all go one way (``allowed`` False: none by halo)."""
+    fits = halo_sequences(lengths, ring, window, split) if allowed else [False] * len(lengths)
+    runs = [(halo, tuple(i for i, f in enumerate(fits) if f == halo)) for halo in (True, False)]
+    return [run for run in runs if run[1]] or [(False, ())]
 
 
 @lru_cache(maxsize=65536)

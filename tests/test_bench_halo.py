@@ -28,6 +28,9 @@ def test_bench_halo_measures_the_halo_exchange_against_the_ring(capsys):
     (["--ranks", "17"], "--ranks=17 is invalid: expected at most 16"),
     (["--lengths", "10,,3"], "argument --lengths"),
     (["--kv-heads", "3"], "--kv-heads=3 is invalid"),
+    (["--nodes", "3"], "--nodes=3 is invalid with --ranks 4"),
+    (["--inter-mode", "routed"], "--inter-mode=routed is invalid with --nodes 1"),
+    (["--nodes", "2", "--inter-mode", "nic"], "argument --inter-mode: invalid choice"),
 ])
 def test_bench_halo_refuses_what_it_cannot_compare(argv, said, capsys):
     assert cli.main(["bench", "halo", *argv]) == 2
@@ -50,3 +53,15 @@ def test_bench_halo_counts_one_exchange_round_forward_and_two_backward(capsys):
                      "--head-dim", "8"]) == 0
     row = capsys.readouterr().out.splitlines()[2]
     assert row.split()[1] == "2/2" and "1/2, 3/5" in row  # the ring: G - 1 and G + 1
+
+
+@pytest.mark.parametrize("mode", ["routed", "direct"])
+def test_bench_halo_across_nodes_in_the_global_steps(mode, capsys):
+    """An INTER ring over 2 emulated nodes whose hops across nodes travel in the global
+    inter-node steps: the halo exchange runs there too (both ways), against the relay."""
+    assert cli.main(["bench", "halo", "--ranks", "4", "--nodes", "2", "--inter-mode", mode,
+                     "--lengths", "600,80", "--windows", "8", "--iters", "1", "--warmup", "0",
+                     "--heads", "2", "--kv-heads", "1", "--head-dim", "8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert f"INTER over 2 nodes, hops across nodes {mode} global steps" in out[0]
+    assert out[2].split()[1] == "2/2" and "1/2, 3/5" in out[2]

@@ -84,11 +84,11 @@ def test_windowed_ring_hops_are_priced_as_the_engine_trims_them(cost_7b):
 
 
 def test_a_ring_whose_window_fits_its_chunks_is_priced_as_the_halo_exchange(cost_7b):
-    """Where a ring's hops are its own P2P (INTRA, or INTER without routing), the sequences
-    whose window fits in their chunks (``zigzag_window.halo_fits``) go by halo exchange: the
-    estimate prices one exchange of their rows each way (KV forward and again backward)
-    behind step 0's work and the dK/dV of those rows home; the other sequences' hops round
-    the ring as before."""
+    """The sequences whose window fits in their chunks (``zigzag_window.halo_fits``) go by
+    halo exchange on every tier (an INTER ring's hops across nodes both ways in the global
+    steps, routed or not): the estimate prices one exchange of their rows each way (KV
+    forward and again backward) behind step 0's work and the dK/dV of those rows home; the
+    other sequences' hops round the ring as before."""
     from megatron_zeppelin.cost_model import RingWindow
     from megatron_zeppelin.zigzag_window import halo_fits
 
@@ -99,19 +99,18 @@ def test_a_ring_whose_window_fits_its_chunks_is_priced_as_the_halo_exchange(cost
     window = RingWindow(8).add(kernel.window_parts(65536, 8))
     dense, share = 0.0, 65536 / 8
     even = window.even / 8 + kernel.ring_step_s
-    assert kernel.ring_exposed(dense, window, share, Tier.INTRA, True) == pytest.approx(
-        max(0.0, kernel.comm(512, Tier.INTRA, True, 0.0) - window.first - even))
-    assert kernel.halo(Tier.INTER, False) and not kernel.halo(Tier.INTER, True)
-    assert kernel.ring_exposed(dense, window, share, Tier.INTER, True) > \
-        kernel.ring_exposed(dense, window, share, Tier.INTER, False)  # routed: the relay
-    assert kernel.accumulator_rows(share, window, Tier.INTRA, True) == window.halo_kv == 512
-    assert kernel.accumulator_rows(share, window, Tier.INTER, True) == window.dkv > 512
+    for tier, routed in ((Tier.INTRA, True), (Tier.INTER, True), (Tier.INTER, False)):
+        assert kernel.ring_exposed(dense, window, share, tier, routed) == pytest.approx(
+            max(0.0, kernel.comm(512, tier, routed, 0.0) - window.first - even))
+    assert kernel.accumulator_rows(share, window) == window.halo_kv == 512
     short = RingWindow(8).add(kernel.window_parts(8191, 8))  # 8191 // 16 < 512: the relay
-    assert (short.rest, short.halo_kv) == (1, 0.0)
+    assert (short.rest, short.halo_kv) == (1, 0.0) and short.rest_dkv > 512
+    assert kernel.accumulator_rows(share, short) == short.rest_dkv
     mixed = RingWindow(8).add(kernel.window_parts(65536, 8)).add(kernel.window_parts(8191, 8))
-    assert (mixed.rest, mixed.halo_kv, mixed.rest_kv) == (1, 512, short.kv)
-    assert kernel.ring_exposed(dense, mixed, share, Tier.INTRA, True) <= \
-        kernel.ring_exposed(dense, mixed, share, Tier.INTER, True)
+    assert (mixed.rest, mixed.halo_kv, mixed.rest_kv) == (1, 512, short.rest_kv)
+    for tier, routed in ((Tier.INTRA, True), (Tier.INTER, True)):
+        assert kernel.ring_exposed(dense, window, share, tier, routed) <= \
+            kernel.ring_exposed(dense, mixed, share, tier, routed)
 
 
 def test_windowed_ring_steps_are_priced_where_the_zigzag_geometry_puts_their_work(cost_7b):
@@ -139,26 +138,26 @@ def test_windowed_ring_steps_are_priced_where_the_zigzag_geometry_puts_their_wor
 
 
 def test_a_windowed_ring_exposes_the_hops_of_steps_with_nothing_to_compute(cost_7b):
-    """A 64K document with a 512 window over 8 ranks across nodes: the windowed layers
-    compute at steps 0, 1 and 7 only, so 5 of the 7 hops hide behind nothing but the host
-    work, where an even spread of the compute hid every hop behind 1/8 of it. Dense layers
-    (a window on 16 of 32) keep the even spread; a model without a window is unchanged."""
-    s, g, tier = 65536, 8, Tier.INTER
-    model = dataclasses.replace(cost_7b.model, window_size=512, window_layers=32)
+    """A 64K document with a 5000-token window over 8 ranks across nodes (chunks of 4096
+    tokens: no halo exchange, the relay): the windowed layers compute at steps 0, 1, 2, 6 and
+    7 only, so 3 of the 7 hops hide behind nothing but the host work, where an even spread
+    of the compute hid every hop behind 1/8 of it. Dense layers (a window on 16 of 32) keep
+    the even spread; a model without a window is unchanged."""
+    s, g, tier, w = 65536, 8, Tier.INTER, 5000
+    model = dataclasses.replace(cost_7b.model, window_size=w, window_layers=32)
     kernel = CostModel(model, cost_7b.cluster, cost_7b.hardware).kernel
     parts = kernel.window_parts(s, g)
     hop = kernel.comm(parts.kv, tier, True, parts.dkv)
     host = kernel.ring_step_s
-    assert parts.reach == 1 and parts.first > 10 * parts.rest
+    assert parts.reach == 2 and not parts.halo and parts.first > parts.rest / 4
     compute = kernel.compute(s, g) + g * host
     exposed = kernel.task_time(s, g, tier) - compute
-    assert exposed == pytest.approx(
-        max(0.0, hop - parts.first - host) + max(0.0, hop - parts.rest / 2 - host)
-        + 5 * max(0.0, hop - host), rel=1e-12)
+    assert exposed == pytest.approx(  # steps 1 and 2, 6 (2 away from 0): rest / 4 each
+        max(0.0, hop - parts.first - host) + 3 * max(0.0, hop - parts.rest / 4 - host)
+        + 3 * max(0.0, hop - host), rel=1e-12)
     even = (g - 1) * max(0.0, hop - compute / g)
-    assert exposed >= 5 * (hop - host) > even - compute / g * 7  # 5 hops wholly exposed
-    assert exposed > 1.2 * even
-    half = CostModel(dataclasses.replace(cost_7b.model, window_size=512, window_layers=16),
+    assert exposed >= 3 * (hop - host) > 0.0 and exposed > 1.2 * even  # 3 wholly exposed
+    half = CostModel(dataclasses.replace(cost_7b.model, window_size=w, window_layers=16),
                      cost_7b.cluster, cost_7b.hardware).kernel
     dense_part = half.comm(s / g, tier, True) * 0.5 - \
         half.attn_coef * s * s / g / half.flops(s / g) * 0.5 / g - 0.5 * host
@@ -166,7 +165,7 @@ def test_a_windowed_ring_exposes_the_hops_of_steps_with_nothing_to_compute(cost_
     hop = half.comm(windowed.kv, tier, True, windowed.dkv) * 0.5
     assert half.task_time(s, g, tier) - half.compute(s, g) - g * host == pytest.approx(
         (g - 1) * max(0.0, dense_part) + max(0.0, hop - windowed.first - 0.5 * host)
-        + max(0.0, hop - windowed.rest / 2 - 0.5 * host) + 5 * max(0.0, hop - 0.5 * host),
+        + 3 * max(0.0, hop - windowed.rest / 4 - 0.5 * host) + 3 * max(0.0, hop - 0.5 * host),
         rel=1e-12)
     plain = cost_7b.kernel
     c = plain.compute(s, g) + g * host

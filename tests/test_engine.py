@@ -365,28 +365,34 @@ def test_engine_world_of_4_and_failing_peer():
         case("static-cp 1x4 window 5, halo exchange, ordered",
              plan_of("static-cp", 1, 4, [203, 90, 41], cp_size=4), modes=("ring",), seed=8,
              window=5, v_head_dim=12, transport="ordered"),
-        case("static-cp 2x2 window 3: halo with ring P2P, the ring with global steps",
-             plan_of("static-cp", 2, 2, [160, 64], cp_size=4), modes=("ring", "routed"),
-             seed=9, window=3),
+        case("static-cp 2x2 window 3: halo with ring P2P, and across nodes both ways in the "
+             "global steps", plan_of("static-cp", 2, 2, [160, 64], cp_size=4),
+             modes=("ring", "routed"), seed=9, window=3),
         case("static-cp 1x4 window 6: the long sequences by halo, the short ones round the "
              "ring, one group split as on CUDA", plan_of("static-cp", 1, 4, [9, 120, 30, 77, 5],
                                                          cp_size=4),
              modes=("ring",), seed=10, window=6, kv_heads=1, transport="ordered", split=True),
         case("static-cp 1x4 window 6, on CPU: the group round the ring",
              plan_of("static-cp", 1, 4, [9, 120, 30, 77, 5], cp_size=4), seed=10, window=6),
+        case("static-cp 2x2 window 6, split as on CUDA: the halo run and the ring run both "
+             "in the global steps, ordered", plan_of("static-cp", 2, 2, [9, 120, 30, 77, 5],
+                                                     cp_size=4),
+             modes=("direct", "routed"), seed=11, window=6, transport="ordered", split=True),
     ]
     check_tiers(cases)
     assert cases[3]["plan"].num_waves > 1 and cases[0]["plan"].num_waves == 1  # timeline: one
     results = run_world(_engine_worker, 4, cases, True)
     check_results(cases, results, 4)
-    for result in results:  # the halo ran where it fits and its hops are its own P2P
-        assert [got["halo"] for got in result["cases"][-4]] == [1]
-        assert [got["halo"] for got in result["cases"][-3]] == [1, 0]
+    for result in results:  # the halo ran where it fits, across nodes too
+        assert [got["halo"] for got in result["cases"][-5]] == [1]
+        assert [got["halo"] for got in result["cases"][-4]] == [1, 1]
     # ranks 0-1 also run the 5-token sequence's ring of two (static CP gives it 2 ranks)
-    assert [[(got["halo"], got["runs"]) for got in r["cases"][-2]] for r in results] == \
+    assert [[(got["halo"], got["runs"]) for got in r["cases"][-3]] for r in results] == \
         [[(1, 3)], [(1, 3)], [(1, 2)], [(1, 2)]]
-    assert [[(got["halo"], got["runs"]) for got in r["cases"][-1]] for r in results] == \
+    assert [[(got["halo"], got["runs"]) for got in r["cases"][-2]] for r in results] == \
         [[(0, 2)], [(0, 2)], [(0, 1)], [(0, 1)]]
+    assert [[(got["halo"], got["runs"]) for got in r["cases"][-1]] for r in results] == \
+        [[(1, 3)] * 2, [(1, 3)] * 2, [(1, 2)] * 2, [(1, 2)] * 2]
     for rank, result in enumerate(results):
         check_timeline(rank, result["timeline"])
         assert result["syncs"].keys() == {"ring/torch", "routed/native"}

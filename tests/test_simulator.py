@@ -400,13 +400,13 @@ def test_windowed_ring_steps_are_simulated_where_their_work_falls():
     profile = sim_profile(windowed)
     extra = profile.attention_call_us * 1e-6 * profile.compute_scale + \
         profile.ring_step_us * 1e-6
-    relay = build_work(plan, windowed, profile, halo_inter=False)[0]  # routed: no halo
+    relay = build_work(plan, windowed, profile, halo=False)[0]  # as AttentionEngine(halo=False)
     for work in relay:
         for ring in work.rings:
             steps = np.asarray(ring.step_s)
             assert steps.shape == (16,) and steps.argmax() == 0 and not ring.halo
             assert steps[2:15] == pytest.approx(np.full(13, extra))
-    # by halo exchange (its ring P2P): step 0, then the two neighbours' blocks, the same
+    # by halo exchange (across nodes too): step 0, then the two neighbours' blocks, the same
     # work; each way to a neighbour carries half of what a position sends (halo_rows)
     from megatron_zeppelin.zigzag_window import halo_rows
 
@@ -454,3 +454,33 @@ def test_a_halo_ring_is_simulated_as_one_exchange_with_both_neighbours():
         for end, count in zip(ends, hops):  # a byte per hop: latency-bound
             assert end[:4] == pytest.approx(count * (latency + 1 / cluster.nvlink_byte_per_s))
             assert not end[4:].any()
+
+
+def test_a_halo_ring_across_nodes_sends_both_ways_in_the_global_steps():
+    """An INTER halo group in the global steps (``direct``/``routed``): its hops across
+    nodes travel both ways in one global step forward (three backward: KV out, nothing,
+    dK/dV home, ``schedule.wave_global_steps``), where the relayed ring takes G - 1 global
+    steps forward; the hops inside a node stay ring P2P."""
+    from megatron_zeppelin.config import load_cluster
+    from megatron_zeppelin.plan import Tier
+    from megatron_zeppelin.sim.network import GpuMap, inter_step_time
+    from megatron_zeppelin.sim.rounds import Links, PassSpec, RingCosts, simulate_pass
+
+    cluster = load_cluster("h200-8nic", nodes=2)
+    members = np.asarray([0, 1, 8, 9])
+    cross = np.asarray([False, True, False, True])
+    nbytes, spec, world = 64e6, PassSpec(False, 1.0, 1.0, 0.0), 16
+    for mode in ("direct", "routed"):
+        links = Links(GpuMap(cluster, 1), mode, "auto")
+        halo = RingCosts(0, members, Tier.INTER, np.zeros(2), nbytes, cross, nbytes, halo=True)
+        ring = RingCosts(0, members, Tier.INTER, np.zeros(4), nbytes, cross, nbytes)
+        both = {(1, 8): nbytes, (8, 1): nbytes, (9, 0): nbytes, (0, 9): nbytes}
+        one = {(1, 8): nbytes, (9, 0): nbytes}
+        step = inter_step_time(cluster, both, mode == "routed", "auto")
+        relay_step = inter_step_time(cluster, one, mode == "routed", "auto")
+        halo_end = simulate_pass([halo], [[] for _ in range(world)], world, spec, links)[0]
+        ring_end = simulate_pass([ring], [[] for _ in range(world)], world, spec, links)[0]
+        intra = nbytes / cluster.nvlink_byte_per_s + cluster.nvlink_latency_us * 1e-6
+        assert halo_end[members] == pytest.approx(max(step, intra)), mode
+        assert ring_end[members] == pytest.approx(3 * max(relay_step, intra)), mode
+        assert halo_end[members].max() < ring_end[members].min()

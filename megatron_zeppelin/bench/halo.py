@@ -1,7 +1,9 @@
 """``zeppelin bench halo``: a windowed ring group by halo exchange vs round the ring, measured.
 
-One ring group (``--lengths``, static CP over ``--ranks`` gloo processes of one node: an INTRA
-ring) attends with each sliding window of ``--windows``, forward + backward through the
+One ring group (``--lengths``, static CP over ``--ranks`` gloo processes: an INTRA ring on one
+node, or with ``--nodes`` an INTER ring whose hops across nodes are ring P2P or, with
+``--inter-mode direct|routed``, the global inter-node steps) attends with each sliding window
+of ``--windows``, forward + backward through the
 attention engine, twice per window: as the engine runs it (the sequences whose zigzag chunks
 hold the window by halo exchange, ``runtime/halo.py``, the others round the ring beside them;
 on CPU only a group whose every sequence fits, unless ``--split``: ``schedule.HALO_SPLIT``)
@@ -30,18 +32,25 @@ from megatron_zeppelin.schedule import HALO_SPLIT, Phase, exchange_rounds, halo_
 
 MAX_RANKS = 16  # gloo processes the benchmark spawns on this machine
 WORKER_FLAGS = ("ranks", "windows", "heads", "kv_heads", "head_dim", "iters", "warmup",
-                "forward_only", "split")  # what the spawned ranks read of the flags
+                "forward_only", "split", "inter_mode")  # what the spawned ranks read
 
 
-def _plan(lengths: list[int], ranks: int):
-    """Static CP over ``ranks`` GPUs of one node: the whole batch one INTRA ring group."""
+def _cost(args: argparse.Namespace):
     from megatron_zeppelin.bench.engine import bench_cost
+
+    return bench_cost(args.nodes, args.ranks // args.nodes)
+
+
+def _plan(lengths: list[int], cost):
+    """Static CP over every rank of ``cost``'s cluster: the whole batch one ring group (INTRA
+    on one node, else INTER)."""
     from megatron_zeppelin.planner import make_plan
 
-    return make_plan("static-cp", lengths, bench_cost(1, ranks), cp_size=ranks)
+    return make_plan("static-cp", lengths, cost, cp_size=cost.cluster.world_size)
 
 
-def _worker(rank: int, store: str, out_path: str, args: argparse.Namespace, plan) -> None:
+def _worker(rank: int, store: str, out_path: str, args: argparse.Namespace, plan,
+            topology) -> None:
     from megatron_zeppelin.bench.engine_local import (alternating, engine_step,
                                                       slowest_rank_seconds)
     from megatron_zeppelin.runtime.engine import AttentionEngine
@@ -49,6 +58,8 @@ def _worker(rank: int, store: str, out_path: str, args: argparse.Namespace, plan
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=args.ranks, timeout=timedelta(seconds=600))
+    routing = dict(inter_mode=args.inter_mode, router_topology=topology, route_group=(
+        dist.new_group(backend="gloo") if args.inter_mode != "ring" else None))
     gen = torch.Generator().manual_seed(rank)
     tokens = plan.attention_tokens()[rank]
     tensors = [torch.randn(tokens, h, args.head_dim, generator=gen)
@@ -56,13 +67,16 @@ def _worker(rank: int, store: str, out_path: str, args: argparse.Namespace, plan
     figures = {}
     for window in args.windows:
         engines = {name: AttentionEngine(plan, rank, dist.group.WORLD, windows=(window,),
-                                         halo=name == "halo", halo_split=args.split or None)
+                                         halo=name == "halo", halo_split=args.split or None,
+                                         **routing)
                    for name in ("halo", "ring")}
         variants = {name: engine_step(engine, tensors, args.forward_only, window)
                     for name, engine in engines.items()}
         figures[str(window)] = alternating(
             variants, args.iters, args.warmup,
             lambda fn: slowest_rank_seconds(fn, torch.device("cpu")), statistics.median)
+        for engine in engines.values():
+            engine.close()
     if rank == 0:
         Path(out_path).write_text(json.dumps(figures))
     dist.barrier()
@@ -73,8 +87,13 @@ def run(args: argparse.Namespace) -> int:
     from megatron_zeppelin.bench.window import ring_figures
     from megatron_zeppelin.bench.workers import run_spawned
 
-    plan = _plan(args.lengths, args.ranks)
-    print(f"one ring group of {args.ranks} gloo ranks (static CP, INTRA), lengths "
+    from megatron_zeppelin.router import RouterTopology
+
+    cost = _cost(args)
+    plan, where = _plan(args.lengths, cost), "INTRA" if args.nodes == 1 else (
+        f"INTER over {args.nodes} nodes, hops across nodes "
+        f"{'ring P2P' if args.inter_mode == 'ring' else args.inter_mode + ' global steps'}")
+    print(f"one ring group of {args.ranks} gloo ranks (static CP, {where}), lengths "
           f"{','.join(map(str, args.lengths))}; q {args.heads} heads, kv {args.kv_heads}, head "
           f"dim {args.head_dim}; median of {args.iters} alternating iterations "
           f"({'forward' if args.forward_only else 'forward + backward'}, slowest rank)"
@@ -83,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         out_path = os.path.join(tmp, "figures.json")
         worker_args = argparse.Namespace(**{key: getattr(args, key) for key in WORKER_FLAGS})
         run_spawned(_worker, args.ranks, (os.path.join(tmp, "store"), out_path, worker_args,
-                                          plan), timeout_s=1800.0, what="bench halo")
+                                          plan, RouterTopology.from_cluster(cost.cluster)),
+                    timeout_s=1800.0, what="bench halo")
         measured = json.loads(Path(out_path).read_text())
     ring_rounds = [exchange_rounds(args.ranks, phase) for phase in Phase]
     print(f"{'window':>7} {'by halo':>8} {'halo ms':>9} {'ring ms':>9} {'ring/halo':>9} "
@@ -112,6 +132,11 @@ def register(targets: argparse._SubParsersAction) -> None:
     p = targets.add_parser("halo", help="windowed ring: halo exchange vs round the ring, measured")
     p.add_argument("--ranks", type=int_at_least(3), default=4,
                    help="ring positions, gloo processes (default 4)")
+    p.add_argument("--nodes", type=int_at_least(1), default=1,
+                   help="emulated nodes the ranks are spread over (default 1: an INTRA ring)")
+    p.add_argument("--inter-mode", choices=("ring", "direct", "routed"), default="ring",
+                   help="with --nodes > 1: the hops across nodes by ring P2P or in the global "
+                        "inter-node steps, direct or routed through proxies (default ring)")
     p.add_argument("--lengths", type=lengths, default=[8192, 4096, 2048],
                    help="the group's sequence lengths, comma-separated")
     p.add_argument("--windows", type=int_at_least(0), nargs="+", default=[64, 256],
@@ -138,6 +163,12 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.ranks > MAX_RANKS:
         parser.error(f"--ranks={args.ranks} is invalid: expected at most {MAX_RANKS} (one "
                      "process each on this machine)")
+    if args.ranks % args.nodes:
+        parser.error(f"--nodes={args.nodes} is invalid with --ranks {args.ranks}: expected a "
+                     "divisor of the ranks (as many ranks on every node)")
+    if args.inter_mode != "ring" and args.nodes == 1:
+        parser.error(f"--inter-mode={args.inter_mode} is invalid with --nodes 1: one node has "
+                     "no hops across nodes (give --nodes 2 or more)")
     for window in args.windows:
         if not any(halo_fits([n], args.ranks, window) for n in args.lengths):
             parser.error(f"--windows {window} is invalid with --ranks {args.ranks}: no sequence "

@@ -13,9 +13,9 @@ ring group (ring size > 1) and ring position, from the engine's own ring blocks
 * the backward's dK/dV accumulators (fp32, ``G`` hops each, the last one home): whole vs what
   the engine sends (the rows some position after the owner reads, ``ZigzagLayout.dkv_rows``);
 * the sequences run by halo exchange (``runtime/halo.py``: the window fits in each of their
-  chunks on a ring of 3 or more whose hops are its own P2P, i.e. INTRA, or INTER where the
-  strategy does not route; "by halo", of the ring groups' sequences; a group split as the
-  engine splits it on CUDA, ``schedule.HALO_SPLIT``): each position sends its
+  chunks on a ring of 3 or more, on any tier, an INTER ring's hops across nodes in the
+  global steps where the strategy routes; "by halo", of the ring groups' sequences; a group
+  split as the engine splits it on CUDA, ``schedule.HALO_SPLIT``): each position sends its
   neighbours the rows they read, once (one exchange forward, the dK/dV of those rows home
   backward) instead of relaying them round the ring; their KV and dK/dV "sent" are those
   rows.
@@ -36,7 +36,6 @@ import torch
 from megatron_zeppelin.config import load_setup
 from megatron_zeppelin.cost_model import DKV_BYTES, CostModel
 from megatron_zeppelin.planner import make_plan
-from megatron_zeppelin.planner.registry import strategy_class
 from megatron_zeppelin.plan import Tier
 from megatron_zeppelin.runtime.zigzag import ZigzagLayout
 from megatron_zeppelin.sim.workloads import sample_batch
@@ -75,9 +74,9 @@ FIGURES = ("pairs", "steps", "skipped", "whole", "sent", "needed", "dkv_whole", 
 def ring_figures(lengths: list[int], size: int, window: int | None,
                  halo_ok: bool = False, split: bool = True) -> dict[str, int]:
     """Pairs, skipped steps and relay tokens (sent / needed) of one ring group; ``halo_ok``:
-    its hops are its own P2P, so its sequences whose chunks hold the window run by halo
-    exchange, the others round the ring (``runtime.waves.windowed``; without ``split``, as
-    on CPU, only a group whose every sequence fits)."""
+    its sequences whose chunks hold the window run by halo exchange, the others round the
+    ring (``runtime.waves.windowed``; without ``split``, as on CPU, only a group whose every
+    sequence fits; False: every sequence round the ring, ``AttentionEngine(halo=False)``)."""
     fits = halo_sequences(lengths, size, window, split) if halo_ok else [False] * len(lengths)
     out = dict.fromkeys(FIGURES, 0)
     for halo in (True, False):
@@ -119,15 +118,14 @@ def _run_figures(lengths: list[int], size: int, window: int | None,
     return out
 
 
-def plan_figures(plan, window: int | None, routed: bool = False) -> dict[str, int]:
-    """``ring_figures`` summed over the plan's ring groups; ``routed``: its INTER rings go
-    through the global inter-node steps (no halo exchange for them)."""
+def plan_figures(plan, window: int | None) -> dict[str, int]:
+    """``ring_figures`` summed over the plan's ring groups, as the engine runs them."""
     total = dict.fromkeys(FIGURES, 0)
     for group in plan.ring_groups:
         if group.tier == Tier.LOCAL or len(group.ring) == 1:
             continue
         figures = ring_figures([plan.seqlens[s] for s in group.seqs], len(group.ring), window,
-                               halo_ok=group.tier == Tier.INTRA or not routed)
+                               halo_ok=True)
         for key, value in figures.items():
             total[key] += value
     return total
@@ -155,10 +153,9 @@ def bench_window(args: argparse.Namespace) -> int:
           f"{'by halo':>13}")
     dkv_bytes = token_bytes / spec.bytes_per_element * DKV_BYTES  # the fp32 accumulator
     for strategy, plan in plans:  # planned before the first line: a refusal prints nothing
-        routed = strategy_class(strategy).routed and setup.zeppelin.routing and args.nodes > 1
         full = plan_figures(plan, None)
         for window in args.windows:
-            got = plan_figures(plan, window, routed)
+            got = plan_figures(plan, window)
             share = got["pairs"] / full["pairs"] if full["pairs"] else 0.0
             skipped = f"{got['skipped']}/{got['steps']}"
             whole, sent = got["whole"] * token_bytes / 1e9, got["sent"] * token_bytes / 1e9

@@ -98,7 +98,7 @@ from megatron_zeppelin.runtime.probe import Probe
 from megatron_zeppelin.runtime.ring_comm import RingBatch
 from megatron_zeppelin.runtime.transport import Transport, get_transport, warm_up
 from megatron_zeppelin.runtime.ulysses import UlyssesAttention
-from megatron_zeppelin.runtime.waves import (LocalCall, Ring, Wave, build_waves,
+from megatron_zeppelin.runtime.waves import (LocalCall, Ring, Wave, build_waves, halo_split,
                                              whole_buffer_call, windowed)
 from megatron_zeppelin.schedule import LOCAL_CALL_TOKENS, Phase
 
@@ -200,7 +200,7 @@ class AttentionEngine:
         self.inter = None if inter_mode == "ring" or self.ulysses else InterQueue(
             plan, rank, route_group, routing=inter_mode == "routed",
             router_topology=router_topology, timeout_s=self.timeout_s,
-            transport=self.transport)
+            transport=self.transport, halo=halo)
         self.waves = [] if self.ulysses else build_waves(
             plan, rank, group, self.inter, local_call_tokens, self.timeout_s, self.transport,
             halo)
@@ -339,7 +339,7 @@ class AttentionEngine:
         lanes.begin()
         for index, wave in enumerate(waves):
             self._run_wave(WavePass(phase, index, wave, tensors, result, scale, kernel, lanes,
-                                 band))
+                                 band, halo_split(q.device, self.halo_split)))
         lanes.join()
         return result
 
@@ -352,7 +352,8 @@ class AttentionEngine:
             with p.lanes.local():
                 while queue:
                     self._local(p, queue.popleft())
-        global_steps = self.inter.num_steps(p.index, p.phase) if self.inter else 0
+        global_steps = self.inter.num_steps(p.index, p.phase, p.window and p.window[0],
+                                            p.split) if self.inter else 0
         probe = self.probe
         for r in range(max([run.steps(p.phase) for run in p.runs] + [global_steps])):
             round_s, busy = (time.perf_counter(), probe.busy_s) if probe else (0.0, 0.0)
@@ -423,30 +424,27 @@ class AttentionEngine:
 
     def _post(self, p: WavePass, r: int, global_steps: int) -> PostedRound:
         """Post round ``r``: the ring P2P of every ring, in global group order, as one batch
-        (``RingBatch``: one ``batch_isend_irecv``), then the global inter step."""
+        (``RingBatch``: one ``batch_isend_irecv``), then the global inter step (the hops
+        across nodes, keyed as ``InterQueue.post`` reads them)."""
         pending, routed_sends = [], {}
         k, v = p.tensors.k, p.tensors.v
         batch = RingBatch(self.transport, self.group, self.timeout_s)
         for ring, run in zip(p.wave.rings, p.runs):
-            sends, like = run.sends(p.phase, r), run.recv_like(p.phase, r)
-            if ring.halo:  # (to next, to previous), (from previous, from next)
-                request = ring.comm.exchange_both(sends[0], like[0], sends[1], like[1], r,
-                                                  phase=p.phase, device=k.device, batch=batch)
-                pending.append((request, []))
-                continue
-            if ring.routed_send:
-                routed_sends[ring.group.key] = sends
+            out, into, like, routed = ring.by_way(run.sends(p.phase, r),
+                                                  run.recv_like(p.phase, r))
+            routed_sends.update(routed)
             request = None
-            if (sends and not ring.routed_send) or (like and not ring.routed_recv):
-                request = ring.comm.exchange(sends, like, r, send=not ring.routed_send,
-                                             recv=not ring.routed_recv, phase=p.phase,
-                                             device=k.device, batch=batch)
+            if any(out) or any(into):
+                request = ring.comm.exchange_both(
+                    out[0], into[0], out[1], into[1], r, phase=p.phase, device=k.device,
+                    batch=batch) if ring.halo else ring.comm.exchange(
+                    out[0], into[0], r, phase=p.phase, device=k.device, batch=batch)
             pending.append((request, like))
         batch.post(f"wave {p.index} {p.phase.value} step {r} (ring P2P of rank {self.rank})")
         future = None
         if r < global_steps:  # every rank of the pool takes part
             meta = ((k.shape[1], k.shape[2] + v.shape[2]), k.dtype,  # k and v side by side
-                    None if p.window is None else p.window[0])
+                    None if p.window is None else p.window[0], p.split)
             future = self.inter.post(p.index, r, p.phase, routed_sends, meta, k.device)
         return PostedRound(pending, future)
 
@@ -455,18 +453,14 @@ class AttentionEngine:
         routed = self.inter.complete(posted.inter) if posted.inter is not None else {}
         for ring, run, (request, like) in zip(p.wave.rings, p.runs, posted.requests):
             waited = time.perf_counter()
-            received = request.wait() if request is not None else []
+            got = request.wait() if request is not None else []
             if self.probe is not None and not self.probe.cuda and request is not None:
                 sends = run.sends(p.phase, r)
                 self._probe_link(ring, sends[0] + sends[1] if ring.halo else sends, posted.at,
                                  waited)
-            if like and ring.routed_recv:  # no flow when a window leaves nothing to relay
-                received = routed.get(ring.group.key) or [
-                    torch.empty(shape, dtype=dtype, device=p.tensors.k.device)
-                    for shape, dtype in like]
+            received = ring.received(like, got, routed, p.tensors.k.device)
             if r < run.steps(p.phase):
                 run.receive(p.phase, r, received)
-
 
     def _probe_link(self, ring: Ring, sends: list, posted_s: float, waited_s: float) -> None:
         """A direct ring exchange for the probe: its tier, bytes and time (CPU)."""

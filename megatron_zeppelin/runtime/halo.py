@@ -24,7 +24,8 @@ v_head_dim]`` (k and v side by side), dK/dV in the accumulator dtype. ``HaloGrou
 interface of ``attention.RingGroupRun`` except that ``sends`` and ``recv_like`` are pairs
 (towards the next position, towards the previous one) and ``receive`` takes what came from
 the previous position, then what came from the next one. The engine uses it for a windowed
-ring whose hops are its own P2P (not the global inter-node steps: ``waves.windowed``).
+ring where it fits (``waves.windowed``); a hop across nodes of an INTER ring, either way,
+travels in the global inter-node steps (``runtime.inter``, sized by ``halo_like``).
 """
 from __future__ import annotations
 
@@ -71,6 +72,19 @@ def halo_blocks(layout: ZigzagLayout, device: torch.device | str) -> HaloBlocks:
     return HaloBlocks(*placed, *moved, len(from_prev), len(from_next))
 
 
+def halo_like(reads: int, read_by: int, phase: Phase, step: int, tail: tuple[int, ...],
+              dtype: torch.dtype) -> Like:
+    """What a position receives from one neighbour in round ``step`` of a halo exchange: the
+    ``reads`` KV rows ``[reads, *tail]`` it reads of the neighbour's (round 0), in backward
+    the dK/dV (accumulator dtype) of the ``read_by`` rows of its own the neighbour read
+    (round 2); nothing in the other rounds."""
+    if step == 0:
+        return [((reads, *tail), dtype)]
+    if Phase(phase) is Phase.BACKWARD and step == 2:
+        return [((read_by, *tail), accum_dtype(dtype))]
+    return []
+
+
 class HaloGroupRun(RingGroupRun):
     """One windowed ring group on this rank by halo exchange (module docstring); driven as
     ``RingGroupRun`` is, with two-way ``sends``/``recv_like``/``receive``."""
@@ -100,14 +114,9 @@ class HaloGroupRun(RingGroupRun):
     def recv_like(self, phase: Phase, step: int) -> tuple[Like, Like]:
         """(from the previous position, from the next one) in round ``step``: what they
         send (``sends``) in the same round."""
-        b, tail = self.blocks, tuple(self.kv.shape[1:])
-        if step == 0:
-            return [((b.from_prev, *tail), self.kv.dtype)], [((b.from_next, *tail),
-                                                                self.kv.dtype)]
-        if phase is Phase.BACKWARD and step == 2:
-            acc = accum_dtype(self.kv.dtype)
-            return [((b.to_prev.numel(), *tail), acc)], [((b.to_next.numel(), *tail), acc)]
-        return [], []
+        b, tail, dtype = self.blocks, tuple(self.kv.shape[1:]), self.kv.dtype
+        return (halo_like(b.from_prev, b.to_prev.numel(), phase, step, tail, dtype),
+                halo_like(b.from_next, b.to_next.numel(), phase, step, tail, dtype))
 
     def compute(self, phase: Phase, step: int) -> None:
         b = self.blocks

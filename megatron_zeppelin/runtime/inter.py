@@ -4,15 +4,20 @@ The routing layer (``routed_p2p``) moves the inter-node traffic of one ring step
 phase in which every rank of the pool takes part (as source, proxy or destination). So the
 inter-node queue of a wave runs as global steps ``s = 0..S-1``: in forward, ``S`` is the longest
 inter-node ring of the wave minus one (KV exchanges); in backward, that ring length plus one
-(KV + dKV exchanges, then the final dKV return; see ``attention``). Every rank computes the
-same flow list for every step from the plan: for each inter-node group in global order
-(``Plan.ring_groups``) and each ring position ``p`` whose hop ``ring[p] -> ring[p+1]`` crosses
-nodes and carries bytes at that step, ``Flow(ring[p], ring[p+1], nbytes)``. Hops inside one
-node of an inter-node ring stay on the direct ring P2P (``RingComm``).
+(KV + dKV exchanges, then the final dKV return; see ``attention``). Under a sliding window a
+group's sequences whose chunks hold it run by halo exchange (``halo.py``, as
+``waves.windowed`` splits the group: ``zigzag_window.halo_parts``), counting as a ring of
+``schedule.HALO_ROUNDS_SIZE`` (``schedule.wave_global_steps``). Every rank computes the same
+flow list for every step from the plan: for each run of each inter-node group in global order
+(``Plan.ring_groups``) and each ring position ``p`` whose hop ``ring[p] -> ring[p+1]`` (a halo
+run also ``ring[p] -> ring[p-1]``) crosses nodes and carries bytes at that step,
+``Flow(source, destination, nbytes)``. Hops inside one node of an inter-node ring stay on the
+direct ring P2P (``RingComm``).
 
 A flow's payload is the concatenated bytes of what the ring step sends (``attention.recv_like``
-of the receiving position: KV ``[2, tokens, kv_heads, head_dim]``, then in backward the float32
-dKV accumulator), sent as a 1-D ``uint8`` tensor and cut back into tensors on arrival.
+of the receiving position, ``halo.halo_like`` by halo: KV ``[2, tokens, kv_heads,
+head_dim]``, then in backward the float32 dKV accumulator), sent as a 1-D ``uint8`` tensor and
+cut back into tensors on arrival.
 
 ``exchange`` is the one switch: ``routing=True`` -> ``routed_exchange`` along the router's
 schedule, ``routing=False`` -> ``direct_exchange`` (same global step, no proxies). Steps run on
@@ -27,6 +32,7 @@ with NCCL neither thread waits for the device.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Mapping, NamedTuple, Sequence
@@ -37,11 +43,13 @@ import torch.distributed as dist
 from megatron_zeppelin.plan import Plan, RingGroup, Tier
 from megatron_zeppelin.router import Flow, RouterTopology, RouteSchedule, route
 from megatron_zeppelin.runtime.attention import recv_like
+from megatron_zeppelin.runtime.halo import halo_like
 from megatron_zeppelin.runtime.zigzag import ZigzagLayout
 from megatron_zeppelin.runtime.lanes import lanes_for
 from megatron_zeppelin.runtime.routed_p2p import direct_exchange, routed_exchange
 from megatron_zeppelin.runtime.transport import Transport
-from megatron_zeppelin.schedule import Phase, global_steps
+from megatron_zeppelin.schedule import Phase, wave_global_steps
+from megatron_zeppelin.zigzag_window import halo_parts
 
 Like = list[tuple[tuple[int, ...], torch.dtype]]
 
@@ -91,11 +99,23 @@ def unpack(buffer: torch.Tensor, like: Like, device: torch.device) -> list[torch
     return out
 
 
+class _Run(NamedTuple):
+    """One run of an INTER group under a window (``zigzag_window.halo_parts``): its key
+    (group key, by halo exchange), ring, every position's layout of its sequences and, by
+    halo, ``reads[(p, q)]``: how many KV rows of its neighbour q position p reads."""
+
+    key: tuple[tuple, bool]
+    ring: tuple[int, ...]
+    halo: bool
+    layouts: list[ZigzagLayout]
+    reads: dict[tuple[int, int], int]
+
+
 class _Step(NamedTuple):
     """One global step as every rank computes it from the plan."""
 
     flows: list[Flow]
-    index: dict[int, tuple[tuple, int]]  # flow -> (group key, source ring position)
+    index: dict[int, tuple[_Run, int, int]]  # flow -> (run, source position, direction)
     schedule: RouteSchedule | None  # routed only
 
 
@@ -104,12 +124,16 @@ class InterQueue:
 
     plan/rank: the plan and this rank (a rank of ``route_group``); routing: routed or direct
     exchanges; router_topology: the cluster's NICs (required when routing); timeout_s: per
-    exchange phase; transport: as ``transport.get_transport``.
+    exchange phase; transport: as ``transport.get_transport``; halo: windowed groups run by
+    halo exchange where it fits (``waves.build_waves``'s, the same on every rank).
+
+    Traffic is keyed ``(run key, direction)``: ``Ring.run_key``, +1 for a hop to the next
+    position (what arrives from the previous one), -1 for a halo hop to the previous one.
     """
 
     def __init__(self, plan: Plan, rank: int, route_group: dist.ProcessGroup, *, routing: bool,
                  router_topology: RouterTopology | None, timeout_s: float,
-                 transport: Transport | str | None = None) -> None:
+                 transport: Transport | str | None = None, halo: bool = True) -> None:
         if routing and router_topology is None:
             raise ValueError("routing=True needs router_topology "
                              "(RouterTopology.from_cluster(cluster_spec))")
@@ -121,16 +145,21 @@ class InterQueue:
                              f"{plan.topology.nodes} x {plan.topology.gpus_per_node}")
         self.plan, self.rank, self.group = plan, rank, route_group
         self.routing, self.topology, self.timeout_s = routing, router_topology, timeout_s
-        self.transport = transport
+        self.transport, self.halo = transport, halo
         self.groups = [g for g in plan.ring_groups if g.tier == Tier.INTER]
-        self._layouts: dict[tuple, list[ZigzagLayout]] = {}  # (group key, window) -> per position
+        self._runs: dict[tuple, list[_Run]] = {}  # (group key, window, split) -> its runs
         self._steps: dict[tuple, _Step] = {}
         self._pool: ThreadPoolExecutor | None = None
 
-    def num_steps(self, wave: int, phase: Phase) -> int:
-        """Global steps of ``wave``'s inter-node queue in ``phase`` (0 without such rings)."""
-        return global_steps(max((len(g.ring) for g in self.groups if g.wave == wave), default=0),
-                            Phase(phase))
+    def num_steps(self, wave: int, phase: Phase, window: int | None = None,
+                  split: bool = False) -> int:
+        """Global steps of ``wave``'s inter-node queue in ``phase`` under sliding window
+        ``window`` (None: full causal), ``split`` as ``waves.windowed`` (0 without such
+        rings)."""
+        return wave_global_steps(((len(run.ring), run.halo) for group in self.groups
+                                  if group.wave == wave
+                                  for run in self._group_runs(group, window, split)),
+                                 Phase(phase))
 
     def crosses(self, group: RingGroup, position: int) -> bool:
         """Whether hop ``ring[position] -> ring[position + 1]`` crosses nodes."""
@@ -138,21 +167,23 @@ class InterQueue:
         return node(ring[position]) != node(ring[(position + 1) % len(ring)])
 
     def post(self, wave: int, step: int, phase: Phase, sends: dict[tuple, list[torch.Tensor]],
-             meta: tuple[tuple[int, ...], torch.dtype], device: torch.device) -> Future:
-        """Start global step ``step`` on the worker thread; the future gives ``{group key:
-        received tensors}`` for this rank's groups whose incoming hop crosses nodes, once
+             meta: tuple, device: torch.device) -> Future:
+        """Start global step ``step`` on the worker thread; the future gives ``{(run key,
+        direction): received tensors}`` for this rank's incoming hops that cross nodes, once
         ``complete`` has been called with it.
 
-        sends: group key -> the tensors this rank sends at this step, for its groups whose
-        outgoing hop crosses nodes; meta: ``((kv_heads, head_dim + v_head_dim), KV dtype,
-        sliding window or None)`` (a window trims the relayed KV rows: ``recv_like``).
+        sends: ``(run key, direction)`` -> the tensors this rank sends at this step, for its
+        hops that cross nodes; meta: ``((kv_heads, head_dim + v_head_dim), KV dtype, sliding
+        window or None, split)`` (a window trims the relayed KV rows, ``recv_like``, or runs
+        a halo exchange; split: ``waves.halo_split``).
         """
         phase = Phase(phase)
         plan = self._step(wave, step, phase, meta)
         payloads, likes = {}, {}
         for f, flow in enumerate(plan.flows):
             if flow.src == self.rank:
-                payloads[f] = pack(sends[plan.index[f][0]])
+                run, _, direction = plan.index[f]
+                payloads[f] = pack(sends[(run.key, direction)])
             if flow.dst == self.rank:
                 likes[f] = (flow.nbytes, torch.uint8)
         call = functools.partial(exchange, payloads, likes, plan.flows, self.group,
@@ -197,23 +228,39 @@ class InterQueue:
 
     def _unpack(self, got: dict[int, torch.Tensor], plan: _Step, step: int, phase: Phase,
                 meta, device: torch.device) -> dict[tuple, list[torch.Tensor]]:
-        """The received flows cut into each ring's tensors (``recv_like`` of this position)."""
+        """The received flows cut into each run's tensors (what the receiving position
+        expects, ``_like``), keyed ``(run key, direction)``."""
         out = {}
         for f, buffer in got.items():
-            key, position = plan.index[f]
-            layouts = self._group_layouts(key, meta[2])
-            layout = layouts[(position + 1) % len(layouts)]
-            out[key] = unpack(buffer, recv_like(layout, step, phase, *meta[:2]), device)
+            run, source, direction = plan.index[f]
+            position = (source + direction) % len(run.ring)
+            out[(run.key, direction)] = unpack(
+                buffer, self._like(run, position, source, step, phase, meta), device)
         return out
 
-    def _group_layouts(self, key: tuple, window: int | None) -> list[ZigzagLayout]:
-        """Every ring position's layout of INTER group ``key`` under ``window`` (cached)."""
-        if (key, window) not in self._layouts:
-            group = next(g for g in self.groups if g.key == key)
-            lengths = [self.plan.seqlens[s] for s in group.seqs]
-            self._layouts[(key, window)] = [ZigzagLayout(lengths, len(group.ring), p, window)
-                                            for p in range(len(group.ring))]
-        return self._layouts[(key, window)]
+    @staticmethod
+    def _like(run: _Run, position: int, source: int, step: int, phase: Phase, meta) -> Like:
+        """What ``position`` of ``run`` receives from ``source`` at ``step``."""
+        if run.halo:
+            return halo_like(run.reads[(position, source)], run.reads[(source, position)],
+                             phase, step, *meta[:2])
+        return recv_like(run.layouts[position], step, phase, *meta[:2])
+
+    def _group_runs(self, group: RingGroup, window: int | None, split: bool) -> list[_Run]:
+        """The runs of INTER group ``group`` under ``window`` (cached): as
+        ``waves.windowed`` cuts it, each with every position's layout."""
+        cache_key = (group.key, window, split)
+        if cache_key not in self._runs:
+            lengths, size = [self.plan.seqlens[s] for s in group.seqs], len(group.ring)
+            self._runs[cache_key] = []
+            for halo, seqs in halo_parts(lengths, size, window, split, self.halo):
+                layouts = [ZigzagLayout([lengths[i] for i in seqs], size, p, window)
+                           for p in range(size)]
+                reads = {(p, q % size): len(layouts[p].read_rows(p, q % size))
+                         for p in range(size) for q in (p - 1, p + 1)} if halo else {}
+                self._runs[cache_key].append(_Run((group.key, halo), group.ring, halo,
+                                                  layouts, reads))
+        return self._runs[cache_key]
 
     @staticmethod
     def _stream(device: torch.device) -> torch.cuda.Stream:
@@ -241,14 +288,14 @@ class InterQueue:
             for group in self.groups:
                 if group.wave != wave:
                     continue
-                layouts = self._group_layouts(group.key, meta[2])
-                for p in range(len(group.ring)):
-                    size = nbytes(recv_like(layouts[(p + 1) % len(layouts)], step, phase,
-                                            *meta[:2]))
-                    if size and self.crosses(group, p):
-                        index[len(flows)] = (group.key, p)
-                        flows.append(Flow(group.ring[p], group.ring[(p + 1) % len(group.ring)],
-                                          size))
+                for run in self._group_runs(group, *meta[2:]):
+                    g = len(run.ring)
+                    for p, direction in itertools.product(range(g), (1, -1)[:1 + run.halo]):
+                        dst = (p + direction) % g
+                        size = nbytes(self._like(run, dst, p, step, phase, meta))
+                        if size and self.crosses(group, p if direction == 1 else dst):
+                            index[len(flows)] = (run, p, direction)
+                            flows.append(Flow(run.ring[p], run.ring[dst], size))
             schedule = route(self.topology, flows) if self.routing and flows else None
             self._steps[cache_key] = _Step(flows, index, schedule)
         return self._steps[cache_key]

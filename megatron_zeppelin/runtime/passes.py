@@ -45,6 +45,7 @@ class WavePass:
     kernel: KernelBackend
     lanes: Lanes
     window: tuple[int, int] | None = None  # LOCAL calls' band (base.band), None: causal
+    split: bool = False  # a group partly fitting a halo exchange split (``waves.halo_split``)
     runs: list[RingGroupRun] = dataclasses.field(default_factory=list)
 
 

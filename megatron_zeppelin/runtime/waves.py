@@ -23,7 +23,7 @@ from megatron_zeppelin.runtime.kernels import Pieces, make_pieces
 from megatron_zeppelin.runtime.ring_comm import RingComm
 from megatron_zeppelin.runtime.transport import Transport
 from megatron_zeppelin.schedule import HALO_SPLIT, Phase, local_calls
-from megatron_zeppelin.zigzag_window import halo_sequences
+from megatron_zeppelin.zigzag_window import halo_parts
 
 
 @dataclasses.dataclass
@@ -36,18 +36,53 @@ class Ring:
     end: int
     layout: ZigzagLayout
     comm: RingComm
-    routed_send: bool = False  # outgoing hop goes through the global inter-node step
-    routed_recv: bool = False  # incoming hop likewise
+    routed_send: bool = False  # hop to the next position goes through the global inter step
+    routed_recv: bool = False  # hop from (and, by halo, to) the previous one likewise
     blocks: StepBlocks | HaloBlocks | None = None
-    halo_ok: bool = True  # its hops are its own P2P (not the global inter-node steps)
+    halo_ok: bool = True  # a halo exchange where the window fits (``build_waves``'s halo)
     halo: bool = False  # run by halo exchange (``windowed``: HaloBlocks)
     index: torch.Tensor | None = None  # its rows where they are not [start, end) (``windowed``)
+
+    @property
+    def run_key(self) -> tuple[tuple, bool]:
+        """Its run's key in the global inter-node steps: (group key, by halo exchange)."""
+        return self.group.key, self.halo
 
     @property
     def rows(self) -> slice | torch.Tensor:
         """Its rows of the rank's buffer: ``[start, end)``, or int64 indices (a part of a
         group, ``windowed``)."""
         return slice(self.start, self.end) if self.index is None else self.index
+
+    def by_way(self, sends, like) -> tuple[tuple, tuple, tuple, dict]:
+        """A round's traffic of its run (``sends``/``recv_like``; a relay's one way) cut by
+        way: ``(to next, to previous)`` sends and ``(from previous, from next)`` receives,
+        all of them; of them those that go by ring P2P (the others empty); and
+        ``{(run key, direction): sends}`` of its hops across nodes in the global step
+        (``InterQueue.post``: direction 1 to the next position, -1 to the previous)."""
+        sends, like = (sends, like) if self.halo else ((sends, []), (like, []))
+        routed = {(self.run_key, 1): sends[0]} if self.routed_send else {}
+        if self.routed_recv and self.halo:
+            routed[(self.run_key, -1)] = sends[1]
+        return (sends[0] if not self.routed_send else [],
+                sends[1] if not self.routed_recv else []), (
+            like[0] if not self.routed_recv else [],
+            like[1] if not self.routed_send else []), like, routed
+
+    def received(self, like: tuple, got: list, routed: dict, device: torch.device
+                 ) -> list[torch.Tensor]:
+        """What its run receives in a round (``by_way``'s ``like``), from the previous
+        position then the next: ``got`` by ring P2P, the rest from the global step's
+        ``routed`` (empty tensors where a window left a hop no rows, hence no flow)."""
+        back, out = 0 if self.routed_recv else len(like[0]), []
+        for direction, expect, global_step, mine in (
+                (1, like[0], self.routed_recv, got[:back]),
+                (-1, like[1], self.routed_send, got[back:])):
+            if global_step and expect:
+                mine = routed.get((self.run_key, direction)) or [
+                    torch.empty(shape, dtype=dtype, device=device) for shape, dtype in expect]
+            out += mine
+        return out
 
 
 class LocalCall(NamedTuple):
@@ -83,28 +118,32 @@ def whole_buffer_call(waves: list[Wave], tokens: int, inter) -> LocalCall | None
     return call if isinstance(call.rows, slice) and call.rows == slice(0, tokens) else None
 
 
+def halo_split(device: torch.device | str, split: bool | None = None) -> bool:
+    """Whether a ring group whose sequences only partly fit a halo exchange is split in two
+    runs on ``device`` (``split`` None: the device's ``schedule.HALO_SPLIT``)."""
+    return HALO_SPLIT[torch.device(device).type] if split is None else split
+
+
 def windowed(ring: Ring, window: int | None, device: torch.device,
              split: bool | None = None) -> list[Ring]:
     """``ring`` with its layout for sliding window ``window`` and its blocks on ``device``.
-    Where its hops are its own P2P, its sequences whose chunks hold the window
-    (``zigzag_window.halo_sequences``: the same on every member) run by halo exchange, the others
-    around the ring: two runs over one ring when it holds both, in that order, each on its
-    own rows of the group's buffer, where ``split`` (None: the device's
-    ``schedule.HALO_SPLIT``)."""
+    Its sequences whose chunks hold the window (``zigzag_window.halo_parts``: the same on
+    every member) run by halo exchange, the others around the ring: two runs over one ring
+    when it holds both, in that order, each on its own rows of the group's buffer, where
+    ``split`` (``halo_split``)."""
     old = ring.layout
-    split = HALO_SPLIT[torch.device(device).type] if split is None else split
-    fits = halo_sequences(old.lengths, old.ring_size, window, split) if ring.halo_ok else \
-        [False] * len(old.lengths)
-    if not any(fits) or all(fits):
+    runs = halo_parts(old.lengths, old.ring_size, window, halo_split(device, split),
+                      ring.halo_ok)
+    if len(runs) == 1:
+        halo = runs[0][0]
         layout = old if window is None else ZigzagLayout(old.lengths, old.ring_size,
                                                          old.position, window)
-        blocks = halo_blocks(layout, device) if any(fits) else device_blocks(layout, device)
-        return [dataclasses.replace(ring, layout=layout, blocks=blocks, halo=any(fits))]
+        blocks = halo_blocks(layout, device) if halo else device_blocks(layout, device)
+        return [dataclasses.replace(ring, layout=layout, blocks=blocks, halo=halo)]
     spans = list(itertools.accumulate((a + b for a, b in old.held(old.position)),
                                       initial=ring.start))
     parts = []
-    for halo in (True, False):
-        seqs = [i for i, f in enumerate(fits) if f == halo]
+    for halo, seqs in runs:
         layout = ZigzagLayout([old.lengths[i] for i in seqs], old.ring_size, old.position,
                               window)
         rows = torch.cat([torch.arange(spans[i], spans[i + 1], dtype=torch.int64)
@@ -140,7 +179,6 @@ def build_waves(plan: Plan, rank: int, pg: dist.ProcessGroup, inter, local_call_
         if inter is not None and group.tier == Tier.INTER:
             ring.routed_send = inter.crosses(group, position)
             ring.routed_recv = inter.crosses(group, (position - 1) % len(group.ring))
-            ring.halo_ok = False  # the global steps carry ring hops only
         waves[group.wave].rings.append(ring)
     tokens = plan.attention_tokens()[rank]
     if offset != tokens:

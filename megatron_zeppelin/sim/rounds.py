@@ -260,7 +260,8 @@ def simulate_pass(rings: list[RingCosts], local: list[list[tuple[float, float]]]
     global_mode = links.inter_mode != "ring" and bool(inter)
     global_steps = 0
     if global_mode:
-        global_steps = schedule.global_steps(max(len(g.members) for g in inter), _phase(spec))
+        global_steps = schedule.wave_global_steps(((len(g.members), g.halo) for g in inter),
+                                                  _phase(spec))
     share = links.local_policy == "share"
     compute = _compute_matrix(rings, local if share else [[] for _ in local], world, spec,
                               global_steps)
@@ -383,11 +384,13 @@ def _nic_times(hops: _Hops, n: int, cross: np.ndarray, nbytes: np.ndarray,
 
 def _global_step(inter: list[RingCosts], r: int, spec: PassSpec, links: Links,
                  state: _RoundState) -> float:
-    """Seconds of global inter-node step ``r`` of node-connected rings ``inter``."""
-    sizes = np.asarray([len(g.members) for g in inter])
+    """Seconds of global inter-node step ``r`` of node-connected rings ``inter``: each
+    ring's hops across nodes, p -> p+1 (and p -> p-1 for a halo group)."""
+    sizes = np.asarray([g.rounds_size for g in inter])
     per_ring = round_bytes(sizes, np.asarray([g.kv_bytes for g in inter]), r, spec,
-                           np.asarray([g.accumulator_bytes for g in inter]))
-    key = tuple((g.index, float(b)) for g, b in zip(inter, per_ring) if b > 0)
+                           np.asarray([g.accumulator_bytes for g in inter]),
+                           np.asarray([g.halo for g in inter], dtype=bool))
+    key = tuple((g.index, g.halo, float(b)) for g, b in zip(inter, per_ring) if b > 0)
     if key in state.step_cache:
         return state.step_cache[key]
     flows: dict[tuple[int, int], float] = {}
@@ -397,9 +400,10 @@ def _global_step(inter: list[RingCosts], r: int, spec: PassSpec, links: Links,
             continue
         members = ring.members
         for p in np.flatnonzero(ring.cross):
-            src, dst = int(members[p]), int(members[(p + 1) % len(members)])
-            for a, b in zip(gpus.gpus(src), gpus.gpus(dst)):
-                flows[(a, b)] = flows.get((a, b), 0.0) + nbytes
+            ends = [(members[p], members[(p + 1) % len(members)])]
+            for src, dst in ends + [end[::-1] for end in ends if ring.halo]:
+                for a, b in zip(gpus.gpus(int(src)), gpus.gpus(int(dst))):
+                    flows[(a, b)] = flows.get((a, b), 0.0) + nbytes
     state.step_cache[key] = inter_step_time(links.cluster, flows, links.inter_mode == "routed",
                                             links.router)
     return state.step_cache[key]

@@ -48,7 +48,7 @@ import numpy as np
 
 from megatron_zeppelin.config import ClusterSpec, ModelSpec
 from megatron_zeppelin.cost_model import CostModel
-from megatron_zeppelin.plan import Plan, Tier
+from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.schedule import HALO_SPLIT
 from megatron_zeppelin.sim.network import GpuMap
 from megatron_zeppelin.sim.profile import SimProfile
@@ -173,20 +173,19 @@ class _Work(NamedTuple):
     local: list[list[tuple[float, float]]]
 
 
-def build_work(plan: Plan, cost: CostModel, profile: SimProfile, halo_inter: bool = True,
-               split: bool = True) -> list[tuple[_Work, _Work]]:
+def build_work(plan: Plan, cost: CostModel, profile: SimProfile, split: bool = True,
+               halo: bool = True) -> list[tuple[_Work, _Work]]:
     """Per wave, the (forward, backward) work of every ring group and LOCAL queue: a G-rank
     ring step computes 1/G^2 of each sequence's causal work at query length s/G. In a layer
     whose every layer is windowed, a group's sequences whose chunks hold the window run by
-    halo exchange where the engine does (``halo_sequences``; INTER rings only with
-    ``halo_inter``, i.e. ring P2P, not global steps): a second ring over the same members,
-    ahead of the one of its other sequences (``runtime.waves.windowed``; ``split`` False:
-    only a group whose every sequence fits, ``schedule.HALO_SPLIT``)."""
+    halo exchange where the engine does (``halo_sequences``, ``split`` and ``halo`` as there;
+    an INTER ring's hops across nodes both ways in the global steps): a second ring over
+    the same members, ahead of the one of its other sequences (``runtime.waves.windowed``)."""
     groups, world, gpn = plan.ring_groups, plan.topology.world_size, plan.topology.gpus_per_node
     owner = np.repeat(np.arange(len(groups)), [len(g.seqs) for g in groups])
     s = np.asarray([plan.seqlens[q] for g in groups for q in g.seqs], dtype=np.float64)
     g = np.asarray([len(groups[i].ring) for i in owner], dtype=np.float64)
-    halo = halo_sequences(plan, cost.model, halo_inter, split)
+    halo = halo_sequences(plan, cost.model, split, halo)
     part, parts = 2 * owner + ~halo, [group for group in groups for _ in range(2)]
     flops = cost.attention_flops(s)  # vectorised; the model's sliding window included
     fwd = profile.attention_forward_s(flops / (g * g), s / g) * profile.compute_scale
@@ -225,18 +224,18 @@ def build_work(plan: Plan, cost: CostModel, profile: SimProfile, halo_inter: boo
     return out
 
 
-def halo_sequences(plan: Plan, model: ModelSpec, halo_inter: bool,
-                   split: bool = True) -> np.ndarray:
+def halo_sequences(plan: Plan, model: ModelSpec, split: bool = True,
+                   halo: bool = True) -> np.ndarray:
     """Per sequence of the plan's ring groups (in group order), whether the engine runs it
     by halo exchange in a layer of ``model`` whose every layer is windowed: as the engine
-    decides it (``zigzag_window.halo_sequences``, with ``split``), an INTER ring only where
-    its hops are ring P2P (``halo_inter``)."""
+    decides it (``zigzag_window.halo_sequences``; ``split`` False: only a group whose every
+    sequence fits, ``schedule.HALO_SPLIT``; ``halo`` False: none, as
+    ``AttentionEngine(halo=False)``)."""
     out = []
     for group in plan.ring_groups:
-        own = model.window_share >= 1.0 and (group.tier != Tier.INTER or halo_inter)
         out += zigzag_window.halo_sequences([plan.seqlens[q] for q in group.seqs],
                                             len(group.ring), model.window_size, split) \
-            if own else [False] * len(group.seqs)
+            if halo and model.window_share >= 1.0 else [False] * len(group.seqs)
     return np.asarray(out, dtype=bool)
 
 
@@ -316,8 +315,7 @@ def attention_ends(plan: Plan, cost: CostModel, profile: SimProfile, options: St
     out = None
     for weight, kind in layer_kinds(cost):
         waves = []
-        for works in build_work(plan, kind, profile, options.inter_mode == "ring",
-                                HALO_SPLIT[options.device]):
+        for works in build_work(plan, kind, profile, HALO_SPLIT[options.device]):
             ends = [simulate_pass(work.rings, work.local, plan.topology.world_size,
                                   PassSpec(backward, 1.0, acc / bpe, call), links)
                     for backward, work in zip((False, True), works)]
