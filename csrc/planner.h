@@ -125,6 +125,7 @@ double add_up(const std::vector<double>& values);
 Tasks place_hierarchical(const Problem& pb, bool with_linear);
 Tasks hybrid_dp_tasks(const Problem& pb, i64 per_rank);
 i64 default_max_seqlen_per_rank(const Problem& pb);
+constexpr i64 kMinSweptCap = 1024;  // baselines.MIN_CAP (parity: test_planner)
 Tasks static_cp_tasks(const Problem& pb, i64 cp);
 bool within_capacity(const Problem& pb, const Tasks& tasks);
 std::pair<Tasks, std::vector<i64>> hydraulis_tasks(const Problem& pb);

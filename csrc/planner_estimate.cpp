@@ -302,6 +302,16 @@ Choice portfolio(const Problem& pb) {
       jobs.emplace_back([&pb, cp] { return static_cp_tasks(pb, cp); });
     }
   }
+  // portfolio.swept_hybrid_caps: hybrid DP at the caps its users sweep (baselines.swept_caps)
+  const i64 per_rank = default_max_seqlen_per_rank(pb);
+  for (i64 k = 1; k <= world; k *= 2) {
+    const i64 cap = (longest + k - 1) / k;
+    if (k > 1 && cap < kMinSweptCap) break;
+    if (cap <= pb.capacity && cap != per_rank && cap != pb.capacity) {
+      candidates.push_back(Candidate{"hybrid-dp(cap=" + std::to_string(cap) + ")", true});
+      jobs.emplace_back([&pb, cap] { return hybrid_dp_tasks(pb, cap); });
+    }
+  }
   // Candidates are independent: build them on up to two threads (the result does not depend
   // on which thread built what), the Hydraulis search first as the longest job.
   std::vector<size_t> order(candidates.size());

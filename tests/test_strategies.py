@@ -266,3 +266,32 @@ def test_the_solvers_c_output_goes_to_stderr(capfd):
     print("after", flush=True)
     out, err = capfd.readouterr()
     assert out == "before\nafter\n" and err == "solver log\n"
+
+
+@pytest.mark.parametrize("model, workload, seed", [("llama-7b-swa", "prolong64k", 0),
+                                                   ("llama-7b", "github", 1)])
+def test_the_portfolio_holds_hybrid_dp_at_every_cap_its_users_sweep(model, workload, seed,
+                                                                    monkeypatch):
+    """Zeppelin's candidates include hybrid DP at each cap of ``baselines.swept_caps`` within
+    the capacity (the tuned peer's sweep), estimated as that peer's plan; both planner
+    backends give the same plans and estimates bit for bit."""
+    from megatron_zeppelin.planner.baselines import swept_caps
+
+    cost = make_cost(model=model, nodes=2)
+    lengths = sample_batch(workload, 1 << 20, random.Random(seed))
+    plans = []
+    for backend in native.BACKENDS:
+        monkeypatch.setenv("ZEPPELIN_PLANNER_BACKEND", backend)
+        plans.append(make_plan("zeppelin", lengths, cost, ZeppelinConfig()))
+    assert [(p.tasks, p.linear, p.candidate, p.estimates) for p in plans[:1]] == \
+        [(p.tasks, p.linear, p.candidate, p.estimates) for p in plans[1:]]
+    estimates, capacity = dict(plans[0].estimates), plans[0].capacity
+    caps = [cap for cap in swept_caps(max(lengths), cost.cluster.world_size)
+            if cap <= capacity]
+    assert len(caps) >= 3
+    for cap in caps:
+        names = [n for n in estimates if n == f"hybrid-dp(cap={cap})" or n == "hybrid-dp"]
+        peer = make_plan("hybrid-dp", lengths, cost, ZeppelinConfig(), max_seqlen_per_rank=cap)
+        assert any(estimates[n] == pytest.approx(estimate_step(peer, cost).step_s)
+                   for n in names), (cap, sorted(estimates))
+    assert min(estimates.values()) == plans[0].estimates[0][1]

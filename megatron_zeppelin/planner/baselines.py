@@ -201,6 +201,20 @@ def default_max_seqlen_per_rank(batch: Batch) -> int:
     return min(batch.capacity, max([suggested, *(smallest_share(s, topo) for s in longer)]))
 
 
+MIN_CAP = 1024  # the smallest --max-seqlen-per-dp-cp-rank a sweep tries (tokens per rank)
+
+
+def swept_caps(longest: int, ranks: int) -> list[int]:
+    """--max-seqlen-per-dp-cp-rank values a user sweeps, largest first: the longest document
+    over 1, 2, 4, ... ranks (Megatron's suggested start, longest / CP, among them), down to
+    ``MIN_CAP`` tokens or the longest over every one of ``ranks``."""
+    caps, k = [], 1
+    while k <= ranks and (not caps or -(-longest // k) >= MIN_CAP):
+        caps.append(-(-longest // k))
+        k *= 2
+    return caps
+
+
 _MAX_SEQLEN_PER_RANK_HELP = (
     "hybrid-dp / megatron-hybrid-cp / megatron-dynamic-cp: the most tokens of a document a "
     "rank holds (Megatron's --max-seqlen-per-dp-cp-rank; default: the longest document over "

@@ -18,6 +18,7 @@ from megatron_zeppelin.config import ZeppelinConfig, load_setup
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.limits import refuse_untrainable
 from megatron_zeppelin.planner import STRATEGIES, Strategy
+from megatron_zeppelin.planner.baselines import swept_caps
 from megatron_zeppelin.planner.common import CapacityError
 from megatron_zeppelin.sim.simulator import SimOptions, SimResult, lower_bound, simulate
 from megatron_zeppelin.sim.workloads import get_workload, read_lengths, sample_batch
@@ -217,17 +218,9 @@ def variant_runs(variant: Variant, batches: list[list[int]], cost: CostModel,
 
 
 def cap_candidates(batches: list[list[int]], ranks: int) -> list[int]:
-    """--max-seqlen-per-dp-cp-rank values a user sweeps, largest first: the longest document
-    over 1, 2, 4, ... ranks (Megatron's suggested start, longest / CP, among them), down to
-    ``MIN_CAP`` tokens or the longest over every rank of the pool."""
-    longest, caps, k = max(max(b) for b in batches), [], 1
-    while k <= ranks and (not caps or -(-longest // k) >= MIN_CAP):
-        caps.append(-(-longest // k))
-        k *= 2
-    return caps
-
-
-MIN_CAP = 1024  # the smallest cap the sweep tries (tokens per rank)
+    """--max-seqlen-per-dp-cp-rank values a user sweeps over ``batches``
+    (``baselines.swept_caps`` of their longest document)."""
+    return swept_caps(max(max(b) for b in batches), ranks)
 
 
 def tuned_runs(variant: Variant, batches: list[list[int]], cost: CostModel,
