@@ -22,8 +22,9 @@
 #   kernel-tests    tests/test_gpu.py but the 4-rank tests: every backend vs float64, the CPU
 #                   stand-in vs the real kernel, the hot path under sync debug mode
 #   rank-tests      tests/test_gpu.py's 4 ranks on one GPU (engine vs float64, a windowed ring
-#                   by halo exchange vs float64, a tiny GPT vs one process; gloo with the
-#                   staged transport)
+#                   by halo exchange vs float64, inside a node and across 2 emulated nodes in
+#                   the routed global steps, a tiny GPT vs one process; gloo with the staged
+#                   transport)
 #   contract-tests  the native backend's CPU contract tests (tests/test_native_backend.py,
 #                   tests/test_kernels.py)
 #   bench-kernels   `zeppelin bench kernels --device cuda`: block call vs raw kernel, stream and

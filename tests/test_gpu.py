@@ -273,40 +273,49 @@ def test_engine_four_ranks_on_one_gpu_match_float64():
 
 
 def _halo_on_one_gpu(rank: int, world: int) -> dict:
-    """4 ranks on cuda:0, one INTRA ring group with a sliding window: the long sequences by
-    halo exchange beside the short ones round the ring (CUDA splits the group), bf16 through
-    the native kernel, vs float64."""
+    """4 ranks on cuda:0, one ring group with a sliding window: the long sequences by halo
+    exchange beside the short ones round the ring (CUDA splits the group), bf16 through the
+    native kernel, vs float64; an INTRA ring on one node, then an INTER ring over 2 emulated
+    nodes whose hops across nodes go in the routed global steps (both ways by halo)."""
     import torch.distributed as dist
 
     from attention_reference import gather_rows, max_errors, reference_grads
     from megatron_zeppelin.runtime.engine import AttentionEngine
-    from test_engine import plan_of
+    from test_engine import plan_of, router_topology
 
     torch.cuda.set_device(0)
-    plan, window = plan_of("static-cp", 1, 4, [9, 120, 30, 77, 5], cp_size=4), 6
-    batch = make_batch(plan.seqlens, 8, 2, HEAD_DIM, seed=2)
-    batch = {n: [t.bfloat16().double() for t in ts] for n, ts in batch.items()}
-    tensors = [gather_rows(plan, rank, dict(enumerate(batch[n]))).bfloat16().cuda()
-               for n in ("q", "k", "v", "dout")]
-    q, k, v = (t.requires_grad_() for t in tensors[:3])
-    engine = AttentionEngine(plan, rank, dist.group.WORLD, timeout_s=120, transport="staged",
-                             device="cuda:0", windows=(window,))
-    out = engine.forward(q, k, v, window=window)
-    out.backward(tensors[3])
-    ref = reference_grads(batch, sorted({s for s, _, _ in plan.attention[rank]}),
-                          HEAD_DIM ** -0.5, window)
-    got = {"out": out.detach().cpu(), "q": q.grad.cpu(), "k": k.grad.cpu(), "v": v.grad.cpu()}
-    halo = [ring.halo for waves, _ in engine._prepared.values() for wave in waves[window]
-            for ring in wave.rings]
-    return {"errors": max_errors(plan, rank, got, ref), "halo": halo}
+    route_group, window, out = dist.new_group(list(range(world))), 6, {}
+    for nodes, mode in ((1, "ring"), (2, "routed")):
+        plan = plan_of("static-cp", nodes, 4 // nodes, [9, 120, 30, 77, 5], cp_size=4)
+        batch = make_batch(plan.seqlens, 8, 2, HEAD_DIM, seed=2)
+        batch = {n: [t.bfloat16().double() for t in ts] for n, ts in batch.items()}
+        tensors = [gather_rows(plan, rank, dict(enumerate(batch[n]))).bfloat16().cuda()
+                   for n in ("q", "k", "v", "dout")]
+        q, k, v = (t.requires_grad_() for t in tensors[:3])
+        engine = AttentionEngine(plan, rank, dist.group.WORLD, timeout_s=120,
+                                 transport="staged", device="cuda:0", windows=(window,),
+                                 inter_mode=mode, route_group=route_group if nodes > 1 else None,
+                                 router_topology=router_topology(plan) if nodes > 1 else None)
+        attended = engine.forward(q, k, v, window=window)
+        attended.backward(tensors[3])
+        engine.close()
+        ref = reference_grads(batch, sorted({s for s, _, _ in plan.attention[rank]}),
+                              HEAD_DIM ** -0.5, window)
+        got = {"out": attended.detach().cpu(), "q": q.grad.cpu(), "k": k.grad.cpu(),
+               "v": v.grad.cpu()}
+        halo = [ring.halo for waves, _ in engine._prepared.values()
+                for wave in waves[window] for ring in wave.rings]
+        out[mode] = {"errors": max_errors(plan, rank, got, ref), "halo": halo}
+    return out
 
 
 def test_halo_exchange_four_ranks_on_one_gpu_match_float64():
     results = run_world(_halo_on_one_gpu, 4, env={"ZEPPELIN_TRANSPORT": "staged"},
                         start_method="spawn", timeout_s=600)
-    for rank, result in enumerate(results):
-        assert True in result["halo"] and False in result["halo"], (rank, result["halo"])
-        assert max(result["errors"].values()) < 6e-2, (rank, result["errors"])
+    for rank, modes in enumerate(results):
+        for mode, result in modes.items():
+            assert True in result["halo"] and False in result["halo"], (rank, mode, result)
+            assert max(result["errors"].values()) < 6e-2, (rank, mode, result["errors"])
 
 
 def _gpt_on_one_gpu(rank: int, world: int) -> dict:
