@@ -103,7 +103,8 @@ class ZigzagLayout:
         self.window = window
         self._bounds = [zigzag_bounds(n, ring_size) for n in self.lengths]
         self._blocks: dict[int, tuple[Block, ...]] = {}
-        self._held: dict[tuple[int, int], tuple[int, ...] | None] = {}
+        self._held: dict[tuple[int, int], list[tuple[int, int]] | None] = {}  # ranges
+        self._held_rows: dict[tuple[int, int], tuple[int, ...]] = {}
 
     def held(self, source: int) -> list[tuple[int, int]]:
         """Per sequence, the sizes of (chunk source, chunk 2G-1-source) position ``source``
@@ -180,24 +181,35 @@ class ZigzagLayout:
         """Rows of ``source``'s KV buffer the position holding it at ``step`` receives (every
         row a position reads at ``step`` or later on its journey), None for all of them (no
         window, or the owner at step 0). The same on every position of the ring."""
+        spans = self._held_spans(source, step)
+        if spans is None:
+            return None
+        if (source, step) not in self._held_rows:
+            self._held_rows[(source, step)] = _span_rows(spans)
+        return self._held_rows[(source, step)]
+
+    def _held_spans(self, source: int, step: int) -> list[tuple[int, int]] | None:
+        """``held_rows`` as merged row ranges ``[a, b)`` (cached)."""
         if self.window is None or step == 0:
             return None
         key = (source, step)
         if key not in self._held:
-            rows: set[int] = set()
-            for later in range(step, self.ring_size):
-                rows.update(self.read_rows((source + later) % self.ring_size, source))
-            full = rows == set(range(self.tokens(source)))
-            self._held[key] = None if full else tuple(sorted(rows))
+            spans = _merge([span for later in range(step, self.ring_size)
+                            for span in self._read_spans((source + later) % self.ring_size,
+                                                         source)])
+            full = sum(b - a for a, b in spans) == self.tokens(source)  # spans in [0, n)
+            self._held[key] = None if full else spans
         return self._held[key]
 
     def read_rows(self, position: int, source: int) -> tuple[int, ...]:
         """Rows of ``source``'s KV buffer that ``position``'s queries read under the window,
         sorted (what a halo exchange sends from ``source`` to ``position``)."""
-        rows: set[int] = set()
-        for _, (_, _, k, n) in self._window_pairs(position, source):
-            rows.update(range(k, k + n))
-        return tuple(sorted(rows))
+        return _span_rows(self._read_spans(position, source))
+
+    def _read_spans(self, position: int, source: int) -> list[tuple[int, int]]:
+        """``read_rows`` as merged row ranges ``[a, b)``."""
+        return _merge([(k, k + n) for _, (_, _, k, n) in self._window_pairs(position, source)
+                       if n])
 
     def _window_blocks(self, step: int) -> tuple[Block, ...]:
         """The calls of ``step`` with a sliding window: trimmed pairs grouped by band, key
@@ -222,10 +234,10 @@ class ZigzagLayout:
     def relay_rows(self, step: int) -> tuple[int, ...] | None:
         """Rows of the block held at ``step`` to forward for ``step + 1`` (None: all)."""
         source = self.source(step)
-        held, nxt = self.held_rows(source, step), self.held_rows(source, step + 1)
+        held, nxt = self._held_spans(source, step), self._held_spans(source, step + 1)
         if nxt is None:
             return None
-        return nxt if held is None else tuple(bisect.bisect_left(held, r) for r in nxt)
+        return _span_rows(nxt) if held is None else _positions(nxt, held)
 
     def relay_tokens(self, step: int) -> int:
         """Tokens of the KV block that arrives for ``step`` (step >= 1)."""
@@ -248,10 +260,42 @@ class ZigzagLayout:
         if step == 0:
             return None
         source = self.source(step)
-        held, rows = self.held_rows(source, step), self.dkv_rows(source)
+        held = self._held_spans(source, step)
+        rows = None if self.ring_size == 1 else self._held_spans(source, 1)
         if held is None or held == rows:
             return None
-        return held if rows is None else tuple(bisect.bisect_left(rows, r) for r in held)
+        return _span_rows(held) if rows is None else _positions(held, rows)
+
+
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Row ranges ``[a, b)`` sorted and merged where they overlap or touch."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _span_rows(spans: list[tuple[int, int]]) -> tuple[int, ...]:
+    """The rows of merged ranges, ascending."""
+    return tuple(r for a, b in spans for r in range(a, b))
+
+
+def _positions(sub: list[tuple[int, int]], spans: list[tuple[int, int]]) -> tuple[int, ...]:
+    """Where the rows of ``sub`` (merged ranges, a subset of ``spans``'s rows) sit among the
+    rows of ``spans`` in order: each range of ``sub`` lies inside one range of ``spans``."""
+    starts = [a for a, _ in spans]
+    before = [0]
+    for a, b in spans:
+        before.append(before[-1] + b - a)
+    out: list[int] = []
+    for a, b in sub:
+        i = bisect.bisect_right(starts, a) - 1
+        first = before[i] + a - spans[i][0]
+        out.extend(range(first, first + b - a))
+    return tuple(out)
 
 
 def device_blocks(layout: ZigzagLayout, device: torch.device | str) -> StepBlocks:
