@@ -60,8 +60,9 @@ def halo_fits(lengths, ring: int, window: int | None) -> bool:
 
 
 def halo_sequences(lengths, ring: int, window: int | None, split: bool = True) -> list[bool]:
-    """Per sequence of a ring group, whether the engine runs it by halo exchange: its chunks hold the window (``halo_fits``); where only some do, those
-    beside a ring run of the rest if ``split`` (``schedule.HALO_SPLIT``), else none."""
+    """Per sequence of a ring group, whether the engine runs it by halo exchange: its chunks
+    hold the window (``halo_fits``); where only some do, those beside a ring run of the rest
+    if ``split`` (``schedule.HALO_SPLIT``), else none."""
     fits = [halo_fits([n], ring, window) for n in lengths]
     return fits if split or all(fits) else [False] * len(fits)
 

@@ -39,7 +39,7 @@ from megatron_zeppelin.planner import make_plan
 from megatron_zeppelin.plan import Tier
 from megatron_zeppelin.runtime.zigzag import ZigzagLayout
 from megatron_zeppelin.sim.workloads import sample_batch
-from megatron_zeppelin.zigzag_window import halo_sequences
+from megatron_zeppelin.zigzag_window import halo_parts
 
 
 def block_pairs(block) -> int:
@@ -77,12 +77,10 @@ def ring_figures(lengths: list[int], size: int, window: int | None,
     its sequences whose chunks hold the window run by halo exchange, the others round the
     ring (``runtime.waves.windowed``; without ``split``, as on CPU, only a group whose every
     sequence fits; False: every sequence round the ring, ``AttentionEngine(halo=False)``)."""
-    fits = halo_sequences(lengths, size, window, split) if halo_ok else [False] * len(lengths)
     out = dict.fromkeys(FIGURES, 0)
-    for halo in (True, False):
-        part = [n for n, f in zip(lengths, fits) if f == halo]
-        if part:
-            figures = _run_figures(part, size, window, halo)
+    for halo, seqs in halo_parts(lengths, size, window, split, halo_ok):
+        if seqs:
+            figures = _run_figures([lengths[i] for i in seqs], size, window, halo)
             out = {key: out[key] + figures[key] for key in FIGURES}
     return out
 

@@ -337,9 +337,10 @@ class AttentionEngine:
         else:
             result = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         lanes.begin()
+        split = halo_split(q.device, self.halo_split)
         for index, wave in enumerate(waves):
             self._run_wave(WavePass(phase, index, wave, tensors, result, scale, kernel, lanes,
-                                 band, halo_split(q.device, self.halo_split)))
+                                 band, split))
         lanes.join()
         return result
 
@@ -352,7 +353,7 @@ class AttentionEngine:
             with p.lanes.local():
                 while queue:
                     self._local(p, queue.popleft())
-        global_steps = self.inter.num_steps(p.index, p.phase, p.window and p.window[0],
+        global_steps = self.inter.num_steps(p.index, p.phase, p.window_size,
                                             p.split) if self.inter else 0
         probe = self.probe
         for r in range(max([run.steps(p.phase) for run in p.runs] + [global_steps])):
@@ -444,7 +445,7 @@ class AttentionEngine:
         future = None
         if r < global_steps:  # every rank of the pool takes part
             meta = ((k.shape[1], k.shape[2] + v.shape[2]), k.dtype,  # k and v side by side
-                    None if p.window is None else p.window[0], p.split)
+                    p.window_size, p.split)
             future = self.inter.post(p.index, r, p.phase, routed_sends, meta, k.device)
         return PostedRound(pending, future)
 

@@ -48,6 +48,11 @@ class WavePass:
     split: bool = False  # a group partly fitting a halo exchange split (``waves.halo_split``)
     runs: list[RingGroupRun] = dataclasses.field(default_factory=list)
 
+    @property
+    def window_size(self) -> int | None:
+        """The sliding window ``L`` of ``window`` (None: full causal)."""
+        return None if self.window is None else self.window[0]
+
 
 class PostedRound:
     """A posted round: per ring ``(request, recv_like)`` and the global step's future."""
