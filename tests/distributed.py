@@ -20,6 +20,7 @@ imported megatron-core may have initialised CUDA, which forked children cannot u
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pickle
 import tempfile
@@ -47,6 +48,8 @@ def _start_method(wanted: str) -> str:
 def _rank(rank: int, world: int, store: str, out_dir: str, env: dict, fn, args) -> None:
     os.environ.clear()  # the parent's environment now, not the fork server's at its start
     os.environ.update(env)
+    # a native crash (SIGSEGV, SIGABRT) leaves every thread's Python stack for the parent
+    faulthandler.enable(open(Path(out_dir, f"rank{rank}.fault"), "w"), all_threads=True)
     torch.set_num_threads(1)  # several ranks share this machine's few cores
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
@@ -56,6 +59,17 @@ def _rank(rank: int, world: int, store: str, out_dir: str, env: dict, fn, args) 
         result = {"error": traceback.format_exc()}
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
     os._exit(0)
+
+
+def _fault_stacks(out_dir: str, world: int) -> str:
+    """The Python stacks ``faulthandler`` wrote for ranks that died of a fatal signal."""
+    stacks = []
+    for rank in range(world):
+        path = Path(out_dir, f"rank{rank}.fault")
+        text = path.read_text() if path.exists() else ""
+        if text.strip():
+            stacks.append(f"\n--- rank {rank} (faulthandler) ---\n{text}")
+    return "".join(stacks)
 
 
 def run_world(fn, world: int, *args, env: dict | None = None, start_method: str = "fork",
@@ -72,6 +86,8 @@ def run_world(fn, world: int, *args, env: dict | None = None, start_method: str 
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"a world of {world} ranks ran past {timeout_s:.0f} s "
                                        "(deadlock?)")
+        except mp.ProcessExitedException as exc:
+            raise RuntimeError(f"{exc}{_fault_stacks(tmp, world)}") from exc
         finally:
             for process in context.processes:
                 if process.is_alive():
