@@ -5,6 +5,7 @@
 #include <exception>
 #include <functional>
 #include <map>
+#include <set>
 #include <thread>
 #include <tuple>
 #include <unordered_map>
@@ -286,11 +287,18 @@ Choice portfolio(const Problem& pb) {
   }
   candidates.push_back(Candidate{"hierarchical"});
   jobs.emplace_back([&pb] { return place_hierarchical(pb, true); });
-  candidates.push_back(Candidate{"hybrid-dp", true});
-  jobs.emplace_back([&pb] { return hybrid_dp_tasks(pb, default_max_seqlen_per_rank(pb)); });
-  if (pb.capacity > default_max_seqlen_per_rank(pb)) {  // portfolio.widest_hybrid
-    candidates.push_back(Candidate{"hybrid-dp(cap=" + std::to_string(pb.capacity) + ")", true});
-    jobs.emplace_back([&pb] { return hybrid_dp_tasks(pb, pb.capacity); });
+  // portfolio.hybrid_candidates: a cap placing the batch as an earlier one does is skipped
+  std::set<std::vector<i64>> placed;
+  auto hybrid = [&](i64 cap, std::string name) {
+    std::vector<i64> counts = ranks_per_document(pb, cap);
+    if (counts.empty() || !placed.insert(std::move(counts)).second) return;
+    candidates.push_back(Candidate{std::move(name), true});
+    jobs.emplace_back([&pb, cap] { return hybrid_dp_tasks(pb, cap); });
+  };
+  const i64 per_rank = default_max_seqlen_per_rank(pb);
+  hybrid(per_rank, "hybrid-dp");
+  if (pb.capacity > per_rank) {  // portfolio.widest_hybrid
+    hybrid(pb.capacity, "hybrid-dp(cap=" + std::to_string(pb.capacity) + ")");
   }
   candidates.push_back(Candidate{"hydraulis", true});
   jobs.emplace_back([&pb] { return hydraulis_tasks(pb).first; });
@@ -303,14 +311,10 @@ Choice portfolio(const Problem& pb) {
     }
   }
   // portfolio.swept_hybrid_caps: hybrid DP at the caps its users sweep (baselines.swept_caps)
-  const i64 per_rank = default_max_seqlen_per_rank(pb);
   for (i64 k = 1; k <= world; k *= 2) {
     const i64 cap = (longest + k - 1) / k;
     if (k > 1 && cap < kMinSweptCap) break;
-    if (cap <= pb.capacity && cap != per_rank && cap != pb.capacity) {
-      candidates.push_back(Candidate{"hybrid-dp(cap=" + std::to_string(cap) + ")", true});
-      jobs.emplace_back([&pb, cap] { return hybrid_dp_tasks(pb, cap); });
-    }
+    if (cap <= pb.capacity) hybrid(cap, "hybrid-dp(cap=" + std::to_string(cap) + ")");
   }
   // Candidates are independent: build them on up to two threads (the result does not depend
   // on which thread built what), the Hydraulis search first as the longest job.

@@ -233,6 +233,23 @@ Tasks pack(const Problem& pb, const std::vector<i64>& sizes,
 
 }  // namespace
 
+// baselines.ranks_per_document: each document's rank count at per_rank (empty: one does not fit).
+std::vector<i64> ranks_per_document(const Problem& pb, i64 per_rank) {
+  std::map<i64, i64> counts;
+  std::vector<i64> out;
+  out.reserve(pb.seqlens.size());
+  try {
+    for (i64 seqlen : pb.seqlens) {
+      auto it = counts.find(seqlen);
+      if (it == counts.end()) it = counts.emplace(seqlen, fewest_ranks(pb, seqlen, per_rank)).first;
+      out.push_back(it->second);
+    }
+  } catch (const CapacityError&) {
+    return {};
+  }
+  return out;
+}
+
 i64 default_max_seqlen_per_rank(const Problem& pb) {
   i64 longest = 0, total = 0;
   for (i64 s : pb.seqlens) {

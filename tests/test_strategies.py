@@ -273,8 +273,9 @@ def test_the_solvers_c_output_goes_to_stderr(capfd):
 def test_the_portfolio_holds_hybrid_dp_at_every_cap_its_users_sweep(model, workload, seed,
                                                                     monkeypatch):
     """Zeppelin's candidates include hybrid DP at each cap of ``baselines.swept_caps`` within
-    the capacity (the tuned peer's sweep), estimated as that peer's plan; both planner
-    backends give the same plans and estimates bit for bit."""
+    the capacity (the tuned peer's sweep), estimated as that peer's plan, each placement once
+    (a cap placing the batch as an earlier cap does is not built again); both planner backends
+    give the same plans and estimates bit for bit."""
     from megatron_zeppelin.planner.baselines import swept_caps
 
     cost = make_cost(model=model, nodes=2)
@@ -285,13 +286,21 @@ def test_the_portfolio_holds_hybrid_dp_at_every_cap_its_users_sweep(model, workl
         plans.append(make_plan("zeppelin", lengths, cost, ZeppelinConfig()))
     assert [(p.tasks, p.linear, p.candidate, p.estimates) for p in plans[:1]] == \
         [(p.tasks, p.linear, p.candidate, p.estimates) for p in plans[1:]]
+    from megatron_zeppelin.planner import portfolio
+    from megatron_zeppelin.planner.common import prepare
+
     estimates, capacity = dict(plans[0].estimates), plans[0].capacity
+    batch = prepare(lengths, cost.cluster.topology(cost.tp), ZeppelinConfig())
+    hybrid = {c.name: tuple(c.tasks) for c in portfolio.candidates(batch, cost, ZeppelinConfig())
+              if c.name.startswith("hybrid-dp")}
+    assert set(hybrid) == {n for n in estimates if n.startswith("hybrid-dp")}
+    assert len(set(hybrid.values())) == len(hybrid)  # each placement once
     caps = [cap for cap in swept_caps(max(lengths), cost.cluster.world_size)
             if cap <= capacity]
     assert len(caps) >= 3
     for cap in caps:
-        names = [n for n in estimates if n == f"hybrid-dp(cap={cap})" or n == "hybrid-dp"]
         peer = make_plan("hybrid-dp", lengths, cost, ZeppelinConfig(), max_seqlen_per_rank=cap)
-        assert any(estimates[n] == pytest.approx(estimate_step(peer, cost).step_s)
-                   for n in names), (cap, sorted(estimates))
+        names = [n for n, tasks in hybrid.items() if tasks == tuple(peer.tasks)]
+        assert len(names) == 1, (cap, sorted(hybrid))
+        assert estimates[names[0]] == pytest.approx(estimate_step(peer, cost).step_s)
     assert min(estimates.values()) == plans[0].estimates[0][1]

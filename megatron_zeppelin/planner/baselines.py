@@ -291,6 +291,19 @@ def _least_loaded_rank(heap: list[tuple[float, int]], loads: list[float], tokens
     return found
 
 
+def ranks_per_document(batch: Batch, per_rank: int) -> tuple[int, ...] | None:
+    """How many ranks ``hybrid_dp_tasks`` gives each document of ``batch`` at ``per_rank``
+    tokens (None where one does not fit the pool). The placement depends on the cap only
+    through these counts: two caps with the same counts place the batch identically."""
+    counts: dict[int, int] = {}
+    try:
+        for seqlen in set(batch.seqlens):
+            counts[seqlen] = _fewest_ranks(seqlen, per_rank, batch.topology)
+    except CapacityError:
+        return None
+    return tuple(counts[seqlen] for seqlen in batch.seqlens)
+
+
 def _fewest_ranks(seqlen: int, capacity: int, topo: Topology) -> int:
     """Fewest ranks (within a node, else whole nodes) whose zigzag shares fit the capacity."""
     for k in range(1, topo.gpus_per_node + 1):

@@ -19,7 +19,8 @@ closed form of what the simulator models):
   to two nodes (wider static CP never won in the report's settings and costs the most to
   build); last, hybrid DP at the other caps its users sweep (``swept_hybrid_caps``: tuned
   hybrid DP beat the portfolio by up to 5.5% in simulated windowed settings when it held
-  only the default cap and the capacity).
+  only the default cap and the capacity). A cap that gives every document as many ranks as
+  an earlier cap does (the same plan, ``hybrid_candidates``) is not a candidate again.
 
 The plan records which candidate won (``Plan.candidate``, the key into ``estimates``; what
 logs call it: ``Plan.name``) and every candidate's estimate
@@ -38,7 +39,8 @@ from megatron_zeppelin.options import setting
 from megatron_zeppelin.plan import (REMAP_SUFFIX, AttentionTask, Layout, Plan,
                                     attention_layout_of, ring_groups_of, zigzag_share_bound)
 from megatron_zeppelin.planner.baselines import (default_max_seqlen_per_rank, hybrid_dp_tasks,
-                                                 static_cp_tasks, swept_caps)
+                                                 ranks_per_document, static_cp_tasks,
+                                                 swept_caps)
 from megatron_zeppelin.planner.hydraulis import hydraulis_tasks
 from megatron_zeppelin.planner.common import (Batch, CapacityError, assemble, prepare,
                                               within_capacity)
@@ -125,15 +127,11 @@ def candidates(batch: Batch, cost: CostModel, config: ZeppelinConfig) -> list[Ca
     if config.remap:
         out.append(remapped(batch, cost, place_hierarchical(batch, cost, config), REMAPPED))
     out.append(Candidate("hierarchical", place_hierarchical(batch, cost, config, True)))
-    per_rank = default_max_seqlen_per_rank(batch)
+    per_rank, placed = default_max_seqlen_per_rank(batch), set()
     caps = [(per_rank, "hybrid-dp")]
     if batch.capacity > per_rank:
         caps.append((batch.capacity, widest_hybrid(batch)))
-    for cap, name in caps:
-        try:
-            out.append(Candidate(name, hybrid_dp_tasks(batch, cost, cap)))
-        except CapacityError:
-            pass  # no fallback where hybrid DP cannot place the batch within the capacity
+    out += hybrid_candidates(batch, cost, caps, placed)
     try:
         out.append(Candidate("hydraulis", hydraulis_tasks(batch, cost)[0]))
     except CapacityError:
@@ -143,20 +141,35 @@ def candidates(batch: Batch, cost: CostModel, config: ZeppelinConfig) -> list[Ca
         if topo.world_size % cp == 0 and \
                 zigzag_share_bound(max(batch.seqlens), cp) <= batch.capacity:
             out.append(Candidate(f"static-cp(cp={cp})", static_cp_tasks(batch, cp)))
-    for cap in swept_hybrid_caps(batch, [cap for cap, _ in caps]):
-        try:
-            out.append(Candidate(f"hybrid-dp(cap={cap})", hybrid_dp_tasks(batch, cost, cap)))
-        except CapacityError:
-            pass
+    out += hybrid_candidates(batch, cost, [(cap, f"hybrid-dp(cap={cap})")
+                                           for cap in swept_hybrid_caps(batch)], placed)
     return [c for c in out if within_capacity(c.tasks, batch)]
 
 
-def swept_hybrid_caps(batch: Batch, tried: Sequence[int]) -> list[int]:
+def hybrid_candidates(batch: Batch, cost: CostModel, caps: Sequence[tuple[int, str]],
+                      placed: set[tuple[int, ...]]) -> list[Candidate]:
+    """Hybrid DP at each (cap, name) of ``caps``, except at a cap that cannot place the batch
+    or places it as a cap already tried does (its ``baselines.ranks_per_document`` in
+    ``placed``, which gains the new ones): the same plan is not built and estimated twice."""
+    out = []
+    for cap, name in caps:
+        counts = ranks_per_document(batch, cap)
+        if counts is None or counts in placed:
+            continue
+        placed.add(counts)
+        try:
+            out.append(Candidate(name, hybrid_dp_tasks(batch, cost, cap)))
+        except CapacityError:
+            pass  # no fallback where hybrid DP cannot place the batch within the capacity
+    return out
+
+
+def swept_hybrid_caps(batch: Batch) -> list[int]:
     """The caps hybrid DP's users sweep (``baselines.swept_caps``: the longest document over
-    1, 2, 4, ... ranks) that hold within the capacity, other than those ``tried``: so that
-    the portfolio holds hybrid DP as tuned per batch, not only at its default cap."""
+    1, 2, 4, ... ranks) that hold within the capacity: so that the portfolio holds hybrid DP
+    as tuned per batch, not only at its default cap."""
     return [cap for cap in swept_caps(max(batch.seqlens), batch.topology.world_size)
-            if cap <= batch.capacity and cap not in tried]
+            if cap <= batch.capacity]
 
 
 def widest_hybrid(batch: Batch) -> str:
