@@ -124,7 +124,8 @@ double add_up(const std::vector<double>& values);
 
 Tasks place_hierarchical(const Problem& pb, bool with_linear);
 Tasks hybrid_dp_tasks(const Problem& pb, i64 per_rank);
-std::vector<i64> ranks_per_document(const Problem& pb, i64 per_rank);  // empty: does not fit
+std::vector<i64> ranks_per_document(const Problem& pb, const std::vector<i64>& lengths,
+                                    i64 per_rank);  // {-1}: does not fit
 i64 default_max_seqlen_per_rank(const Problem& pb);
 constexpr i64 kMinSweptCap = 1024;  // baselines.MIN_CAP (parity: test_planner)
 Tasks static_cp_tasks(const Problem& pb, i64 cp);

@@ -289,9 +289,12 @@ Choice portfolio(const Problem& pb) {
   jobs.emplace_back([&pb] { return place_hierarchical(pb, true); });
   // portfolio.hybrid_candidates: a cap placing the batch as an earlier one does is skipped
   std::set<std::vector<i64>> placed;
+  std::vector<i64> lengths(pb.seqlens);
+  std::sort(lengths.begin(), lengths.end(), std::greater<i64>());
+  lengths.erase(std::unique(lengths.begin(), lengths.end()), lengths.end());
   auto hybrid = [&](i64 cap, std::string name) {
-    std::vector<i64> counts = ranks_per_document(pb, cap);
-    if (counts.empty() || !placed.insert(std::move(counts)).second) return;
+    std::vector<i64> counts = ranks_per_document(pb, lengths, cap);
+    if (counts == std::vector<i64>{-1} || !placed.insert(std::move(counts)).second) return;
     candidates.push_back(Candidate{std::move(name), true});
     jobs.emplace_back([&pb, cap] { return hybrid_dp_tasks(pb, cap); });
   };

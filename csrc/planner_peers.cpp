@@ -48,27 +48,26 @@ i64 fewest_ranks(const Problem& pb, i64 seqlen, i64 capacity) {
 // baselines._least_loaded_block: first rank of the block, -1 if none.
 i64 least_loaded_block(const Problem& pb, const std::vector<double>& loads,
                        const std::vector<i64>& tokens, i64 room, i64 k) {
-  std::vector<i64> starts;
-  if (k <= pb.gpn) {
-    for (i64 n = 0; n < pb.nodes; ++n) {
-      for (i64 i = 0; i < pb.gpn - k + 1; ++i) starts.push_back(n * pb.gpn + i);
-    }
-  } else {
-    for (i64 n = 0; n < pb.nodes - k / pb.gpn + 1; ++n) starts.push_back(n * pb.gpn);
-  }
+  // the starts in the reference's order: every k-block of each node, else whole-node blocks
+  const bool inside = k <= pb.gpn;
+  const i64 per_node = inside ? pb.gpn - k + 1 : 1;
+  const i64 nodes = inside ? pb.nodes : pb.nodes - k / pb.gpn + 1;
   i64 best = -1;
   double best_load = 0;
-  for (i64 s : starts) {
-    i64 most = tokens[s];
-    double busiest = loads[s];
-    for (i64 r = s; r < s + k; ++r) {
-      most = std::max(most, tokens[r]);
-      busiest = std::max(busiest, loads[r]);
-    }
-    if (most > room) continue;
-    if (best < 0 || busiest < best_load) {
-      best = s;
-      best_load = busiest;
+  for (i64 n = 0; n < nodes; ++n) {
+    for (i64 i = 0; i < per_node; ++i) {
+      const i64 s = n * pb.gpn + i;
+      i64 most = tokens[s];
+      double busiest = loads[s];
+      for (i64 r = s + 1; r < s + k && most <= room; ++r) {
+        most = std::max(most, tokens[r]);
+        busiest = std::max(busiest, loads[r]);
+      }
+      if (most > room) continue;
+      if (best < 0 || busiest < best_load) {
+        best = s;
+        best_load = busiest;
+      }
     }
   }
   return best;
@@ -233,19 +232,19 @@ Tasks pack(const Problem& pb, const std::vector<i64>& sizes,
 
 }  // namespace
 
-// baselines.ranks_per_document: each document's rank count at per_rank (empty: one does not fit).
-std::vector<i64> ranks_per_document(const Problem& pb, i64 per_rank) {
-  std::map<i64, i64> counts;
+// baselines.ranks_per_document: (length, ranks) flattened, for each of lengths (distinct, longest
+// first) spread over more than one rank at per_rank; {-1} where one does not fit the pool.
+std::vector<i64> ranks_per_document(const Problem& pb, const std::vector<i64>& lengths,
+                                    i64 per_rank) {
   std::vector<i64> out;
-  out.reserve(pb.seqlens.size());
   try {
-    for (i64 seqlen : pb.seqlens) {
-      auto it = counts.find(seqlen);
-      if (it == counts.end()) it = counts.emplace(seqlen, fewest_ranks(pb, seqlen, per_rank)).first;
-      out.push_back(it->second);
+    for (i64 seqlen : lengths) {
+      if (seqlen <= per_rank) break;
+      out.push_back(seqlen);
+      out.push_back(fewest_ranks(pb, seqlen, per_rank));
     }
   } catch (const CapacityError&) {
-    return {};
+    return {-1};
   }
   return out;
 }

@@ -291,17 +291,22 @@ def _least_loaded_rank(heap: list[tuple[float, int]], loads: list[float], tokens
     return found
 
 
-def ranks_per_document(batch: Batch, per_rank: int) -> tuple[int, ...] | None:
-    """How many ranks ``hybrid_dp_tasks`` gives each document of ``batch`` at ``per_rank``
-    tokens (None where one does not fit the pool). The placement depends on the cap only
-    through these counts: two caps with the same counts place the batch identically."""
-    counts: dict[int, int] = {}
-    try:
-        for seqlen in set(batch.seqlens):
-            counts[seqlen] = _fewest_ranks(seqlen, per_rank, batch.topology)
-    except CapacityError:
-        return None
-    return tuple(counts[seqlen] for seqlen in batch.seqlens)
+def ranks_per_document(lengths: Sequence[int], per_rank: int, topo: Topology
+                       ) -> tuple[tuple[int, int], ...] | None:
+    """(length, ranks) for each of ``lengths`` (distinct, longest first) that
+    ``hybrid_dp_tasks`` spreads over more than one rank at ``per_rank`` tokens (the others
+    take one: at most ``per_rank`` tokens), None where one does not fit the pool. The
+    placement depends on the cap only through these counts: two caps with the same counts
+    place the batch identically."""
+    spread = []
+    for seqlen in lengths:
+        if seqlen <= per_rank:
+            break
+        try:
+            spread.append((seqlen, _fewest_ranks(seqlen, per_rank, topo)))
+        except CapacityError:
+            return None
+    return tuple(spread)
 
 
 def _fewest_ranks(seqlen: int, capacity: int, topo: Topology) -> int:

@@ -147,13 +147,13 @@ def candidates(batch: Batch, cost: CostModel, config: ZeppelinConfig) -> list[Ca
 
 
 def hybrid_candidates(batch: Batch, cost: CostModel, caps: Sequence[tuple[int, str]],
-                      placed: set[tuple[int, ...]]) -> list[Candidate]:
+                      placed: set[tuple[tuple[int, int], ...]]) -> list[Candidate]:
     """Hybrid DP at each (cap, name) of ``caps``, except at a cap that cannot place the batch
     or places it as a cap already tried does (its ``baselines.ranks_per_document`` in
     ``placed``, which gains the new ones): the same plan is not built and estimated twice."""
-    out = []
+    out, lengths = [], sorted(set(batch.seqlens), reverse=True)
     for cap, name in caps:
-        counts = ranks_per_document(batch, cap)
+        counts = ranks_per_document(lengths, cap, batch.topology)
         if counts is None or counts in placed:
             continue
         placed.add(counts)
