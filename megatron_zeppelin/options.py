@@ -28,6 +28,7 @@ import math
 import os
 import pathlib
 import re
+import tempfile
 import sys
 import types
 import typing
@@ -325,8 +326,9 @@ def number_at_least(minimum: float, exclusive: bool = False):
 
 def output_file(suffixes: Iterable[str] = (), exist_ok: bool = True):
     """An argparse ``type`` for a file the command will write: refused before any work when
-    its folder does not exist, it is a folder, it exists and ``exist_ok`` is false, or its
-    suffix is not one of ``suffixes`` (when given)."""
+    its folder does not exist or cannot be written (``unwritable_folder``), it is a folder,
+    it exists and ``exist_ok`` is false, or its suffix is not one of ``suffixes`` (when
+    given)."""
     suffixes = tuple(suffixes)
 
     def parse(text: str) -> str:
@@ -341,6 +343,9 @@ def output_file(suffixes: Iterable[str] = (), exist_ok: bool = True):
                                              "exist")
         if not exist_ok and path.exists():
             raise argparse.ArgumentTypeError(f"{text!r} exists: expected a new file")
+        reason = unwritable_folder(path.parent)
+        if reason:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: {reason}")
         if suffixes and path.suffix.lower() not in suffixes:
             raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a file ending in "
                                              f"one of {list(suffixes)}")
@@ -352,14 +357,28 @@ def output_file(suffixes: Iterable[str] = (), exist_ok: bool = True):
 
 def _unwritable(path: pathlib.Path) -> str | None:
     """Why folder ``path`` (made if missing) cannot be written, or None: it, or the nearest
-    existing folder above it, is a file or not writable."""
+    existing folder above it, is a file or cannot be written (``unwritable_folder``)."""
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir():
         return f"{str(probe)!r} is a file"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return f"{str(probe)!r} is not writable"
+    return unwritable_folder(probe)
+
+
+def unwritable_folder(folder: str | os.PathLike) -> str | None:
+    """Why no file can be made in the existing folder ``folder``, or None: by its
+    permissions, or by making (and removing) a file there, which finds what permissions do
+    not tell (a read-only or virtual file system such as /proc, or root, whom permissions do
+    not stop)."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{str(folder)!r} is not writable"
+    try:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".zeppelin-write-check-")
+    except OSError as exc:
+        return f"{str(folder)!r} is not writable: {exc.strerror or exc}"
+    os.close(fd)
+    os.unlink(name)
     return None
 
 

@@ -5,6 +5,7 @@ refusal comes before any process starts or anything is measured."""
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -89,6 +90,23 @@ def test_output_files_in_a_missing_folder_are_refused_naming_the_flag(argv, flag
             for a in argv]
     err = refused(argv, capsys)
     assert f"argument {flag}:" in err and ("does not exist" in err or "is a folder" in err)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("argv, flag", [
+    (["bench", "train", "--strategies", "zeppelin", "--iterations", "3", "--warmup", "0",
+      "--rounds", "1", "--json", "/proc/x.json"], "--json"),
+    (["plan", "--model", "llama-7b", "--cluster", "h200-8nic", "--nodes", "2", "--plot",
+      "/proc/x.png"], "--plot"),
+    (["simulate", "--model", "llama-7b", "--cluster", "h200-8nic", "--nodes", "2",
+      "--batches", "1", "--plot", "/proc/x.png"], "--plot"),
+    (["calibrate", "--output", "/proc/x.yaml"], "--output"),
+])
+def test_output_files_where_no_file_can_be_made_are_refused_before_any_work(argv, flag,
+                                                                            capsys):
+    """/proc lets root pass the permission check, yet no file can be made there."""
+    err = refused(argv, capsys)
+    assert f"argument {flag}:" in err and "'/proc' is not writable" in err, err
 
 
 def test_calibrate_refuses_existing_outputs_and_one_file_for_both(tmp_path, capsys):

@@ -243,3 +243,18 @@ def test_a_pad_only_micro_batch_prices_the_fixed_cost_not_the_tokens():
     per_token, fixed = coefficients[len(prior.attention_tflops) + 1], coefficients[-1]
     assert per_token == pytest.approx(0.02 * prior.shared_by / 40, rel=0.25)
     assert fixed == pytest.approx(0.01 * prior.shared_by, rel=0.25)
+
+
+def test_a_profile_that_cannot_be_written_mid_run_ends_it_in_one_line_naming_the_flag(
+        tmp_path):
+    """The folder checked before training may be replaced (or fill) by the refit: the write's
+    OSError becomes one line naming --zeppelin-profile-out (``fatal.run``: exit status 2)."""
+    from megatron_zeppelin.megatron.common import online_fit
+
+    profile = load_hardware("cpu")
+    online_fit.save(profile, str(tmp_path / "p.yaml"), 4)
+    assert load_hardware(str(tmp_path / "p.yaml")) == profile
+    (tmp_path / "gone").write_text("a file where the folder was")
+    with pytest.raises(ConfigError, match=r"^--zeppelin-profile-out='.*gone/p.yaml': cannot "
+                                          r"write the profile fitted at iteration 8 \("):
+        online_fit.save(profile, str(tmp_path / "gone" / "p.yaml"), 8)

@@ -181,6 +181,22 @@ def test_output_paths_are_checked(tmp_path):
         preflight.check(validated(BASE + ["--log-json", str(tmp_path)]))
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_output_paths_where_no_file_can_be_made_are_refused_before_training():
+    """/proc: permissions let root write there, yet no file can be made (``unwritable_folder``
+    makes one to know): refused before training, naming the flag."""
+    with pytest.raises(ConfigError, match=r"^--save '/proc/ckpt': cannot create the folder"):
+        preflight.check(validated(BASE + ["--save", "/proc/ckpt"]))
+    with pytest.raises(ConfigError, match=r"^--save '/proc': '/proc' is not writable"):
+        preflight.check(validated(BASE + ["--save", "/proc"]))
+    with pytest.raises(ConfigError, match=r"^--log-json '/proc/l.jsonl': not writable"):
+        preflight.check(validated(BASE + ["--log-json", "/proc/l.jsonl"]))
+    with pytest.raises(ConfigError, match=r"^--zeppelin-profile-out='/proc/p.yaml' is invalid: "
+                                          r"expected a file in an existing, writable folder"):
+        validated(BASE + ["--zeppelin-fit-interval", "1", "--zeppelin-profile-out",
+                          "/proc/p.yaml"])
+
+
 @pytest.mark.parametrize("flag,value,match", [
     ("--zeppelin-cluster", "nope", r"^--zeppelin-cluster 'nope': unknown clusters config "
                                    r"'nope'; shipped: \[.*'cpu-2x2'"),

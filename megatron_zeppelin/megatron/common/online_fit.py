@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megatron_zeppelin import fit
 from megatron_zeppelin.cost_model import CostModel
+from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.planner.service import PlanFunction
 from megatron_zeppelin.runtime.probe import Probe, agree, ping_links
 
@@ -97,8 +98,18 @@ class OnlineFit:
                   f"{index} on use it ({describe(profile)}); rank 0 measured per micro-batch "
                   f"(ms): {measured}", flush=True)
             if self.args.zeppelin_profile_out:
-                fit.save_profile(profile, self.args.zeppelin_profile_out,
-                                 f"iteration {iteration}")
+                save(profile, self.args.zeppelin_profile_out, iteration)
+
+
+def save(profile, path: str, iteration: int) -> None:
+    """``fit.save_profile`` to ``--zeppelin-profile-out``; a file system that refuses the
+    write (the flag was checked before training: full, gone read-only) ends the run with
+    one line naming the flag (``ConfigError``)."""
+    try:
+        fit.save_profile(profile, path, f"iteration {iteration}")
+    except OSError as exc:
+        raise ConfigError(f"--zeppelin-profile-out={path!r}: cannot write the profile "
+                          f"fitted at iteration {iteration} ({exc.strerror or exc})") from None
 
 
 def describe(profile) -> str:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError
+from megatron_zeppelin.options import unwritable_folder
 from megatron_zeppelin.megatron.loop import args as train_args, checkpoint, pipeline
 from megatron_zeppelin.megatron.loop.corpus import DocumentSource, check_overlong, open_source
 
@@ -134,8 +135,9 @@ def check_outputs(args: argparse.Namespace) -> None:
             os.makedirs(args.save, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"--save {args.save!r}: cannot create the folder ({exc})") from None
-        if not os.access(args.save, os.W_OK):
-            raise ConfigError(f"--save {args.save!r}: the folder is not writable")
+        reason = unwritable_folder(args.save)
+        if reason:
+            raise ConfigError(f"--save {args.save!r}: {reason}")
     if args.log_json:
         folder = os.path.dirname(os.path.abspath(args.log_json))
         if not os.path.isdir(folder):
@@ -143,7 +145,8 @@ def check_outputs(args: argparse.Namespace) -> None:
         if os.path.isdir(args.log_json):
             raise ConfigError(f"--log-json {args.log_json!r} is a folder: expected a file "
                               "(one JSON line per iteration is appended to it)")
-        if not os.access(args.log_json if os.path.exists(args.log_json) else folder, os.W_OK):
+        if not os.access(args.log_json, os.W_OK) if os.path.exists(args.log_json) else \
+                unwritable_folder(folder):
             raise ConfigError(f"--log-json {args.log_json!r}: not writable")
 
 

@@ -9,7 +9,8 @@ import os
 from dataclasses import dataclass
 
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.options import from_flags, integer, only_with, require, setting
+from megatron_zeppelin.options import (from_flags, integer, only_with, require, setting,
+                                       unwritable_folder)
 from megatron_zeppelin.planner import STRATEGIES, dynamic_cp
 from megatron_zeppelin.runtime.kernels import choices as attention_backends
 
@@ -392,6 +393,6 @@ class ZeppelinRuntimeArgs:
             require(self.fit_interval > 0, "zeppelin.profile_out", self.profile_out,
                     "given only with --zeppelin-fit-interval > 0 (nothing is fitted otherwise)")
             folder = os.path.dirname(os.path.abspath(self.profile_out))
-            require(os.path.isdir(folder) and os.access(folder, os.W_OK) and
+            require(os.path.isdir(folder) and not unwritable_folder(folder) and
                     not os.path.isdir(self.profile_out), "zeppelin.profile_out",
                     self.profile_out, "a file in an existing, writable folder (not a folder)")
