@@ -30,6 +30,9 @@ MLA_DEFAULTS = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
 MLA_FIELDS = ("multi_latent_attention", *MLA_DEFAULTS)  # ModelSpec's, named as Megatron's flags
 
 
+MAX_WINDOW = 2 ** 31 - 1  # the kernels' window sizes are 32-bit integers
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Transformer dimensions (Megatron names). ``num_query_groups`` < heads means GQA/MQA.
@@ -70,8 +73,8 @@ class ModelSpec:
                 self.bytes_per_element, "1 (fp8), 2 (bf16/fp16) or 4 (fp32)")
         if self.window_size is not None:
             require(isinstance(self.window_size, int) and not isinstance(self.window_size, bool)
-                    and self.window_size >= 0,
-                    "model.window_size", self.window_size, "an integer >= 0")
+                    and 0 <= self.window_size < MAX_WINDOW,
+                    "model.window_size", self.window_size, f"an integer in [0, {MAX_WINDOW})")
         if self.window_layers is not None:
             require(self.window_size is not None and isinstance(self.window_layers, int) and
                     0 <= self.window_layers <= self.num_layers, "model.window_layers",
@@ -209,6 +212,8 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         for key in ("gpus_per_node", "nics_per_node", "nodes"):
             require_positive_int(f"cluster.{key}", getattr(self, key))
+        require(self.gpus_per_node <= MAX_GPUS, "cluster.gpus_per_node", self.gpus_per_node,
+                f"at most {MAX_GPUS} GPUs")
         require(self.nodes * self.gpus_per_node <= MAX_GPUS, "cluster.nodes", self.nodes,
                 f"at most {MAX_GPUS // self.gpus_per_node} nodes of {self.gpus_per_node} GPUs "
                 f"({MAX_GPUS} GPUs)")
@@ -379,8 +384,16 @@ class PipelineSpec:
 
 
 def load_model(name_or_path: str | os.PathLike) -> ModelSpec:
+    """The model YAML's ``ModelSpec``; ConfigError naming the file for a bad field, and for
+    ``window_layers: 0`` with a window (no layer would have it: the simulator builds such a
+    spec for a model's dense layers, a user file means a mistake)."""
     path = resolve_config_path(name_or_path, "models")
-    return from_dict(ModelSpec, read_yaml(path), where=str(path))
+    spec = from_dict(ModelSpec, read_yaml(path), where=str(path))
+    if spec.window_size is not None and spec.window_layers == 0:
+        raise ConfigError(f"{path}: window_layers=0 is invalid with window_size "
+                          f"{spec.window_size}: expected 1 to num_layers={spec.num_layers} "
+                          "layers with the window (or no window_size)")
+    return spec
 
 
 def load_hardware(name_or_path: str | os.PathLike) -> HardwareProfile:
@@ -420,7 +433,10 @@ def load_cluster(name_or_path: str | os.PathLike, nodes: int | None = None) -> C
     name or a YAML path, a relative one read from the cluster file's folder where it is there
     (else from the working folder); checked here, an error naming the cluster file and key."""
     path = resolve_config_path(name_or_path, "clusters")
-    cluster = from_dict(ClusterSpec, read_yaml(path), where=str(path))
+    try:
+        cluster = from_dict(ClusterSpec, read_yaml(path), where=str(path))
+    except ConfigError as exc:  # the file's key as the file spells it (not a flag's setting)
+        raise ConfigError(str(exc).replace(f"{path}: cluster.", f"{path}: ", 1)) from None
     hardware = Path(cluster.hardware)
     beside = path.parent / hardware
     if hardware.suffix in (".yaml", ".yml") and not hardware.is_absolute() and beside.exists():

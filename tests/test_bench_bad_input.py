@@ -92,6 +92,15 @@ def test_output_files_in_a_missing_folder_are_refused_naming_the_flag(argv, flag
     assert f"argument {flag}:" in err and ("does not exist" in err or "is a folder" in err)
 
 
+@pytest.mark.parametrize("strategies", ["static,zeppelin",
+                                        "hybrid-dp:max-seqlen-per-dp-cp-rank=512"])
+def test_tune_without_a_knob_left_to_tune_is_refused(strategies, capsys):
+    """--tune would run nothing and say nothing: refused before any run."""
+    err = refused(["bench", "train", "--tune", "--strategies", strategies, "--iterations", "3",
+                   "--warmup", "0", "--rounds", "1"], capsys)
+    assert f"--tune is invalid with --strategies {strategies}: none of them has a knob" in err
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
 @pytest.mark.parametrize("argv, flag", [
     (["bench", "train", "--strategies", "zeppelin", "--iterations", "3", "--warmup", "0",
@@ -282,6 +291,9 @@ def test_a_flag_given_at_its_default_value_still_counts_as_given(tmp_path, capsy
     (["bench", "engine", "--lengths", "1,a"], "--lengths='1,a' is invalid"),
     (["bench", "kernels", "--heads", "0"], "--heads=0"),
     (["bench", "planning", "--workload", "nope"], "argument --workload: invalid choice"),
+    (["bench", "planner", "--sizes", "64x512", "64x512"], "--sizes lists 64x512 more than once"),
+    (["bench", "window", "--windows", "512", "512"], "--windows lists 512 more than once"),
+    (["bench", "halo", "--windows", "64", "64"], "--windows lists 64 more than once"),
 ])
 def test_other_targets_refuse_bad_values_naming_the_flag(argv, words, capsys):
     assert words in refused(argv, capsys)
@@ -360,3 +372,14 @@ def test_the_ring_ops_module_checks_its_flags(capsys):
 ])
 def test_bench_engine_refuses_flags_of_parts_that_do_not_run(flags, said, capsys):
     assert said in refused(["bench", "engine", *flags], capsys)
+
+
+def test_decisions_rejudge_names_the_file_when_it_is_a_folder_or_holds_bad_lengths(tmp_path,
+                                                                                  capsys):
+    err = refused(["bench", "decisions", "--rejudge", str(tmp_path)], capsys)
+    assert f"--rejudge {tmp_path}: cannot be read (Is a directory)" in err
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps({"micro_batches": [
+        {"index": 3, "lengths": [512, -1], "names": ["a"], "measured_s": [0.1]}]}))
+    err = refused(["bench", "decisions", "--rejudge", str(path)], capsys)
+    assert f"--rejudge {path}: micro-batch 3's lengths [512, -1] are invalid" in err

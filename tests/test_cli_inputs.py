@@ -2,6 +2,8 @@
 naming the flag, key or file and the value, exit status 2, no traceback (found by fuzzing)."""
 import dataclasses
 
+from pathlib import Path
+
 import pytest
 
 from megatron_zeppelin import cli
@@ -157,3 +159,18 @@ def test_capacities_beyond_the_batch_plan_as_the_whole_batch():
         assert make_plan("zeppelin", [100, 200], cost, config).capacity == 300
     plan = make_plan("flexsp", [100, 150, 200], cost, buckets=10 ** 9)  # a bucket per length
     assert sorted(plan.seqlens) == [100, 150, 200]
+
+
+def test_a_cluster_files_keys_are_named_as_the_file_spells_them(tmp_path, capsys):
+    """Not as the --nodes flag, which the user did not give; an oversized node is blamed on
+    gpus_per_node, not on the node count."""
+    shipped = (Path(cli.__file__).parent.parent / "configs" / "clusters" / "h200-8nic.yaml")
+    for key, value, words in (("nodes", 0, "nodes=0 is invalid: expected a positive integer"),
+                              ("gpus_per_node", 10 ** 8, "gpus_per_node=100000000 is invalid: "
+                                                         "expected at most 1048576 GPUs")):
+        path = tmp_path / f"{key}.yaml"
+        path.write_text(shipped.read_text() + f"\n{key}: {value}\n" if key == "nodes" else
+                        shipped.read_text().replace("gpus_per_node: 8", f"{key}: {value}"))
+        assert cli.main(["plan", "--model", "llama-7b", "--cluster", str(path),
+                         "--global-batch-tokens", "256K"]) == 2
+        assert capsys.readouterr().err.strip() == f"zeppelin: error: {path}: {words}"

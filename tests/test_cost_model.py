@@ -177,11 +177,26 @@ def test_a_windowed_ring_exposes_the_hops_of_steps_with_nothing_to_compute(cost_
     ({"window_layers": 2}, r"model.window_layers=2 is invalid: expected an integer in "
                            r"\[0, num_layers=32\], with window_size"),
     ({"window_size": 512, "window_layers": 33}, r"model.window_layers=33 is invalid"),
-    ({"window_size": -1}, r"model.window_size=-1 is invalid: expected an integer >= 0"),
+    ({"window_size": -1}, r"model.window_size=-1 is invalid: expected an integer in "
+                          r"\[0, 2147483647\)"),
+    ({"window_size": 2 ** 31}, r"model.window_size=2147483648 is invalid"),
 ])
 def test_bad_window_settings_are_refused(cost_7b, fields, match):
     with pytest.raises(ConfigError, match=match):
         dataclasses.replace(cost_7b.model, **fields)
+
+
+def test_a_model_file_giving_no_layer_its_window_is_refused_naming_the_file(tmp_path):
+    from megatron_zeppelin.config import load_model
+
+    path = tmp_path / "m.yaml"
+    path.write_text("name: m\nnum_layers: 4\nhidden_size: 64\nnum_attention_heads: 4\n"
+                    "window_size: 128\nwindow_layers: 0\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: window_layers=0 is invalid with "
+                                          r"window_size 128: expected 1 to num_layers=4"):
+        load_model(path)
+    path.write_text(path.read_text().replace("window_layers: 0", "window_layers: 2"))
+    assert load_model(path).window_share == 0.5
 
 
 def test_multi_latent_attention_prices_its_own_head_dims_and_projections():

@@ -221,6 +221,10 @@ def test_bad_inputs_name_the_value():
     (["--lengths", __file__, "--batches", "5"], "with --batches: the file is the batch"),
     (["--seed", "-1"], "argument --seed: -1 is invalid: expected an integer >= 0"),
     (["--compare-orders"], "--compare-orders applies only with --pp >= 2"),
+    (["--strategies", "zeppelin", "static-cp", "--max-megatron-sequences", "5"],
+     "--max-megatron-sequences=5 is invalid here: it applies only to megatron-hybrid-cp"),
+    (["--pp", "2", "--compare-orders", "--microbatch-order", "arrival"],
+     "--microbatch-order=arrival is invalid with --compare-orders"),
     (["--plot", __file__ + "/sub"],  # a file above the folder
      f"argument --plot: '{__file__}/sub' is invalid: expected a folder ('{__file__}' is a file)"),
     (["--global-batch-tokens", "-5"], "is invalid"),

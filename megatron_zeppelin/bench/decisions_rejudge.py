@@ -26,11 +26,19 @@ def load(path: str) -> dict:
         raise ConfigError(f"--rejudge {path}: no such file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--rejudge {path}: not JSON ({exc})") from None
+    except OSError as exc:
+        raise ConfigError(f"--rejudge {path}: cannot be read ({exc.strerror or exc})") from None
     batches = data.get("micro_batches") if isinstance(data, dict) else None
     if not batches or not all(isinstance(b, dict) and all(k in b for k in KEYS)
                               for b in batches):
         raise ConfigError(f"--rejudge {path}: not a 'bench decisions --json' result (expected "
                           f"micro_batches, each with {', '.join(KEYS)})")
+    for batch in batches:
+        lengths = batch["lengths"]
+        if not isinstance(lengths, list) or not lengths or not all(
+                type(n) is int and n >= 1 for n in lengths):
+            raise ConfigError(f"--rejudge {path}: micro-batch {batch['index']!r}'s lengths "
+                              f"{str(lengths)[:60]} are invalid: expected positive integers")
     return data
 
 

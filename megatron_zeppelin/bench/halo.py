@@ -157,6 +157,7 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     (``check_shape``), more ranks than ``MAX_RANKS``, a window no sequence's chunks hold (the
     halo exchange would not run: nothing to compare)."""
     from megatron_zeppelin.bench.flags import check_shape
+    from megatron_zeppelin.cli import refuse_repeats
     from megatron_zeppelin.zigzag_window import halo_fits
 
     check_shape(parser, args, ("lengths",))
@@ -169,6 +170,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.inter_mode != "ring" and args.nodes == 1:
         parser.error(f"--inter-mode={args.inter_mode} is invalid with --nodes 1: one node has "
                      "no hops across nodes (give --nodes 2 or more)")
+    try:
+        refuse_repeats("--windows", args.windows)
+    except ValueError as exc:
+        parser.error(str(exc))
     for window in args.windows:
         if not any(halo_fits([n], args.ranks, window) for n in args.lengths):
             parser.error(f"--windows {window} is invalid with --ranks {args.ranks}: no sequence "

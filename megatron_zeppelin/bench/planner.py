@@ -47,7 +47,10 @@ def time_strategy(name: str, backend: str, lengths: list[int], cost: CostModel, 
 
 
 def bench_planner(args: argparse.Namespace) -> int:
+    from megatron_zeppelin.cli import refuse_repeats
     from megatron_zeppelin.sim.workloads import get_workload
+
+    refuse_repeats("--sizes", [f"{gpus}x{documents}" for gpus, documents in args.sizes])
 
     workload = get_workload(args.workload)
     setups = [(gpus, documents, _setup(args, gpus, documents)) for gpus, documents in args.sizes]

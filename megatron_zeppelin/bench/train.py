@@ -390,6 +390,10 @@ def bench_train(args: argparse.Namespace) -> int:
     entries = parse_entries(args.strategies)
     seq_length, layout = check_flags(entries, args.iterations, args.extra)
     check_ports("--port", args.port, args.rounds + args.tune)  # one world per round, tuning
+    if args.tune and not any(knob(e, seq_length, layout.cp) for e in entries):
+        raise ValueError(f"--tune is invalid with --strategies {args.strategies}: none of them "
+                         "has a knob left to tune (hybrid DP and Megatron's CP modes sweep "
+                         f"--{CAP_FLAG}, static CP --zeppelin-cp-size; not when given)")
     if args.warmup >= args.iterations:
         raise ValueError(f"--warmup={args.warmup} is invalid: expected 0 <= it < --iterations "
                          f"{args.iterations}")

@@ -130,6 +130,9 @@ def plan_figures(plan, window: int | None) -> dict[str, int]:
 
 
 def bench_window(args: argparse.Namespace) -> int:
+    from megatron_zeppelin.cli import refuse_repeats
+
+    refuse_repeats("--windows", args.windows)
     setup = load_setup(args.model, args.cluster, nodes=args.nodes)
     cost = CostModel(setup.model, setup.cluster, setup.hardware, 1)
     world = setup.cluster.world_size

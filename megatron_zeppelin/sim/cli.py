@@ -13,7 +13,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from megatron_zeppelin.config import ZeppelinConfig
-from megatron_zeppelin.options import add_flags, from_flags, int_at_least, output_folder
+from megatron_zeppelin.options import (add_flags, from_flags, given, int_at_least,
+                                       output_folder)
 from megatron_zeppelin.sim.workloads import WORKLOADS, token_count
 
 
@@ -97,6 +98,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     spec = pipeline_spec(args)
     if args.compare_orders and spec.pp == 1:
         raise ValueError("--compare-orders applies only with --pp >= 2")
+    _refuse_unused(args, variants, spec)
     settings = _settings(args)
     config = from_flags(ZeppelinConfig, args, routing=True, remap=True)
     if spec.pp > 1:
@@ -120,6 +122,22 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.plot:
         _write_plots(results, Path(args.plot), args.baseline)
     return 0
+
+
+def _refuse_unused(args: argparse.Namespace, variants, spec) -> None:
+    """ValueError for a flag given that would change nothing: --max-megatron-sequences
+    without megatron-hybrid-cp among the variants (or with --pp, whose sweep does not skip),
+    --microbatch-order with --compare-orders (which runs both orders)."""
+    from megatron_zeppelin.sim.sweep import MAX_MEGATRON_SEQUENCES
+
+    if given(args, "--max-megatron-sequences", MAX_MEGATRON_SEQUENCES) and (
+            spec.pp > 1 or "megatron-hybrid-cp" not in [v.strategy.name for v in variants]):
+        raise ValueError(f"--max-megatron-sequences={args.max_megatron_sequences} is invalid "
+                         "here: it applies only to megatron-hybrid-cp among --strategies, "
+                         "without --pp (it would be ignored: drop it)")
+    if args.compare_orders and given(args, "--microbatch-order", "balanced"):
+        raise ValueError(f"--microbatch-order={args.microbatch_order} is invalid with "
+                         "--compare-orders, which simulates both orders (drop one)")
 
 
 def _simulate_pipeline(args, variants, settings, config, spec) -> int:

@@ -184,7 +184,7 @@ def format_pipeline_summary(results: Sequence[PipelineSettingResult], baseline: 
             lines.append(f"{label} vs {baseline} x PP ({order} micro-batches): geomean "
                          f"{geomean(values):.2f}x, median {statistics.median(values):.2f}x over "
                          f"{len(values)} settings; slower in: {', '.join(losses) or 'none'}")
-    for who in (label, baseline):
+    for who in dict.fromkeys((label, baseline)):  # once when they are the same
         gains = [v for r in results if (v := r.speedup(who, who, "balanced", "arrival"))]
         if gains:
             lines.append(f"{who}: balanced over arrival-order micro-batches: geomean "

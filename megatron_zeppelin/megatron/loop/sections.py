@@ -8,6 +8,7 @@ import ast
 import os
 from dataclasses import dataclass
 
+from megatron_zeppelin.config import MAX_WINDOW
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.options import (from_flags, integer, only_with, require, setting,
                                        unwritable_folder)
@@ -24,7 +25,6 @@ MICROBATCH_ORDERS = ("auto", "balanced", "arrival")  # megatron/loop/microbatch_
 LOAD_ONLY = ("exit_on_missing_checkpoint", "load_optim", "load_rng",
              "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler")
 MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
-MAX_WINDOW = 2 ** 31 - 1  # the kernels' window sizes are 32-bit integers
 
 
 def _at_least(section, minimum, *names: str) -> None:
