@@ -25,6 +25,7 @@ float32 (Megatron's layout, batch 1; every rank holds its ``Plan.linear[rank]`` 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any, Iterator
 
 import torch
@@ -37,20 +38,106 @@ from megatron_zeppelin.parallel import PoolLayout
 
 MODES = ("zeppelin", "static")
 DEVICES = ("cuda", "cpu")
-# flags ``runtime_options`` takes from its own arguments or from the ``PoolLayout``
-SET_ELSEWHERE = {"context_parallel_mode": "pass mode=", "device": "pass device=",
-                 "seq_length": "pass seq_length=",
-                 "context_parallel_size": "the PoolLayout gives the CP size (layout.cp)",
-                 "tensor_model_parallel_size": "the PoolLayout gives the TP size (layout.tp)",
-                 "zeppelin_gpus_per_node": "the PoolLayout gives the node size "
-                                           "(layout.gpus_per_node)"}
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+# flags ``runtime_options`` takes from its own arguments
+ARGUMENT_FLAGS = {"context_parallel_mode": "mode", "device": "device",
+                  "seq_length": "seq_length"}
+# flags the ``PoolLayout`` decides: flag -> (its field, what it is)
+LAYOUT_FLAGS = {"tensor_model_parallel_size": ("tp", "TP size"),
+                "context_parallel_size": ("cp", "CP size"),
+                "pipeline_model_parallel_size": ("pp", "pipeline stages"),
+                "zeppelin_gpus_per_node": ("gpus_per_node", "node size")}
+VIRTUAL_STAGES = "num_layers_per_virtual_pipeline_stage"
+# the ModelSpec decides every flag named as one of its fields (``_model_flags``) except the
+# window: the flag is the attention's pattern ('L,0'), the field the planner's view of it
+WINDOW_FLAGS = ("window_size", "window_attn_skip_freq")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_layout_model(layout: Any, model: Any) -> None:
+    if not isinstance(layout, PoolLayout):
+        raise ValueError(f"layout={_show(layout)} is invalid: expected a PoolLayout")
+    if not isinstance(model, ModelSpec):
+        raise ValueError(f"model={_show(model)} is invalid: expected a ModelSpec (layers, hidden "
+                         "size, heads: config.load_model or ModelSpec(...))")
+
+
+def _model_flags(options: Any) -> list[str]:
+    """The flags among ``options`` the ModelSpec decides (the model's shape)."""
+    return sorted(f.name for f in dataclasses.fields(ModelSpec)
+                  if f.name in options and f.name not in WINDOW_FLAGS)
+
+
+def _decided(flag: str, layout: PoolLayout | None, model: ModelSpec | None
+             ) -> tuple[str, Any]:
+    """(who decides ``flag`` instead, the value it gives) for a flag of ``_elsewhere``;
+    without the layout and model, the reason names where they give it."""
+    if flag in LAYOUT_FLAGS:
+        field, what = LAYOUT_FLAGS[flag]
+        value = None if layout is None else getattr(layout, field)
+        where = f"layout.{field}" if layout is None else f"layout.{field}={value!r}"
+        return f"the PoolLayout gives the {what} ({where})", value
+    if flag == VIRTUAL_STAGES:
+        return ("the PoolLayout gives the pipeline stages and pool_runtime builds no model "
+                "chunks (virtual stages are the model's you build): expected None"), None
+    value = None if model is None else getattr(model, flag)
+    where = f"model.{flag}" if model is None else f"{flag}={value!r}"
+    return f"the ModelSpec gives the model's shape ({where})", value
+
+
+def _defaults() -> dict:
+    """Every flag destination of ``scripts/pretrain_gpt.py`` with its default."""
+    from megatron_zeppelin.megatron.loop import args as train_args
+
+    return vars(train_args.build_parser().parse_args([]))
+
+
+def _elsewhere(options: dict) -> list[str]:
+    """Every flag decided by the layout or the model, not by ``runtime_options``' flags."""
+    return [*LAYOUT_FLAGS, VIRTUAL_STAGES, *_model_flags(options)]
 
 
 def process_groups(layout: PoolLayout) -> Pool:
     """Every pool's process groups (every rank calls it, in the same order); this rank's
     ``Pool`` (``.group``: ring P2P and remap all-to-all, ``.rank``: rank in the pool,
-    ``.index``: data-parallel replica)."""
+    ``.index``: data-parallel replica). A ``layout`` not a ``PoolLayout``: ValueError."""
+    if not isinstance(layout, PoolLayout):
+        raise ValueError(f"layout={_show(layout)} is invalid: expected a PoolLayout")
     return new_pool_groups(layout)
+
+
+def _check_names(flags: dict, options: dict) -> None:
+    """Refuse unknown flags, flags set by an argument and flags the layout or model decide."""
+    unknown = sorted(set(flags) - set(options))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown}: expected flag destinations of "
+                         "scripts/pretrain_gpt.py (e.g. zeppelin_cluster)")
+    given = sorted(set(flags) & set(ARGUMENT_FLAGS))
+    elsewhere = sorted(set(flags) & set(_elsewhere(options)))
+    if given or elsewhere:
+        reasons = [f"pass {ARGUMENT_FLAGS[g]}=" for g in given]
+        reasons += dict.fromkeys(_decided(g, None, None)[0] for g in elsewhere)
+        raise ValueError(f"option(s) {given + elsewhere} are invalid here: "
+                         f"{'; '.join(reasons)}")
+
+
+def _check_sections(args: argparse.Namespace) -> None:
+    """The values of the sections ``pool_runtime`` reads, checked as the flags would be."""
+    from megatron_zeppelin.megatron.loop import args as train_args
+    from megatron_zeppelin.options import check_types, from_flags
+
+    for section, fixed in ((train_args.ZeppelinRuntimeArgs, {}),
+                           (train_args.ZeppelinConfig, {"max_seqlen": None})):
+        check_types(from_flags(section, args, train_args.ZEPPELIN_PREFIX, **fixed))
+    from_flags(train_args.AttentionArgs, args)  # --window-size, --window-attn-skip-freq
+    if args.window_attn_skip_freq is not None and args.window_size is None:
+        raise ValueError(f"window_attn_skip_freq={args.window_attn_skip_freq!r} without "
+                         "window_size: pass the window ('L,0') it applies (as "
+                         "scripts/pretrain_gpt.py refuses --window-attn-skip-freq alone)")
 
 
 def runtime_options(seq_length: int, mode: str = "zeppelin", device: str = "cuda",
@@ -58,81 +145,149 @@ def runtime_options(seq_length: int, mode: str = "zeppelin", device: str = "cuda
     """The options ``pool_runtime`` reads, as ``scripts/pretrain_gpt.py`` would parse them:
     defaults of every flag, then ``flags`` by destination name (``zeppelin_cluster=``,
     ``zeppelin_attention_backend=``, ``zeppelin_capacity_tokens_per_gpu=``, ``bf16=``...).
-    An unknown name is a ``ValueError`` naming it."""
-    from megatron_zeppelin.megatron.loop import args as train_args
 
-    from megatron_zeppelin.options import check_types, from_flags
-
+    Refused (ValueError naming it): an unknown name; a flag set by an argument (``mode``,
+    ``device``, ``seq_length``); a flag the ``PoolLayout`` (parallel sizes) or the
+    ``ModelSpec`` (the model's shape: ``num_layers``, ``hidden_size``...) decides, which
+    ``pool_runtime``/``pool_runtime_from_args`` take from them; a value of the wrong type or
+    range; ``window_attn_skip_freq`` without ``window_size``."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is invalid: expected one of {list(MODES)}")
     if not (isinstance(seq_length, int) and not isinstance(seq_length, bool) and
             seq_length >= 2):
         raise ValueError(f"seq_length={seq_length!r} is invalid: expected an integer >= 2 (the "
                          "longest document, Megatron's --seq-length)")
-    options = vars(train_args.build_parser().parse_args([]))
-    unknown = sorted(set(flags) - set(options))
-    if unknown:
-        raise ValueError(f"unknown option(s) {unknown}: expected flag destinations of "
-                         "scripts/pretrain_gpt.py (e.g. zeppelin_cluster)")
-    given = sorted(set(flags) & set(SET_ELSEWHERE))
-    if given:
-        raise ValueError(f"option(s) {given} are invalid here: "
-                         f"{'; '.join(SET_ELSEWHERE[g] for g in given)}")
+    options = _defaults()
+    _check_names(flags, options)
     if device not in DEVICES:
         raise ValueError(f"device={device!r} is invalid: expected one of {list(DEVICES)}")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' is invalid here: torch.cuda.is_available() is False")
     options.update(flags, seq_length=seq_length, context_parallel_mode=mode, device=device)
     args = argparse.Namespace(**options)
-    for section, fixed in ((train_args.ZeppelinRuntimeArgs, {}),
-                           (train_args.ZeppelinConfig, {"max_seqlen": None})):
-        check_types(from_flags(section, args, train_args.ZEPPELIN_PREFIX, **fixed))
+    _check_sections(args)
     return args
+
+
+def _same(value: Any, expected: Any) -> bool:
+    return type(value) is type(expected) and value == expected
 
 
 def pool_runtime(layout: PoolLayout, model: ModelSpec, *, seq_length: int,
                  mode: str = "zeppelin", device: str = "cuda", **flags: Any):
     """This rank's ``PoolRuntime`` (``.pool``, ``.cost``, ``.state``, ``.planner``;
     ``.close()`` when done): groups -> cost model -> attention state -> planner, built
-    collectively. ``model``: the planner's view of the model (layers, hidden size, heads);
-    ``flags``: as ``runtime_options``."""
-    if not isinstance(layout, PoolLayout):
-        raise ValueError(f"layout={layout!r} is invalid: expected a PoolLayout")
-    if not isinstance(model, ModelSpec):
-        raise ValueError(f"model={model!r} is invalid: expected a ModelSpec (layers, hidden "
-                         "size, heads: config.load_model or ModelSpec(...))")
-    return pool_runtime_from_args(runtime_options(seq_length, mode, device, **flags), layout,
-                                  model)
+    collectively. ``model``: the planner's view of the model (layers, hidden size, heads;
+    it also gives the layer count a ``window_attn_skip_freq`` pattern needs); ``flags``: as
+    ``runtime_options``, except that a flag the layout or the model decides
+    (``num_layers=``, ``pipeline_model_parallel_size=``...) may be given with the value they
+    give it. Refused (ValueError): a layout or model of the wrong type, such a flag with
+    another value (naming the one the layout or model gives), what ``runtime_options``
+    refuses."""
+    from megatron_zeppelin.megatron.loop.sections import skip_freq
+
+    _check_layout_model(layout, model)
+    decided = [flag for flag in _elsewhere(_defaults()) if flag in flags]
+    for flag in decided:
+        who, expected = _decided(flag, layout, model)
+        if not _same(flags[flag], expected):
+            raise ValueError(f"{flag}={flags[flag]!r} is invalid here: {who}")
+    rest = {name: value for name, value in flags.items() if name not in decided}
+    args = runtime_options(seq_length, mode, device, **rest)
+    skip_freq(args.window_attn_skip_freq, model.num_layers, "window_attn_skip_freq")
+    return pool_runtime_from_args(args, layout, model)
 
 
 def pool_runtime_from_args(args: argparse.Namespace, layout: PoolLayout, model: ModelSpec):
-    """``pool_runtime`` from a parsed namespace (ours, or Megatron-LM's with ``device``)."""
+    """``pool_runtime`` from a parsed namespace (ours, or Megatron-LM's with ``device``);
+    a model-shape flag the namespace leaves None (``runtime_options`` leaves them all) is the
+    ModelSpec's. Refused (ValueError): arguments of the wrong type."""
     from megatron_zeppelin.megatron.loop.train import build_pool_runtime
 
-    return build_pool_runtime(args, layout, model)
+    if not isinstance(args, argparse.Namespace):
+        raise ValueError(f"args={_show(args)} is invalid: expected an argparse.Namespace "
+                         "(runtime_options or Megatron-LM's args)")
+    _check_layout_model(layout, model)
+    filled = {flag: getattr(model, flag) for flag in _model_flags(vars(args))
+              if getattr(args, flag, None) is None and getattr(model, flag) is not None}
+    return build_pool_runtime(argparse.Namespace(**{**vars(args), **filled}), layout, model)
 
 
 def _state(runtime: Any):
-    return getattr(runtime, "state", runtime)
+    """The attention state of ``runtime`` (a ``PoolRuntime`` or the state itself)."""
+    from megatron_zeppelin.megatron.common.core_attention import ZeppelinAttentionState
+
+    state = getattr(runtime, "state", runtime)
+    if not isinstance(state, ZeppelinAttentionState):
+        raise ValueError(f"runtime={_show(runtime)} is invalid: expected the object "
+                         "pool_runtime returned (or its .state)")
+    return state
+
+
+def _check_flag(name: str, value: Any, allowed: tuple, what: str) -> None:
+    if not any(_same(value, a) for a in allowed):
+        raise ValueError(f"{name}={_show(value)} is invalid: expected {what}")
 
 
 def layer_spec(runtime: Any, *, use_te: bool | None = None, normalization: str = "RMSNorm",
                qk_layernorm: bool = False, multi_latent_attention: bool = False):
     """Megatron's GPT layer spec (TE when ``use_te`` or importable, else local) with zeppelin
     core attention (multi-latent attention's self-attention with ``multi_latent_attention``);
-    ``runtime``: a ``PoolRuntime`` or its attention state."""
+    ``runtime``: a ``PoolRuntime`` or its attention state. Refused (ValueError): another
+    ``runtime``, ``use_te`` not None/True/False, ``normalization`` not RMSNorm/LayerNorm,
+    ``qk_layernorm``/``multi_latent_attention`` not True/False."""
     from megatron_zeppelin.megatron.common.spec import get_gpt_layer_zeppelin_spec
 
-    return get_gpt_layer_zeppelin_spec(_state(runtime), use_te=use_te,
+    state = _state(runtime)
+    _check_flag("use_te", use_te, (None, True, False), "None (TE when importable), True or False")
+    _check_flag("normalization", normalization, NORMALIZATIONS, f"one of {list(NORMALIZATIONS)}")
+    _check_flag("qk_layernorm", qk_layernorm, (True, False), "True or False")
+    _check_flag("multi_latent_attention", multi_latent_attention, (True, False), "True or False")
+    return get_gpt_layer_zeppelin_spec(state, use_te=use_te,
                                        normalization=normalization, qk_layernorm=qk_layernorm,
                                        multi_latent_attention=multi_latent_attention)
 
 
 def swap_core_attention(spec: Any, runtime: Any, where: str = "the layer spec"):
-    """A copy of any Megatron layer or block spec with zeppelin core attention."""
+    """A copy of any Megatron layer or block spec with zeppelin core attention. Refused
+    (ValueError): a ``spec`` that is neither a layer ``ModuleSpec`` nor a block spec
+    (``layer_specs``: ``TransformerBlockSubmodules``, MTP's block), another ``runtime`` than
+    ``layer_spec`` takes, a ``where`` not a string."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
     from megatron_zeppelin.megatron.common.spec import swap_core_attention as swap
 
-    return swap(spec, _state(runtime), where)
+    state = _state(runtime)
+    block = isinstance(getattr(spec, "layer_specs", None), (list, tuple))
+    if not (isinstance(spec, ModuleSpec) or block):
+        raise ValueError(f"spec={_show(spec)} is invalid: expected a Megatron layer ModuleSpec "
+                         "or a block spec with layer_specs (TransformerBlockSubmodules, "
+                         "MultiTokenPredictionBlockSubmodules)")
+    if not isinstance(where, str):
+        raise ValueError(f"where={_show(where)} is invalid: expected a string (the spec's "
+                         "origin, for errors)")
+    return swap(spec, state, where)
+
+
+def _check_batches(batches: Any, runtime: Any, device: Any, prefetch: Any, planner: Any
+                   ) -> None:
+    from megatron_zeppelin.planner.service import PlannerService
+
+    if not (hasattr(runtime, "planner") and hasattr(runtime, "pool")):
+        raise ValueError(f"runtime={_show(runtime)} is invalid: expected the PoolRuntime of "
+                         "pool_runtime")
+    if not hasattr(batches, "__next__"):
+        raise ValueError(f"batches={_show(batches)} is invalid: expected an iterator of "
+                         "micro-batches (lists of 1-D token tensors; e.g. iter(a_list))")
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={_show(device)} is invalid: expected a torch.device or "
+                         "a device string ('cpu', 'cuda')") from None
+    _check_flag("prefetch", prefetch, (True, False), "True or False")
+    if not (planner is None or callable(planner) or isinstance(planner, PlannerService)):
+        raise ValueError(f"planner={_show(planner)} is invalid: expected None, a lengths -> "
+                         "Plan callable or a PlannerService")
 
 
 def planned_micro_batches(batches: Iterator[list[torch.Tensor]], runtime: Any,
@@ -142,14 +297,14 @@ def planned_micro_batches(batches: Iterator[list[torch.Tensor]], runtime: Any,
     """This rank's planned micro-batches from ``batches`` (lists of 1-D int64 documents, the
     same on every rank of the pool); ``close()`` when done. ``max_position``: the RoPE table
     length (the model's ``max_sequence_length``); ``planner``: another lengths -> ``Plan``
-    callable or ``PlannerService`` than ``runtime.planner``."""
+    callable or ``PlannerService`` than ``runtime.planner``. Refused (ValueError): a
+    ``runtime`` not ``pool_runtime``'s, ``batches`` not an iterator, a bad ``device``,
+    ``max_position`` not None or >= 1, ``prefetch`` not True/False, another ``planner``."""
     if max_position is not None and not (isinstance(max_position, int) and
                                          not isinstance(max_position, bool) and max_position >= 1):
         raise ValueError(f"max_position={max_position!r} is invalid: expected None or an "
                          "integer >= 1 (the RoPE table length)")
-    if planner is None and not hasattr(runtime, "planner"):
-        raise ValueError(f"runtime={runtime!r} is invalid: expected the PoolRuntime of "
-                         "pool_runtime (or pass planner=)")
+    _check_batches(batches, runtime, device, prefetch, planner)
     return ZeppelinDataIterator(batches, planner or runtime.planner, runtime.pool.rank,
                                 device=device, prefetch=prefetch,
                                 prepare=_state(runtime).prepare, max_position=max_position)
@@ -158,7 +313,11 @@ def planned_micro_batches(batches: Iterator[list[torch.Tensor]], runtime: Any,
 def loss_func(batch: MicroBatch):
     """Megatron's loss function for ``batch``: ``output [1, tokens]`` per-token losses ->
     (sum over the rank's labelled tokens, token count, ``{"lm loss": [sum, count]}``), the
-    per-token form megatron-core normalises over the global batch."""
+    per-token form megatron-core normalises over the global batch. Refused (ValueError): a
+    ``batch`` without a ``loss_mask`` tensor (not a ``MicroBatch``)."""
+    if not isinstance(getattr(batch, "loss_mask", None), torch.Tensor):
+        raise ValueError(f"batch={_show(batch)} is invalid: expected the MicroBatch "
+                         "planned_micro_batches yields (with a loss_mask tensor)")
 
     def per_token_loss(output: torch.Tensor):
         total = (output.float() * batch.loss_mask).sum()
@@ -170,7 +329,20 @@ def loss_func(batch: MicroBatch):
 
 def global_mean_loss(stored: list[dict], group: dist.ProcessGroup | None = None) -> float:
     """The iteration's mean loss per token over every rank of ``group`` (default: the world;
-    use the DP x CP group with TP or pipelines) from what the schedule returned."""
+    use the DP x CP group with TP or pipelines) from what the schedule returned. Refused
+    (ValueError): ``stored`` not a list of ``loss_func``'s dicts (``{"lm loss": tensor([sum,
+    count])}``), a ``group`` not None or a ProcessGroup."""
+    if not isinstance(stored, (list, tuple)):
+        raise ValueError(f"stored={_show(stored)} is invalid: expected the list the schedule "
+                         "returned (loss_func's dicts)")
+    for i, entry in enumerate(stored):
+        loss = entry.get("lm loss") if isinstance(entry, dict) else None
+        if not (isinstance(loss, torch.Tensor) and loss.shape == (2,)):
+            raise ValueError(f"stored[{i}]={_show(entry)} is invalid: expected loss_func's "
+                             "dict {'lm loss': tensor([sum, count])}")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"group={_show(group)} is invalid: expected None (the world) or a "
+                         "torch.distributed ProcessGroup")
     sums = torch.stack([d["lm loss"] for d in stored]).sum(0) if stored else torch.zeros(2)
     dist.all_reduce(sums, group=group)
     return (sums[0] / sums[1].clamp(min=1)).item()

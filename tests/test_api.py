@@ -56,10 +56,18 @@ def test_runtime_options_refuse_unknown_names_and_modes():
     ({"zeppelin_capacity_factor": "2"}, r"--zeppelin-capacity-factor='2' is invalid"),
     ({"context_parallel_size": 4}, r"option\(s\) \['context_parallel_size'\] are invalid here: "
                                    r"the PoolLayout gives the CP size"),
+    ({"pipeline_model_parallel_size": "2"}, r"option\(s\) \['pipeline_model_parallel_size'\] are "
+                                            r"invalid here: the PoolLayout gives the pipeline"),
+    ({"num_layers": 2}, r"option\(s\) \['num_layers'\] are invalid here: the ModelSpec gives "
+                        r"the model's shape \(model.num_layers\)"),
+    ({"window_attn_skip_freq": 2}, r"window_attn_skip_freq=2 without window_size: pass the "
+                                   r"window"),
+    ({"window_size": "abc"}, r"--window-size='abc' is invalid: expected 'L,0'"),
 ])
 def test_runtime_options_check_values_given_from_python(kwargs, match):
     """Values no parser typed (a string for a bool, a negative timeout), a device that does
-    not exist and flags the layout sets: refused naming them, not accepted or a deep error."""
+    not exist, a window pattern without a window and flags the layout or the model sets:
+    refused naming them, not accepted or a deep error."""
     from megatron_zeppelin import api
 
     kwargs = {"device": "cpu", **kwargs}
@@ -88,3 +96,82 @@ def test_the_api_names_a_bad_length_or_runtime():
         api.planned_micro_batches(iter([]), None, max_position="x")
     with pytest.raises(ValueError, match=r"runtime=None is invalid: expected the PoolRuntime"):
         api.planned_micro_batches(iter([]), None)
+
+
+MODEL = dict(name="tiny", num_layers=2, hidden_size=32, num_attention_heads=4,
+             num_query_groups=2, ffn_hidden_size=64, vocab_size=256)
+
+
+@pytest.mark.parametrize("flags,match", [
+    ({"num_layers": 7}, r"num_layers=7 is invalid here: the ModelSpec gives the model's shape "
+                        r"\(num_layers=2\)"),
+    ({"hidden_size": 4096}, r"hidden_size=4096 is invalid here: .* \(hidden_size=32\)"),
+    ({"pipeline_model_parallel_size": 2}, r"pipeline_model_parallel_size=2 is invalid here: the "
+                                          r"PoolLayout gives the pipeline stages \(layout.pp=1\)"),
+    ({"pipeline_model_parallel_size": "1"}, r"pipeline_model_parallel_size='1' is invalid here"),
+    ({"num_layers_per_virtual_pipeline_stage": 1}, r"num_layers_per_virtual_pipeline_stage=1 is "
+                                                   r"invalid here: .* builds no model chunks"),
+    ({"context_parallel_size": 2}, r"context_parallel_size=2 is invalid here: the PoolLayout "
+                                   r"gives the CP size \(layout.cp=4\)"),
+    ({"window_attn_skip_freq": 2}, r"window_attn_skip_freq=2 without window_size"),
+    ({"window_size": "256,0", "window_attn_skip_freq": "[1,1,1]"},
+     r"window_attn_skip_freq='\[1,1,1\]' is invalid: .*\(2 layers"),
+])
+def test_pool_runtime_refuses_flags_the_layout_or_model_decide_otherwise(flags, match):
+    """The layout gives the parallel sizes and the model its shape: a flag saying otherwise
+    (or a window pattern that does not fit the model's layers) is refused before any process
+    group exists, naming the value that holds, not silently ignored."""
+    from megatron_zeppelin import api
+
+    layout = api.PoolLayout(world_size=4, tp=1, cp=4, gpus_per_node=2)
+    with pytest.raises(ValueError, match=match):
+        api.pool_runtime(layout, api.ModelSpec(**MODEL), seq_length=512, device="cpu", **flags)
+
+
+def windows_body(rank: int, world: int) -> tuple[list, str]:
+    from megatron_zeppelin import api
+
+    windows, refusal = [], ""
+    for flags in ({"window_attn_skip_freq": 2}, {"window_attn_skip_freq": "[1,0]"},
+                  {"window_attn_skip_freq": 2, "num_layers": 2, "pipeline_model_parallel_size": 1}):
+        runtime = api.pool_runtime(api.PoolLayout(1, 1, 1, 1), api.ModelSpec(**MODEL),
+                                   seq_length=512, device="cpu", window_size="256,0", **flags)
+        windows.append(runtime.state.windows)
+        try:
+            api.swap_core_attention(None, runtime)
+        except ValueError as exc:
+            refusal = str(exc)
+        runtime.close()
+    return windows, refusal
+
+
+@pytest.mark.distributed
+def test_pool_runtime_takes_the_layer_count_of_a_window_pattern_from_the_model():
+    """A window pattern needs the layer count: the ModelSpec gives it (the same value as a flag
+    is accepted); a runtime's spec must be a Megatron spec."""
+    [(windows, refusal)] = run_world(windows_body, 1, timeout_s=300)
+    assert windows == [(None, 256)] * 3  # layer 1 windowed, layer 2 full attention
+    assert refusal.startswith("spec=None is invalid: expected a Megatron layer ModuleSpec")
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda api: api.global_mean_loss([{"x": 1}]),
+     r"stored\[0\]=\{'x': 1\} is invalid: expected loss_func's dict"),
+    (lambda api: api.global_mean_loss(None), r"stored=None is invalid: expected the list"),
+    (lambda api: api.swap_core_attention(None, None),
+     r"runtime=None is invalid: expected the object pool_runtime returned"),
+    (lambda api: api.layer_spec(None), r"runtime=None is invalid: expected the object"),
+    (lambda api: api.loss_func(None), r"batch=None is invalid: expected the MicroBatch"),
+    (lambda api: api.process_groups(None), r"layout=None is invalid: expected a PoolLayout"),
+    (lambda api: api.pool_runtime_from_args(None, None, None),
+     r"args=None is invalid: expected an argparse.Namespace"),
+    (lambda api: api.planned_micro_batches(iter([]), None, planner=len),
+     r"runtime=None is invalid: expected the PoolRuntime"),
+])
+def test_the_api_names_an_argument_of_the_wrong_type(call, match):
+    """Every public function checks its arguments at entry: one ValueError naming the argument
+    and what it expects, not a KeyError, AttributeError or None further down."""
+    from megatron_zeppelin import api
+
+    with pytest.raises(ValueError, match=match):
+        call(api)
