@@ -178,7 +178,8 @@ def pool_runtime(layout: PoolLayout, model: ModelSpec, *, seq_length: int,
     """This rank's ``PoolRuntime`` (``.pool``, ``.cost``, ``.state``, ``.planner``;
     ``.close()`` when done): groups -> cost model -> attention state -> planner, built
     collectively. ``model``: the planner's view of the model (layers, hidden size, heads;
-    it also gives the layer count a ``window_attn_skip_freq`` pattern needs); ``flags``: as
+    it also gives the layer count a ``window_attn_skip_freq`` pattern needs, and takes the
+    window the flags run when it has none: ``_windowed_model``); ``flags``: as
     ``runtime_options``, except that a flag the layout or the model decides
     (``num_layers=``, ``pipeline_model_parallel_size=``...) may be given with the value they
     give it. Refused (ValueError): a layout or model of the wrong type, such a flag with
@@ -195,7 +196,31 @@ def pool_runtime(layout: PoolLayout, model: ModelSpec, *, seq_length: int,
     rest = {name: value for name, value in flags.items() if name not in decided}
     args = runtime_options(seq_length, mode, device, **rest)
     skip_freq(args.window_attn_skip_freq, model.num_layers, "window_attn_skip_freq")
-    return pool_runtime_from_args(args, layout, model)
+    return pool_runtime_from_args(args, layout, _windowed_model(args, model))
+
+
+def _windowed_model(args: argparse.Namespace, model: ModelSpec) -> ModelSpec:
+    """``model`` with the sliding window the attention runs (``window_size`` and
+    ``window_attn_skip_freq`` flags) when it gives none, so that the planner prices the
+    layers that run; ValueError when it gives another window (or one the flags do not run)."""
+    from megatron_zeppelin.megatron.common.model import windowed_layers
+    from megatron_zeppelin.megatron.loop import args as train_args
+
+    fields = train_args.AttentionArgs.from_namespace(args).config_fields(model.num_layers)
+    window, layers = windowed_layers(fields.get("window_size"),
+                                     fields.get("window_attn_skip_freq"), model.num_layers)
+    if model.window_size is None and window is not None:
+        return dataclasses.replace(model, window_size=window, window_layers=layers)
+    given = (model.window_size, model.num_layers if model.window_layers is None
+             else model.window_layers) if model.window_size is not None else (None, None)
+    if given != (window, layers):
+        runs = f"a window of {window} on {layers} layers" if window is not None else "none"
+        raise ValueError(f"model.window_size={model.window_size!r}, window_layers="
+                         f"{model.window_layers!r} is invalid with the window the attention "
+                         f"runs (window_size={args.window_size!r}, window_attn_skip_freq="
+                         f"{args.window_attn_skip_freq!r}: {runs}): the planner would price "
+                         "other layers than run (give the ModelSpec no window, or the same)")
+    return model
 
 
 def pool_runtime_from_args(args: argparse.Namespace, layout: PoolLayout, model: ModelSpec):

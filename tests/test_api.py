@@ -116,6 +116,11 @@ MODEL = dict(name="tiny", num_layers=2, hidden_size=32, num_attention_heads=4,
     ({"window_attn_skip_freq": 2}, r"window_attn_skip_freq=2 without window_size"),
     ({"window_size": "256,0", "window_attn_skip_freq": "[1,1,1]"},
      r"window_attn_skip_freq='\[1,1,1\]' is invalid: .*\(2 layers"),
+    ({"window_size": "128,0", "model": {"window_size": 256}},
+     r"model.window_size=256, window_layers=None is invalid with the window the attention runs "
+     r"\(window_size='128,0', window_attn_skip_freq=None: a window of 128 on 2 layers\)"),
+    ({"model": {"window_size": 256, "window_layers": 1}},
+     r"model.window_size=256, window_layers=1 is invalid .*: none\): the planner would price"),
 ])
 def test_pool_runtime_refuses_flags_the_layout_or_model_decide_otherwise(flags, match):
     """The layout gives the parallel sizes and the model its shape: a flag saying otherwise
@@ -124,8 +129,9 @@ def test_pool_runtime_refuses_flags_the_layout_or_model_decide_otherwise(flags, 
     from megatron_zeppelin import api
 
     layout = api.PoolLayout(world_size=4, tp=1, cp=4, gpus_per_node=2)
+    model = api.ModelSpec(**MODEL, **flags.pop("model", {}))
     with pytest.raises(ValueError, match=match):
-        api.pool_runtime(layout, api.ModelSpec(**MODEL), seq_length=512, device="cpu", **flags)
+        api.pool_runtime(layout, model, seq_length=512, device="cpu", **flags)
 
 
 def windows_body(rank: int, world: int) -> tuple[list, str]:
@@ -136,7 +142,8 @@ def windows_body(rank: int, world: int) -> tuple[list, str]:
                   {"window_attn_skip_freq": 2, "num_layers": 2, "pipeline_model_parallel_size": 1}):
         runtime = api.pool_runtime(api.PoolLayout(1, 1, 1, 1), api.ModelSpec(**MODEL),
                                    seq_length=512, device="cpu", window_size="256,0", **flags)
-        windows.append(runtime.state.windows)
+        windows.append((runtime.state.windows, runtime.cost.model.window_size,
+                        runtime.cost.model.window_layers))
         try:
             api.swap_core_attention(None, runtime)
         except ValueError as exc:
@@ -148,9 +155,11 @@ def windows_body(rank: int, world: int) -> tuple[list, str]:
 @pytest.mark.distributed
 def test_pool_runtime_takes_the_layer_count_of_a_window_pattern_from_the_model():
     """A window pattern needs the layer count: the ModelSpec gives it (the same value as a flag
-    is accepted); a runtime's spec must be a Megatron spec."""
+    is accepted) and, having no window, takes the one the flags run; a runtime's spec must be
+    a Megatron spec."""
     [(windows, refusal)] = run_world(windows_body, 1, timeout_s=300)
-    assert windows == [(None, 256)] * 3  # layer 1 windowed, layer 2 full attention
+    # one of the 2 layers windowed (the engine prepares both), and the planner prices that
+    assert windows == [((None, 256), 256, 1)] * 3
     assert refusal.startswith("spec=None is invalid: expected a Megatron layer ModuleSpec")
 
 
