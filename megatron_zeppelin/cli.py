@@ -276,7 +276,7 @@ SETTING_FLAGS = {"tensor_model_parallel_size": "--tp", "cp_size": "--cp-size",
                  "--capacity-tokens-per-gpu", "capacity_factor": "--capacity-factor",
                  "max_seqlen_per_rank": "--max-seqlen-per-dp-cp-rank",
                  "the overlong policy": "--overlong", "num_microbatches": "--microbatches",
-                 "cluster.nodes": "--nodes"}
+                 "max_cp_size": "--max-cp-size", "cluster.nodes": "--nodes"}
 
 
 if __name__ == "__main__":

@@ -174,3 +174,15 @@ def test_a_cluster_files_keys_are_named_as_the_file_spells_them(tmp_path, capsys
         assert cli.main(["plan", "--model", "llama-7b", "--cluster", str(path),
                          "--global-batch-tokens", "256K"]) == 2
         assert capsys.readouterr().err.strip() == f"zeppelin: error: {path}: {words}"
+
+
+def test_a_static_cp_best_that_cannot_place_the_batch_names_the_flags_to_change(capsys):
+    """2M tokens over 800,000 GPUs: 27 tokens per rank hold no CP size's share of the longest
+    document; the line names the capacity and CP-size flags, not only the strategy."""
+    assert cli.main(["plan", "--model", "llama-7b", "--cluster", "h200-8nic", "--nodes",
+                     "100000", "--strategy", "static-cp-best"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("zeppelin: error: static-cp-best: no CP size up to 64 holds the "
+                          "longest document (") and err.endswith(
+        "within --capacity-tokens-per-gpu=27: raise it or --max-cp-size (or give each GPU "
+        "more tokens per batch)"), err

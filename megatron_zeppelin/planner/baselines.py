@@ -167,9 +167,10 @@ class StaticCPBest(Strategy):
             scores = [(cp, step) for step, cp, _ in scored]
             tasks = min(scored, key=lambda item: (item[0], item[1]))[2] if scored else None
         if tasks is None:
-            raise CapacityError(f"static-cp-best: no CP size holds the longest document "
-                                f"({max(batch.seqlens)} tokens) within the capacity "
-                                f"{batch.capacity}")
+            raise CapacityError(f"static-cp-best: no CP size up to {max_cp} holds the longest "
+                                f"document ({max(batch.seqlens)} tokens) within "
+                                f"capacity_tokens_per_gpu={batch.capacity}: raise it or "
+                                "max_cp_size (or give each GPU more tokens per batch)")
         ranked = sorted(scores, key=lambda item: (item[1], item[0]))
         label = f"static-cp(cp={ranked[0][0]})"
         return assemble(label, batch, tasks, None, candidate=label,
