@@ -19,8 +19,8 @@ from pathlib import Path
 from megatron_zeppelin.config_yaml import from_dict, read_yaml, resolve_config_path
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.hardware_profile import ATTENTION_KERNELS, HardwareProfile
-from megatron_zeppelin.options import (only_with, require, require_positive, require_positive_int,
-                                       reword, setting)
+from megatron_zeppelin.options import (only_with, plain_integers, require, require_positive,
+                                       require_positive_int, reword, setting)
 from megatron_zeppelin.plan import Topology
 
 OVERLONG_POLICIES = ("error", "split", "drop")
@@ -66,6 +66,7 @@ class ModelSpec:
     v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
+        plain_integers(self)  # numpy's integers as ints
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                     "bytes_per_element", "moe_router_topk"):
             require_positive_int(f"model.{key}", getattr(self, key))
@@ -210,6 +211,7 @@ class ClusterSpec:
     hardware: str = "h100"
 
     def __post_init__(self) -> None:
+        plain_integers(self)  # numpy's integers as ints
         for key in ("gpus_per_node", "nics_per_node", "nodes"):
             require_positive_int(f"cluster.{key}", getattr(self, key))
         require(self.gpus_per_node <= MAX_GPUS, "cluster.gpus_per_node", self.gpus_per_node,
@@ -304,6 +306,7 @@ class ZeppelinConfig:
                                    "sequence is sharded over more ranks, in [0, 1]")
 
     def __post_init__(self) -> None:
+        plain_integers(self)  # numpy's integers as ints
         for key in ("max_seqlen", "capacity_tokens_per_gpu"):
             if getattr(self, key) is not None:
                 require_positive_int(f"zeppelin.{key}", getattr(self, key))
@@ -349,6 +352,7 @@ class PipelineSpec:
                                     "tokens)", choices=MICROBATCH_ORDERS)
 
     def __post_init__(self) -> None:
+        plain_integers(self)  # numpy's integers as ints
         require_positive_int("pipeline.pp", self.pp)
         require_positive_int("pipeline.vpp", self.vpp)
         require(self.vpp == 1 or self.pp >= 2, "pipeline.vpp", self.vpp,

@@ -129,6 +129,27 @@ def base_type(section: type, name: str) -> tuple[type, bool]:
     return hint, False
 
 
+def plain_int(section: type, name: str, value: Any) -> Any:
+    """``value`` for field ``name`` of the dataclass ``section``: as an ``int`` where the
+    field is an integer and ``value`` another integer type (numpy's ``int64``: integral,
+    ``__index__``), so that it passes the checks and reaches YAML, JSON and the C++ twin as a
+    Python int; otherwise as given."""
+    if isinstance(value, int) or not hasattr(value, "__index__") or \
+            base_type(section, name)[0] is not int:
+        return value
+    try:
+        return value.__index__()
+    except TypeError:  # numpy's bool: refused by the field's check, as given
+        return value
+
+
+def plain_integers(section: Any) -> None:
+    """``plain_int`` on every field of the (frozen) dataclass ``section``, in place."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        object.__setattr__(section, f.name, plain_int(type(section), f.name, value))
+
+
 def check_types(section: Any, max_int: int | None = None) -> None:
     """ConfigError naming a setting of ``section`` (a dataclass of ``setting`` fields, errors
     say ``<SECTION>.<field>=``) whose value is not of its declared type: a bool where an

@@ -207,3 +207,27 @@ def test_megatrons_scheduler_flags_take_both_of_megatrons_spellings(flag, dest):
     train_args.validate_args(args, 1, None)  # with --load only: it says how to resume
     assert getattr(args, dest) is True
     assert not getattr(train_args.parse_args(TRAIN), dest)
+
+
+def test_numpy_integers_are_taken_as_ints_where_an_integer_belongs():
+    """A config built from numpy values (lengths, capacities from arrays): its integers are
+    Python ints (YAML, JSON and the C++ twin take them); a numpy float or bool for an integer
+    is still refused by name."""
+    import numpy as np
+
+    from megatron_zeppelin.config import ConfigError, ModelSpec, PipelineSpec, ZeppelinConfig
+    from megatron_zeppelin.planner import get_strategy
+
+    config = ZeppelinConfig(capacity_tokens_per_gpu=np.int64(4096), max_seqlen=np.int32(8192))
+    assert (config.capacity_tokens_per_gpu, config.max_seqlen) == (4096, 8192)
+    assert {type(config.capacity_tokens_per_gpu), type(config.max_seqlen)} == {int}
+    model = ModelSpec(name="m", num_layers=np.int16(2), hidden_size=np.uint32(64),
+                      num_attention_heads=4, window_size=np.int64(128))
+    assert {type(model.num_layers), type(model.hidden_size), type(model.window_size)} == {int}
+    assert type(PipelineSpec(pp=np.int64(2)).pp) is int
+    assert type(get_strategy("hybrid-dp", max_seqlen_per_rank=np.int64(512))
+                .max_seqlen_per_rank) is int
+    for bad in (np.float64(4096.0), np.True_):
+        with pytest.raises(ConfigError, match=r"zeppelin.capacity_tokens_per_gpu=.* is invalid: "
+                                              r"expected a positive integer"):
+            ZeppelinConfig(capacity_tokens_per_gpu=bad)

@@ -22,7 +22,7 @@ from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.limits import refuse_untrainable
 from megatron_zeppelin.options import (add_flags, check_types, dest_of, flag_of, from_flags,
-                                       reword, settings)
+                                       plain_int, reword, settings)
 from megatron_zeppelin.plan import Plan, Topology
 from megatron_zeppelin.plan_checks import ATTENTION_KINDS
 from megatron_zeppelin.planner.common import check_lengths, with_derived_capacity
@@ -138,7 +138,7 @@ def get_strategy(name: str, **options: Any) -> Strategy:
     if unknown:
         raise ValueError(f"strategy {name!r} has no option(s) {unknown}: valid options "
                          f"{valid or 'none'}")
-    strategy = cls(**options)
+    strategy = cls(**{key: plain_int(cls, key, value) for key, value in options.items()})
     check_types(strategy, MAX_OPTION)
     return strategy
 
