@@ -89,9 +89,11 @@ def configs_dir() -> Path:
 
 def resolve_config_path(name_or_path: str | os.PathLike, kind: str) -> Path:
     """A path as given, or ``configs/<kind>/<name>.yaml`` for a bare name."""
-    if not str(name_or_path).strip():  # Path('') is the working folder
+    if not isinstance(name_or_path, (str, os.PathLike)) or \
+            not str(name_or_path).strip():  # Path('') is the working folder
         shipped = sorted(p.stem for p in (configs_dir() / kind).glob("*.yaml"))
-        raise ConfigError(f"{kind} config {str(name_or_path)!r} is invalid: expected a shipped "
+        shown = str(name_or_path) if isinstance(name_or_path, os.PathLike) else name_or_path
+        raise ConfigError(f"{kind} config {shown!r} is invalid: expected a shipped "
                           f"name ({shipped}) or a path to a YAML file")
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():

@@ -186,3 +186,12 @@ def test_a_static_cp_best_that_cannot_place_the_batch_names_the_flags_to_change(
                           "longest document (") and err.endswith(
         "within --capacity-tokens-per-gpu=27: raise it or --max-cp-size (or give each GPU "
         "more tokens per batch)"), err
+
+
+@pytest.mark.parametrize("value", [None, 3, ""])
+def test_a_config_name_that_is_not_a_string_or_path_is_refused_naming_it(value):
+    from megatron_zeppelin.config import load_model
+
+    with pytest.raises(ConfigError, match=rf"^models config {value!r} is invalid: expected a "
+                                          r"shipped name \(\["):
+        load_model(value)
