@@ -58,9 +58,13 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _check_layout_model(layout: Any, model: Any) -> None:
+def _check_layout(layout: Any) -> None:
     if not isinstance(layout, PoolLayout):
         raise ValueError(f"layout={_show(layout)} is invalid: expected a PoolLayout")
+
+
+def _check_layout_model(layout: Any, model: Any) -> None:
+    _check_layout(layout)
     if not isinstance(model, ModelSpec):
         raise ValueError(f"model={_show(model)} is invalid: expected a ModelSpec (layers, hidden "
                          "size, heads: config.load_model or ModelSpec(...))")
@@ -105,8 +109,7 @@ def process_groups(layout: PoolLayout) -> Pool:
     """Every pool's process groups (every rank calls it, in the same order); this rank's
     ``Pool`` (``.group``: ring P2P and remap all-to-all, ``.rank``: rank in the pool,
     ``.index``: data-parallel replica). A ``layout`` not a ``PoolLayout``: ValueError."""
-    if not isinstance(layout, PoolLayout):
-        raise ValueError(f"layout={_show(layout)} is invalid: expected a PoolLayout")
+    _check_layout(layout)
     return new_pool_groups(layout)
 
 

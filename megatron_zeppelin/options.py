@@ -147,7 +147,9 @@ def plain_integers(section: Any) -> None:
     """``plain_int`` on every field of the (frozen) dataclass ``section``, in place."""
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
-        object.__setattr__(section, f.name, plain_int(type(section), f.name, value))
+        plain = plain_int(type(section), f.name, value)
+        if plain is not value:
+            object.__setattr__(section, f.name, plain)
 
 
 def check_types(section: Any, max_int: int | None = None) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from megatron_zeppelin.bench.decisions import NAME, Decision, _validate, decide
 from megatron_zeppelin.bench.train import YAML
 from megatron_zeppelin.config import ConfigError
+from megatron_zeppelin.planner.common import check_lengths
 
 KEYS = ("index", "lengths", "names", "measured_s")  # what a micro-batch must hold
 
@@ -34,11 +35,12 @@ def load(path: str) -> dict:
         raise ConfigError(f"--rejudge {path}: not a 'bench decisions --json' result (expected "
                           f"micro_batches, each with {', '.join(KEYS)})")
     for batch in batches:
-        lengths = batch["lengths"]
-        if not isinstance(lengths, list) or not lengths or not all(
-                type(n) is int and n >= 1 for n in lengths):
+        try:
+            check_lengths(batch["lengths"])  # the planner's own check of a batch
+        except ValueError:
             raise ConfigError(f"--rejudge {path}: micro-batch {batch['index']!r}'s lengths "
-                              f"{str(lengths)[:60]} are invalid: expected positive integers")
+                              f"{str(batch['lengths'])[:60]} are invalid: expected positive "
+                              "integers") from None
     return data
 
 

@@ -96,8 +96,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from megatron_zeppelin.cli import pipeline_spec
 
     spec = pipeline_spec(args)
-    if args.compare_orders and spec.pp == 1:
-        raise ValueError("--compare-orders applies only with --pp >= 2")
     _refuse_unused(args, variants, spec)
     settings = _settings(args)
     config = from_flags(ZeppelinConfig, args, routing=True, remap=True)
@@ -125,11 +123,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _refuse_unused(args: argparse.Namespace, variants, spec) -> None:
-    """ValueError for a flag given that would change nothing: --max-megatron-sequences
-    without megatron-hybrid-cp among the variants (or with --pp, whose sweep does not skip),
-    --microbatch-order with --compare-orders (which runs both orders)."""
+    """ValueError for a flag given that would change nothing: --compare-orders without
+    --pp, --max-megatron-sequences without megatron-hybrid-cp among the variants (or with
+    --pp, whose sweep does not skip), --microbatch-order with --compare-orders (which runs
+    both orders)."""
     from megatron_zeppelin.sim.sweep import MAX_MEGATRON_SEQUENCES
 
+    if args.compare_orders and spec.pp == 1:
+        raise ValueError("--compare-orders applies only with --pp >= 2")
     if given(args, "--max-megatron-sequences", MAX_MEGATRON_SEQUENCES) and (
             spec.pp > 1 or "megatron-hybrid-cp" not in [v.strategy.name for v in variants]):
         raise ValueError(f"--max-megatron-sequences={args.max_megatron_sequences} is invalid "

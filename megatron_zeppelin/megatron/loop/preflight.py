@@ -145,8 +145,9 @@ def check_outputs(args: argparse.Namespace) -> None:
         if os.path.isdir(args.log_json):
             raise ConfigError(f"--log-json {args.log_json!r} is a folder: expected a file "
                               "(one JSON line per iteration is appended to it)")
-        if not os.access(args.log_json, os.W_OK) if os.path.exists(args.log_json) else \
-                unwritable_folder(folder):
+        exists = os.path.exists(args.log_json)
+        if (exists and not os.access(args.log_json, os.W_OK)) or \
+                (not exists and unwritable_folder(folder)):
             raise ConfigError(f"--log-json {args.log_json!r}: not writable")
 
 
