@@ -32,7 +32,7 @@ def main(iterations: int = 2) -> list[float]:
     spec = api.ModelSpec(name="tiny", num_layers=2, hidden_size=32, num_attention_heads=4,
                          num_query_groups=2, ffn_hidden_size=64, vocab_size=256)
     runtime = api.pool_runtime(layout, spec, seq_length=1024, device="cpu",
-                               zeppelin_cluster="cpu-2x2", zeppelin_planner_process=False)
+                               zeppelin_cluster="cpu-2x2")
     config = make_transformer_config(spec, calculate_per_token_loss=True,
                                      use_cpu_initialization=True)
     model = DDP(config, DistributedDataParallelConfig(use_distributed_optimizer=True),

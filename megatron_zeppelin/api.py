@@ -31,7 +31,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_zeppelin.config import ModelSpec
+from megatron_zeppelin.config import (ConfigError, ModelSpec, ZeppelinConfig, load_cluster,
+                                      load_hardware)
 from megatron_zeppelin.megatron.common.data import MicroBatch, ZeppelinDataIterator
 from megatron_zeppelin.megatron.common.groups import Pool, new_pool_groups
 from megatron_zeppelin.parallel import PoolLayout
@@ -51,6 +52,13 @@ VIRTUAL_STAGES = "num_layers_per_virtual_pipeline_stage"
 # the ModelSpec decides every flag named as one of its fields (``_model_flags``) except the
 # window: the flag is the attention's pattern ('L,0'), the field the planner's view of it
 WINDOW_FLAGS = ("window_size", "window_attn_skip_freq")
+# the ``--zeppelin-*`` runtime flags the pool runtime reads (``build_pool_runtime``); the
+# others (planner process, watchdog, online fit) are the training loop's
+RUNTIME_FLAGS = ("strategy", "cluster", "hardware", "attention_backend", "validate_plan")
+# where a training-loop flag's job is done with this API instead
+LOOP_FLAGS = {"zeppelin_planner_process": "pass planned_micro_batches(..., planner="
+                                          "PlannerService(runtime.planner)) to plan in a "
+                                          "process (megatron_zeppelin.planner.service)"}
 
 
 def _show(value: Any) -> str:
@@ -105,6 +113,24 @@ def _elsewhere(options: dict) -> list[str]:
     return [*LAYOUT_FLAGS, VIRTUAL_STAGES, *_model_flags(options)]
 
 
+def _read_flags() -> set[str]:
+    """The flags ``pool_runtime`` reads besides its arguments' and those the layout or the
+    model decide: the planner settings and strategy options, ``RUNTIME_FLAGS``, the window
+    and the dtype (``bf16``)."""
+    from megatron_zeppelin.megatron.loop import args as train_args
+    from megatron_zeppelin.options import dest_of
+    from megatron_zeppelin.planner.registry import option_dests
+
+    prefix = train_args.ZEPPELIN_PREFIX
+    sections = [(f, ZeppelinConfig) for f in dataclasses.fields(ZeppelinConfig)
+                if f.name != "max_seqlen"]
+    sections += [(f, train_args.ZeppelinRuntimeArgs)
+                 for f in dataclasses.fields(train_args.ZeppelinRuntimeArgs)
+                 if f.name in RUNTIME_FLAGS]
+    return {*(dest_of(f, prefix) for f, _ in sections), *option_dests(prefix), *WINDOW_FLAGS,
+            "bf16"}
+
+
 def process_groups(layout: PoolLayout) -> Pool:
     """Every pool's process groups (every rank calls it, in the same order); this rank's
     ``Pool`` (``.group``: ring P2P and remap all-to-all, ``.rank``: rank in the pool,
@@ -126,6 +152,12 @@ def _check_names(flags: dict, options: dict) -> None:
         reasons += dict.fromkeys(_decided(g, None, None)[0] for g in elsewhere)
         raise ValueError(f"option(s) {given + elsewhere} are invalid here: "
                          f"{'; '.join(reasons)}")
+    unread = sorted(set(flags) - _read_flags())
+    if unread:
+        hints = "".join(f"; {flag}: {LOOP_FLAGS[flag]}" for flag in unread if flag in LOOP_FLAGS)
+        raise ValueError(f"option(s) {unread} are invalid here: the pool runtime does not read "
+                         "them (flags of scripts/pretrain_gpt.py's training loop: your loop "
+                         f"decides them){hints}; it reads {sorted(_read_flags())}")
 
 
 def _check_sections(args: argparse.Namespace) -> None:
@@ -137,6 +169,13 @@ def _check_sections(args: argparse.Namespace) -> None:
                            (train_args.ZeppelinConfig, {"max_seqlen": None})):
         check_types(from_flags(section, args, train_args.ZEPPELIN_PREFIX, **fixed))
     from_flags(train_args.AttentionArgs, args)  # --window-size, --window-attn-skip-freq
+    for flag, load in (("zeppelin_cluster", load_cluster), ("zeppelin_hardware", load_hardware)):
+        name = getattr(args, flag)
+        if name is not None:
+            try:
+                load(name)
+            except ConfigError as exc:
+                raise ValueError(f"{flag}={_show(name)} is invalid: {exc}") from None
     if args.window_attn_skip_freq is not None and args.window_size is None:
         raise ValueError(f"window_attn_skip_freq={args.window_attn_skip_freq!r} without "
                          "window_size: pass the window ('L,0') it applies (as "
@@ -152,8 +191,10 @@ def runtime_options(seq_length: int, mode: str = "zeppelin", device: str = "cuda
     Refused (ValueError naming it): an unknown name; a flag set by an argument (``mode``,
     ``device``, ``seq_length``); a flag the ``PoolLayout`` (parallel sizes) or the
     ``ModelSpec`` (the model's shape: ``num_layers``, ``hidden_size``...) decides, which
-    ``pool_runtime``/``pool_runtime_from_args`` take from them; a value of the wrong type or
-    range; ``window_attn_skip_freq`` without ``window_size``."""
+    ``pool_runtime``/``pool_runtime_from_args`` take from them; a flag the pool runtime
+    does not read (``lr``, ``zeppelin_planner_process``...: the training loop's, yours here);
+    a value of the wrong type or range; a cluster or hardware file that does not load;
+    ``window_attn_skip_freq`` without ``window_size``."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is invalid: expected one of {list(MODES)}")
     if not (isinstance(seq_length, int) and not isinstance(seq_length, bool) and

@@ -156,14 +156,17 @@ def check_types(section: Any, max_int: int | None = None) -> None:
     """ConfigError naming a setting of ``section`` (a dataclass of ``setting`` fields, errors
     say ``<SECTION>.<field>=``) whose value is not of its declared type: a bool where an
     integer belongs (or an integer above ``max_int``), a string for a bool, a non-number for
-    a number. For values given from Python, which no flag parser typed."""
+    a number, a value outside its choices. For values given from Python, which no flag
+    parser typed."""
     label = getattr(section, "SECTION", type(section).__name__)
     for f in settings(type(section)):
         value = getattr(section, f.name)
         kind, optional = base_type(type(section), f.name)
         if value is None and optional:
             continue
-        what = f"{label}.{f.name}"
+        what, choices = f"{label}.{f.name}", f.metadata.get("choices")
+        if choices:
+            require(value in choices, what, value, f"one of {list(choices)}")
         if kind is bool:
             require(isinstance(value, bool), what, value, "true or false")
         elif kind is int:

@@ -49,10 +49,9 @@ def test_runtime_options_refuse_unknown_names_and_modes():
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"device": "tpu"}, r"device='tpu' is invalid: expected one of \['cuda', 'cpu'\]"),
-    ({"zeppelin_planner_process": "no"}, r"zeppelin.planner_process='no' is invalid: expected "
-                                         r"true or false"),
+    ({"zeppelin_routing": "no"}, r"--zeppelin-routing='no' is invalid: expected true or false"),
     ({"zeppelin_validate_plan": "x"}, r"zeppelin.validate_plan='x' is invalid"),
-    ({"zeppelin_watchdog_timeout": -1}, r"--zeppelin-watchdog-timeout=-1 is invalid"),
+    ({"zeppelin_attention_backend": "tpu"}, r"zeppelin.attention_backend='tpu' is invalid"),
     ({"zeppelin_capacity_factor": "2"}, r"--zeppelin-capacity-factor='2' is invalid"),
     ({"context_parallel_size": 4}, r"option\(s\) \['context_parallel_size'\] are invalid here: "
                                    r"the PoolLayout gives the CP size"),
@@ -184,3 +183,76 @@ def test_the_api_names_an_argument_of_the_wrong_type(call, match):
 
     with pytest.raises(ValueError, match=match):
         call(api)
+
+
+class Recording:
+    """An ``argparse.Namespace`` stand-in that records the flags read from it."""
+
+    def __init__(self, options: dict) -> None:
+        object.__setattr__(self, "_options", options)
+        object.__setattr__(self, "read", set())
+
+    def __getattr__(self, name: str):
+        self.read.add(name)
+        return self._options[name]
+
+
+def reads_body(rank: int, world: int) -> list[set]:
+    from megatron_zeppelin import api
+    from megatron_zeppelin.megatron.loop import train
+
+    reads, model = [], api.ModelSpec(**MODEL)
+    for flags in ({}, {"zeppelin_strategy": "static-cp", "zeppelin_cp_size": 1},
+                  {"zeppelin_strategy": "hybrid-dp"}, {"window_size": "256,0", "bf16": True}):
+        options = vars(api.runtime_options(512, device="cpu", zeppelin_cluster="cpu-2x2",
+                                           **flags))
+        filled = {f: getattr(model, f) for f in api._model_flags(options)  # as
+                  if options[f] is None and getattr(model, f) is not None}  # pool_runtime does
+        args = Recording({**options, **filled})
+        runtime = train.build_pool_runtime(args, api.PoolLayout(1, 1, 1, 1), model)
+        runtime.close()
+        reads.append(args.read)
+    return reads
+
+
+@pytest.mark.distributed
+def test_the_pool_runtime_reads_only_the_flags_the_api_takes():
+    """The flags ``runtime_options`` takes (and refuses the others of) are those the pool
+    runtime reads: a flag read but refused could not be set from Python; one taken but never
+    read would be silently ignored."""
+    from megatron_zeppelin import api
+
+    [reads] = run_world(reads_body, 1, timeout_s=300)
+    read = set().union(*reads)
+    layout = set(api.LAYOUT_FLAGS) | {api.VIRTUAL_STAGES}
+    assert read - layout - set(api.ARGUMENT_FLAGS) - set(api._model_flags(read)) <= \
+        api._read_flags()
+    taken = {f"zeppelin_{name}" for name in api.RUNTIME_FLAGS} | set(api.WINDOW_FLAGS)
+    assert taken <= read
+
+
+@pytest.mark.parametrize("flags,match", [
+    ({"lr": 1e-3}, r"option\(s\) \['lr'\] are invalid here: the pool runtime does not read "
+                   r"them \(flags of scripts/pretrain_gpt.py's training loop"),
+    ({"zeppelin_planner_process": False},
+     r"\['zeppelin_planner_process'\] are invalid here: .*zeppelin_planner_process: pass "
+     r"planned_micro_batches\(\.\.\., planner=PlannerService\(runtime.planner\)\)"),
+    ({"zeppelin_watchdog_timeout": 5.0, "zeppelin_fit_interval": 2},
+     r"\['zeppelin_fit_interval', 'zeppelin_watchdog_timeout'\] are invalid here"),
+    ({"_given_flags": set()}, r"\['_given_flags'\] are invalid here"),
+    ({"zeppelin_cluster": "nope"}, r"zeppelin_cluster='nope' is invalid: unknown clusters "
+                                   r"config 'nope'; shipped: \["),
+    ({"zeppelin_hardware": "h999"}, r"zeppelin_hardware='h999' is invalid: unknown hardware"),
+])
+def test_runtime_options_refuse_flags_the_runtime_does_not_read_and_bad_files(flags, match):
+    """A training-loop flag given to the API would do nothing (the caller's loop runs the
+    planner, the watchdog and the fit): refused naming it, with where its job is done; a
+    cluster or hardware name that does not load is refused by ``runtime_options`` itself, not
+    only when ``pool_runtime`` builds the cost model."""
+    from megatron_zeppelin import api
+
+    with pytest.raises(ValueError, match=match):
+        api.runtime_options(512, device="cpu", **flags)
+    layout = api.PoolLayout(world_size=4, tp=1, cp=4, gpus_per_node=2)
+    with pytest.raises(ValueError, match=match):
+        api.pool_runtime(layout, api.ModelSpec(**MODEL), seq_length=512, device="cpu", **flags)

@@ -31,6 +31,9 @@ def test_bench_halo_measures_the_halo_exchange_against_the_ring(capsys):
     (["--nodes", "3"], "--nodes=3 is invalid with --ranks 4"),
     (["--inter-mode", "routed"], "--inter-mode=routed is invalid with --nodes 1"),
     (["--nodes", "2", "--inter-mode", "nic"], "argument --inter-mode: invalid choice"),
+    (["--lengths", "8192,4096", "--windows", "64", "--split"],
+     "--split is invalid with --lengths 8192,4096 --windows 64: every sequence holds every "
+     "window"),
 ])
 def test_bench_halo_refuses_what_it_cannot_compare(argv, said, capsys):
     assert cli.main(["bench", "halo", *argv]) == 2

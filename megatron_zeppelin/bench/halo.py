@@ -155,7 +155,8 @@ def register(targets: argparse._SubParsersAction) -> None:
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``parser.error`` naming a flag the benchmark cannot run: shapes beyond the benchmarks'
     (``check_shape``), more ranks than ``MAX_RANKS``, a window no sequence's chunks hold (the
-    halo exchange would not run: nothing to compare)."""
+    halo exchange would not run: nothing to compare), ``--split`` where every sequence holds
+    every window (it would change nothing)."""
     from megatron_zeppelin.bench.flags import check_shape
     from megatron_zeppelin.cli import refuse_repeats
     from megatron_zeppelin.zigzag_window import halo_fits
@@ -180,3 +181,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                          f"of --lengths holds {window} tokens in each of its {2 * args.ranks} "
                          f"zigzag chunks (a halo exchange needs a length >= "
                          f"{2 * args.ranks * window})")
+    if args.split and all(halo_fits(args.lengths, args.ranks, w) for w in args.windows):
+        parser.error(f"--split is invalid with --lengths {','.join(map(str, args.lengths))} "
+                     f"--windows {' '.join(map(str, args.windows))}: every sequence holds "
+                     "every window, so no group only partly fits (nothing to split; drop "
+                     "--split, or add a shorter length)")
