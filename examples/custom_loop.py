@@ -66,5 +66,6 @@ def main(iterations: int = 2) -> list[float]:
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    print("losses", main())
+    with api.watchdog(20.0):  # a rank that dies, freezes or raises is named by the others
+        print("losses", main())
     dist.destroy_process_group()

@@ -17,7 +17,9 @@ What ``scripts/pretrain_gpt.py`` (``megatron/loop/train.py``) and the Megatron-L
   of per-token losses and the token count of this rank's share. With
   ``TransformerConfig(calculate_per_token_loss=True)`` Megatron's schedules and DDP divide
   gradients by the tokens of the whole global batch (ranks of a pool hold different token
-  counts, so a per-rank mean would be wrong); ``global_mean_loss(stored)`` is the logged mean.
+  counts, so a per-rank mean would be wrong); ``global_mean_loss(stored)`` is the logged mean;
+* ``watchdog(timeout_s)``: a context around the loop in which a rank that dies, freezes or
+  raises is named by every other rank, which then exit instead of waiting in a collective.
 
 Model layouts: tokens / labels / positions ``[1, tokens]`` int64, loss mask ``[1, tokens]``
 float32 (Megatron's layout, batch 1; every rank holds its ``Plan.linear[rank]`` pieces).
@@ -25,6 +27,7 @@ float32 (Megatron's layout, batch 1; every rank holds its ``Plan.linear[rank]`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 from typing import Any, Iterator
 
@@ -420,3 +423,66 @@ def global_mean_loss(stored: list[dict], group: dist.ProcessGroup | None = None)
 __all__ = ["MicroBatch", "Pool", "PoolLayout", "ModelSpec", "process_groups",
            "runtime_options", "pool_runtime", "pool_runtime_from_args", "layer_spec",
            "swap_core_attention", "planned_micro_batches", "loss_func", "global_mean_loss"]
+
+
+def _check_watchdog(timeout_s: Any, prog: Any) -> None:
+    import threading
+
+    from megatron_zeppelin.megatron.loop.watchdog import check_timeout
+
+    if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and
+            (timeout_s == 0 or 1.0 <= timeout_s < float("inf"))):
+        raise ValueError(f"timeout_s={_show(timeout_s)} is invalid: expected 0 (off) or "
+                         "seconds >= 1")
+    check_timeout(timeout_s, "timeout_s")
+    if not (prog is None or isinstance(prog, str)):
+        raise ValueError(f"prog={_show(prog)} is invalid: expected None or a string")
+    if not dist.is_initialized():
+        raise ValueError("watchdog() is invalid here: no process group (call "
+                         "torch.distributed.init_process_group first)")
+    if threading.current_thread() is not threading.main_thread():
+        raise ValueError("watchdog() is invalid here: enter it from the main thread (it "
+                         "takes SIGTERM, which only the main thread can)")
+
+
+@contextlib.contextmanager
+def watchdog(timeout_s: float = 20.0, prog: str | None = None) -> Iterator[str]:
+    """Zeppelin's heartbeat watchdog around your loop (``--zeppelin-watchdog-timeout`` of
+    ``scripts/pretrain_gpt.py``; ``megatron/loop/watchdog.py``). Collective: every rank
+    enters it from its main thread, after ``init_process_group``, under torchrun (its
+    rendezvous store at MASTER_ADDR:MASTER_PORT carries the heartbeats). A rank that dies,
+    freezes for ``timeout_s`` seconds or raises is named by every other rank within
+    ``timeout_s`` + 2 s: each prints ``<prog>: error: rank R: rank F (pid, host) died`` (or
+    ``stopped responding``, ``failed: <its error>``) and exits with status 1, instead of
+    waiting in a collective. An exception leaving the block is handed to it first (a
+    communication error waits for the verdict naming the peer behind it; another is this
+    rank's failure, published) and re-raised. Yields the banner line (``off (...)`` for
+    ``timeout_s`` 0 or without a store). ``prog``: the script's name (default: argv[0]'s).
+    Refused (ValueError): ``timeout_s`` not 0 or seconds >= 1 (and fewer than
+    ``ZEPPELIN_P2P_TIMEOUT_S``), no process group, another thread than the main one."""
+    import functools
+    import os
+    import signal
+    import sys
+
+    from megatron_zeppelin.megatron.loop import fatal
+    from megatron_zeppelin.megatron.loop.watchdog import start_watchdog
+
+    _check_watchdog(timeout_s, prog)
+    name = prog or os.path.basename(sys.argv[0]) or "python"
+    dog, line = start_watchdog(float(timeout_s), functools.partial(fatal.fault, prog=name),
+                               "api.watchdog's timeout_s")
+    if dog is None:
+        yield line
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    fatal.take_sigterm_in_python()  # torchrun stops the others when a rank dies
+    try:
+        yield line
+    except BaseException as exc:
+        dog.explain(exc)  # a peer's fault ends the process here, naming the peer
+        raise
+    finally:
+        dog.leave("done")  # no-op after explain's leave
+        fatal.off_sigterm()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)

@@ -126,6 +126,9 @@ def test_rules_on_zeppelin_flags_know_their_defaults():
     ({"zeppelin_cluster": "nope"}, r"^--zeppelin-cluster 'nope': unknown clusters config"),
     ({"zeppelin_hardware": "nope.yaml"}, r"^--zeppelin-hardware 'nope.yaml': hardware config "
                                          r"file 'nope.yaml' does not exist"),
+    ({"zeppelin_watchdog_timeout": 400.0}, r"--zeppelin-watchdog-timeout=400 is invalid: "
+                                           r"expected fewer seconds than "
+                                           r"ZEPPELIN_P2P_TIMEOUT_S=300"),
 ])
 def test_the_zeppelin_flags_are_checked_at_validation(overrides, match):
     with pytest.raises(ConfigError, match=match):

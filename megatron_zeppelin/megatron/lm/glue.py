@@ -41,6 +41,7 @@ import torch
 from megatron_zeppelin import env
 from megatron_zeppelin.config import MLA_FIELDS, ConfigError, ModelSpec, ZeppelinConfig
 from megatron_zeppelin.megatron.loop import args as train_args, fatal, preflight
+from megatron_zeppelin.megatron.loop.watchdog import check_timeout, start_watchdog
 from megatron_zeppelin.megatron.lm.features import refusals
 from megatron_zeppelin.options import dest_of, from_flags, settings
 from megatron_zeppelin.parallel import PoolLayout
@@ -77,6 +78,7 @@ def check_megatron_lm_args(args: argparse.Namespace) -> None:
     if refused:
         raise ConfigError(refused[0])
     from_flags(train_args.ZeppelinRuntimeArgs, args, train_args.ZEPPELIN_PREFIX)  # its checks
+    check_timeout(args.zeppelin_watchdog_timeout)  # shorter than ZEPPELIN_P2P_TIMEOUT_S
     seq_length = getattr(args, "seq_length", None) or getattr(args, "encoder_seq_length", None)
     if seq_length:  # the planner's options (Megatron's validate_args requires a length)
         from_flags(ZeppelinConfig, args, train_args.ZEPPELIN_PREFIX, max_seqlen=seq_length)
@@ -170,8 +172,6 @@ def _watchdog(args: argparse.Namespace) -> None:
     normal exit tells the peers this rank is done (``atexit``)."""
     import atexit
     import sys
-
-    from megatron_zeppelin.megatron.loop.watchdog import start_watchdog
 
     dog, line = start_watchdog(args.zeppelin_watchdog_timeout)
     if args.rank == 0:

@@ -64,23 +64,31 @@ def user_error(exc: ConfigError, grace_s: float = PEER_GRACE_S, prefix: str = f"
     return EXIT_USER_ERROR
 
 
-def fault(message: str) -> NoReturn:
+def fault(message: str, prog: str = PROG) -> NoReturn:
     """Report a fault seen by this rank and leave at once (any thread; ``os._exit`` because
-    the main thread may be blocked in a collective with the failed peer)."""
+    the main thread may be blocked in a collective with the failed peer); ``prog`` starts
+    the line."""
     rank = env.rank()
-    line = f"{PROG}: error: " + (f"rank {rank}: " if rank is not None else "") + message
+    line = f"{prog}: error: " + (f"rank {rank}: " if rank is not None else "") + message
     print(line, file=sys.stderr, flush=True)
     _record_for_launcher(line)
     sys.stdout.flush()
     os._exit(EXIT_FAULT)
 
 
-_sigterm_verdict: list[Callable[[], str | None]] = []
+_sigterm_verdict: list[tuple[Callable[[], str | None], Callable[[str], None]]] = []
 
 
-def on_sigterm(verdict: Callable[[], str | None]) -> None:
-    """Ask ``verdict()`` (the watchdog's quick local check) when SIGTERM comes."""
-    _sigterm_verdict[:] = [verdict]
+def on_sigterm(verdict: Callable[[], str | None],
+               report: Callable[[str], None] = fault) -> None:
+    """Ask ``verdict()`` (the watchdog's quick local check) when SIGTERM comes; a peer's
+    death it finds goes to ``report`` (``fault``), which must not return."""
+    _sigterm_verdict[:] = [(verdict, report)]
+
+
+def off_sigterm() -> None:
+    """Stop asking (the watchdog has stopped)."""
+    _sigterm_verdict.clear()
 
 
 def take_sigterm() -> None:
@@ -117,10 +125,10 @@ def take_sigterm_in_python() -> None:
 def _report_verdict() -> None:
     """On SIGTERM: a peer's death the watchdog finds (``on_sigterm``) ends this rank as a
     fault naming it; nothing otherwise."""
-    for verdict in _sigterm_verdict:
+    for verdict, report in list(_sigterm_verdict):
         found = verdict()
         if found:
-            fault(f"{found} (the launcher then stopped this rank)")
+            report(f"{found} (the launcher then stopped this rank)")
 
 
 def run(main: Callable[[], int]) -> int:

@@ -27,6 +27,7 @@ from megatron_zeppelin.config import ConfigError
 from megatron_zeppelin.options import unwritable_folder
 from megatron_zeppelin.megatron.loop import args as train_args, checkpoint, pipeline
 from megatron_zeppelin.megatron.loop.corpus import DocumentSource, check_overlong, open_source
+from megatron_zeppelin.megatron.loop.watchdog import check_timeout
 
 
 @dataclass(frozen=True)
@@ -48,14 +49,9 @@ def check_environment(args: argparse.Namespace) -> None:
         env.planner_backend()
         env.planner_timeout_s()
         env.remap_exchange()
-        p2p = env.p2p_timeout_s()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    watchdog = args.zeppelin_watchdog_timeout
-    if watchdog and watchdog >= p2p:
-        raise ConfigError(f"--zeppelin-watchdog-timeout={watchdog:g} is invalid: expected fewer "
-                          f"seconds than ZEPPELIN_P2P_TIMEOUT_S={p2p:g}, so that a frozen rank "
-                          "is named before a peer's wait times out")
+    check_timeout(args.zeppelin_watchdog_timeout)  # and ZEPPELIN_P2P_TIMEOUT_S
 
 
 def check_device_and_packages(args: argparse.Namespace) -> None:

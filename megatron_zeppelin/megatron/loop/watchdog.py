@@ -36,6 +36,23 @@ from megatron_zeppelin.config import ConfigError
 from megatron_zeppelin.megatron.loop import fatal
 
 WATCHED_NEIGHBOURS = 4
+FLAG = "--zeppelin-watchdog-timeout"
+
+
+def check_timeout(timeout_s: float, name: str = FLAG) -> None:
+    """ConfigError naming ``name`` unless the timeout is shorter than a P2P wait's
+    (``ZEPPELIN_P2P_TIMEOUT_S``), so that a frozen rank is named before a peer's wait times
+    out and blames the wrong rank."""
+    from megatron_zeppelin import env
+
+    try:
+        p2p = env.p2p_timeout_s()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if timeout_s and timeout_s >= p2p:
+        raise ConfigError(f"{name}={timeout_s:g} is invalid: expected fewer seconds than "
+                          f"ZEPPELIN_P2P_TIMEOUT_S={p2p:g}, so that a frozen rank is named "
+                          "before a peer's wait times out")
 
 
 def _process_state(pid: int, start: str) -> str:
@@ -67,12 +84,13 @@ class Watchdog:
 
     def __init__(self, store, prefix: str, rank: int, world: int, timeout_s: float,
                  on_fault: Callable[[str], None], store_note: str = "",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, timeout_name: str = FLAG) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s!r} is invalid: expected seconds > 0")
         self.store, self.prefix, self.rank, self.world = store, prefix, rank, world
         self.timeout_s, self.on_fault, self.store_note, self.clock = (
             timeout_s, on_fault, store_note, clock)
+        self.timeout_name = timeout_name
         self.interval = min(1.0, timeout_s / 4)
         self.record = {"seq": 0, "state": "alive", "host": socket.gethostname(),
                        "pid": os.getpid(), "start": _own_start(), "message": ""}
@@ -133,7 +151,7 @@ class Watchdog:
             return f"{where} stopped training {self.stale[rank]:.0f} s ago: {rec['message']}"
         note = "; its process is stopped (SIGSTOP or a debugger)" if state == "stopped" else ""
         return (f"{where} stopped responding: no heartbeat for {self.stale[rank]:.1f} s "
-                f"(--zeppelin-watchdog-timeout {self.timeout_s:g} s){note}")
+                f"({self.timeout_name} {self.timeout_s:g} s){note}")
 
     def poll(self) -> str | None:
         """One round: publish the heartbeat, read the watched records and the verdict; returns
@@ -248,10 +266,12 @@ def _is_communication_error(exc: BaseException) -> bool:
         type(exc) is RuntimeError
 
 
-def start_watchdog(timeout_s: float) -> tuple[Watchdog | None, str]:
+def start_watchdog(timeout_s: float, on_fault: Callable[[str], None] = fatal.fault,
+                   timeout_name: str = FLAG) -> tuple[Watchdog | None, str]:
     """The run's watchdog (collective: every rank calls it after the process group exists),
     on a client of the rendezvous store at MASTER_ADDR:MASTER_PORT, reporting through
-    ``fatal.fault`` (and on SIGTERM); returns it (None when off) and a banner line."""
+    ``on_fault`` (``fatal.fault``; also on SIGTERM); returns it (None when off) and a banner
+    line; ``timeout_name``: how messages name the timeout's setting."""
     import datetime
     import uuid
 
@@ -261,7 +281,7 @@ def start_watchdog(timeout_s: float) -> tuple[Watchdog | None, str]:
 
     address = env.master_address()
     if not timeout_s:
-        return None, "off (--zeppelin-watchdog-timeout 0)"
+        return None, f"off ({timeout_name} 0)"
     if address is None:
         return None, "off (no MASTER_ADDR/MASTER_PORT rendezvous store to beat through)"
     store = dist.TCPStore(address[0], address[1], is_master=False, wait_for_workers=False,
@@ -271,11 +291,12 @@ def start_watchdog(timeout_s: float) -> tuple[Watchdog | None, str]:
     where = "in the torchrun launcher" if env.store_in_launcher() else "hosted by rank 0"
     note = f"{address[0]}:{address[1]}, {where}"
     dog = Watchdog(store, f"zeppelin/watchdog/{token[0]}", dist.get_rank(),
-                   dist.get_world_size(), timeout_s, fatal.fault, note)
+                   dist.get_world_size(), timeout_s, on_fault, note,
+                   timeout_name=timeout_name)
     dog.announce()
     dist.barrier()
     dog.start()
-    fatal.on_sigterm(dog.dead_here)
+    fatal.on_sigterm(dog.dead_here, on_fault)
     return dog, (f"a rank silent for {timeout_s:g} s is named by every other rank within "
                  f"{timeout_s + 2 * dog.interval:g} s (heartbeats every {dog.interval:g} s "
                  f"through the rendezvous store {note})")
