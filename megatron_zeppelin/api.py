@@ -28,14 +28,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-from megatron_zeppelin.config import (ConfigError, ModelSpec, ZeppelinConfig, load_cluster,
-                                      load_hardware)
+from megatron_zeppelin.api_checks import (
+    check_batches, check_flag, check_layout, check_layout_model, check_names, check_sections,
+    check_watchdog, decided_elsewhere, defaults, model_flags, same, show, who_decides,
+    windowed_model)
+from megatron_zeppelin.config import ModelSpec
 from megatron_zeppelin.megatron.common.data import MicroBatch, ZeppelinDataIterator
 from megatron_zeppelin.megatron.common.groups import Pool, new_pool_groups
 from megatron_zeppelin.parallel import PoolLayout
@@ -43,146 +45,14 @@ from megatron_zeppelin.parallel import PoolLayout
 MODES = ("zeppelin", "static")
 DEVICES = ("cuda", "cpu")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
-# flags ``runtime_options`` takes from its own arguments
-ARGUMENT_FLAGS = {"context_parallel_mode": "mode", "device": "device",
-                  "seq_length": "seq_length"}
-# flags the ``PoolLayout`` decides: flag -> (its field, what it is)
-LAYOUT_FLAGS = {"tensor_model_parallel_size": ("tp", "TP size"),
-                "context_parallel_size": ("cp", "CP size"),
-                "pipeline_model_parallel_size": ("pp", "pipeline stages"),
-                "zeppelin_gpus_per_node": ("gpus_per_node", "node size")}
-VIRTUAL_STAGES = "num_layers_per_virtual_pipeline_stage"
-# the ModelSpec decides every flag named as one of its fields (``_model_flags``) except the
-# window: the flag is the attention's pattern ('L,0'), the field the planner's view of it
-WINDOW_FLAGS = ("window_size", "window_attn_skip_freq")
-# the ``--zeppelin-*`` runtime flags the pool runtime reads (``build_pool_runtime``); the
-# others (planner process, watchdog, online fit) are the training loop's
-RUNTIME_FLAGS = ("strategy", "cluster", "hardware", "attention_backend", "validate_plan")
-# where a training-loop flag's job is done with this API instead
-LOOP_FLAGS = {"zeppelin_planner_process": "pass planned_micro_batches(..., planner="
-                                          "PlannerService(runtime.planner)) to plan in a "
-                                          "process (megatron_zeppelin.planner.service)"}
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _check_layout(layout: Any) -> None:
-    if not isinstance(layout, PoolLayout):
-        raise ValueError(f"layout={_show(layout)} is invalid: expected a PoolLayout")
-
-
-def _check_layout_model(layout: Any, model: Any) -> None:
-    _check_layout(layout)
-    if not isinstance(model, ModelSpec):
-        raise ValueError(f"model={_show(model)} is invalid: expected a ModelSpec (layers, hidden "
-                         "size, heads: config.load_model or ModelSpec(...))")
-
-
-def _model_flags(options: Any) -> list[str]:
-    """The flags among ``options`` the ModelSpec decides (the model's shape)."""
-    return sorted(f.name for f in dataclasses.fields(ModelSpec)
-                  if f.name in options and f.name not in WINDOW_FLAGS)
-
-
-def _decided(flag: str, layout: PoolLayout | None, model: ModelSpec | None
-             ) -> tuple[str, Any]:
-    """(who decides ``flag`` instead, the value it gives) for a flag of ``_elsewhere``;
-    without the layout and model, the reason names where they give it."""
-    if flag in LAYOUT_FLAGS:
-        field, what = LAYOUT_FLAGS[flag]
-        value = None if layout is None else getattr(layout, field)
-        where = f"layout.{field}" if layout is None else f"layout.{field}={value!r}"
-        return f"the PoolLayout gives the {what} ({where})", value
-    if flag == VIRTUAL_STAGES:
-        return ("the PoolLayout gives the pipeline stages and pool_runtime builds no model "
-                "chunks (virtual stages are the model's you build): expected None"), None
-    value = None if model is None else getattr(model, flag)
-    where = f"model.{flag}" if model is None else f"{flag}={value!r}"
-    return f"the ModelSpec gives the model's shape ({where})", value
-
-
-def _defaults() -> dict:
-    """Every flag destination of ``scripts/pretrain_gpt.py`` with its default."""
-    from megatron_zeppelin.megatron.loop import args as train_args
-
-    return vars(train_args.build_parser().parse_args([]))
-
-
-def _elsewhere(options: dict) -> list[str]:
-    """Every flag decided by the layout or the model, not by ``runtime_options``' flags."""
-    return [*LAYOUT_FLAGS, VIRTUAL_STAGES, *_model_flags(options)]
-
-
-def _read_flags() -> set[str]:
-    """The flags ``pool_runtime`` reads besides its arguments' and those the layout or the
-    model decide: the planner settings and strategy options, ``RUNTIME_FLAGS``, the window
-    and the dtype (``bf16``)."""
-    from megatron_zeppelin.megatron.loop import args as train_args
-    from megatron_zeppelin.options import dest_of
-    from megatron_zeppelin.planner.registry import option_dests
-
-    prefix = train_args.ZEPPELIN_PREFIX
-    sections = [(f, ZeppelinConfig) for f in dataclasses.fields(ZeppelinConfig)
-                if f.name != "max_seqlen"]
-    sections += [(f, train_args.ZeppelinRuntimeArgs)
-                 for f in dataclasses.fields(train_args.ZeppelinRuntimeArgs)
-                 if f.name in RUNTIME_FLAGS]
-    return {*(dest_of(f, prefix) for f, _ in sections), *option_dests(prefix), *WINDOW_FLAGS,
-            "bf16"}
 
 
 def process_groups(layout: PoolLayout) -> Pool:
     """Every pool's process groups (every rank calls it, in the same order); this rank's
     ``Pool`` (``.group``: ring P2P and remap all-to-all, ``.rank``: rank in the pool,
     ``.index``: data-parallel replica). A ``layout`` not a ``PoolLayout``: ValueError."""
-    _check_layout(layout)
+    check_layout(layout)
     return new_pool_groups(layout)
-
-
-def _check_names(flags: dict, options: dict) -> None:
-    """Refuse unknown flags, flags set by an argument and flags the layout or model decide."""
-    unknown = sorted(set(flags) - set(options))
-    if unknown:
-        raise ValueError(f"unknown option(s) {unknown}: expected flag destinations of "
-                         "scripts/pretrain_gpt.py (e.g. zeppelin_cluster)")
-    given = sorted(set(flags) & set(ARGUMENT_FLAGS))
-    elsewhere = sorted(set(flags) & set(_elsewhere(options)))
-    if given or elsewhere:
-        reasons = [f"pass {ARGUMENT_FLAGS[g]}=" for g in given]
-        reasons += dict.fromkeys(_decided(g, None, None)[0] for g in elsewhere)
-        raise ValueError(f"option(s) {given + elsewhere} are invalid here: "
-                         f"{'; '.join(reasons)}")
-    unread = sorted(set(flags) - _read_flags())
-    if unread:
-        hints = "".join(f"; {flag}: {LOOP_FLAGS[flag]}" for flag in unread if flag in LOOP_FLAGS)
-        raise ValueError(f"option(s) {unread} are invalid here: the pool runtime does not read "
-                         "them (flags of scripts/pretrain_gpt.py's training loop: your loop "
-                         f"decides them){hints}; it reads {sorted(_read_flags())}")
-
-
-def _check_sections(args: argparse.Namespace) -> None:
-    """The values of the sections ``pool_runtime`` reads, checked as the flags would be."""
-    from megatron_zeppelin.megatron.loop import args as train_args
-    from megatron_zeppelin.options import check_types, from_flags
-
-    for section, fixed in ((train_args.ZeppelinRuntimeArgs, {}),
-                           (train_args.ZeppelinConfig, {"max_seqlen": None})):
-        check_types(from_flags(section, args, train_args.ZEPPELIN_PREFIX, **fixed))
-    from_flags(train_args.AttentionArgs, args)  # --window-size, --window-attn-skip-freq
-    for flag, load in (("zeppelin_cluster", load_cluster), ("zeppelin_hardware", load_hardware)):
-        name = getattr(args, flag)
-        if name is not None:
-            try:
-                load(name)
-            except ConfigError as exc:
-                raise ValueError(f"{flag}={_show(name)} is invalid: {exc}") from None
-    if args.window_attn_skip_freq is not None and args.window_size is None:
-        raise ValueError(f"window_attn_skip_freq={args.window_attn_skip_freq!r} without "
-                         "window_size: pass the window ('L,0') it applies (as "
-                         "scripts/pretrain_gpt.py refuses --window-attn-skip-freq alone)")
 
 
 def runtime_options(seq_length: int, mode: str = "zeppelin", device: str = "cuda",
@@ -204,20 +74,16 @@ def runtime_options(seq_length: int, mode: str = "zeppelin", device: str = "cuda
             seq_length >= 2):
         raise ValueError(f"seq_length={seq_length!r} is invalid: expected an integer >= 2 (the "
                          "longest document, Megatron's --seq-length)")
-    options = _defaults()
-    _check_names(flags, options)
+    options = defaults()
+    check_names(flags, options)
     if device not in DEVICES:
         raise ValueError(f"device={device!r} is invalid: expected one of {list(DEVICES)}")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' is invalid here: torch.cuda.is_available() is False")
     options.update(flags, seq_length=seq_length, context_parallel_mode=mode, device=device)
     args = argparse.Namespace(**options)
-    _check_sections(args)
+    check_sections(args)
     return args
-
-
-def _same(value: Any, expected: Any) -> bool:
-    return type(value) is type(expected) and value == expected
 
 
 def pool_runtime(layout: PoolLayout, model: ModelSpec, *, seq_length: int,
@@ -226,7 +92,7 @@ def pool_runtime(layout: PoolLayout, model: ModelSpec, *, seq_length: int,
     ``.close()`` when done): groups -> cost model -> attention state -> planner, built
     collectively. ``model``: the planner's view of the model (layers, hidden size, heads;
     it also gives the layer count a ``window_attn_skip_freq`` pattern needs, and takes the
-    window the flags run when it has none: ``_windowed_model``); ``flags``: as
+    window the flags run when it has none: ``windowed_model``); ``flags``: as
     ``runtime_options``, except that a flag the layout or the model decides
     (``num_layers=``, ``pipeline_model_parallel_size=``...) may be given with the value they
     give it. Refused (ValueError): a layout or model of the wrong type, such a flag with
@@ -234,40 +100,16 @@ def pool_runtime(layout: PoolLayout, model: ModelSpec, *, seq_length: int,
     refuses."""
     from megatron_zeppelin.megatron.loop.sections import skip_freq
 
-    _check_layout_model(layout, model)
-    decided = [flag for flag in _elsewhere(_defaults()) if flag in flags]
+    check_layout_model(layout, model)
+    decided = [flag for flag in decided_elsewhere(defaults()) if flag in flags]
     for flag in decided:
-        who, expected = _decided(flag, layout, model)
-        if not _same(flags[flag], expected):
+        who, expected = who_decides(flag, layout, model)
+        if not same(flags[flag], expected):
             raise ValueError(f"{flag}={flags[flag]!r} is invalid here: {who}")
     rest = {name: value for name, value in flags.items() if name not in decided}
     args = runtime_options(seq_length, mode, device, **rest)
     skip_freq(args.window_attn_skip_freq, model.num_layers, "window_attn_skip_freq")
-    return pool_runtime_from_args(args, layout, _windowed_model(args, model))
-
-
-def _windowed_model(args: argparse.Namespace, model: ModelSpec) -> ModelSpec:
-    """``model`` with the sliding window the attention runs (``window_size`` and
-    ``window_attn_skip_freq`` flags) when it gives none, so that the planner prices the
-    layers that run; ValueError when it gives another window (or one the flags do not run)."""
-    from megatron_zeppelin.megatron.common.model import windowed_layers
-    from megatron_zeppelin.megatron.loop import args as train_args
-
-    fields = train_args.AttentionArgs.from_namespace(args).config_fields(model.num_layers)
-    window, layers = windowed_layers(fields.get("window_size"),
-                                     fields.get("window_attn_skip_freq"), model.num_layers)
-    if model.window_size is None and window is not None:
-        return dataclasses.replace(model, window_size=window, window_layers=layers)
-    given = (model.window_size, model.num_layers if model.window_layers is None
-             else model.window_layers) if model.window_size is not None else (None, None)
-    if given != (window, layers):
-        runs = f"a window of {window} on {layers} layers" if window is not None else "none"
-        raise ValueError(f"model.window_size={model.window_size!r}, window_layers="
-                         f"{model.window_layers!r} is invalid with the window the attention "
-                         f"runs (window_size={args.window_size!r}, window_attn_skip_freq="
-                         f"{args.window_attn_skip_freq!r}: {runs}): the planner would price "
-                         "other layers than run (give the ModelSpec no window, or the same)")
-    return model
+    return pool_runtime_from_args(args, layout, windowed_model(args, model))
 
 
 def pool_runtime_from_args(args: argparse.Namespace, layout: PoolLayout, model: ModelSpec):
@@ -277,10 +119,10 @@ def pool_runtime_from_args(args: argparse.Namespace, layout: PoolLayout, model: 
     from megatron_zeppelin.megatron.loop.train import build_pool_runtime
 
     if not isinstance(args, argparse.Namespace):
-        raise ValueError(f"args={_show(args)} is invalid: expected an argparse.Namespace "
+        raise ValueError(f"args={show(args)} is invalid: expected an argparse.Namespace "
                          "(runtime_options or Megatron-LM's args)")
-    _check_layout_model(layout, model)
-    filled = {flag: getattr(model, flag) for flag in _model_flags(vars(args))
+    check_layout_model(layout, model)
+    filled = {flag: getattr(model, flag) for flag in model_flags(vars(args))
               if getattr(args, flag, None) is None and getattr(model, flag) is not None}
     return build_pool_runtime(argparse.Namespace(**{**vars(args), **filled}), layout, model)
 
@@ -291,14 +133,9 @@ def _state(runtime: Any):
 
     state = getattr(runtime, "state", runtime)
     if not isinstance(state, ZeppelinAttentionState):
-        raise ValueError(f"runtime={_show(runtime)} is invalid: expected the object "
+        raise ValueError(f"runtime={show(runtime)} is invalid: expected the object "
                          "pool_runtime returned (or its .state)")
     return state
-
-
-def _check_flag(name: str, value: Any, allowed: tuple, what: str) -> None:
-    if not any(_same(value, a) for a in allowed):
-        raise ValueError(f"{name}={_show(value)} is invalid: expected {what}")
 
 
 def layer_spec(runtime: Any, *, use_te: bool | None = None, normalization: str = "RMSNorm",
@@ -311,10 +148,10 @@ def layer_spec(runtime: Any, *, use_te: bool | None = None, normalization: str =
     from megatron_zeppelin.megatron.common.spec import get_gpt_layer_zeppelin_spec
 
     state = _state(runtime)
-    _check_flag("use_te", use_te, (None, True, False), "None (TE when importable), True or False")
-    _check_flag("normalization", normalization, NORMALIZATIONS, f"one of {list(NORMALIZATIONS)}")
-    _check_flag("qk_layernorm", qk_layernorm, (True, False), "True or False")
-    _check_flag("multi_latent_attention", multi_latent_attention, (True, False), "True or False")
+    check_flag("use_te", use_te, (None, True, False), "None (TE when importable), True or False")
+    check_flag("normalization", normalization, NORMALIZATIONS, f"one of {list(NORMALIZATIONS)}")
+    check_flag("qk_layernorm", qk_layernorm, (True, False), "True or False")
+    check_flag("multi_latent_attention", multi_latent_attention, (True, False), "True or False")
     return get_gpt_layer_zeppelin_spec(state, use_te=use_te,
                                        normalization=normalization, qk_layernorm=qk_layernorm,
                                        multi_latent_attention=multi_latent_attention)
@@ -332,34 +169,13 @@ def swap_core_attention(spec: Any, runtime: Any, where: str = "the layer spec"):
     state = _state(runtime)
     block = isinstance(getattr(spec, "layer_specs", None), (list, tuple))
     if not (isinstance(spec, ModuleSpec) or block):
-        raise ValueError(f"spec={_show(spec)} is invalid: expected a Megatron layer ModuleSpec "
+        raise ValueError(f"spec={show(spec)} is invalid: expected a Megatron layer ModuleSpec "
                          "or a block spec with layer_specs (TransformerBlockSubmodules, "
                          "MultiTokenPredictionBlockSubmodules)")
     if not isinstance(where, str):
-        raise ValueError(f"where={_show(where)} is invalid: expected a string (the spec's "
+        raise ValueError(f"where={show(where)} is invalid: expected a string (the spec's "
                          "origin, for errors)")
     return swap(spec, state, where)
-
-
-def _check_batches(batches: Any, runtime: Any, device: Any, prefetch: Any, planner: Any
-                   ) -> None:
-    from megatron_zeppelin.planner.service import PlannerService
-
-    if not (hasattr(runtime, "planner") and hasattr(runtime, "pool")):
-        raise ValueError(f"runtime={_show(runtime)} is invalid: expected the PoolRuntime of "
-                         "pool_runtime")
-    if not hasattr(batches, "__next__"):
-        raise ValueError(f"batches={_show(batches)} is invalid: expected an iterator of "
-                         "micro-batches (lists of 1-D token tensors; e.g. iter(a_list))")
-    try:
-        torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device={_show(device)} is invalid: expected a torch.device or "
-                         "a device string ('cpu', 'cuda')") from None
-    _check_flag("prefetch", prefetch, (True, False), "True or False")
-    if not (planner is None or callable(planner) or isinstance(planner, PlannerService)):
-        raise ValueError(f"planner={_show(planner)} is invalid: expected None, a lengths -> "
-                         "Plan callable or a PlannerService")
 
 
 def planned_micro_batches(batches: Iterator[list[torch.Tensor]], runtime: Any,
@@ -376,7 +192,7 @@ def planned_micro_batches(batches: Iterator[list[torch.Tensor]], runtime: Any,
                                          not isinstance(max_position, bool) and max_position >= 1):
         raise ValueError(f"max_position={max_position!r} is invalid: expected None or an "
                          "integer >= 1 (the RoPE table length)")
-    _check_batches(batches, runtime, device, prefetch, planner)
+    check_batches(batches, runtime, device, prefetch, planner)
     return ZeppelinDataIterator(batches, planner or runtime.planner, runtime.pool.rank,
                                 device=device, prefetch=prefetch,
                                 prepare=_state(runtime).prepare, max_position=max_position)
@@ -388,7 +204,7 @@ def loss_func(batch: MicroBatch):
     per-token form megatron-core normalises over the global batch. Refused (ValueError): a
     ``batch`` without a ``loss_mask`` tensor (not a ``MicroBatch``)."""
     if not isinstance(getattr(batch, "loss_mask", None), torch.Tensor):
-        raise ValueError(f"batch={_show(batch)} is invalid: expected the MicroBatch "
+        raise ValueError(f"batch={show(batch)} is invalid: expected the MicroBatch "
                          "planned_micro_batches yields (with a loss_mask tensor)")
 
     def per_token_loss(output: torch.Tensor):
@@ -405,15 +221,15 @@ def global_mean_loss(stored: list[dict], group: dist.ProcessGroup | None = None)
     (ValueError): ``stored`` not a list of ``loss_func``'s dicts (``{"lm loss": tensor([sum,
     count])}``), a ``group`` not None or a ProcessGroup."""
     if not isinstance(stored, (list, tuple)):
-        raise ValueError(f"stored={_show(stored)} is invalid: expected the list the schedule "
+        raise ValueError(f"stored={show(stored)} is invalid: expected the list the schedule "
                          "returned (loss_func's dicts)")
     for i, entry in enumerate(stored):
         loss = entry.get("lm loss") if isinstance(entry, dict) else None
         if not (isinstance(loss, torch.Tensor) and loss.shape == (2,)):
-            raise ValueError(f"stored[{i}]={_show(entry)} is invalid: expected loss_func's "
+            raise ValueError(f"stored[{i}]={show(entry)} is invalid: expected loss_func's "
                              "dict {'lm loss': tensor([sum, count])}")
     if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise ValueError(f"group={_show(group)} is invalid: expected None (the world) or a "
+        raise ValueError(f"group={show(group)} is invalid: expected None (the world) or a "
                          "torch.distributed ProcessGroup")
     sums = torch.stack([d["lm loss"] for d in stored]).sum(0) if stored else torch.zeros(2)
     dist.all_reduce(sums, group=group)
@@ -423,26 +239,6 @@ def global_mean_loss(stored: list[dict], group: dist.ProcessGroup | None = None)
 __all__ = ["MicroBatch", "Pool", "PoolLayout", "ModelSpec", "process_groups",
            "runtime_options", "pool_runtime", "pool_runtime_from_args", "layer_spec",
            "swap_core_attention", "planned_micro_batches", "loss_func", "global_mean_loss"]
-
-
-def _check_watchdog(timeout_s: Any, prog: Any) -> None:
-    import threading
-
-    from megatron_zeppelin.megatron.loop.watchdog import check_timeout
-
-    if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and
-            (timeout_s == 0 or 1.0 <= timeout_s < float("inf"))):
-        raise ValueError(f"timeout_s={_show(timeout_s)} is invalid: expected 0 (off) or "
-                         "seconds >= 1")
-    check_timeout(timeout_s, "timeout_s")
-    if not (prog is None or isinstance(prog, str)):
-        raise ValueError(f"prog={_show(prog)} is invalid: expected None or a string")
-    if not dist.is_initialized():
-        raise ValueError("watchdog() is invalid here: no process group (call "
-                         "torch.distributed.init_process_group first)")
-    if threading.current_thread() is not threading.main_thread():
-        raise ValueError("watchdog() is invalid here: enter it from the main thread (it "
-                         "takes SIGTERM, which only the main thread can)")
 
 
 @contextlib.contextmanager
@@ -468,7 +264,7 @@ def watchdog(timeout_s: float = 20.0, prog: str | None = None) -> Iterator[str]:
     from megatron_zeppelin.megatron.loop import fatal
     from megatron_zeppelin.megatron.loop.watchdog import start_watchdog
 
-    _check_watchdog(timeout_s, prog)
+    check_watchdog(timeout_s, prog)
     name = prog or os.path.basename(sys.argv[0]) or "python"
     dog, line = start_watchdog(float(timeout_s), functools.partial(fatal.fault, prog=name),
                                "api.watchdog's timeout_s")

@@ -198,7 +198,7 @@ class Recording:
 
 
 def reads_body(rank: int, world: int) -> list[set]:
-    from megatron_zeppelin import api
+    from megatron_zeppelin import api, api_checks as checks
     from megatron_zeppelin.megatron.loop import train
 
     reads, model = [], api.ModelSpec(**MODEL)
@@ -206,7 +206,7 @@ def reads_body(rank: int, world: int) -> list[set]:
                   {"zeppelin_strategy": "hybrid-dp"}, {"window_size": "256,0", "bf16": True}):
         options = vars(api.runtime_options(512, device="cpu", zeppelin_cluster="cpu-2x2",
                                            **flags))
-        filled = {f: getattr(model, f) for f in api._model_flags(options)  # as
+        filled = {f: getattr(model, f) for f in checks.model_flags(options)  # as
                   if options[f] is None and getattr(model, f) is not None}  # pool_runtime does
         args = Recording({**options, **filled})
         runtime = train.build_pool_runtime(args, api.PoolLayout(1, 1, 1, 1), model)
@@ -220,14 +220,14 @@ def test_the_pool_runtime_reads_only_the_flags_the_api_takes():
     """The flags ``runtime_options`` takes (and refuses the others of) are those the pool
     runtime reads: a flag read but refused could not be set from Python; one taken but never
     read would be silently ignored."""
-    from megatron_zeppelin import api
+    from megatron_zeppelin import api_checks as checks
 
     [reads] = run_world(reads_body, 1, timeout_s=300)
     read = set().union(*reads)
-    layout = set(api.LAYOUT_FLAGS) | {api.VIRTUAL_STAGES}
-    assert read - layout - set(api.ARGUMENT_FLAGS) - set(api._model_flags(read)) <= \
-        api._read_flags()
-    taken = {f"zeppelin_{name}" for name in api.RUNTIME_FLAGS} | set(api.WINDOW_FLAGS)
+    layout = set(checks.LAYOUT_FLAGS) | {checks.VIRTUAL_STAGES}
+    assert read - layout - set(checks.ARGUMENT_FLAGS) - set(checks.model_flags(read)) <= \
+        checks.read_flags()
+    taken = {f"zeppelin_{name}" for name in checks.RUNTIME_FLAGS} | set(checks.WINDOW_FLAGS)
     assert taken <= read
 
 
@@ -238,7 +238,10 @@ def test_the_pool_runtime_reads_only_the_flags_the_api_takes():
      r"\['zeppelin_planner_process'\] are invalid here: .*zeppelin_planner_process: pass "
      r"planned_micro_batches\(\.\.\., planner=PlannerService\(runtime.planner\)\)"),
     ({"zeppelin_watchdog_timeout": 5.0, "zeppelin_fit_interval": 2},
-     r"\['zeppelin_fit_interval', 'zeppelin_watchdog_timeout'\] are invalid here"),
+     r"\['zeppelin_fit_interval', 'zeppelin_watchdog_timeout'\] are invalid here: .*"
+     r"zeppelin_fit_interval: the online profile fit runs in scripts/pretrain_gpt.py and "
+     r"through the Megatron-LM patch only .*zeppelin_watchdog_timeout: wrap your loop in "
+     r"api.watchdog\(timeout_s\)"),
     ({"_given_flags": set()}, r"\['_given_flags'\] are invalid here"),
     ({"zeppelin_cluster": "nope"}, r"zeppelin_cluster='nope' is invalid: unknown clusters "
                                    r"config 'nope'; shipped: \["),
