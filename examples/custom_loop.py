@@ -15,7 +15,8 @@ def documents(step: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(0, 256, (n,), generator=g) for n in lengths]
 
 
-def main(iterations: int = 2) -> list[float]:
+def main(iterations: int = 2, fit_every: int = 0, profile_out: str | None = None
+         ) -> list[float]:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
@@ -43,6 +44,8 @@ def main(iterations: int = 2) -> list[float]:
         OptimizerConfig(lr=1e-3, use_distributed_optimizer=True), [model])
     stream = (documents(i) for i in itertools.count())  # endless: planned one ahead
     batches = api.planned_micro_batches(stream, runtime, "cpu", max_position=1024)
+    # the planner's cost model refitted to this run's measurements (0: off)
+    fit = api.online_fit(runtime, batches, interval=fit_every, profile_out=profile_out)
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
@@ -51,13 +54,15 @@ def main(iterations: int = 2) -> list[float]:
         return output, api.loss_func(batch)
 
     losses = []
-    for _ in range(iterations):
+    for iteration in range(1, iterations + 1):
         model.zero_grad_buffer()
         optimizer.zero_grad()
         stored = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=batches, model=[model],
+            forward_step_func=forward_step, data_iterator=fit.watch(batches), model=[model],
             num_microbatches=1, seq_length=0, micro_batch_size=1, forward_only=False)
+        fit.finish()
         optimizer.step()
+        fit.step(iteration)
         losses.append(api.global_mean_loss(stored))
     batches.close()
     runtime.close()

@@ -19,7 +19,9 @@ What ``scripts/pretrain_gpt.py`` (``megatron/loop/train.py``) and the Megatron-L
   gradients by the tokens of the whole global batch (ranks of a pool hold different token
   counts, so a per-rank mean would be wrong); ``global_mean_loss(stored)`` is the logged mean;
 * ``watchdog(timeout_s)``: a context around the loop in which a rank that dies, freezes or
-  raises is named by every other rank, which then exit instead of waiting in a collective.
+  raises is named by every other rank, which then exit instead of waiting in a collective;
+* ``online_fit(runtime, batches, interval=)``: the planner's hardware profile refitted to the
+  run's measurements every ``interval`` iterations, the same on every rank.
 
 Model layouts: tokens / labels / positions ``[1, tokens]`` int64, loss mask ``[1, tokens]``
 float32 (Megatron's layout, batch 1; every rank holds its ``Plan.linear[rank]`` pieces).
@@ -35,8 +37,8 @@ import torch.distributed as dist
 
 from megatron_zeppelin.api_checks import (
     check_batches, check_flag, check_layout, check_layout_model, check_names, check_sections,
-    check_watchdog, decided_elsewhere, defaults, model_flags, same, show, who_decides,
-    windowed_model)
+    check_online_fit, check_watchdog, decided_elsewhere, defaults, model_flags, same, show,
+    who_decides, windowed_model)
 from megatron_zeppelin.config import ModelSpec
 from megatron_zeppelin.megatron.common.data import MicroBatch, ZeppelinDataIterator
 from megatron_zeppelin.megatron.common.groups import Pool, new_pool_groups
@@ -282,3 +284,47 @@ def watchdog(timeout_s: float = 20.0, prog: str | None = None) -> Iterator[str]:
         dog.leave("done")  # no-op after explain's leave
         fatal.off_sigterm()
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+class _FitOff:
+    """``online_fit`` with ``interval`` 0: the loop's calls change nothing."""
+
+    switches: list = []
+
+    def watch(self, batches: Iterator) -> Iterator:
+        return batches
+
+    def finish(self) -> None:
+        pass
+
+    def step(self, iteration: int) -> None:
+        pass
+
+
+def online_fit(runtime: Any, batches: Any, *, interval: int, profile_out: str | None = None):
+    """The hardware profile fitted during training (``--zeppelin-fit-interval`` of
+    ``scripts/pretrain_gpt.py``; ``megatron/common/online_fit.py``): the engine measures
+    every micro-batch, and every ``interval`` iterations each rank fits the planner's cost
+    model to its measurements, rank 0 combines them and every rank's planner switches to it
+    at the same micro-batch (``runtime.planner`` becomes the refitted one); ``profile_out``
+    gets the profile after every refit (for ``zeppelin_hardware=`` of the next run).
+    In the loop, every rank: ``data_iterator=fit.watch(batches)`` (each micro-batch's span
+    timed), ``fit.finish()`` after the forward-backward pass, ``fit.step(iteration)`` after
+    the optimizer step (a collective every ``interval`` iterations; iterations from 1).
+    ``interval`` 0: off (the calls change nothing). Refused (ValueError): a ``runtime`` not
+    ``pool_runtime``'s, ``batches`` not its ``planned_micro_batches`` (or planned by another
+    planner), ``interval`` not an integer >= 0, ``profile_out`` not a writable file."""
+    from megatron_zeppelin.megatron.common.online_fit import OnlineFit
+
+    check_online_fit(runtime, batches, interval, profile_out)
+    if not interval:
+        return _FitOff()
+
+    def switch(planner) -> int:
+        runtime.planner = planner
+        return batches.replan(planner)
+
+    options = argparse.Namespace(zeppelin_fit_interval=interval, zeppelin_profile_out=profile_out,
+                                 seq_length=runtime.planner.config.max_seqlen)
+    return OnlineFit(options, runtime.pool, runtime.state, runtime.planner, switch,
+                     str(torch.device(batches.device).type))

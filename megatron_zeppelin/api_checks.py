@@ -32,13 +32,12 @@ WINDOW_FLAGS = ("window_size", "window_attn_skip_freq")
 # others (planner process, watchdog, online fit) are the training loop's
 RUNTIME_FLAGS = ("strategy", "cluster", "hardware", "attention_backend", "validate_plan")
 # where a training-loop flag's job is done with this API instead
-FIT_MISSING = ("the online profile fit runs in scripts/pretrain_gpt.py and through the "
-               "Megatron-LM patch only (not offered to custom loops yet)")
+FIT = "use fit = api.online_fit(runtime, batches, interval=, profile_out=) in your loop"
 LOOP_FLAGS = {"zeppelin_planner_process": "pass planned_micro_batches(..., planner="
                                           "PlannerService(runtime.planner)) to plan in a "
                                           "process (megatron_zeppelin.planner.service)",
               "zeppelin_watchdog_timeout": "wrap your loop in api.watchdog(timeout_s)",
-              "zeppelin_fit_interval": FIT_MISSING, "zeppelin_profile_out": FIT_MISSING}
+              "zeppelin_fit_interval": FIT, "zeppelin_profile_out": FIT}
 
 
 def show(value: Any) -> str:
@@ -226,3 +225,35 @@ def check_watchdog(timeout_s: Any, prog: Any) -> None:
     if threading.current_thread() is not threading.main_thread():
         raise ValueError("watchdog() is invalid here: enter it from the main thread (it "
                          "takes SIGTERM, which only the main thread can)")
+
+
+def check_online_fit(runtime: Any, batches: Any, interval: Any, profile_out: Any) -> None:
+    """``api.online_fit``'s arguments: the pool runtime, its planned micro-batches (planned
+    by ``runtime.planner`` or a planner process on it: a refit replaces that planner), an
+    interval >= 0 and a writable profile file (only with an interval)."""
+    import os
+
+    from megatron_zeppelin.megatron.common.data import ZeppelinDataIterator
+    from megatron_zeppelin.options import unwritable_folder
+
+    if not (hasattr(runtime, "planner") and hasattr(runtime, "pool")):
+        raise ValueError(f"runtime={show(runtime)} is invalid: expected the PoolRuntime of "
+                         "pool_runtime")
+    if not isinstance(batches, ZeppelinDataIterator):
+        raise ValueError(f"batches={show(batches)} is invalid: expected what "
+                         "planned_micro_batches returned for this runtime")
+    if batches.service is None and batches.planner is not runtime.planner:
+        raise ValueError("batches is invalid here: its micro-batches are planned by another "
+                         "planner than runtime.planner, which a refit would replace (plan "
+                         "with runtime.planner, or PlannerService(runtime.planner))")
+    if not (isinstance(interval, int) and not isinstance(interval, bool) and interval >= 0):
+        raise ValueError(f"interval={show(interval)} is invalid: expected an integer >= 0 "
+                         "(iterations between refits; 0: off)")
+    if profile_out is None:
+        return
+    folder = os.path.dirname(os.path.abspath(profile_out)) if isinstance(profile_out, str) \
+        else None
+    if not interval or folder is None or not os.path.isdir(folder) or \
+            unwritable_folder(folder) or os.path.isdir(profile_out):
+        raise ValueError(f"profile_out={show(profile_out)} is invalid: expected None or a "
+                         "file in an existing, writable folder, with interval > 0")

@@ -5,6 +5,7 @@ process: ``tests/test_megatron_zeppelin.py``, through ``megatron/loop/train.py``
 from __future__ import annotations
 
 import pathlib
+import re
 import runpy
 
 import pytest
@@ -23,8 +24,8 @@ def test_the_doc_shows_the_example_verbatim():
     assert len(body.splitlines()) <= 60  # the loop the doc promises: about 60 lines
 
 
-def loop_body(rank: int, world: int) -> list[float]:
-    return runpy.run_path(str(EXAMPLE))["main"](iterations=2)
+def loop_body(rank: int, world: int, *fit) -> list[float]:
+    return runpy.run_path(str(EXAMPLE))["main"](2, *fit)
 
 
 @pytest.mark.distributed
@@ -33,6 +34,20 @@ def test_the_custom_loop_trains_like_the_script():
     assert all(l == losses[0] for l in losses)  # every rank logs the same global mean
     assert len(losses[0]) == 2
     assert all(5.0 < loss < 6.0 for loss in losses[0])  # 256 tokens: ln 256 = 5.55 at init
+
+
+@pytest.mark.distributed
+def test_the_custom_loop_refits_the_planner_from_its_measurements(tmp_path):
+    """``api.online_fit`` in the example loop: every iteration a refit (a collective), the
+    planner switches on every rank, rank 0 writes the profile, which loads as a hardware
+    profile fitted at the last iteration; training goes on alike on every rank."""
+    from megatron_zeppelin.config import load_hardware
+
+    out = tmp_path / "fitted.yaml"
+    losses = run_world(loop_body, 4, 1, str(out), start_method="spawn", timeout_s=300)
+    assert all(l == losses[0] for l in losses) and len(losses[0]) == 2
+    profile = load_hardware(out)
+    assert profile.source == "fitted during training from 'cpu': iteration 2"
 
 
 def test_runtime_options_refuse_unknown_names_and_modes():
@@ -239,8 +254,8 @@ def test_the_pool_runtime_reads_only_the_flags_the_api_takes():
      r"planned_micro_batches\(\.\.\., planner=PlannerService\(runtime.planner\)\)"),
     ({"zeppelin_watchdog_timeout": 5.0, "zeppelin_fit_interval": 2},
      r"\['zeppelin_fit_interval', 'zeppelin_watchdog_timeout'\] are invalid here: .*"
-     r"zeppelin_fit_interval: the online profile fit runs in scripts/pretrain_gpt.py and "
-     r"through the Megatron-LM patch only .*zeppelin_watchdog_timeout: wrap your loop in "
+     r"zeppelin_fit_interval: use fit = api.online_fit\(runtime, batches, interval=, "
+     r"profile_out=\) in your loop; zeppelin_watchdog_timeout: wrap your loop in "
      r"api.watchdog\(timeout_s\)"),
     ({"_given_flags": set()}, r"\['_given_flags'\] are invalid here"),
     ({"zeppelin_cluster": "nope"}, r"zeppelin_cluster='nope' is invalid: unknown clusters "
@@ -259,3 +274,46 @@ def test_runtime_options_refuse_flags_the_runtime_does_not_read_and_bad_files(fl
     layout = api.PoolLayout(world_size=4, tp=1, cp=4, gpus_per_node=2)
     with pytest.raises(ValueError, match=match):
         api.pool_runtime(layout, api.ModelSpec(**MODEL), seq_length=512, device="cpu", **flags)
+
+
+def fit_refusals_body(rank: int, world: int, folder: str) -> list[str]:
+    from megatron_zeppelin import api
+
+    runtime = api.pool_runtime(api.PoolLayout(1, 1, 1, 1), api.ModelSpec(**MODEL),
+                               seq_length=512, device="cpu", zeppelin_cluster="cpu-2x2")
+    batches = api.planned_micro_batches(iter([]), runtime, "cpu")
+    other = api.planned_micro_batches(iter([]), runtime, "cpu", planner=runtime.planner.__call__)
+    refusals = []
+    for args, kwargs in [((None, batches), {"interval": 1}),
+                         ((runtime, iter([])), {"interval": 1}),
+                         ((runtime, other), {"interval": 1}),
+                         ((runtime, batches), {"interval": -1}),
+                         ((runtime, batches), {"interval": True}),
+                         ((runtime, batches), {"interval": 0, "profile_out": "p.yaml"}),
+                         ((runtime, batches), {"interval": 2, "profile_out": folder}),
+                         ((runtime, batches), {"interval": 2, "profile_out": "/nonexistent/p.yaml"})]:
+        try:
+            api.online_fit(*args, **kwargs)
+            refusals.append("accepted")
+        except ValueError as exc:
+            refusals.append(str(exc))
+    off = api.online_fit(runtime, batches, interval=0)
+    assert off.watch(batches) is batches and off.switches == []
+    other.close(), batches.close(), runtime.close()
+    return refusals
+
+
+@pytest.mark.distributed
+def test_online_fit_refuses_what_it_cannot_refit(tmp_path):
+    [refusals] = run_world(fit_refusals_body, 1, str(tmp_path), timeout_s=300)
+    expected = [r"runtime=None is invalid: expected the PoolRuntime",
+                r"batches=<list_iterator .*> is invalid: expected what planned_micro_batches",
+                r"batches is invalid here: .* another planner than runtime.planner",
+                r"interval=-1 is invalid: expected an integer >= 0",
+                r"interval=True is invalid",
+                r"profile_out='p.yaml' is invalid: .* with interval > 0",
+                rf"profile_out='{tmp_path}' is invalid: expected None or a file",
+                r"profile_out='/nonexistent/p.yaml' is invalid"]
+    assert len(refusals) == len(expected)
+    for said, pattern in zip(refusals, expected):
+        assert re.match(pattern, said), (said, pattern)
