@@ -1,6 +1,6 @@
 """Drive Megatron-LM's own (patched) ``pretrain_gpt.py`` training step on CPU/gloo.
 
-Test scaffolding, not project code: run from a patched Megatron-LM core_v0.16.1 tree with
+Test scaffolding, not project code: run from a patched Megatron-LM core_v0.16.1 (or 0.17.1) tree with
 ``torchrun --nproc-per-node N tests/megatron_lm_driver.py --harness-out OUT.json
 [--harness-stop N] [--harness-kill R:I] <Megatron-LM flags>`` (``--harness-stop``: the last
 iteration to run, default ``--train-iters``; ``--harness-kill``: rank R kills itself with

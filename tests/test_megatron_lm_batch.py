@@ -261,6 +261,34 @@ def test_every_attention_layer_of_a_moe_block_spec_gets_zeppelin_core_attention(
     assert kept.layer_specs[0].submodules.self_attention is IdentityOp
 
 
+def test_mtp_layers_get_zeppelin_core_attention_under_either_megatron_core_naming():
+    """An MTP layer's transformer layer is ``submodules.transformer_layer`` in megatron-core
+    0.16 and ``submodules.mtp_model_layer`` from 0.17: swapped in both (before, the later
+    name was skipped silently); an MTP layer holding neither is refused by name."""
+    import types
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_zeppelin.megatron.common.core_attention import ZeppelinCoreAttention
+    from megatron_zeppelin.megatron.common.spec import swap_core_attention
+
+    state = object()
+    for field in ("transformer_layer", "mtp_model_layer", "mamba_layer"):
+        inner = types.SimpleNamespace(eh_proj=None, **{field: get_gpt_layer_local_spec()})
+        block = types.SimpleNamespace(layer_specs=[ModuleSpec(module=torch.nn.Module,
+                                                              submodules=inner)])
+        if field == "mamba_layer":
+            with pytest.raises(ConfigError, match=r"MTP spec, layer 1: an MTP layer spec "
+                                                  r"without a transformer_layer or "
+                                                  r"mtp_model_layer field"):
+                swap_core_attention(block, state, "MTP spec")
+            continue
+        swapped = getattr(swap_core_attention(block, state).layer_specs[0].submodules, field)
+        core = swapped.submodules.self_attention.submodules.core_attention
+        assert core.module is ZeppelinCoreAttention and core.params["zeppelin_state"] is state
+
+
 def test_an_unknown_core_attention_is_refused_by_name():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 

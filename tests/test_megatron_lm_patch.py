@@ -1,7 +1,8 @@
 """The Megatron-LM patch, its apply script and the glue's checks (``megatron/lm/glue.py``).
 
-Tests that need a Megatron-LM checkout (tag core_v0.16.1) read MEGATRON_LM_PATH (through
-``megatron_zeppelin.env``) and are skipped without it; the checkout itself is never modified.
+Tests that need a Megatron-LM checkout (tag core_v0.16.1 or core_v0.17.1) read MEGATRON_LM_PATH
+(through ``megatron_zeppelin.env``) and are skipped without it; the checkout itself is never
+modified.
 """
 from __future__ import annotations
 
@@ -250,9 +251,10 @@ def test_supported_megatron_core_range():
                                           r" supports >= 0.16.1, < 0.20.0"):
         check_megatron_core((0, 15, 3))
     check_cpu_bridge((0, 19, 2))
-    with pytest.raises(RuntimeError, match=r"the CPU bridge \(--device cpu\) targets 0.16.x and "
-                                           r"0.19.x"):
-        check_cpu_bridge((0, 17, 1))
+    check_cpu_bridge((0, 17, 1))
+    with pytest.raises(RuntimeError, match=r"the CPU bridge \(--device cpu\) targets 0.16.x, "
+                                           r"0.17.x and 0.19.x"):
+        check_cpu_bridge((0, 18, 2))
     setup = (ROOT / "setup.py").read_text()
     low, high = re.search(r'"megatron-core>=([\d.]+),<([\d.]+)"', setup).groups()
     assert parse_version(low) == MEGATRON_CORE_MIN and parse_version(high) == MEGATRON_CORE_BELOW
@@ -313,3 +315,18 @@ def test_a_module_megatron_lm_imports_and_we_lack_is_named_for_a_skip(tmp_path):
     assert missing_in_log(log) == "regex"
     assert missing_in_log(log.replace("'regex'", "'megatron.legacy'")) is None
     assert missing_in_log("AssertionError: losses differ") is None
+
+
+def test_every_patch_is_a_known_version_and_carries_the_same_hooks():
+    """Each ``patches/megatron-lm-core_v<version>.patch`` is a version the code names
+    (``MEGATRON_LM_PATCHED``, used in messages), and every patch adds the same
+    megatron-zeppelin lines: the hooks are placed per version, never dropped."""
+    from megatron_zeppelin.megatron.common.compat import MEGATRON_LM_PATCHED
+
+    patches = sorted((ROOT / "patches").glob("megatron-lm-core_v*.patch"))
+    versions = [p.name.removeprefix("megatron-lm-core_v").removesuffix(".patch")
+                for p in patches]
+    assert sorted(versions) == sorted(MEGATRON_LM_PATCHED) and len(versions) >= 2
+    added = [sorted(line for line in p.read_text().splitlines()
+                    if line.startswith("+") and not line.startswith("+++")) for p in patches]
+    assert all(lines == added[0] for lines in added), "the patches add different lines"

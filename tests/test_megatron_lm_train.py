@@ -1,7 +1,7 @@
 """Megatron-LM's own training step in zeppelin and static mode on CPU/gloo.
 
-Needs MEGATRON_LM_PATH (a Megatron-LM checkout at tag core_v0.16.1; skipped otherwise, so CI
-skips it). A patched mirror of the checkout is made in a temporary folder (symlinks, with the
+Needs MEGATRON_LM_PATH (a Megatron-LM checkout at tag core_v0.16.1 or core_v0.17.1; skipped
+otherwise, so CI skips it). A patched mirror of the checkout is made in a temporary folder (symlinks, with the
 patched files and megatron-core's prebuilt ``helpers_cpp`` copied); the checkout is never
 modified. ``tests/megatron_lm_driver.py`` runs Megatron-LM's pretrain pieces under torchrun.
 

@@ -5,7 +5,7 @@ Supported: megatron-core ``>= 0.16.1, < 0.20`` (``setup.py`` pins this range; CI
 handled:
 
 * The CPU bridge (``cpu.py``) replaces megatron-core functions by name; its targets exist in
-  0.16.x and 0.19.x (``CPU_BRIDGE_SERIES``; 0.19's DDP also asks for
+  0.16.x, 0.17.x and 0.19.x (``CPU_BRIDGE_SERIES``; 0.19's DDP also asks for
   ``torch.cuda.current_stream``, which the bridge stands in for, and
   ``MegatronOptimizer.has_grad_norm_group`` makes a tensor on "cuda": ``CPU_BRIDGE_REDIRECTS``).
   Other versions run on GPUs
@@ -13,7 +13,15 @@ handled:
 * Megatron-LM's ``get_batch_on_this_tp_rank``: at core_v0.16.1 it lives in
   ``megatron.training.utils`` and reads the data iterator itself; later tags moved it to
   ``megatron.core.utils`` with a different signature. ``batch_on_this_tp_rank`` is the one call
-  site; the Megatron-LM patch exists for core_v0.16.1 only (``patches/``).
+  site (0.17.1 keeps the 0.16.1 one); the Megatron-LM patch exists for core_v0.16.1 and
+  core_v0.17.1 (``patches/``, ``MEGATRON_LM_PATCHED``). core_v0.18 and later build the model
+  from a config container in ``pretrain_gpt.py`` (``gpt_config_from_args``): no patch yet.
+* MTP's token counts: from 0.17 the count ``roll_tensor`` returns with the loss mask also
+  weighs the depth's gradient under ``calculate_per_token_loss`` (``mtp_count_scales_gradient``;
+  ``mtp.py`` returns a count that keeps the gradient exact and corrects the logged loss).
+* An MTP layer's transformer-layer spec: ``submodules.transformer_layer`` in 0.16,
+  ``submodules.mtp_model_layer`` from 0.17 (``MTP_INNER_LAYER``; ``spec.swap_core_attention``
+  swaps the core attention inside either).
 * Everything else the package uses (``GPTModel._preprocess``/``forward`` with ``padding_mask``,
   ``PackedSeqParams.cp_group``, ``SelfAttention``'s core-attention constructor, layer specs as
   ``ModuleSpec``, ``BalancedCPScheduler``) has the same interface in 0.16.1 and 0.19.2 (read in
@@ -28,8 +36,8 @@ from megatron_zeppelin.errors import ConfigError
 
 MEGATRON_CORE_MIN = (0, 16, 1)
 MEGATRON_CORE_BELOW = (0, 20, 0)
-CPU_BRIDGE_SERIES = ((0, 16), (0, 19))  # release series the CPU bridge is tested on
-MEGATRON_LM_PATCHED = ("0.16.1",)
+CPU_BRIDGE_SERIES = ((0, 16), (0, 17), (0, 19))  # release series the CPU bridge is tested on
+MEGATRON_LM_PATCHED = ("0.16.1", "0.17.1")
 # 0.16.x's MoE router reads te_general_gemm, imported only with TE (0.19 sets it to None): an
 # MoE model without TE fails with NameError in 0.16.x on GPUs too (use TE or 0.19)
 CPU_BRIDGE_MISSING_NAMES = (
@@ -38,10 +46,20 @@ CPU_BRIDGE_MISSING_NAMES = (
 # functions with literal CUDA devices that exist only in some series: (series, module, path)
 CPU_BRIDGE_REDIRECTS = (
     ((0, 19), "megatron.core.optimizer.optimizer", "MegatronOptimizer.has_grad_norm_group"),
-    # ties the last pipeline stage's embedding copy (MTP) to the first's: ``weight.cuda()``
-    ((0, 16), "megatron.core.models.common.language_module.language_module",
-     "LanguageModule.setup_embeddings_and_output_layer"),
-)  # versions of Megatron-LM with a patch in patches/
+) + tuple(  # ties the last pipeline stage's embedding copy (MTP) to the first's: weight.cuda()
+    (series, "megatron.core.models.common.language_module.language_module",
+     "LanguageModule.setup_embeddings_and_output_layer") for series in ((0, 16), (0, 17)))
+# MEGATRON_LM_PATCHED: versions of Megatron-LM with a patch in patches/
+# the field of an MTP layer's submodules that holds its transformer layer's spec: renamed
+# after 0.16 (``MultiTokenPredictionLayerSubmodules``)
+MTP_INNER_LAYER = ("transformer_layer", "mtp_model_layer")
+
+
+def mtp_count_scales_gradient(version: tuple[int, int, int] | None = None) -> bool:
+    """Whether megatron-core's MTP weighs each depth's loss by ``original / rolled`` token
+    counts under ``calculate_per_token_loss`` (>= 0.17: the count ``roll_tensor`` returns
+    then scales gradients; 0.16 only logs it)."""
+    return (version or megatron_core_version()) >= (0, 17, 0)
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -77,11 +95,17 @@ def check_megatron_core(version: tuple[int, int, int] | None = None) -> tuple[in
     return version
 
 
+def bridge_series() -> str:
+    """``CPU_BRIDGE_SERIES`` in words: '0.16.x, 0.17.x and 0.19.x'."""
+    names = [f"{_show(s)}.x" for s in CPU_BRIDGE_SERIES]
+    return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
+
+
 def check_cpu_bridge(version: tuple[int, int, int] | None = None) -> None:
     """RuntimeError unless the CPU bridge's targets exist in this megatron-core."""
     version = check_megatron_core(version)
     if version[:2] not in CPU_BRIDGE_SERIES:
-        series = " and ".join(f"{_show(s)}.x" for s in CPU_BRIDGE_SERIES)
+        series = bridge_series()
         raise RuntimeError(f"megatron-core {_show(version)} is installed; the CPU bridge "
                            f"(--device cpu) targets {series}: train on a GPU or install "
                            "megatron-core 0.16.1")

@@ -93,7 +93,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron_zeppelin.megatron.common import cpu_replacements as replace
-from megatron_zeppelin.megatron.common.compat import (CPU_BRIDGE_SERIES, check_cpu_bridge,
+from megatron_zeppelin.megatron.common.compat import (bridge_series, check_cpu_bridge,
                                                cpu_bridge_missing_names, cpu_bridge_redirects)
 
 _CPU = torch.device("cpu")
@@ -265,9 +265,8 @@ def _resolve(module_name: str, path: str) -> tuple[Any, str]:
     for parent in parents:
         owner = getattr(owner, parent)
     if name not in vars(owner):
-        series = " and ".join(".".join(map(str, s)) + ".x" for s in CPU_BRIDGE_SERIES)
         raise RuntimeError(f"{module_name}.{path} not found: this bridge targets megatron-core "
-                           f"{series}")
+                           f"{bridge_series()}")
     return owner, name
 
 

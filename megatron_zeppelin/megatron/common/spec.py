@@ -21,6 +21,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.megatron.common.compat import MTP_INNER_LAYER
 from megatron_zeppelin.megatron.common.core_attention import (ZeppelinAttentionState,
                                                        ZeppelinCoreAttention,
                                                        te_core_attention_class)
@@ -59,10 +60,15 @@ def _swap_layer(layer: Any, state: ZeppelinAttentionState, where: str) -> Any:
     """One transformer layer spec with its self-attention's core attention swapped (a layer
     without attention, ``IdentityOp``, is kept as it is; a multi-token prediction layer's
     transformer layer is swapped)."""
-    mtp_layer = getattr(getattr(layer, "submodules", None), "transformer_layer", None)
-    if mtp_layer is not None:
-        layer.submodules.transformer_layer = _swap_layer(mtp_layer, state, f"{where} (MTP)")
-        return layer
+    for field in MTP_INNER_LAYER:
+        mtp_layer = getattr(getattr(layer, "submodules", None), field, None)
+        if mtp_layer is not None:
+            setattr(layer.submodules, field, _swap_layer(mtp_layer, state, f"{where} (MTP)"))
+            return layer
+    if hasattr(getattr(layer, "submodules", None), "eh_proj"):  # an MTP layer, inner unknown
+        raise ConfigError(f"{where}: an MTP layer spec without a {' or '.join(MTP_INNER_LAYER)} "
+                          "field (this megatron-core's MultiTokenPredictionLayerSubmodules): "
+                          "zeppelin cannot swap the core attention of its transformer layer")
     attention = getattr(getattr(layer, "submodules", None), "self_attention", None)
     cls = _module_of(attention)
     if cls is None or getattr(cls, "__name__", "") == "IdentityOp":

@@ -1,4 +1,4 @@
-"""Glue for Megatron-LM's own ``pretrain_gpt.py`` (tag core_v0.16.1), called by ``patches/``.
+"""Glue for Megatron-LM's own ``pretrain_gpt.py`` (core_v0.16.1, core_v0.17.1), from ``patches/``.
 
 The patch adds these hooks to Megatron-LM, each importing this package only in zeppelin mode
 (or when ``--zeppelin-*`` flags are given), so static mode and other entry points never need it:
