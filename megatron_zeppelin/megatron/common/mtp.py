@@ -75,10 +75,10 @@ class PlanShift:
         if self.original is None:  # the first mask shifted: the one Megatron counted first
             first = tensor.sum().detach()
             self.original = (first, self._pooled(first))
-        local, pool = self.original
-        ranks = dist.get_world_size(self.group)
-        _LOGGED[:] = [ranks * local / pool if pool > 0 else 1.0]  # for the depth's log line
-        return self._pooled(total) * local / pool if pool > 0 else self._pooled(total)
+        local, pool = self.original  # no branch on them: no host sync (an empty pool: 0)
+        share = local / pool.clamp(min=1)
+        _LOGGED[:] = [dist.get_world_size(self.group) * share]  # for the depth's log line
+        return self._pooled(total) * share
 
     def _pooled(self, total: torch.Tensor) -> torch.Tensor:
         """The pool's sum of ``total`` over its ranks."""
