@@ -327,4 +327,4 @@ def online_fit(runtime: Any, batches: Any, *, interval: int, profile_out: str | 
     options = argparse.Namespace(zeppelin_fit_interval=interval, zeppelin_profile_out=profile_out,
                                  seq_length=runtime.planner.config.max_seqlen)
     return OnlineFit(options, runtime.pool, runtime.state, runtime.planner, switch,
-                     str(torch.device(batches.device).type))
+                     str(torch.device(batches.device).type), "online_fit's profile_out")

@@ -258,3 +258,5 @@ def test_a_profile_that_cannot_be_written_mid_run_ends_it_in_one_line_naming_the
     with pytest.raises(ConfigError, match=r"^--zeppelin-profile-out='.*gone/p.yaml': cannot "
                                           r"write the profile fitted at iteration 8 \("):
         online_fit.save(profile, str(tmp_path / "gone" / "p.yaml"), 8)
+    with pytest.raises(ConfigError, match=r"^online_fit's profile_out='.*gone/p.yaml': cannot"):
+        online_fit.save(profile, str(tmp_path / "gone" / "p.yaml"), 8, "online_fit's profile_out")

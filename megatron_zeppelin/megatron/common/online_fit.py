@@ -38,8 +38,10 @@ class OnlineFit:
     returns that index."""
 
     def __init__(self, args, pool, state, planner: PlanFunction,
-                 switch: Callable[[PlanFunction], int], device: str) -> None:
+                 switch: Callable[[PlanFunction], int], device: str,
+                 profile_flag: str = "--zeppelin-profile-out") -> None:
         self.args, self.planner, self.switch, self.pool = args, planner, switch, pool
+        self.profile_flag = profile_flag  # how a failed write names the setting
         self.probe = Probe(device)
         state.probe = self.probe
         self.measured = fit.Measurements()
@@ -98,17 +100,17 @@ class OnlineFit:
                   f"{index} on use it ({describe(profile)}); rank 0 measured per micro-batch "
                   f"(ms): {measured}", flush=True)
             if self.args.zeppelin_profile_out:
-                save(profile, self.args.zeppelin_profile_out, iteration)
+                save(profile, self.args.zeppelin_profile_out, iteration, self.profile_flag)
 
 
-def save(profile, path: str, iteration: int) -> None:
-    """``fit.save_profile`` to ``--zeppelin-profile-out``; a file system that refuses the
-    write (the flag was checked before training: full, gone read-only) ends the run with
-    one line naming the flag (``ConfigError``)."""
+def save(profile, path: str, iteration: int, flag: str = "--zeppelin-profile-out") -> None:
+    """``fit.save_profile`` to ``path`` (``flag``: the setting that gave it); a file system
+    that refuses the write (the path was checked before training: full, gone read-only) ends
+    the run with one line naming the setting (``ConfigError``)."""
     try:
         fit.save_profile(profile, path, f"iteration {iteration}")
     except OSError as exc:
-        raise ConfigError(f"--zeppelin-profile-out={path!r}: cannot write the profile "
+        raise ConfigError(f"{flag}={path!r}: cannot write the profile "
                           f"fitted at iteration {iteration} ({exc.strerror or exc})") from None
 
 
