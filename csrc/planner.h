@@ -36,6 +36,7 @@ struct RingWindow {
   RingWindow(i64 ring_size = 1)  // NOLINT: implicit, so that RingGroup{...} default-inits it
       : ring(ring_size), near(static_cast<size_t>(ring_size / 2 + 1), 0.0) {}
   RingWindow& add(const WindowParts& parts);
+  RingWindow& settle(bool split);  // the group as the engine runs it (HALO_SPLIT)
 };
 
 // Twin of cost_model.CostKernel (planner_costs.cpp).
@@ -52,6 +53,7 @@ struct Costs {
   double remap_step_s = 0;  // the remap's host work per micro-batch, all layers, fwd + bwd
   double window = 0;        // the model's sliding window (tokens), where window_share > 0
   double window_share = 0;  // fraction of layers with the window
+  bool halo_split = true;   // the engine splits a partly fitting windowed group
 
   double window_work(double seqlen) const;
   double flops(double chunk) const;

@@ -42,6 +42,7 @@ Problem make_problem(const py::tuple& t) {
   c.remap_step_s = k[15].cast<double>();
   c.window = k[16].cast<double>();
   c.window_share = k[17].cast<double>();
+  c.halo_split = k[18].cast<bool>();
   pb.routing = t[5].cast<bool>();
   pb.remap = t[6].cast<bool>();
   pb.slack = t[7].cast<double>();

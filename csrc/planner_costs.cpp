@@ -113,6 +113,16 @@ RingWindow& RingWindow::add(const WindowParts& parts) {
   return *this;
 }
 
+RingWindow& RingWindow::settle(bool split) {
+  if (!split && rest > 0) {  // a group with any sequence round the ring sends all round it
+    rest_kv = rest_kv + halo_kv;
+    rest_dkv = rest_dkv + halo_dkv;
+    halo_kv = 0.0;
+    halo_dkv = 0.0;
+  }
+  return *this;
+}
+
 double Costs::unwindowed(double seqlen, i64 ring) const {
   const double g = static_cast<double>(ring);
   return attn_coef * seqlen * seqlen / g / flops(seqlen / g);

@@ -163,6 +163,7 @@ Estimate estimate_tasks(const Problem& pb, const Tasks& tasks, const std::vector
     grp.compute = grp.compute + g * k.ring_step_s;  // the engine's host work per ring step
     double hidden;
     if (k.window_share > 0.0) {  // each step's exchange behind that step's own compute
+      grp.window.settle(k.halo_split);
       hidden = k.ring_exposed(grp.dense, grp.window, grp.share, grp.tier, pb.routing) +
                k.dkv_tail(k.accumulator_rows(grp.share, grp.window),
                           grp.tier, pb.routing);

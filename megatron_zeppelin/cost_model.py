@@ -33,6 +33,7 @@ from megatron_zeppelin.hardware_profile import HardwareProfile
 from megatron_zeppelin.twin_arithmetic import interp
 from megatron_zeppelin.plan import Tier
 from megatron_zeppelin.routed_cost import routed_table
+from megatron_zeppelin.schedule import HALO_SPLIT
 from megatron_zeppelin.zigzag_window import halo_fits
 
 FWD_BWD_LINEAR = 3.0  # backward of a GEMM is two GEMMs of the forward's size
@@ -238,6 +239,7 @@ class CostKernel:
     remap_step_s: float = 0.0  # the remap's host work per micro-batch, all layers, fwd + bwd
     window: int = 0  # the model's sliding window (tokens), where window_share > 0
     window_share: float = 0.0  # fraction of layers with the window (``window_work``)
+    halo_split: bool = True  # the engine splits a partly fitting windowed group (HALO_SPLIT)
 
     @classmethod
     def of(cls, cost: "CostModel") -> "CostKernel":
@@ -259,7 +261,8 @@ class CostKernel:
             nic_share_byte_per_s=c.nic_byte_per_s * len(set(c.gpu_to_nic)) / c.gpus_per_node,
             ring_step_s=hw.ring_step_overhead_us * 1e-6 * m.num_layers,
             remap_step_s=hw.remap_overhead_us * 1e-6 * m.num_layers,
-            window=m.window_size or 0, window_share=m.window_share)
+            window=m.window_size or 0, window_share=m.window_share,
+            halo_split=HALO_SPLIT["cpu" if hw.kernel == "cpu" else "cuda"])
 
     def flops(self, chunk: float) -> float:
         """Achieved attention FLOP/s at a query chunk of ``chunk`` tokens."""

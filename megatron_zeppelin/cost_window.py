@@ -80,3 +80,12 @@ class RingWindow:
             for d in range(1, parts.reach + 1):
                 self.near[d] += per_step
         return self
+
+    def settle(self, split: bool) -> "RingWindow":
+        """The group as the engine runs it (``schedule.HALO_SPLIT``): unless it splits a group
+        (``split``; on CPU it does not), a group with any sequence round the ring sends them
+        all round the ring, the fitting ones' rows too."""
+        if not split and self.rest > 0:
+            self.rest_kv, self.rest_dkv = self.rest_kv + self.halo_kv, self.rest_dkv + self.halo_dkv
+            self.halo_kv, self.halo_dkv = 0.0, 0.0
+        return self

@@ -98,6 +98,8 @@ def estimate_tasks(tasks: Sequence[AttentionTask], seqlens: Sequence[int], topol
             compute, hidden = compute + kernel.ulysses_comm(share, g, tier), 0.0
         else:
             compute = compute + g * kernel.ring_step_s  # the engine's host work per step
+            if window is not None:  # as the engine runs the group (HALO_SPLIT)
+                window.settle(kernel.halo_split)
             hidden = _ring_hidden(kernel, compute, share, g, tier, routed, dense, window)
         for r in members:
             ring[w][r] += compute

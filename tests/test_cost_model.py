@@ -113,6 +113,35 @@ def test_a_ring_whose_window_fits_its_chunks_is_priced_as_the_halo_exchange(cost
             kernel.ring_exposed(dense, mixed, share, tier, routed)
 
 
+def test_on_cpu_a_partly_fitting_windowed_group_is_priced_round_the_ring(cost_7b, monkeypatch):
+    """The engine splits a windowed group whose sequences only partly fit their chunks on
+    CUDA (the fitting ones by halo exchange) but keeps it whole round the ring on CPU
+    (``schedule.HALO_SPLIT``): the estimate prices what runs, in both planner backends, bit
+    for bit. static-cp(cp=16) rings all three sequences (131072 fits a window of 512 in its
+    chunks of 4096, 16000 and 8191 do not): dearer on CPU; the all-local and node-sized
+    candidates (no mixed group) cost the same."""
+    from megatron_zeppelin.config import ZeppelinConfig
+    from megatron_zeppelin.planner.registry import make_plan
+
+    model = dataclasses.replace(cost_7b.model, window_size=512, window_layers=32)
+    gpu = CostModel(model, cost_7b.cluster, cost_7b.hardware)
+    cpu = CostModel(model, cost_7b.cluster, dataclasses.replace(cost_7b.hardware, kernel="cpu"))
+    assert gpu.kernel.halo_split and not cpu.kernel.halo_split
+    priced = {}
+    for backend in ("python", "cpp"):
+        monkeypatch.setenv("ZEPPELIN_PLANNER_BACKEND", backend)
+        for device, cost in (("cuda", gpu), ("cpu", cpu)):
+            plan = make_plan("zeppelin", [131072, 16000, 8191], cost,
+                             ZeppelinConfig(max_seqlen=131072))
+            priced[backend, device] = dict(plan.estimates)
+    assert priced["python", "cuda"] == priced["cpp", "cuda"]
+    assert priced["python", "cpu"] == priced["cpp", "cpu"]
+    cuda, host = priced["python", "cuda"], priced["python", "cpu"]
+    assert host["static-cp(cp=16)"] > cuda["static-cp(cp=16)"] * 1.05
+    assert host["static-cp(cp=8)"] == cuda["static-cp(cp=8)"]
+    assert host["hybrid-dp"] == cuda["hybrid-dp"]
+
+
 def test_windowed_ring_steps_are_priced_where_the_zigzag_geometry_puts_their_work(cost_7b):
     """``CostKernel.window_parts``: a windowed layer computes each zigzag chunk's band with
     itself (and the two middle chunks' band) at step 0, the rest at the ``reach`` steps on

@@ -45,7 +45,7 @@ def problem_args(seqlens: Sequence[int], capacity: int, cost: CostModel,
               k.bwd_bytes_factor, k.layers, k.nvlink_byte_per_s, k.nvlink_latency_s,
               k.nic_byte_per_s, k.nic_latency_s, k.routable, list(k.routed_log_sizes),
               list(k.routed_log_times), k.linear_per_token, k.ring_step_s, k.remap_step_s,
-              float(k.window), k.window_share)
+              float(k.window), k.window_share, k.halo_split)
     return (list(seqlens), capacity, topo.nodes, topo.gpus_per_node, kernel, config.routing,
             config.remap, config.balance_slack, cost.linear_time(1),
             cost.remap_seconds_per_token(), cost.qkvo_bytes(1), cost.tp, cluster.nics_per_node,
