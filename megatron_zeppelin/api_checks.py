@@ -186,13 +186,17 @@ def check_flag(name: str, value: Any, allowed: tuple, what: str) -> None:
         raise ValueError(f"{name}={show(value)} is invalid: expected {what}")
 
 
-def check_batches(batches: Any, runtime: Any, device: Any, prefetch: Any, planner: Any
-                   ) -> None:
-    from megatron_zeppelin.planner.service import PlannerService
-
+def check_runtime(runtime: Any) -> None:
     if not (hasattr(runtime, "planner") and hasattr(runtime, "pool")):
         raise ValueError(f"runtime={show(runtime)} is invalid: expected the PoolRuntime of "
                          "pool_runtime")
+
+
+def check_batches(batches: Any, runtime: Any, device: Any, prefetch: Any, planner: Any
+                  ) -> None:
+    from megatron_zeppelin.planner.service import PlannerService
+
+    check_runtime(runtime)
     if not hasattr(batches, "__next__"):
         raise ValueError(f"batches={show(batches)} is invalid: expected an iterator of "
                          "micro-batches (lists of 1-D token tensors; e.g. iter(a_list))")
@@ -231,14 +235,10 @@ def check_online_fit(runtime: Any, batches: Any, interval: Any, profile_out: Any
     """``api.online_fit``'s arguments: the pool runtime, its planned micro-batches (planned
     by ``runtime.planner`` or a planner process on it: a refit replaces that planner), an
     interval >= 0 and a writable profile file (only with an interval)."""
-    import os
-
     from megatron_zeppelin.megatron.common.data import ZeppelinDataIterator
-    from megatron_zeppelin.options import unwritable_folder
+    from megatron_zeppelin.output_paths import writable_file
 
-    if not (hasattr(runtime, "planner") and hasattr(runtime, "pool")):
-        raise ValueError(f"runtime={show(runtime)} is invalid: expected the PoolRuntime of "
-                         "pool_runtime")
+    check_runtime(runtime)
     if not isinstance(batches, ZeppelinDataIterator):
         raise ValueError(f"batches={show(batches)} is invalid: expected what "
                          "planned_micro_batches returned for this runtime")
@@ -249,11 +249,7 @@ def check_online_fit(runtime: Any, batches: Any, interval: Any, profile_out: Any
     if not (isinstance(interval, int) and not isinstance(interval, bool) and interval >= 0):
         raise ValueError(f"interval={show(interval)} is invalid: expected an integer >= 0 "
                          "(iterations between refits; 0: off)")
-    if profile_out is None:
-        return
-    folder = os.path.dirname(os.path.abspath(profile_out)) if isinstance(profile_out, str) \
-        else None
-    if not interval or folder is None or not os.path.isdir(folder) or \
-            unwritable_folder(folder) or os.path.isdir(profile_out):
+    if profile_out is not None and not (interval and isinstance(profile_out, str) and
+                                        writable_file(profile_out)):
         raise ValueError(f"profile_out={show(profile_out)} is invalid: expected None or a "
                          "file in an existing, writable folder, with interval > 0")

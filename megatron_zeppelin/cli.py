@@ -15,8 +15,8 @@ from megatron_zeppelin.config import ConfigError, PipelineSpec, ZeppelinConfig, 
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.limits import refuse_untrainable
 from megatron_zeppelin.plan import OverlongReport
-from megatron_zeppelin.options import (Parser, add_flags, exit_status, from_flags,
-                                       int_at_least, output_file)
+from megatron_zeppelin.options import Parser, add_flags, exit_status, from_flags, int_at_least
+from megatron_zeppelin.output_paths import output_file
 
 if TYPE_CHECKING:
     from megatron_zeppelin.plan import Topology

@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from megatron_zeppelin.errors import ConfigError  # noqa: E402
-from megatron_zeppelin.options import (Parser, exit_status, int_at_least,  # noqa: E402
-                                       make_folder, writable_folder)
+from megatron_zeppelin.options import Parser, exit_status, int_at_least  # noqa: E402
+from megatron_zeppelin.output_paths import make_folder, writable_folder  # noqa: E402
 from megatron_zeppelin.sim.report import geomean  # noqa: E402
 
 PROG = "bench_corpora.py"

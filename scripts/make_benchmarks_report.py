@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "scripts"))  # make_pipeline_report, benchmarks_report_tables
 
 from megatron_zeppelin.errors import ConfigError  # noqa: E402
-from megatron_zeppelin.options import (Parser, exit_status, int_at_least,  # noqa: E402
-                                       make_folder, writable_folder)
+from megatron_zeppelin.options import Parser, exit_status, int_at_least  # noqa: E402
+from megatron_zeppelin.output_paths import make_folder, writable_folder  # noqa: E402
 from megatron_zeppelin.sim import report  # noqa: E402
 from megatron_zeppelin.sim.sweep import (DEFAULT_TOKENS_PER_GPU,  # noqa: E402
                                          MAX_MEGATRON_SEQUENCES, Setting,

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.options import (int_at_least, nonempty, number_at_least, output_file,
-                                       writable_folder)
+from megatron_zeppelin.options import int_at_least, nonempty, number_at_least
+from megatron_zeppelin.output_paths import output_file, writable_folder
 
 DEFAULT_HEADS, DEFAULT_HEAD_DIM, DEFAULT_CONCURRENCY = 4, 64, 4
 

@@ -427,7 +427,8 @@ def cmd_calibrate_sim(args) -> int:
 
 
 def register(sub) -> None:
-    from megatron_zeppelin.options import int_at_least, output_file
+    from megatron_zeppelin.options import int_at_least
+    from megatron_zeppelin.output_paths import output_file
 
     c = sub.add_parser("calibrate-sim", help="measure this machine for the simulator's own "
                        "profile (configs/sim/)", description=__doc__)

@@ -32,7 +32,8 @@ import tempfile
 from collections import Counter
 
 from megatron_zeppelin.bench.flags import port_number
-from megatron_zeppelin.options import int_at_least, number_at_least, output_file, require
+from megatron_zeppelin.options import int_at_least, number_at_least, require
+from megatron_zeppelin.output_paths import output_file
 
 RUNS = ("right", "right-again", "wrong")
 TARGET_ITERATION = 20

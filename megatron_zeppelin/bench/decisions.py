@@ -240,7 +240,8 @@ def _validate(argv: list[str]):
 
 def register(targets: argparse._SubParsersAction) -> None:
     from megatron_zeppelin.bench.flags import port_number
-    from megatron_zeppelin.options import nonempty, output_file
+    from megatron_zeppelin.options import nonempty
+    from megatron_zeppelin.output_paths import output_file
 
     p = targets.add_parser("decisions", help="the portfolio's pick vs every candidate "
                            "measured per micro-batch (CPU, 4 ranks)", description=__doc__,

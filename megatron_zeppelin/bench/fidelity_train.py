@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_zeppelin.bench.flags import check_ports, port_number, refuse_given
-from megatron_zeppelin.options import given, nonempty, output_file
+from megatron_zeppelin.options import given, nonempty
+from megatron_zeppelin.output_paths import output_file
 
 TARGET_ERROR = 0.15
 DEFAULT_SIM_PROFILE = "cpu-2x2"  # configs/sim/: the emulated cluster the runs train on

@@ -48,7 +48,8 @@ RATIO_FROM_TOKENS = 4096  # the ratio target applies to calls of at least this m
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from megatron_zeppelin.options import Parser, int_at_least, integer, output_file
+    from megatron_zeppelin.options import Parser, int_at_least, integer
+    from megatron_zeppelin.output_paths import output_file
 
     parser = Parser(prog="zeppelin bench kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))

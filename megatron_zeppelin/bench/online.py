@@ -22,7 +22,8 @@ import statistics
 from megatron_zeppelin.bench.train import (FIT_OWNED, Entry, layout_line, refuse_owned,
                                            run_entries, training_shape)
 from megatron_zeppelin.bench.flags import check_ports, port_number
-from megatron_zeppelin.options import int_at_least, output_file, require
+from megatron_zeppelin.options import int_at_least, require
+from megatron_zeppelin.output_paths import output_file
 
 
 def _ratio(logs: list[dict]) -> str:

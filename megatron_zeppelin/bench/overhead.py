@@ -40,7 +40,8 @@ from megatron_zeppelin.bench.flags import check_ports, port_number
 from megatron_zeppelin.bench.train import (RANKS, RUN_TIMEOUT_S, Entry, check_flags,
                                            parse_entries, run_flags, train_in_world)
 from megatron_zeppelin.bench.workers import free_port, run_spawned, training_rank_env
-from megatron_zeppelin.options import nonempty, output_file
+from megatron_zeppelin.options import nonempty
+from megatron_zeppelin.output_paths import output_file
 
 TOP = 12
 

@@ -46,7 +46,8 @@ from pathlib import Path
 
 from megatron_zeppelin.bench.flags import check_ports, port_number
 from megatron_zeppelin.bench.train import RANKS, YAML, Entry, run_entries, training_shape
-from megatron_zeppelin.options import int_at_least, number_at_least, output_file
+from megatron_zeppelin.options import int_at_least, number_at_least
+from megatron_zeppelin.output_paths import output_file
 from megatron_zeppelin.bench.workers import run_spawned
 
 SEQ, MICRO = 4096, 4 * 4096  # the YAML's --seq-length and one micro-batch's tokens

@@ -150,7 +150,7 @@ def _units(p: argparse.ArgumentParser, args) -> tuple[int, ...]:
 
 def run(argv: list[str]) -> dict:
     from megatron_zeppelin.bench.flags import ExitParser
-    from megatron_zeppelin.options import output_file
+    from megatron_zeppelin.output_paths import output_file
 
     p = ExitParser(prog="zeppelin bench rings", description=__doc__,
                    formatter_class=argparse.RawDescriptionHelpFormatter)

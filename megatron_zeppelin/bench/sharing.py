@@ -97,7 +97,7 @@ def run(argv: list[str]) -> dict:
     from megatron_zeppelin.config import load_model
 
     from megatron_zeppelin.bench.flags import ExitParser
-    from megatron_zeppelin.options import output_file
+    from megatron_zeppelin.output_paths import output_file
 
     p = ExitParser(prog="zeppelin bench sharing", description=__doc__,
                    formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 from megatron_zeppelin.bench.flags import check_ports, port_number
 from megatron_zeppelin.bench.workers import run_spawned, training_rank_env
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.options import int_at_least, number_at_least, output_file
+from megatron_zeppelin.options import int_at_least, number_at_least
+from megatron_zeppelin.output_paths import output_file
 
 if TYPE_CHECKING:
     from megatron_zeppelin.parallel import PoolLayout

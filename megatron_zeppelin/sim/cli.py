@@ -13,8 +13,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from megatron_zeppelin.config import ZeppelinConfig
-from megatron_zeppelin.options import (add_flags, from_flags, given, int_at_least,
-                                       output_folder)
+from megatron_zeppelin.options import add_flags, from_flags, given, int_at_least
+from megatron_zeppelin.output_paths import output_folder
 from megatron_zeppelin.sim.workloads import WORKLOADS, token_count
 
 

@@ -30,6 +30,7 @@ handled:
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from megatron_zeppelin.errors import ConfigError
@@ -37,7 +38,7 @@ from megatron_zeppelin.errors import ConfigError
 MEGATRON_CORE_MIN = (0, 16, 1)
 MEGATRON_CORE_BELOW = (0, 20, 0)
 CPU_BRIDGE_SERIES = ((0, 16), (0, 17), (0, 19))  # release series the CPU bridge is tested on
-MEGATRON_LM_PATCHED = ("0.16.1", "0.17.1")
+MEGATRON_LM_PATCHED = ("0.16.1", "0.17.1")  # versions of Megatron-LM with a patch in patches/
 # 0.16.x's MoE router reads te_general_gemm, imported only with TE (0.19 sets it to None): an
 # MoE model without TE fails with NameError in 0.16.x on GPUs too (use TE or 0.19)
 CPU_BRIDGE_MISSING_NAMES = (
@@ -49,7 +50,6 @@ CPU_BRIDGE_REDIRECTS = (
 ) + tuple(  # ties the last pipeline stage's embedding copy (MTP) to the first's: weight.cuda()
     (series, "megatron.core.models.common.language_module.language_module",
      "LanguageModule.setup_embeddings_and_output_layer") for series in ((0, 16), (0, 17)))
-# MEGATRON_LM_PATCHED: versions of Megatron-LM with a patch in patches/
 # the field of an MTP layer's submodules that holds its transformer layer's spec: renamed
 # after 0.16 (``MultiTokenPredictionLayerSubmodules``)
 MTP_INNER_LAYER = ("transformer_layer", "mtp_model_layer")
@@ -75,6 +75,7 @@ def parse_version(text: str) -> tuple[int, int, int]:
     return tuple((parts + [0, 0, 0])[:3])
 
 
+@functools.cache  # the installed megatron-core: read once (MTP asks every micro-batch)
 def megatron_core_version() -> tuple[int, int, int]:
     from megatron.core import package_info
 
@@ -105,9 +106,8 @@ def check_cpu_bridge(version: tuple[int, int, int] | None = None) -> None:
     """RuntimeError unless the CPU bridge's targets exist in this megatron-core."""
     version = check_megatron_core(version)
     if version[:2] not in CPU_BRIDGE_SERIES:
-        series = bridge_series()
         raise RuntimeError(f"megatron-core {_show(version)} is installed; the CPU bridge "
-                           f"(--device cpu) targets {series}: train on a GPU or install "
+                           f"(--device cpu) targets {bridge_series()}: train on a GPU or install "
                            "megatron-core 0.16.1")
 
 

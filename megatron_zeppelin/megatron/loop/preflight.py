@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError
-from megatron_zeppelin.options import unwritable_folder
+from megatron_zeppelin.output_paths import unwritable_folder
 from megatron_zeppelin.megatron.loop import args as train_args, checkpoint, pipeline
 from megatron_zeppelin.megatron.loop.corpus import DocumentSource, check_overlong, open_source
 from megatron_zeppelin.megatron.loop.watchdog import check_timeout

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from megatron_zeppelin.config import MAX_WINDOW
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.options import (from_flags, integer, only_with, require, setting,
-                                       unwritable_folder)
+from megatron_zeppelin.options import from_flags, integer, only_with, require, setting
+from megatron_zeppelin.output_paths import writable_file
 from megatron_zeppelin.planner import STRATEGIES, dynamic_cp
 from megatron_zeppelin.runtime.kernels import choices as attention_backends
 
@@ -392,7 +392,5 @@ class ZeppelinRuntimeArgs:
         if self.profile_out is not None:
             require(self.fit_interval > 0, "zeppelin.profile_out", self.profile_out,
                     "given only with --zeppelin-fit-interval > 0 (nothing is fitted otherwise)")
-            folder = os.path.dirname(os.path.abspath(self.profile_out))
-            require(os.path.isdir(folder) and not unwritable_folder(folder) and
-                    not os.path.isdir(self.profile_out), "zeppelin.profile_out",
-                    self.profile_out, "a file in an existing, writable folder (not a folder)")
+            require(writable_file(self.profile_out), "zeppelin.profile_out", self.profile_out,
+                    "a file in an existing, writable folder (not a folder)")
