@@ -5,6 +5,7 @@
     python scripts/bench_corpora.py --smoke              # 3 steps, 1 round, no tuning: a try
     python scripts/bench_corpora.py --output docs/bench-corpora.md
     python scripts/bench_corpora.py --best-peers --rounds 5   # zeppelin vs the best peers only
+    python scripts/bench_corpora.py --best-peers --control    # + zeppelin again: noise floor
 
 For each corpus of ``scripts/make_corpora.py`` (written to ``--corpora`` first when missing)
 this runs ``zeppelin bench train --tune --strategies ... -- --data-path CORPUS`` (4 gloo ranks
@@ -29,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from megatron_zeppelin.bench.paired import Paired, paired  # noqa: E402
 from megatron_zeppelin.errors import ConfigError  # noqa: E402
 from megatron_zeppelin.options import Parser, exit_status, int_at_least  # noqa: E402
 from megatron_zeppelin.output_paths import make_folder, writable_folder  # noqa: E402
@@ -74,6 +76,7 @@ def measure(corpus: str, folder: Path, out: Path, args: argparse.Namespace) -> d
     command = [sys.executable, "-m", "megatron_zeppelin.cli", "bench", "train",
                "--strategies", ",".join(chosen), "--iterations", str(args.iterations),
                "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--json", str(out),
+               *(["--control"] if args.control else []),
                *(["--tune"] if args.tune and not args.best_peers else []), "--",
                "--data-path", str(folder / corpus),
                *CORPUS_FLAGS[corpus]]
@@ -89,8 +92,9 @@ def corpus_table(corpus: str, result: dict) -> list[str]:
     ran, refused = result["strategies"], result.get("refused", {})
     zeppelin = ran["zeppelin"]["median_step_s"] if "zeppelin" in ran else None
     lines = [f"### {corpus}", "", "| strategy | median step (s) | tokens/s | zeppelin speedup "
-             "| per round | final loss | sequences local / intra / inter | tuning |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| paired, step by step | per round | final loss "
+             "| sequences local / intra / inter | tuning |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in ran.items():
         label = f"{name} (the paper's baseline: TE CP over both nodes)" if name == BASELINE \
             else name
@@ -98,12 +102,25 @@ def corpus_table(corpus: str, result: dict) -> list[str]:
         tiers = " / ".join(map(str, r.get("sequences_local_intra_inter", ["-"] * 3)))
         spread = round_ratios(result, name)
         spread = f"{min(spread):.2f}-{max(spread):.2f}x" if spread else "-"
+        pair = paired_speedup(result, name)
         lines.append(f"| {label} | {r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
-                     f"{speedup} | {spread} | {r['final_loss']:.5f} | {tiers} | "
+                     f"{speedup} | {pair.text() if pair else '-'} | {spread} | "
+                     f"{r['final_loss']:.5f} | {tiers} | "
                      f"{r['tuning'] or 'as given'} |")
     for name, reason in refused.items():
-        lines.append(f"| {name} | not run | | | | | | {reason} |")
+        lines.append(f"| {name} | not run | | | | | | | {reason} |")
     return lines + [""]
+
+
+def paired_speedup(result: dict, name: str) -> Paired | None:
+    """Zeppelin's speedup over ``name`` step by step (``bench/paired.py``: the same steps'
+    times divided, summarised per round; with its 95% confidence interval); None for zeppelin
+    itself or a run that stopped short."""
+    ran = result["strategies"]
+    mine, theirs = (ran.get(n, {}).get("steps_s") for n in ("zeppelin", name))
+    if name == "zeppelin" or not mine or not theirs or len(mine) != len(theirs):
+        return None
+    return paired(theirs, mine, result["iterations"] - result["warmup"])
 
 
 def round_ratios(result: dict, name: str) -> list[float]:
@@ -121,24 +138,40 @@ def round_ratios(result: dict, name: str) -> list[float]:
                                   rounds(ran["zeppelin"]["steps_s"]))]
 
 
-def speedups(results: dict[str, dict]) -> dict[str, dict[str, float]]:
-    """``{peer: {corpus: zeppelin's speedup}}`` over every peer that ran (not the baseline)."""
+def median_speedup(result: dict, name: str) -> float | None:
+    """Zeppelin's speedup over ``name``: its median step / zeppelin's."""
+    ran = result["strategies"]
+    return ran[name]["median_step_s"] / ran["zeppelin"]["median_step_s"]
+
+
+def paired_ratio(result: dict, name: str) -> float | None:
+    """Zeppelin's paired speedup over ``name`` (``paired_speedup``), the ratio alone."""
+    pair = paired_speedup(result, name)
+    return pair.ratio if pair else None
+
+
+def speedups(results: dict[str, dict], measure=median_speedup, baseline: bool = False
+             ) -> dict[str, dict[str, float]]:
+    """``{peer: {corpus: zeppelin's speedup by measure}}`` over every peer that ran (not the
+    baseline: ``baseline=True`` gives it alone; not zeppelin's A/A control)."""
     out: dict[str, dict[str, float]] = {}
     for corpus, result in results.items():
         ran = result["strategies"]
         if "zeppelin" not in ran:
             continue
-        mine = ran["zeppelin"]["median_step_s"]
-        for name, r in ran.items():
-            if name not in ("zeppelin", BASELINE):
-                out.setdefault(name, {})[corpus] = r["median_step_s"] / mine
+        for name in ran:
+            skip = name.startswith("zeppelin") or (name == BASELINE) != baseline
+            value = None if skip else measure(result, name)
+            if value is not None:
+                out.setdefault(name, {})[corpus] = value
     return out
 
 
-def summary(results: dict[str, dict]) -> list[str]:
+def summary(results: dict[str, dict], measure=median_speedup) -> list[str]:
     """Zeppelin vs each peer across corpora (geomean, median, wins/losses), vs the best peer
-    of each corpus, and vs the paper's baseline."""
-    per_peer = speedups(results)
+    of each corpus, and vs the paper's baseline, by ``measure``."""
+    per_peer = speedups(results, measure)
+    baseline = speedups(results, measure, baseline=True).get(BASELINE)
     corpora = list(results)
     lines = ["| zeppelin vs | " + " | ".join(corpora) + " | geomean | median | wins / losses |",
              "|---" * (len(corpora) + 4) + "|"]
@@ -146,11 +179,8 @@ def summary(results: dict[str, dict]) -> list[str]:
     best = {c: min(v[c] for v in per_peer.values() if c in v) for c in corpora
             if any(c in v for v in per_peer.values())}
     rows["best peer of each corpus"] = best
-    for c, result in results.items():
-        ran = result["strategies"]
-        if BASELINE in ran and "zeppelin" in ran:
-            rows.setdefault(f"{BASELINE} (paper's baseline)", {})[c] = \
-                ran[BASELINE]["median_step_s"] / ran["zeppelin"]["median_step_s"]
+    if baseline:
+        rows[f"{BASELINE} (paper's baseline)"] = baseline
     for name, values in rows.items():
         got = list(values.values())
         wins, losses = sum(v > 1 for v in got), sum(v < 1 for v in got)
@@ -173,10 +203,18 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> str:
             f"{args.iterations} steps per strategy, first {args.warmup} dropped"
             f"{tuning_note(args)}). "
             "Speedup = the strategy's median step / zeppelin's (> 1: zeppelin is faster). "
+            "Paired = the strategy's time of each step / zeppelin's time of the same step "
+            "(the same documents), geometric mean per round, then over the rounds, with its "
+            "95% confidence interval over the rounds: it cancels what each batch costs, "
+            "which the medians do not. "
+            + ("`zeppelin (A/A control)` is zeppelin measured a second time: its row is the "
+               "machine's noise floor. " if args.control else "") +
             f"`{BASELINE}` is static mode, TE/Megatron CP over the whole pool (both nodes): "
             "the paper's baseline, not counted as a peer.", ""]
     body = [line for corpus, result in results.items() for line in corpus_table(corpus, result)]
-    return "\n".join(head + body + ["### Across corpora", ""] + summary(results)) + "\n"
+    return "\n".join(head + body + ["### Across corpora, by median step", ""] +
+                     summary(results) + ["", "### Across corpora, paired step by step", ""] +
+                     summary(results, paired_ratio)) + "\n"
 
 
 SMOKE = {"iterations": 3, "warmup": 1, "rounds": 1}  # --smoke, and no tuning
@@ -199,6 +237,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"interleaved runs per strategy (default {DEFAULTS['rounds']})")
     p.add_argument("--no-tune", dest="tune", action="store_false")
     p.add_argument("--smoke", action="store_true", help="3 steps, 1 round, no tuning")
+    p.add_argument("--control", action="store_true",
+                   help="measure zeppelin twice (bench train --control): the A/A row gives "
+                        "the machine's noise floor")
     p.add_argument("--best-peers", action="store_true",
                    help="zeppelin vs each corpus's fastest peers only (BEST_PEERS, tuned knobs "
                         "fixed, no sweep)")

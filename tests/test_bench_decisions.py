@@ -87,6 +87,8 @@ def test_every_candidate_of_a_micro_batch_is_measured(tmp_path, capsys):
     assert math.isclose(result["summary"]["median_regret"], batch["regret"])
     assert "pick = measured fastest in" in printed and "<- pick" in printed
     assert "Mann-Whitney" in printed
+    # the pick against the peers' own plans measured in the same rounds
+    assert "static-cp(cp=1)" in result["versus_peers"] and "the pick vs hybrid-dp" in printed
 
 
 def _brute_p(xs, ys):
@@ -171,3 +173,28 @@ def test_rejudge_re_estimates_stored_micro_batches_and_refuses_other_candidates(
     path.write_text("{}")
     assert cli.main(["bench", "decisions", "--rejudge", str(path)]) == 2
     assert "not a 'bench decisions --json' result" in capsys.readouterr().err
+
+
+def test_the_pick_is_compared_with_each_peers_own_plan_on_the_same_micro_batches():
+    """Speedup of the pick over each peer's plan at a fixed setting (hybrid DP at Megatron's
+    default cap, Hydraulis, static CP sizes), a merged candidate counting for every name; hybrid
+    DP at a cap from the batch's longest document is not a fixed peer setting."""
+    from megatron_zeppelin.bench.decisions import peer_lines, versus_peers
+
+    names = ["hierarchical", "hybrid-dp/hydraulis", "static-cp(cp=2)", "hybrid-dp(cap=900)"]
+    fast, slow = [1.0, 1.01, 0.99, 1.0, 1.02], [2.0, 2.1, 1.9, 2.0, 2.05]
+    first = decide(0, [100], names, [1, 2, 3, 4], [1.0, 2.0, 0.5, 3.0], "hierarchical",
+                   repeats=[fast, slow, [0.5] * 5, [3.0] * 5])
+    second = decide(1, [100], names, [1, 2, 3, 4], [1.0, 1.0, 2.0, 1.0], "hierarchical")
+    peers = versus_peers([first, second])
+    assert set(peers) == {"hybrid-dp", "hydraulis", "static-cp(cp=2)"}
+    hybrid = peers["hybrid-dp"]
+    assert hybrid["geomean"] == pytest.approx(2.0 ** 0.5) and hybrid["median"] == 1.5
+    assert (hybrid["faster"], hybrid["faster_shown"], hybrid["slower"]) == (1, 1, 0)
+    assert peers["hydraulis"] == hybrid
+    static = peers["static-cp(cp=2)"]
+    assert (static["faster"], static["slower"], static["slower_shown"]) == (1, 1, 1)
+    assert static["geomean"] == pytest.approx(1.0)
+    line = peer_lines(peers)[0]
+    assert line.startswith("the pick vs hybrid-dp, the same 2 micro-batch(es)")
+    assert "geomean 1.414x, median 1.500x" in line and "faster in 1 (1 shown" in line

@@ -88,8 +88,51 @@ def test_the_corpora_table_counts_wins_and_losses_per_peer_with_geomean_and_medi
     baseline = next(r for r in rows if r.startswith("| static (paper's baseline) |"))
     assert baseline.endswith("| 2.00x | 2.00x | 2 / 0 |")
     table = "\n".join(bench.corpus_table("arxiv", results["arxiv"]))
-    assert "| hybrid-dp | 0.500 | 2,000 | 0.50x | - | 5.00000 | - / - / - | as given |" in table
+    assert "| hybrid-dp | 0.500 | 2,000 | 0.50x | - | - | 5.00000 | - / - / - | as given |" \
+        in table
     assert "| flexsp | not run |" in table
+
+
+def test_the_corpora_table_pairs_the_same_steps_of_each_round():
+    """Zeppelin's speedup step by step: each step's time over zeppelin's time of that step,
+    per round, then over the rounds, with the rounds' 95% confidence interval."""
+    bench = load_script("bench_corpora")
+    zeppelin = [1.0, 2.0, 1.0, 2.0, 1.0, 2.0]  # 3 rounds of 2 steps: batches of unequal cost
+    peer = [1.1, 2.2, 1.0, 2.0, 1.2, 2.4]      # 1.1x, 1.0x and 1.2x in the rounds
+    result = {"iterations": 3, "warmup": 1, "strategies": {
+        "zeppelin": {"median_step_s": 1.5, "steps_s": zeppelin, "tokens_per_s": 1.0,
+                     "final_loss": 5.0, "tuning": ""},
+        "hybrid-dp": {"median_step_s": 1.65, "steps_s": peer, "tokens_per_s": 1.0,
+                      "final_loss": 5.0, "tuning": ""}}}
+    pair = bench.paired_speedup(result, "hybrid-dp")
+    assert pair.rounds == pytest.approx((1.1, 1.0, 1.2))
+    assert pair.ratio == pytest.approx((1.1 * 1.0 * 1.2) ** (1 / 3))
+    assert pair.low < 1.0 < 1.2 < pair.high  # 3 rounds: t(2) = 4.303 widens it
+    assert bench.paired_speedup(result, "zeppelin") is None
+    control = {**result["strategies"]["zeppelin"], "steps_s": [1.1, 2.0, 1.0, 2.0, 1.0, 2.0]}
+    result["strategies"]["zeppelin (A/A control)"] = control
+    # the control is zeppelin's noise floor in the corpus table, never a peer of the summary
+    assert bench.speedups({"c": result}, bench.paired_ratio) == {"hybrid-dp": {"c": pair.ratio}}
+    floor = next(r for r in bench.corpus_table("c", result)
+                 if r.startswith("| zeppelin (A/A control) |"))
+    assert bench.paired_speedup(result, "zeppelin (A/A control)").text() in floor
+    row = next(r for r in bench.corpus_table("c", result) if r.startswith("| hybrid-dp |"))
+    assert f"| {pair.text()} |" in row and "3 rounds" in row
+    short = {**result, "strategies": {**result["strategies"], "hybrid-dp": {
+        **result["strategies"]["hybrid-dp"], "steps_s": peer[:4]}}}
+    assert bench.paired_speedup(short, "hybrid-dp") is None  # a run that stopped short
+
+
+def test_paired_ratios_refuse_unequal_rounds_and_give_no_interval_for_one_round():
+    from megatron_zeppelin.bench.paired import paired
+
+    one = paired([2.0, 3.0], [1.0, 3.0], per_round=2)
+    assert one.ratio == pytest.approx(2.0 ** 0.5) and one.low is None
+    assert one.text() == "1.41x (1 round)"
+    with pytest.raises(ValueError, match="same whole rounds of 2 steps: got 3 and 3"):
+        paired([1.0] * 3, [1.0] * 3, per_round=2)
+    with pytest.raises(ValueError, match="got 2 and 4"):
+        paired([1.0] * 2, [1.0] * 4, per_round=2)
 
 
 def test_tune_sweeps_each_peers_own_knob_and_keeps_the_fastest():
@@ -116,3 +159,32 @@ def test_tune_sweeps_each_peers_own_knob_and_keeps_the_fastest():
                                "2048: 1.000 s, 1024: 2.000 s)")
     assert tuned[2].tuning.endswith("(swept: 1: 5.000 s, 2: 4.000 s, 4: refused)")
     assert tuned[0] is entries[0] and tuned[3] is entries[3] and isinstance(tuned[1], Entry)
+
+
+def test_bench_train_reports_each_peer_paired_with_zeppelin_step_by_step():
+    from megatron_zeppelin.bench.train import Entry, report
+
+    def entry(label: str, steps: list[float]) -> Entry:
+        out = parse_entry(label)
+        out.steps_s, out.tokens_per_s, out.final_loss = steps, [1.0], 5.0
+        return out
+
+    zeppelin = entry("zeppelin", [1.0, 3.0, 1.0, 3.0])
+    peer = entry("hybrid-dp:max-seqlen-per-dp-cp-rank=4096", [1.2, 3.6, 0.9, 2.7])
+    short = entry("static-cp", [1.0, 3.0])
+    control = entry("zeppelin", [1.1, 2.7, 1.0, 3.0])
+    control.control = True
+    lines, agree = report([control, zeppelin, peer, short], 1e-4, per_round=2)
+    assert agree
+    assert lines[0].lstrip().startswith("zeppelin (A/A control): median step")
+    assert ", paired 1.00x (95% CI " in lines[0]  # zeppelin, not its control, is the reference
+    assert "paired" not in lines[1]
+    assert ", paired 1.04x (95% CI " in lines[2] and lines[2].endswith(", 2 rounds)")
+    assert "paired" not in lines[3]  # a run that stopped short is not paired
+
+
+def test_bench_train_control_needs_zeppelin_among_the_strategies(capsys):
+    assert cli.main(["bench", "train", "--strategies", "static,hybrid-dp", "--control"]) == 2
+    err = capsys.readouterr().err
+    assert "--control is invalid with --strategies static,hybrid-dp" in err
+    assert len(err.strip().splitlines()) == 1

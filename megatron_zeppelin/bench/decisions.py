@@ -16,7 +16,11 @@ Printed per micro-batch: each candidate's estimate and measurement, the portfoli
 measurements (ties share their mean rank). Summary: pick accuracy (the share of micro-batches
 whose pick is the measured fastest; and within ``--tolerance`` of it, since candidates closer
 than the machine's noise are a coin toss), the repeats' spread, median and geometric-mean
-regret (geomean of 1 + regret, minus 1), median correlation. ``--json FILE`` writes all of it.
+regret (geomean of 1 + regret, minus 1), median correlation. Then the pick against each
+peer's own plan among the candidates (hybrid DP at Megatron's default cap, Hydraulis, static CP
+at each size): its speedup over the same micro-batches, measured in the same rounds, so far
+less noisy than whole training runs compared one after the other (``bench train``), though
+without the optimizer step. ``--json FILE`` writes all of it.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from typing import Sequence
 
 from megatron_zeppelin.bench.decisions_stats import ALPHA, TEST, indistinguishable, ranks, \
     smallest_p
+from megatron_zeppelin.bench.measure_candidates import SAME
 from megatron_zeppelin.bench.train import OWNED, RANKS, YAML, layout_line, refuse_owned
 from megatron_zeppelin.bench.workers import free_port
 from megatron_zeppelin.sim.report import geomean
@@ -136,6 +141,52 @@ def _tied(decisions: Sequence[Decision]) -> dict:
             "test_smallest_p": smallest_p(min(sizes), min(sizes)) if sizes else None}
 
 
+PEER_PREFIXES = ("hybrid-dp", "hydraulis", "static-cp(")  # the peers' own plans
+
+
+def peer_plans(decision: Decision) -> dict[str, int]:
+    """``{peer's plan: index of the measured candidate that is it}`` for the candidates that
+    are a peer's plan at a setting fixed across micro-batches (hybrid DP at Megatron's default
+    cap, Hydraulis, static CP at each size; not hybrid DP at a cap derived from the batch's
+    longest document, whose setting changes from batch to batch). A measured candidate
+    standing for several names (the same plan: ``SAME``) counts for each."""
+    out = {}
+    for i, merged in enumerate(decision.names):
+        for name in merged.split(SAME):
+            if name.startswith(PEER_PREFIXES) and "(cap=" not in name:
+                out[name] = i
+    return out
+
+
+def versus_peers(decisions: Sequence[Decision]) -> dict[str, dict]:
+    """Per peer's plan (``peer_plans``): the pick's measured speedup over it on the same
+    micro-batches (its median step / the pick's, measured interleaved), geomean and median
+    over the micro-batches, and where the pick is faster or slower, in all and shown by the
+    rank-sum test on the repeats (``decisions_stats``)."""
+    rows: dict[str, list[tuple[float, bool | None]]] = {}
+    for d in decisions:
+        mine = d.names.index(d.pick)
+        for peer, i in peer_plans(d).items():
+            shown = None if not d.repeats else \
+                not indistinguishable(d.repeats[mine], d.repeats[i])
+            rows.setdefault(peer, []).append((d.measured_s[i] / d.measured_s[mine], shown))
+    return {peer: {"micro_batches": len(got), "geomean": geomean([r for r, _ in got]),
+                   "median": statistics.median(r for r, _ in got),
+                   "faster": sum(r > 1 for r, _ in got), "slower": sum(r < 1 for r, _ in got),
+                   "faster_shown": sum(r > 1 and bool(t) for r, t in got),
+                   "slower_shown": sum(r < 1 and bool(t) for r, t in got)}
+            for peer, got in rows.items()}
+
+
+def peer_lines(peers: dict[str, dict]) -> list[str]:
+    """One line per peer's plan (``versus_peers``)."""
+    return [f"the pick vs {peer}, the same {v['micro_batches']} micro-batch(es) measured "
+            f"interleaved: geomean {v['geomean']:.3f}x, median {v['median']:.3f}x (> 1: the "
+            f"pick is faster); faster in {v['faster']} ({v['faster_shown']} shown by the "
+            f"test), slower in {v['slower']} ({v['slower_shown']} shown)"
+            for peer, v in sorted(peers.items())]
+
+
 def lines_of(decision: Decision) -> list[str]:
     """The printed block of one micro-batch."""
     rho = "n/a" if decision.spearman is None else f"{decision.spearman:+.2f}"
@@ -221,10 +272,12 @@ def report(decisions: Sequence[Decision], args: argparse.Namespace, meta: dict) 
     for d in decisions:
         print("\n".join(lines_of(d)))
     s = summarize(decisions, args.tolerance)
-    print(summary_line(s))
+    peers = versus_peers(decisions)
+    print("\n".join([summary_line(s), *peer_lines(peers)]))
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "summary": s, "micro_batches": [asdict(d) | {"right": d.right} for d in decisions],
+            "summary": s, "versus_peers": peers,
+            "micro_batches": [asdict(d) | {"right": d.right} for d in decisions],
             "flags": args.extra} | meta, indent=2) + "\n")
     return 0
 

@@ -8,8 +8,13 @@ same micro-batches; only the plan of each micro-batch differs (``--zeppelin-stra
 each round trains every strategy ``--iterations`` steps in turn, so that a drift in the
 machine's load hits every strategy alike; the first ``--warmup`` steps of each run are dropped.
 Printed per strategy: the median step time over all rounds, tokens/s, the final loss and the
-step time's ratio to zeppelin's (> 1: zeppelin is faster). Every strategy must end on the same
-loss (same model, same data; fp32 tolerance ``--loss-rtol``): checked, exit status 1 if not.
+step time's ratio to zeppelin's (> 1: zeppelin is faster), as medians and paired step by step
+(``paired.py``: each step's time over zeppelin's time of the same step, by round, with the
+rounds' 95% confidence interval; the medians mix batches of unequal cost, the pairs cancel
+them). ``--control`` measures zeppelin a second time as one more entry (an A/A test): its
+ratio to zeppelin, which only the machine's noise moves, says how far apart two strategies
+must be to be told apart. Every strategy must end on the same loss (same model, same data;
+fp32 tolerance ``--loss-rtol``): checked, exit status 1 if not.
 
 A strategy is ``NAME`` or ``NAME:FLAG=VALUE[:FLAG=VALUE]`` with its own training flags (no
 dashes): ``hybrid-dp:max-seqlen-per-dp-cp-rank=2048``, ``static-cp:zeppelin-cp-size=2``.
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_zeppelin.bench.flags import check_ports, port_number
+from megatron_zeppelin.bench.paired import paired
 from megatron_zeppelin.bench.workers import run_spawned, training_rank_env
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.options import int_at_least, number_at_least
@@ -46,6 +52,7 @@ STATIC = "static"  # static mode: TE/Megatron CP over the whole CP group
 CAP_FLAG = "max-seqlen-per-dp-cp-rank"
 CAPPED = ("hybrid-dp", "megatron-hybrid-cp", "megatron-dynamic-cp")
 RANKS = 4  # gloo ranks of the benchmarks' training world on this machine
+CONTROL = "(A/A control)"  # the label of --control's second zeppelin entry
 RUN_TIMEOUT_S = 3600.0  # per training run of a world (generous: loaded machines); then stopped
 
 
@@ -62,10 +69,12 @@ class Entry:
     final_loss: float | None = None
     tiers: list[int] = field(default_factory=lambda: [0, 0, 0])  # sequences local/intra/inter
     refused: str = ""
+    control: bool = False  # zeppelin measured again (--control): the A/A noise floor
 
     @property
     def label(self) -> str:
-        return ":".join([self.name, *(f"{k}={v}" for k, v in self.options.items())])
+        name = f"{self.name} {CONTROL}" if self.control else self.name
+        return ":".join([name, *(f"{k}={v}" for k, v in self.options.items())])
 
     def flags(self) -> list[str]:
         mode = ["--context-parallel-mode", "static"] if self.name == STATIC else \
@@ -346,10 +355,13 @@ def chosen(entry: Entry, flag: str, tried: list[Entry]) -> Entry:
     return out
 
 
-def report(entries: list[Entry], rtol: float) -> tuple[list[str], bool]:
-    """The table lines and whether every final loss agrees within ``rtol``."""
+def report(entries: list[Entry], rtol: float, per_round: int) -> tuple[list[str], bool]:
+    """The table lines and whether every final loss agrees within ``rtol``; each entry's
+    ratio to the reference both as medians and paired step by step (``paired.py``: rounds of
+    ``per_round`` steps)."""
     ran = [e for e in entries if e.steps_s]
-    ref = next((e for e in ran if e.name == "zeppelin"), ran[0] if ran else None)
+    ref = next((e for e in ran if e.name == "zeppelin" and not e.control),
+               ran[0] if ran else None)
     lines, agree = [], True
     width = max((len(e.label) for e in entries), default=8)
     for e in entries:
@@ -362,11 +374,20 @@ def report(entries: list[Entry], rtol: float) -> tuple[list[str], bool]:
         lines.append(f"{e.label:>{width}}: median step {e.median():.3f} s, tokens/s "
                      f"{statistics.median(e.tokens_per_s):,.0f}, final loss "
                      f"{e.final_loss:.6f}{'' if same else ' (DIFFERS)'}, step / "
-                     f"{ref.label}'s {ratio:.2f}x" + (f"; tuned: {e.tuning}" if e.tuning else ""))
+                     f"{ref.label}'s {ratio:.2f}x" + paired_text(e, ref, per_round) +
+                     (f"; tuned: {e.tuning}" if e.tuning else ""))
     if ran:
         lines.append(f"final losses {'agree' if agree else 'DIFFER'} within rtol {rtol:g} "
                      f"({ref.label}: {ref.final_loss:.6f})")
     return lines, agree
+
+
+def paired_text(entry: Entry, ref: Entry, per_round: int) -> str:
+    """``, paired 0.96x (95% CI ...)``: ``entry``'s steps over ``ref``'s, step by step
+    (empty for the reference itself, or when a run stopped short)."""
+    if entry is ref or len(entry.steps_s) != len(ref.steps_s):
+        return ""
+    return ", paired " + paired(entry.steps_s, ref.steps_s, per_round).text()
 
 
 def to_json(entries: list[Entry], args: argparse.Namespace) -> dict:
@@ -398,6 +419,11 @@ def bench_train(args: argparse.Namespace) -> int:
     if args.warmup >= args.iterations:
         raise ValueError(f"--warmup={args.warmup} is invalid: expected 0 <= it < --iterations "
                          f"{args.iterations}")
+    if args.control:
+        if not any(e.name == "zeppelin" and not e.options for e in entries):
+            raise ValueError(f"--control is invalid with --strategies {args.strategies}: it "
+                             "measures zeppelin (no options) twice, so name zeppelin there")
+        entries.append(Entry("zeppelin", control=True))
     runner = Runner(args)
     print(f"tiny GPT ({YAML.name} + {' '.join(args.extra) or 'no flags'}), "
           f"{layout_line(layout)}; {args.rounds} interleaved round(s) of {args.iterations} "
@@ -407,7 +433,7 @@ def bench_train(args: argparse.Namespace) -> int:
         entries = tune(entries, runner, seq_length, layout.cp)
     for round_ in range(args.rounds):  # interleaved: every strategy once per round, in turn
         runner.measure(rotated(entries, round_))
-    lines, agree = report(entries, args.loss_rtol)
+    lines, agree = report(entries, args.loss_rtol, args.iterations - args.warmup)
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps(to_json(entries, args), indent=2) + "\n")
@@ -428,6 +454,9 @@ def register(targets: argparse._SubParsersAction) -> None:
                    help="interleaved runs per strategy")
     p.add_argument("--tune", action="store_true",
                    help="sweep each peer's own knob by measurement first (module doc)")
+    p.add_argument("--control", action="store_true",
+                   help="measure zeppelin a second time, as one more strategy: its ratio to "
+                        "zeppelin is the machine's noise floor (an A/A test)")
     p.add_argument("--loss-rtol", type=number_at_least(0), default=1e-4,
                    help="relative tolerance of the final losses' agreement (fp32)")
     p.add_argument("--json", type=output_file(), default=None, metavar="FILE",
