@@ -314,7 +314,7 @@ def online_fit(runtime: Any, batches: Any, *, interval: int, profile_out: str | 
     ``interval`` 0: off (the calls change nothing). Refused (ValueError): a ``runtime`` not
     ``pool_runtime``'s, ``batches`` not its ``planned_micro_batches`` (or planned by another
     planner), ``interval`` not an integer >= 0, ``profile_out`` not a writable file."""
-    from megatron_zeppelin.megatron.common.online_fit import OnlineFit
+    from megatron_zeppelin.megatron.common.online_fit import FitSettings, OnlineFit
 
     check_online_fit(runtime, batches, interval, profile_out)
     if not interval:
@@ -324,7 +324,7 @@ def online_fit(runtime: Any, batches: Any, *, interval: int, profile_out: str | 
         runtime.planner = planner
         return batches.replan(planner)
 
-    options = argparse.Namespace(zeppelin_fit_interval=interval, zeppelin_profile_out=profile_out,
-                                 seq_length=runtime.planner.config.max_seqlen)
-    return OnlineFit(options, runtime.pool, runtime.state, runtime.planner, switch,
-                     str(torch.device(batches.device).type), "online_fit's profile_out")
+    settings = FitSettings(interval, profile_out, runtime.planner.config.max_seqlen,
+                           "online_fit's profile_out")
+    return OnlineFit(settings, runtime.pool, runtime.state, runtime.planner, switch,
+                     str(torch.device(batches.device).type))

@@ -365,12 +365,18 @@ GIVEN = "_given_flags"  # the namespace attribute where ``Parser`` records the f
 
 
 class _StoreGiven(argparse._StoreAction):
-    """argparse's plain ``store``, also recording the option string in ``GIVEN``."""
+    """argparse's plain ``store``, also recording the option string in ``GIVEN``; a second
+    value of the same option is refused where the parser refuses repeats (``Parser``)."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
+        given = getattr(namespace, GIVEN, set())
+        if option_string is not None and given & set(self.option_strings) and \
+                getattr(parser, "refuse_repeats", False) and \
+                values != getattr(namespace, self.dest, None):
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)!r}, "
+                         f"then {values!r}): expected it once")
         super().__call__(parser, namespace, values, option_string)
         if option_string is not None:
-            given = getattr(namespace, GIVEN, set())
             given.update(self.option_strings)
             setattr(namespace, GIVEN, given)
 
@@ -387,9 +393,13 @@ def given(args: argparse.Namespace, flag: str, default: Any) -> bool:
 class Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one ``ConfigError`` line (no usage dump), so that
     the entry point prints it once and exits with status 2. Each plain ``store`` option given
-    on the command line is recorded (``given``)."""
+    on the command line is recorded (``given``). A plain option given twice with different
+    values is refused (argparse would keep the last silently), unless ``refuse_repeats`` is
+    False: ``pretrain_gpt.py`` keeps Megatron-LM's last-one-wins, on which launch scripts that
+    append overrides to a shared flag list rely. Subcommand parsers refuse repeats."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, refuse_repeats: bool = True, **kwargs: Any) -> None:
+        self.refuse_repeats = refuse_repeats
         super().__init__(*args, **kwargs)
         # every ``type=int`` / ``type=float`` of this parser (its groups and subparsers too)
         for kind, checked in CHECKED_TYPES.items():

@@ -225,10 +225,10 @@ def test_a_pad_only_micro_batch_prices_the_fixed_cost_not_the_tokens():
     per token, through Megatron-LM, empty ranks rated the GEMM 100x slow)."""
     from types import SimpleNamespace
 
-    from megatron_zeppelin.megatron.common.online_fit import OnlineFit
+    from megatron_zeppelin.megatron.common.online_fit import FitSettings, OnlineFit
 
     state = SimpleNamespace(probe=None)
-    online = OnlineFit(SimpleNamespace(), None, state, SimpleNamespace(cost=None),
+    online = OnlineFit(FitSettings(1, None, 64), None, state, SimpleNamespace(cost=None),
                        lambda planner: 0, "cpu")
     assert state.probe is online.probe  # the engines time their calls into it
     batches = [SimpleNamespace(packed_seq_params=SimpleNamespace(num_tokens=n))

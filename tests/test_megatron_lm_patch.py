@@ -18,6 +18,7 @@ from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError
 from megatron_zeppelin.megatron.loop import args as train_args
 from megatron_zeppelin.megatron.lm import glue as lm
+from megatron_zeppelin.megatron.common import compat
 from megatron_zeppelin.megatron.common.compat import (MEGATRON_CORE_BELOW, MEGATRON_CORE_MIN,
                                                check_cpu_bridge, check_megatron_core,
                                                megatron_core_version, parse_version)
@@ -100,11 +101,25 @@ def trigger(rule) -> dict:
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.flag)
-def test_every_refused_feature_is_named_with_its_alternative(rule):
+def test_every_refused_feature_is_named_with_its_alternative(rule, monkeypatch):
+    if rule.name == "overlap_grad_reduce":  # refused with megatron-core 0.16 only
+        monkeypatch.setattr(compat, "megatron_core_version", lambda: (0, 16, 1))
     with pytest.raises(ConfigError) as info:
         lm.check_megatron_lm_args(megatron_lm_args(**trigger(rule)))
     message = str(info.value)
     assert message.startswith(rule.given or f"{rule.flag}=") and rule.alternative in message
+
+
+def test_optim_sharding_with_overlap_is_refused_with_megatron_core_0_16_only(monkeypatch):
+    """megatron-core 0.17 made Megatron-FSDP's optim shards exact with overlapped reduction
+    (``compat.FSDP_OPTIM_OVERLAP_EXACT``)."""
+    args = megatron_lm_args(use_megatron_fsdp=True, use_distributed_optimizer=True,
+                            data_parallel_sharding_strategy="optim", overlap_grad_reduce=True)
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: (0, 16, 1))
+    assert [m for m in refusals(args) if m.startswith("--overlap-grad-reduce")]
+    for version in ((0, 17, 1), (0, 18, 2), (0, 19, 0)):
+        monkeypatch.setattr(compat, "megatron_core_version", lambda v=version: v)
+        assert not refusals(args)
 
 
 def test_rules_on_zeppelin_flags_know_their_defaults():
@@ -243,17 +258,18 @@ def test_docs_name_every_refused_flag():
     assert not missing, missing
 
 
-def test_supported_megatron_core_range():
+def test_supported_megatron_core_range(monkeypatch):
     assert parse_version("0.16.0rc0.dev100085") == (0, 16, 0)
     assert MEGATRON_CORE_MIN <= megatron_core_version() < MEGATRON_CORE_BELOW
     check_megatron_core((0, 19, 2))
     with pytest.raises(ConfigError, match=r"megatron-core 0.15.3 is installed; megatron-zeppelin"
                                           r" supports >= 0.16.1, < 0.20.0"):
         check_megatron_core((0, 15, 3))
-    check_cpu_bridge((0, 19, 2))
-    check_cpu_bridge((0, 17, 1))
-    with pytest.raises(RuntimeError, match=r"the CPU bridge \(--device cpu\) targets 0.16.x, "
-                                           r"0.17.x and 0.19.x"):
+    for version in ((0, 16, 1), (0, 17, 1), (0, 18, 2), (0, 19, 2)):
+        check_cpu_bridge(version)
+    monkeypatch.setattr(compat, "CPU_BRIDGE_SERIES", ((0, 16), (0, 17)))
+    with pytest.raises(RuntimeError, match=r"the CPU bridge \(--device cpu\) targets 0.16.x "
+                                           r"and 0.17.x"):
         check_cpu_bridge((0, 18, 2))
     setup = (ROOT / "setup.py").read_text()
     low, high = re.search(r'"megatron-core>=([\d.]+),<([\d.]+)"', setup).groups()

@@ -20,9 +20,12 @@ def tracked_mtp_losses() -> list[float]:
     micro-batch), cleared."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    MTPLossLoggingHelper.reduce_loss_in_tracker()
-    values = MTPLossLoggingHelper.tracker["values"].tolist()
-    MTPLossLoggingHelper.clean_loss_in_tracker()
+    from megatron_zeppelin.megatron.common.compat import mtp_tracker
+
+    tracker = mtp_tracker(MTPLossLoggingHelper)
+    tracker.reduce()
+    values = MTPLossLoggingHelper.tracker[tracker.key].tolist()
+    tracker.clean()
     return values
 
 

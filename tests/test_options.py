@@ -74,6 +74,21 @@ def test_a_bad_flag_value_is_one_line_not_a_usage_dump(capsys):
         train_args.parse_args(TRAIN + ["--num-layers", "x"])
 
 
+def test_a_flag_given_twice_with_two_values_is_refused_but_pretrain_gpt_keeps_the_last(capsys):
+    """argparse keeps the last value silently; the zeppelin commands refuse the conflict in
+    one line. pretrain_gpt.py keeps Megatron-LM's last-one-wins (launch scripts append
+    overrides to a shared flag list)."""
+    assert cli.main(PLAN + ["--capacity-factor", "1.5", "--capacity-factor", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--capacity-factor given twice (1.5, then 2.0): expected it once" in err
+    assert cli.main(["simulate", "--strategies", "zeppelin", "--strategies", "static-cp"]) == 2
+    assert "--strategies given twice (['zeppelin'], then ['static-cp'])" in \
+        capsys.readouterr().err
+    repeated = train_args.parse_args(TRAIN + ["--lr", "0.1", "--lr", "0.2"])
+    assert repeated.lr == 0.2
+
+
 @pytest.mark.parametrize("flags,match", [
     (["--tensor-model-parallel-size", "0"], r"^--tensor-model-parallel-size=0 is invalid"),
     (["--micro-batch-size", "0"], r"^--micro-batch-size=0 is invalid: expected >= 1"),

@@ -6,9 +6,10 @@ each pool rank holding another number of tokens, on documents that the plan ring
 node and across the two nodes (RINGS: 1,024-token micro-batches, at most 300 tokens per rank).
 The losses, gradient norms and parameters after 3 iterations are those of zeppelin mode under
 Megatron DDP and of one process, FSDP2 reduce-scattering each parameter group once per
-iteration (not per micro-batch); ``optim`` with overlap is refused because megatron-core
-0.16.1's backward hooks add each rank's own gradient to the reduced one (measured here, bucket
-by bucket); the other flags it
+iteration (not per micro-batch); ``optim`` with overlap is refused with megatron-core 0.16
+because its backward hooks add each rank's own gradient to the reduced one (measured here,
+bucket by bucket; from 0.17 the reduced shard is exact, measured the same way); the other
+flags it
 does not run with are refused in one line. Its checkpoints are those of the other modes (full
 tensors in model space, checkpoint_fsdp.py): saved with FSDP, they resume in static mode under
 Megatron DDP, with the distributed optimizer and with FSDP; a distributed optimizer's
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from distributed import run_world
+from megatron_zeppelin.megatron.common import compat
 from test_distributed_optimizer import DISTRIBUTED, FLAGS, STATIC, ZEPPELIN, close, run
 
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
@@ -136,10 +138,14 @@ def pools_body(rank: int, world: int, tmp: str) -> None:
                                    ["optim", "--no-overlap-grad-reduce"])
     fsdp2, fsdp2_reductions = counting_reduce_scatters(world, RING_FLAGS + RINGS + FSDP2)
     overlapped = optim_reduction(rank, world)
+    extra = {}
+    if compat.fsdp_optim_overlap_exact():  # accepted from megatron-core 0.17: trained too
+        extra["optim_overlap"] = run_keeping_parameters(world, RING_FLAGS + RINGS + FSDP[:-1] +
+                                                        ["optim"])
     if rank == 0:
         torch.save({"ddp": ddp, "fsdp": fsdp, "optim_grads": grads, "optim": optim,
                     "torch_fsdp2": fsdp2, "torch_fsdp2_reductions": fsdp2_reductions,
-                    "optim_overlapped": overlapped}, f"{tmp}/runs.pt")
+                    "optim_overlapped": overlapped, **extra}, f"{tmp}/runs.pt")
 
 
 def one_process_body(rank: int, world: int, tmp: str) -> None:
@@ -159,7 +165,10 @@ def test_megatron_fsdp_in_zeppelin_mode_matches_ddp_and_one_process(tmp_path):
     # micro-batch (2 per iteration): the first micro-batch's gradients accumulate locally
     reductions = runs["torch_fsdp2_reductions"]
     assert len(reductions) > 1 and set(reductions) == {3}, reductions
-    for strategy in ("fsdp", "optim_grads", "optim", "torch_fsdp2"):
+    ran = ("fsdp", "optim_grads", "optim", "torch_fsdp2") + \
+        (("optim_overlap",) if compat.fsdp_optim_overlap_exact() else ())
+    assert set(ran) <= set(runs)
+    for strategy in ran:
         fsdp_logs, fsdp_params = runs[strategy]
         assert [it for it, _, _ in fsdp_logs] == [1, 2, 3]
         assert close(fsdp_logs, ddp_logs), (strategy, fsdp_logs, ddp_logs)
@@ -176,13 +185,18 @@ def test_megatron_fsdp_in_zeppelin_mode_matches_ddp_and_one_process(tmp_path):
                                        msg=lambda m, n=name: f"{strategy} {n}: {m}")
             torch.testing.assert_close(value, one[1][name], rtol=1e-5, atol=1e-4,
                                        msg=lambda m, n=name: f"{strategy} {n}: {m}")
-    # why optim with overlap is refused: rank 0's shard is the sum plus rank 0's own gradient
-    # (per-token loss: no scaling before the reduction); if megatron-core fixes it, this fails
+    # why optim with overlap is refused with megatron-core 0.16: rank 0's shard is the sum
+    # plus rank 0's own gradient (per-token loss: no scaling before the reduction); from 0.17
+    # (compat.FSDP_OPTIM_OVERLAP_EXACT) it is the sum, and the refusal is lifted there
     assert runs["optim_overlapped"], "no gradient bucket was reduced"
+    exact = compat.fsdp_optim_overlap_exact()
     for bucket in runs["optim_overlapped"]:
         assert bucket["scaling"] is None, bucket
-        assert bucket["vs_sum"] > 0.05 * bucket["norm"], bucket
-        assert bucket["vs_sum_plus_own"] <= 1e-6 * bucket["norm"], bucket
+        if exact:
+            assert bucket["vs_sum"] <= 1e-6 * bucket["norm"], bucket
+        else:
+            assert bucket["vs_sum"] > 0.05 * bucket["norm"], bucket
+            assert bucket["vs_sum_plus_own"] <= 1e-6 * bucket["norm"], bucket
 
 
 def checkpoints_body(rank: int, world: int, tmp: str) -> None:
@@ -233,10 +247,6 @@ def test_torch_fsdp2_checkpoints_resume_across_modes(tmp_path):
      r"--tensor-model-parallel-size=2 needs Transformer Engine's layers \(--device cuda"),
     (["--use-megatron-fsdp"], "--use-megatron-fsdp with --data-parallel-sharding-strategy="
      "no_shard"),
-    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"],
-     "--use-megatron-fsdp --data-parallel-sharding-strategy=optim with --overlap-grad-reduce "
-     r"\(the default\): .*GradReducePipeline._bucket_group_gradient_reduce.* not exact; add "
-     "--no-overlap-grad-reduce"),
     (FSDP2 + FSDP, "--use-torch-fsdp2 with --use-megatron-fsdp: "),
     (FSDP2 + ["--use-distributed-optimizer"],
      "--use-torch-fsdp2 with --use-distributed-optimizer: "),
@@ -251,6 +261,24 @@ def test_fsdp_flags_it_does_not_run_with_are_refused(extra, match):
                                  extra)
     with pytest.raises(ConfigError, match=match):
         train_args.validate_args(args, 4, None)
+
+
+def test_optim_sharding_with_overlap_is_refused_with_megatron_core_0_16_only(monkeypatch):
+    from megatron_zeppelin.config import ConfigError
+    from megatron_zeppelin.megatron.common import compat
+    from megatron_zeppelin.megatron.loop import args as train_args
+
+    argv = FLAGS + ZEPPELIN[:2] + ["--context-parallel-size", "2", "--use-megatron-fsdp",
+                                   "--data-parallel-sharding-strategy", "optim"]
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: (0, 16, 1))
+    with pytest.raises(ConfigError, match=(
+            "--use-megatron-fsdp --data-parallel-sharding-strategy=optim with "
+            r"--overlap-grad-reduce \(the default\): .*GradReducePipeline."
+            "_bucket_group_gradient_reduce.* not exact; megatron-core 0.17 fixed it; add "
+            "--no-overlap-grad-reduce")):
+        train_args.validate_args(train_args.parse_args(argv), 4, None)
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: (0, 17, 1))
+    train_args.validate_args(train_args.parse_args(argv), 4, None)
 
 
 def test_fsdp_cpu_bridge_needs_the_cpu_bridge_and_is_undone_with_it():

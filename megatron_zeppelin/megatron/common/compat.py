@@ -5,7 +5,7 @@ Supported: megatron-core ``>= 0.16.1, < 0.20`` (``setup.py`` pins this range; CI
 handled:
 
 * The CPU bridge (``cpu.py``) replaces megatron-core functions by name; its targets exist in
-  0.16.x, 0.17.x and 0.19.x (``CPU_BRIDGE_SERIES``; 0.19's DDP also asks for
+  0.16.x to 0.19.x (``CPU_BRIDGE_SERIES``; 0.19's DDP also asks for
   ``torch.cuda.current_stream``, which the bridge stands in for, and
   ``MegatronOptimizer.has_grad_norm_group`` makes a tensor on "cuda": ``CPU_BRIDGE_REDIRECTS``).
   Other versions run on GPUs
@@ -15,7 +15,13 @@ handled:
   ``megatron.core.utils`` with a different signature. ``batch_on_this_tp_rank`` is the one call
   site (0.17.1 keeps the 0.16.1 one); the Megatron-LM patch exists for core_v0.16.1 and
   core_v0.17.1 (``patches/``, ``MEGATRON_LM_PATCHED``). core_v0.18 and later build the model
-  from a config container in ``pretrain_gpt.py`` (``gpt_config_from_args``): no patch yet.
+  from a config container in ``pretrain_gpt.py`` (``gpt_config_from_args``): no patch yet
+  (core_v0.18.2 runs on Python 3.11 given ``typing.override``; ``docs/megatron-lm.md``).
+* Megatron-FSDP's optim sharding with overlapped gradient reduction: not exact in 0.16.x,
+  refused there only (``fsdp_optim_overlap_exact``).
+* A checkpoint's common state: ``common.pt`` up to 0.18, inside the shards from 0.19
+  (``common_state_in_shards``); MTP's logging helper renamed its tracker key and clean-up in
+  0.19 (``mtp_tracker``).
 * MTP's token counts: from 0.17 the count ``roll_tensor`` returns with the loss mask also
   weighs the depth's gradient under ``calculate_per_token_loss`` (``mtp_count_scales_gradient``;
   ``mtp.py`` returns a count that keeps the gradient exact and corrects the logged loss).
@@ -26,18 +32,18 @@ handled:
   ``PackedSeqParams.cp_group``, ``SelfAttention``'s core-attention constructor, layer specs as
   ``ModuleSpec``, ``BalancedCPScheduler``) has the same interface in 0.16.1 and 0.19.2 (read in
   both sources; 0.19.2's GPU run of ``scripts/pretrain_gpt.py`` is recorded in
-  ``docs/megatron-lm.md``).
+  ``docs/megatron-lm.md``); the test suite passes with 0.18.2 and 0.19.2 on Python 3.11.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from megatron_zeppelin.errors import ConfigError
 
 MEGATRON_CORE_MIN = (0, 16, 1)
 MEGATRON_CORE_BELOW = (0, 20, 0)
-CPU_BRIDGE_SERIES = ((0, 16), (0, 17), (0, 19))  # release series the CPU bridge is tested on
+CPU_BRIDGE_SERIES = ((0, 16), (0, 17), (0, 18), (0, 19))  # series the CPU bridge is tested on
 MEGATRON_LM_PATCHED = ("0.16.1", "0.17.1")  # versions of Megatron-LM with a patch in patches/
 # 0.16.x's MoE router reads te_general_gemm, imported only with TE (0.19 sets it to None): an
 # MoE model without TE fails with NameError in 0.16.x on GPUs too (use TE or 0.19)
@@ -49,7 +55,7 @@ CPU_BRIDGE_REDIRECTS = (
     ((0, 19), "megatron.core.optimizer.optimizer", "MegatronOptimizer.has_grad_norm_group"),
 ) + tuple(  # ties the last pipeline stage's embedding copy (MTP) to the first's: weight.cuda()
     (series, "megatron.core.models.common.language_module.language_module",
-     "LanguageModule.setup_embeddings_and_output_layer") for series in ((0, 16), (0, 17)))
+     "LanguageModule.setup_embeddings_and_output_layer") for series in CPU_BRIDGE_SERIES)
 # the field of an MTP layer's submodules that holds its transformer layer's spec: renamed
 # after 0.16 (``MultiTokenPredictionLayerSubmodules``)
 MTP_INNER_LAYER = ("transformer_layer", "mtp_model_layer")
@@ -60,6 +66,70 @@ def mtp_count_scales_gradient(version: tuple[int, int, int] | None = None) -> bo
     counts under ``calculate_per_token_loss`` (>= 0.17: the count ``roll_tensor`` returns
     then scales gradients; 0.16 only logs it)."""
     return (version or megatron_core_version()) >= (0, 17, 0)
+
+
+# Megatron-FSDP with optim sharding and overlap added each rank's own unreduced gradient to its
+# reduced shard in 0.16 ('local_grad += reduced_grad', common/fsdp_limits.OPTIM_OVERLAP); from
+# 0.17 GradReducePipeline._bucket_group_gradient_reduce copies the reduced shard for no_shard
+# and optim (read in 0.17.1, 0.18.2 and 0.19.2; measured exact with 0.18.2 and 0.19.2 by
+# tests/test_training_fsdp.py)
+FSDP_OPTIM_OVERLAP_EXACT = (0, 17, 0)
+
+
+def fsdp_optim_overlap_exact(version: tuple[int, int, int] | None = None) -> bool:
+    """Whether Megatron-FSDP's optim sharding with overlapped gradient reduction is exact in
+    this megatron-core (``FSDP_OPTIM_OVERLAP_EXACT``)."""
+    return (version or megatron_core_version()) >= FSDP_OPTIM_OVERLAP_EXACT
+
+
+# megatron-core 0.19 keeps a checkpoint's common (non-sharded) state as a ShardedObject
+# ("common_state") inside the torch_dist shards instead of common.pt, and reads both
+# (dist_checkpointing.serialization.load_common_state_dict)
+COMMON_STATE_IN_SHARDS = (0, 19, 0)
+
+
+def common_state_in_shards(version: tuple[int, int, int] | None = None) -> bool:
+    """Whether this megatron-core may write a checkpoint's common state inside its shards
+    (``COMMON_STATE_IN_SHARDS``)."""
+    return (version or megatron_core_version()) >= COMMON_STATE_IN_SHARDS
+
+
+def fsdp_fp32_main_grads(bf16: bool) -> dict:
+    """``DistributedDataParallelConfig`` fields that keep Megatron-FSDP's gradients in fp32
+    under ``--bf16``, as Megatron DDP's ``grad_reduce_in_fp32`` does: from 0.18 Megatron-FSDP
+    has ``megatron_fsdp_main_grads_dtype``, and 0.19 no longer follows
+    ``grad_reduce_in_fp32`` when it is unset (the parameters' dtype, bf16): its bf16 gradients
+    were 7e-4 off the fp32-gradient runs in grad norm after one step (measured, 0.19.2 on
+    CPU). Set to fp32 wherever the field exists (0.18.2 passes the bf16 tests with it, as
+    without)."""
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    names = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
+    if not bf16 or "megatron_fsdp_main_grads_dtype" not in names:
+        return {}
+    import torch
+
+    return {"megatron_fsdp_main_grads_dtype": torch.float32}
+
+
+class MTPTracker(NamedTuple):
+    """megatron-core's ``MTPLossLoggingHelper`` as this version spells it: the key of the
+    per-depth losses in its ``tracker``, and its methods that reduce and clear them."""
+
+    key: str
+    reduce: Callable[[], None]
+    clean: Callable[[], None]
+
+
+def mtp_tracker(helper: Any) -> MTPTracker:
+    """``MTPTracker`` of ``helper`` (0.19 renamed the key and both methods when it added
+    acceptance rates: "loss_values", ``reduce_metrics_in_tracker``, ``clean_metrics_in_tracker``)."""
+    if hasattr(helper, "clean_metrics_in_tracker"):
+        return MTPTracker("loss_values", helper.reduce_metrics_in_tracker,
+                          helper.clean_metrics_in_tracker)
+    return MTPTracker("values", helper.reduce_loss_in_tracker, helper.clean_loss_in_tracker)
 
 
 def parse_version(text: str) -> tuple[int, int, int]:

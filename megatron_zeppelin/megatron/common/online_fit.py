@@ -31,17 +31,33 @@ from megatron_zeppelin.planner.service import PlanFunction
 from megatron_zeppelin.runtime.probe import Probe, agree, ping_links
 
 
+@dataclasses.dataclass(frozen=True)
+class FitSettings:
+    """What the fit is told: refit every ``interval`` iterations (> 0), write the profile to
+    ``profile_out`` (None: kept in memory), measure attention up to ``seq_length`` tokens;
+    ``profile_flag`` names the setting in a failed write's message."""
+
+    interval: int
+    profile_out: str | None
+    seq_length: int
+    profile_flag: str = "--zeppelin-profile-out"
+
+    @classmethod
+    def from_args(cls, args) -> "FitSettings":
+        """From the training flags (``--zeppelin-fit-interval``, ``--zeppelin-profile-out``,
+        ``--seq-length``)."""
+        return cls(args.zeppelin_fit_interval, args.zeppelin_profile_out, args.seq_length)
+
+
 class OnlineFit:
     """Measure, refit and switch (module doc). ``state``: the pool's attention state (its
     engines get the probe); ``planner``: the pool's ``PlanFunction``; ``switch(planner)``
     plans with the refitted ``PlanFunction`` from a micro-batch index every rank shares and
     returns that index."""
 
-    def __init__(self, args, pool, state, planner: PlanFunction,
-                 switch: Callable[[PlanFunction], int], device: str,
-                 profile_flag: str = "--zeppelin-profile-out") -> None:
-        self.args, self.planner, self.switch, self.pool = args, planner, switch, pool
-        self.profile_flag = profile_flag  # how a failed write names the setting
+    def __init__(self, settings: FitSettings, pool, state, planner: PlanFunction,
+                 switch: Callable[[PlanFunction], int], device: str) -> None:
+        self.settings, self.planner, self.switch, self.pool = settings, planner, switch, pool
         self.probe = Probe(device)
         state.probe = self.probe
         self.measured = fit.Measurements()
@@ -79,7 +95,7 @@ class OnlineFit:
         taken = self.probe.take()
         self.measured.add(taken)
         self.window.add(taken)
-        if iteration % self.args.zeppelin_fit_interval:
+        if iteration % self.settings.interval:
             return
         parts, micro = self.window.breakdown(), max(1, len(self.window.linear))
         self.window = fit.Measurements()
@@ -87,7 +103,7 @@ class OnlineFit:
         self.measured.ping.extend(ping_links(self.pool.group, per_node))
         prior = self.cost.hardware
         self.measured.attention_ping.extend(self.probe.ping_attention(
-            fit.unmeasured_lengths(self.measured, prior, self.args.seq_length)))
+            fit.unmeasured_lengths(self.measured, prior, self.settings.seq_length)))
         coefficients = agree(fit.summarize(self.measured, prior), dist.group.WORLD)
         profile = fit.to_profile(coefficients, prior, self.cost,
                                  f"iteration {iteration}")
@@ -99,8 +115,8 @@ class OnlineFit:
             print(f"hardware profile refitted at iteration {iteration}: plans from micro-batch "
                   f"{index} on use it ({describe(profile)}); rank 0 measured per micro-batch "
                   f"(ms): {measured}", flush=True)
-            if self.args.zeppelin_profile_out:
-                save(profile, self.args.zeppelin_profile_out, iteration, self.profile_flag)
+            if self.settings.profile_out:
+                save(profile, self.settings.profile_out, iteration, self.settings.profile_flag)
 
 
 def save(profile, path: str, iteration: int, flag: str = "--zeppelin-profile-out") -> None:

@@ -195,13 +195,14 @@ def _online_fit(args: argparse.Namespace, runtime, plans):
     index on every rank: ``train_step_done`` runs on every rank after the same step)."""
     if not args.zeppelin_fit_interval:
         return None
-    from megatron_zeppelin.megatron.common.online_fit import OnlineFit
+    from megatron_zeppelin.megatron.common.online_fit import FitSettings, OnlineFit
 
     def switch(planner) -> int:
         runtime.planner = planner
         return plans.next_index
 
-    return OnlineFit(args, runtime.pool, runtime.state, runtime.planner, switch, args.device)
+    return OnlineFit(FitSettings.from_args(args), runtime.pool, runtime.state, runtime.planner,
+                     switch, args.device)
 
 
 def zeppelin_gpt_model(args: argparse.Namespace, transformer_layer_spec):

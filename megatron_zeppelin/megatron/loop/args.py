@@ -29,7 +29,7 @@ from megatron_zeppelin.planner.registry import (add_option_flags, given_options,
                                                 refuse_unread_settings, strategies_from_flags,
                                                 strategy_class)
 
-from megatron_zeppelin.megatron.common import fsdp_limits
+from megatron_zeppelin.megatron.common import compat, fsdp_limits
 from megatron_zeppelin.megatron.loop import pipeline
 from megatron_zeppelin.megatron.loop.sections import (
     MODES, ZEPPELIN_PREFIX, AttentionArgs, CheckpointArgs, DataArgs, LoggingArgs, ModelArgs,
@@ -135,7 +135,8 @@ def _refuse_unread(args: argparse.Namespace, strategy: str, asked: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="pretrain_gpt.py", allow_abbrev=False,  # as Megatron-LM's parser
-               description="GPT pretraining on megatron-core with zeppelin CP")
+               description="GPT pretraining on megatron-core with zeppelin CP",
+               refuse_repeats=False)  # Megatron-LM's last-one-wins (``Parser``)
     add_megatron_args(p)
     add_zeppelin_args(p)
     return p
@@ -202,7 +203,8 @@ def check_fsdp(args: argparse.Namespace) -> None:
         raise ConfigError(f"--use-megatron-fsdp with --data-parallel-sharding-strategy="
                           f"{strategy} (Megatron-LM's default): {fsdp_limits.NO_SHARD}; pass "
                           "optim_grads or optim_grads_params (full FSDP)")
-    if strategy == "optim" and args.overlap_grad_reduce:
+    if strategy == "optim" and args.overlap_grad_reduce and \
+            not compat.fsdp_optim_overlap_exact():
         raise ConfigError("--use-megatron-fsdp --data-parallel-sharding-strategy=optim with "
                           f"--overlap-grad-reduce (the default): {fsdp_limits.OPTIM_OVERLAP}; "
                           "add --no-overlap-grad-reduce (Megatron-LM's default: one exact "

@@ -2,9 +2,10 @@
 
 The format (``checkpoint.py`` says what the state holds): ``{save}/iter_NNNNNNN/`` written by
 megatron-core's ``dist_checkpointing`` (Megatron-LM's ``--ckpt-format torch_dist``:
-``metadata.json``, torch DCP's ``.metadata`` and ``__R_S.distcp`` shards, ``common.pt``) and
+``metadata.json``, torch DCP's ``.metadata`` and ``__R_S.distcp`` shards, ``common.pt`` up to
+megatron-core 0.18, the shards' ``common_state`` object from 0.19) and
 ``{save}/latest_checkpointed_iteration.txt``. ``inspect`` reads the one ``--load`` names
-safely: ``common.pt`` with ``torch.load(weights_only=True)``, DCP's ``.metadata`` (a pickle)
+safely: the common state with ``torch.load(weights_only=True)``, DCP's ``.metadata`` (a pickle)
 with an unpickler that only accepts torch's checkpoint-metadata classes; ``check_pipeline``,
 ``check_schedule`` and ``check_shapes`` compare it with this run. A missing, truncated,
 foreign or mismatched checkpoint is a ``ConfigError`` naming the path. ``Training``: what a
@@ -93,6 +94,19 @@ def inspect(load: str, exit_on_missing: bool) -> Found | None:
                  saved if isinstance(saved, dict) else {})
 
 
+def scheduler_rates(args: Any, found: Found | None) -> Any:
+    """``args`` (the training flags' namespace) with ``--lr`` / ``--min-lr`` the checkpoint's
+    when ``found`` is resumed under ``--use-checkpoint-opt_param-scheduler`` (its scheduler
+    then sets the rates anyway): megatron-core 0.19 matches the saved optimizer's parameter
+    groups by their rates, so groups built from other flags would not load."""
+    if found is None or not args.use_checkpoint_opt_param_scheduler:
+        return args
+    saved = {flag: found.schedule.get(key) for flag, key in (("lr", "max_lr"),
+                                                             ("min_lr", "min_lr"))}
+    return type(args)(**{**vars(args), **{k: v for k, v in saved.items()
+                                          if isinstance(v, (int, float))}})
+
+
 def _tracked_iteration(load: str, tracker: str) -> int:
     with open(tracker) as f:
         text = f.read().strip()
@@ -126,13 +140,31 @@ def _read_metadata(path: str) -> Any:
 
 
 def _read_common(path: str) -> Any:
-    """``common.pt``, weights only."""
+    """The checkpoint's common (non-sharded) state, weights only: ``common.pt`` as megatron-core
+    up to 0.18 writes it, else the ``common_state`` object that 0.19 writes inside the DCP
+    shards (read by megatron-core's ``load_common_state_dict``, after ``_read_metadata``
+    checked the metadata pickle)."""
+    legacy = os.path.join(path, "common.pt")
+    in_file = os.path.exists(legacy) or not _common_inside_shards()
     try:
-        return torch.load(os.path.join(path, "common.pt"), map_location="cpu",
-                          weights_only=True)
+        if in_file:
+            return torch.load(legacy, map_location="cpu", weights_only=True)
+        from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+        return load_common_state_dict(path)
     except Exception as exc:  # truncated zip, foreign pickle, missing file
-        raise refuse(path, f"has an unreadable common.pt ({type(exc).__name__}: "
+        where = "common.pt" if in_file else \
+            "common state (no common.pt, nor megatron-core 0.19's common_state object)"
+        raise refuse(path, f"has an unreadable {where} ({type(exc).__name__}: "
                      f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+
+def _common_inside_shards() -> bool:
+    """Whether the installed megatron-core can read a common state kept inside the DCP shards
+    (``compat.COMMON_STATE_IN_SHARDS``: from 0.19)."""
+    from megatron_zeppelin.megatron.common.compat import common_state_in_shards
+
+    return common_state_in_shards()
 
 
 def check_pipeline(found: Found, pp: int, chunks: int) -> None:

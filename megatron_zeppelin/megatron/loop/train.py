@@ -24,14 +24,15 @@ from megatron_zeppelin import api, env
 from megatron_zeppelin.config import (MLA_FIELDS, ConfigError, ModelSpec, load_cluster,
                                       load_hardware)
 from megatron_zeppelin.cost_model import CostModel
-from megatron_zeppelin.megatron.loop import (args as train_args, checkpoint, microbatch_order,
-                                              fatal, pipeline, preflight)
+from megatron_zeppelin.megatron.loop import (args as train_args, checkpoint, checkpoint_files,
+                                             fatal, microbatch_order, pipeline, preflight)
+from megatron_zeppelin.megatron.common import compat
 from megatron_zeppelin.megatron.common.core_attention import ZeppelinAttentionState, planning_hardware
 from megatron_zeppelin.megatron.loop.corpus import DocumentSource, MicroBatchSampler
 from megatron_zeppelin.megatron.common.data import ZeppelinDataIterator
 from megatron_zeppelin.megatron.common.groups import Pool
 from megatron_zeppelin.megatron.common.pipeline_p2p import schedule_kwargs
-from megatron_zeppelin.megatron.common.online_fit import OnlineFit
+from megatron_zeppelin.megatron.common.online_fit import FitSettings, OnlineFit
 from megatron_zeppelin.megatron.loop.train_log import Logger, StepLog, banner
 from megatron_zeppelin.megatron.loop.watchdog import Watchdog, start_watchdog
 from megatron_zeppelin.megatron.common.model import (build_gpt_model, make_transformer_config,
@@ -225,7 +226,8 @@ def data_parallel_chunks(args: argparse.Namespace, config, modules: list) -> lis
         grad_reduce_in_fp32=args.bf16,  # Megatron-LM's default for bf16 (validate_args)
         use_distributed_optimizer=args.use_distributed_optimizer or fsdp,
         use_megatron_fsdp=fsdp,
-        data_parallel_sharding_strategy=args.data_parallel_sharding_strategy)
+        data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
+        **(compat.fsdp_fp32_main_grads(args.bf16) if fsdp else {}))
     if not fsdp:
         return [DistributedDataParallel(config, ddp_config, module, disable_bucketing=index > 0)
                 for index, module in enumerate(modules)]
@@ -355,7 +357,8 @@ def train(args: argparse.Namespace, layout: PoolLayout, ready: preflight.Ready,
     spec = model_spec(args)
     runtime = build_pool_runtime(args, layout, spec)
     try:
-        chunks, optimizer = build_stage(args, runtime.state, spec)
+        rates = checkpoint_files.scheduler_rates(args, ready.resume)
+        chunks, optimizer = build_stage(rates, runtime.state, spec)
         runtime.state.keep_used = pipeline.runtimes_in_flight(layout, len(chunks))
         device = "cuda" if args.device == "cuda" else "cpu"
         run = checkpoint.Training(chunks, optimizer, make_scheduler(args, optimizer), device)
@@ -369,8 +372,8 @@ def train(args: argparse.Namespace, layout: PoolLayout, ready: preflight.Ready,
         logger = Logger(args, runtime.cost, dist.get_rank() == 0, sampler.stats,
                         counts_plans=pool_rank == 0 and tp_rank == 0 and first_stage,
                         pools=layout.dp, order=getattr(sampler, "regroup", None))
-        online = OnlineFit(args, runtime.pool, runtime.state, runtime.planner,
-                           replanning(data, logger), device) \
+        online = OnlineFit(FitSettings.from_args(args), runtime.pool, runtime.state,
+                           runtime.planner, replanning(data, logger), device) \
             if args.zeppelin_fit_interval else None
         try:
             loop(args, layout, run, data, logger, start, online)

@@ -23,6 +23,7 @@ from megatron_zeppelin import env
 from megatron_zeppelin.config import ConfigError
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.estimate import estimate_plan, iteration_seconds
+from megatron_zeppelin.megatron.common import compat
 from megatron_zeppelin.megatron.loop.corpus import DocumentSource, DocumentStats, describe_lengths
 from megatron_zeppelin.megatron.loop.microbatch_order import resolve
 from megatron_zeppelin.parallel import PoolLayout
@@ -182,10 +183,11 @@ def mtp_losses(args: argparse.Namespace, stored: list[dict], writer, iteration: 
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     pipelined = getattr(args, "pipeline_model_parallel_size", 1) > 1
-    if "values" not in MTPLossLoggingHelper.tracker and not (logged and pipelined):
+    tracker = compat.mtp_tracker(MTPLossLoggingHelper)
+    if tracker.key not in MTPLossLoggingHelper.tracker and not (logged and pipelined):
         return ()
     if not logged:
-        MTPLossLoggingHelper.clean_loss_in_tracker()
+        tracker.clean()
         return ()
     found: dict = {}
     MTPLossLoggingHelper.track_mtp_metrics(1 / max(1, len(stored)), iteration, writer,
