@@ -101,25 +101,23 @@ def trigger(rule) -> dict:
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.flag)
-def test_every_refused_feature_is_named_with_its_alternative(rule, monkeypatch):
-    if rule.name == "overlap_grad_reduce":  # refused with megatron-core 0.16 only
-        monkeypatch.setattr(compat, "megatron_core_version", lambda: (0, 16, 1))
+def test_every_refused_feature_is_named_with_its_alternative(rule):
     with pytest.raises(ConfigError) as info:
         lm.check_megatron_lm_args(megatron_lm_args(**trigger(rule)))
     message = str(info.value)
     assert message.startswith(rule.given or f"{rule.flag}=") and rule.alternative in message
 
 
-def test_optim_sharding_with_overlap_is_refused_with_megatron_core_0_16_only(monkeypatch):
-    """megatron-core 0.17 made Megatron-FSDP's optim shards exact with overlapped reduction
-    (``compat.FSDP_OPTIM_OVERLAP_EXACT``)."""
+def test_optim_sharding_with_overlap_is_refused_through_the_patch_with_every_version(
+        monkeypatch):
+    """Our script takes it from megatron-core 0.17 (exact there); through Megatron-LM 0.17.1
+    the losses still differ from DDP's (tests/test_megatron_lm_train.py measured it)."""
     args = megatron_lm_args(use_megatron_fsdp=True, use_distributed_optimizer=True,
                             data_parallel_sharding_strategy="optim", overlap_grad_reduce=True)
-    monkeypatch.setattr(compat, "megatron_core_version", lambda: (0, 16, 1))
-    assert [m for m in refusals(args) if m.startswith("--overlap-grad-reduce")]
-    for version in ((0, 17, 1), (0, 18, 2), (0, 19, 0)):
+    for version in ((0, 16, 1), (0, 17, 1), (0, 19, 2)):
         monkeypatch.setattr(compat, "megatron_core_version", lambda v=version: v)
-        assert not refusals(args)
+        refused = [m for m in refusals(args) if m.startswith("--overlap-grad-reduce")]
+        assert refused and "not exact with megatron-core 0.17.1 either" in refused[0]
 
 
 def test_rules_on_zeppelin_flags_know_their_defaults():

@@ -25,7 +25,6 @@ import pytest
 from megatron_lm_imports import missing_in_log, missing_module, skip_for
 from megatron_zeppelin import env
 from megatron_zeppelin.config import ZeppelinConfig
-from megatron_zeppelin.megatron.common.compat import fsdp_optim_overlap_exact, parse_version
 
 pytestmark = [pytest.mark.skipif(env.megatron_lm_path() is None,
                                  reason="MEGATRON_LM_PATH is not set"), pytest.mark.slow]
@@ -490,18 +489,6 @@ def test_megatron_fsdp_trains_like_static_and_ddp(tree, tmp_path):
     for strategy in ("optim_grads", "optim"):
         sharded = run(tree, tmp_path, f"fsdp-z-{strategy}", 2, *ZEPPELIN, *pool, *FSDP, strategy)
         assert_same_training(sharded, ddp)
-    if fsdp_optim_overlap_exact(checkout_version(tree)):  # megatron-core >= 0.17 accepts it
-        overlapped = run(tree, tmp_path, "fsdp-z-optim-overlap", 2, *ZEPPELIN, *pool, *FSDP,
-                         "optim", "--overlap-grad-reduce")
-        assert_same_training(overlapped, ddp)
-
-
-def checkout_version(tree: Path) -> tuple[int, int, int]:
-    """The megatron-core version of the Megatron-LM checkout (its package_info.py)."""
-    import runpy
-
-    info = runpy.run_path(str(tree / "megatron" / "core" / "package_info.py"))
-    return parse_version(info["__version__"])
 
 
 def test_megatron_fsdp_with_pipelines_trains_like_ddp(pipelined, tree, tmp_path):

@@ -17,8 +17,9 @@ handled:
   core_v0.17.1 (``patches/``, ``MEGATRON_LM_PATCHED``). core_v0.18 and later build the model
   from a config container in ``pretrain_gpt.py`` (``gpt_config_from_args``): no patch yet
   (core_v0.18.2 runs on Python 3.11 given ``typing.override``; ``docs/megatron-lm.md``).
-* Megatron-FSDP's optim sharding with overlapped gradient reduction: not exact in 0.16.x,
-  refused there only (``fsdp_optim_overlap_exact``).
+* Megatron-FSDP's optim sharding with overlapped gradient reduction: not exact in 0.16.x;
+  our script refuses it there only (``fsdp_optim_overlap_exact``), the Megatron-LM patch with
+  every version (still inexact through Megatron-LM core_v0.17.1).
 * A checkpoint's common state: ``common.pt`` up to 0.18, inside the shards from 0.19
   (``common_state_in_shards``); MTP's logging helper renamed its tracker key and clean-up in
   0.19 (``mtp_tracker``).
@@ -71,8 +72,8 @@ def mtp_count_scales_gradient(version: tuple[int, int, int] | None = None) -> bo
 # Megatron-FSDP with optim sharding and overlap added each rank's own unreduced gradient to its
 # reduced shard in 0.16 ('local_grad += reduced_grad', common/fsdp_limits.OPTIM_OVERLAP); from
 # 0.17 GradReducePipeline._bucket_group_gradient_reduce copies the reduced shard for no_shard
-# and optim (read in 0.17.1, 0.18.2 and 0.19.2; measured exact with 0.18.2 and 0.19.2 by
-# tests/test_training_fsdp.py)
+# and optim (read in 0.17.1, 0.18.2 and 0.19.2; measured exact with 0.17.1, 0.18.2 and 0.19.2
+# by tests/test_training_fsdp.py, through our script; through Megatron-LM 0.17.1 it is not)
 FSDP_OPTIM_OVERLAP_EXACT = (0, 17, 0)
 
 

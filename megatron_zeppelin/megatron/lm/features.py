@@ -9,8 +9,7 @@ pipeline, the optimizer) with only core attention and the batch layout changed (
 
 Values are read with ``getattr(args, name, default)``: Megatron-LM's experimental ``--yaml-cfg``
 namespace may lack keys its parser would have defaulted. Standard library only (and the
-FSDP reasons of ``common/fsdp_limits.py``, which our script's checks share); one rule asks the
-installed megatron-core's version (``compat``) when it is checked.
+FSDP reasons of ``common/fsdp_limits.py``, which our script's checks share).
 """
 from __future__ import annotations
 
@@ -55,14 +54,6 @@ def _set(value: Any, args: argparse.Namespace) -> bool:
 
 def _get(args: argparse.Namespace, name: str, default: Any) -> Any:
     return getattr(args, name, default)
-
-
-def _optim_overlap_exact() -> bool:
-    """Whether the installed megatron-core's Megatron-FSDP reduces optim shards exactly with
-    overlap (``compat.fsdp_optim_overlap_exact``: from 0.17); read when the rule is checked."""
-    from megatron_zeppelin.megatron.common.compat import fsdp_optim_overlap_exact
-
-    return fsdp_optim_overlap_exact()
 
 
 def _virtual_stages(args: argparse.Namespace) -> bool:
@@ -174,9 +165,8 @@ RULES: tuple[Rule, ...] = (
          "pass --data-parallel-sharding-strategy optim_grads_params, optim_grads or optim"),
     Rule("--overlap-grad-reduce", "overlap_grad_reduce", False,
          lambda v, a: bool(v) and _get(a, "use_megatron_fsdp", False)
-         and _get(a, "data_parallel_sharding_strategy", "no_shard") == "optim"
-         and not _optim_overlap_exact(),
-         fsdp_limits.OPTIM_OVERLAP,
+         and _get(a, "data_parallel_sharding_strategy", "no_shard") == "optim",
+         f"{fsdp_limits.OPTIM_OVERLAP}; {fsdp_limits.OPTIM_OVERLAP_LM}",
          "drop --overlap-grad-reduce, or use --data-parallel-sharding-strategy optim_grads or "
          "optim_grads_params",
          given="--overlap-grad-reduce with --use-megatron-fsdp "

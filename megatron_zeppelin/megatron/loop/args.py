@@ -207,6 +207,7 @@ def check_fsdp(args: argparse.Namespace) -> None:
             not compat.fsdp_optim_overlap_exact():
         raise ConfigError("--use-megatron-fsdp --data-parallel-sharding-strategy=optim with "
                           f"--overlap-grad-reduce (the default): {fsdp_limits.OPTIM_OVERLAP}; "
+                          f"{fsdp_limits.OPTIM_OVERLAP_FIXED}; "
                           "add --no-overlap-grad-reduce (Megatron-LM's default: one exact "
                           "in-place reduce-scatter after the backward) or pass optim_grads / "
                           "optim_grads_params")
