@@ -62,11 +62,19 @@ CPU_BRIDGE_REDIRECTS = (
 MTP_INNER_LAYER = ("transformer_layer", "mtp_model_layer")
 
 
+def _since(first: tuple[int, int, int], version: tuple[int, int, int] | None) -> bool:
+    """Whether ``version`` (default: the installed megatron-core's) is ``first`` or later."""
+    return (version or megatron_core_version()) >= first
+
+
+MTP_COUNT_SCALES_GRADIENT = (0, 17, 0)
+
+
 def mtp_count_scales_gradient(version: tuple[int, int, int] | None = None) -> bool:
     """Whether megatron-core's MTP weighs each depth's loss by ``original / rolled`` token
     counts under ``calculate_per_token_loss`` (>= 0.17: the count ``roll_tensor`` returns
     then scales gradients; 0.16 only logs it)."""
-    return (version or megatron_core_version()) >= (0, 17, 0)
+    return _since(MTP_COUNT_SCALES_GRADIENT, version)
 
 
 # Megatron-FSDP with optim sharding and overlap added each rank's own unreduced gradient to its
@@ -80,7 +88,7 @@ FSDP_OPTIM_OVERLAP_EXACT = (0, 17, 0)
 def fsdp_optim_overlap_exact(version: tuple[int, int, int] | None = None) -> bool:
     """Whether Megatron-FSDP's optim sharding with overlapped gradient reduction is exact in
     this megatron-core (``FSDP_OPTIM_OVERLAP_EXACT``)."""
-    return (version or megatron_core_version()) >= FSDP_OPTIM_OVERLAP_EXACT
+    return _since(FSDP_OPTIM_OVERLAP_EXACT, version)
 
 
 # megatron-core 0.19 keeps a checkpoint's common (non-sharded) state as a ShardedObject
@@ -92,7 +100,7 @@ COMMON_STATE_IN_SHARDS = (0, 19, 0)
 def common_state_in_shards(version: tuple[int, int, int] | None = None) -> bool:
     """Whether this megatron-core may write a checkpoint's common state inside its shards
     (``COMMON_STATE_IN_SHARDS``)."""
-    return (version or megatron_core_version()) >= COMMON_STATE_IN_SHARDS
+    return _since(COMMON_STATE_IN_SHARDS, version)
 
 
 def fsdp_fp32_main_grads(bf16: bool) -> dict:
@@ -168,7 +176,7 @@ def check_megatron_core(version: tuple[int, int, int] | None = None) -> tuple[in
 
 
 def bridge_series() -> str:
-    """``CPU_BRIDGE_SERIES`` in words: '0.16.x, 0.17.x and 0.19.x'."""
+    """``CPU_BRIDGE_SERIES`` in words: '0.16.x, 0.17.x, 0.18.x and 0.19.x'."""
     names = [f"{_show(s)}.x" for s in CPU_BRIDGE_SERIES]
     return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
 

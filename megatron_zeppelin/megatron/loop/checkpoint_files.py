@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from megatron_zeppelin.config import ConfigError
+from megatron_zeppelin.megatron.common import compat
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
@@ -145,7 +146,7 @@ def _read_common(path: str) -> Any:
     shards (read by megatron-core's ``load_common_state_dict``, after ``_read_metadata``
     checked the metadata pickle)."""
     legacy = os.path.join(path, "common.pt")
-    in_file = os.path.exists(legacy) or not _common_inside_shards()
+    in_file = os.path.exists(legacy) or not compat.common_state_in_shards()
     try:
         if in_file:
             return torch.load(legacy, map_location="cpu", weights_only=True)
@@ -157,14 +158,6 @@ def _read_common(path: str) -> Any:
             "common state (no common.pt, nor megatron-core 0.19's common_state object)"
         raise refuse(path, f"has an unreadable {where} ({type(exc).__name__}: "
                      f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
-
-
-def _common_inside_shards() -> bool:
-    """Whether the installed megatron-core can read a common state kept inside the DCP shards
-    (``compat.COMMON_STATE_IN_SHARDS``: from 0.19)."""
-    from megatron_zeppelin.megatron.common.compat import common_state_in_shards
-
-    return common_state_in_shards()
 
 
 def check_pipeline(found: Found, pp: int, chunks: int) -> None:
