@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Patch a Megatron-LM checkout so that its own pretrain_gpt.py accepts
 # --context-parallel-mode zeppelin (patches/megatron-lm-core_v<version>.patch, chosen by the
-# version in the checkout's megatron/core/package_info.py: core_v0.16.1, core_v0.17.1).
+# version in the checkout's megatron/core/package_info.py: tags core_v0.16.1, core_v0.17.1,
+# core_v0.18.2 and core_v0.19.0, which reports 0.19.1).
 #
 #   scripts/apply_megatron_patch.sh /path/to/Megatron-LM
 #

@@ -7,7 +7,8 @@
 #
 # --checks LIST: the checks to run (default all); each training run stops at 210 s, so that
 # checks 1-3 (two runs on one GPU) and check 4 (two runs) each fit gpu_check.sh's 480 s step.
-# MLM_DIR: a Megatron-LM checkout at tag core_v0.16.1 (a patched copy is made under $OUT).
+# MLM_DIR: a Megatron-LM checkout at a tag patches/ has (core_v0.16.1 ... core_v0.19.0; a
+#   patched copy is made under $OUT).
 # WHEELS: a folder with megatron_core-0.16.1 and -0.19.2 wheels for this Python (GPU-FACTS.md
 #   says how to download them); check 4 is skipped without them.
 # OUT (default /tmp/gpu_check_megatron_lm): logs. WORK (default OUT): scratch (the patched
@@ -138,7 +139,7 @@ tokens=$((8 * 4096))
 if ! wants 1 && ! wants 2 && ! wants 3; then
     :
 elif [ -z "$tree" ]; then
-    report SKIP "1-3 Megatron-LM (set MLM_DIR to a core_v0.16.1 checkout)"
+    report SKIP "1-3 Megatron-LM (set MLM_DIR to a checkout at a patched tag, e.g. core_v0.19.0)"
 else
     if wants 1; then
         z=$(mlm zeppelin1 1 --context-parallel-mode zeppelin --context-parallel-size 1)

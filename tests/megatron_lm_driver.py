@@ -1,7 +1,7 @@
 """Drive Megatron-LM's own (patched) ``pretrain_gpt.py`` training step on CPU/gloo.
 
-Test scaffolding, not project code: run from a patched Megatron-LM core_v0.16.1 (or 0.17.1) tree with
-``torchrun --nproc-per-node N tests/megatron_lm_driver.py --harness-out OUT.json
+Test scaffolding, not project code: run from a patched Megatron-LM tree (core_v0.16.1 to
+core_v0.19.0) with ``torchrun --nproc-per-node N tests/megatron_lm_driver.py --harness-out OUT.json
 [--harness-stop N] [--harness-kill R:I] <Megatron-LM flags>`` (``--harness-stop``: the last
 iteration to run, default ``--train-iters``; ``--harness-kill``: rank R kills itself with
 SIGKILL before iteration I). It mirrors ``megatron.training.pretrain()``: Megatron's ``parse_args`` (with
@@ -18,6 +18,8 @@ megatron-core's CPU bridge (``megatron_zeppelin.megatron.common.cpu``), no-op CU
 memory statistics, CPU RNG for ``torch.cuda.get_rng_state``, ``get_device_arch_version``
 (asked by ``validate_args`` for its CUDA_DEVICE_MAX_CONNECTIONS check) and split sizes made
 numpy for the alltoall token dispatcher (it converts them only when they were on a GPU).
+Megatron-LM core_v0.18 imports ``typing.override`` (Python 3.12); on 3.11 it gets
+``typing_extensions``' one.
 """
 from __future__ import annotations
 
@@ -31,6 +33,13 @@ import warnings
 
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.getcwd())
+
+import typing  # noqa: E402
+
+if not hasattr(typing, "override"):  # Python 3.11: Megatron-LM core_v0.18 imports it
+    import typing_extensions
+
+    typing.override = typing_extensions.override
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -143,13 +152,24 @@ def initialize() -> None:
 
 
 def count_tokens(record: list, plans: list):
-    """Wrap ``pretrain_gpt.get_batch``: record the real (unpadded) and pad tokens of every
+    """Wrap the ``get_batch`` the patched ``forward_step`` calls (zeppelin's glue in zeppelin
+    mode, ``pretrain_gpt``'s otherwise): record the real (unpadded) and pad tokens of every
     batch the first pipeline stage's first model chunk reads (each micro-batch once), and a
-    digest of every zeppelin plan's placement (every stage and chunk) as ``(chunk, digest)``."""
-    original = P.get_batch
+    digest of every zeppelin plan's placement (every stage and chunk) as ``(chunk, digest)``.
+    core_v0.18's static ``get_batch`` returns its ``BATCH_KEYS`` in order (tokens last); the
+    others ``(tokens, ..., packed_seq_params)``."""
+    from megatron_zeppelin.megatron.lm import glue
+
+    zeppelin = get_args().context_parallel_mode == "zeppelin"
+    owner = glue if zeppelin else P
+    original = owner.get_batch
 
     def get_batch(data_iterator, vp_stage=None):
         batch = original(data_iterator, vp_stage)
+        if len(batch) != 6:  # core_v0.18 static: [attention_mask, ..., tokens]
+            if mpu.get_pipeline_model_parallel_rank() == 0 and not vp_stage:
+                record.append((batch[-1].numel(), 0))
+            return batch
         params = batch[5]
         plan = getattr(params, "plan", None)
         if plan is not None:  # the placement (not the time planning took)
@@ -161,7 +181,7 @@ def count_tokens(record: list, plans: list):
             record.append((real, batch[0].numel() - real))
         return batch
 
-    P.get_batch = get_batch
+    owner.get_batch = get_batch
 
 
 def _harness_option(flag: str) -> str | None:
@@ -218,6 +238,38 @@ def parameters(chunk, inner) -> list:
     return list(full_parameters(chunk).values())
 
 
+def training_config(model: list, optimizer):
+    """The model config as Megatron-LM's ``train()`` sets it up before its first step: loss
+    scaling, timers, with ``--overlap-grad-reduce`` the chunks' ``no_sync`` (and with
+    ``--align-grad-reduce`` their ``start_grad_sync``), with ``--overlap-param-gather
+    --align-param-gather`` their ``start_param_sync``, and ``finalize_model_grads`` unless the
+    builder installed one. (Without ``no_sync`` the overlapped hooks reduce every micro-batch.)"""
+    from megatron.core.distributed import finalize_model_grads
+
+    args = get_args()
+    config = get_model_config(model[0])
+    config.grad_scale_func = optimizer.scale_loss
+    config.timers = get_timers()
+
+    def per_chunk(name: str):
+        found = [getattr(chunk, name) for chunk in model]
+        return found[0] if len(found) == 1 else found
+
+    if isinstance(model[0], (T.megatron_FSDP, T.DDP)) and args.overlap_grad_reduce:
+        config.no_sync_func = per_chunk("no_sync")
+        if args.align_grad_reduce:
+            config.grad_sync_func = per_chunk("start_grad_sync")
+    if args.overlap_param_gather and args.align_param_gather:
+        config.param_sync_func = per_chunk("start_param_sync")
+    if config.finalize_model_grads_func is None:
+        config.finalize_model_grads_func = finalize_model_grads
+    if args.context_parallel_mode == "static":  # zeppelin's glue does it (pipelined_schedule):
+        # gloo reads an isend's buffer after the call returns, and Megatron frees the output
+        # of a send in flight
+        config.deallocate_pipeline_outputs = False
+    return config
+
+
 def main() -> None:
     out_path, stop = _harness_option("--harness-out"), _harness_option("--harness-stop")
     kill = _harness_option("--harness-kill")  # "RANK:ITERATION": that rank dies (SIGKILL) there
@@ -225,19 +277,11 @@ def main() -> None:
     initialize()
     args = get_args()
     rank = dist.get_rank()
-    model, optimizer, scheduler = run_on_cpu(T.setup_model_and_optimizer)(
-        partial(P.model_provider, P.gpt_builder), ModelType.encoder_or_decoder)
+    model, optimizer, scheduler = run_on_cpu(T.setup_model_and_optimizer)(  # core_v0.19 swapped
+        model_provider_func=partial(P.model_provider, P.gpt_builder),  # the two: by name
+        model_type=ModelType.encoder_or_decoder)
     start = args.iteration
-    config = get_model_config(model[0])
-    config.grad_scale_func = optimizer.scale_loss
-    config.timers = get_timers()
-    if args.context_parallel_mode == "static":  # zeppelin's glue does it (pipelined_schedule):
-        # gloo reads an isend's buffer after the call returns, and Megatron frees the output
-        # of a send in flight
-        config.deallocate_pipeline_outputs = False
-    from megatron.core.distributed import finalize_model_grads
-
-    config.finalize_model_grads_func = finalize_model_grads
+    config = training_config(model, optimizer)
     train_it, valid_it = data_iterators(len(model))
     records: list = []
     plans: list = []
@@ -275,6 +319,9 @@ def main() -> None:
         result["rank_tokens"].append(per_rank)
         result["rank_pads"].append(pads)
         result["pad_tokens"] += int(total[1])
+        consume = getattr(T, "consume_seqlen_stats_in_iteration", None)  # core_v0.18 on
+        if consume is not None:  # as train(): the packed-sequence FLOPs statistics, reduced
+            result.setdefault("seqlen_stats", []).append(list(run_on_cpu(consume)()))
         if args.mtp_num_layers:  # as Megatron-LM's training_log: reduced, then cleared
             result.setdefault("mtp_losses", []).append(
                 on_last_stage({"mtp": mtp_losses()}, last_rank)["mtp"])

@@ -22,8 +22,15 @@ def test_sequences_follow_megatron_attention_mask():
     assert sample_sequences(tokens, EOD, False) == [8, 8]
     # packed SFT: cu_seqlens (micro-batch of one sample) win over EOD tokens
     assert sample_sequences(tokens[:1], EOD, True, torch.tensor([[0, 5, 8]])) == [5, 3]
-    with pytest.raises(ValueError, match=r"cu_seqlens \[0, 5, 7\] do not cover one sample of 8"):
+    with pytest.raises(ValueError, match=r"cu_seqlens \[0, 5, 7\] do not cover a sample of 8"):
         sample_sequences(tokens[:1], EOD, False, torch.tensor([0, 5, 7]))
+    # Megatron-LM 0.19's --dataloader-inter-document-masking: a row per sample, padded with seq
+    padded = torch.tensor([[0, 3, 8, 8, 8], [0, 1, 2, 6, 8]])
+    assert sample_sequences(tokens, EOD, False, padded) == [3, 5, 1, 1, 4, 2]
+    with pytest.raises(ValueError, match=r"cu_seqlens \[0, 3, 3, 8\] do not cover a sample"):
+        sample_sequences(tokens, EOD, False, torch.tensor([[0, 3, 3, 8], [0, 2, 8, 8]]))
+    with pytest.raises(ValueError, match=r"cu_seqlens of 5 entries for a micro-batch of 2"):
+        sample_sequences(tokens, EOD, False, torch.tensor([0, 3, 5, 7, 8]))
 
 
 def test_lengths_come_from_the_host_batch_tp_rank_0_read():

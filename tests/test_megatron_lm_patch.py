@@ -1,8 +1,8 @@
 """The Megatron-LM patch, its apply script and the glue's checks (``megatron/lm/glue.py``).
 
-Tests that need a Megatron-LM checkout (tag core_v0.16.1 or core_v0.17.1) read MEGATRON_LM_PATH
-(through ``megatron_zeppelin.env``) and are skipped without it; the checkout itself is never
-modified.
+Tests that need a Megatron-LM checkout (tag core_v0.16.1, core_v0.17.1, core_v0.18.2 or
+core_v0.19.0) read MEGATRON_LM_PATH (through ``megatron_zeppelin.env``) and are skipped without
+it; the checkout itself is never modified.
 """
 from __future__ import annotations
 
@@ -101,23 +101,34 @@ def trigger(rule) -> dict:
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.flag)
-def test_every_refused_feature_is_named_with_its_alternative(rule):
+def test_every_refused_feature_is_named_with_its_alternative(rule, monkeypatch):
+    if rule.fixed_in is not None:  # refused with the megatron-core versions before the fix
+        monkeypatch.setattr(compat, "megatron_core_version", lambda: (0, 16, 1))
     with pytest.raises(ConfigError) as info:
         lm.check_megatron_lm_args(megatron_lm_args(**trigger(rule)))
     message = str(info.value)
     assert message.startswith(rule.given or f"{rule.flag}=") and rule.alternative in message
 
 
-def test_optim_sharding_with_overlap_is_refused_through_the_patch_with_every_version(
-        monkeypatch):
-    """Our script takes it from megatron-core 0.17 (exact there); through Megatron-LM 0.17.1
-    the losses still differ from DDP's (tests/test_megatron_lm_train.py measured it)."""
+def test_optim_sharding_with_overlap_is_refused_with_megatron_core_0_16_only(monkeypatch):
+    """megatron-core 0.17 fixed the overlapped reduce: our script and the patch take it from
+    there (exact through Megatron-LM core_v0.17.1 to core_v0.19.0:
+    tests/test_megatron_lm_train.py); the glue asks the checkout's own megatron-core."""
     args = megatron_lm_args(use_megatron_fsdp=True, use_distributed_optimizer=True,
                             data_parallel_sharding_strategy="optim", overlap_grad_reduce=True)
-    for version in ((0, 16, 1), (0, 17, 1), (0, 19, 2)):
+
+    def refused(version):
+        return [m for m in refusals(args, version) if m.startswith("--overlap-grad-reduce")]
+
+    assert "megatron-core 0.17 fixed it" in refused((0, 16, 1))[0] and refused(None)
+    assert not refused((0, 17, 1)) and not refused((0, 19, 2))
+    for version, ok in (((0, 16, 1), False), ((0, 17, 1), True), ((0, 19, 1), True)):
         monkeypatch.setattr(compat, "megatron_core_version", lambda v=version: v)
-        refused = [m for m in refusals(args) if m.startswith("--overlap-grad-reduce")]
-        assert refused and "not exact with megatron-core 0.17.1 either" in refused[0]
+        if ok:
+            lm.check_megatron_lm_args(args)
+        else:
+            with pytest.raises(ConfigError, match="--overlap-grad-reduce with"):
+                lm.check_megatron_lm_args(args)
 
 
 def test_rules_on_zeppelin_flags_know_their_defaults():
@@ -341,6 +352,20 @@ def test_every_patch_is_a_known_version_and_carries_the_same_hooks():
     versions = [p.name.removeprefix("megatron-lm-core_v").removesuffix(".patch")
                 for p in patches]
     assert sorted(versions) == sorted(MEGATRON_LM_PATCHED) and len(versions) >= 2
-    added = [sorted(line for line in p.read_text().splitlines()
-                    if line.startswith("+") and not line.startswith("+++")) for p in patches]
-    assert all(lines == added[0] for lines in added), "the patches add different lines"
+    hooks = [patch_hooks(p.read_text()) for p in patches]
+    assert all(found == hooks[0] for found in hooks), \
+        {v: found ^ hooks[0] for v, found in zip(versions, hooks)}
+    assert len(hooks[0]) >= 20  # the glue's entry points, the patch's helpers, their uses
+
+
+def patch_hooks(patch: str) -> set[str]:
+    """What a patch hooks in: each megatron_zeppelin import it adds, each function it defines
+    and which of those its added lines use (the lines around them follow each tag's code:
+    core_v0.18 moved the batch into ``forward_step``)."""
+    added = [line[1:].strip() for line in patch.splitlines()
+             if line.startswith("+") and not line.startswith("+++")]
+    defined = {line[4:].split("(")[0] for line in added if line.startswith("def ")}
+    used = {f"uses {name}" for name in defined
+            if any(name in line and not line.startswith("def ") for line in added)}
+    return {line for line in added if line.startswith("from megatron_zeppelin")} | \
+        {f"def {name}" for name in defined} | used

@@ -1,7 +1,7 @@
 """Megatron-LM's own training step in zeppelin and static mode on CPU/gloo.
 
-Needs MEGATRON_LM_PATH (a Megatron-LM checkout at tag core_v0.16.1 or core_v0.17.1; skipped
-otherwise, so CI skips it). A patched mirror of the checkout is made in a temporary folder (symlinks, with the
+Needs MEGATRON_LM_PATH (a Megatron-LM checkout at tag core_v0.16.1, core_v0.17.1, core_v0.18.2 or
+core_v0.19.0; skipped otherwise, so CI skips it). A patched mirror of the checkout is made in a temporary folder (symlinks, with the
 patched files and megatron-core's prebuilt ``helpers_cpp`` copied); the checkout is never
 modified. ``tests/megatron_lm_driver.py`` runs Megatron-LM's pretrain pieces under torchrun.
 
@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -140,6 +141,36 @@ def test_zeppelin_trains_like_static_with_the_same_batch_and_memory(tree, tmp_pa
     assert zeppelin["pad_tokens"] == sum(sum(map(sum, pads)) for pads in zeppelin["rank_pads"])
 
 
+def test_inter_document_masking_gives_the_documents_to_zeppelin(tree, tmp_path):
+    """Megatron-LM core_v0.19's ``--dataloader-inter-document-masking`` (documents as
+    ``cu_seqlens``, positions reset per document) trains exactly as zeppelin splitting at
+    end-of-document tokens with reset positions, with the same plans (the mock documents end
+    with EOD and, under a vocabulary larger than any document, hold no other); and it feeds
+    Megatron's FLOPs statistics the documents' lengths, as static mode's packed path does."""
+    probe = subprocess.run([sys.executable, "-c", TYPING_OVERRIDE + "import sys; "
+                            "sys.path.insert(0, '.'); from megatron.training.arguments import "
+                            "add_megatron_arguments as a; import argparse; "
+                            "print(a(argparse.ArgumentParser()).get_default("
+                            "'dataloader_inter_document_masking'))"],
+                           cwd=tree, capture_output=True, text=True, timeout=300)
+    if probe.stdout.strip() != "False":
+        pytest.skip("this Megatron-LM has no --dataloader-inter-document-masking (core_v0.19 on)")
+    seq = 1024  # mock documents are 1-4095 tokens long: samples of 1024 hold boundaries
+    flags = [*ZEPPELIN, "--context-parallel-size", "2", "--vocab-size", "8192",
+             "--seq-length", str(seq), "--max-position-embeddings", str(seq)]
+    masked = run(tree, tmp_path, "masked", 2, *flags, "--dataloader-inter-document-masking")
+    split = run(tree, tmp_path, "split", 2, *flags, "--reset-attention-mask",
+                "--reset-position-ids")
+    assert masked["losses"] == pytest.approx(split["losses"], rel=1e-6)
+    assert masked["grad_norms"] == pytest.approx(split["grad_norms"], rel=1e-5)
+    assert masked["plans"] == split["plans"]
+    assert all(stats == [None, None] for stats in split["seqlen_stats"])  # none: as static
+    stats = masked["seqlen_stats"]  # sum(L), sum(L^2) of each global batch
+    assert [tokens for tokens, _ in stats] == [GBS * seq] * len(stats)
+    assert all(squares <= GBS * seq ** 2 for _, squares in stats)
+    assert sum(squares < GBS * seq ** 2 for _, squares in stats) >= 2  # documents were cut
+
+
 def test_multi_token_prediction_trains_like_static(tree, tmp_path):
     """--mtp-num-layers 2 on whole samples split over a pool of 2: the shifted ids and labels of
     a rank's last tokens come from the other rank; losses, gradient norms (MTP layers
@@ -155,13 +186,24 @@ def test_multi_token_prediction_trains_like_static(tree, tmp_path):
         assert mine == pytest.approx(theirs, rel=2e-6)
 
 
+def tree_version(tree: Path) -> tuple[int, int, int]:
+    """The megatron-core version of the Megatron-LM tree (its own ``megatron/core``)."""
+    info = runpy.run_path(str(tree / "megatron/core/package_info.py"))
+    return info["MAJOR"], info["MINOR"], info["PATCH"]
+
+
 def test_moe_experts_on_the_linear_layout_match_one_process(tree, tmp_path):
     # no z-loss: Megatron divides its coefficient by the TP x CP size (static CP too), so a
-    # pool's z-loss is not one process's
-    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+    # pool's z-loss is not one process's. From core_v0.19 each rank's aux loss is multiplied by
+    # the TP x CP size under --calculate-per-token-loss (router.py, the same formula in static
+    # CP): a pool of 2 trains as one process with twice the coefficient (measured: equal
+    # parameters; with the same coefficient 1e-4 apart)
+    moe = ["--num-experts", "4", "--moe-router-topk", "2"]
+    scale = 2 if tree_version(tree) >= (0, 19, 0) else 1
     zeppelin = run(tree, tmp_path, "moe-zeppelin", 2, *ZEPPELIN, "--context-parallel-size",
-                   "2", *moe)
-    one = run(tree, tmp_path, "moe-one", 1, *STATIC, *moe)
+                   "2", *moe, "--moe-aux-loss-coeff", "0.01")
+    one = run(tree, tmp_path, "moe-one", 1, *STATIC, *moe, "--moe-aux-loss-coeff",
+              str(0.01 * scale))
     assert_same_training(zeppelin, one, rel=1e-5)
     assert zeppelin["param_sum"] == pytest.approx(one["param_sum"], rel=1e-6)
     ep = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
@@ -223,7 +265,14 @@ def test_refusals_through_megatron_lm_parser(tree, tmp_path):
     assert "--zeppelin-remap only applies to --context-parallel-mode zeppelin" in proc.stderr
 
 
-PARSE = """
+# Megatron-LM core_v0.18 imports typing.override (Python 3.12); on 3.11 typing_extensions' one
+# (as tests/megatron_lm_driver.py does)
+TYPING_OVERRIDE = """
+import typing, typing_extensions
+if not hasattr(typing, "override"):
+    typing.override = typing_extensions.override
+"""
+PARSE = TYPING_OVERRIDE + """
 import sys, warnings
 warnings.filterwarnings("ignore")
 sys.path.insert(0, ".")
@@ -267,13 +316,14 @@ def test_static_mode_does_not_need_megatron_zeppelin(tree):
     assert zeppelin.returncode != 0
     assert "--context-parallel-mode zeppelin needs megatron-zeppelin" in zeppelin.stderr
     other = subprocess.run(  # the other entry points use Megatron's parser without the flag
-        [sys.executable, "-c", "import sys; sys.path.insert(0, '.'); from megatron.training."
-         "arguments import parse_args; parse_args()", "--context-parallel-mode", "zeppelin"],
+        [sys.executable, "-c", TYPING_OVERRIDE + "import sys; sys.path.insert(0, '.'); from "
+         "megatron.training.arguments import parse_args; parse_args()",
+         "--context-parallel-mode", "zeppelin"],
         cwd=tree, capture_output=True, text=True, timeout=300)
     assert "unrecognized arguments: --context-parallel-mode zeppelin" in other.stderr
 
 
-YAML = """
+YAML = TYPING_OVERRIDE + """
 import argparse, copy, sys, warnings
 warnings.filterwarnings("ignore")
 sys.path.insert(0, ".")
@@ -296,10 +346,28 @@ for _ in range(300):
 """
 
 
+def example_yaml() -> str:
+    """Megatron-LM's example ``--yaml-cfg`` file (``examples/gpt3/gpt_config.yaml``): from the
+    checkout, or, where the tag dropped it (core_v0.18 on), from core_v0.16.1 in the checkout's
+    git history; skipped when neither has it."""
+    checkout = Path(env.megatron_lm_path())
+    example = checkout / "examples/gpt3/gpt_config.yaml"
+    if example.exists():
+        return example.read_text()
+    old = subprocess.run(["git", "-C", str(checkout), "show",
+                          "core_v0.16.1:examples/gpt3/gpt_config.yaml"],
+                         capture_output=True, text=True)
+    if old.returncode:
+        pytest.skip(f"{checkout} has no examples/gpt3/gpt_config.yaml (removed in core_v0.18) "
+                    "and its git history no core_v0.16.1 to take it from")
+    return old.stdout
+
+
 def test_yaml_cfg_keeps_the_zeppelin_flags(tree, tmp_path):
     cfg = tmp_path / "gpt.yaml"
-    cfg.write_text((Path(env.megatron_lm_path()) / "examples/gpt3/gpt_config.yaml").read_text()
-                   + "\ncontext_parallel_mode: zeppelin\nenable_msc: false\n")
+    # (core_v0.19's parse_args reads disable_msc_deprecated, which no YAML file had)
+    cfg.write_text(example_yaml() + "\ncontext_parallel_mode: zeppelin\nenable_msc: false\n"
+                   "disable_msc_deprecated: false\n")
     proc = subprocess.run([sys.executable, "-c", YAML, "--yaml-cfg", str(cfg),
                            "--no-zeppelin-routing"], cwd=tree, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "WORLD_SIZE": "1",
@@ -489,6 +557,17 @@ def test_megatron_fsdp_trains_like_static_and_ddp(tree, tmp_path):
     for strategy in ("optim_grads", "optim"):
         sharded = run(tree, tmp_path, f"fsdp-z-{strategy}", 2, *ZEPPELIN, *pool, *FSDP, strategy)
         assert_same_training(sharded, ddp)
+    # optim with the hooks' overlapped reduce: megatron-core 0.16's adds each rank's own
+    # gradient to the reduced shard (refused there), 0.17 fixed it (exact)
+    overlap = [*ZEPPELIN, *pool, *FSDP, "optim", "--overlap-grad-reduce"]
+    if tree_version(tree) < (0, 17, 0):
+        proc = run(tree, tmp_path, "fsdp-z-overlap", 2, *overlap, ok=False)
+        assert proc.returncode != 0 and "--overlap-grad-reduce with --use-megatron-fsdp" in \
+            proc.stderr
+    else:
+        overlapped = run(tree, tmp_path, "fsdp-z-overlap", 2, *overlap)
+        assert_same_training(overlapped, ddp)
+        assert overlapped["param_sum"] == pytest.approx(ddp["param_sum"], rel=1e-6)
 
 
 def test_megatron_fsdp_with_pipelines_trains_like_ddp(pipelined, tree, tmp_path):

@@ -275,7 +275,7 @@ def test_optim_sharding_with_overlap_is_refused_with_megatron_core_0_16_only(mon
             "--use-megatron-fsdp --data-parallel-sharding-strategy=optim with "
             r"--overlap-grad-reduce \(the default\): .*GradReducePipeline."
             "_bucket_group_gradient_reduce.* not exact; megatron-core 0.17 fixed it "
-            r"\(measured exact there with this script\); add --no-overlap-grad-reduce")):
+            r"\(measured exact there\); add --no-overlap-grad-reduce")):
         train_args.validate_args(train_args.parse_args(argv), 4, None)
     monkeypatch.setattr(compat, "megatron_core_version", lambda: (0, 17, 1))
     train_args.validate_args(train_args.parse_args(argv), 4, None)

@@ -11,15 +11,15 @@ handled:
   Other versions run on GPUs
   only: ``check_cpu_bridge`` refuses them by version instead of failing inside megatron-core.
 * Megatron-LM's ``get_batch_on_this_tp_rank``: at core_v0.16.1 it lives in
-  ``megatron.training.utils`` and reads the data iterator itself; later tags moved it to
-  ``megatron.core.utils`` with a different signature. ``batch_on_this_tp_rank`` is the one call
-  site (0.17.1 keeps the 0.16.1 one); the Megatron-LM patch exists for core_v0.16.1 and
-  core_v0.17.1 (``patches/``, ``MEGATRON_LM_PATCHED``). core_v0.18 and later build the model
-  from a config container in ``pretrain_gpt.py`` (``gpt_config_from_args``): no patch yet
-  (core_v0.18.2 runs on Python 3.11 given ``typing.override``; ``docs/megatron-lm.md``).
+  ``megatron.training.utils`` and reads the data iterator itself (0.17.1 keeps it); core_v0.18
+  moved it to ``megatron.core.utils``, taking the batch TP rank 0 read and the run's settings
+  (core_v0.19 renamed its ``is_sft`` ``has_cu_seqlens``). ``batch_on_this_tp_rank`` is the one
+  call site. The Megatron-LM patch exists for core_v0.16.1, core_v0.17.1, core_v0.18.2 and
+  core_v0.19.0 (``patches/``, ``MEGATRON_LM_PATCHED``; from core_v0.18 its batch hook sits in
+  ``forward_step``, ``docs/megatron-lm.md``).
 * Megatron-FSDP's optim sharding with overlapped gradient reduction: not exact in 0.16.x;
-  our script refuses it there only (``fsdp_optim_overlap_exact``), the Megatron-LM patch with
-  every version (still inexact through Megatron-LM core_v0.17.1).
+  our script and the Megatron-LM patch refuse it there only (``fsdp_optim_overlap_exact``,
+  ``lm/features`` ``fixed_in``).
 * A checkpoint's common state: ``common.pt`` up to 0.18, inside the shards from 0.19
   (``common_state_in_shards``); MTP's logging helper renamed its tracker key and clean-up in
   0.19 (``mtp_tracker``).
@@ -38,14 +38,18 @@ handled:
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, NamedTuple
 
 from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.megatron.common import fsdp_limits
 
 MEGATRON_CORE_MIN = (0, 16, 1)
 MEGATRON_CORE_BELOW = (0, 20, 0)
 CPU_BRIDGE_SERIES = ((0, 16), (0, 17), (0, 18), (0, 19))  # series the CPU bridge is tested on
-MEGATRON_LM_PATCHED = ("0.16.1", "0.17.1")  # versions of Megatron-LM with a patch in patches/
+# megatron-core versions of the Megatron-LM tags with a patch in patches/ (tag core_v0.19.0
+# reports 0.19.1)
+MEGATRON_LM_PATCHED = ("0.16.1", "0.17.1", "0.18.2", "0.19.1")
 # 0.16.x's MoE router reads te_general_gemm, imported only with TE (0.19 sets it to None): an
 # MoE model without TE fails with NameError in 0.16.x on GPUs too (use TE or 0.19)
 CPU_BRIDGE_MISSING_NAMES = (
@@ -80,9 +84,8 @@ def mtp_count_scales_gradient(version: tuple[int, int, int] | None = None) -> bo
 # Megatron-FSDP with optim sharding and overlap added each rank's own unreduced gradient to its
 # reduced shard in 0.16 ('local_grad += reduced_grad', common/fsdp_limits.OPTIM_OVERLAP); from
 # 0.17 GradReducePipeline._bucket_group_gradient_reduce copies the reduced shard for no_shard
-# and optim (read in 0.17.1, 0.18.2 and 0.19.2; measured exact with 0.17.1, 0.18.2 and 0.19.2
-# by tests/test_training_fsdp.py, through our script; through Megatron-LM 0.17.1 it is not)
-FSDP_OPTIM_OVERLAP_EXACT = (0, 17, 0)
+# and optim (read in 0.17.1, 0.18.2 and 0.19.2; measured exact: fsdp_limits.OPTIM_OVERLAP_EXACT)
+FSDP_OPTIM_OVERLAP_EXACT = fsdp_limits.OPTIM_OVERLAP_EXACT
 
 
 def fsdp_optim_overlap_exact(version: tuple[int, int, int] | None = None) -> bool:
@@ -214,13 +217,54 @@ def batch_on_this_tp_rank(data_iterator: Any, every_field: bool = False) -> dict
     from megatron.training import utils
 
     fetch = getattr(utils, "get_batch_on_this_tp_rank", None)
+    if fetch is not None:  # core_v0.16.1, core_v0.17.1: it reads the iterator itself
+        return fetch(data_iterator, mtp_on_this_rank=True) if every_field else fetch(data_iterator)
+    return _broadcast_tp_batch(data_iterator, every_field)
+
+
+# the fields core_v0.18's pretrain_gpt.get_batch moves to the GPU (absent ones: None)
+_TP_BATCH_KEYS = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "labels", "loss_mask",
+                  "max_seqlen", "position_ids", "tokens")
+
+
+def _broadcast_tp_batch(data_iterator: Any, every_field: bool) -> dict:
+    """core_v0.18 on: TP rank 0 reads the iterator and moves the fields to the GPU (as that
+    tag's ``pretrain_gpt.get_batch`` does), megatron-core's ``get_batch_on_this_tp_rank``
+    broadcasts them with the run's settings."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import utils as core_utils
+    from megatron.training import get_args
+
+    fetch = getattr(core_utils, "get_batch_on_this_tp_rank", None)
     if fetch is None:
         from megatron.core import package_info
 
         raise ConfigError(f"this Megatron-LM (megatron-core {package_info.__version__}) has no "
-                          "megatron.training.utils.get_batch_on_this_tp_rank; zeppelin's "
-                          f"Megatron-LM patch exists for {', '.join(MEGATRON_LM_PATCHED)}")
-    return fetch(data_iterator, mtp_on_this_rank=True) if every_field else fetch(data_iterator)
+                          "get_batch_on_this_tp_rank; zeppelin's Megatron-LM patch exists for "
+                          f"{', '.join(MEGATRON_LM_PATCHED)}")
+    args = get_args()
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    batch: dict = {}
+    if tp_rank == 0:
+        batch = dict(next(data_iterator))
+        for key in _TP_BATCH_KEYS:
+            value = batch.get(key)
+            batch[key] = None if value is None else value.cuda(non_blocking=True)
+    # core_v0.19 renamed is_sft has_cu_seqlens: SFT's packed samples, or documents
+    # (--dataloader-inter-document-masking, new in core_v0.19)
+    packed = {"has_cu_seqlens": args.sft or getattr(args, "dataloader_inter_document_masking",
+                                                    False)} \
+        if "has_cu_seqlens" in inspect.signature(fetch).parameters else {"is_sft": args.sft}
+    return fetch(batch, **packed, is_hybrid_cp=False,
+                 create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+                 broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+                 broadcast_group=mpu.get_tensor_model_parallel_group(),
+                 cp_size=args.context_parallel_size, tp_rank=tp_rank,
+                 micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+                 mtp_on_this_rank=every_field,
+                 pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                 is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
+                 is_pipeline_last_stage=mpu.is_pipeline_last_stage())
 
 
 def fix_mla_without_te() -> None:

@@ -13,9 +13,8 @@ NO_SHARD = ("megatron-core 0.16.1's Megatron-FSDP fails at the first optimizer s
 # megatron_fsdp/param_and_grad_buffer.py), which with optim's unsharded gradient buffer
 # reduce-scatters into a new tensor and adds it ('local_grad += reduced_grad') to this rank's
 # slice of its own unreduced gradient: each shard is the DP x CP sum plus the rank's own part
-# (tests/test_training_fsdp.py measures it; from 0.17 the shard is copied, exact, and our
-# script refuses it with 0.16.x only: compat.fsdp_optim_overlap_exact; through Megatron-LM
-# 0.17.1 the losses still differ, so the patch refuses it with every version). Without overlap
+# (tests/test_training_fsdp.py measures it; from 0.17 the shard is copied, exact: both entry
+# points refuse it with 0.16.x only, OPTIM_OVERLAP_EXACT). Without overlap
 # finish_grad_sync reduce-scatters
 # the buffer in place (reduce_scatter_gradients), exact, provided the hooks never reduce:
 # Megatron-LM sets no_sync_func only with --overlap-grad-reduce (training.py), and so does our
@@ -25,12 +24,13 @@ OPTIM_OVERLAP = ("with optim sharding megatron-core 0.16.x's Megatron-FSDP reduc
                  "_bucket_group_gradient_reduce) and adds each rank's own unreduced gradient to "
                  "the reduced shard ('local_grad += reduced_grad': grad norms about 9% off "
                  "Megatron DDP's), so it is not exact")
-# our script with megatron-core >= 0.17 (compat.fsdp_optim_overlap_exact): exact, measured
-OPTIM_OVERLAP_FIXED = "megatron-core 0.17 fixed it (measured exact there with this script)"
-# through Megatron-LM it stays inexact with 0.17 (tests/test_megatron_lm_train.py measured it)
-OPTIM_OVERLAP_LM = ("through Megatron-LM it is not exact with megatron-core 0.17.1 either "
-                    "(losses 1.6e-3 and 6e-3 off Megatron DDP's at iterations 2-3, CPU/gloo; "
-                    "the cause there is not found)")
+# megatron-core 0.17 copies the reduced shard instead: exact, measured in our script
+# (tests/test_training_fsdp.py with 0.17.1, 0.18.2, 0.19.2) and through the Megatron-LM patch
+# (tests/test_megatron_lm_train.py with core_v0.17.1 to core_v0.19.0, once its test driver set
+# Megatron-LM's no_sync_func as train() does: without it the hooks reduced every micro-batch,
+# which was the 2026-11-29 "inexact through Megatron-LM" finding)
+OPTIM_OVERLAP_EXACT = (0, 17, 0)
+OPTIM_OVERLAP_FIXED = "megatron-core 0.17 fixed it (measured exact there)"
 
 TP_WITHOUT_TE = ("megatron-core 0.16.1's Megatron-FSDP finds tensor-parallel parameters "
                  "through Transformer Engine's TELinear: with local layers it fails, and mended "

@@ -8,7 +8,8 @@ plans the micro-batch's *sequences* over the pool and each rank takes ``Plan.lin
 
 The sequences attention runs on are those Megatron's own attention mask describes:
 
-* ``cu_seqlens`` given (``--sft`` packing): its segments;
+* ``cu_seqlens`` given (``--sft`` packing, Megatron-LM 0.19's
+  ``--dataloader-inter-document-masking``): its segments;
 * ``--reset-attention-mask``: each sample split after every end-of-document token (what
   ``GPTDataset`` masks);
 * otherwise: each whole sample is one causal sequence (Megatron's default).
@@ -46,20 +47,22 @@ def sample_sequences(tokens: Tensor, eod: int, split_at_eod: bool,
                      cu_seqlens: Optional[Tensor] = None) -> list[int]:
     """Sequence lengths of a micro-batch, sample by sample (in token order).
 
-    tokens: host ``[samples, seq]`` int; cu_seqlens: host ``[n + 1]`` or ``[1, n + 1]`` int
-    boundaries of the packed sequences of a single sample (``--sft``), covering all its tokens.
+    tokens: host ``[samples, seq]`` int; cu_seqlens: host int boundaries of each sample's
+    sequences, ``[samples, k]`` (or ``[k]`` for one sample): packed SFT samples (``--sft``,
+    one sample) or documents (Megatron-LM 0.19's ``--dataloader-inter-document-masking``,
+    whose rows are padded to one length by repeating ``seq``); each row runs from 0 to
+    ``seq`` in increasing order.
     """
     if tokens.dim() != 2:
         raise ValueError(f"tokens shape {tuple(tokens.shape)} is invalid: expected "
                          "[micro-batch-size, seq-length]")
     samples, seq = tokens.shape
     if cu_seqlens is not None:
-        bounds = cu_seqlens.reshape(-1).tolist()
-        if samples != 1 or bounds[0] != 0 or bounds[-1] != seq or \
-                any(b <= a for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"cu_seqlens {bounds} do not cover one sample of {seq} tokens "
-                             f"(micro-batch of {samples}) in increasing order")
-        return [b - a for a, b in zip(bounds, bounds[1:])]
+        if cu_seqlens.numel() % samples:
+            raise ValueError(f"cu_seqlens of {cu_seqlens.numel()} entries for a micro-batch of "
+                             f"{samples} samples: expected one row per sample")
+        rows = cu_seqlens.reshape(samples, -1).tolist()
+        return [n for row in rows for n in _row_lengths(row, seq, samples)]
     if not split_at_eod:
         return [seq] * samples
     lengths = []
@@ -71,6 +74,18 @@ def sample_sequences(tokens: Tensor, eod: int, split_at_eod: bool,
                 lengths.append(end - start)
                 start = end
     return lengths
+
+
+def _row_lengths(bounds: list[int], seq: int, samples: int) -> list[int]:
+    """One sample's sequence lengths from its ``cu_seqlens`` row (trailing ``seq`` repeats:
+    padding)."""
+    while len(bounds) > 2 and bounds[-1] == bounds[-2] == seq:
+        bounds = bounds[:-1]
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != seq or \
+            any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens {bounds} do not cover a sample of {seq} tokens "
+                         f"(micro-batch of {samples}) in increasing order")
+    return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
 class HostBatchTap:

@@ -32,8 +32,14 @@ class Rule:
     reason: str
     alternative: str
     given: str | None = None  # how the message names the setting (default: flag=value)
+    fixed_in: tuple[int, int, int] | None = None  # megatron-core version that needs no refusal
 
-    def check(self, args: argparse.Namespace) -> str | None:
+    def check(self, args: argparse.Namespace,
+              version: tuple[int, int, int] | None = None) -> str | None:
+        """The refusal message, or None. ``version``: megatron-core's (None: unknown, so a rule
+        with ``fixed_in`` refuses)."""
+        if self.fixed_in is not None and version is not None and tuple(version) >= self.fixed_in:
+            return None
         value = getattr(args, self.name, self.default)
         if not self.refused(value, args):
             return None
@@ -166,11 +172,11 @@ RULES: tuple[Rule, ...] = (
     Rule("--overlap-grad-reduce", "overlap_grad_reduce", False,
          lambda v, a: bool(v) and _get(a, "use_megatron_fsdp", False)
          and _get(a, "data_parallel_sharding_strategy", "no_shard") == "optim",
-         f"{fsdp_limits.OPTIM_OVERLAP}; {fsdp_limits.OPTIM_OVERLAP_LM}",
-         "drop --overlap-grad-reduce, or use --data-parallel-sharding-strategy optim_grads or "
-         "optim_grads_params",
+         f"{fsdp_limits.OPTIM_OVERLAP}; {fsdp_limits.OPTIM_OVERLAP_FIXED}",
+         "drop --overlap-grad-reduce, use --data-parallel-sharding-strategy optim_grads or "
+         "optim_grads_params, or Megatron-LM core_v0.17.1 or later",
          given="--overlap-grad-reduce with --use-megatron-fsdp "
-               "--data-parallel-sharding-strategy optim"),
+               "--data-parallel-sharding-strategy optim", fixed_in=fsdp_limits.OPTIM_OVERLAP_EXACT),
     Rule("--tensor-model-parallel-size", "tensor_model_parallel_size", 1,
          lambda v, a: v > 1 and _get(a, "use_megatron_fsdp", False)
          and _get(a, "transformer_impl", "transformer_engine") == "local",
@@ -201,6 +207,8 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def refusals(args: argparse.Namespace) -> list[str]:
-    """One message per setting of ``args`` that zeppelin mode refuses (empty: all supported)."""
-    return [message for rule in RULES if (message := rule.check(args)) is not None]
+def refusals(args: argparse.Namespace,
+             version: tuple[int, int, int] | None = None) -> list[str]:
+    """One message per setting of ``args`` that zeppelin mode refuses with megatron-core
+    ``version`` (None: unknown; every rule applies) (empty: all supported)."""
+    return [message for rule in RULES if (message := rule.check(args, version)) is not None]

@@ -1,4 +1,4 @@
-"""Glue for Megatron-LM's own ``pretrain_gpt.py`` (core_v0.16.1, core_v0.17.1), from ``patches/``.
+"""Glue for Megatron-LM's own ``pretrain_gpt.py`` (core_v0.16.1 to core_v0.19.0), from ``patches/``.
 
 The patch adds these hooks to Megatron-LM, each importing this package only in zeppelin mode
 (or when ``--zeppelin-*`` flags are given), so static mode and other entry points never need it:
@@ -13,9 +13,9 @@ The patch adds these hooks to Megatron-LM, each importing this package only in z
 * ``gpt_builder`` builds whatever model Megatron's own builder chose (MoE, heterogeneous,
   ``--spec``, RoPE scaling, TE or local layers) as a ``PackedGPTModel`` whose self-attention
   layers run zeppelin core attention (``zeppelin_gpt_model``);
-* ``get_batch`` returns this rank's share of the micro-batch in the linear layout
-  (``get_batch``, ``lm_batch.py``), on every pipeline stage (Megatron-LM's dataset is built on
-  every stage in zeppelin mode: ``is_dataset_built_on_rank``);
+* ``get_batch`` (from core_v0.18: ``forward_step``) takes this rank's share of the micro-batch
+  in the linear layout (``get_batch``, ``lm/batch.py``), on every pipeline stage (Megatron-LM's
+  dataset is built on every stage in zeppelin mode: ``is_dataset_built_on_rank``);
 * ``megatron.training.training.get_forward_backward_func`` gives Megatron's schedules, with
   pipeline parallelism, variable sequence lengths and the ordered P2P communicator
   (``pipelined_schedule``);
@@ -34,6 +34,7 @@ each rank holds about ``1/CP`` of them. Only core attention and the batch layout
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -74,7 +75,9 @@ def check_megatron_lm_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flags} only {verb} to --context-parallel-mode zeppelin (the mode "
                               f"is {mode}): drop them or pass --context-parallel-mode zeppelin")
         return
-    refused = refusals(args)
+    from megatron_zeppelin.megatron.common.compat import megatron_core_version
+
+    refused = refusals(args, megatron_core_version())  # the checkout's own megatron/core
     if refused:
         raise ConfigError(refused[0])
     from_flags(train_args.ZeppelinRuntimeArgs, args, train_args.ZEPPELIN_PREFIX)  # its checks
@@ -267,10 +270,26 @@ def get_batch(data_iterator, vp_stage=None):
                          max_position=args.seq_length)
     if planned:  # once per micro-batch, whichever chunk read it first
         state["stats"].add(batch, seconds, plan if training else None)
+        if args.sft or getattr(args, "dataloader_inter_document_masking", False):
+            _count_packed_flops(lengths, batch.tokens.device)
         if online is not None and training:  # (the schedule ends the last span)
             online.begin(batch.packed_seq_params.num_tokens)  # real tokens
     return (batch.tokens, batch.labels, batch.loss_mask, None, batch.position_ids,
             batch.packed_seq_params)
+
+
+def _count_packed_flops(lengths: list[int], device: torch.device) -> None:
+    """Megatron-LM's FLOPs accounting of packed sequences (core_v0.18 on:
+    ``update_seqlen_stats_from_cu_seqlens``, which static mode's ``forward_step`` feeds when
+    the data brings ``cu_seqlens``): every rank adds the micro-batch's whole sequence lengths
+    once, as every static CP rank does (Megatron divides by TP x CP x PP), so the TFLOP/s
+    Megatron logs count the same work in both modes. A no-op before core_v0.18."""
+    from megatron.training import training
+
+    update = getattr(training, "update_seqlen_stats_from_cu_seqlens", None)
+    if update is not None:
+        bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        update(bounds.to(device, non_blocking=True))
 
 
 def train_step_done(iteration: int | None) -> None:
@@ -331,7 +350,10 @@ def pipelined_schedule(schedule):
         if megatron_args.use_megatron_fsdp:
             config.finalize_model_grads_func = summing_shared_embeddings(
                 config.finalize_model_grads_func)
-        return schedule(*args, model=model, **kwargs, **schedule_kwargs(config))
+        extra = schedule_kwargs(config)  # core_v0.19's train_step passes its own communicator
+        if kwargs.get("pg_collection") is not None:  # and process groups: ours replaces the
+            extra.pop("pg_collection")  # communicator, Megatron's groups stay
+        return schedule(*args, model=model, **{**kwargs, **extra})
 
     return run if online is None else _ending_spans(run, online)
 
