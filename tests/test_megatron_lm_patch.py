@@ -110,6 +110,16 @@ def test_every_refused_feature_is_named_with_its_alternative(rule, monkeypatch):
     assert message.startswith(rule.given or f"{rule.flag}=") and rule.alternative in message
 
 
+@pytest.mark.parametrize("rule", [r for r in RULES if r.fixed_in is not None],
+                         ids=lambda r: r.flag)
+def test_a_rule_fixed_in_a_version_refuses_only_before_it(rule):
+    args = megatron_lm_args(**trigger(rule))
+    before = (rule.fixed_in[0], rule.fixed_in[1] - 1, 9)
+    assert any(m.startswith(rule.given or rule.flag) for m in refusals(args, before))
+    assert any(m.startswith(rule.given or rule.flag) for m in refusals(args))  # unknown
+    assert not any(m.startswith(rule.given or rule.flag) for m in refusals(args, rule.fixed_in))
+
+
 def test_optim_sharding_with_overlap_is_refused_with_megatron_core_0_16_only(monkeypatch):
     """megatron-core 0.17 fixed the overlapped reduce: our script and the patch take it from
     there (exact through Megatron-LM core_v0.17.1 to core_v0.19.0:

@@ -568,6 +568,17 @@ def test_megatron_fsdp_trains_like_static_and_ddp(tree, tmp_path):
         overlapped = run(tree, tmp_path, "fsdp-z-overlap", 2, *overlap)
         assert_same_training(overlapped, ddp)
         assert overlapped["param_sum"] == pytest.approx(ddp["param_sum"], rel=1e-6)
+    # a plain optimizer on the shards (no --use-distributed-optimizer): Megatron-LM 0.16 and
+    # 0.17 step it wrongly in static mode too (refused there), 0.18 on exactly
+    plain = [*ZEPPELIN, *pool, *(f for f in FSDP if f != "--use-distributed-optimizer"),
+             "optim_grads_params"]
+    if tree_version(tree) < (0, 18, 0):
+        proc = run(tree, tmp_path, "fsdp-z-plain", 2, *plain, ok=False)
+        assert proc.returncode != 0 and "without --use-distributed-optimizer" in proc.stderr
+    else:
+        unsharded = run(tree, tmp_path, "fsdp-z-plain", 2, *plain)
+        assert_same_training(unsharded, ddp)
+        assert unsharded["param_sum"] == pytest.approx(ddp["param_sum"], rel=1e-6)
 
 
 def test_megatron_fsdp_with_pipelines_trains_like_ddp(pipelined, tree, tmp_path):

@@ -32,6 +32,14 @@ OPTIM_OVERLAP = ("with optim sharding megatron-core 0.16.x's Megatron-FSDP reduc
 OPTIM_OVERLAP_EXACT = (0, 17, 0)
 OPTIM_OVERLAP_FIXED = "megatron-core 0.17 fixed it (measured exact there)"
 
+# Megatron-LM's Megatron-FSDP without --use-distributed-optimizer (a plain optimizer on the
+# shards): measured through the patch with the CPU driver, pool of 2, against Megatron DDP
+PLAIN_OPTIMIZER = ("without it Megatron-LM core_v0.16.1 and core_v0.17.1 step a plain "
+                   "optimizer on the FSDP shards, in static mode too (grad norm 0.388 vs "
+                   "Megatron DDP's 0.465 at the first iteration on CPU/gloo); core_v0.18.2 "
+                   "and core_v0.19.0 train it exactly")
+PLAIN_OPTIMIZER_EXACT = (0, 18, 0)
+
 TP_WITHOUT_TE = ("megatron-core 0.16.1's Megatron-FSDP finds tensor-parallel parameters "
                  "through Transformer Engine's TELinear: with local layers it fails, and mended "
                  "its grad norms were 8.8x off Megatron DDP's (CPU/gloo, TP 2 x PP 2)")

@@ -161,10 +161,9 @@ RULES: tuple[Rule, ...] = (
          "drop the flag"),
     Rule("--use-megatron-fsdp", "use_megatron_fsdp", False,
          lambda v, a: bool(v) and not _get(a, "use_distributed_optimizer", False),
-         "without it Megatron-LM 0.16.1 steps a plain optimizer on the FSDP shards, in static "
-         "mode too (grad norm 0.388 vs Megatron DDP's 0.465 at the first iteration on "
-         "CPU/gloo)", "add --use-distributed-optimizer",
-         given="--use-megatron-fsdp without --use-distributed-optimizer"),
+         fsdp_limits.PLAIN_OPTIMIZER, "add --use-distributed-optimizer, or use Megatron-LM "
+         "core_v0.18.2 or later", given="--use-megatron-fsdp without --use-distributed-optimizer",
+         fixed_in=fsdp_limits.PLAIN_OPTIMIZER_EXACT),
     Rule("--data-parallel-sharding-strategy", "data_parallel_sharding_strategy", "no_shard",
          lambda v, a: v == "no_shard" and _get(a, "use_megatron_fsdp", False),
          f"(Megatron-LM's default) {fsdp_limits.NO_SHARD}",
