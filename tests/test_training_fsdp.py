@@ -187,7 +187,7 @@ def test_megatron_fsdp_in_zeppelin_mode_matches_ddp_and_one_process(tmp_path):
                                        msg=lambda m, n=name: f"{strategy} {n}: {m}")
     # why optim with overlap is refused with megatron-core 0.16: rank 0's shard is the sum
     # plus rank 0's own gradient (per-token loss: no scaling before the reduction); from 0.17
-    # (compat.FSDP_OPTIM_OVERLAP_EXACT) it is the sum, and the refusal is lifted there
+    # (fsdp_limits.OPTIM_OVERLAP_EXACT) it is the sum, and the refusal is lifted there
     assert runs["optim_overlapped"], "no gradient bucket was reduced"
     exact = compat.fsdp_optim_overlap_exact()
     for bucket in runs["optim_overlapped"]:

@@ -81,17 +81,13 @@ def mtp_count_scales_gradient(version: tuple[int, int, int] | None = None) -> bo
     return _since(MTP_COUNT_SCALES_GRADIENT, version)
 
 
-# Megatron-FSDP with optim sharding and overlap added each rank's own unreduced gradient to its
-# reduced shard in 0.16 ('local_grad += reduced_grad', common/fsdp_limits.OPTIM_OVERLAP); from
-# 0.17 GradReducePipeline._bucket_group_gradient_reduce copies the reduced shard for no_shard
-# and optim (read in 0.17.1, 0.18.2 and 0.19.2; measured exact: fsdp_limits.OPTIM_OVERLAP_EXACT)
-FSDP_OPTIM_OVERLAP_EXACT = fsdp_limits.OPTIM_OVERLAP_EXACT
-
-
 def fsdp_optim_overlap_exact(version: tuple[int, int, int] | None = None) -> bool:
     """Whether Megatron-FSDP's optim sharding with overlapped gradient reduction is exact in
-    this megatron-core (``FSDP_OPTIM_OVERLAP_EXACT``)."""
-    return _since(FSDP_OPTIM_OVERLAP_EXACT, version)
+    this megatron-core: 0.16 added each rank's own unreduced gradient to its reduced shard
+    ('local_grad += reduced_grad', ``fsdp_limits.OPTIM_OVERLAP``); from 0.17
+    ``GradReducePipeline._bucket_group_gradient_reduce`` copies the reduced shard for no_shard
+    and optim (read in 0.17.1, 0.18.2 and 0.19.2; ``fsdp_limits.OPTIM_OVERLAP_EXACT``)."""
+    return _since(fsdp_limits.OPTIM_OVERLAP_EXACT, version)
 
 
 # megatron-core 0.19 keeps a checkpoint's common (non-sharded) state as a ShardedObject
@@ -222,6 +218,12 @@ def batch_on_this_tp_rank(data_iterator: Any, every_field: bool = False) -> dict
     return _broadcast_tp_batch(data_iterator, every_field)
 
 
+def data_brings_cu_seqlens(args: Any) -> bool:
+    """Whether Megatron-LM's micro-batches carry ``cu_seqlens``: ``--sft``'s packed samples, or
+    the documents of core_v0.19's ``--dataloader-inter-document-masking``."""
+    return bool(args.sft or getattr(args, "dataloader_inter_document_masking", False))
+
+
 # the fields core_v0.18's pretrain_gpt.get_batch moves to the GPU (absent ones: None)
 _TP_BATCH_KEYS = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "labels", "loss_mask",
                   "max_seqlen", "position_ids", "tokens")
@@ -250,10 +252,8 @@ def _broadcast_tp_batch(data_iterator: Any, every_field: bool) -> dict:
         for key in _TP_BATCH_KEYS:
             value = batch.get(key)
             batch[key] = None if value is None else value.cuda(non_blocking=True)
-    # core_v0.19 renamed is_sft has_cu_seqlens: SFT's packed samples, or documents
-    # (--dataloader-inter-document-masking, new in core_v0.19)
-    packed = {"has_cu_seqlens": args.sft or getattr(args, "dataloader_inter_document_masking",
-                                                    False)} \
+    # core_v0.19 renamed is_sft has_cu_seqlens (and its data brings them for documents too)
+    packed = {"has_cu_seqlens": data_brings_cu_seqlens(args)} \
         if "has_cu_seqlens" in inspect.signature(fetch).parameters else {"is_sft": args.sft}
     return fetch(batch, **packed, is_hybrid_cp=False,
                  create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,

@@ -14,9 +14,9 @@ NO_SHARD = ("megatron-core 0.16.1's Megatron-FSDP fails at the first optimizer s
 # reduce-scatters into a new tensor and adds it ('local_grad += reduced_grad') to this rank's
 # slice of its own unreduced gradient: each shard is the DP x CP sum plus the rank's own part
 # (tests/test_training_fsdp.py measures it; from 0.17 the shard is copied, exact: both entry
-# points refuse it with 0.16.x only, OPTIM_OVERLAP_EXACT). Without overlap
-# finish_grad_sync reduce-scatters
-# the buffer in place (reduce_scatter_gradients), exact, provided the hooks never reduce:
+# points refuse it with 0.16.x only, OPTIM_OVERLAP_EXACT). Without overlap finish_grad_sync
+# reduce-scatters the buffer in place (reduce_scatter_gradients), exact, provided the hooks
+# never reduce:
 # Megatron-LM sets no_sync_func only with --overlap-grad-reduce (training.py), and so does our
 # loop for Megatron-FSDP (train.build_stage).
 OPTIM_OVERLAP = ("with optim sharding megatron-core 0.16.x's Megatron-FSDP reduces the "

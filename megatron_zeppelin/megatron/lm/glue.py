@@ -41,6 +41,7 @@ import torch
 
 from megatron_zeppelin import env
 from megatron_zeppelin.config import MLA_FIELDS, ConfigError, ModelSpec, ZeppelinConfig
+from megatron_zeppelin.megatron.common import compat
 from megatron_zeppelin.megatron.loop import args as train_args, fatal, preflight
 from megatron_zeppelin.megatron.loop.watchdog import check_timeout, start_watchdog
 from megatron_zeppelin.megatron.lm.features import refusals
@@ -75,9 +76,7 @@ def check_megatron_lm_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flags} only {verb} to --context-parallel-mode zeppelin (the mode "
                               f"is {mode}): drop them or pass --context-parallel-mode zeppelin")
         return
-    from megatron_zeppelin.megatron.common.compat import megatron_core_version
-
-    refused = refusals(args, megatron_core_version())  # the checkout's own megatron/core
+    refused = refusals(args, compat.megatron_core_version())  # the checkout's megatron/core
     if refused:
         raise ConfigError(refused[0])
     from_flags(train_args.ZeppelinRuntimeArgs, args, train_args.ZEPPELIN_PREFIX)  # its checks
@@ -249,7 +248,6 @@ def get_batch(data_iterator, vp_stage=None):
     """
     from megatron.training import get_args, get_tokenizer
 
-    from megatron_zeppelin.megatron.common.compat import batch_on_this_tp_rank
     from megatron_zeppelin.megatron.lm.batch import HostBatchTap, host_lengths, linear_batch
 
     args = get_args()
@@ -259,7 +257,7 @@ def get_batch(data_iterator, vp_stage=None):
     if online is not None:
         runtime.state.probe = online.probe if training else None
     tap = HostBatchTap(data_iterator)
-    fields = batch_on_this_tp_rank(tap, every_field=args.pipeline_model_parallel_size > 1)
+    fields = compat.batch_on_this_tp_rank(tap, every_field=args.pipeline_model_parallel_size > 1)
     lengths = host_lengths(tap, fields, get_tokenizer().eod, args.reset_attention_mask,
                            state["tp_host"])
     started = time.perf_counter()
@@ -270,7 +268,7 @@ def get_batch(data_iterator, vp_stage=None):
                          max_position=args.seq_length)
     if planned:  # once per micro-batch, whichever chunk read it first
         state["stats"].add(batch, seconds, plan if training else None)
-        if args.sft or getattr(args, "dataloader_inter_document_masking", False):
+        if compat.data_brings_cu_seqlens(args):
             _count_packed_flops(lengths, batch.tokens.device)
         if online is not None and training:  # (the schedule ends the last span)
             online.begin(batch.packed_seq_params.num_tokens)  # real tokens
