@@ -581,6 +581,38 @@ def test_megatron_fsdp_trains_like_static_and_ddp(tree, tmp_path):
         assert unsharded["param_sum"] == pytest.approx(ddp["param_sum"], rel=1e-6)
 
 
+def test_megatron_fsdp_no_shard_and_tensor_parallel_local_layers(tree, tmp_path):
+    """Megatron-LM's default sharding strategy (no_shard) and TP 2 with local layers under
+    Megatron-FSDP through the patch: Megatron-LM core_v0.16.1 and core_v0.17.1 fail with
+    them in static mode too (refused there, naming the way out); from core_v0.18.2 zeppelin
+    (a pool of 2) trains like Megatron DDP with them."""
+    from megatron_zeppelin.megatron.common import fsdp_limits
+
+    pool = ["--context-parallel-size", "2"]
+    no_shard = [*ZEPPELIN, *pool, *FSDP, "no_shard"]
+    tp = ["--tensor-model-parallel-size", "2"]
+    tensor_parallel = [*ZEPPELIN, *pool, *tp, *FSDP, "optim_grads_params"]
+    if tree_version(tree) < fsdp_limits.NO_SHARD_EXACT:
+        proc = run(tree, tmp_path, "fsdp-z-no-shard", 2, *no_shard, ok=False)
+        assert proc.returncode != 0 and "--data-parallel-sharding-strategy=no_shard" in \
+            proc.stderr
+    else:
+        ddp = run(tree, tmp_path, "ddp-s", 2, *STATIC)
+        unsharded = run(tree, tmp_path, "fsdp-z-no-shard", 2, *no_shard)
+        assert_same_training(unsharded, ddp)
+        assert unsharded["param_sum"] == pytest.approx(ddp["param_sum"], rel=1e-6)
+    if tree_version(tree) < fsdp_limits.TP_WITHOUT_TE_EXACT:
+        proc = run(tree, tmp_path, "fsdp-z-tp", 4, *tensor_parallel, ok=False)
+        assert proc.returncode != 0 and "--tensor-model-parallel-size > 1 with " \
+            "--use-megatron-fsdp --transformer-impl local" in proc.stderr
+    else:
+        ddp = run(tree, tmp_path, "ddp-s-tp", 4, *STATIC, *tp)
+        fsdp = run(tree, tmp_path, "fsdp-z-tp", 4, *tensor_parallel)
+        assert fsdp["wrapper"] == "FullyShardedDataParallel"
+        assert_same_training(fsdp, ddp)
+        assert fsdp["param_sum"] == pytest.approx(ddp["param_sum"], rel=1e-6)
+
+
 def test_megatron_fsdp_with_pipelines_trains_like_ddp(pipelined, tree, tmp_path):
     """--use-megatron-fsdp with PP 2 x CP 2 through the patch: Megatron-LM's get_model wraps
     each stage's chunks over that stage's pool (the patched ``_fsdp_wrapping``; megatron-core

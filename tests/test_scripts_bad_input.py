@@ -134,3 +134,13 @@ def test_check_sizes_help_prints_its_usage():
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stderr == ""
     assert done.stdout.startswith("Usage: python scripts/check_sizes.py [--all]")
+
+
+@pytest.mark.parametrize("version", ["latest", "0.19", "0.19.2; rm -rf x"])
+def test_test_newer_core_refuses_a_version_that_is_not_a_release(tmp_path, version):
+    done = subprocess.run(["bash", str(SCRIPTS / "test_newer_core.sh"), version],
+                          capture_output=True, text=True, timeout=60)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout)
+    assert lines == [f"test_newer_core.sh: error: VERSION '{version}' is not a release number "
+                     "such as 0.19.2"], done.stderr

@@ -10,7 +10,9 @@ iteration (not per micro-batch); ``optim`` with overlap is refused with megatron
 because its backward hooks add each rank's own gradient to the reduced one (measured here,
 bucket by bucket; from 0.17 the reduced shard is exact, measured the same way); the other
 flags it
-does not run with are refused in one line. Its checkpoints are those of the other modes (full
+does not run with are refused in one line (no_shard and TP on local layers with megatron-core
+0.16/0.17; from 0.18 both train like Megatron DDP, TP checkpoints crossing FSDP and DDP:
+run against 0.19.2 by ``scripts/test_newer_core.sh``). Its checkpoints are those of the other modes (full
 tensors in model space, checkpoint_fsdp.py): saved with FSDP, they resume in static mode under
 Megatron DDP, with the distributed optimizer and with FSDP; a distributed optimizer's
 checkpoint resumes with FSDP; each resume repeats the uninterrupted run's iterations 2 and 3."""
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 from distributed import run_world
-from megatron_zeppelin.megatron.common import compat
+from megatron_zeppelin.megatron.common import compat, fsdp_limits
 from test_distributed_optimizer import DISTRIBUTED, FLAGS, STATIC, ZEPPELIN, close, run
 
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
@@ -233,6 +235,47 @@ def torch_fsdp2_checkpoints_body(rank: int, world: int, tmp: str) -> None:
             assert close(logs, whole[1:]), (what, logs, whole)
 
 
+TP = ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"]
+
+
+def tensor_parallel_body(rank: int, world: int, tmp: str) -> None:
+    """TP 2 x CP 2 with local layers (each TP-split weight a DTensor over (dp_cp, tp)) and
+    no_shard, against Megatron DDP; TP checkpoints crossing FSDP and Megatron DDP."""
+    zeppelin_tp = ZEPPELIN[:2] + TP + ZEPPELIN[-2:]
+    ddp = run_keeping_parameters(world, FLAGS + zeppelin_tp)
+    runs = {strategy: run_keeping_parameters(world, FLAGS + zeppelin_tp + FSDP[:-1] + [strategy])
+            for strategy in ("optim_grads_params", "optim_grads")}
+    runs["no_shard"] = run_keeping_parameters(world, RING_FLAGS + RINGS + FSDP[:-1] +
+                                              ["no_shard"])
+    ring_ddp = run_keeping_parameters(world, RING_FLAGS + RINGS)
+    first = ["--exit-interval", "1", "--save"]
+    run(world, FLAGS + zeppelin_tp + FSDP + first + [f"{tmp}/f1"])
+    run(world, FLAGS + zeppelin_tp + first + [f"{tmp}/d1"])
+    static_tp = STATIC[:2] + TP
+    resumed = {"static DDP <- FSDP": run(world, FLAGS + static_tp + ["--load", f"{tmp}/f1"]),
+               "FSDP <- FSDP": run(world, FLAGS + zeppelin_tp + FSDP + ["--load", f"{tmp}/f1"]),
+               "FSDP <- DDP": run(world, FLAGS + zeppelin_tp + FSDP + ["--load", f"{tmp}/d1"])}
+    for strategy, (logs, params) in runs.items():
+        reference = ring_ddp if strategy == "no_shard" else ddp
+        assert close(logs, reference[0]), (rank, strategy, logs, reference[0])
+        assert sorted(params) == sorted(reference[1]), strategy
+        for name, value in params.items():  # this rank's TP part (its DDP parameter's shape)
+            torch.testing.assert_close(value, reference[1][name], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, n=name: f"rank {rank} {strategy} {n}: {m}")
+    for what, logs in resumed.items():
+        assert close(logs, ddp[0][1:]), (what, logs, ddp[0])
+
+
+@pytest.mark.skipif(not compat.since(fsdp_limits.TP_WITHOUT_TE_EXACT),
+                    reason="megatron-core < 0.18 refuses TP without TE and no_shard")
+def test_megatron_fsdp_with_tensor_parallel_local_layers_and_no_shard(tmp_path):
+    """From megatron-core 0.18 (``fsdp_limits.TP_WITHOUT_TE_EXACT``, ``NO_SHARD_EXACT``):
+    Megatron-FSDP with TP 2 x CP 2 on local layers and with no_shard trains like Megatron DDP,
+    parameter by parameter, and TP checkpoints cross FSDP and DDP in both directions."""
+    assert fsdp_limits.NO_SHARD_EXACT <= fsdp_limits.TP_WITHOUT_TE_EXACT
+    run_world(tensor_parallel_body, 4, str(tmp_path), start_method="spawn", timeout_s=600)
+
+
 def test_torch_fsdp2_checkpoints_resume_across_modes(tmp_path):
     """Saved with --use-torch-fsdp2 (full tensors, checkpoint_fsdp.py): resumes in static
     mode under Megatron DDP and with FSDP2; a Megatron-FSDP checkpoint resumes with FSDP2."""
@@ -243,10 +286,6 @@ def test_torch_fsdp2_checkpoints_resume_across_modes(tmp_path):
 @pytest.mark.parametrize("extra, match", [
     (["--data-parallel-sharding-strategy", "optim"],
      "--data-parallel-sharding-strategy=optim without --use-megatron-fsdp"),
-    (FSDP + ["--tensor-model-parallel-size", "2"], "--use-megatron-fsdp with "
-     r"--tensor-model-parallel-size=2 needs Transformer Engine's layers \(--device cuda"),
-    (["--use-megatron-fsdp"], "--use-megatron-fsdp with --data-parallel-sharding-strategy="
-     "no_shard"),
     (FSDP2 + FSDP, "--use-torch-fsdp2 with --use-megatron-fsdp: "),
     (FSDP2 + ["--use-distributed-optimizer"],
      "--use-torch-fsdp2 with --use-distributed-optimizer: "),
@@ -263,21 +302,33 @@ def test_fsdp_flags_it_does_not_run_with_are_refused(extra, match):
         train_args.validate_args(args, 4, None)
 
 
-def test_optim_sharding_with_overlap_is_refused_with_megatron_core_0_16_only(monkeypatch):
+@pytest.mark.parametrize("extra, match, before, fixed", [
+    (["--data-parallel-sharding-strategy", "optim"],
+     "--use-megatron-fsdp --data-parallel-sharding-strategy=optim with "
+     r"--overlap-grad-reduce \(the default\): .*GradReducePipeline."
+     "_bucket_group_gradient_reduce.* not exact; megatron-core 0.17 fixed it "
+     r"\(measured exact there\); add --no-overlap-grad-reduce", (0, 16, 1), (0, 17, 1)),
+    (["--data-parallel-sharding-strategy", "no_shard"],
+     "--use-megatron-fsdp with --data-parallel-sharding-strategy=no_shard "
+     r"\(Megatron-LM's default\) with megatron-core 0.17.1: .*start_param_sync.*; "
+     r"megatron-core 0.18 runs it \(measured exact there\); pass optim_grads",
+     (0, 17, 1), (0, 18, 0)),
+    (["--data-parallel-sharding-strategy", "optim_grads", "--tensor-model-parallel-size", "2"],
+     "--use-megatron-fsdp with --tensor-model-parallel-size=2 needs Transformer Engine's "
+     r"layers \(--device cuda with transformer_engine installed\) with megatron-core 0.17.1: "
+     r".*TELinear.*; megatron-core 0.18 runs it \(measured exact there\); "
+     "use --use-distributed-optimizer", (0, 17, 1), (0, 18, 0)),
+])
+def test_fsdp_settings_refused_before_the_megatron_core_that_runs_them(
+        monkeypatch, extra, match, before, fixed):
     from megatron_zeppelin.config import ConfigError
-    from megatron_zeppelin.megatron.common import compat
     from megatron_zeppelin.megatron.loop import args as train_args
 
-    argv = FLAGS + ZEPPELIN[:2] + ["--context-parallel-size", "2", "--use-megatron-fsdp",
-                                   "--data-parallel-sharding-strategy", "optim"]
-    monkeypatch.setattr(compat, "megatron_core_version", lambda: (0, 16, 1))
-    with pytest.raises(ConfigError, match=(
-            "--use-megatron-fsdp --data-parallel-sharding-strategy=optim with "
-            r"--overlap-grad-reduce \(the default\): .*GradReducePipeline."
-            "_bucket_group_gradient_reduce.* not exact; megatron-core 0.17 fixed it "
-            r"\(measured exact there\); add --no-overlap-grad-reduce")):
+    argv = FLAGS + ZEPPELIN[:2] + ["--context-parallel-size", "2", "--use-megatron-fsdp"] + extra
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: before)
+    with pytest.raises(ConfigError, match=match):
         train_args.validate_args(train_args.parse_args(argv), 4, None)
-    monkeypatch.setattr(compat, "megatron_core_version", lambda: (0, 17, 1))
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: fixed)
     train_args.validate_args(train_args.parse_args(argv), 4, None)
 
 
@@ -290,7 +341,10 @@ def test_fsdp_cpu_bridge_needs_the_cpu_bridge_and_is_undone_with_it():
     from megatron.core.distributed.torch_fully_sharded_data_parallel import (
         TorchFullyShardedDataParallel as TorchFSDP2)
 
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter as adapter
+
     fsdp2_init = TorchFSDP2.__init__
+    rng = (adapter._get_rng_state_dict, adapter._load_rng_state_dict, torch.cuda.get_rng_state)
     with pytest.raises(RuntimeError, match="needs cpu.enable_cpu_mode"):
         cpu_fsdp.enable_megatron_fsdp_on_cpu()
     with pytest.raises(RuntimeError, match="FSDP2 CPU bridge needs cpu.enable_cpu_mode"):
@@ -306,5 +360,14 @@ def test_fsdp_cpu_bridge_needs_the_cpu_bridge_and_is_undone_with_it():
             event = side.record_event()
         event.wait()
         assert event.query() and isinstance(torch.cuda.Event(), cpu_fsdp.CpuEvent)
+        # TP rank 0's RNG states, the CUDA generator's being the CPU one's, loaded elsewhere
+        states = adapter._get_rng_state_dict()
+        assert torch.equal(states["cuda_rng_state"], torch.get_rng_state())
+        torch.rand(3)
+        adapter._load_rng_state_dict(states)
+        assert torch.equal(torch.get_rng_state(), states["torch_rng_state"])
+        assert torch.cuda.get_rng_state is rng[2]
     assert (torch.cuda.Stream, torch.cuda.stream) == (stream, context)
+    assert (adapter._get_rng_state_dict, adapter._load_rng_state_dict,
+            torch.cuda.get_rng_state) == rng
     assert TorchFSDP2.__init__ is fsdp2_init

@@ -66,7 +66,7 @@ CPU_BRIDGE_REDIRECTS = (
 MTP_INNER_LAYER = ("transformer_layer", "mtp_model_layer")
 
 
-def _since(first: tuple[int, int, int], version: tuple[int, int, int] | None) -> bool:
+def since(first: tuple[int, int, int], version: tuple[int, int, int] | None = None) -> bool:
     """Whether ``version`` (default: the installed megatron-core's) is ``first`` or later."""
     return (version or megatron_core_version()) >= first
 
@@ -78,7 +78,7 @@ def mtp_count_scales_gradient(version: tuple[int, int, int] | None = None) -> bo
     """Whether megatron-core's MTP weighs each depth's loss by ``original / rolled`` token
     counts under ``calculate_per_token_loss`` (>= 0.17: the count ``roll_tensor`` returns
     then scales gradients; 0.16 only logs it)."""
-    return _since(MTP_COUNT_SCALES_GRADIENT, version)
+    return since(MTP_COUNT_SCALES_GRADIENT, version)
 
 
 def fsdp_optim_overlap_exact(version: tuple[int, int, int] | None = None) -> bool:
@@ -87,7 +87,7 @@ def fsdp_optim_overlap_exact(version: tuple[int, int, int] | None = None) -> boo
     ('local_grad += reduced_grad', ``fsdp_limits.OPTIM_OVERLAP``); from 0.17
     ``GradReducePipeline._bucket_group_gradient_reduce`` copies the reduced shard for no_shard
     and optim (read in 0.17.1, 0.18.2 and 0.19.2; ``fsdp_limits.OPTIM_OVERLAP_EXACT``)."""
-    return _since(fsdp_limits.OPTIM_OVERLAP_EXACT, version)
+    return since(fsdp_limits.OPTIM_OVERLAP_EXACT, version)
 
 
 # megatron-core 0.19 keeps a checkpoint's common (non-sharded) state as a ShardedObject
@@ -99,7 +99,7 @@ COMMON_STATE_IN_SHARDS = (0, 19, 0)
 def common_state_in_shards(version: tuple[int, int, int] | None = None) -> bool:
     """Whether this megatron-core may write a checkpoint's common state inside its shards
     (``COMMON_STATE_IN_SHARDS``)."""
-    return _since(COMMON_STATE_IN_SHARDS, version)
+    return since(COMMON_STATE_IN_SHARDS, version)
 
 
 def fsdp_fp32_main_grads(bf16: bool) -> dict:
@@ -162,6 +162,11 @@ def megatron_core_version() -> tuple[int, int, int]:
 
 def _show(version: tuple[int, ...]) -> str:
     return ".".join(str(v) for v in version)
+
+
+def megatron_core_version_text() -> str:
+    """The installed megatron-core version as ``0.16.1`` (for messages)."""
+    return _show(megatron_core_version())
 
 
 def check_megatron_core(version: tuple[int, int, int] | None = None) -> tuple[int, int, int]:

@@ -21,6 +21,10 @@ What megatron-core 0.16.1's Megatron-FSDP does on CUDA and what stands in for it
   stream is one synchronous queue: ``torch.cuda.Stream`` / ``torch.cuda.Event`` are objects
   whose waits return at once and ``torch.cuda.stream(s)`` is an empty context.
 
+* With TP > 1 the adapter (``FullyShardedDataParallel.__init__``) broadcasts TP rank 0's RNG
+  states over the TP group (``_get_rng_state_dict`` / ``_load_rng_state_dict``), the CUDA
+  generator's among them: on CPU that one is the CPU generator (as ``cpu.py``'s RNG tracker).
+
 Nothing else of Megatron-FSDP's CPU path touches CUDA (read in megatron-core 0.16.1's
 ``megatron_fsdp.py`` and ``param_and_grad_buffer.py``); ``nccl_ub``, ``fsdp_double_buffer``
 and ``num_distributed_optimizer_instances > 1`` are not on our path (no flag sets them).
@@ -44,6 +48,7 @@ from megatron_zeppelin.megatron.common import cpu, cpu_replacements
 
 FSDP_MODULE = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp"
 FSDP2_MODULE = "megatron.core.distributed.torch_fully_sharded_data_parallel"
+ADAPTER_MODULE = "megatron.core.distributed.fsdp.mcore_fsdp_adapter"
 
 
 class CpuEvent:
@@ -107,12 +112,32 @@ def _fsdp_init_on_cpu(original: Callable) -> Callable:
     return replacement
 
 
+def _cuda_rng_on_cpu(original: Callable) -> Callable:
+    """The adapter's RNG-state helper with the CUDA generator's state read and set as the
+    CPU generator's."""
+
+    @functools.wraps(original)
+    def replacement(*args: Any, **kwargs: Any) -> Any:
+        get, set_ = torch.cuda.get_rng_state, torch.cuda.set_rng_state
+        torch.cuda.get_rng_state = lambda *a, **k: cpu_replacements.cpu_get_rng_state()
+        torch.cuda.set_rng_state = lambda state, *a, **k: cpu_replacements.cpu_set_rng_state(
+            state)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.cuda.get_rng_state, torch.cuda.set_rng_state = get, set_
+
+    return replacement
+
+
 def _specs() -> list[tuple[str, str, Callable[[Any], Any]]]:
     return [
         ("torch.cuda", "Stream", lambda _: CpuSideStream),
         ("torch.cuda", "Event", lambda _: CpuEvent),
         ("torch.cuda", "stream", lambda _: _cpu_stream_context),
         (FSDP_MODULE, "MegatronFSDP.__init__", _fsdp_init_on_cpu),
+        (ADAPTER_MODULE, "_get_rng_state_dict", _cuda_rng_on_cpu),
+        (ADAPTER_MODULE, "_load_rng_state_dict", _cuda_rng_on_cpu),
     ]
 
 

@@ -1,12 +1,17 @@
 """Why zeppelin refuses some FSDP settings, written once for both entry points: our
 ``scripts/pretrain_gpt.py`` (``loop/args.check_fsdp``) and Megatron-LM through the patch
 (``lm/features.RULES``), each of which adds the flag it names and the way out. Every reason is
-a megatron-core 0.16.1 behaviour measured on CPU/gloo, not a limit of zeppelin's engine.
-Standard library only (strings)."""
+a megatron-core behaviour measured on CPU/gloo, not a limit of zeppelin's engine; the
+``*_EXACT`` version is the first megatron-core measured exact, from which both entry points
+accept the setting. Standard library only (strings and version tuples)."""
 
-NO_SHARD = ("megatron-core 0.16.1's Megatron-FSDP fails at the first optimizer step with "
-            "no_shard, in static mode too (start_param_sync all-gathers weight buckets that "
+NO_SHARD = ("megatron-core 0.16.1 and 0.17.1's Megatron-FSDP fail at the first optimizer step "
+            "with no_shard, in static mode too (start_param_sync all-gathers weight buckets that "
             "no_shard never allocates)")
+# measured exact against Megatron DDP with 0.18.2 and 0.19.2 (our script, overlapped) and
+# through the patch with core_v0.18.2 and core_v0.19.0
+NO_SHARD_EXACT = (0, 18, 0)
+NO_SHARD_FIXED = "megatron-core 0.18 runs it (measured exact there)"
 
 # On the last micro-batch (after no_sync exits) the backward hooks reduce each bucket through
 # GradReducePipeline._bucket_group_gradient_reduce (megatron/core/distributed/fsdp/src/
@@ -40,6 +45,11 @@ PLAIN_OPTIMIZER = ("without it Megatron-LM core_v0.16.1 and core_v0.17.1 step a 
                    "and core_v0.19.0 train it exactly")
 PLAIN_OPTIMIZER_EXACT = (0, 18, 0)
 
-TP_WITHOUT_TE = ("megatron-core 0.16.1's Megatron-FSDP finds tensor-parallel parameters "
-                 "through Transformer Engine's TELinear: with local layers it fails, and mended "
-                 "its grad norms were 8.8x off Megatron DDP's (CPU/gloo, TP 2 x PP 2)")
+TP_WITHOUT_TE = ("megatron-core 0.16.1 and 0.17.1's Megatron-FSDP find tensor-parallel "
+                 "parameters through Transformer Engine's TELinear: with local layers they fail "
+                 "(0.16.1 mended: grad norms 8.8x off Megatron DDP's, CPU/gloo, TP 2 x PP 2)")
+# from 0.18 the adapter compares class names (no TELinear import): TP 2 x CP 2 with
+# local layers measured exact against Megatron DDP with 0.18.2 and 0.19.2 (our script) and
+# through the patch with core_v0.18.2 and core_v0.19.0
+TP_WITHOUT_TE_EXACT = (0, 18, 0)
+TP_WITHOUT_TE_FIXED = "megatron-core 0.18 runs it (measured exact there)"

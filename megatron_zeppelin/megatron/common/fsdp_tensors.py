@@ -2,8 +2,12 @@
 
 megatron-core 0.16.1's Megatron-FSDP keeps each parameter (and its ``main_grad``) as a DTensor
 whose local shard is this rank's piece of a flattened bucket: shards may be uneven, and empty
-on some ranks. ``full_tensor`` gathers the whole tensor on every rank of the FSDP group (DP x
-CP); ``scatter_into`` copies this rank's piece of a whole tensor back into its shard (both
+on some ranks. With tensor parallelism a TP-split weight's DTensor spans the TP ranks too (mesh
+``(dp_cp, tp)``, its shape and shard offsets the TP-global ones, read in megatron-core 0.16.1 to
+0.19.2): a rank's *model tensor* is its TP part, the tensor the unwrapped model (and Megatron's
+sharded checkpoints) hold. ``full_tensor`` gathers the whole model tensor on every rank of the
+FSDP group (DP x CP: the ranks that hold this TP part); ``scatter_into`` copies this rank's
+piece of a whole model tensor back into its shard (both
 used by the checkpoints of our loop, ``loop/checkpoint_fsdp.py``); ``add_other_stages`` sums a
 weight shared by pipeline stages, each stage sharding it its own way, by exchanging only
 overlapping pieces (the shared-embedding gradient, ``fsdp_stages.py``, which both entry points
@@ -29,7 +33,7 @@ def full_tensor(dtensor: Any, group: Any, local: torch.Tensor | None = None) -> 
     (its Adam state; empty where the rank's shard is). Shards are padded to one size: gloo's
     all-gather takes equal sizes only."""
     local = (dtensor.to_local() if local is None else local).detach()
-    where = local_slices(dtensor)
+    where = model_slices(dtensor)
     infos: list = [None] * group.size()
     dist.all_gather_object(infos, (tuple(local.shape), [s.start for s in where]), group=group)
     size = max(1, max(math.prod(shape) for shape, _ in infos))
@@ -37,7 +41,7 @@ def full_tensor(dtensor: Any, group: Any, local: torch.Tensor | None = None) -> 
     flat[:local.numel()] = local.reshape(-1)
     parts = [torch.empty_like(flat) for _ in infos]
     dist.all_gather(parts, flat, group=group)
-    full = torch.empty(tuple(dtensor.shape), dtype=local.dtype, device=local.device)
+    full = torch.empty(model_shape(dtensor), dtype=local.dtype, device=local.device)
     for (shape, offsets), part in zip(infos, parts):
         if math.prod(shape):
             full[tuple(slice(o, o + n) for o, n in zip(offsets, shape))] = \
@@ -55,6 +59,44 @@ def local_slices(dtensor: Any) -> tuple[slice, ...]:
         update_uneven_dtensor_chunk_metadata(dtensor)
     meta, = dtensor.__create_chunk_list__()
     return tuple(slice(o, o + s) for o, s in zip(meta.offsets, meta.sizes))
+
+
+TP_MESH_DIM = "tp"  # megatron-core's name of Megatron-FSDP's tensor-parallel mesh dimension
+
+
+def tensor_parallel_part(dtensor: Any) -> tuple[int, int, int] | None:
+    """``(dim, start, length)``: where this rank's TP part lies in a DTensor that Megatron-FSDP
+    shards over TP too (a ``Shard(dim)`` placement on the mesh dimension ``"tp"``); None for
+    a tensor each TP rank holds whole (norms, TP size 1, torch FSDP2's DP-only meshes)."""
+    names = getattr(dtensor.device_mesh, "mesh_dim_names", None) or ()
+    if TP_MESH_DIM not in names:
+        return None
+    index = names.index(TP_MESH_DIM)
+    placement = dtensor.placements[index]
+    size = dtensor.device_mesh.size(index)
+    if not placement.is_shard() or size == 1:
+        return None
+    length = dtensor.shape[placement.dim] // size
+    return placement.dim, dtensor.device_mesh.get_local_rank(index) * length, length
+
+
+def model_shape(dtensor: Any) -> tuple[int, ...]:
+    """The shape of this rank's model tensor of ``dtensor`` (its TP part)."""
+    shape, part = list(dtensor.shape), tensor_parallel_part(dtensor)
+    if part is not None:
+        shape[part[0]] = part[2]
+    return tuple(shape)
+
+
+def model_slices(dtensor: Any) -> tuple[slice, ...]:
+    """Where this rank's shard of ``dtensor`` lies in its model tensor (``local_slices``
+    shifted to the TP part)."""
+    where, part = local_slices(dtensor), tensor_parallel_part(dtensor)
+    if part is None:
+        return where
+    dim, start, _ = part
+    return tuple(slice(s.start - start, s.stop - start) if d == dim else s
+                 for d, s in enumerate(where))
 
 
 def _overlap(a: tuple[slice, ...], b: tuple[slice, ...]) -> tuple[slice, ...] | None:
@@ -113,9 +155,9 @@ def add_other_stages(dtensor: Any, owner: Any, dp_group: Any, shared_group: Any)
 
 @torch.no_grad()
 def scatter_into(full: torch.Tensor, local: torch.Tensor, what: str, like: Any) -> None:
-    """Copy this rank's slice of ``full`` into ``local``, its shard of a tensor sharded as
-    the DTensor ``like``."""
-    if tuple(full.shape) != tuple(like.shape):
+    """Copy this rank's slice of ``full`` (a whole model tensor) into ``local``, its shard of
+    a tensor sharded as the DTensor ``like``."""
+    if tuple(full.shape) != model_shape(like):
         raise ValueError(f"{what}: loaded shape {tuple(full.shape)}, the model's "
-                         f"{tuple(like.shape)}")
-    local.copy_(full[local_slices(like)].reshape(local.shape))
+                         f"{model_shape(like)}")
+    local.copy_(full[model_slices(like)].reshape(local.shape))

@@ -167,7 +167,8 @@ RULES: tuple[Rule, ...] = (
     Rule("--data-parallel-sharding-strategy", "data_parallel_sharding_strategy", "no_shard",
          lambda v, a: v == "no_shard" and _get(a, "use_megatron_fsdp", False),
          f"(Megatron-LM's default) {fsdp_limits.NO_SHARD}",
-         "pass --data-parallel-sharding-strategy optim_grads_params, optim_grads or optim"),
+         "pass --data-parallel-sharding-strategy optim_grads_params, optim_grads or optim, or "
+         "use Megatron-LM core_v0.18.2 or later", fixed_in=fsdp_limits.NO_SHARD_EXACT),
     Rule("--overlap-grad-reduce", "overlap_grad_reduce", False,
          lambda v, a: bool(v) and _get(a, "use_megatron_fsdp", False)
          and _get(a, "data_parallel_sharding_strategy", "no_shard") == "optim",
@@ -180,15 +181,17 @@ RULES: tuple[Rule, ...] = (
          lambda v, a: v > 1 and _get(a, "use_megatron_fsdp", False)
          and _get(a, "transformer_impl", "transformer_engine") == "local",
          fsdp_limits.TP_WITHOUT_TE,
-         "use --transformer-impl transformer_engine, or --use-distributed-optimizer under "
-         "Megatron DDP", given="--tensor-model-parallel-size > 1 with --use-megatron-fsdp "
-         "--transformer-impl local"),
+         "use --transformer-impl transformer_engine, --use-distributed-optimizer under "
+         "Megatron DDP, or Megatron-LM core_v0.18.2 or later",
+         given="--tensor-model-parallel-size > 1 with --use-megatron-fsdp "
+         "--transformer-impl local", fixed_in=fsdp_limits.TP_WITHOUT_TE_EXACT),
     Rule("--save", "save", None,
          lambda v, a: (_get(a, "use_megatron_fsdp", False) or _get(a, "use_torch_fsdp2", False))
          and (_set(v, a) or _set(_get(a, "load", None), a)),
-         "Megatron-LM 0.16.1's checkpoints of FSDP runs have not run through this patch: "
+         "Megatron-LM's checkpoints of FSDP runs have not run through this patch: "
          "Megatron-FSDP's fsdp_dtensor save fails in fp32 with --swiglu in static mode too (it "
-         "looks up module.<name>, the Float16Module's), did not finish without --swiglu on "
+         "looks up module.<name>, the Float16Module's; core_v0.16.1 and core_v0.19.0), with "
+         "core_v0.16.1 did not finish without --swiglu on "
          "CPU/gloo, and with --bf16 fails in static mode too ('DTensor chunk metadata is "
          "invalid', uneven_dtensor.py); FSDP2's torch_dist checkpoints fail in static mode "
          "too (its optimizer matches parameters by the id of DTensor.to_local(), a new tensor "

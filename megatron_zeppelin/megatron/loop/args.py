@@ -199,10 +199,12 @@ def check_fsdp(args: argparse.Namespace) -> None:
         check_torch_fsdp2(args)
     if not args.use_megatron_fsdp:
         return
-    if strategy == "no_shard":
+    if strategy == "no_shard" and not compat.since(fsdp_limits.NO_SHARD_EXACT):
         raise ConfigError(f"--use-megatron-fsdp with --data-parallel-sharding-strategy="
-                          f"{strategy} (Megatron-LM's default): {fsdp_limits.NO_SHARD}; pass "
-                          "optim_grads or optim_grads_params (full FSDP)")
+                          f"{strategy} (Megatron-LM's default) with megatron-core "
+                          f"{compat.megatron_core_version_text()}: {fsdp_limits.NO_SHARD}; "
+                          f"{fsdp_limits.NO_SHARD_FIXED}; pass optim_grads or "
+                          "optim_grads_params (full FSDP)")
     if strategy == "optim" and args.overlap_grad_reduce and \
             not compat.fsdp_optim_overlap_exact():
         raise ConfigError("--use-megatron-fsdp --data-parallel-sharding-strategy=optim with "
@@ -211,12 +213,14 @@ def check_fsdp(args: argparse.Namespace) -> None:
                           "add --no-overlap-grad-reduce (Megatron-LM's default: one exact "
                           "in-place reduce-scatter after the backward) or pass optim_grads / "
                           "optim_grads_params")
-    if args.tensor_model_parallel_size > 1 and not te_layers(args):
+    if args.tensor_model_parallel_size > 1 and not te_layers(args) and \
+            not compat.since(fsdp_limits.TP_WITHOUT_TE_EXACT):
         raise ConfigError(f"--use-megatron-fsdp with --tensor-model-parallel-size="
                           f"{args.tensor_model_parallel_size} needs Transformer Engine's layers "
-                          f"(--device cuda with transformer_engine installed): "
-                          f"{fsdp_limits.TP_WITHOUT_TE}; use --use-distributed-optimizer with "
-                          "TP here")
+                          f"(--device cuda with transformer_engine installed) with megatron-core "
+                          f"{compat.megatron_core_version_text()}: {fsdp_limits.TP_WITHOUT_TE}; "
+                          f"{fsdp_limits.TP_WITHOUT_TE_FIXED}; use --use-distributed-optimizer "
+                          "with TP here")
 
 
 def te_layers(args: argparse.Namespace) -> bool:

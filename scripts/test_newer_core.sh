@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The tests whose behaviour depends on megatron-core's version (Megatron-FSDP's fixes, MTP,
+# checkpoints, the CPU bridge), against a newer megatron-core than the installed one.
+#
+# megatron-core 0.17+ declares Python >= 3.12, so pip will not install it on Python 3.11; its
+# code runs on 3.11 all the same. This script downloads the release wheel from PyPI (no
+# dependencies: the installed megatron-core 0.16.1 already brought them), unpacks it into
+# build/megatron-core-VERSION and puts that first on PYTHONPATH for pytest. The wheel's compiled
+# dataset helpers are built for 3.12 and do not load; these tests build no Megatron indexed
+# dataset.
+#
+# Usage: scripts/test_newer_core.sh [VERSION [PYTEST ARGS...]]
+#   VERSION     a megatron-core release on PyPI (default 0.19.2, the newest checked)
+#   PYTEST ARGS test files or pytest options (default: the version-dependent test files)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+version=${1:-0.19.2}
+shift $(( $# > 0 ? 1 : 0 ))
+if [[ ! $version =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
+    echo "test_newer_core.sh: error: VERSION '$version' is not a release number such as 0.19.2" >&2
+    exit 2
+fi
+dest=build/megatron-core-$version
+if [[ ! -f $dest/megatron/core/package_info.py ]]; then
+    rm -rf "$dest" "$dest.wheel"
+    if ! log=$(python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+            -d "$dest.wheel" "megatron-core==$version" 2>&1); then
+        echo "test_newer_core.sh: error: VERSION $version: no megatron-core==$version wheel" \
+             "for Python 3.12 could be downloaded ($(tail -n 1 <<< "$log"))" >&2
+        exit 2
+    fi
+    python -m zipfile -e "$dest.wheel"/megatron_core-"$version"-*.whl "$dest"
+fi
+tests=(tests/test_training_fsdp.py tests/test_training_fsdp_pipeline.py
+       tests/test_megatron_compat.py tests/test_megatron_mtp.py tests/test_training_resume.py
+       tests/test_megatron_cpu.py)
+if (( $# > 0 )); then
+    tests=("$@")
+fi
+PYTHONPATH="$PWD/$dest${PYTHONPATH:+:$PYTHONPATH}" python - <<EOF
+import megatron.core
+assert megatron.core.__version__ == "$version", megatron.core.__version__
+print("megatron-core", megatron.core.__version__, "from", megatron.core.__path__[0])
+EOF
+PYTHONPATH="$PWD/$dest${PYTHONPATH:+:$PYTHONPATH}" python -m pytest -q "${tests[@]}"
