@@ -50,6 +50,8 @@ COMMON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1
           "--no-rope-fusion", "--no-persist-layer-norm", "--use-cpu-initialization",
           "--distributed-backend", "gloo"]
 ZEPPELIN = ["--context-parallel-mode", "zeppelin"]
+PIPELINE = ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+            "--position-embedding-type", "rope"]
 STATIC = ["--context-parallel-mode", "static", "--context-parallel-size", "1"]
 
 
@@ -141,12 +143,16 @@ def test_zeppelin_trains_like_static_with_the_same_batch_and_memory(tree, tmp_pa
     assert zeppelin["pad_tokens"] == sum(sum(map(sum, pads)) for pads in zeppelin["rank_pads"])
 
 
-def test_inter_document_masking_gives_the_documents_to_zeppelin(tree, tmp_path):
+@pytest.mark.parametrize("parallel", [[], ["--tensor-model-parallel-size", "2"], PIPELINE],
+                         ids=["pool", "tp", "pp"])
+def test_inter_document_masking_gives_the_documents_to_zeppelin(tree, tmp_path, parallel):
     """Megatron-LM core_v0.19's ``--dataloader-inter-document-masking`` (documents as
     ``cu_seqlens``, positions reset per document) trains exactly as zeppelin splitting at
     end-of-document tokens with reset positions, with the same plans (the mock documents end
-    with EOD and, under a vocabulary larger than any document, hold no other); and it feeds
-    Megatron's FLOPs statistics the documents' lengths, as static mode's packed path does."""
+    with EOD and, under a vocabulary larger than any document, hold no other), on a pool of 2,
+    with TP 2 (Megatron broadcasts the ``cu_seqlens`` over TP) and with PP 2 (every stage
+    plans from the same lengths); and it feeds Megatron's FLOPs statistics the documents'
+    lengths, as static mode's packed path does."""
     probe = subprocess.run([sys.executable, "-c", TYPING_OVERRIDE + "import sys; "
                             "sys.path.insert(0, '.'); from megatron.training.arguments import "
                             "add_megatron_arguments as a; import argparse; "
@@ -158,8 +164,10 @@ def test_inter_document_masking_gives_the_documents_to_zeppelin(tree, tmp_path):
     seq = 1024  # mock documents are 1-4095 tokens long: samples of 1024 hold boundaries
     flags = [*ZEPPELIN, "--context-parallel-size", "2", "--vocab-size", "8192",
              "--seq-length", str(seq), "--max-position-embeddings", str(seq)]
-    masked = run(tree, tmp_path, "masked", 2, *flags, "--dataloader-inter-document-masking")
-    split = run(tree, tmp_path, "split", 2, *flags, "--reset-attention-mask",
+    ranks = 4 if parallel else 2
+    masked = run(tree, tmp_path, "masked", ranks, *flags, *parallel,
+                 "--dataloader-inter-document-masking")
+    split = run(tree, tmp_path, "split", ranks, *flags, *parallel, "--reset-attention-mask",
                 "--reset-position-ids")
     assert masked["losses"] == pytest.approx(split["losses"], rel=1e-6)
     assert masked["grad_norms"] == pytest.approx(split["grad_norms"], rel=1e-5)
@@ -404,8 +412,6 @@ def test_distributed_optimizer_trains_and_resumes_like_static(tree, tmp_path):
 
 
 # ----------------------------------------------------------------------------- pipelines
-PIPELINE = ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
-            "--position-embedding-type", "rope"]
 DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
 SCHEDULES = {"1f1b": [], "interleaved": ["--num-layers-per-virtual-pipeline-stage", "1"]}
 
