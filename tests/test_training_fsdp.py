@@ -286,6 +286,10 @@ def test_torch_fsdp2_checkpoints_resume_across_modes(tmp_path):
 @pytest.mark.parametrize("extra, match", [
     (["--data-parallel-sharding-strategy", "optim"],
      "--data-parallel-sharding-strategy=optim without --use-megatron-fsdp"),
+    (FSDP + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+             "--context-parallel-size", "1"],
+     "--use-megatron-fsdp with --tensor-model-parallel-size=2 and "
+     "--pipeline-model-parallel-size=2: Megatron-FSDP checks every tensor-parallel DTensor"),
     (FSDP2 + FSDP, "--use-torch-fsdp2 with --use-megatron-fsdp: "),
     (FSDP2 + ["--use-distributed-optimizer"],
      "--use-torch-fsdp2 with --use-distributed-optimizer: "),
