@@ -82,7 +82,7 @@ def trigger(rule) -> dict:
               "zeppelin_overlong": "split", "zeppelin_planner_process": False,
               "hierarchical_context_parallel_sizes": [2, 8], "window_size": (128, 4),
               "experimental_attention_variant": "dsa", "data_parallel_sharding_strategy":
-              "no_shard", "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}
+              "no_shard", "tensor_model_parallel_size": 2}
     extra = {"moe_token_dispatcher_type": {"expert_model_parallel_size": 2},
              "moe_router_load_balancing_type": {"micro_batch_size": 2},
              "data_parallel_sharding_strategy": {"use_megatron_fsdp": True,
@@ -91,10 +91,6 @@ def trigger(rule) -> dict:
                                             "use_distributed_optimizer": True,
                                             "data_parallel_sharding_strategy": "optim_grads",
                                             "transformer_impl": "local"},
-             "pipeline_model_parallel_size": {"use_megatron_fsdp": True,
-                                              "use_distributed_optimizer": True,
-                                              "data_parallel_sharding_strategy": "optim_grads",
-                                              "tensor_model_parallel_size": 2},
              "overlap_grad_reduce": {"use_megatron_fsdp": True, "use_distributed_optimizer": True,
                                      "data_parallel_sharding_strategy": "optim"},
              "save": {"use_megatron_fsdp": True, "use_distributed_optimizer": True,

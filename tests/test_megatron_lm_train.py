@@ -591,7 +591,8 @@ def test_megatron_fsdp_no_shard_and_tensor_parallel_local_layers(tree, tmp_path)
     """Megatron-LM's default sharding strategy (no_shard) and TP 2 with local layers under
     Megatron-FSDP through the patch: Megatron-LM core_v0.16.1 and core_v0.17.1 fail with
     them in static mode too (refused there, naming the way out); from core_v0.18.2 zeppelin
-    (a pool of 2) trains like Megatron DDP with them."""
+    (a pool of 2) trains like Megatron DDP with them, and TP 2 x PP 2 (a pool of 1 per stage)
+    too."""
     from megatron_zeppelin.megatron.common import fsdp_limits
 
     pool = ["--context-parallel-size", "2"]
@@ -612,11 +613,15 @@ def test_megatron_fsdp_no_shard_and_tensor_parallel_local_layers(tree, tmp_path)
         assert proc.returncode != 0 and "--tensor-model-parallel-size > 1 with " \
             "--use-megatron-fsdp --transformer-impl local" in proc.stderr
     else:
-        ddp = run(tree, tmp_path, "ddp-s-tp", 4, *STATIC, *tp)
-        fsdp = run(tree, tmp_path, "fsdp-z-tp", 4, *tensor_parallel)
-        assert fsdp["wrapper"] == "FullyShardedDataParallel"
-        assert_same_training(fsdp, ddp)
-        assert fsdp["param_sum"] == pytest.approx(ddp["param_sum"], rel=1e-6)
+        # with stages each stage checks its TP DTensors over its own ranks (stage_mesh)
+        layouts = {"tp": ([], pool), "tp-pp": (PIPELINE, ["--context-parallel-size", "1"])}
+        for name, (stages, cp) in layouts.items():
+            ddp = run(tree, tmp_path, f"ddp-s-{name}", 4, *STATIC, *tp, *stages)
+            fsdp = run(tree, tmp_path, f"fsdp-z-{name}", 4, *ZEPPELIN, *cp, *tp, *stages, *FSDP,
+                       "optim_grads_params")
+            assert fsdp["wrapper"] == "FullyShardedDataParallel"
+            assert_same_training(fsdp, ddp)
+            assert fsdp["param_sum"] == pytest.approx(ddp["param_sum"], rel=1e-6)
 
 
 def test_megatron_fsdp_with_pipelines_trains_like_ddp(pipelined, tree, tmp_path):

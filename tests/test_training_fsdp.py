@@ -264,6 +264,13 @@ def tensor_parallel_body(rank: int, world: int, tmp: str) -> None:
                                        msg=lambda m, n=name: f"rank {rank} {strategy} {n}: {m}")
     for what, logs in resumed.items():
         assert close(logs, ddp[0][1:]), (what, logs, ddp[0])
+    # TP 2 x PP 2 with MTP (the TP-split word embedding shared by the stages): each stage's
+    # TP DTensors checked over the stage's ranks (fsdp_stages.stage_mesh), not the world
+    staged = with_values(FLAGS, num_layers="4", micro_batch_size="1") + [
+        "--pipeline-model-parallel-size", "2", "--context-parallel-size", "1",
+        "--tensor-model-parallel-size", "2", "--mtp-num-layers", "1", *ZEPPELIN[:2]]
+    staged_ddp, staged_fsdp = run(world, staged), run(world, staged + FSDP)
+    assert close(staged_fsdp, staged_ddp, 1e-5), (rank, staged_fsdp, staged_ddp)
 
 
 @pytest.mark.skipif(not compat.since(fsdp_limits.TP_WITHOUT_TE_EXACT),
@@ -271,7 +278,8 @@ def tensor_parallel_body(rank: int, world: int, tmp: str) -> None:
 def test_megatron_fsdp_with_tensor_parallel_local_layers_and_no_shard(tmp_path):
     """From megatron-core 0.18 (``fsdp_limits.TP_WITHOUT_TE_EXACT``, ``NO_SHARD_EXACT``):
     Megatron-FSDP with TP 2 x CP 2 on local layers and with no_shard trains like Megatron DDP,
-    parameter by parameter, and TP checkpoints cross FSDP and DDP in both directions."""
+    parameter by parameter, TP checkpoints cross FSDP and DDP in both directions, and TP 2 x
+    PP 2 (with MTP) trains like Megatron DDP x PP."""
     assert fsdp_limits.NO_SHARD_EXACT <= fsdp_limits.TP_WITHOUT_TE_EXACT
     run_world(tensor_parallel_body, 4, str(tmp_path), start_method="spawn", timeout_s=600)
 
@@ -286,10 +294,6 @@ def test_torch_fsdp2_checkpoints_resume_across_modes(tmp_path):
 @pytest.mark.parametrize("extra, match", [
     (["--data-parallel-sharding-strategy", "optim"],
      "--data-parallel-sharding-strategy=optim without --use-megatron-fsdp"),
-    (FSDP + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-             "--context-parallel-size", "1"],
-     "--use-megatron-fsdp with --tensor-model-parallel-size=2 and "
-     "--pipeline-model-parallel-size=2: Megatron-FSDP checks every tensor-parallel DTensor"),
     (FSDP2 + FSDP, "--use-torch-fsdp2 with --use-megatron-fsdp: "),
     (FSDP2 + ["--use-distributed-optimizer"],
      "--use-torch-fsdp2 with --use-distributed-optimizer: "),

@@ -53,19 +53,3 @@ TP_WITHOUT_TE = ("megatron-core 0.16.1 and 0.17.1's Megatron-FSDP find tensor-pa
 # through the patch with core_v0.18.2 and core_v0.19.0
 TP_WITHOUT_TE_EXACT = (0, 18, 0)
 TP_WITHOUT_TE_FIXED = "megatron-core 0.18 runs it (measured exact there)"
-
-# Megatron-FSDP makes each TP-split parameter a DTensor with run_check=True (make_fsdp_dtensor,
-# megatron-core 0.16.1 to 0.19.2), and torch's DTensor.from_local then checks the tensor's
-# metadata with an all_gather_object on the default (world) group (check_tensor_meta, torch
-# 2.13). Pipeline stages wrap their own chunks and hold different numbers of TP-split
-# parameters, so the stages' world-wide gathers pair up with other collectives. Measured on
-# CPU/gloo, TP 2 x PP 2 with local layers (accepted from 0.18 without PP): in our script with
-# 0.18.2 and 0.19.2, zeppelin and static mode alike, the last stage's metadata gather meets the
-# first stage's optimizer gather (TypeError in get_megatron_optimizer's _get_param_groups);
-# through the Megatron-LM patch with core_v0.19.0 the same (and "Inconsistent tensor metadata")
-TP_WITH_PIPELINE = ("Megatron-FSDP checks every tensor-parallel DTensor it makes with a "
-                    "world-wide all_gather_object (torch's DTensor.from_local run_check), and "
-                    "pipeline stages hold different numbers of them, so the stages' "
-                    "collectives pair up wrongly (measured with megatron-core 0.18.2 and "
-                    "0.19.2 and through Megatron-LM core_v0.19.0 on CPU/gloo, TP 2 x PP 2, "
-                    "static mode too: it fails building the optimizer)")

@@ -12,6 +12,14 @@ block of ranks per stage. ``stage_mesh(pp_group)`` builds the mesh over that blo
 while the wrapper is constructed (the same layout and checks as megatron-core's, on the
 stage's ranks); with one stage it is megatron-core's own mesh.
 
+With TP, Megatron-FSDP makes each TP-split parameter a DTensor with ``run_check=True``, and
+torch's ``DTensor.from_local`` then checks the tensor's metadata (dtype, requires_grad) with an
+``all_gather_object`` over the *world* (``check_tensor_meta``, torch 2.13). The stages hold
+different numbers of TP-split parameters, so with stages those gathers pair up with other
+collectives (measured, TP 2 x PP 2 on CPU/gloo, megatron-core 0.18.2/0.19.2, static mode too:
+it failed building the optimizer). While ``stage_mesh`` is open the same check runs over the
+stage's own ranks (megatron-core's TP x DP x CP group), which is where the DTensor lives.
+
 Layout: ranks of stage ``s`` are ``s * S .. (s + 1) * S - 1`` with ``S = TP x CP x EP x DP``
 (EP inside DP, as megatron-core's expert mesh reads them).
 
@@ -36,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 ADAPTER = "megatron.core.distributed.fsdp.mcore_fsdp_adapter"
+DTENSOR_API = "torch.distributed.tensor._api"  # where DTensor.from_local calls check_tensor_meta
 FINALIZE = "megatron.core.distributed.finalize_model_grads"
 
 
@@ -87,14 +96,41 @@ def stage_mesh(pp_group: Any) -> Iterator[None]:
     if dist.get_world_size(pp_group) == 1:
         yield
         return
-    adapter = importlib.import_module(ADAPTER)
+    from megatron.core import parallel_state
+
+    adapter, api = importlib.import_module(ADAPTER), importlib.import_module(DTENSOR_API)
     ranks, original = stage_ranks(pp_group), adapter._get_dp_tp_mesh
+    checked = getattr(api, "check_tensor_meta", None)
     adapter._get_dp_tp_mesh = lambda dp_cp_group, tp_group, ep_size=1: _stage_dp_tp_mesh(
         ranks, dp_cp_group, tp_group, ep_size)
+    if checked is not None:
+        api.check_tensor_meta = _stage_tensor_check(
+            parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True))
     try:
         yield
     finally:
         adapter._get_dp_tp_mesh = original
+        if checked is not None:
+            api.check_tensor_meta = checked
+
+
+def _stage_tensor_check(stage_group: Any):
+    """torch's ``check_tensor_meta`` over ``stage_group`` (this stage's ranks) instead of the
+    world: every rank's local tensor has the same dtype and requires_grad (and shape and
+    stride if asked); ValueError naming the rank otherwise."""
+
+    def check(local_tensor: torch.Tensor, check_shape_stride: bool = False) -> None:
+        mine = {"dtype": local_tensor.dtype, "requires_grad": local_tensor.requires_grad}
+        if check_shape_stride:
+            mine.update(shape=local_tensor.shape, stride=local_tensor.stride())
+        theirs: list = [None] * dist.get_world_size(stage_group)
+        dist.all_gather_object(theirs, mine, group=stage_group)
+        if any(meta != mine for meta in theirs):
+            raise ValueError(f"rank {dist.get_rank()}: a DTensor's local tensors differ across "
+                             f"its pipeline stage's ranks ({mine} vs {theirs})")
+        return None
+
+    return check
 
 
 def _embedding_chunk(model: list, pp_group: Any, config: Any) -> Any:

@@ -185,13 +185,6 @@ RULES: tuple[Rule, ...] = (
          "Megatron DDP, or Megatron-LM core_v0.18.2 or later",
          given="--tensor-model-parallel-size > 1 with --use-megatron-fsdp "
          "--transformer-impl local", fixed_in=fsdp_limits.TP_WITHOUT_TE_EXACT),
-    Rule("--pipeline-model-parallel-size", "pipeline_model_parallel_size", 1,
-         lambda v, a: v > 1 and _get(a, "use_megatron_fsdp", False)
-         and _get(a, "tensor_model_parallel_size", 1) > 1,
-         fsdp_limits.TP_WITH_PIPELINE, "use --use-distributed-optimizer under Megatron DDP with "
-         "TP x PP, or Megatron-FSDP with one of the two",
-         given="--pipeline-model-parallel-size > 1 with --tensor-model-parallel-size > 1 "
-         "--use-megatron-fsdp"),
     Rule("--save", "save", None,
          lambda v, a: (_get(a, "use_megatron_fsdp", False) or _get(a, "use_torch_fsdp2", False))
          and (_set(v, a) or _set(_get(a, "load", None), a)),

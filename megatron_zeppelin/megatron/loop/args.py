@@ -213,11 +213,6 @@ def check_fsdp(args: argparse.Namespace) -> None:
                           "add --no-overlap-grad-reduce (Megatron-LM's default: one exact "
                           "in-place reduce-scatter after the backward) or pass optim_grads / "
                           "optim_grads_params")
-    if args.tensor_model_parallel_size > 1 and args.pipeline_model_parallel_size > 1:
-        raise ConfigError(f"--use-megatron-fsdp with --tensor-model-parallel-size="
-                          f"{args.tensor_model_parallel_size} and --pipeline-model-parallel-size="
-                          f"{args.pipeline_model_parallel_size}: {fsdp_limits.TP_WITH_PIPELINE}; "
-                          "use --use-distributed-optimizer with TP x PP, or one of the two")
     if args.tensor_model_parallel_size > 1 and not te_layers(args) and \
             not compat.since(fsdp_limits.TP_WITHOUT_TE_EXACT):
         raise ConfigError(f"--use-megatron-fsdp with --tensor-model-parallel-size="
