@@ -41,9 +41,12 @@ if ! python -c "import triton" 2>/dev/null; then
     fi
     path="$path:$PWD/$dest.deps"
 fi
+# test_megatron_fsdp_with_tensor_parallel_local_layers is left out of the default run: about
+# one run in seven aborts in a gloo collective on CPU (glibc heap check; see the test). Name it
+# to run it: scripts/test_newer_core.sh 0.19.2 tests/test_training_fsdp.py
 tests=(tests/test_training_fsdp.py tests/test_training_fsdp_pipeline.py
        tests/test_megatron_compat.py tests/test_megatron_mtp.py tests/test_training_resume.py
-       tests/test_megatron_cpu.py)
+       tests/test_megatron_cpu.py -k "not tensor_parallel_local_layers")
 if (( $# > 0 )); then
     tests=("$@")
 fi

