@@ -119,9 +119,8 @@ def _cuda_rng_on_cpu(original: Callable) -> Callable:
     @functools.wraps(original)
     def replacement(*args: Any, **kwargs: Any) -> Any:
         get, set_ = torch.cuda.get_rng_state, torch.cuda.set_rng_state
-        torch.cuda.get_rng_state = lambda *a, **k: cpu_replacements.cpu_get_rng_state()
-        torch.cuda.set_rng_state = lambda state, *a, **k: cpu_replacements.cpu_set_rng_state(
-            state)
+        torch.cuda.get_rng_state = cpu_replacements.cpu_get_rng_state  # (device) as torch's
+        torch.cuda.set_rng_state = cpu_replacements.cpu_set_rng_state  # (state, device)
         try:
             return original(*args, **kwargs)
         finally:

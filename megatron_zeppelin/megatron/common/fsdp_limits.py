@@ -11,7 +11,14 @@ NO_SHARD = ("megatron-core 0.16.1 and 0.17.1's Megatron-FSDP fail at the first o
 # measured exact against Megatron DDP with 0.18.2 and 0.19.2 (our script, overlapped) and
 # through the patch with core_v0.18.2 and core_v0.19.0
 NO_SHARD_EXACT = (0, 18, 0)
-NO_SHARD_FIXED = "megatron-core 0.18 runs it (measured exact there)"
+
+
+def runs_from(version: tuple[int, int, int]) -> str:
+    """How a refusal names the first megatron-core that runs the setting exactly."""
+    return f"megatron-core {version[0]}.{version[1]} runs it (measured exact there)"
+
+
+NO_SHARD_FIXED = runs_from(NO_SHARD_EXACT)
 
 # On the last micro-batch (after no_sync exits) the backward hooks reduce each bucket through
 # GradReducePipeline._bucket_group_gradient_reduce (megatron/core/distributed/fsdp/src/
@@ -52,4 +59,4 @@ TP_WITHOUT_TE = ("megatron-core 0.16.1 and 0.17.1's Megatron-FSDP find tensor-pa
 # local layers measured exact against Megatron DDP with 0.18.2 and 0.19.2 (our script) and
 # through the patch with core_v0.18.2 and core_v0.19.0
 TP_WITHOUT_TE_EXACT = (0, 18, 0)
-TP_WITHOUT_TE_FIXED = "megatron-core 0.18 runs it (measured exact there)"
+TP_WITHOUT_TE_FIXED = runs_from(TP_WITHOUT_TE_EXACT)
