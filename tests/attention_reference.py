@@ -12,9 +12,12 @@ from megatron_zeppelin.plan import Plan
 # ----------------------------------------------------------------------------- reference
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        scale: float, window: int | None = None) -> torch.Tensor:
+                        scale: float, window: int | None = None,
+                        sink: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one sequence: q ``[s, h, d]``, k ``[s, g, d]``, v ``[s, g, dv]`` ->
-    ``[s, h, dv]``; window: each query sees itself and the ``window`` keys before it."""
+    ``[s, h, dv]``; window: each query sees itself and the ``window`` keys before it; sink
+    ``[h]``: one more logit per head in every row's softmax (Megatron's ``SoftmaxOne``: the
+    scores with the sink appended, softmaxed, the sink's column dropped)."""
     s, heads, _ = q.shape
     group = heads // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -22,7 +25,10 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
     if window is not None:
         mask |= torch.ones(s, s, dtype=torch.bool, device=q.device).tril(-window - 1)
-    probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+    scores = scores.masked_fill(mask, float("-inf"))
+    if sink is not None:
+        scores = torch.cat([scores, sink.to(scores.dtype)[:, None, None].expand(-1, s, 1)], -1)
+    probs = torch.softmax(scores, dim=-1)[..., :s]
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
@@ -39,14 +45,19 @@ def make_batch(seqlens: Sequence[int], heads: int, kv_heads: int, head_dim: int,
 
 
 def reference_grads(batch: dict[str, list[torch.Tensor]], seqs: Sequence[int],
-                    scale: float, window: int | None = None) -> dict[int, dict[str, torch.Tensor]]:
-    """out, dq, dk, dv of sequences ``seqs`` (float64), each alone."""
+                    scale: float, window: int | None = None, sink: torch.Tensor | None = None
+                    ) -> dict[int, dict[str, torch.Tensor]]:
+    """out, dq, dk, dv of sequences ``seqs`` (float64), each alone; with a ``sink``, also
+    each sequence's part of the sink's gradient (``"sink"``)."""
     result = {}
     for s in seqs:
         q, k, v = (batch[n][s].clone().requires_grad_() for n in ("q", "k", "v"))
-        out = reference_attention(q, k, v, scale, window)
+        leaf = None if sink is None else sink.detach().double().clone().requires_grad_()
+        out = reference_attention(q, k, v, scale, window, leaf)
         out.backward(batch["dout"][s])
         result[s] = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+        if leaf is not None:
+            result[s]["sink"] = leaf.grad
     return result
 
 

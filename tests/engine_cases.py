@@ -54,16 +54,19 @@ def plan_of(strategy: str, nodes: int, gpus: int, lengths, **options):
 
 def case(label, plan, heads=4, kv_heads=2, dtype="float32", modes=("ring",), seed=0,
          local_call_tokens=LOCAL_CALL_TOKENS, backend=None, transport="direct", window=None,
-         v_head_dim=None, split=False):
+         v_head_dim=None, split=False, sink=False):
     """backend ``native`` runs the native backend's code path through the kernel stand-in
     (bf16); transport ``staged`` stages every exchange through host buffers, ``ordered``
     matches messages by order per rank pair and group as NCCL does (``runtime/ordered.py``:
     an order that only gloo's tags make agree fails); window: sliding window; v_head_dim: a
     value head dim other than HEAD_DIM (multi-latent attention); split: a ring group whose
-    sequences only partly fit a halo exchange is split as on CUDA (``schedule.HALO_SPLIT``)."""
+    sequences only partly fit a halo exchange is split as on CUDA (``schedule.HALO_SPLIT``);
+    sink: attention-sink logits per head (learnable: the sink's gradient summed over the
+    ranks is checked too)."""
     return dict(label=label, plan=plan, heads=heads, kv_heads=kv_heads, dtype=dtype,
                 modes=modes, seed=seed, local_call_tokens=local_call_tokens, backend=backend,
-                transport=transport, window=window, v_head_dim=v_head_dim, split=split)
+                transport=transport, window=window, v_head_dim=v_head_dim, split=split,
+                sink=sink)
 
 
 def router_topology(plan) -> RouterTopology:
@@ -103,8 +106,12 @@ def run_case(rank, c, mode, route_group):
                              router_topology=router_topology(plan) if mode == "routed" else None,
                              local_call_tokens=c["local_call_tokens"], backend=c["backend"],
                              transport=c["transport"], halo_split=c["split"] or None)
+    sink = None
+    if c["sink"]:  # the same logits on every rank, some above the scores, some below
+        gen = torch.Generator().manual_seed(c["seed"])
+        sink = (3 * torch.randn(c["heads"], generator=gen)).to(dtype).requires_grad_()
     start = time.perf_counter()
-    out = engine.forward(q, k, v, window=c["window"])
+    out = engine.forward(q, k, v, window=c["window"], sink=sink)
     out.backward(dout)
     elapsed = time.perf_counter() - start
     engine.close()
@@ -112,7 +119,14 @@ def run_case(rank, c, mode, route_group):
             for wave in waves[c["window"]] for ring in wave.rings]
     proxied = engine.inter.stats()["proxied_slices"] if engine.inter is not None else 0
     seqs = sorted({s for s, _, _ in plan.attention[rank]})
-    ref = reference_grads(batch, seqs, HEAD_DIM ** -0.5, c["window"])
+    ref = reference_grads(batch, seqs, HEAD_DIM ** -0.5, c["window"], sink)
     got = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
-    return dict(errors=max_errors(plan, rank, got, ref), seconds=elapsed, proxied=proxied,
-                halo=sum(runs), runs=len(runs))
+    errors = max_errors(plan, rank, got, ref)
+    if sink is not None:  # every rank's part of the gradient, summed, against every sequence's
+        total = sink.grad.double()
+        dist.all_reduce(total)
+        want = sum(r["sink"] for r in reference_grads(
+            batch, range(len(plan.seqlens)), HEAD_DIM ** -0.5, c["window"], sink).values())
+        errors["sink"] = ((total - want).abs().max() / want.abs().max().clamp(min=1)).item()
+    return dict(errors=errors, seconds=elapsed, proxied=proxied, halo=sum(runs),
+                runs=len(runs))

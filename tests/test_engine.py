@@ -338,6 +338,10 @@ def test_engine_world_of_2():
              seed=4, local_call_tokens=6, backend="native", transport="staged"),
         case("zeppelin 1x2 only local, window 4, value head dim 12",
              plan_of("zeppelin", 1, 2, only_local), seed=6, window=4, v_head_dim=12),
+        case("zeppelin 1x2 long tail, attention sink", zeppelin_plan(1, 2, 2), seed=7,
+             sink=True, local_call_tokens=6),
+        case("zeppelin 1x2 attention sink, window 5, bf16", zeppelin_plan(1, 2, 3), seed=8,
+             sink=True, window=5, dtype="bfloat16"),
     ]
     assert all(t.tier.name == "LOCAL" for t in cases[1]["plan"].tasks)
     assert cases[3]["plan"].num_waves > 1
@@ -362,6 +366,8 @@ def test_engine_world_of_4_and_failing_peer():
         case("zeppelin 2x2 native bf16, window 30, value head dim 16", zeppelin_plan(2, 2, 3),
              dtype="bfloat16", modes=("ring",), seed=7, backend="native", window=30,
              v_head_dim=16),
+        case("zeppelin 2x2 attention sink, value head dim 12", zeppelin_plan(2, 2, 0),
+             modes=("ring", "routed"), seed=9, v_head_dim=12, sink=True),
         case("static-cp 1x4 window 5, halo exchange, ordered",
              plan_of("static-cp", 1, 4, [203, 90, 41], cp_size=4), modes=("ring",), seed=8,
              window=5, v_head_dim=12, transport="ordered"),

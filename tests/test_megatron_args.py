@@ -13,6 +13,7 @@ from megatron_zeppelin.megatron.loop import args as train_args
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = sorted((ROOT / "configs" / "train").glob("*.yaml"))
+ZEPPELIN_FLEXSP = ["--context-parallel-mode", "zeppelin", "--zeppelin-strategy", "flexsp"]
 BASE = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "256", "--global-batch-size", "2",
         "--train-iters", "1", "--mock-data", "--vocab-size", "256"]
@@ -125,8 +126,15 @@ def test_the_strategy_and_its_options_plan_each_micro_batch(tmp_path):
     (["--multi-latent-attention", "--num-query-groups", "2"],
      r"--num-query-groups=2 \(flag or --yaml-cfg key\) is invalid with "
      r"--multi-latent-attention: expected unset or --num-attention-heads 4"),
-])
+    (["--softmax-type", "sigmoid"], r"--softmax-type: invalid choice: 'sigmoid'"),
+] + [([*ZEPPELIN_FLEXSP, *extra], rf"--zeppelin-strategy flexsp with {flag}: its Ulysses "
+      r"attention runs full causal attention with one head dim and the vanilla softmax")
+     for extra, flag in ((["--window-size", "8,0"], "--window-size 8,0"),
+                         (["--softmax-type", "learnable"], "--softmax-type learnable"),
+                         (["--multi-latent-attention"], r"--multi-latent-attention with "
+                          r"--v-head-dim 128 \(q/k 192\)"))])
 def test_bad_attention_settings_are_refused(extra, match):
+    """Including what the Ulysses attention of FlexSP's plans does not run."""
     with pytest.raises(ConfigError, match=match):
         train_args.validate_args(train_args.parse_args(BASE + extra), world_size=1,
                                  local_world_size=None)
@@ -143,6 +151,10 @@ def test_attention_settings_become_megatron_config_fields():
     assert fields["multi_latent_attention"] and fields["v_head_dim"] == 8
     assert attention.windows(2) == (None, 8)
     assert train_args.AttentionArgs().windows(2) == (None,)
+    assert "softmax_type" not in fields  # vanilla: megatron-core's default
+    sinks = train_args.parse_args(BASE + ["--softmax-type", "learnable"])
+    assert train_args.AttentionArgs.from_namespace(sinks).config_fields(2) == {
+        "softmax_type": "learnable"}
 
 
 def test_the_planner_sees_mla_head_dims_and_the_windowed_layers():

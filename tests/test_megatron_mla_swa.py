@@ -1,8 +1,9 @@
-"""Multi-latent attention and sliding windows in training, on gloo: 4 ranks as 2 nodes x 2 in
-zeppelin and static mode give the loss and every gradient of one process running the same
-documents (exact packed attention: every document alone, its window mask), for MLA (value head
-dim != query/key head dim, RoPE part by in-document position), interleaved sliding-window
-layers, and both together."""
+"""Multi-latent attention, sliding windows and attention sinks in training, on gloo: 4 ranks as 2
+nodes x 2 in zeppelin and static mode give the loss and every gradient of one process running
+the same documents (exact packed attention: every document alone, its window mask), for MLA
+(value head dim != query/key head dim, RoPE part by in-document position), interleaved
+sliding-window layers, both together, a learnable sink logit per head (its gradient too) and
+the off-by-one softmax with windows."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,9 @@ MLA = ("--num-query-groups", "4", "--multi-latent-attention",  # MLA: a KV head 
        "--q-lora-rank", "16", "--kv-lora-rank", "8",
        "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6")
 SWA = ("--window-size", "40,0", "--window-attn-skip-freq", "2")  # layer 1 local, layer 2 global
-VARIANTS = {"mla": MLA, "swa": SWA, "mla+swa": MLA + ("--window-size", "12,0")}
+SINK = ("--softmax-type", "learnable")  # GPT-OSS: a trained sink logit per head
+VARIANTS = {"mla": MLA, "swa": SWA, "mla+swa": MLA + ("--window-size", "12,0"), "sink": SINK,
+            "off-by-one+swa": ("--softmax-type", "off-by-one") + SWA}
 
 
 def variants_body(rank: int, world: int, names: list[str], tmp: str) -> None:

@@ -92,6 +92,7 @@ from megatron_zeppelin.runtime.device_index import to_device
 from megatron_zeppelin.runtime.inter import InterQueue
 from megatron_zeppelin.runtime.kernels import KernelBackend, accum_dtype
 from megatron_zeppelin.runtime.lanes import Lanes, lanes_for
+from megatron_zeppelin.runtime.merge import sink_grad, with_sink
 from megatron_zeppelin.runtime.passes import PostedRound, Tensors, WavePass, fill
 from megatron_zeppelin.runtime.plain import plain_ops
 from megatron_zeppelin.runtime.probe import Probe
@@ -251,10 +252,12 @@ class AttentionEngine:
 
     # ------------------------------------------------------------------ public API
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                scale: float | None = None, window: int | None = None) -> torch.Tensor:
+                scale: float | None = None, window: int | None = None,
+                sink: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output ``[tokens, heads, v_head_dim]`` of the rank's buffer, with
         autograd; scale: this call's softmax scale (None: the engine's); window: sliding
-        window ``L >= 0`` (None: full causal)."""
+        window ``L >= 0`` (None: full causal); sink: attention-sink logits ``[heads]`` or
+        None (``merge.with_sink``; trained when it requires grad)."""
         if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or v.shape[:2] != k.shape[:2] \
                 or q.shape[2] != k.shape[2] or q.shape[0] != self.tokens \
                 or k.shape[0] != self.tokens:
@@ -265,13 +268,13 @@ class AttentionEngine:
         if window is not None and not (isinstance(window, int) and window >= 0):
             raise ValueError(f"window={window!r} is invalid: expected an integer >= 0 or None")
         if self.ulysses is not None:
-            if window is not None or v.shape[2] != q.shape[2]:
+            if window is not None or sink is not None or v.shape[2] != q.shape[2]:
                 raise ValueError(f"a {self.plan.strategy} plan (Ulysses attention) runs full "
-                                 f"causal attention with one head dim: window={window!r}, "
-                                 f"v head dim {v.shape[2]} vs q/k {q.shape[2]} are not "
-                                 "supported there; use a ring strategy")
+                                 f"causal attention with one head dim and no sink: window="
+                                 f"{window!r}, sink={sink is not None}, v head dim {v.shape[2]} "
+                                 f"vs q/k {q.shape[2]}: use a ring strategy")
             return self.ulysses.forward(q, k, v, scale)
-        return _EngineFunction.apply(q, k, v, self, scale, window)
+        return _EngineFunction.apply(q, k, v, sink, self, scale, window)
 
     __call__ = forward
 
@@ -476,19 +479,22 @@ class _EngineFunction(torch.autograd.Function):
     """Autograd of ``AttentionEngine.forward``: both phases run the engine's rounds."""
 
     @staticmethod
-    def forward(ctx, q, k, v, engine, scale, window):
+    def forward(ctx, q, k, v, sink, engine, scale, window):
         with plain_ops():
             out, lse = engine.run(Phase.FORWARD, q.detach(), k.detach(), v.detach(),
                                   scale=scale, window=window)
-        ctx.save_for_backward(q, k, v, out, lse)
+            if sink is not None:  # the backward runs with the sink's out and lse
+                out, lse = with_sink(out, lse, sink.detach())
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.engine, ctx.scale, ctx.window = engine, scale, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         with plain_ops():
             dq, dk, dv = ctx.engine.run(Phase.BACKWARD, q, k, v, out, lse, dout.contiguous(),
                                         scale=ctx.scale, window=ctx.window)
-        # one entry per forward input: q, k, v, engine, scale, window
-        return dq, dk, dv, None, None, None
+            dsink = sink_grad(dout, out, lse, sink) if ctx.needs_input_grad[3] else None
+        # one entry per forward input: q, k, v, sink, engine, scale, window
+        return dq, dk, dv, dsink, None, None, None

@@ -55,3 +55,32 @@ def merge_into_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
     _merge_(part_out, part_lse, out, lse)
     acc_out.index_copy_(0, rows, part_out)
     acc_lse.index_copy_(1, rows, part_lse)
+
+
+# ----------------------------------------------------------------------------- attention sinks
+
+def with_sink(out: torch.Tensor, lse: torch.Tensor,
+              sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with a sink (Megatron's ``softmax_type`` ``off-by-one``: 0, ``learnable``: a
+    parameter): one more logit per head, ``sink [heads]``, in every row's softmax denominator,
+    attending a zero value. That is the partial ``(0, sink)`` merged into the row's result:
+    ``lse' = logaddexp(lse, sink)``, ``out' = out exp(lse - lse')``. ``out [t, heads, d]``,
+    ``lse [heads, t]`` (float32) in; new tensors out, ``out'`` in ``out``'s dtype. The
+    attention backward run with ``(out', lse')`` gives the sink softmax's dq, dk, dv
+    (``softmax = exp(s - lse')``, ``delta = rowsum(dout out')``); ``sink_grad`` the sink's."""
+    if tuple(sink.shape) != (lse.shape[0],):
+        raise ValueError(f"sink {tuple(sink.shape)}: expected [{lse.shape[0]}] (one logit per "
+                         "query head)")
+    acc_out, acc_lse = out.float(), lse.float().clone()
+    _merge_(acc_out, acc_lse, torch.zeros_like(acc_out), sink.float()[:, None].expand_as(lse))
+    return acc_out.to(out.dtype), acc_lse
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+              sink: torch.Tensor) -> torch.Tensor:
+    """The gradient of the sink logits ``[heads]`` (``with_sink``'s ``out'``/``lse'``):
+    ``d sink[h] = -sum_t exp(sink[h] - lse'[h, t]) rowsum(dout out')[t, h]`` (the sink's
+    probability times the row's delta), in ``sink``'s dtype."""
+    delta = (dout.float() * out.float()).sum(-1)  # [t, heads]
+    weight = torch.exp(sink.detach().float()[:, None] - lse.float())  # [heads, t]
+    return -(weight * delta.t()).sum(1).to(sink.dtype)

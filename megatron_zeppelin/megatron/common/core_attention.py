@@ -36,6 +36,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_zeppelin.config import ClusterSpec, ConfigError, HardwareProfile, hardware_for
 from megatron_zeppelin.megatron.common.model import layer_window
 from megatron_zeppelin.megatron.common.packing import ZeppelinPackedSeqParams
+from megatron_zeppelin.megatron.common.sink import SinkMixin
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.runtime import kernels
 from megatron_zeppelin.runtime.engine import AttentionEngine
@@ -229,13 +230,14 @@ def planning_hardware(cluster: ClusterSpec, backend: str | None, device: torch.d
 
 def zeppelin_attention(state: ZeppelinAttentionState, query: Tensor, key: Tensor, value: Tensor,
                        params: ZeppelinPackedSeqParams, scale: Optional[float],
-                       window: Optional[int] = None) -> Tensor:
+                       window: Optional[int] = None, sink: Optional[Tensor] = None) -> Tensor:
     """Remap q/k/v to the attention layout, run the plan's rings, remap the output back.
 
     query ``[tokens, 1, heads, d]``, key ``[tokens, 1, kv_heads, d]``, value ``[tokens, 1,
     kv_heads, dv]`` (or all 3-D without the 1: packed multi-latent attention) in the rank's
     linear layout; returns ``[tokens, 1, heads * dv]`` in the linear layout. window: sliding
-    window ``L`` (None: full causal). The last ``params.pad_tokens`` tokens
+    window ``L`` (None: full causal); sink: attention-sink logits ``[heads]`` (``sink.py``,
+    None for the vanilla softmax). The last ``params.pad_tokens`` tokens
     (sequence-parallel padding) belong to no sequence: they skip the remap and the engine, and
     their output is zero.
     """
@@ -259,7 +261,8 @@ def zeppelin_attention(state: ZeppelinAttentionState, query: Tensor, key: Tensor
                                   runtime.remap, state.pool_group)
         q, k, v = (x.reshape(-1, *shape) for x, shape in zip(
             qkv.split([shape.numel() for shape in shapes], dim=1), shapes))
-    out = runtime.engine.forward(q.contiguous(), k.contiguous(), v.contiguous(), scale, window)
+    out = runtime.engine.forward(q.contiguous(), k.contiguous(), v.contiguous(), scale, window,
+                                 sink)
     if runtime.remap is not None:
         out = to_linear_layout(out, runtime.remap, state.pool_group)
     out = out.reshape(out.shape[0], 1, heads * value.shape[3])  # explicit: 0 rows happen
@@ -268,7 +271,7 @@ def zeppelin_attention(state: ZeppelinAttentionState, query: Tensor, key: Tensor
     return out
 
 
-class ZeppelinCoreAttention(MegatronModule):
+class ZeppelinCoreAttention(SinkMixin, MegatronModule):
     """Megatron core attention running Zeppelin's remap + attention engine (pure torch path).
 
     Constructor and forward follow ``DotProductAttention`` (megatron-core 0.16.1); the extra
@@ -292,6 +295,7 @@ class ZeppelinCoreAttention(MegatronModule):
         self.state, self.softmax_scale = zeppelin_state, softmax_scale
         self.zeppelin_state = zeppelin_state  # the name PackedGPTModel finds it by (as TE's)
         self.window = layer_window(config, max(1, layer_number))
+        self._init_sink(config, pg_collection)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None,
@@ -303,7 +307,7 @@ class ZeppelinCoreAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by zeppelin core attention")
         return zeppelin_attention(self.state, query, key, value, packed_seq_params,
-                                  self.softmax_scale, self.window)
+                                  self.softmax_scale, self.window, self.sink(query))
 
 
 def _refuse_dropout(config: TransformerConfig, attention_dropout: Optional[float]) -> None:
@@ -344,8 +348,18 @@ def te_core_attention_class() -> type:
             if isinstance(packed_seq_params, ZeppelinPackedSeqParams):
                 return zeppelin_attention(self.zeppelin_state, query, key, value,
                                           packed_seq_params, self.softmax_scale,
-                                          self.zeppelin_window)
+                                          self.zeppelin_window, self._zeppelin_sink(query))
             return super().forward(query, key, value, attention_mask, attn_mask_type,
                                    attention_bias, packed_seq_params, **kwargs)
+
+        def _zeppelin_sink(self, query):
+            """TE's sink logits (``softmax_offset``, a parameter when learnable; 0 for
+            off-by-one), None for the vanilla softmax. Not run on a GPU yet."""
+            if getattr(self.config, "softmax_type", "vanilla") == "vanilla":
+                return None
+            offset = getattr(self, "softmax_offset", None)
+            if offset is None:
+                return query.new_zeros(query.shape[-2], dtype=torch.float32)
+            return offset.reshape(-1).to(query.device)
 
     return ZeppelinTEDotProductAttention

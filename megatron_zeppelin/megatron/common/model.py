@@ -44,6 +44,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_zeppelin.config import ModelSpec
 from megatron_zeppelin.megatron.common import mtp
+from megatron_zeppelin.megatron.common.sink import SinkMixin
 from megatron_zeppelin.megatron.common.packing import (PackedGPTModel, PackedMLASelfAttention,
                                                 ZeppelinPackedSeqParams)
 
@@ -171,7 +172,7 @@ def build_gpt_model(spec: ModelSpec, config: TransformerConfig, *, max_sequence_
                                           vp_stage=vp_stage))
 
 
-class PackedCoreAttention(MegatronModule):
+class PackedCoreAttention(SinkMixin, MegatronModule):
     """Exact causal attention of every packed piece on its own, with GQA (local reference).
 
     Same constructor and forward signature as megatron-core's ``DotProductAttention`` (and
@@ -179,7 +180,8 @@ class PackedCoreAttention(MegatronModule):
     query: ``[s, b, heads, head_dim]``; key/value: ``[s, b, kv_heads, head_dim]`` (this TP rank's
     heads; query head ``j`` uses kv head ``j // (heads // kv_heads)``, Megatron's grouping);
     value's head dim may differ (MLA), and packed MLA inputs come 3-D ``[s, heads, dim]``.
-    The layer's sliding window (``layer_window``) masks keys more than ``L`` before a query.
+    The layer's sliding window (``layer_window``) masks keys more than ``L`` before a query;
+    ``config.softmax_type`` off-by-one / learnable adds a sink logit per head (``sink.py``).
     With ``ZeppelinPackedSeqParams`` (b must be 1) each piece ``cu_seqlens[i]:cu_seqlens[i+1]``
     attends causally to itself only, which is exact per-document attention when every piece is a
     whole document; without packed params each batch column is one causal sequence.
@@ -198,9 +200,6 @@ class PackedCoreAttention(MegatronModule):
                              "PackedCoreAttention runs with Megatron CP 1")
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"attn_mask_type={attn_mask_type}: PackedCoreAttention is causal only")
-        if config.softmax_type != "vanilla":
-            raise ValueError(f"softmax_type={config.softmax_type!r}: only the vanilla softmax "
-                             "is supported")
         self.layer_number = max(1, layer_number)
         self.window = layer_window(config, self.layer_number)
         self.attention_type = attention_type
@@ -211,6 +210,11 @@ class PackedCoreAttention(MegatronModule):
                               else softmax_scale)
         self.dropout_p = (config.attention_dropout if attention_dropout is None
                           else attention_dropout)
+        self._init_sink(config, pg_collection)  # where DotProductAttention makes it
+        if self.softmax_offset is not None and self.dropout_p:
+            raise ValueError(f"attention_dropout={self.dropout_p} with softmax_type="
+                             f"{config.softmax_type!r}: PackedCoreAttention's sink path has no "
+                             "dropout; pass --attention-dropout 0.0")
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
                 attention_mask: Optional[Tensor], attn_mask_type: Optional[AttnMaskType] = None,
@@ -248,6 +252,10 @@ class PackedCoreAttention(MegatronModule):
             rows = torch.arange(q.shape[0], device=q.device)
             gap = rows[:, None] - rows[None, :]
             mask = (gap >= 0) & (gap <= self.window)
+        sink = self.sink(q)
+        if sink is not None:
+            return _with_sink(qt, kt, vt, mask, self.softmax_scale, sink).permute(
+                2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
         causal = dict(is_causal=mask is None, attn_mask=mask, scale=self.softmax_scale,
                       enable_gqa=gqa)
         if dropout_p > 0.0 and not self.config.sequence_parallel:
@@ -256,6 +264,23 @@ class PackedCoreAttention(MegatronModule):
         else:
             out = F.scaled_dot_product_attention(qt, kt, vt, dropout_p=dropout_p, **causal)
         return out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
+
+
+def _with_sink(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
+               sink: Tensor) -> Tensor:
+    """Causal attention ``[1, heads, L, dv]`` of ``[1, heads or kv_heads, L, d]`` inputs with a
+    sink logit per head (megatron-core's ``SoftmaxOne``: the scores with the sink appended,
+    softmaxed, the sink's column dropped); ``mask``: True = attend (None: causal)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    length = q.shape[2]
+    if mask is None:
+        mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    column = sink.to(scores.dtype).reshape(1, -1, 1, 1).expand(1, -1, length, 1)
+    probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :length]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def _check_qkv(query: Tensor, key: Tensor, value: Tensor) -> None:

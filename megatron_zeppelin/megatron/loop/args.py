@@ -123,7 +123,27 @@ def planner_strategy(args: argparse.Namespace, pool_size: int, pool: Topology | 
     strategy, = strategies_from_flags([args.zeppelin_strategy], args, ZEPPELIN_PREFIX,
                                       "--zeppelin-strategy", pool)
     _refuse_unread(args, strategy.name, f"--zeppelin-strategy {strategy.name}")
+    if strategy.attention == "ulysses":
+        _refuse_for_ulysses(args, strategy.name)
     return strategy.name, given_options(strategy)
+
+
+def _refuse_for_ulysses(args: argparse.Namespace, strategy: str) -> None:
+    """Refuse what Ulysses attention (``runtime/ulysses.py``, FlexSP's) does not run: it is
+    full causal attention with one head dim and the vanilla softmax."""
+    window, softmax = getattr(args, "window_size", None), getattr(args, "softmax_type", "vanilla")
+    mla = getattr(args, "multi_latent_attention", False)
+    qk_dim = args.qk_head_dim + args.qk_pos_emb_head_dim if mla else None
+    given = [flag for flag, on in (
+        (f"--window-size {window}", window is not None),
+        (f"--softmax-type {softmax}", softmax != "vanilla"),
+        (f"--multi-latent-attention with --v-head-dim {getattr(args, 'v_head_dim', None)} "
+         f"(q/k {qk_dim})", mla and args.v_head_dim != qk_dim)) if on]
+    if given:
+        raise ConfigError(f"--zeppelin-strategy {strategy} with {given[0]}: its Ulysses "
+                          "attention runs full causal attention with one head dim and the "
+                          "vanilla softmax; use a ring strategy (e.g. --zeppelin-strategy "
+                          "zeppelin)")
 
 
 def _refuse_unread(args: argparse.Namespace, strategy: str, asked: str) -> None:

@@ -117,9 +117,14 @@ def skip_freq(text: str | None, num_layers: int | None,
     return list(value)
 
 
+# megatron-core's TransformerConfig.softmax_type (megatron/common/sink.py runs the other two)
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
+
 @dataclass(frozen=True)
 class AttentionArgs:
-    """Multi-latent attention and sliding windows, with Megatron-LM's flags and defaults
+    """Multi-latent attention, sliding windows and attention sinks, with Megatron-LM's flags
+    and defaults
     (MLA's RoPE is YaRN with scaling factor 1.0, as Megatron-LM builds it by default)."""
 
     SECTION = "attention"
@@ -135,6 +140,9 @@ class AttentionArgs:
     window_attn_skip_freq: str | None = setting(
         None, "with --window-size: every N-th layer is full attention (N), or a list of 0/1 "
         "per layer, 1 = sliding window (e.g. [1,1,1,0])")
+    softmax_type: str = setting(
+        "vanilla", "attention softmax: vanilla, off-by-one (a sink logit 0 per head) or "
+        "learnable (a trained sink logit per head, GPT-OSS style)", choices=SOFTMAX_TYPES)
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
@@ -158,6 +166,8 @@ class AttentionArgs:
             fields.update(window_size=_window_pair(self.window_size),
                           window_attn_skip_freq=skip_freq(self.window_attn_skip_freq,
                                                            num_layers))
+        if self.softmax_type != "vanilla":
+            fields.update(softmax_type=self.softmax_type)
         if self.multi_latent_attention:
             fields.update(multi_latent_attention=True, q_lora_rank=self.q_lora_rank,
                           kv_lora_rank=self.kv_lora_rank, qk_head_dim=self.qk_head_dim,
