@@ -94,8 +94,8 @@ def decided_elsewhere(options: dict) -> list[str]:
 
 def read_flags() -> set[str]:
     """The flags ``pool_runtime`` reads besides its arguments' and those the layout or the
-    model decide: the planner settings and strategy options, ``RUNTIME_FLAGS``, the window
-    and the dtype (``bf16``)."""
+    model decide: the planner settings and strategy options, ``RUNTIME_FLAGS``, the window,
+    the softmax type (a sink: refused with Ulysses plans) and the dtype (``bf16``)."""
     from megatron_zeppelin.megatron.loop import args as train_args
     from megatron_zeppelin.options import dest_of
     from megatron_zeppelin.planner.registry import option_dests
@@ -107,7 +107,7 @@ def read_flags() -> set[str]:
                  for f in dataclasses.fields(train_args.ZeppelinRuntimeArgs)
                  if f.name in RUNTIME_FLAGS]
     return {*(dest_of(f, prefix) for f, _ in sections), *option_dests(prefix), *WINDOW_FLAGS,
-            "bf16"}
+            "softmax_type", "bf16"}
 
 
 def check_names(flags: dict, options: dict) -> None:

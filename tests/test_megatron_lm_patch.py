@@ -198,7 +198,8 @@ def test_multi_latent_attention_and_causal_sliding_windows_pass():
         window_attn_skip_freq=[1, 1, 0]))
     megatron = argparse.Namespace(multi_latent_attention=True, q_lora_rank=None, kv_lora_rank=32,
                                   qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
-                                  window_size=(128, 0), window_attn_skip_freq=[1, 1, 0])
+                                  window_size=(128, 0), window_attn_skip_freq=[1, 1, 0],
+                                  softmax_type="vanilla")
     attention = train_args.AttentionArgs.from_namespace(megatron)  # Megatron-LM's values
     assert attention.windows(3) == (None, 128)
     assert attention.config_fields(3)["window_size"] == (128, 0)

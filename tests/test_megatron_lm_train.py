@@ -194,6 +194,19 @@ def test_multi_token_prediction_trains_like_static(tree, tmp_path):
         assert mine == pytest.approx(theirs, rel=2e-6)
 
 
+@pytest.mark.parametrize("softmax", ["learnable", "off-by-one"])
+def test_attention_sinks_train_like_static(tree, tmp_path, softmax):
+    """--softmax-type learnable (a trained sink logit per head, GPT-OSS style) and off-by-one
+    over a pool of 2: zeppelin core attention merges the sink into each row after its ring
+    blocks, static mode runs megatron-core's SoftmaxOne; losses, gradient norms (the sinks'
+    included) and validation loss match."""
+    flags = ["--softmax-type", softmax]
+    zeppelin = run(tree, tmp_path, "zeppelin", 2, *ZEPPELIN, "--context-parallel-size", "2",
+                   *flags)
+    static = run(tree, tmp_path, "static", 2, *STATIC, *flags)
+    assert_same_training(zeppelin, static)
+
+
 def tree_version(tree: Path) -> tuple[int, int, int]:
     """The megatron-core version of the Megatron-LM tree (its own ``megatron/core``)."""
     info = runpy.run_path(str(tree / "megatron/core/package_info.py"))

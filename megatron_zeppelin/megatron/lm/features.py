@@ -113,10 +113,6 @@ RULES: tuple[Rule, ...] = (
     Rule("--window-size", "window_size", None, lambda v, a: _set(v, a) and not _causal_window(v),
          "zeppelin attention is causal: a window sees the L tokens before each token and none "
          "after it", "use --window-size L,0 (L >= 0)"),
-    Rule("--softmax-type", "softmax_type", "vanilla", lambda v, a: v != "vanilla",
-         "attention sinks run in scripts/pretrain_gpt.py's zeppelin mode but have not run "
-         "through Megatron-LM yet (its TE layers hold the sink as TE's softmax_offset)",
-         "use scripts/pretrain_gpt.py --softmax-type, or --context-parallel-mode static"),
     Rule("--use-legacy-models", "use_legacy_models", False, _set,
          "the zeppelin model is a megatron-core GPTModel", "drop --use-legacy-models"),
     Rule("--transformer-impl", "transformer_impl", "transformer_engine",
