@@ -160,23 +160,25 @@ def gather_tensor_parallel(module, tensors: dict) -> dict:
     full = {}
     for name, param in module.named_parameters():
         t = tensors[name].detach().clone()
-        if getattr(param, "tensor_model_parallel", False):
+        # megatron-core splits a learnable attention sink by head without marking it
+        sink = name.endswith("softmax_offset")
+        if getattr(param, "tensor_model_parallel", False) or sink:
             parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
             dist.all_gather(parts, t.contiguous(), group=group)
             if name.endswith("linear_fc1.weight"):
                 halves = [p.chunk(2, dim=0) for p in parts]
                 parts = [h[0] for h in halves] + [h[1] for h in halves]
-            t = torch.cat(parts, dim=param.partition_dim)
+            t = torch.cat(parts, dim=0 if sink else param.partition_dim)
         full[name] = t
     return full
 
 
-def tensor_parallel_body(rank: int, world: int, tmp: str) -> None:
+def tensor_parallel_body(rank: int, world: int, tmp: str, extra: tuple[str, ...]) -> None:
     from megatron_zeppelin.megatron.loop import args as train_args, train
 
     args = train_args.parse_args(FLAGS + list(TP_FLAGS))
     train.setup_megatron(args)
-    plan, loss, grads, module = run_mode("zeppelin", rank, extra=TP_FLAGS)
+    plan, loss, grads, module = run_mode("zeppelin", rank, extra=TP_FLAGS + extra)
     assert plan.topology.nodes == 2 and plan.topology.gpus_per_node == 1
     params = gather_tensor_parallel(module, dict(module.named_parameters()))
     full_grads = gather_tensor_parallel(module, grads)
@@ -184,7 +186,10 @@ def tensor_parallel_body(rank: int, world: int, tmp: str) -> None:
         torch.save({"loss": loss, "params": params, "grads": full_grads}, f"{tmp}/tp.pt")
 
 
-def tensor_parallel_reference_body(rank: int, world: int, tmp: str) -> None:
+def tensor_parallel_reference_body(rank: int, world: int, tmp: str,
+                                   extra: tuple[str, ...]) -> None:
+    import dataclasses
+
     from megatron_zeppelin.megatron.loop import args as train_args, train
     from megatron_zeppelin.megatron.common.model import make_transformer_config
 
@@ -197,12 +202,20 @@ def tensor_parallel_reference_body(rank: int, world: int, tmp: str) -> None:
         pass
 
     holder = Holder()
-    holder.spec, holder.config = spec, make_transformer_config(spec, normalization="RMSNorm")
+    config = make_transformer_config(spec, normalization="RMSNorm")
+    fields = train_args.AttentionArgs.from_namespace(train_args.parse_args(FLAGS + list(extra)))
+    holder.spec = spec
+    holder.config = dataclasses.replace(config, **fields.config_fields(spec.num_layers))
     holder.state_dict = lambda: saved["params"]
     compare(saved["loss"], saved["grads"], holder, documents(), "zeppelin TP=2")
 
 
-def test_zeppelin_with_tensor_parallelism_matches_one_process(tmp_path):
-    run_world(tensor_parallel_body, 4, str(tmp_path), start_method="spawn", timeout_s=300)
-    run_world(tensor_parallel_reference_body, 1, str(tmp_path), start_method="spawn",
+@pytest.mark.parametrize("extra", [(), ("--softmax-type", "learnable")],
+                         ids=["vanilla", "learnable sink"])
+def test_zeppelin_with_tensor_parallelism_matches_one_process(tmp_path, extra):
+    """TP 2 x CP 2 against one process, every gradient gathered over TP (a learnable sink's
+    too: megatron-core splits it by head)."""
+    run_world(tensor_parallel_body, 4, str(tmp_path), extra, start_method="spawn",
+              timeout_s=300)
+    run_world(tensor_parallel_reference_body, 1, str(tmp_path), extra, start_method="spawn",
               timeout_s=300)
