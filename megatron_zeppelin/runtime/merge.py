@@ -64,16 +64,17 @@ def with_sink(out: torch.Tensor, lse: torch.Tensor,
     """Attention with a sink (Megatron's ``softmax_type`` ``off-by-one``: 0, ``learnable``: a
     parameter): one more logit per head, ``sink [heads]``, in every row's softmax denominator,
     attending a zero value. That is the partial ``(0, sink)`` merged into the row's result:
-    ``lse' = logaddexp(lse, sink)``, ``out' = out exp(lse - lse')``. ``out [t, heads, d]``,
-    ``lse [heads, t]`` (float32) in; new tensors out, ``out'`` in ``out``'s dtype. The
+    ``lse' = logaddexp(lse, sink)``, ``out' = out exp(lse - lse') = out sigmoid(lse - sink)``
+    (no zero partial is built). ``out [t, heads, d]``, ``lse [heads, t]`` in; new tensors out,
+    ``out'`` in ``out``'s dtype (scaled in float32), ``lse'`` in float32. The
     attention backward run with ``(out', lse')`` gives the sink softmax's dq, dk, dv
     (``softmax = exp(s - lse')``, ``delta = rowsum(dout out')``); ``sink_grad`` the sink's."""
     if tuple(sink.shape) != (lse.shape[0],):
         raise ValueError(f"sink {tuple(sink.shape)}: expected [{lse.shape[0]}] (one logit per "
                          "query head)")
-    acc_out, acc_lse = out.float(), lse.float().clone()
-    _merge_(acc_out, acc_lse, torch.zeros_like(acc_out), sink.float()[:, None].expand_as(lse))
-    return acc_out.to(out.dtype), acc_lse
+    lse, sink = lse.float(), sink.float()[:, None]
+    kept = torch.sub(lse, sink).sigmoid_()  # [heads, t]: 0 where a row saw no key
+    return (out.float() * kept.t().unsqueeze(-1)).to(out.dtype), torch.logaddexp(lse, sink)
 
 
 def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

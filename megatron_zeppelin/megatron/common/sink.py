@@ -29,23 +29,21 @@ class SinkMixin:
     def _init_sink(self, config: TransformerConfig,
                    pg_collection: Optional[ProcessGroupCollection]) -> None:
         kind = getattr(config, "softmax_type", "vanilla")
+        if kind not in ("vanilla", "off-by-one", "learnable"):  # megatron-core's Literal
+            raise ValueError(f"softmax_type={kind!r} is invalid: expected vanilla, off-by-one "
+                             "or learnable")
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         self.tp_group = pg_collection.tp
         heads = config.num_attention_heads // self.tp_group.size()
-        if kind != "learnable":
-            self.softmax_offset = None
-        if kind == "off-by-one":
-            self.softmax_offset = torch.zeros(heads, device=torch.cuda.current_device(),
-                                              dtype=config.params_dtype)
-        elif kind == "learnable":
+        if kind == "learnable":
             self.register_parameter("softmax_offset", torch.nn.Parameter(torch.empty(
                 heads, device=torch.cuda.current_device(), dtype=config.params_dtype)))
             if config.perform_initialization:
                 self.softmax_offset = config.init_method(self.softmax_offset)
-        elif kind != "vanilla":
-            raise ValueError(f"softmax_type={kind!r} is invalid: expected vanilla, off-by-one "
-                             "or learnable")
+        else:
+            self.softmax_offset = None if kind == "vanilla" else torch.zeros(
+                heads, device=torch.cuda.current_device(), dtype=config.params_dtype)
 
     def sink(self, like: Tensor) -> Optional[Tensor]:
         """The sink logits on ``like``'s device (None without a sink)."""
