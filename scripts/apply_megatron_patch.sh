@@ -38,6 +38,16 @@ cd "$target"
 export GIT_CEILING_DIRECTORIES
 GIT_CEILING_DIRECTORIES=$(dirname "$target")
 patched=$( (grep -l "megatron-zeppelin" "${patched_files[@]}" || true) | wc -l)
+if ! command -v git > /dev/null 2>&1; then  # e.g. a GPU image without git: the marker decides
+    if [ "$patched" -eq ${#patched_files[@]} ]; then
+        echo "apply_megatron_patch: already applied in $target (git not found: judged by the" \
+             "megatron-zeppelin marker in ${patched_files[*]})"
+        exit 0
+    fi
+    echo "apply_megatron_patch: git not found: it applies $patch to $target (install git, or" \
+         "patch a copy where git is and bring the patched tree)" >&2
+    exit 1
+fi
 if [ "$patched" -eq ${#patched_files[@]} ] && git apply --reverse --check "$patch" 2>/dev/null; then
     echo "apply_megatron_patch: already applied in $target"
     exit 0

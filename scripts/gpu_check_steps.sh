@@ -155,7 +155,9 @@ step_bench_engine() {
 }
 step_bench_ranks() {
     engine_tiny
-    "$PY" -m megatron_zeppelin.cli bench engine --device "$DEVICE" --parts "$DEVICE-ranks" \
+    local part=gpu-ranks  # bench engine's multi-rank part of this device
+    [ "$DEVICE" = cpu ] && part=cpu-ranks
+    "$PY" -m megatron_zeppelin.cli bench engine --device "$DEVICE" --parts "$part" \
         "${TINY[@]}"
 }
 

@@ -115,6 +115,7 @@ class StandInFlashOps:
 
     def __init__(self) -> None:
         self.calls = {"forward": 0, "backward": 0}
+        self.max_q_seen: list[int] = []  # the max_q of every call, in order
 
     def refuses(self, q: torch.Tensor) -> str | None:
         return None
@@ -123,6 +124,7 @@ class StandInFlashOps:
                 is_causal, return_debug_mask, *, scale=None, window_size_left=None,
                 window_size_right=None, seqused_k=None, alibi_slopes=None):
         self.calls["forward"] += 1
+        self.max_q_seen.append(max_q)
         cq, ck = _check_inputs(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p)
         _check_grouped_single_row(query, key, cq, max_q)
         if return_debug_mask or seqused_k is not None:
@@ -152,6 +154,7 @@ class StandInFlashOps:
                  max_k, dropout_p, is_causal, rng_state, unused, *, scale=None,
                  window_size_left=None, window_size_right=None):
         self.calls["backward"] += 1
+        self.max_q_seen.append(max_q)
         cq, ck = _check_inputs(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p)
         heads = query.shape[1]
         if grad_out.shape != query.shape or out.shape != query.shape or \

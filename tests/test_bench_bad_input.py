@@ -383,3 +383,19 @@ def test_decisions_rejudge_names_the_file_when_it_is_a_folder_or_holds_bad_lengt
         {"index": 3, "lengths": [512, -1], "names": ["a"], "measured_s": [0.1]}]}))
     err = refused(["bench", "decisions", "--rejudge", str(path)], capsys)
     assert f"--rejudge {path}: micro-batch 3's lengths [512, -1] are invalid" in err
+
+
+def test_bench_engine_takes_each_devices_multi_rank_part(monkeypatch, capsys):
+    """CUDA's default parts (and ``--parts gpu-ranks``, gpu_check's bench-ranks step) parse
+    where CUDA is present; the other device's part is refused, naming the valid ones."""
+    import torch
+
+    from megatron_zeppelin.bench.engine import parse_args
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert parse_args(["--device", "cuda"]).parts == ["local", "ring", "gpu-ranks"]
+    assert parse_args(["--device", "cuda", "--parts", "gpu-ranks"]).parts == ["gpu-ranks"]
+    assert parse_args(["--parts", "cpu-ranks"]).parts == ["cpu-ranks"]
+    for device, other in (("cuda", "cpu-ranks"), ("cpu", "gpu-ranks")):
+        err = refused(["bench", "engine", "--device", device, "--parts", other], capsys)
+        assert f"--parts='{other}' is invalid on {device}: expected some of" in err

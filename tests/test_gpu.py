@@ -1,7 +1,8 @@
 """GPU checks (pytest marker ``gpu``; skipped without CUDA): ``scripts/gpu_check.sh`` runs them.
 
 * every backend (native; torch's math path; flash_attn and te when installed) against a
-  float64 reference at per-dtype tolerances (GQA, empty pieces, rows that see no key,
+  float64 reference at per-dtype tolerances (GQA, empty pieces, rows that see no key, one
+  query row per piece,
   tq != tk causal), forward and backward;
 * the CPU stand-in of the native kernel against the real kernel on the same random inputs
   (output, lse, gradients): the contract the CPU tests run on is the GPU's;
@@ -41,7 +42,10 @@ TOL = {torch.bfloat16: dict(out=2e-2, lse=1e-3, grad=6e-2),
        torch.float16: dict(out=4e-3, lse=1e-3, grad=1.5e-2),
        torch.float32: dict(out=1e-4, lse=1e-4, grad=1e-4)}
 CASES = {"causal equal": (True, EQUAL), "full unequal (empty pieces)": (False, UNEQUAL),
-         "causal tq != tk (rows without keys)": (True, UNEQUAL)}
+         "causal tq != tk (rows without keys)": (True, UNEQUAL),
+         # max_q 1 under GQA: the backends pass 2 (kernels.base.kernel_max_q); the stand-in
+         # check below gives the raw kernel max_q 1, its swapped-groups path
+         "causal one row per piece": (True, [(1, 40), (1, 7), (1, 64), (1, 1)])}
 HEAD_DIM = 64
 
 

@@ -211,6 +211,59 @@ def test_transformer_engine_missing_names_the_extra():
         assert te_core_attention_class().__name__ == "ZeppelinTEDotProductAttention"
 
 
+def test_the_te_subclass_runs_zeppelin_with_the_scale_window_and_sink_it_was_built_with(
+        monkeypatch):
+    """The TE subclass over a stand-in base with megatron-core's ``TEDotProductAttention``
+    signature that, as TE's ``DotProductAttention``, keeps no ``softmax_scale`` attribute: its
+    arguments are read by name, positional or keyword, and a zeppelin-packed batch runs zeppelin
+    attention with them (other batches go to the base)."""
+    pytest.importorskip("megatron.core")
+    import torch
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_zeppelin.megatron.common import core_attention
+    from megatron_zeppelin.megatron.common.packing import ZeppelinPackedSeqParams
+
+    class TEStandIn(torch.nn.Module):  # megatron-core 0.16.1's signature, TE's attributes
+        def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                     attention_dropout=None, softmax_scale=None, k_channels=None,
+                     v_channels=None, cp_comm_type="p2p", pg_collection=None):
+            super().__init__()
+            self.config = config
+            if config.softmax_type == "learnable":  # TE's sink parameter, [heads / TP]
+                self.softmax_offset = torch.nn.Parameter(torch.arange(4.0))
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None):
+            return "base"
+
+    calls = []
+    monkeypatch.setattr(core_attention, "zeppelin_attention",
+                        lambda state, q, k, v, params, scale, window, sink:
+                        calls.append((state, scale, window, sink)) or "zeppelin")
+    cls = core_attention.zeppelin_te_attention(TEStandIn)
+    config = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4,
+                               attention_dropout=0.0, window_size=(8, 0),
+                               window_attn_skip_freq=2)
+    sink = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                             attention_dropout=0.0, softmax_type="learnable")
+    keyword = cls(config=config, layer_number=2, attn_mask_type=AttnMaskType.causal,
+                  attention_type="self", softmax_scale=0.125, zeppelin_state="state")
+    positional = cls(config, 1, AttnMaskType.causal, "self", 0.0, 0.25, zeppelin_state="state")
+    learnable = cls(sink, 1, AttnMaskType.causal, "self", zeppelin_state="state")
+    query = torch.zeros(3, 1, 4, 8)
+    packed = ZeppelinPackedSeqParams(qkv_format="sbhd")
+    for layer in (keyword, positional, learnable):
+        assert layer(query, query, query, None, packed_seq_params=packed) == "zeppelin"
+    assert calls[:2] == [("state", 0.125, None, None), ("state", 0.25, 8, None)]  # 2: global
+    assert calls[2][:3] == ("state", None, None)
+    assert torch.equal(calls[2][3], torch.arange(4.0))
+    assert keyword(query, query, query, None) == "base"
+    with pytest.raises(ValueError, match="attention_dropout=0.1 is not supported"):
+        cls(config, 1, AttnMaskType.causal, "self", 0.1, zeppelin_state="state")
+
+
 def test_a_strategy_that_cannot_place_a_document_names_the_training_flag():
     """The preflight plan of one ``--seq-length`` document: the planner's setting names become
     the training flags that set them."""

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_zeppelin.config import ConfigError
-from megatron_zeppelin.megatron.common import compat
+from megatron_zeppelin.megatron.common import compat, fsdp_limits
 from megatron_zeppelin.megatron.loop import checkpoint_files
 
 
@@ -38,8 +38,8 @@ def test_mtp_logging_names_follow_the_version():
 def test_the_common_state_and_fsdp_gradients_follow_the_version():
     assert not compat.common_state_in_shards((0, 18, 2))
     assert compat.common_state_in_shards((0, 19, 2))
-    assert compat.fsdp_optim_overlap_exact((0, 17, 1))
-    assert not compat.fsdp_optim_overlap_exact((0, 16, 1))
+    assert compat.since(fsdp_limits.OPTIM_OVERLAP_EXACT, (0, 17, 1))
+    assert not compat.since(fsdp_limits.OPTIM_OVERLAP_EXACT, (0, 16, 1))
     assert compat.fsdp_fp32_main_grads(bf16=False) == {}
     import dataclasses
 

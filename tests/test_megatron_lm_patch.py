@@ -301,6 +301,33 @@ def test_apply_script_refuses_a_folder_that_is_not_megatron_lm(tmp_path):
     assert result.returncode == 2 and "is not a Megatron-LM checkout" in result.stderr
 
 
+def test_apply_script_without_git_trusts_the_marker_or_says_git_is_missing(tmp_path):
+    """Where git is not installed (a GPU image) a tree whose patched files all carry the
+    marker counts as applied; any other is refused naming git, not called 'partly patched'."""
+    import shutil
+
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("bash", "python3", "grep", "wc", "dirname", "ls", "sed", "tr", "cat"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    tree = tmp_path / "Megatron-LM"
+    for name in PATCHED:
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text("# megatron-zeppelin\n")
+    (tree / "megatron/core").mkdir()
+    (tree / "megatron/core/package_info.py").write_text("MAJOR, MINOR, PATCH = 0, 16, 1\n")
+    no_git = {"PATH": str(tools), "HOME": str(tmp_path)}
+    result = subprocess.run(["bash", str(SCRIPT), str(tree)], capture_output=True, text=True,
+                            env=no_git)
+    assert result.returncode == 0 and "already applied" in result.stdout and \
+        "git not found: judged by the megatron-zeppelin marker" in result.stdout, result.stderr
+    (tree / PATCHED[0]).write_text("# unpatched\n")
+    result = subprocess.run(["bash", str(SCRIPT), str(tree)], capture_output=True, text=True,
+                            env=no_git)
+    assert result.returncode == 1 and "git not found: it applies" in result.stderr, \
+        result.stderr
+
+
 def copy_checkout(src: Path, dst: Path) -> None:
     """The files the patch touches (and the version file) as plain copies."""
     for name in PATCHED + ("megatron/core/package_info.py",):

@@ -200,21 +200,72 @@ def test_the_stand_in_fails_like_the_kernel_on_single_row_gqa_with_empty_query_p
         ops.forward(q, k, v, meta.cu_q_dev, meta.cu_k_dev, 1, meta.max_k, 0.0, True, False)
 
 
+class StandInFlashAttn:
+    """flash-attn 2.7's varlen entry points over the kernel stand-in: the same FlashAttention-2
+    code as torch's, its ``max_q == 1`` GQA reshape included (``flash_attn`` backend's
+    ``load()``); ``max_q`` records what the backend passed."""
+
+    def __init__(self) -> None:
+        from flash_standin import StandInFlashOps
+
+        self.ops, self.max_q = StandInFlashOps(), []
+
+    def _flash_attn_varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, dropout_p, softmax_scale, causal,
+                                   window_size_left=-1, window_size_right=-1, softcap=0.0,
+                                   alibi_slopes=None, return_softmax=False):
+        self.max_q.append(max_seqlen_q)
+        out, lse, rng_state, _, _ = self.ops.forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
+            False, scale=softmax_scale, window_size_left=window_size_left,
+            window_size_right=window_size_right)
+        return out, lse, None, rng_state
+
+    def _flash_attn_varlen_backward(self, dout, q, k, v, out, softmax_lse, dq, dk, dv,
+                                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    dropout_p, softmax_scale, causal, window_size_left=-1,
+                                    window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                                    deterministic=False, rng_state=None):
+        self.max_q.append(max_seqlen_q)
+        grads = self.ops.backward(
+            dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k, dropout_p, causal, torch.zeros(2, dtype=torch.uint64),
+            torch.zeros((), dtype=torch.uint64), scale=softmax_scale,
+            window_size_left=window_size_left, window_size_right=window_size_right)
+        for into, grad in zip((dq, dk, dv), grads):
+            into.copy_(grad)
+
+
+def flash_backend(name: str, monkeypatch):
+    """The registered backend ``name`` running on the CPU stand-in; returns (backend, the
+    ``max_q`` values it passed the kernel)."""
+    if name == "native":
+        return kernels.get(name), install(monkeypatch).max_q_seen
+    module = StandInFlashAttn()
+    backend = kernels.get(name)
+    monkeypatch.setattr(backend, "load", lambda: module)
+    return backend, module.max_q
+
+
+@pytest.mark.parametrize("name", ["native", "flash_attn"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_native_backend_never_sends_single_row_gqa_with_empty_query_pieces(causal, monkeypatch):
-    """The block the kernel's max_q == 1 GQA path cannot take runs (max_q 2 passed) and is
-    exact; a block of one row per piece keeps max_q 1 (the kernel's fast path)."""
-    standin = install(monkeypatch)
-    q, k, v, cu_q, cu_k = random_block(9, 4, 2, SINGLE_ROWS, dtype=torch.bfloat16)
-    out, lse = kernels.block_forward(q, k, v, cu_q, cu_k, causal, 0.3, backend="native")
+@pytest.mark.parametrize("pieces", [SINGLE_ROWS, [(1, 3), (1, 1), (1, 4)]],
+                         ids=["empty query pieces", "one row each"])
+def test_flash_backends_never_send_single_row_gqa_to_the_kernel(name, causal, pieces,
+                                                                monkeypatch):
+    """A single-row GQA block (with or without empty query pieces) runs exactly through both
+    FlashAttention-2 backends with ``max_q`` 2, off the kernel's swapped-groups path (which
+    fails on empty pieces: the stand-in, as the real kernel, raises there)."""
+    backend, max_q = flash_backend(name, monkeypatch)
+    q, k, v, cu_q, cu_k = random_block(9, 4, 2, pieces, dtype=torch.bfloat16)
+    out, lse = kernels.block_forward(q, k, v, cu_q, cu_k, causal, 0.3, backend=backend)
     want_out, want_lse = reference_block(q, k, v, cu_q, cu_k, causal, 0.3)
     torch.testing.assert_close(out.double(), want_out, atol=2e-2, rtol=0)
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=0)
-    assert_backward_matches(q, k, v, out, lse, cu_q, cu_k, causal, 0.3, "native", 4e-2, seed=2)
-    assert standin.calls == {"forward": 1, "backward": 1}
+    assert_backward_matches(q, k, v, out, lse, cu_q, cu_k, causal, 0.3, backend, 4e-2, seed=2)
+    assert max_q == [2, 2]
     meta = kernels.make_pieces(cu_q, cu_k)
-    assert native.kernel_max_q(meta, 4, 2) == 2 and native.kernel_max_q(meta, 4, 4) == 1
-    assert native.kernel_max_q(kernels.make_pieces([0, 1, 2], [0, 3, 5]), 4, 2) == 1
+    assert base.kernel_max_q(meta, 4, 4) == 1  # MHA keeps the longest piece
 
 
 @pytest.mark.gpu

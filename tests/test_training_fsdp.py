@@ -141,7 +141,7 @@ def pools_body(rank: int, world: int, tmp: str) -> None:
     fsdp2, fsdp2_reductions = counting_reduce_scatters(world, RING_FLAGS + RINGS + FSDP2)
     overlapped = optim_reduction(rank, world)
     extra = {}
-    if compat.fsdp_optim_overlap_exact():  # accepted from megatron-core 0.17: trained too
+    if compat.since(fsdp_limits.OPTIM_OVERLAP_EXACT):  # accepted from megatron-core 0.17: trained too
         extra["optim_overlap"] = run_keeping_parameters(world, RING_FLAGS + RINGS + FSDP[:-1] +
                                                         ["optim"])
     if rank == 0:
@@ -178,7 +178,7 @@ def test_megatron_fsdp_in_zeppelin_mode_matches_ddp_and_one_process(tmp_path):
     reductions = runs["torch_fsdp2_reductions"]
     assert len(reductions) > 1 and set(reductions) == {3}, reductions
     ran = ("fsdp", "optim_grads", "optim", "torch_fsdp2") + \
-        (("optim_overlap",) if compat.fsdp_optim_overlap_exact() else ())
+        (("optim_overlap",) if compat.since(fsdp_limits.OPTIM_OVERLAP_EXACT) else ())
     assert set(ran) <= set(runs)
     for strategy in ran:
         fsdp_logs, fsdp_params = runs[strategy]
@@ -199,7 +199,7 @@ def test_megatron_fsdp_in_zeppelin_mode_matches_ddp_and_one_process(tmp_path):
     # plus rank 0's own gradient (per-token loss: no scaling before the reduction); from 0.17
     # (fsdp_limits.OPTIM_OVERLAP_EXACT) it is the sum, and the refusal is lifted there
     assert runs["optim_overlapped"], "no gradient bucket was reduced"
-    exact = compat.fsdp_optim_overlap_exact()
+    exact = compat.since(fsdp_limits.OPTIM_OVERLAP_EXACT)
     for bucket in runs["optim_overlapped"]:
         assert bucket["scaling"] is None, bucket
         if exact:

@@ -62,6 +62,7 @@ DEFAULTS = {"cpu": dict(lengths="3072,512,384,256,200,128,100,64,33,17,5,1", hea
                          parts="local,ring,gpu-ranks")}
 DEFAULTS["cpu"].update(max_local_ratio=None, max_ring_ratio=None, parts="cpu-ranks,local,ring")
 PARTS = ("cpu-ranks", "local", "ring", "gpu-ranks")
+RANKS_PART = {"cpu": "cpu-ranks", "cuda": "gpu-ranks"}  # the multi-rank part each device runs
 PLANNED = ("cpu-ranks", "local", "gpu-ranks")  # the parts that run make_bench_plan's plan
 USED_BY = {"--ranks": ("gpu-ranks",), "--ring-size": ("ring",), "--ring-lengths": ("ring",),
            "--max-ring-ratio": ("ring",), "--max-local-ratio": ("local",),
@@ -153,7 +154,7 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for key in ("heads", "kv_heads", "head_dim", "iters", "ring_size"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')}={getattr(args, key)} must be >= 1")
-    valid = [x for x in PARTS if not x.endswith("ranks") or x.startswith(args.device)]
+    valid = [x for x in PARTS if not x.endswith("ranks") or x == RANKS_PART[args.device]]
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     if not parts or any(x not in valid for x in parts):
         parser.error(f"--parts={args.parts!r} is invalid on {args.device}: expected some of "

@@ -18,8 +18,8 @@ handled:
   core_v0.19.0 (``patches/``, ``MEGATRON_LM_PATCHED``; from core_v0.18 its batch hook sits in
   ``forward_step``, ``docs/megatron-lm.md``).
 * Megatron-FSDP's optim sharding with overlapped gradient reduction: not exact in 0.16.x;
-  our script and the Megatron-LM patch refuse it there only (``fsdp_optim_overlap_exact``,
-  ``lm/features`` ``fixed_in``).
+  our script and the Megatron-LM patch refuse it there only (``since(fsdp_limits.
+  OPTIM_OVERLAP_EXACT)``, ``lm/features`` ``fixed_in``), as every other Megatron-FSDP limit.
 * A checkpoint's common state: ``common.pt`` up to 0.18, inside the shards from 0.19
   (``common_state_in_shards``); MTP's logging helper renamed its tracker key and clean-up in
   0.19 (``mtp_tracker``).
@@ -42,7 +42,6 @@ import inspect
 from typing import Any, Callable, NamedTuple
 
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.megatron.common import fsdp_limits
 
 MEGATRON_CORE_MIN = (0, 16, 1)
 MEGATRON_CORE_BELOW = (0, 20, 0)
@@ -79,15 +78,6 @@ def mtp_count_scales_gradient(version: tuple[int, int, int] | None = None) -> bo
     counts under ``calculate_per_token_loss`` (>= 0.17: the count ``roll_tensor`` returns
     then scales gradients; 0.16 only logs it)."""
     return since(MTP_COUNT_SCALES_GRADIENT, version)
-
-
-def fsdp_optim_overlap_exact(version: tuple[int, int, int] | None = None) -> bool:
-    """Whether Megatron-FSDP's optim sharding with overlapped gradient reduction is exact in
-    this megatron-core: 0.16 added each rank's own unreduced gradient to its reduced shard
-    ('local_grad += reduced_grad', ``fsdp_limits.OPTIM_OVERLAP``); from 0.17
-    ``GradReducePipeline._bucket_group_gradient_reduce`` copies the reduced shard for no_shard
-    and optim (read in 0.17.1, 0.18.2 and 0.19.2; ``fsdp_limits.OPTIM_OVERLAP_EXACT``)."""
-    return since(fsdp_limits.OPTIM_OVERLAP_EXACT, version)
 
 
 # megatron-core 0.19 keeps a checkpoint's common (non-sharded) state as a ShardedObject

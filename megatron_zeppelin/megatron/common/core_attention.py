@@ -21,6 +21,7 @@ through the layer spec's params.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 import warnings
 from typing import Callable, Optional
@@ -89,6 +90,7 @@ class ZeppelinAttentionState:
                  windows: tuple[int | None, ...] = (None,)) -> None:
         self.pool_group, self.backend, self.inter_mode = pool_group, backend, inter_mode
         self.windows = tuple(windows)
+        _refuse_window_limit(backend, self.windows)
         self.route_group, self.router_topology, self.timeout_s = route_group, router_topology, \
             timeout_s
         self.transport = get_transport(transport)
@@ -207,6 +209,18 @@ class ZeppelinAttentionState:
         if self._runtime is not None:
             self._runtime.engine.close()
             self._runtime = None
+
+
+def _refuse_window_limit(backend: str | None, windows: tuple[int | None, ...]) -> None:
+    """A model with sliding windows on an explicit backend that cannot run windowed rings
+    (``KernelBackend.window_limit``: ``te``) is refused at set-up, naming the flags, instead
+    of failing at the first ring block."""
+    name, windowed = backend or kernels.configured(), [w for w in windows if w is not None]
+    limit = name != kernels.AUTO and windowed and kernels.get(name).window_limit
+    if limit:
+        raise ConfigError(f"--zeppelin-attention-backend={name} with a sliding window of "
+                          f"{windowed[0]} tokens (--window-size): {limit}; use "
+                          "--zeppelin-attention-backend native (or flash_attn)")
 
 
 def planning_hardware(cluster: ClusterSpec, backend: str | None, device: torch.device | str,
@@ -328,26 +342,37 @@ def te_core_attention_class() -> type:
     except ImportError as exc:
         raise ImportError("Transformer Engine is not installed: pip install "
                           "'megatron-zeppelin[te]' (or use the NGC PyTorch image)") from exc
+    return zeppelin_te_attention(TEDotProductAttention)
 
-    class ZeppelinTEDotProductAttention(TEDotProductAttention):
+
+def zeppelin_te_attention(base: type) -> type:
+    """``base`` (megatron-core's ``TEDotProductAttention``) running zeppelin on zeppelin-packed
+    batches and itself on any other. Its constructor arguments are read by name through
+    ``base``'s signature, positional or keyword: TE keeps no ``softmax_scale`` attribute (it
+    hands the scale to its kernels' modules), so the subclass keeps the one megatron-core
+    passes (None: the engine's ``head_dim ** -0.5``, TE's default too)."""
+    signature = inspect.signature(base.__init__)
+
+    class ZeppelinTEDotProductAttention(base):
         """TE core attention; zeppelin-packed batches go through remap + the zeppelin engine."""
 
         def __init__(self, config: TransformerConfig, *args,
                      zeppelin_state: ZeppelinAttentionState | None = None, **kwargs) -> None:
-            _refuse_dropout(config, kwargs.get("attention_dropout"))
+            given = signature.bind_partial(self, config, *args, **kwargs).arguments
+            _refuse_dropout(config, given.get("attention_dropout"))
             super().__init__(config, *args, **kwargs)
             if zeppelin_state is None:
                 raise ValueError("zeppelin_state=None: build the layer with "
                                  "get_gpt_layer_zeppelin_spec(state)")
             self.zeppelin_state = zeppelin_state
-            self.zeppelin_window = layer_window(config, max(1, kwargs.get(
-                "layer_number", args[0] if args else 1)))
+            self.zeppelin_softmax_scale = given.get("softmax_scale")
+            self.zeppelin_window = layer_window(config, max(1, given.get("layer_number", 1)))
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                     attention_bias=None, packed_seq_params=None, **kwargs):
             if isinstance(packed_seq_params, ZeppelinPackedSeqParams):
                 return zeppelin_attention(self.zeppelin_state, query, key, value,
-                                          packed_seq_params, self.softmax_scale,
+                                          packed_seq_params, self.zeppelin_softmax_scale,
                                           self.zeppelin_window, self._zeppelin_sink(query))
             return super().forward(query, key, value, attention_mask, attn_mask_type,
                                    attention_bias, packed_seq_params, **kwargs)

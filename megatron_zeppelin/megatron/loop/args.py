@@ -226,7 +226,7 @@ def check_fsdp(args: argparse.Namespace) -> None:
                           f"{fsdp_limits.NO_SHARD_FIXED}; pass optim_grads or "
                           "optim_grads_params (full FSDP)")
     if strategy == "optim" and args.overlap_grad_reduce and \
-            not compat.fsdp_optim_overlap_exact():
+            not compat.since(fsdp_limits.OPTIM_OVERLAP_EXACT):
         raise ConfigError("--use-megatron-fsdp --data-parallel-sharding-strategy=optim with "
                           f"--overlap-grad-reduce (the default): {fsdp_limits.OPTIM_OVERLAP}; "
                           f"{fsdp_limits.OPTIM_OVERLAP_FIXED}; "

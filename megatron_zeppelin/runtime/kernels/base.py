@@ -131,6 +131,19 @@ def pad_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: torc
             .contiguous() for x in (q, k, v, *rest)]
 
 
+def kernel_max_q(pieces: Pieces, heads: int, kv_heads: int) -> int:
+    """The ``max_q`` to pass a FlashAttention-2 varlen kernel (``native``, ``flash_attn``):
+    the longest query piece, but 2 where it is 1 under GQA. With ``max_q == 1`` and more query
+    than KV heads the kernel takes its "ngroups swapped" decode path, which reshapes q to
+    ``[pieces, kv_heads, groups, head_dim]``: it fails when a query piece is empty (a ring
+    block whose piece of some sequence holds no query row; flash-attn issue 1619), and it is
+    the path whose split-KV LSE a fork of the kernel had to fix. The kernel sizes its grid by
+    ``max_q`` and reads every piece's true length from the offsets, so 2 only turns that path
+    off (same results; causal with one row sees every key either way). Host facts of the plan
+    only (no device read)."""
+    return 2 if pieces.max_q == 1 and heads > kv_heads else pieces.max_q
+
+
 def check_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: Pieces) -> None:
     """Validate a block's shapes against its pieces (ValueError naming the bad value)."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or v.shape[:2] != k.shape[:2]:
@@ -174,13 +187,15 @@ class KernelBackend(Protocol):
 
     name: the registry key (``ZEPPELIN_ATTENTION_BACKEND`` / ``--zeppelin-attention-backend``);
     kernel: the hardware-profile kernel it runs (``config.ATTENTION_KERNELS``); auto: whether
-    ``auto`` may pick it (in registration order); description: one line for ``--help``.
+    ``auto`` may pick it (in registration order); description: one line for ``--help``;
+    window_limit: why it cannot run sliding-window rings (None: it runs every band).
     """
 
     name: str
     kernel: str
     auto: bool
     description: str
+    window_limit: str | None
 
     def unavailable(self) -> str | None:
         """Why this process cannot use the backend at all (not installed), else None."""
@@ -208,6 +223,7 @@ class OptionalCudaBackend:
 
     module = package = extra = ""
     auto = False
+    window_limit: str | None = None
 
     def load(self):
         return _import_once(self.module)

@@ -8,7 +8,9 @@ such rows). Head dims are padded to a multiple of 8 as flash-attn requires, and 
 dim different from the query/key one (multi-latent attention) to the larger of the two
 (``base.pad_head_dims``: flash-attn 2 takes one head dim). Sliding windows go to the kernel as
 flash-attn documents them: ``window_size=(left, right)`` (2.6) or ``window_size_left/right``
-(2.7+), bottom-right aligned, ``-1`` unbounded (``base.band``). Only ever chosen
+(2.7+), bottom-right aligned, ``-1`` unbounded (``base.band``); ``max_q`` as the native
+backend passes it (``base.kernel_max_q``: flash-attn's ``max_q == 1`` GQA path fails on empty
+query pieces, as torch's copy of the kernel does). Only ever chosen
 explicitly (``auto`` picks ``native``, the same FlashAttention-2 code that every CUDA torch has).
 """
 from __future__ import annotations
@@ -18,8 +20,8 @@ import inspect
 import torch
 
 from megatron_zeppelin.runtime.kernels.base import (OptionalCudaBackend, Pieces, Window, band,
-                                                    lse_from_kernel, lse_to_kernel,
-                                                    pad_head_dims, register)
+                                                    kernel_max_q, lse_from_kernel,
+                                                    lse_to_kernel, pad_head_dims, register)
 
 
 def flash_kwargs(fn, positional: int, window: Window = (-1, -1), **kwargs) -> dict:
@@ -66,7 +68,8 @@ class FlashAttn(OptionalCudaBackend):
                 window: Window | None = None):
         qp, kp, vp = pad_head_dims(q, k, v, multiple=8)
         fn = self.load()._flash_attn_varlen_forward
-        out, lse = out_and_lse(fn(qp, kp, vp, pieces.cu_q_dev, pieces.cu_k_dev, pieces.max_q,
+        max_q = kernel_max_q(pieces, q.shape[1], k.shape[1])
+        out, lse = out_and_lse(fn(qp, kp, vp, pieces.cu_q_dev, pieces.cu_k_dev, max_q,
                                   pieces.max_k,
                                   **flash_kwargs(fn, 7, band(causal, window), dropout_p=0.0,
                                                  softmax_scale=scale, causal=causal,
@@ -80,7 +83,8 @@ class FlashAttn(OptionalCudaBackend):
         dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
         fn = self.load()._flash_attn_varlen_backward
         fn(dop, qp, kp, vp, op, lse_to_kernel(lse, pieces, causal or window is not None), dq,
-           dk, dv, pieces.cu_q_dev, pieces.cu_k_dev, pieces.max_q, pieces.max_k,
+           dk, dv, pieces.cu_q_dev, pieces.cu_k_dev,
+           kernel_max_q(pieces, q.shape[1], k.shape[1]), pieces.max_k,
            **flash_kwargs(fn, 13, band(causal, window), dropout_p=0.0, softmax_scale=scale,
                           causal=causal, alibi_slopes=None, deterministic=False,
                           rng_state=None))

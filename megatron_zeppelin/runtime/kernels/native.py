@@ -32,9 +32,10 @@ from the device.
 One call the kernel cannot take: with ``max_q == 1`` and GQA its forward reshapes q to
 ``[pieces, kv_heads, groups, head_dim]`` (a fast path that assumes one query row per piece),
 which fails when a query piece is empty (a ring block whose piece of some sequence holds no
-query row). The backend then passes ``max_q = 2`` (``kernel_max_q``): the kernel sizes its
-grid by ``max_q`` and reads every piece's true length from the offsets, so a larger value only
-turns the fast path off (same results; causal with one row sees every key either way).
+query row). The backend passes ``max_q = 2`` for every single-row GQA block
+(``base.kernel_max_q``, shared with ``flash_attn``): the kernel sizes its grid by ``max_q``
+and reads every piece's true length from the offsets, so a larger value only turns the fast
+path off (same results; causal with one row sees every key either way).
 
 ``NativeFlash.ops`` is the kernel the backend calls (``AtenFlashOps``); tests replace it with a
 CPU stand-in of exactly this contract (``tests/flash_standin.py``), so CI runs this module's
@@ -44,19 +45,11 @@ from __future__ import annotations
 
 import torch
 
-from megatron_zeppelin.runtime.kernels.base import (HALF, Pieces, Window, band, lse_from_kernel,
-                                                    lse_to_kernel, pad_head_dims, register)
+from megatron_zeppelin.runtime.kernels.base import (HALF, Pieces, Window, band, kernel_max_q,
+                                                    lse_from_kernel, lse_to_kernel,
+                                                    pad_head_dims, register)
 
 MAX_HEAD_DIM = 256
-
-
-def kernel_max_q(pieces: Pieces, heads: int, kv_heads: int) -> int:
-    """The ``max_q`` to pass the kernel: the longest query piece, but 2 where the kernel's
-    ``max_q == 1`` GQA path would reshape over empty query pieces (module docstring); host
-    facts of the plan only (no device read)."""
-    if pieces.max_q == 1 and heads > kv_heads and pieces.total_q < len(pieces.cu_q) - 1:
-        return 2
-    return pieces.max_q
 
 
 class AtenFlashOps:
@@ -84,6 +77,7 @@ class NativeFlash:
     name = "native"
     kernel = "fa2"
     auto = True
+    window_limit = None
     description = "torch's built-in varlen flash attention (CUDA sm80+, fp16/bf16)"
 
     def __init__(self) -> None:

@@ -4,10 +4,15 @@
 ``transformer_engine.pytorch.cpp_extensions.fused_attn``'s ``fused_attn_fwd`` / ``fused_attn_bwd``
 with layout ``thd_thd_thd`` and mask ``padding_causal_bottom_right`` or ``padding``. Its softmax
 stats are ``[total_q, heads, 1]`` (cuDNN >= 9.6) or ``[batch, heads, max_q, 1]`` before,
-converted to and from ``[heads, tq]``; rows without keys carry ``+inf`` there. Sliding windows
-go as TE documents ``window_size=(left, right)``: query ``i`` sees keys ``[i + sk - sq - left,
-i + sk - sq + right]`` (bottom-right aligned, ``-1`` unbounded; ``base.band``); a band with
-``right > 0`` uses mask ``padding`` with that window. A value head dim different from the
+converted to and from ``[heads, tq]``; rows without keys carry ``+inf`` there. Sliding windows:
+TE documents ``window_size=(left, right)`` as query ``i`` seeing keys ``[i + sk - sq - left,
+i + sk - sq + right]`` (bottom-right aligned, ``-1`` unbounded; ``base.band``), but the cuDNN
+graph of TE 2.9-2.11 sets only the band's left bound, on a causal mask, bottom-right aligned
+only for the ``*_bottom_right`` masks: a causal band ``(left, 0)`` runs (mask
+``padding_causal_bottom_right``); a band with ``right > 0`` (a windowed ring's blocks between
+zigzag chunks) would run with no right bound and top-left aligned, and a left bound without a
+causal mask likewise. Such a block is refused (``WINDOW_LIMIT``), and so is a windowed model
+with this backend, at set-up (``window_limit``). A value head dim different from the
 query/key one (multi-latent attention) is passed as it is: TE's THD fused attention takes
 ``head_dim_qk != head_dim_v`` (cuDNN arbitrary-seqlen backend). No dropout is
 used, so the RNG state passed back is unused (zeros). Only ever chosen explicitly.
@@ -56,9 +61,17 @@ def lse_to_te(lse: torch.Tensor, pieces: Pieces) -> torch.Tensor:
     return stats
 
 
+WINDOW_LIMIT = ("Transformer Engine's fused attention (cuDNN graph of TE 2.9-2.11) takes a "
+                "sliding window only as a causal band (right bound 0), and a windowed ring's "
+                "blocks between zigzag chunks need one with a right bound")
+
+
 def _common(pieces: Pieces, causal: bool, scale: float, window: Window | None) -> dict:
     """Keyword arguments shared by TE's forward and backward."""
     left, right = band(causal, window)
+    if right != 0 and (left, right) != (-1, -1):  # a band that is neither causal nor full
+        raise ValueError(f"backend 'te' cannot run the band window={tuple(window)}: "
+                         f"{WINDOW_LIMIT}; use backend 'native' or 'flash_attn'")
     return dict(cu_seqlens_q_padded=pieces.cu_q_dev, cu_seqlens_kv_padded=pieces.cu_k_dev,
                 attn_scale=scale, dropout=0.0, qkv_layout="thd_thd_thd",
                 attn_bias_type="no_bias",
@@ -71,6 +84,7 @@ class TransformerEngine(OptionalCudaBackend):
 
     name = "te"
     kernel = "cudnn"
+    window_limit = WINDOW_LIMIT
     description = "Transformer Engine fused attention, THD (CUDA, fp16/bf16; pip extra te)"
     module = "transformer_engine.pytorch.cpp_extensions.fused_attn"
     package, extra = "transformer_engine", "te"

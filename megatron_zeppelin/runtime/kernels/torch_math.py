@@ -104,6 +104,7 @@ class TorchMath:
     name = "torch"
     kernel = "cpu"
     auto = False  # ``auto`` lands here only when no fused backend takes the block
+    window_limit = None
     description = "exact reference: CPU flash per pair, math path elsewhere (slow on CUDA)"
 
     def unavailable(self) -> str | None:
