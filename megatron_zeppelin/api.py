@@ -43,6 +43,7 @@ from megatron_zeppelin.config import ModelSpec
 from megatron_zeppelin.megatron.common.data import MicroBatch, ZeppelinDataIterator
 from megatron_zeppelin.megatron.common.groups import Pool, new_pool_groups
 from megatron_zeppelin.parallel import PoolLayout
+from megatron_zeppelin.runtime.transport import collective_device
 
 MODES = ("zeppelin", "static")
 DEVICES = ("cuda", "cpu")
@@ -233,7 +234,8 @@ def global_mean_loss(stored: list[dict], group: dist.ProcessGroup | None = None)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise ValueError(f"group={show(group)} is invalid: expected None (the world) or a "
                          "torch.distributed ProcessGroup")
-    sums = torch.stack([d["lm loss"] for d in stored]).sum(0) if stored else torch.zeros(2)
+    sums = torch.stack([d["lm loss"] for d in stored]).sum(0) if stored else \
+        torch.zeros(2, device=collective_device(group))  # a stage before the last: nothing
     dist.all_reduce(sums, group=group)
     return (sums[0] / sums[1].clamp(min=1)).item()
 

@@ -15,7 +15,8 @@ from megatron_zeppelin.config import ConfigError, PipelineSpec, ZeppelinConfig, 
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.limits import refuse_untrainable
 from megatron_zeppelin.plan import OverlongReport
-from megatron_zeppelin.options import Parser, add_flags, exit_status, from_flags, int_at_least
+from megatron_zeppelin.options import (Parser, add_flags, exit_status, from_flags, int_at_least,
+                                       nonempty)
 from megatron_zeppelin.output_paths import output_file
 
 if TYPE_CHECKING:
@@ -25,12 +26,14 @@ if TYPE_CHECKING:
 
 def add_setup_args(p: argparse.ArgumentParser, nodes_nargs: str | None = None) -> None:
     """--model --cluster --nodes --hardware --tp and the planner options."""
-    p.add_argument("--model", required=True, help="model YAML path or shipped name (llama-7b)")
-    p.add_argument("--cluster", required=True, help="cluster YAML path or shipped name")
+    p.add_argument("--model", type=nonempty, required=True,
+                   help="model YAML path or shipped name (llama-7b)")
+    p.add_argument("--cluster", type=nonempty, required=True,
+                   help="cluster YAML path or shipped name")
     p.add_argument("--nodes", type=int_at_least(1), nargs=nodes_nargs, default=None,
                    help="number of nodes (default: the cluster YAML's)")
-    p.add_argument("--hardware", default=None, help="hardware profile YAML (default: the "
-                   "cluster's `hardware:` entry)")
+    p.add_argument("--hardware", type=nonempty, default=None, help="hardware profile YAML "
+                   "(default: the cluster's `hardware:` entry)")
     p.add_argument("--tp", type=int_at_least(1), default=1,
                    help="tensor-parallel size per rank (divides the GPUs per node)")
     add_flags(p.add_argument_group("planner options"), ZeppelinConfig)
@@ -43,8 +46,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
                    help="built-in workload the batch is sampled from (default github)")
-    p.add_argument("--lengths", default=None, help="file with one document length per line: "
-                   "the batch (replaces --workload, --global-batch-tokens and --seed)")
+    p.add_argument("--lengths", type=nonempty, default=None, help="file with one document "
+                   "length per line: the batch (replaces --workload, --global-batch-tokens and "
+                   "--seed)")
     p.add_argument("--global-batch-tokens", type=token_count, default=None,
                    help="tokens per global batch (2M, 512K; default 2M)")
     p.add_argument("--seed", type=int_at_least(0), default=None,

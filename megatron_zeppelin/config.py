@@ -19,8 +19,8 @@ from pathlib import Path
 from megatron_zeppelin.config_yaml import from_dict, read_yaml, resolve_config_path
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.hardware_profile import ATTENTION_KERNELS, HardwareProfile
-from megatron_zeppelin.options import (only_with, plain_integers, require, require_positive,
-                                       require_positive_int, reword, setting)
+from megatron_zeppelin.options import (only_with, plain_integers, require, require_nonnegative,
+                                       require_positive, require_positive_int, reword, setting)
 from megatron_zeppelin.plan import Topology
 
 OVERLONG_POLICIES = ("error", "split", "drop")
@@ -67,6 +67,9 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         plain_integers(self)  # numpy's integers as ints
+        require(isinstance(self.name, str) and self.name.strip() != "", "model.name", self.name,
+                "a non-empty name")
+        require(isinstance(self.swiglu, bool), "model.swiglu", self.swiglu, "true or false")
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                     "bytes_per_element", "moe_router_topk"):
             require_positive_int(f"model.{key}", getattr(self, key))
@@ -88,6 +91,9 @@ class ModelSpec:
             require(self.moe_router_topk <= self.num_experts, "model.moe_router_topk",
                     self.moe_router_topk, f"at most num_experts={self.num_experts} (experts "
                     "per token)")
+        else:
+            require(self.moe_router_topk == 1, "model.moe_router_topk", self.moe_router_topk,
+                    "unset (1) without num_experts: experts per token needs a MoE model")
         heads = self.num_attention_heads
         require(heads % self.kv_heads == 0, "model.num_query_groups", self.num_query_groups,
                 f"a divisor of num_attention_heads={heads}")
@@ -212,6 +218,9 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         plain_integers(self)  # numpy's integers as ints
+        for key in ("name", "hardware"):
+            require(isinstance(getattr(self, key), str) and getattr(self, key).strip() != "",
+                    f"cluster.{key}", getattr(self, key), "a non-empty name")
         for key in ("gpus_per_node", "nics_per_node", "nodes"):
             require_positive_int(f"cluster.{key}", getattr(self, key))
         require(self.gpus_per_node <= MAX_GPUS, "cluster.gpus_per_node", self.gpus_per_node,
@@ -225,9 +234,7 @@ class ClusterSpec:
                 self.nics_per_node, f"at most gpus_per_node={self.gpus_per_node} (each NIC "
                 "carries the inter-node traffic of the GPUs attached to it)")
         for key in ("nvlink_latency_us", "nic_latency_us"):
-            value = getattr(self, key)
-            require(isinstance(value, (int, float)) and value >= 0, f"cluster.{key}", value,
-                    "a number >= 0")
+            require_nonnegative(f"cluster.{key}", getattr(self, key))
         if self.gpu_to_nic is None:
             spread = tuple(i * self.nics_per_node // self.gpus_per_node
                            for i in range(self.gpus_per_node))
@@ -236,8 +243,8 @@ class ClusterSpec:
             object.__setattr__(self, "gpu_to_nic", tuple(self.gpu_to_nic))
         require(len(self.gpu_to_nic) == self.gpus_per_node, "cluster.gpu_to_nic",
                 list(self.gpu_to_nic), f"a list of {self.gpus_per_node} NIC indices")
-        bad = [n for n in self.gpu_to_nic
-               if not (isinstance(n, int) and 0 <= n < self.nics_per_node)]
+        bad = [n for n in self.gpu_to_nic if isinstance(n, bool) or
+               not (isinstance(n, int) and 0 <= n < self.nics_per_node)]
         require(not bad, "cluster.gpu_to_nic", list(self.gpu_to_nic),
                 f"NIC indices in [0, {self.nics_per_node})")
 
@@ -446,9 +453,12 @@ def load_cluster(name_or_path: str | os.PathLike, nodes: int | None = None) -> C
     if hardware.suffix in (".yaml", ".yml") and not hardware.is_absolute() and beside.exists():
         cluster = dataclasses.replace(cluster, hardware=str(beside))
     try:
-        resolve_config_path(cluster.hardware, "hardware")
+        profile = resolve_config_path(cluster.hardware, "hardware")
     except ConfigError as exc:
         raise ConfigError(f"{path}: hardware={hardware!s}: {exc}") from None
+    if not profile.is_file():
+        raise ConfigError(f"{path}: hardware={hardware!s} is invalid: expected a hardware "
+                          "profile YAML file or a shipped name, not a folder")
     return cluster.with_nodes(nodes) if nodes is not None else cluster
 
 

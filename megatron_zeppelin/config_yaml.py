@@ -15,7 +15,7 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Hashable, Mapping
 
 import yaml
 
@@ -61,7 +61,7 @@ def from_dict(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
         raise ConfigError(f"{where or cls.__name__}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
+    unknown = sorted(set(data) - set(names), key=str)
     if unknown:
         raise ConfigError(f"{where or cls.__name__}: unknown key(s) {unknown}; valid keys: {names}")
     try:
@@ -83,6 +83,10 @@ def configs_dir() -> Path:
     """The shipped ``configs/`` folder (``ZEPPELIN_CONFIGS`` overrides)."""
     override = env.configs_dir()
     if override:
+        if not Path(override).is_dir():
+            raise ConfigError(f"ZEPPELIN_CONFIGS={override!r} is invalid: expected a folder "
+                              "laid out as the shipped configs/ (clusters/, hardware/, models/, "
+                              "sim/, train/), or unset it")
         return Path(override)
     return Path(__file__).resolve().parent.parent / "configs"
 
@@ -110,12 +114,18 @@ def resolve_config_path(name_or_path: str | os.PathLike, kind: str) -> Path:
 
 class _StrictLoader(yaml.SafeLoader):
     """YAML's safe loader that refuses a key given twice in one mapping (PyYAML keeps the
-    last one silently)."""
+    last one silently) and a key that is not a scalar; a merge key (``<<: *anchor``) merges as
+    YAML 1.1 says, the mapping's own keys overriding the merged ones."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a key must be a scalar, got {key!r}", key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {key!r} is given twice", key_node.start_mark)

@@ -51,6 +51,11 @@ class CostModel:
     kernel: "CostKernel" = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        for name, kind in (("model", ModelSpec), ("cluster", ClusterSpec),
+                           ("hardware", HardwareProfile)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected a "
+                                 f"{kind.__name__} (config.load_{name})")
         if not (isinstance(self.tp, int) and not isinstance(self.tp, bool) and self.tp >= 1):
             raise ValueError(f"tensor_model_parallel_size={self.tp!r} is invalid: expected an "
                              "integer >= 1")

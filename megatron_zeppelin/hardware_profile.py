@@ -12,7 +12,7 @@ from numbers import Integral, Real
 from dataclasses import dataclass, field
 from typing import Mapping, TypeVar
 
-from megatron_zeppelin.options import require, require_positive
+from megatron_zeppelin.options import require, require_nonnegative, require_positive
 from megatron_zeppelin.twin_arithmetic import interp
 
 Cluster = TypeVar("Cluster")  # config.ClusterSpec (which imports this module)
@@ -76,17 +76,16 @@ class HardwareProfile:
                 f"one of {list(ATTENTION_KERNELS)}")
         require_positive("hardware.gemm_tflops", self.gemm_tflops)
         require_positive("hardware.attention_bwd_ratio", self.attention_bwd_ratio)
-        require(self.shared_by >= 1, "hardware.shared_by", self.shared_by,
-                "a number >= 1 (ranks sharing one device's compute)")
-        require(self.kernel_overhead_us >= 0, "hardware.kernel_overhead_us",
-                self.kernel_overhead_us, "a number >= 0")
+        require(isinstance(self.shared_by, (int, float)) and not isinstance(self.shared_by, bool)
+                and 1 <= self.shared_by < math.inf, "hardware.shared_by", self.shared_by,
+                "a finite number >= 1 (ranks sharing one device's compute)")
+        require_nonnegative("hardware.kernel_overhead_us", self.kernel_overhead_us)
         object.__setattr__(self, "attention_tflops", _attention_table(self.attention_tflops))
         for key in ("p2p_gbyte_per_s", "p2p_latency_us", "intra_latency_us",
                     "inter_latency_us", "ring_step_overhead_us", "remap_overhead_us",
                     "linear_fixed_us"):
             if getattr(self, key) is not None:
-                require(getattr(self, key) >= 0, f"hardware.{key}", getattr(self, key),
-                        "a number >= 0")
+                require_nonnegative(f"hardware.{key}", getattr(self, key))
         for key in ("intra_gbyte_per_s", "inter_gbit_per_s"):
             if getattr(self, key) is not None:
                 require_positive(f"hardware.{key}", getattr(self, key))
@@ -116,20 +115,23 @@ class HardwareProfile:
 
 
 def _attention_table(raw) -> tuple[tuple[int, float], ...]:
-    """``attention_tflops`` as sorted ``(length, TFLOP/s)`` pairs: a map ``{length: TFLOP/s}``
-    or a list of pairs; lengths positive integers (each once), TFLOP/s finite and positive."""
-    allowed = "a non-empty map {length: TFLOP/s} of positive integer lengths and finite " \
-        "positive TFLOP/s"
+    """``attention_tflops`` as sorted ``(length, TFLOP/s)`` pairs (``length_table``)."""
+    return length_table(raw, "hardware.attention_tflops", "TFLOP/s")
+
+
+def length_table(raw, key: str, values: str) -> tuple[tuple[int, float], ...]:
+    """A table by sequence length as sorted ``(length, value)`` pairs: a map ``{length:
+    value}`` or a list of pairs; lengths positive integers (each once), values finite and
+    positive. ``key`` and ``values`` name the table and its values in errors."""
+    allowed = f"a non-empty map {{length: {values}}} of positive integer lengths and finite " \
+        f"positive {values}"
     pairs = list(raw.items()) if isinstance(raw, Mapping) else raw
     require(isinstance(pairs, (list, tuple)) and len(pairs) > 0 and
-            all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs),
-            "hardware.attention_tflops", raw, allowed)
-    for length, tflops in pairs:
+            all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs), key, raw, allowed)
+    for length, value in pairs:
         require(isinstance(length, Integral) and not isinstance(length, bool) and length > 0 and
-                isinstance(tflops, Real) and not isinstance(tflops, bool) and
-                math.isfinite(tflops) and tflops > 0, "hardware.attention_tflops",
-                {length: tflops}, allowed)
+                isinstance(value, Real) and not isinstance(value, bool) and
+                math.isfinite(value) and value > 0, key, {length: value}, allowed)
     lengths = [length for length, _ in pairs]
-    require(len(set(lengths)) == len(lengths), "hardware.attention_tflops", raw,
-            allowed + ", each length once")
-    return tuple(sorted((int(length), float(tflops)) for length, tflops in pairs))
+    require(len(set(lengths)) == len(lengths), key, raw, allowed + ", each length once")
+    return tuple(sorted((int(length), float(value)) for length, value in pairs))

@@ -53,9 +53,15 @@ def require(cond: bool, what: str, value: Any, allowed: str) -> None:
 
 
 def require_positive(what: str, value: Any) -> None:
-    """``require`` a number (int or float, not bool) > 0."""
-    require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
-            what, value, "a positive number")
+    """``require`` a finite number (int or float, not bool) > 0."""
+    require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and
+            math.isfinite(value), what, value, "a finite positive number")
+
+
+def require_nonnegative(what: str, value: Any) -> None:
+    """``require`` a finite number (int or float, not bool) >= 0."""
+    require(isinstance(value, (int, float)) and not isinstance(value, bool) and
+            0 <= value < math.inf, what, value, "a finite number >= 0")
 
 
 def require_positive_int(what: str, value: Any) -> None:
@@ -199,6 +205,8 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, section
             extra["choices"] = meta["choices"]
         if meta["metavar"]:
             extra["metavar"] = meta["metavar"]
+        if kind is str and default is None:  # an optional name or path: "" is not one
+            kind = nonempty
         parser.add_argument(*names, type=CHECKED_TYPES.get(kind, kind),
                             default=default, **extra)
 
@@ -319,11 +327,13 @@ def check_value(action: argparse.Action, value: Any, what: str) -> Any:
                 not math.isfinite(value):
             raise ConfigError(f"{what}={value!r} is invalid: expected a finite number")
         value = float(value)
-    if kind in (None, str) and isinstance(value, list) and value and all(
+    if kind in (None, str, nonempty) and isinstance(value, list) and value and all(
             isinstance(v, int) and not isinstance(v, bool) for v in value):
         value = ",".join(str(v) for v in value)  # a YAML list of integers: window_size [L, 0]
-    if kind in (None, str) and not isinstance(value, str):
+    if kind in (None, str, nonempty) and not isinstance(value, str):
         raise ConfigError(f"{what}={value!r} is invalid: expected a string")
+    if kind is nonempty and not value.strip():
+        raise ConfigError(f"{what}={value!r} is invalid: expected a non-empty value")
     if action.choices is not None and value not in action.choices:
         raise ConfigError(f"{what}={value!r} is invalid: expected one of {list(action.choices)}")
     return value

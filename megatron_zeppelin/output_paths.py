@@ -17,13 +17,15 @@ def output_file(suffixes: Iterable[str] = (), exist_ok: bool = True):
     """An argparse ``type`` for a file the command will write: refused before any work when
     its folder does not exist or cannot be written (``unwritable_folder``), it is a folder,
     it exists and ``exist_ok`` is false, or its suffix is not one of ``suffixes`` (when
-    given)."""
+    given); a link is judged by where it leads."""
     suffixes = tuple(suffixes)
 
     def parse(text: str) -> str:
         path = pathlib.Path(text)
         if path.is_dir():
             raise argparse.ArgumentTypeError(f"{text!r} is a folder: expected a file path")
+        if path.is_symlink():  # writing follows the link: judge where it leads
+            path = path.resolve()
         if path.parent.exists() and not path.parent.is_dir():
             raise argparse.ArgumentTypeError(f"{text!r}: {str(path.parent)!r} is a file, not "
                                              "a folder")

@@ -32,7 +32,8 @@ def main(out: Path, target: float) -> int:
     native = iterations(out / "train-native.jsonl")
     reference = iterations(out / "train-reference.jsonl")
     if not native:
-        print(f"no iterations logged in {out / 'train-native.jsonl'} (see train-native.log)")
+        print(f"no iterations logged in {out / 'train-native.jsonl'} (see train.log, section "
+              "'== train-native')")
         return 1
     steady = [t for i, _, t in native if i > 2] or [t for _, _, t in native]
     tps = sum(steady) / len(steady)
@@ -41,7 +42,8 @@ def main(out: Path, target: float) -> int:
     print(f"fast backend: {len(native)} iterations, {tps:,.0f} tokens/s (mean of iterations "
           f"> 2; target >= {target:,.0f}: {verdict})")
     if not reference:
-        print(f"no iterations logged in {out / 'train-reference.jsonl'} (see train-reference.log)")
+        print(f"no iterations logged in {out / 'train-reference.jsonl'} (see train.log, "
+              "section '== train-reference')")
         return 1
     worst = max(abs(a[1] - b[1]) for a, b in zip(native, reference))
     pairs = ", ".join(f"{a[1]:.4f}/{b[1]:.4f}" for a, b in zip(native, reference))

@@ -48,12 +48,27 @@ PLAN = ["plan", "--model", "llama-7b", "--cluster", "h200-8nic", "--nodes", "2"]
     (PLAN + ["--tp", "１"], "argument --tp: '１' is invalid: expected an integer >= 1"),
     (["calibrate", "--backend", "native", "--output", "{tmp}/c.yaml"],
      "--backend='native' is invalid here: needs fp16/bf16 tensors"),
+    # an empty name or path was read as "not given": a sampled batch, the cluster's profile,
+    # square GEMMs
+    (PLAN + ["--lengths", ""], "argument --lengths: '' is invalid: expected a non-empty value"),
+    (PLAN + ["--hardware", " "], "argument --hardware: ' ' is invalid: expected a non-empty"),
+    (["calibrate", "--model", "", "--output", "{tmp}/c.yaml"],
+     "argument --model: '' is invalid: expected a non-empty value"),
+    (PLAN + ["--strategy", "static-cp", "--plot", "{tmp}/dangling.png"],
+     "nodir' does not exist"),  # a link is judged by where it leads, before any planning
+    # refused before the progress bar starts (it used to end the bar's line after a while)
+    (["simulate", "--model", "llama-7b", "--cluster", "h200-8nic", "--tp", "3"],
+     "--tp=3 is invalid: expected a positive divisor of gpus_per_node=8"),
+    (["simulate", "--model", "llama-7b", "--cluster", "h200-8nic", "--strategies", "zeppelin"],
+     "--baseline 'static-cp' (what the others are compared with; default static-cp) is not "
+     "among --strategies ['zeppelin']"),
 ])
 def test_bad_command_lines_are_one_line_naming_the_flag(argv, message, tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     (tmp_path / "fullwidth").write_text("100\n２００\n")
     (tmp_path / "underscore").write_text("1_000\n")
     (tmp_path / "huge").write_text("1000\n1000000000000\n")
+    (tmp_path / "dangling.png").symlink_to(tmp_path / "nodir" / "y.png")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -195,3 +210,80 @@ def test_a_config_name_that_is_not_a_string_or_path_is_refused_naming_it(value):
     with pytest.raises(ConfigError, match=rf"^models config {value!r} is invalid: expected a "
                                           r"shipped name \(\["):
         load_model(value)
+
+
+def test_yaml_keys_must_be_scalars_merge_keys_merge_and_unknown_keys_of_any_type_are_named(
+        tmp_path, capsys):
+    shipped = (Path(cli.__file__).parent.parent / "configs" / "clusters" / "h200-8nic.yaml")
+    cases = {"listkey": ("? [a, b]\n: 3\n", "a key must be a scalar, got ['a', 'b']"),
+             "mixed": ("1: 2\nfoo: 3\n", "unknown key(s) [1, 'foo']"),
+             "gpu_to_nic": ("gpu_to_nic: [true, false, false, false, false, false, false, "
+                            "false]\n", "gpu_to_nic=[True, False"),
+             "hardware": ("hardware: {tmp}\n", "hardware={tmp} is invalid: expected a hardware "
+                          "profile YAML file or a shipped name, not a folder")}
+    for name, (extra, words) in cases.items():
+        text = shipped.read_text()
+        if name in ("gpu_to_nic", "hardware"):
+            text = "\n".join(line for line in text.splitlines()
+                             if not line.startswith(f"{name}:"))
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text + "\n" + extra.replace("{tmp}", str(tmp_path)))
+        assert cli.main(PLAN[:3] + ["--cluster", str(path), "--global-batch-tokens", "256K"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words.replace("{tmp}", str(tmp_path)) in err, err
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("base: &b {nodes: 3, nics_per_node: 8}\n" + "\n".join(
+        line for line in shipped.read_text().splitlines()
+        if not line.startswith(("nodes:", "nics_per_node:"))) +
+        "\n<<: *b\nnics_per_node: 4\n")
+    from megatron_zeppelin.config_yaml import read_yaml
+
+    data = read_yaml(merged)  # YAML 1.1's merge: the mapping's own keys override the merged
+    assert data["nodes"] == 3 and data["nics_per_node"] == 4
+
+
+def test_sim_profile_tables_are_checked_as_the_hardware_profiles_are(tmp_path, capsys):
+    from megatron_zeppelin.sim.profile import load_sim_profile
+
+    shipped = (Path(cli.__file__).parent.parent / "configs" / "sim" / "cpu-2x2.yaml").read_text()
+    for old, new, words in (
+            ("attention_tflops:", "attention_tflops:\n  7: [1, 2]",
+             "attention_tflops={7: [1, 2]}"),
+            ("attention_tflops:", "attention_tflops:\n  abc: 0.5", "{'abc': 0.5}"),
+            ("attention_tflops:", "attention_tflops:\n  9: fast", "{9: 'fast'}"),
+            ("measured_hidden:", "measured_hidden: -64\nx_measured_hidden:",
+             "unknown key(s) ['x_measured_hidden']")):
+        path = tmp_path / "sim.yaml"
+        path.write_text(shipped.replace(old, new, 1))
+        with pytest.raises(ConfigError, match=None) as info:
+            load_sim_profile(str(path))
+        assert str(path) in str(info.value) and words in str(info.value), info.value
+
+
+def test_the_config_dataclasses_check_types_and_finiteness_from_the_api_too(monkeypatch):
+    from megatron_zeppelin.config import ClusterSpec, ModelSpec, load_cluster, load_hardware
+
+    model = dict(name="x", num_layers=2, hidden_size=64, num_attention_heads=4)
+    for bad, match in ((dict(swiglu="no"), "model.swiglu='no' is invalid: expected true or "
+                                           "false"),
+                       (dict(name=3), "model.name=3 is invalid"),
+                       (dict(moe_router_topk=2), "model.moe_router_topk=2 is invalid: expected "
+                                                 "unset \\(1\\) without num_experts")):
+        with pytest.raises(ConfigError, match=match):
+            ModelSpec(**{**model, **bad})
+    cluster = dataclasses.asdict(load_cluster("h200-8nic"))
+    for key in ("nvlink_gbyte_per_s", "nvlink_latency_us", "gpu_memory_gib"):
+        with pytest.raises(ConfigError, match=rf"cluster.{key}=inf is invalid: expected a "
+                                              "finite"):
+            ClusterSpec(**{**cluster, key: float("inf")})
+    hardware = load_hardware("h200")
+    for key, value, match in (("gemm_tflops", float("inf"), "a finite positive number"),
+                              ("shared_by", "2", "a finite number >= 1")):
+        with pytest.raises(ConfigError, match=rf"hardware.{key}=.* is invalid: expected {match}"):
+            dataclasses.replace(hardware, **{key: value})
+    with pytest.raises(ValueError, match=r"^model=None is invalid: expected a ModelSpec"):
+        CostModel(None, load_cluster("h200-8nic"), hardware)
+    monkeypatch.setenv("ZEPPELIN_CONFIGS", "/nonexistent/configs")
+    with pytest.raises(ConfigError, match=r"^ZEPPELIN_CONFIGS='/nonexistent/configs' is "
+                                          "invalid: expected a folder"):
+        load_cluster("h200-8nic")

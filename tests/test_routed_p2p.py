@@ -261,3 +261,20 @@ def test_batches_pipeline_chunks_by_phase() -> None:
     ]
     assert describe(batches[2][0]) == "dispatch send of slice 0, chunk 2 of 3 (slice bytes 16:24)"
     assert [len(b) for b in make_batches(legs, chunks=1, align=8)] == [1, 1, 1]
+
+
+def test_collectives_and_receive_only_staging_use_the_groups_device(monkeypatch):
+    """NCCL refuses host tensors: a collective's tensors, and a rank's received or relayed
+    bytes when it sends nothing, go on this thread's GPU for NCCL groups, the host for gloo
+    (a pipeline stage before the last logs its loss from zeros made there)."""
+    import torch.distributed as dist
+
+    from megatron_zeppelin.runtime import routed_p2p, transport
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert transport.collective_device() == torch.device("cpu")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert transport.collective_device("group") == torch.device("cuda", 3)
+    assert routed_p2p._staging_device(None, {}, "group") == torch.device("cuda", 3)
+    assert routed_p2p._staging_device("cpu", {}, "group") == torch.device("cpu")

@@ -90,7 +90,7 @@ def test_bad_training_flags_are_refused_by_name(flags, match):
 
 def test_bad_files_and_pool_options_are_refused_by_name(tmp_path):
     """A file as --load, a folder as --zeppelin-profile-out, an empty or repeated --yaml-cfg,
-    an empty --data-path and --zeppelin-cp-nodes the pool cannot run: one error each, naming
+    an empty --data-path or --zeppelin-cluster and --zeppelin-cp-nodes the pool cannot run: one error each, naming
     the flag; a YAML list is a window (window_size: [L, 0])."""
     afile, empty, listed = tmp_path / "afile", tmp_path / "empty.yaml", tmp_path / "w.yaml"
     afile.write_text("x")
@@ -106,7 +106,9 @@ def test_bad_files_and_pool_options_are_refused_by_name(tmp_path):
         (["--yaml-cfg", README_YAML, "--yaml-cfg", str(empty)], r"^--yaml-cfg is given 2 times"),
         (["--yaml-cfg="], r"^--yaml-cfg='' is invalid: expected a YAML file"),
         ([x for x in BASE if x != "--mock-data"] + ["--data-path", ""],
-         r"^--data-path='' is invalid: expected a dataset PREFIX"),
+         r"^argument --data-path: '' is invalid: expected a non-empty value"),
+        (BASE + ["--zeppelin-cluster", " "],  # an empty name was the default cluster
+         r"^argument --zeppelin-cluster: ' ' is invalid: expected a non-empty value"),
     ]
     for flags, match in cases:
         with pytest.raises(ConfigError, match=match):

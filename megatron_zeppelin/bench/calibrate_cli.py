@@ -133,9 +133,9 @@ def _add_calibrate_args(c) -> None:
     c.add_argument("--device", default="cpu", help="cpu | cuda")
     c.add_argument("--backend", default="auto", choices=choices(),
                    help="attention kernel backend to measure (auto: what the engine picks)")
-    c.add_argument("--model", default=None, help="model YAML path or shipped name: attention "
-                   "heads/head dim and GEMM shapes (else --heads/--kv-heads/--head-dim and "
-                   "square GEMMs)")
+    c.add_argument("--model", type=nonempty, default=None, help="model YAML path or shipped "
+                   "name: attention heads/head dim and GEMM shapes (else --heads/--kv-heads/"
+                   "--head-dim and square GEMMs)")
     c.add_argument("--name", type=nonempty, default=None, help="profile name (default DEVICE-BACKEND)")
     c.add_argument("--output", type=output_file(), default=None, help="where to write the "
                    "profile (default zeppelin-calibration/NAME.yaml; never the shipped configs/)")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import time
 from dataclasses import dataclass
 from itertools import repeat
@@ -50,14 +51,19 @@ def check_lengths(seqlens: Sequence[int]) -> tuple[int, ...]:
         raise ValueError("empty batch: expected at least one sequence length")
     if all(type(x) is int for x in lengths) and min(lengths) >= 1:
         return lengths  # the common case, checked in one pass
+    out = []
     for i, length in enumerate(lengths):
-        if isinstance(length, bool) or not isinstance(length, int) and not (
-                hasattr(length, "__index__")):
+        try:  # ints and numpy's integer scalars; not bools, floats, arrays (a 2-D batch's rows)
+            value = None if isinstance(length, bool) else operator.index(length)
+        except TypeError:
+            value = None
+        if value is None:
             raise ValueError(f"sequence {i} has length {length!r}: expected a positive integer")
-        if int(length) < 1:
-            raise ValueError(f"sequence {i} has length {int(length)}: expected a positive integer "
+        if value < 1:
+            raise ValueError(f"sequence {i} has length {value}: expected a positive integer "
                              "(zero and negative lengths are invalid)")
-    return tuple(int(x) for x in lengths)
+        out.append(value)
+    return tuple(out)
 
 
 def resolve_capacity(seqlens: tuple[int, ...], topology: Topology, config: ZeppelinConfig) -> int:

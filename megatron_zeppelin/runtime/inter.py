@@ -56,22 +56,25 @@ Like = list[tuple[tuple[int, ...], torch.dtype]]
 
 def exchange(sends: Mapping[int, torch.Tensor], recv_like: Mapping[int, tuple[int, torch.dtype]],
              flows: Sequence[Flow], group: dist.ProcessGroup, *, routing: bool,
-             schedule: RouteSchedule | None = None, step: int = 0,
+             device: torch.device, schedule: RouteSchedule | None = None, step: int = 0,
              timeout_s: float | None = None,
              transport: Transport | str | None = None) -> dict[int, torch.Tensor]:
     """Deliver one global step's flows: routed (``schedule`` required) or direct.
 
     sends / recv_like / result: as ``routed_p2p.routed_exchange`` (flow index -> 1-D payload on
     its source; flow index -> (numel, dtype) on its destination; flow index -> received tensor).
+    device: where received and relayed tensors live, the engine's. Required: a rank that only
+    receives or relays has no payload to take it from, and a gloo route group (the staged
+    transport, several ranks on one GPU) would otherwise stage them on the CPU.
     """
     if routing:
         if schedule is None:
             raise ValueError("exchange(routing=True) needs the step's RouteSchedule "
                              "(router.route(topology, flows))")
         return routed_exchange(sends, recv_like, flows, schedule, group, step=step,
-                               timeout_s=timeout_s, transport=transport)
+                               timeout_s=timeout_s, device=device, transport=transport)
     return direct_exchange(sends, recv_like, flows, group, step=step, timeout_s=timeout_s,
-                           transport=transport)
+                           device=device, transport=transport)
 
 
 def nbytes(like: Like) -> int:
@@ -187,8 +190,8 @@ class InterQueue:
             if flow.dst == self.rank:
                 likes[f] = (flow.nbytes, torch.uint8)
         call = functools.partial(exchange, payloads, likes, plan.flows, self.group,
-                                 routing=self.routing, schedule=plan.schedule, step=step,
-                                 timeout_s=self.timeout_s, transport=self.transport)
+                                 routing=self.routing, device=device, schedule=plan.schedule,
+                                 step=step, timeout_s=self.timeout_s, transport=self.transport)
         ready = None
         if device.type == "cuda":  # the worker's stream waits for the packing above
             ready = torch.cuda.Event()

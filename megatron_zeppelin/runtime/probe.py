@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megatron_zeppelin import fit
 from megatron_zeppelin.cost_model import window_work
 from megatron_zeppelin.runtime.kernels.base import make_pieces
+from megatron_zeppelin.runtime.transport import collective_device
 
 
 class Probe:
@@ -202,14 +203,15 @@ def ping_links(group: dist.ProcessGroup, gpus_per_node: int) -> list[tuple[str, 
     partners["inter"] = None if other_node is None else other_node * gpus_per_node + local
     partners["intra"] = None if partners["intra"] is None else node * gpus_per_node + \
         partners["intra"]
-    cuda = dist.get_backend(group) == "nccl"
+    device = collective_device(group)
+    cuda = device.type == "cuda"
     samples = []
     for tier, peer in partners.items():
         if peer is None:
             continue
         peer_global = dist.get_global_rank(group, peer)
         for nbytes in PING_BYTES:
-            buf = torch.zeros(nbytes // 4, dtype=torch.float32, device="cuda" if cuda else "cpu")
+            buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
             for _ in range(PING_REPEATS + 1):  # the first round warms the pair up
                 if cuda:
                     torch.cuda.synchronize()
@@ -229,7 +231,7 @@ def agree(summary: Sequence[float], group: dist.ProcessGroup) -> list[float]:
     group's first rank and broadcast from it: every rank returns the same doubles. A
     collective over ``group`` (bounded by its timeout); float64 on the host (gloo) or on the
     current CUDA device (NCCL)."""
-    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    device = collective_device(group)
     mine = torch.tensor(list(summary), dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron_zeppelin import env
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.runtime.device_index import to_device
-from megatron_zeppelin.runtime.transport import P2P, Transport, get_transport
+from megatron_zeppelin.runtime.transport import P2P, Transport, get_transport, warm_up
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,8 @@ def _exchange(x: torch.Tensor, gather: torch.Tensor, send_splits: tuple[int, ...
     timeout = idx.timeout_s
     where = f"remap all-to-all on rank {idx.rank}"
     sent = x.index_select(0, gather.to(x.device))
-    if idx.exchange == "pairs":
+    if idx.exchange == "pairs":  # every rank: NCCL's first P2P batch on a group needs all
+        warm_up([group if group is not None else dist.group.WORLD], x.device)
         pending = idx.transport.post(_pair_ops(sent, send_splits, received, recv_splits),
                                      group if group is not None else dist.group.WORLD, where,
                                      timeout)

@@ -47,7 +47,7 @@ from megatron_zeppelin import env
 from megatron_zeppelin.router.model import MAX_CHUNKS_LIMIT, chunk_span
 from megatron_zeppelin.router.schedule import Flow, RouteSchedule
 from megatron_zeppelin.runtime import transport as transports
-from megatron_zeppelin.runtime.transport import P2P, Transport
+from megatron_zeppelin.runtime.transport import P2P, Transport, collective_device
 
 PHASES = ("dispatch", "NIC", "combine")  # a leg of phase i runs chunk c in batch c + i
 
@@ -244,9 +244,7 @@ def _staging_device(device: torch.device | str | None, sends: Mapping[int, torch
         return torch.device(device)
     for tensor in sends.values():
         return tensor.device
-    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return collective_device(group)
 
 
 def _payload_bytes(me: int, flows: Sequence[Flow],

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from megatron_zeppelin import env
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.runtime.device_index import to_device
-from megatron_zeppelin.runtime.transport import P2P, Transport, get_transport
+from megatron_zeppelin.runtime.transport import P2P, Transport, get_transport, warm_up
 
 SHIFT_TAG = 1 << 27  # gloo tag of shift messages (ring tags are small, ordered.py's above 2^29)
 
@@ -168,6 +168,7 @@ def _move(x: torch.Tensor, index: ShiftIndex, group: dist.ProcessGroup | None,
     ops = [P2P(True, t.contiguous(), peer, SHIFT_TAG, where) for t, peer in
            zip(sent, gather_peers)] + [P2P(False, t, peer, SHIFT_TAG, where) for t, peer in
                                        zip(received, scatter_peers)]
+    warm_up([group if group is not None else dist.group.WORLD], x.device)  # NCCL: every rank
     pending = index.transport.post(ops, group, where, index.timeout_s) if ops else None
     out = torch.zeros_like(x)
     if local_src.numel():

@@ -251,6 +251,14 @@ def get_transport(choice: str | Transport | None = None) -> Transport:
 _WARMED: dict[int, dist.ProcessGroup] = {}
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where the tensors of a collective on ``group`` (None: the world) must live: this
+    thread's CUDA device on NCCL, which refuses host tensors, else the host (gloo)."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def warm_up(groups: list[dist.ProcessGroup], device: torch.device) -> None:
     """A barrier on each NCCL group of ``groups`` that has not yet run a collective in this
     process: NCCL needs one before a communicator's first P2P batch. Once per group and

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from megatron_zeppelin.config import ZeppelinConfig
-from megatron_zeppelin.options import add_flags, from_flags, given, int_at_least
+from megatron_zeppelin.options import add_flags, from_flags, given, int_at_least, nonempty
 from megatron_zeppelin.output_paths import output_folder
 from megatron_zeppelin.sim.workloads import WORKLOADS, token_count
 
@@ -22,15 +22,17 @@ def _add_simulate_args(p: argparse.ArgumentParser) -> None:
     """Flags of ``zeppelin simulate``."""
     from megatron_zeppelin.sim.sweep import DEFAULT_VARIANTS, MAX_MEGATRON_SEQUENCES, VARIANTS
 
-    p.add_argument("--model", help="model YAML path or shipped name (llama-7b)")
-    p.add_argument("--cluster", help="cluster YAML path or shipped name (a800-4nic)")
+    p.add_argument("--model", type=nonempty, help="model YAML path or shipped name (llama-7b)")
+    p.add_argument("--cluster", type=nonempty,
+                   help="cluster YAML path or shipped name (a800-4nic)")
     p.add_argument("--nodes", type=int_at_least(1), nargs="+", default=None,
                    help="node counts to sweep (default: the cluster YAML's)")
     p.add_argument("--tp", type=int_at_least(1), default=1, help="tensor-parallel size per rank")
     p.add_argument("--workload", nargs="+", choices=sorted(WORKLOADS), default=None,
                    help="built-in workloads (default github)")
-    p.add_argument("--lengths", default=None, help="file with one document length per line: "
-                   "one batch (replaces --workload, the token flags, --batches and --seed)")
+    p.add_argument("--lengths", type=nonempty, default=None, help="file with one document "
+                   "length per line: one batch (replaces --workload, the token flags, --batches "
+                   "and --seed)")
     p.add_argument("--global-batch-tokens", type=token_count, default=None,
                    help="tokens per global batch (2M, 512K; replaces --tokens-per-gpu)")
     p.add_argument("--tokens-per-gpu", type=token_count, default=None,
@@ -91,8 +93,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     variants = resolve_variants(args.strategies)
     if args.baseline not in [v.label for v in variants]:
-        raise ValueError(f"--baseline {args.baseline!r} is not among --strategies "
-                         f"{args.strategies}")
+        raise ValueError(f"--baseline {args.baseline!r} (what the others are compared with; "
+                         f"default static-cp) is not among --strategies {args.strategies}: add "
+                         "it to --strategies or pass --baseline as one of them")
     from megatron_zeppelin.cli import pipeline_spec
 
     spec = pipeline_spec(args)

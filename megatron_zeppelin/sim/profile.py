@@ -49,6 +49,7 @@ import numpy as np
 from megatron_zeppelin.config import ConfigError
 from megatron_zeppelin.config_yaml import (from_dict, read_yaml, resolve_config_path,
                                            write_yaml)
+from megatron_zeppelin.hardware_profile import length_table
 from megatron_zeppelin.options import require
 
 TABLES = ("attention_tflops", "attention_bwd_ratio")
@@ -88,12 +89,13 @@ class SimProfile:
 
     def __post_init__(self) -> None:
         for key in TABLES:
-            table = getattr(self, key)
-            require(len(table) > 0, f"SimProfile.{key}", table, "at least one (length, value)")
-            for length, value in table:
-                require(int(length) >= 1 and float(value) > 0, f"SimProfile.{key}",
-                        (length, value), "lengths >= 1 and positive values")
-            object.__setattr__(self, key, tuple(sorted((int(n), float(v)) for n, v in table)))
+            object.__setattr__(self, key, length_table(getattr(self, key), f"SimProfile.{key}",
+                                                       "values"))
+        for key in ("measured_hidden", "measured_vocab"):
+            require(getattr(self, key) >= 0, f"SimProfile.{key}", getattr(self, key),
+                    "an integer >= 0 (0: not measured)")
+        require(all(isinstance(u, str) for u in self.unmeasured), "SimProfile.unmeasured",
+                list(self.unmeasured), "a list of the names of what was not measured")
         for key in ("gemm_tflops", "intra_gbyte_per_s", "inter_gbyte_per_s",
                     "allreduce_gbyte_per_s"):
             require(getattr(self, key) > 0, f"SimProfile.{key}", getattr(self, key),
@@ -183,11 +185,7 @@ def load_sim_profile(name_or_path: str | os.PathLike) -> SimProfile:
 
 @lru_cache(maxsize=32)
 def _load(path: str, _mtime: int) -> SimProfile:
-    data = read_yaml(Path(path))
-    for key in TABLES:
-        if isinstance(data.get(key), dict):
-            data[key] = sorted(data[key].items())
-    return from_dict(SimProfile, data, where=str(path))
+    return from_dict(SimProfile, read_yaml(Path(path)), where=str(path))
 
 
 def from_planner_profile(cost) -> SimProfile:

@@ -314,11 +314,12 @@ def settings_from_args(model: str, cluster: str, nodes: Sequence[int], workloads
     for n in nodes:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"--nodes {n!r} is invalid: expected integers >= 1")
-    if lengths_file:
+    # a bad model, cluster, --tp or --nodes is refused here, before any simulation starts
+    setups = {n: load_setup(model, cluster, n, tp=tp) for n in nodes}
+    if lengths_file is not None:
         lengths = tuple(read_lengths(lengths_file))
         for n in nodes:  # as ``zeppelin plan`` refuses them
-            setup = load_setup(model, cluster, n, tp=tp)
-            refuse_untrainable(lengths, setup.model, setup.cluster, lengths_file)
+            refuse_untrainable(lengths, setups[n].model, setups[n].cluster, lengths_file)
         return [Setting(model, cluster, n, f"file:{lengths_file}", tp, tokens, tokens_per_gpu,
                         1, seed, lengths) for n in nodes]
     return [Setting(model, cluster, n, w, tp, tokens, tokens_per_gpu, batches, seed)

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 
 import torch.distributed as dist
 
+from megatron_zeppelin import env
 from megatron_zeppelin.parallel import PoolLayout
 from megatron_zeppelin.runtime.lanes import comm_options
 
@@ -34,9 +36,13 @@ def new_pool_groups(layout: PoolLayout) -> Pool:
         raise ValueError(f"the process group has {dist.get_world_size()} ranks, the pool layout "
                          f"{layout.world_size}")
     me, mine = dist.get_rank(), None
+    # a lost peer ends a wait on NCCL after the pool's P2P timeout (ZEPPELIN_P2P_TIMEOUT_S), as
+    # on gloo, not after torch's default for new groups
+    timeout = datetime.timedelta(seconds=env.p2p_timeout_s())
     for replica, _, ranks in layout.pools():
         # NCCL's streams of both at high priority (lanes.comm_options; gloo ignores it)
-        group, route = (dist.new_group(ranks, pg_options=comm_options()) for _ in range(2))
+        group, route = (dist.new_group(ranks, timeout=timeout, pg_options=comm_options())
+                        for _ in range(2))
         if me in ranks:
             mine = Pool(layout, group, route, replica, ranks.index(me))
     return mine

@@ -124,7 +124,8 @@ def _model_spec(args: argparse.Namespace) -> ModelSpec:
                      and not mla else None, ffn_hidden_size=args.ffn_hidden_size,
                      kv_channels=args.kv_channels, vocab_size=args.padded_vocab_size,
                      swiglu=args.swiglu, bytes_per_element=2 if args.bf16 or args.fp16 else 4,
-                     num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                     num_experts=args.num_experts,  # Megatron-LM's topk is 2 without MoE
+                     moe_router_topk=args.moe_router_topk if args.num_experts else 1,
                      window_size=window, window_layers=layers, **mla)
 
 

@@ -27,6 +27,7 @@ from megatron_zeppelin.megatron.common import compat
 from megatron_zeppelin.megatron.loop.corpus import DocumentSource, DocumentStats, describe_lengths
 from megatron_zeppelin.megatron.loop.microbatch_order import resolve
 from megatron_zeppelin.parallel import PoolLayout
+from megatron_zeppelin.runtime.transport import collective_device
 
 TIERS = ("local", "intra", "inter")
 
@@ -104,7 +105,8 @@ class Logger:
 
     def _totals(self, stored: list[dict]) -> torch.Tensor:
         """[loss sum, loss tokens, tokens, local, intra, inter] over all ranks."""
-        sums = torch.stack([d["lm loss"] for d in stored]).sum(0) if stored else torch.zeros(2)
+        sums = torch.stack([d["lm loss"] for d in stored]).sum(0) if stored else \
+            torch.zeros(2, device=collective_device())  # a stage before the last: nothing
         counts = [0.0] * 4
         if self.counts_plans:
             for plan in self.plans:
