@@ -27,7 +27,10 @@ TORCHELASTIC_USE_AGENT_STORE  set by torchrun: the rendezvous store at MASTER_AD
 """
 from __future__ import annotations
 
+import math
 import os
+
+from megatron_zeppelin.errors import ConfigError
 
 ROUTER_BACKENDS = ("auto", "cpp", "python")
 TRANSPORTS = ("direct", "staged", "ordered")
@@ -38,7 +41,7 @@ REMAP_EXCHANGES = ("all-to-all", "pairs")
 def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
     value = os.environ.get(name, default).strip().lower() or default
     if value not in allowed:
-        raise ValueError(f"environment variable {name}={value!r} is invalid: expected one of "
+        raise ConfigError(f"environment variable {name}={value!r} is invalid: expected one of "
                          f"{list(allowed)}")
     return value
 
@@ -84,9 +87,9 @@ def _positive_seconds(name: str, default: str) -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if value <= 0:
-        raise ValueError(f"environment variable {name}={raw!r} is invalid: expected a positive "
-                         "number of seconds")
+    if not 0 < value < math.inf:  # nan fails too
+        raise ConfigError(f"environment variable {name}={raw!r} is invalid: expected a positive "
+                         "finite number of seconds")
     return value
 
 
@@ -95,8 +98,15 @@ def megatron_lm_path() -> str | None:
 
 
 def local_world_size() -> int | None:
-    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(raw) if raw.isascii() and raw.isdigit() else None
+    """torchrun's LOCAL_WORLD_SIZE (None when not launched by it); ValueError naming it when
+    set to anything but a positive integer."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    if raw is None:
+        return None
+    if not (raw.isascii() and raw.isdigit() and int(raw) >= 1):
+        raise ConfigError(f"environment variable LOCAL_WORLD_SIZE={raw!r} is invalid: expected "
+                         "a positive integer (the processes torchrun starts per node)")
+    return int(raw)
 
 
 def local_rank() -> int:
@@ -131,23 +141,29 @@ def master_address() -> tuple[str, int] | None:
 def check_rendezvous() -> None:
     """What torch.distributed's ``env://`` rendezvous reads, checked (torchrun sets it; a
     process started by hand must): WORLD_SIZE >= 1, RANK in [0, WORLD_SIZE), MASTER_ADDR set,
-    MASTER_PORT in [1, 65535]; a bad one is a ValueError naming the variable."""
+    MASTER_PORT in [1, 65535], LOCAL_WORLD_SIZE (when set) dividing WORLD_SIZE and above
+    LOCAL_RANK; a bad one is a ConfigError naming the variable."""
     world = _int("WORLD_SIZE")
     if not world:
-        raise ValueError(f"environment variable WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} "
+        raise ConfigError(f"environment variable WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} "
                          "is invalid: expected an integer >= 1")
     rank = _int("RANK")
     if rank is None or rank >= world:
-        raise ValueError(f"environment variable RANK={os.environ.get('RANK')!r} is invalid: "
+        raise ConfigError(f"environment variable RANK={os.environ.get('RANK')!r} is invalid: "
                          f"expected an integer in [0, {world}) (WORLD_SIZE={world})")
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if not os.environ.get(name, "").strip():
-            raise ValueError(f"environment variable {name} is not set: torchrun sets it; a "
+            raise ConfigError(f"environment variable {name} is not set: torchrun sets it; a "
                              "process started by hand must (the rendezvous address)")
     port = _int("MASTER_PORT")
     if port is None or not 1 <= port <= 65535:
-        raise ValueError(f"environment variable MASTER_PORT={os.environ['MASTER_PORT']!r} is "
+        raise ConfigError(f"environment variable MASTER_PORT={os.environ['MASTER_PORT']!r} is "
                          "invalid: expected a port number in [1, 65535]")
+    local = local_world_size()  # torchrun's; a process started by hand may leave it unset
+    if local is not None and (world % local or local_rank() >= local):
+        raise ConfigError(f"environment variables LOCAL_WORLD_SIZE={local} and LOCAL_RANK="
+                          f"{local_rank()} are invalid with WORLD_SIZE={world}: expected "
+                          "LOCAL_WORLD_SIZE dividing WORLD_SIZE and LOCAL_RANK below it")
 
 
 def store_in_launcher() -> bool:

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import pickle
+import struct
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,16 @@ def test_mock_data_and_data_path_together_are_refused(tmp_path):
                                   r"--num-attention-heads=4$"),
     (["--tp", "0"], r"unrecognized arguments: --tp 0"),
     (["--lr-warmup", "2"], r"unrecognized arguments: --lr-warmup 2"),  # no abbreviations
+    # what megatron-core's TP layers split (they asserted on every rank)
+    (["--tensor-model-parallel-size", "2", "--num-query-groups", "1"],
+     r"^--tensor-model-parallel-size=2 is invalid: expected a divisor of --num-query-groups 1"),
+    (["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "127"],
+     r"^--tensor-model-parallel-size=2 is invalid: expected a divisor of --ffn-hidden-size 127"),
+    (["--tensor-model-parallel-size", "2", "--vocab-size", "257"],
+     r"^--tensor-model-parallel-size=2 is invalid: expected a divisor of --vocab-size 257"),
+    (["--seed", str(10 ** 23)], r"^--seed=10+ is invalid: expected an integer in \[0, "
+                                r"2147483648\)"),  # torch.manual_seed overflowed
+    (["--lr", "1e300"], r"^--lr=1e\+300 is invalid: expected a number <= 3.403e\+38"),
 ])
 def test_bad_training_flags_are_refused_by_name(flags, match):
     with pytest.raises(ConfigError, match=match):
@@ -135,7 +146,10 @@ def test_bad_files_and_pool_options_are_refused_by_name(tmp_path):
     ("ZEPPELIN_P2P_TIMEOUT_S", "10", r"--zeppelin-watchdog-timeout=20 is invalid: expected "
                                      r"fewer seconds than ZEPPELIN_P2P_TIMEOUT_S=10"),
     ("ZEPPELIN_PLANNER_TIMEOUT_S", "-1", r"ZEPPELIN_PLANNER_TIMEOUT_S='-1' is invalid: expected "
-                                         r"a positive number of seconds"),
+                                         r"a positive finite number of seconds"),
+    ("ZEPPELIN_P2P_TIMEOUT_S", "inf", r"ZEPPELIN_P2P_TIMEOUT_S='inf' is invalid"),  # timedelta
+    ("ZEPPELIN_PLANNER_TIMEOUT_S", "nan", r"ZEPPELIN_PLANNER_TIMEOUT_S='nan' is invalid"),
+    ("LOCAL_WORLD_SIZE", "abc", r"LOCAL_WORLD_SIZE='abc' is invalid: expected a positive "),
     ("ZEPPELIN_PLANNER_BACKEND", "rust", r"ZEPPELIN_PLANNER_BACKEND='rust' is invalid"),
     ("ZEPPELIN_REMAP_EXCHANGE", "ring", r"ZEPPELIN_REMAP_EXCHANGE='ring' is invalid: expected "
                                         r"one of \['all-to-all', 'pairs'\]"),
@@ -273,6 +287,20 @@ def test_a_megatron_indexed_dataset_is_read_and_bad_ones_are_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"corpus.idx is not a Megatron index \(it starts "
                                           r"with b'garbagega', not b'MMIDIDX"):
         preflight.check(validated(flags))
+    # header (34 bytes: dtype code at 17), then 3 int32 sizes, 3 int64 pointers (bytes into
+    # .bin), document indices: a negative size, a pointer out of the file, a float dtype
+    (tmp_path / "corpus.bin").write_bytes(data)
+    for offset, fmt, value, match in (
+            (34 + 4, "<i", -50, r"corpus.idx is corrupt: sequence 1 has size -50 at byte 12 "),
+            (46 + 8, "<q", 10 ** 9, r"corpus.idx is corrupt: sequence 1 has size 100 at byte "
+                                     r"1000000000 of a 572-byte .bin"),
+            (17, "<B", 7, r"corpus.idx stores tokens as dtype code 7: expected an integer "
+                          r"dtype")):
+        broken = bytearray(index)
+        struct.pack_into(fmt, broken, offset, value)
+        (tmp_path / "corpus.idx").write_bytes(bytes(broken))
+        with pytest.raises(ConfigError, match=match):
+            preflight.check(validated(flags))
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_naming_the_document(tmp_path):

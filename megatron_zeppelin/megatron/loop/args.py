@@ -128,6 +128,20 @@ def planner_strategy(args: argparse.Namespace, pool_size: int, pool: Topology | 
     return strategy.name, given_options(strategy)
 
 
+def check_tensor_parallel(args: argparse.Namespace, tp: int) -> None:
+    """What megatron-core's tensor-parallel layers split over TP: the heads, the key/value
+    groups (MLA: one per head), the FFN width and the vocabulary (not padded here)."""
+    mla = getattr(args, "multi_latent_attention", False)
+    split = (("--num-attention-heads", args.num_attention_heads),
+             ("--num-query-groups", None if mla else args.num_query_groups),
+             ("--ffn-hidden-size", args.ffn_hidden_size or 4 * args.hidden_size),
+             ("--vocab-size", args.vocab_size or 256))
+    for flag, value in split:
+        if value is not None and value % tp:
+            raise ConfigError(f"--tensor-model-parallel-size={tp} is invalid: expected a divisor "
+                              f"of {flag} {value} (megatron-core splits it over the TP ranks)")
+
+
 def _refuse_for_ulysses(args: argparse.Namespace, strategy: str) -> None:
     """Refuse what Ulysses attention (``runtime/ulysses.py``, FlexSP's) does not run: it is
     full causal attention with one head dim and the vanilla softmax."""
@@ -294,9 +308,6 @@ def validate_args(args: argparse.Namespace, world_size: int, local_world_size: i
             raise ConfigError(f"--{flag.replace('_', '-')} is required (flag or --yaml-cfg "
                               f"key{where})")
     config = TrainConfig.from_args(args)
-    if args.data_path is not None and not args.data_path.strip():
-        raise ConfigError("--data-path='' is invalid: expected a dataset PREFIX (PREFIX.bin/"
-                          ".idx)")
     if not args.mock_data and not args.data_path:
         raise ConfigError("no data: pass --mock-data (built-in corpus) or --data-path PREFIX")
     if args.mock_data and args.data_path:
@@ -308,9 +319,7 @@ def validate_args(args: argparse.Namespace, world_size: int, local_world_size: i
                           f"< --lr-decay-iters {decay} (default: --train-iters)")
     check_attention(args)
     tp = config.parallel.tensor_model_parallel_size
-    if config.model.num_attention_heads % tp:
-        raise ConfigError(f"--tensor-model-parallel-size={tp} is invalid: expected a divisor of "
-                          f"--num-attention-heads {args.num_attention_heads}")
+    check_tensor_parallel(args, tp)
     layout = PoolLayout.resolve(world_size, tp, config.parallel.context_parallel_size,
                                 config.runtime.gpus_per_node, local_world_size,
                                 config.parallel.pipeline_model_parallel_size)

@@ -207,10 +207,14 @@ def _read(found: Found, request: dict) -> dict:
     """``dist_checkpointing.load`` of ``request``; its failure (raised on every rank: DCP
     gathers them) as one line naming the path."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         return dist_checkpointing.load(request, found.path)
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # the latter is a BaseException
+        if isinstance(exc, CheckpointException) and exc.failures:  # rank -> (its exception,
+            failure = next(iter(exc.failures.values()))  # traceback)
+            exc = failure[0] if isinstance(failure, tuple) else failure
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise refuse(found.path, f"cannot be loaded: {type(exc).__name__}: "
                      f"{first[:300]}") from None

@@ -136,17 +136,13 @@ class IndexedDocuments:
         try:
             self.dataset = IndexedDataset(prefix)
             sizes = self.dataset.sequence_lengths
-            needed = (int(self.dataset.index.sequence_pointers[-1]) +
-                      int(sizes[-1]) * self.dataset.index.dtype_size) if len(sizes) else 0
         except Exception as exc:  # an index that passed _check_index but still fails
             raise ConfigError(f"--data-path {prefix!r}: {prefix}.idx is not a readable Megatron "
                               f"index ({type(exc).__name__}: {exc})") from None
         if len(sizes) == 0:
             raise ConfigError(f"--data-path {prefix!r}: the dataset holds no documents")
-        actual = os.path.getsize(prefix + ".bin")
-        if actual < needed:
-            raise ConfigError(f"--data-path {prefix!r}: {prefix}.bin has {actual} bytes, its "
-                              f"index needs {needed}: the file is truncated")
+        _check_extents(prefix, sizes, self.dataset.index.sequence_pointers,
+                       self.dataset.index.dtype_size)
         self.name, self.prefix = f"indexed dataset {prefix}", prefix
         self._lengths = [int(n) for n in sizes]
         info = numpy.iinfo(self.dataset.index.dtype)
@@ -178,7 +174,7 @@ def _check_index(prefix: str) -> None:
     dtype code, sequence count S, document count D (34 bytes), then S int32 sizes, S int64
     pointers and D int64 document indices; checked before megatron-core reads it (its reader
     asserts, then fails again in ``__del__``)."""
-    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
 
     path = prefix + ".idx"
     with open(path, "rb") as f:
@@ -188,12 +184,38 @@ def _check_index(prefix: str) -> None:
                           f"with {head[:9]!r}, not {_INDEX_HEADER!r})")
     if len(head) < 34:
         raise ConfigError(f"--data-path {prefix!r}: {path} is truncated ({len(head)} bytes)")
-    version, _, sequences, documents = struct.unpack("<QBQQ", head[9:])
+    version, code, sequences, documents = struct.unpack("<QBQQ", head[9:])
     expected = 34 + 12 * sequences + 8 * documents
+    kinds = {kind.value: kind.name for kind in DType if numpy.issubdtype(
+        DType.dtype_from_code(kind.value), numpy.integer)}  # token ids: integer dtypes only
+    if version == 1 and code not in kinds:
+        raise ConfigError(f"--data-path {prefix!r}: {path} stores tokens as dtype code {code}: "
+                          f"expected an integer dtype ({', '.join(sorted(kinds.values()))})")
     if version != 1 or os.path.getsize(path) != expected:
         raise ConfigError(f"--data-path {prefix!r}: {path} is not a readable Megatron index "
                           f"(version {version}, {os.path.getsize(path)} bytes where "
                           f"{sequences} sequences and {documents} documents take {expected})")
+
+
+def _check_extents(prefix: str, sizes, pointers, itemsize: int) -> None:
+    """Every sequence's bytes (its pointer and size, in the index) lie inside ``.bin``. A
+    negative size or pointer is a corrupt index; a sequence past the end is a truncated
+    ``.bin`` when the index is laid out as Megatron writes it (each sequence right after the
+    one before), else a corrupt index. Checked once, over the whole index, with numpy."""
+    sizes, pointers = numpy.asarray(sizes, numpy.int64), numpy.asarray(pointers, numpy.int64)
+    actual = os.path.getsize(prefix + ".bin")
+    ends = pointers + sizes * itemsize
+    packed = pointers[0] == 0 and bool(numpy.all(pointers[1:] == ends[:-1]))
+    bad = numpy.flatnonzero((sizes < 0) | (pointers < 0) | (~packed & (ends > actual)))
+    if len(bad):
+        i = int(bad[0])
+        raise ConfigError(f"--data-path {prefix!r}: {prefix}.idx is corrupt: sequence {i} has "
+                          f"size {int(sizes[i])} at byte {int(pointers[i])} of a {actual}-byte "
+                          ".bin (expected sizes >= 0 at offsets inside it)")
+    needed = int(ends.max())
+    if actual < needed:
+        raise ConfigError(f"--data-path {prefix!r}: {prefix}.bin has {actual} bytes, its "
+                          f"index needs {needed}: the file is truncated")
 
 
 def open_source(mock_data: bool, data_path: str | None,

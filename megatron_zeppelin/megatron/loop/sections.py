@@ -27,6 +27,10 @@ LOAD_ONLY = ("exit_on_missing_checkpoint", "load_optim", "load_rng",
 MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+SEED_BELOW = 2 ** 31
+
+
 def _at_least(section, minimum, *names: str) -> None:
     """Each set field of ``names`` is >= ``minimum`` (errors say ``<section>.<field>=``)."""
     for name in names:
@@ -248,6 +252,9 @@ class OptimArgs:
 
     def __post_init__(self) -> None:
         _at_least(self, 0.0, "lr", "min_lr", "weight_decay", "clip_grad")
+        for name in ("lr", "min_lr", "weight_decay", "clip_grad"):  # the optimizer's fp32 steps
+            require(getattr(self, name) <= FLOAT32_MAX, f"optim.{name}", getattr(self, name),
+                    f"a number <= {FLOAT32_MAX:.4g} (float32's largest)")
         _at_least(self, 0, "lr_warmup_iters")
         _at_least(self, 1, "lr_decay_iters")
         require(self.min_lr <= self.lr, "optim.min_lr", self.min_lr,
@@ -288,6 +295,9 @@ class TrainingArgs:
         _at_least(self, 1, "micro_batch_size", "global_batch_size", "train_iters",
                   "exit_interval")
         _at_least(self, 0, "seed")
+        require(self.seed < SEED_BELOW, "training.seed", self.seed,
+                f"an integer in [0, {SEED_BELOW}) (Megatron seeds torch and numpy with it plus "
+                "per-rank offsets)")
 
 
 @dataclass(frozen=True)

@@ -324,7 +324,7 @@ def init_process_group(args: argparse.Namespace) -> None:
     except (dist.DistStoreError, dist.DistNetworkError) as exc:  # a rank or a store never came
         host, port = env.master_address()
         fatal.fault(f"the {env.world_size()} ranks did not all meet at the rendezvous "
-                    f"{host}:{port} within ZEPPELIN_P2P_TIMEOUT_S={timeout.seconds} s "
+                    f"{host}:{port} within ZEPPELIN_P2P_TIMEOUT_S={timeout.total_seconds():g} s "
                     f"({str(exc).strip().splitlines()[0]}); start WORLD_SIZE processes in "
                     "all (torchrun --nnodes x --nproc-per-node), each with this MASTER_ADDR and "
                     "MASTER_PORT")
