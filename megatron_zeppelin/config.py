@@ -19,7 +19,7 @@ from pathlib import Path
 from megatron_zeppelin.config_yaml import from_dict, read_yaml, resolve_config_path
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.hardware_profile import ATTENTION_KERNELS, HardwareProfile
-from megatron_zeppelin.options import (only_with, plain_integers, require, require_nonnegative,
+from megatron_zeppelin.options import (only_with, plain_integers, require, require_at_least,
                                        require_positive, require_positive_int, reword, setting)
 from megatron_zeppelin.plan import Topology
 
@@ -190,7 +190,12 @@ class ModelSpec:
 
     @property
     def ffn(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        return ffn_width(self.hidden_size, self.ffn_hidden_size)
+
+
+def ffn_width(hidden_size: int, ffn_hidden_size: int | None) -> int:
+    """The FFN width: ``ffn_hidden_size``, else Megatron's default of 4 x the hidden size."""
+    return ffn_hidden_size or 4 * hidden_size
 
 
 MAX_GPUS = 1 << 20  # a cluster's GPUs: far beyond any built (and the router's 1M nodes' range)
@@ -234,7 +239,7 @@ class ClusterSpec:
                 self.nics_per_node, f"at most gpus_per_node={self.gpus_per_node} (each NIC "
                 "carries the inter-node traffic of the GPUs attached to it)")
         for key in ("nvlink_latency_us", "nic_latency_us"):
-            require_nonnegative(f"cluster.{key}", getattr(self, key))
+            require_at_least(f"cluster.{key}", getattr(self, key))
         if self.gpu_to_nic is None:
             spread = tuple(i * self.nics_per_node // self.gpus_per_node
                            for i in range(self.gpus_per_node))

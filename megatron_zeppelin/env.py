@@ -98,8 +98,8 @@ def megatron_lm_path() -> str | None:
 
 
 def local_world_size() -> int | None:
-    """torchrun's LOCAL_WORLD_SIZE (None when not launched by it); ValueError naming it when
-    set to anything but a positive integer."""
+    """torchrun's LOCAL_WORLD_SIZE (None when not launched by it); a ConfigError naming it
+    when set to anything but a positive integer."""
     raw = os.environ.get("LOCAL_WORLD_SIZE")
     if raw is None:
         return None

@@ -12,7 +12,7 @@ from numbers import Integral, Real
 from dataclasses import dataclass, field
 from typing import Mapping, TypeVar
 
-from megatron_zeppelin.options import require, require_nonnegative, require_positive
+from megatron_zeppelin.options import require, require_at_least, require_positive
 from megatron_zeppelin.twin_arithmetic import interp
 
 Cluster = TypeVar("Cluster")  # config.ClusterSpec (which imports this module)
@@ -76,16 +76,15 @@ class HardwareProfile:
                 f"one of {list(ATTENTION_KERNELS)}")
         require_positive("hardware.gemm_tflops", self.gemm_tflops)
         require_positive("hardware.attention_bwd_ratio", self.attention_bwd_ratio)
-        require(isinstance(self.shared_by, (int, float)) and not isinstance(self.shared_by, bool)
-                and 1 <= self.shared_by < math.inf, "hardware.shared_by", self.shared_by,
-                "a finite number >= 1 (ranks sharing one device's compute)")
-        require_nonnegative("hardware.kernel_overhead_us", self.kernel_overhead_us)
+        require_at_least("hardware.shared_by", self.shared_by, 1,
+                         " (ranks sharing one device's compute)")
+        require_at_least("hardware.kernel_overhead_us", self.kernel_overhead_us)
         object.__setattr__(self, "attention_tflops", _attention_table(self.attention_tflops))
         for key in ("p2p_gbyte_per_s", "p2p_latency_us", "intra_latency_us",
                     "inter_latency_us", "ring_step_overhead_us", "remap_overhead_us",
                     "linear_fixed_us"):
             if getattr(self, key) is not None:
-                require_nonnegative(f"hardware.{key}", getattr(self, key))
+                require_at_least(f"hardware.{key}", getattr(self, key))
         for key in ("intra_gbyte_per_s", "inter_gbit_per_s"):
             if getattr(self, key) is not None:
                 require_positive(f"hardware.{key}", getattr(self, key))

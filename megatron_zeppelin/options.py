@@ -58,10 +58,11 @@ def require_positive(what: str, value: Any) -> None:
             math.isfinite(value), what, value, "a finite positive number")
 
 
-def require_nonnegative(what: str, value: Any) -> None:
-    """``require`` a finite number (int or float, not bool) >= 0."""
+def require_at_least(what: str, value: Any, minimum: float = 0.0, note: str = "") -> None:
+    """``require`` a finite number (int or float, not bool) >= ``minimum`` (``note``: what it
+    means, appended to the error)."""
     require(isinstance(value, (int, float)) and not isinstance(value, bool) and
-            0 <= value < math.inf, what, value, "a finite number >= 0")
+            minimum <= value < math.inf, what, value, f"a finite number >= {minimum:g}{note}")
 
 
 def require_positive_int(what: str, value: Any) -> None:

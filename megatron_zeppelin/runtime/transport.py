@@ -246,8 +246,8 @@ def get_transport(choice: str | Transport | None = None) -> Transport:
     return TRANSPORTS[name]
 
 
-# NCCL groups this process has already run a collective on (by id; the groups are held, so
-# an id is never reused while it is here)
+# groups warm_up has judged: NCCL ones it ran a barrier on, others needing none (by id; the
+# groups are held, so an id is never reused while it is here)
 _WARMED: dict[int, dist.ProcessGroup] = {}
 
 
@@ -263,10 +263,12 @@ def warm_up(groups: list[dist.ProcessGroup], device: torch.device) -> None:
     """A barrier on each NCCL group of ``groups`` that has not yet run a collective in this
     process: NCCL needs one before a communicator's first P2P batch. Once per group and
     process (not per engine: an engine is built per plan, and a NCCL barrier waits on the
-    host for the device)."""
+    host for the device). A gloo group needs none; it is remembered too, so that callers on
+    the per-layer path (remap pairs, the MTP shift) ask its backend once."""
     for group in groups:
-        if id(group) in _WARMED or "nccl" not in str(dist.get_backend(group)):
+        if id(group) in _WARMED:
             continue
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        dist.barrier(group=group, device_ids=[index])
+        if "nccl" in str(dist.get_backend(group)):
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            dist.barrier(group=group, device_ids=[index])
         _WARMED[id(group)] = group

@@ -50,7 +50,7 @@ from megatron_zeppelin.config import ConfigError
 from megatron_zeppelin.config_yaml import (from_dict, read_yaml, resolve_config_path,
                                            write_yaml)
 from megatron_zeppelin.hardware_profile import length_table
-from megatron_zeppelin.options import require
+from megatron_zeppelin.options import require, require_at_least, require_positive
 
 TABLES = ("attention_tflops", "attention_bwd_ratio")
 
@@ -98,20 +98,17 @@ class SimProfile:
                 list(self.unmeasured), "a list of the names of what was not measured")
         for key in ("gemm_tflops", "intra_gbyte_per_s", "inter_gbyte_per_s",
                     "allreduce_gbyte_per_s"):
-            require(getattr(self, key) > 0, f"SimProfile.{key}", getattr(self, key),
-                    "a positive number")
+            require_positive(f"SimProfile.{key}", getattr(self, key))
         for key in ("attention_call_us", "gemm_call_us", "nongemm_layer_us",
                     "nongemm_ns_per_token", "head_us", "head_ns_per_token", "optimizer_us",
                     "optimizer_ns_per_param", "ring_step_us", "step_host_us",
                     "micro_batch_host_us", "token_host_ns", "intra_latency_us",
                     "inter_latency_us", "allreduce_latency_us"):
-            require(getattr(self, key) >= 0, f"SimProfile.{key}", getattr(self, key),
-                    "a number >= 0")
-        require(self.shared_cores >= 0, "SimProfile.shared_cores", self.shared_cores,
-                "a number >= 0 (0: one device per rank)")
+            require_at_least(f"SimProfile.{key}", getattr(self, key))
+        require_at_least("SimProfile.shared_cores", self.shared_cores, 0,
+                         " (0: one device per rank)")
         for key in ("nvlink_contention", "compute_scale"):
-            require(getattr(self, key) >= 1, f"SimProfile.{key}", getattr(self, key),
-                    "a number >= 1")
+            require_at_least(f"SimProfile.{key}", getattr(self, key), 1)
 
     # ------------------------------------------------------------------ lookups
     def fair_share(self, ranks: int) -> float:

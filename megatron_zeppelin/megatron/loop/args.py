@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
-from megatron_zeppelin.config import ConfigError, ZeppelinConfig
+from megatron_zeppelin.config import ConfigError, ZeppelinConfig, ffn_width
 from megatron_zeppelin.config_yaml import load_yaml, read_text
 from megatron_zeppelin.options import Parser, add_flags, from_flags, yaml_defaults
 from megatron_zeppelin.parallel import PoolLayout
@@ -128,14 +128,22 @@ def planner_strategy(args: argparse.Namespace, pool_size: int, pool: Topology | 
     return strategy.name, given_options(strategy)
 
 
+BYTE_VOCAB = 256  # the built-in corpus's tokens are bytes
+
+
+def vocab_size(args: argparse.Namespace) -> int:
+    """``--vocab-size``, else the built-in byte corpus's ``BYTE_VOCAB``."""
+    return args.vocab_size or BYTE_VOCAB
+
+
 def check_tensor_parallel(args: argparse.Namespace, tp: int) -> None:
     """What megatron-core's tensor-parallel layers split over TP: the heads, the key/value
     groups (MLA: one per head), the FFN width and the vocabulary (not padded here)."""
     mla = getattr(args, "multi_latent_attention", False)
     split = (("--num-attention-heads", args.num_attention_heads),
              ("--num-query-groups", None if mla else args.num_query_groups),
-             ("--ffn-hidden-size", args.ffn_hidden_size or 4 * args.hidden_size),
-             ("--vocab-size", args.vocab_size or 256))
+             ("--ffn-hidden-size", ffn_width(args.hidden_size, args.ffn_hidden_size)),
+             ("--vocab-size", vocab_size(args)))
     for flag, value in split:
         if value is not None and value % tp:
             raise ConfigError(f"--tensor-model-parallel-size={tp} is invalid: expected a divisor "
@@ -328,7 +336,7 @@ def validate_args(args: argparse.Namespace, world_size: int, local_world_size: i
     pipeline.check(args, layout)
     planner_strategy(args, layout.cp, layout.topology)
     check_fsdp(args)
-    if args.mock_data and (args.vocab_size or 0) < 256:
+    if args.mock_data and (args.vocab_size or 0) < BYTE_VOCAB:
         raise ConfigError(f"--vocab-size={args.vocab_size}: the built-in byte corpus needs "
-                          ">= 256")
+                          f">= {BYTE_VOCAB}")
     return layout

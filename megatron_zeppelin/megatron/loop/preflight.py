@@ -154,7 +154,7 @@ def check(args: argparse.Namespace) -> Ready:
     world = env.world_size() or 1
     check_memory(args, world, env.local_world_size() or world)
     check_planner_files(args)
-    source = open_source(args.mock_data, args.data_path, args.vocab_size or 256)
+    source = open_source(args.mock_data, args.data_path, train_args.vocab_size(args))
     what = "--mock-data" if args.mock_data else f"--data-path {args.data_path!r}"
     check_overlong(source.lengths(), args.seq_length, args.zeppelin_overlong, what)
     check_outputs(args)

@@ -54,7 +54,7 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec(name="pretrain_gpt", num_layers=args.num_layers,
                      hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                      num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
-                     vocab_size=args.vocab_size or 256, swiglu=args.swiglu,
+                     vocab_size=train_args.vocab_size(args), swiglu=args.swiglu,
                      bytes_per_element=4 if args.device == "cpu" else 2, window_size=window,
                      window_layers=layers, **mla)
 
