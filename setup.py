@@ -59,7 +59,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6"],
-        "te": ["transformer-engine[pytorch]>=2.9,<2.12"],
+        "te": ["transformer-engine[pytorch]>=2.9,<2.19"],  # signatures read up to 2.18
         "flash-attn": ["flash-attn>=2.6"],
         "tensorboard": ["tensorboard"],
     },

@@ -8,10 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.runtime import kernels
 from megatron_zeppelin.runtime.kernels import flash_attn as flash_backend
-from megatron_zeppelin.runtime.kernels import te as te_backend
 from megatron_zeppelin.runtime.kernels import torch_math
 from megatron_zeppelin.runtime.merge import merge_into_, merge_lse
 
@@ -290,42 +288,6 @@ def test_flash_adapter_reads_the_lse_of_old_and_new_returns():
     assert flash_backend.out_and_lse((out, q, q, q, out, lse, None, None))[1] is lse
     with pytest.raises(RuntimeError, match="returned 3 values"):
         flash_backend.out_and_lse((out, lse, None))
-
-
-def test_te_runs_causal_and_full_bands_and_refuses_the_rest():
-    """TE's cuDNN graph (2.9-2.11) sets only a causal band's left bound: a band with a right
-    bound (a windowed ring's blocks between zigzag chunks), or a left bound without the causal
-    mask, is refused instead of running unbounded and top-left aligned; a windowed model with
-    ``te`` chosen is refused when its attention state is built, naming the flags."""
-    from megatron_zeppelin.megatron.common.core_attention import ZeppelinAttentionState
-
-    pieces = kernels.make_pieces((0, 4), (0, 6))
-    assert te_backend._common(pieces, True, 0.5, None)["attn_mask_type"] == \
-        "padding_causal_bottom_right"
-    assert te_backend._common(pieces, True, 0.5, (3, 0))["window_size"] == (3, 0)
-    assert te_backend._common(pieces, False, 0.5, None)["attn_mask_type"] == "padding"
-    for window in ((3, 2), (0, 5), (4, -1)):
-        with pytest.raises(ValueError, match=rf"backend 'te' cannot run the band "
-                                             rf"window=\({window[0]}, {window[1]}\)"):
-            te_backend._common(pieces, False, 0.5, window)
-    assert kernels.get("native").window_limit is None
-    assert kernels.get("flash_attn").window_limit is None
-    with pytest.raises(ConfigError, match=r"--zeppelin-attention-backend=te with a "
-                       r"sliding window of 128 tokens \(--window-size\): Transformer Engine"):
-        ZeppelinAttentionState(None, backend="te", windows=(None, 128))
-
-
-@pytest.mark.parametrize("packed", [True, False])
-def test_te_softmax_stats_round_trip(packed, monkeypatch):
-    """[heads, tq] lse <-> TE's softmax stats ([tq, h, 1] packed, or [b, h, max_q, 1])."""
-    monkeypatch.setattr(te_backend, "stats_packed", lambda: packed)
-    pieces = kernels.make_pieces((0, 3, 3, 7), (0, 3, 3, 7))
-    lse = torch.randn(4, 7)
-    stats = te_backend.lse_to_te(lse, pieces)
-    assert stats.shape == ((7, 4, 1) if packed else (3, 4, 4, 1))
-    if not packed:
-        assert stats[2, 1, 3, 0] == lse[1, 6] and torch.isposinf(stats[0, :, 3]).all()
-    torch.testing.assert_close(te_backend.lse_from_te(stats, pieces, 4), lse)
 
 
 WINDOW_PIECES = [(1, 1), (2, 2), (5, 5), (64, 64), (65, 65), (66, 66), (130, 130), (0, 0),

@@ -1,40 +1,114 @@
-"""Backend ``te``: Transformer Engine fused attention (cuDNN), THD layout (CUDA, fp16/bf16).
+"""Backend ``te``: Transformer Engine fused attention (cuDNN), THD layout (CUDA sm90+, fp16/bf16).
 
 ``pip install "megatron-zeppelin[te]"`` (or the NGC PyTorch image). Calls
 ``transformer_engine.pytorch.cpp_extensions.fused_attn``'s ``fused_attn_fwd`` / ``fused_attn_bwd``
-with layout ``thd_thd_thd`` and mask ``padding_causal_bottom_right`` or ``padding``. Its softmax
-stats are ``[total_q, heads, 1]`` (cuDNN >= 9.6) or ``[batch, heads, max_q, 1]`` before,
-converted to and from ``[heads, tq]``; rows without keys carry ``+inf`` there. Sliding windows:
-TE documents ``window_size=(left, right)`` as query ``i`` seeing keys ``[i + sk - sq - left,
-i + sk - sq + right]`` (bottom-right aligned, ``-1`` unbounded; ``base.band``), but the cuDNN
-graph of TE 2.9-2.11 sets only the band's left bound, on a causal mask, bottom-right aligned
-only for the ``*_bottom_right`` masks: a causal band ``(left, 0)`` runs (mask
+with layout ``thd_thd_thd`` and mask ``padding_causal_bottom_right`` or ``padding``, adapted to
+the installed TE by the functions' signatures (``TeApi``, read from TE 2.9-2.18's sources):
+
+* TE <= 2.14's backward takes a positional ``dqkv_dtype``, TE 2.15+ does not: every argument
+  after the ten that never moved is passed by name;
+* TE 2.15+ takes the output/gradient formats (``o_format``, ``do_format``, ``dqkv_layout``,
+  defaults ``sbhd``/``sbh3d``): they are set to THD;
+* TE 2.12+ takes ``bottom_right_diagonal`` and its cuDNN graph sets a band's right bound too.
+
+Softmax stats: ``[total_q, heads, 1]`` (THD with cuDNN >= 9.6, except sm120 from TE 2.14) or
+``[batch, heads, max_q, 1]``: the forward reads the layout from the tensor TE returns and the
+backward builds the same (``stats_packed``), converted to and from ``[heads, tq]``; rows without
+keys carry ``+inf`` there. ``max_q``/``max_k`` are rounded up to a multiple of 64 (as TE's own
+``DotProductAttention`` does for THD; cuDNN 9.6 takes bottom-right masks only so) and, for a
+windowed band, ``max_k >= max_q`` (TE refuses a sliding window otherwise); both are upper
+bounds: the kernel reads every piece's length from the offsets.
+
+Sliding windows: TE documents ``window_size=(left, right)`` as query ``i`` seeing keys
+``[i + sk - sq - left, i + sk - sq + right]`` (bottom-right aligned, ``-1`` unbounded;
+``base.band``). TE 2.12+ with cuDNN >= 9.6 runs every band so (``bottom_right_diagonal=True``).
+The cuDNN graph of TE 2.9-2.11 sets only a causal band's left bound, bottom-right aligned only
+for the ``*_bottom_right`` masks: a causal band ``(left, 0)`` runs (mask
 ``padding_causal_bottom_right``); a band with ``right > 0`` (a windowed ring's blocks between
 zigzag chunks) would run with no right bound and top-left aligned, and a left bound without a
-causal mask likewise. Such a block is refused (``WINDOW_LIMIT``), and so is a windowed model
-with this backend, at set-up (``window_limit``). A value head dim different from the
-query/key one (multi-latent attention) is passed as it is: TE's THD fused attention takes
-``head_dim_qk != head_dim_v`` (cuDNN arbitrary-seqlen backend). No dropout is
-used, so the RNG state passed back is unused (zeros). Only ever chosen explicitly.
+causal mask likewise. There such a block is refused, and so is a windowed model with this
+backend, at set-up (``window_limit``). A value head dim different from the query/key one
+(multi-latent attention) is passed as it is: TE's THD fused attention takes ``head_dim_qk !=
+head_dim_v`` (cuDNN arbitrary-seqlen backend). No dropout is used, so the RNG state passed back
+is unused (zeros). Only ever chosen explicitly.
 """
 from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
 
 import torch
 
 from megatron_zeppelin.runtime.kernels.base import (OptionalCudaBackend, Pieces, Window, band,
                                                     lse_from_kernel, lse_to_kernel, register)
 
+BANDS_CUDNN = (9, 6, 0)  # cuDNN from which TE takes windows on THD, right bound too
+THD_ARCH = (9, 0)        # TE's fused attention takes THD from sm90 (its backend selection)
+SEQLEN_MULTIPLE = 64     # TE rounds THD max_seqlen so; cuDNN 9.6 needs it for bottom-right
 
-def stats_packed() -> bool:
-    """Whether this cuDNN keeps TE's softmax stats packed ``[total_q, heads, 1]``."""
+
+@dataclasses.dataclass(frozen=True)
+class TeApi:
+    """What the installed ``fused_attn_fwd`` / ``fused_attn_bwd`` take (their signatures)."""
+
+    dqkv_dtype: bool  # the backward's dqkv_dtype (TE <= 2.14)
+    formats: bool     # o_format / do_format / dqkv_layout (TE 2.15+; defaults sbhd)
+    diagonal: bool    # bottom_right_diagonal, and bands with a right bound (TE 2.12+)
+
+    @classmethod
+    def of(cls, module) -> "TeApi":
+        fwd = inspect.signature(module.fused_attn_fwd).parameters
+        bwd = inspect.signature(module.fused_attn_bwd).parameters
+        return cls(dqkv_dtype="dqkv_dtype" in bwd, formats="o_format" in fwd,
+                   diagonal="bottom_right_diagonal" in fwd)
+
+
+@functools.lru_cache(maxsize=None)
+def api(module) -> TeApi:
+    """``TeApi`` of a loaded fused-attention module, read once."""
+    return TeApi.of(module)
+
+
+@functools.lru_cache(maxsize=None)
+def cudnn_version() -> tuple[int, ...]:
+    """The cuDNN version TE runs on (TE's ``get_cudnn_version``), read once."""
     from transformer_engine.pytorch.utils import get_cudnn_version
 
-    return tuple(get_cudnn_version()) >= (9, 6, 0)
+    return tuple(get_cudnn_version())
+
+
+def te_dtype(dtype: torch.dtype):
+    """TE's ``tex.DType`` of a torch dtype (the ``dqkv_dtype`` of TE <= 2.14)."""
+    from transformer_engine.pytorch.constants import TE_DType
+
+    return TE_DType[dtype]
+
+
+def bands(module) -> str:
+    """Which sliding-window bands this TE and cuDNN run on THD: ``all`` (TE 2.12+ with
+    cuDNN >= 9.6: both bounds, bottom-right aligned), ``causal`` (before TE 2.12: ``(left, 0)``
+    only) or ``none`` (cuDNN before 9.6: no window on THD)."""
+    if cudnn_version() < BANDS_CUDNN:
+        return "none"
+    return "all" if api(module).diagonal else "causal"
+
+
+_SEEN_LAYOUT: dict[str, bool] = {}  # the stats layout TE's forward returned in this process
+
+
+def stats_packed() -> bool:
+    """Whether TE keeps the softmax stats packed ``[total_q, heads, 1]``: as its forward
+    returned them in this process, else by TE's rule (THD with cuDNN >= 9.6; sm120 is
+    padded from TE 2.14, which a forward always shows before a backward)."""
+    if "packed" in _SEEN_LAYOUT:
+        return _SEEN_LAYOUT["packed"]
+    return cudnn_version() >= BANDS_CUDNN
 
 
 def _rows(pieces: Pieces, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(piece index, row in piece) of every packed query row (padded stats, old cuDNN), built
-    on the device from the block's offsets with host-known sizes: no copy, no host sync."""
+    """(piece index, row in piece) of every packed query row (padded stats), built on the
+    device from the block's offsets with host-known sizes: no copy, no host sync."""
     cu = pieces.cu_q_dev.to(device).long()
     piece = torch.repeat_interleave(torch.arange(len(pieces.cu_q) - 1, device=device),
                                     cu.diff(), output_size=pieces.total_q)
@@ -42,41 +116,62 @@ def _rows(pieces: Pieces, device: torch.device) -> tuple[torch.Tensor, torch.Ten
 
 
 def lse_from_te(stats: torch.Tensor, pieces: Pieces, heads: int) -> torch.Tensor:
-    """TE softmax stats -> ``[heads, tq]`` float32."""
-    if stats_packed():
+    """TE softmax stats (``[tq, h, 1]`` or ``[b, h, max_q, 1]``) -> ``[heads, tq]`` float32."""
+    if stats.dim() == 3:
         return stats.reshape(-1, heads)[: pieces.total_q].t().float().contiguous()
     piece, row = _rows(pieces, stats.device)
     return stats[piece, :, row, 0].t().float().contiguous()
 
 
-def lse_to_te(lse: torch.Tensor, pieces: Pieces) -> torch.Tensor:
-    """``[heads, tq]`` -> TE softmax stats (packed ``[tq, h, 1]`` or ``[b, h, max_q, 1]``)."""
+def lse_to_te(lse: torch.Tensor, pieces: Pieces, max_q: int | None = None) -> torch.Tensor:
+    """``[heads, tq]`` -> TE softmax stats (``stats_packed``: ``[tq, h, 1]``, else
+    ``[b, h, max_q, 1]`` with the ``max_q`` passed to the kernel)."""
     heads = lse.shape[0]
     if stats_packed():
         return lse.t().contiguous().unsqueeze(-1)
     piece, row = _rows(pieces, lse.device)
-    stats = torch.full((len(pieces.cu_q) - 1, heads, max(pieces.max_q, 1), 1), float("inf"),
-                       dtype=torch.float32, device=lse.device)
+    stats = torch.full((len(pieces.cu_q) - 1, heads, max(max_q or pieces.max_q, 1), 1),
+                       float("inf"), dtype=torch.float32, device=lse.device)
     stats[piece, :, row, 0] = lse.t()
     return stats
 
 
-WINDOW_LIMIT = ("Transformer Engine's fused attention (cuDNN graph of TE 2.9-2.11) takes a "
-                "sliding window only as a causal band (right bound 0), and a windowed ring's "
-                "blocks between zigzag chunks need one with a right bound")
+WINDOW_LIMIT = ("Transformer Engine's fused attention runs a sliding window on THD from cuDNN "
+                f"{'.'.join(map(str, BANDS_CUDNN))}, and one with a right bound (a windowed "
+                "ring's blocks between zigzag chunks) from TE 2.12; before, only as a causal band")
 
 
-def _common(pieces: Pieces, causal: bool, scale: float, window: Window | None) -> dict:
+def _bounded(left: int, right: int) -> tuple[bool, bool]:
+    """(windowed: the band bounds more than causal/full does; causal: right bound 0)."""
+    return (left, right) not in ((-1, -1), (-1, 0)), right == 0
+
+
+def seqlens(pieces: Pieces, windowed: bool) -> tuple[int, int]:
+    """``(max_seqlen_q, max_seqlen_kv)`` for TE: the longest pieces rounded up to 64, and
+    ``kv >= q`` for a windowed band (see the module docstring)."""
+    up = lambda n: max(-(-n // SEQLEN_MULTIPLE), 1) * SEQLEN_MULTIPLE  # noqa: E731
+    max_q, max_k = up(pieces.max_q), up(pieces.max_k)
+    return max_q, max(max_k, max_q) if windowed else max_k
+
+
+def _common(module, pieces: Pieces, causal: bool, scale: float, window: Window | None) -> dict:
     """Keyword arguments shared by TE's forward and backward."""
     left, right = band(causal, window)
-    if right != 0 and (left, right) != (-1, -1):  # a band that is neither causal nor full
+    windowed, causal_band = _bounded(left, right)
+    support = bands(module) if windowed else "all"
+    if support == "none" or (support == "causal" and not causal_band):
         raise ValueError(f"backend 'te' cannot run the band window={tuple(window)}: "
                          f"{WINDOW_LIMIT}; use backend 'native' or 'flash_attn'")
-    return dict(cu_seqlens_q_padded=pieces.cu_q_dev, cu_seqlens_kv_padded=pieces.cu_k_dev,
-                attn_scale=scale, dropout=0.0, qkv_layout="thd_thd_thd",
-                attn_bias_type="no_bias",
-                attn_mask_type="padding_causal_bottom_right" if right == 0 else "padding",
-                window_size=(left, right))
+    kwargs = dict(cu_seqlens_q_padded=pieces.cu_q_dev, cu_seqlens_kv_padded=pieces.cu_k_dev,
+                  attn_scale=scale, dropout=0.0, qkv_layout="thd_thd_thd",
+                  attn_bias_type="no_bias",
+                  attn_mask_type="padding_causal_bottom_right" if causal_band else "padding",
+                  window_size=(left, right))
+    if api(module).diagonal:
+        kwargs["bottom_right_diagonal"] = True
+    if api(module).formats:
+        kwargs["o_format"] = "thd"
+    return kwargs
 
 
 class TransformerEngine(OptionalCudaBackend):
@@ -84,37 +179,64 @@ class TransformerEngine(OptionalCudaBackend):
 
     name = "te"
     kernel = "cudnn"
-    window_limit = WINDOW_LIMIT
-    description = "Transformer Engine fused attention, THD (CUDA, fp16/bf16; pip extra te)"
+    description = "Transformer Engine fused attention, THD (CUDA sm90+, fp16/bf16; pip extra te)"
     module = "transformer_engine.pytorch.cpp_extensions.fused_attn"
     package, extra = "transformer_engine", "te"
+
+    @property
+    def window_limit(self) -> str | None:
+        """Why this TE cannot run windowed rings (None when it can, or is not installed:
+        ``unavailable`` says so)."""
+        module = self.load()
+        if module is None or bands(module) == "all":
+            return None
+        return f"{WINDOW_LIMIT} (this process has cuDNN {'.'.join(map(str, cudnn_version()))})"
+
+    def refuses(self, q: torch.Tensor) -> str | None:
+        problem = super().refuses(q)
+        if problem is None and _capability(q.device) < THD_ARCH:
+            problem = (f"needs sm{THD_ARCH[0]}{THD_ARCH[1]}+ for THD fused attention, got "
+                       f"sm{''.join(map(str, _capability(q.device)))}")
+        return problem
 
     def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float,
                 window: Window | None = None):
         te = self.load()
-        out, aux = te.fused_attn_fwd(True, pieces.max_q, pieces.max_k, pieces.cu_q_dev,
-                                     pieces.cu_k_dev, q.contiguous(), k.contiguous(),
-                                     v.contiguous(), q.dtype,
+        max_q, max_k = seqlens(pieces, _bounded(*band(causal, window))[0])
+        out, aux = te.fused_attn_fwd(True, max_q, max_k, pieces.cu_q_dev, pieces.cu_k_dev,
+                                     q.contiguous(), k.contiguous(), v.contiguous(), q.dtype,
                                      te.FusedAttnBackend["F16_arbitrary_seqlen"],
-                                     **_common(pieces, causal, scale, window))
+                                     **_common(te, pieces, causal, scale, window))
+        _SEEN_LAYOUT["packed"] = aux[0].dim() == 3
         keyless = causal or window is not None
         return out, lse_from_kernel(lse_from_te(aux[0], pieces, q.shape[1]), pieces, keyless)
 
     def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float,
                  window: Window | None = None):
         te = self.load()
-        from transformer_engine.pytorch.constants import TE_DType
-
-        stats = lse_to_te(lse_to_kernel(lse, pieces, causal or window is not None), pieces)
+        max_q, max_k = seqlens(pieces, _bounded(*band(causal, window))[0])
+        stats = lse_to_te(lse_to_kernel(lse, pieces, causal or window is not None), pieces,
+                          max_q)
+        kwargs = _common(te, pieces, causal, scale, window)
+        if api(te).dqkv_dtype:
+            kwargs["dqkv_dtype"] = te_dtype(dout.dtype)
+        if api(te).formats:
+            kwargs.update(do_format="thd", dqkv_layout="thd_thd_thd")
         unused_rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
-        grads = te.fused_attn_bwd(pieces.max_q, pieces.max_k, pieces.cu_q_dev, pieces.cu_k_dev,
+        grads = te.fused_attn_bwd(max_q, max_k, pieces.cu_q_dev, pieces.cu_k_dev,
                                   q.contiguous(), k.contiguous(), v.contiguous(),
                                   out.contiguous(), dout.contiguous(), q.dtype,
-                                  TE_DType[dout.dtype], [stats, unused_rng_state],
-                                  te.FusedAttnBackend["F16_arbitrary_seqlen"],
-                                  deterministic=False,
-                                  **_common(pieces, causal, scale, window))
+                                  aux_ctx_tensors=[stats, unused_rng_state],
+                                  fused_attention_backend=te.FusedAttnBackend[
+                                      "F16_arbitrary_seqlen"],
+                                  deterministic=False, **kwargs)
         return grads[0], grads[1], grads[2]
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of a CUDA device (host query, once per device)."""
+    return tuple(torch.cuda.get_device_capability(device))
 
 
 BACKEND = register(TransformerEngine())
