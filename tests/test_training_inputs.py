@@ -349,6 +349,31 @@ def test_empty_documents_are_skipped_and_counted(tmp_path):
         check_overlong([0, 0], 256, "split", "--data-path 'x'")
 
 
+def test_a_corpus_smaller_than_an_iteration_is_reported(capsys):
+    """Documents that repeat within an iteration (a pass over the corpus holds fewer tokens
+    than GBS x seq-length) are said so in the banner's corpus line, and the run's summary
+    counts the passes over the corpus."""
+    import types
+
+    from megatron_zeppelin.megatron.loop.corpus import (DocumentStats, documents_per_pass,
+                                                         repeat_note, trained_documents)
+    from megatron_zeppelin.megatron.loop.train_log import Logger
+
+    lengths = [300, 0, 100, 50]
+    assert trained_documents(lengths, 256, "split") == (3, 450)
+    assert trained_documents(lengths, 256, "drop") == (2, 150)
+    assert repeat_note(lengths, 256, "split", 450) == ""
+    assert repeat_note(lengths, 256, "drop", 256) == (
+        "; a pass trains on 150 tokens (2 documents), fewer than one iteration's 256 "
+        "(--global-batch-size x --seq-length): documents repeat within an iteration")
+    assert documents_per_pass(lengths) == 3
+    args = types.SimpleNamespace(seq_length=256, tensorboard_dir=None)
+    Logger(args, None, True, DocumentStats(documents=7), False, 1,
+           per_pass=documents_per_pass(lengths)).close()
+    assert capsys.readouterr().out.startswith(
+        "documents read: 7 (2.33 passes over the corpus's 3 non-empty documents); longer than --seq-length 256")
+
+
 # ----------------------------------------------------------------------------- checkpoints
 def dcp_checkpoint(root: Path, iteration: int = 3) -> Path:
     """A checkpoint folder in torch_dist layout (DCP .metadata + shard, Megatron's files)."""

@@ -239,6 +239,33 @@ def describe_lengths(lengths: Sequence[int], max_len: int) -> str:
             f"{max_len:,}{skipped}")
 
 
+def trained_documents(lengths: Sequence[int], max_len: int, policy: str) -> tuple[int, int]:
+    """(documents, tokens) one pass over the corpus trains on: empty documents are skipped,
+    and with ``--zeppelin-overlong drop`` those longer than ``max_len``."""
+    sizes = numpy.asarray(lengths, dtype=numpy.int64)
+    kept = sizes[(sizes > 0) & ((sizes <= max_len) if policy == "drop" else True)]
+    return int(kept.size), int(kept.sum())
+
+
+def documents_per_pass(lengths: Sequence[int]) -> int:
+    """Documents one pass over the corpus reads: the non-empty ones (dropped ones are read
+    and counted as dropped)."""
+    return int(numpy.count_nonzero(numpy.asarray(lengths)))
+
+
+def repeat_note(lengths: Sequence[int], max_len: int, policy: str, iteration_tokens: int
+                ) -> str:
+    """The banner's notice when one iteration reads more tokens than a pass over the corpus
+    trains on (``trained_documents``): then documents repeat within an iteration, or within
+    a micro-batch."""
+    documents, tokens = trained_documents(lengths, max_len, policy)
+    if tokens >= iteration_tokens:
+        return ""
+    return (f"; a pass trains on {tokens:,} tokens ({documents:,} documents), fewer than one "
+            f"iteration's {iteration_tokens:,} (--global-batch-size x --seq-length): documents "
+            "repeat within an iteration")
+
+
 def check_overlong(lengths: Sequence[int], max_len: int, policy: str, what: str) -> None:
     """Refuse up front what the stream would refuse later: with ``--zeppelin-overlong error``
     any document longer than ``max_len``; with ``drop``, a corpus with nothing shorter; a

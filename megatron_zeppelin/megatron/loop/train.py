@@ -28,7 +28,8 @@ from megatron_zeppelin.megatron.loop import (args as train_args, checkpoint, che
                                              fatal, microbatch_order, pipeline, preflight)
 from megatron_zeppelin.megatron.common import compat
 from megatron_zeppelin.megatron.common.core_attention import ZeppelinAttentionState, planning_hardware
-from megatron_zeppelin.megatron.loop.corpus import DocumentSource, MicroBatchSampler
+from megatron_zeppelin.megatron.loop.corpus import (DocumentSource, MicroBatchSampler,
+                                                    documents_per_pass)
 from megatron_zeppelin.megatron.common.data import ZeppelinDataIterator
 from megatron_zeppelin.megatron.common.groups import Pool
 from megatron_zeppelin.megatron.common.pipeline_p2p import schedule_kwargs
@@ -371,7 +372,8 @@ def train(args: argparse.Namespace, layout: PoolLayout, ready: preflight.Ready,
         first_stage = layout.stage(dist.get_rank()) == 0
         logger = Logger(args, runtime.cost, dist.get_rank() == 0, sampler.stats,
                         counts_plans=pool_rank == 0 and tp_rank == 0 and first_stage,
-                        pools=layout.dp, order=getattr(sampler, "regroup", None))
+                        pools=layout.dp, order=getattr(sampler, "regroup", None),
+                        per_pass=documents_per_pass(ready.source.lengths()))
         online = OnlineFit(FitSettings.from_args(args), runtime.pool, runtime.state,
                            runtime.planner, replanning(data, logger), device) \
             if args.zeppelin_fit_interval else None

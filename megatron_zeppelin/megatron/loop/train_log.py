@@ -24,7 +24,8 @@ from megatron_zeppelin.config import ConfigError
 from megatron_zeppelin.cost_model import CostModel
 from megatron_zeppelin.estimate import estimate_plan, iteration_seconds
 from megatron_zeppelin.megatron.common import compat
-from megatron_zeppelin.megatron.loop.corpus import DocumentSource, DocumentStats, describe_lengths
+from megatron_zeppelin.megatron.loop.corpus import (DocumentSource, DocumentStats,
+                                                    describe_lengths, repeat_note)
 from megatron_zeppelin.megatron.loop.microbatch_order import resolve
 from megatron_zeppelin.parallel import PoolLayout
 from megatron_zeppelin.runtime.transport import collective_device
@@ -73,10 +74,12 @@ class Logger:
 
     def __init__(self, args: argparse.Namespace, cost: CostModel, printing: bool,
                  documents: DocumentStats, counts_plans: bool, pools: int,
-                 order=None) -> None:
+                 order=None, per_pass: int = 0) -> None:
         """order: the balanced micro-batch order's ``Regrouper`` (its tally ends the run's
-        summary), None in arrival order."""
+        summary), None in arrival order; per_pass: the documents one pass over the corpus
+        reads (``corpus.documents_per_pass``; 0: not reported)."""
         self.args, self.cost, self.printing, self.documents = args, cost, printing, documents
+        self.per_pass = per_pass
         self.order = order
         self.counts_plans, self.pools = counts_plans, pools
         self.plans = []
@@ -161,7 +164,9 @@ class Logger:
     def close(self) -> None:
         d = self.documents
         if self.printing:
-            print(f"documents read: {d.documents:,}; longer than --seq-length "
+            passes = f" ({d.documents / self.per_pass:.2f} passes over the corpus's " \
+                f"{self.per_pass:,} non-empty documents)" if self.per_pass else ""
+            print(f"documents read: {d.documents:,}{passes}; longer than --seq-length "
                   f"{self.args.seq_length:,}: {d.split_sequences:,} split into "
                   f"{d.split_pieces:,} pieces, {d.dropped_sequences:,} dropped "
                   f"({d.dropped_tokens:,} tokens)", flush=True)
@@ -250,9 +255,11 @@ def banner(args: argparse.Namespace, layout: PoolLayout, modules: list[torch.nn.
                 "real nodes")
     sample = args.micro_batch_size * args.seq_length
     decay = args.lr_decay_iters or args.train_iters
+    repeats = repeat_note(source.lengths(), args.seq_length, args.zeppelin_overlong,
+                          args.global_batch_size * args.seq_length)
     data = (f"{source.name}{f' ({args.data_note})' if args.data_note else ''}: "
             f"{describe_lengths(source.lengths(), args.seq_length)}; --zeppelin-overlong "
-            f"{args.zeppelin_overlong}")
+            f"{args.zeppelin_overlong}{repeats}")
     unused = f"; --save-interval {args.save_interval} unused" if args.save_interval else ""
     save = (f"to {args.save}" + (f" every {args.save_interval} iterations" if
                                  args.save_interval else "") + " and at the end"
