@@ -23,7 +23,7 @@ Cluster = TypeVar("Cluster")  # config.ClusterSpec (which imports this module)
 ATTENTION_KERNELS = {
     "fa2": "FlashAttention-2 code: torch's built-in varlen flash attention (backend native) "
            "and the flash-attn 2.x package (backend flash_attn)",
-    "fa3": "FlashAttention-3 (Hopper): published figures; no shipped backend runs it",
+    "fa3": "FlashAttention-3 (Hopper): flash-attention's hopper/ build (backend flash_attn3)",
     "cudnn": "cuDNN fused attention through Transformer Engine (backend te)",
     "cpu": "torch's CPU kernels (backend torch on CPU)",
 }

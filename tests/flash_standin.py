@@ -58,13 +58,18 @@ def _offsets(cu: torch.Tensor, total: int, device: torch.device, name: str,
     return host
 
 
-def _check_inputs(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p) -> tuple[list[int], list[int]]:
+def _check_inputs(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, split_dims=None
+                  ) -> tuple[list[int], list[int]]:
+    """``split_dims``: FlashAttention-3's rule for a value head dim unlike q/k's (None: one
+    head dim, as FlashAttention-2)."""
     if q.dtype not in HALF or k.dtype != q.dtype or v.dtype != q.dtype:
         _fail(f"q/k/v must be one of fp16/bf16, got {q.dtype}/{k.dtype}/{v.dtype}")
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[1] % k.shape[1] or \
+    same_v = v.shape == k.shape or (split_dims is not None and v.shape[:2] == k.shape[:2] and
+                                    split_dims(q.shape[2], v.shape[2]))
+    if q.dim() != 3 or k.dim() != 3 or not same_v or q.shape[1] % k.shape[1] or \
             q.shape[2] != k.shape[2]:
         _fail(f"packed shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
-    if q.shape[2] % 8 or q.shape[2] > MAX_HEAD_DIM:
+    if q.shape[2] % 8 or q.shape[2] > MAX_HEAD_DIM or v.shape[2] % 8:
         _fail(f"head dim {q.shape[2]}: the kernel takes multiples of 8 up to {MAX_HEAD_DIM}")
     if any(t.stride(-1) != 1 for t in (q, k, v)) or k.device != q.device or \
             v.device != q.device:
@@ -113,9 +118,12 @@ def _scores(q, k, a, b, c, d, band, scale):
 class StandInFlashOps:
     """Drop-in for ``native.AtenFlashOps`` on CPU (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, split_dims=None, swapped_gqa: bool = True) -> None:
+        """split_dims: which (q/k, v) head dims the kernel takes unlike (None: none, as
+        FlashAttention-2); swapped_gqa: FlashAttention-2's ``max_q == 1`` GQA reshape."""
         self.calls = {"forward": 0, "backward": 0}
         self.max_q_seen: list[int] = []  # the max_q of every call, in order
+        self.split_dims, self.swapped_gqa = split_dims, swapped_gqa
 
     def refuses(self, q: torch.Tensor) -> str | None:
         return None
@@ -125,14 +133,16 @@ class StandInFlashOps:
                 window_size_right=None, seqused_k=None, alibi_slopes=None):
         self.calls["forward"] += 1
         self.max_q_seen.append(max_q)
-        cq, ck = _check_inputs(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p)
-        _check_grouped_single_row(query, key, cq, max_q)
+        cq, ck = _check_inputs(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                               self.split_dims)
+        if self.swapped_gqa:
+            _check_grouped_single_row(query, key, cq, max_q)
         if return_debug_mask or seqused_k is not None:
             _fail("debug mask and seqused_k are not part of the engine's contract")
         band = _band(is_causal, window_size_left, window_size_right)
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         heads, group = query.shape[1], query.shape[1] // key.shape[1]
-        out = torch.zeros(query.shape, dtype=torch.float64)
+        out = torch.zeros(*query.shape[:2], value.shape[2], dtype=torch.float64)
         lse = torch.full((heads, query.shape[0]), float("inf"), dtype=torch.float64)
         for i in range(len(cq) - 1):
             a, b, c, d = cq[i], cq[i + 1], ck[i], ck[i + 1]
@@ -155,9 +165,10 @@ class StandInFlashOps:
                  window_size_left=None, window_size_right=None):
         self.calls["backward"] += 1
         self.max_q_seen.append(max_q)
-        cq, ck = _check_inputs(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p)
-        heads = query.shape[1]
-        if grad_out.shape != query.shape or out.shape != query.shape or \
+        cq, ck = _check_inputs(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                               self.split_dims)
+        heads, out_shape = query.shape[1], (*query.shape[:2], value.shape[2])
+        if grad_out.shape != out_shape or out.shape != out_shape or \
                 grad_out.dtype != query.dtype or out.dtype != query.dtype:
             _fail(f"grad_out {grad_out.dtype} {tuple(grad_out.shape)} and out {out.dtype} "
                   f"{tuple(out.shape)} must match q {query.dtype} {tuple(query.shape)}")
@@ -178,7 +189,7 @@ class StandInFlashOps:
         group = heads // key.shape[1]
         dq = torch.zeros(query.shape, dtype=torch.float64)
         dk = torch.zeros(key.shape, dtype=torch.float64)
-        dv = torch.zeros(key.shape, dtype=torch.float64)
+        dv = torch.zeros(value.shape, dtype=torch.float64)
         for i in range(len(cq) - 1):
             a, b, c, d = cq[i], cq[i + 1], ck[i], ck[i + 1]
             if b == a or d == c:
@@ -194,7 +205,8 @@ class StandInFlashOps:
             grouped = (d - c, key.shape[1], group, query.shape[2])
             dk[c:d] = torch.einsum("hqk,qhd->khd", ds, query[a:b].double()).reshape(
                 grouped).sum(2)
-            dv[c:d] = torch.einsum("hqk,qhd->khd", p, do).reshape(grouped).sum(2)
+            dv[c:d] = torch.einsum("hqk,qhd->khd", p, do).reshape(
+                (*grouped[:3], value.shape[2])).sum(2)
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
 
 

@@ -1,8 +1,8 @@
 """GPU checks (pytest marker ``gpu``; skipped without CUDA): ``scripts/gpu_check.sh`` runs them.
 
-* every backend (native; torch's math path; flash_attn and te when installed) against a
-  float64 reference at per-dtype tolerances (GQA, empty pieces, rows that see no key, one
-  query row per piece,
+* every backend (native; torch's math path; flash_attn, flash_attn3 and te when installed)
+  against a float64 reference at per-dtype tolerances (GQA, empty pieces, rows that see no
+  key, one query row per piece,
   tq != tk causal), forward and backward;
 * the CPU stand-in of the native kernel against the real kernel on the same random inputs
   (output, lse, gradients): the contract the CPU tests run on is the GPU's;
@@ -66,7 +66,8 @@ def _usable(name: str) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("name,dtype", [("native", torch.bfloat16), ("native", torch.float16),
                                         ("torch", torch.float32), ("torch", torch.bfloat16),
-                                        ("flash_attn", torch.bfloat16), ("te", torch.bfloat16)])
+                                        ("flash_attn", torch.bfloat16),
+                                        ("flash_attn3", torch.bfloat16), ("te", torch.bfloat16)])
 def test_backend_matches_float64_reference(name, dtype, case):
     from megatron_zeppelin.runtime import kernels
 

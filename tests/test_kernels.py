@@ -53,6 +53,36 @@ def random_block(seed, heads, kv_heads, pieces, dtype=torch.float32, d=8):
     return q, k, v, cu_q, cu_k
 
 
+def against_math_path(name, pieces, causal, window, heads, kv_heads, d, v_dim, seed):
+    """``[(out, lse, dq, dk, dv) of backend ``name`` on a random bf16 block, the same of the
+    float64 math path (the reference)]``, with a value head dim ``v_dim`` (MLA when unlike
+    ``d``) and the same ``causal``/``window``."""
+    q, k, v, cu_q, cu_k = random_block(seed, heads, kv_heads, pieces, torch.bfloat16, d=d)
+    v = torch.randn(v.shape[0], kv_heads, v_dim,
+                    generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    dout = torch.randn(q.shape[0], heads, v_dim,
+                       generator=torch.Generator().manual_seed(seed + 2)).bfloat16()
+    results = []
+    for backend, tensors in ((kernels.get(name), (q, k, v, dout)),
+                             ("torch", [x.double() for x in (q, k, v, dout)])):
+        out, lse = kernels.block_forward(*tensors[:3], cu_q, cu_k, causal, 0.3, backend,
+                                         window)
+        grads = kernels.block_backward(tensors[3], *tensors[:3], out, lse, cu_q, cu_k, causal,
+                                       0.3, backend, window)
+        results.append((out, lse, *grads))
+    return results
+
+
+def assert_like_math_path(got, want, atol: float):
+    """``against_math_path``'s two results agree: the same rows without keys (-inf lse,
+    never +inf), values within ``atol`` (times the largest reference value; lse 1e-5)."""
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        finite = torch.isfinite(w)
+        assert torch.equal(torch.isfinite(g), finite) and not torch.isposinf(g).any(), name
+        tol = 1e-5 if name == "lse" else atol * max(1.0, float(w[finite].abs().max()))
+        torch.testing.assert_close(g.double()[finite], w[finite], atol=tol, rtol=0, msg=name)
+
+
 EQUAL = [(5, 5), (1, 1), (17, 17), (0, 0), (33, 33)]
 UNEQUAL = [(5, 9), (7, 3), (1, 12), (4, 0), (0, 6), (16, 16), (2, 1)]
 

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 from te_standin import StandInTE
-from test_kernels import random_block
+from test_kernels import against_math_path, assert_like_math_path
 
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.runtime import kernels
@@ -38,33 +38,8 @@ def standin(request, monkeypatch) -> StandInTE:
 
 
 def run_both(pieces, causal, window, heads=4, kv_heads=2, v_dim=16, seed=1):
-    """out, lse and gradients of one bf16 block through ``te`` and through the float64 math
-    path (the reference), with the same ``causal``/``window``."""
-    q, k, v, cu_q, cu_k = random_block(seed, heads, kv_heads, pieces, torch.bfloat16, d=16)
-    v = torch.randn(v.shape[0], kv_heads, v_dim,
-                    generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
-    dout = torch.randn(q.shape[0], heads, v_dim,
-                       generator=torch.Generator().manual_seed(seed + 2)).bfloat16()
-    results = []
-    for backend, tensors in ((kernels.get("te"), (q, k, v, dout)), ("torch", [x.double() for x in
-                                                                 (q, k, v, dout)])):
-        out, lse = kernels.block_forward(*tensors[:3], cu_q, cu_k, causal, 0.3, backend,
-                                         window)
-        grads = kernels.block_backward(tensors[3], *tensors[:3], out, lse, cu_q, cu_k, causal,
-                                       0.3, backend, window)
-        results.append((out, lse, *grads))
-    return results
-
-
-def assert_same(got, want):
-    names = ("out", "lse", "dq", "dk", "dv")
-    for name, g, w in zip(names, got, want):
-        assert torch.isfinite(g[torch.isfinite(w)]).all(), name
-        finite = torch.isfinite(w)
-        assert torch.equal(torch.isfinite(g), finite), name  # -inf lse where no key, both
-        scale = max(1.0, float(w[finite].abs().max())) if finite.any() else 1.0
-        tol = 1e-5 if name == "lse" else 2e-2 * scale
-        torch.testing.assert_close(g.double()[finite], w[finite], atol=tol, rtol=0, msg=name)
+    """``te`` and the float64 math path on one bf16 block (``against_math_path``)."""
+    return against_math_path("te", pieces, causal, window, heads, kv_heads, 16, v_dim, seed)
 
 
 @pytest.mark.parametrize("causal,pieces", [(True, CAUSAL), (False, FULL)],
@@ -77,7 +52,7 @@ def test_te_runs_causal_and_full_blocks_exactly(standin, causal, pieces, heads, 
     blocks, MHA/GQA/MQA and a narrower value head (MLA), on every TE setup; the max lengths
     TE gets are multiples of 64 (cuDNN 9.6 takes bottom-right masks only so)."""
     got, want = run_both(pieces, causal, None, heads, kv_heads, v_dim)
-    assert_same(got, want)
+    assert_like_math_path(got, want, 2e-2)
     assert [c[0] for c in standin.calls] == ["forward", "backward"]
     assert all(c[1] % 64 == 0 and c[2] % 64 == 0 for c in standin.calls)
     assert te_backend._SEEN_LAYOUT["packed"] == standin.packed
@@ -105,7 +80,7 @@ def test_te_runs_the_bands_its_version_sets_and_refuses_the_rest(standin, window
         assert standin.calls == []
         return
     got, want = run_both(pieces, causal, window)
-    assert_same(got, want)
+    assert_like_math_path(got, want, 2e-2)
     assert all(c[2] >= c[1] for c in standin.calls)
 
 
@@ -146,10 +121,10 @@ def test_te_without_transformer_engine_says_so_not_the_window(monkeypatch):
 
 def test_te_refuses_gpus_before_hopper(monkeypatch):
     """TE's fused attention takes THD from sm90: an A100 block is refused by name."""
-    monkeypatch.setattr(te_backend, "_capability", lambda device: (8, 0))
+    monkeypatch.setattr(te_backend.base, "device_capability", lambda device: (8, 0))
     q = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda", 0))
     assert kernels.get("te").refuses(q) == "needs sm90+ for THD fused attention, got sm80"
-    monkeypatch.setattr(te_backend, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(te_backend.base, "device_capability", lambda device: (9, 0))
     assert kernels.get("te").refuses(q) is None
 
 

@@ -9,6 +9,7 @@ tensors, else ``torch``):
 * ``torch`` (torch_math.py): exact on any device and dtype; CPU flash per pair on CPU, a math
   path on CUDA (fp32/fp64, head dims the native kernel refuses; warns once).
 * ``flash_attn`` (flash_attn.py): the flash-attn 2.6+ package (pip extra ``flash-attn``).
+* ``flash_attn3`` (flash_attn3.py): FlashAttention-3, built from flash-attention's ``hopper/``.
 * ``te`` (te.py): Transformer Engine fused attention, THD (pip extra ``te``).
 
 Adding a backend: one module with a class implementing the protocol, ending in
@@ -30,7 +31,7 @@ from megatron_zeppelin.runtime.kernels.base import (AUTO, KernelBackend, Pieces,
                                                     accum_dtype, check_block, choices, configured, get,
                                                     make_pieces, names, register, select)
 
-BACKEND_MODULES = ("native", "torch_math", "flash_attn", "te")
+BACKEND_MODULES = ("native", "torch_math", "flash_attn", "flash_attn3", "te")
 for _module in BACKEND_MODULES:
     importlib.import_module(f"{__name__}.{_module}")
 

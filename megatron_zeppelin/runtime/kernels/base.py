@@ -228,16 +228,26 @@ class OptionalCudaBackend:
     def load(self):
         return _import_once(self.module)
 
+    def install_hint(self) -> str:
+        """How to install what ``load()`` imports."""
+        return f"pip install \"megatron-zeppelin[{self.extra}]\""
+
     def unavailable(self) -> str | None:
         if self.load() is None:
-            return (f"needs {self.package}, which is not installed: pip install "
-                    f"\"megatron-zeppelin[{self.extra}]\" (or use backend 'native')")
+            return (f"needs {self.package}, which is not installed: {self.install_hint()} "
+                    "(or use backend 'native')")
         return None
 
     def refuses(self, q: torch.Tensor) -> str | None:
         if not q.is_cuda or q.dtype not in HALF:
             return f"needs CUDA fp16/bf16 tensors, got {q.dtype} on {q.device}"
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of a CUDA device (host query, once per device)."""
+    return tuple(torch.cuda.get_device_capability(device))
 
 
 @functools.lru_cache(maxsize=None)

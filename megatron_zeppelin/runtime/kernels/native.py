@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_zeppelin.runtime.kernels.base import (HALF, Pieces, Window, band, kernel_max_q,
+from megatron_zeppelin.runtime.kernels.base import (HALF, Pieces, Window, band, device_capability,
+                                                    kernel_max_q,
                                                     lse_from_kernel, lse_to_kernel,
                                                     pad_head_dims, register)
 
@@ -59,8 +60,8 @@ class AtenFlashOps:
         """Why the real kernel cannot run on ``q``'s device (host facts), else None."""
         if not q.is_cuda:
             return f"needs CUDA tensors, got {q.device}"
-        if torch.version.hip is None and torch.cuda.get_device_capability(q.device) < (8, 0):
-            major, minor = torch.cuda.get_device_capability(q.device)
+        if torch.version.hip is None and device_capability(q.device) < (8, 0):
+            major, minor = device_capability(q.device)
             return f"needs an sm80+ GPU (Ampere or newer), got sm{major}{minor}"
         return None
 

@@ -40,6 +40,7 @@ import inspect
 
 import torch
 
+from megatron_zeppelin.runtime.kernels import base
 from megatron_zeppelin.runtime.kernels.base import (OptionalCudaBackend, Pieces, Window, band,
                                                     lse_from_kernel, lse_to_kernel, register)
 
@@ -194,9 +195,10 @@ class TransformerEngine(OptionalCudaBackend):
 
     def refuses(self, q: torch.Tensor) -> str | None:
         problem = super().refuses(q)
-        if problem is None and _capability(q.device) < THD_ARCH:
+        capability = base.device_capability(q.device) if problem is None else None
+        if capability is not None and capability < THD_ARCH:
             problem = (f"needs sm{THD_ARCH[0]}{THD_ARCH[1]}+ for THD fused attention, got "
-                       f"sm{''.join(map(str, _capability(q.device)))}")
+                       f"sm{''.join(map(str, capability))}")
         return problem
 
     def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float,
@@ -231,12 +233,6 @@ class TransformerEngine(OptionalCudaBackend):
                                       "F16_arbitrary_seqlen"],
                                   deterministic=False, **kwargs)
         return grads[0], grads[1], grads[2]
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    """The compute capability of a CUDA device (host query, once per device)."""
-    return tuple(torch.cuda.get_device_capability(device))
 
 
 BACKEND = register(TransformerEngine())

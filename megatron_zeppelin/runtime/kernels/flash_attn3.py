@@ -1,0 +1,109 @@
+"""Backend ``flash_attn3``: FlashAttention-3 varlen kernels (CUDA sm80+, fp16/bf16).
+
+FlashAttention-3 is built from flash-attention's ``hopper/`` folder (package ``flash_attn_3``,
+module ``flash_attn_interface``; not on PyPI as a wheel). Calls its lower-level
+``_flash_attn_forward`` / ``_flash_attn_backward`` by keyword, adapted to the installed version
+by their signatures (``flash_attn.flash_kwargs``): 2025's take ``window_size=(left, right)``
+and ``causal``, the ``torch.library`` custom ops of later versions ``window_size_left/right``
+and, in the backward, ``is_causal``; parameters without a default that the engine does not use
+(``k_new``, ``page_table``, ...) get None. The forward returns ``(out, softmax_lse, ...)``,
+``softmax_lse`` ``[heads, total_q]`` float32; a row without keys gets ``-inf`` (``+inf`` in
+2024's builds: converted at the boundary as for flash-attn 2, and ``+inf`` goes back, which
+every version's backward reads as "no key"). The backward writes into ``dq``/``dk``/``dv``
+passed in. Causal and windows are bottom-right aligned as in FlashAttention-2 (``base.band``).
+
+Head dims: multiples of 8 up to 256. A value head dim different from the query/key one
+(multi-latent attention) runs as it is where FlashAttention-3 takes it (Hopper; query/key dim in
+(128, 192] with value dim in (96, 128], e.g. DeepSeek's 192/128, or query/key <= 64 with value
+<= 512: ``native_dims``; its backward takes them from flash-attention's 2025-04 sources on),
+else both are zero-padded to the larger (``base.pad_head_dims``), as for flash-attn 2. Only ever
+chosen explicitly; its hardware profile is the cluster's ``<hardware>-fa3`` (``h100-fa3``...).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from megatron_zeppelin.runtime.kernels import base
+from megatron_zeppelin.runtime.kernels.base import (OptionalCudaBackend, Pieces, Window, band,
+                                                    lse_from_kernel, lse_to_kernel,
+                                                    pad_head_dims, register)
+from megatron_zeppelin.runtime.kernels.flash_attn import flash_kwargs
+
+MIN_ARCH = (8, 0)     # FlashAttention-3's own check ("Ampere GPUs or newer")
+SPLIT_DIMS_ARCH = 9   # different query/key and value head dims: Hopper only
+
+
+def native_dims(head_dim: int, v_head_dim: int, major: int) -> bool:
+    """Whether FlashAttention-3 takes these query/key and value head dims unpadded on a GPU of
+    compute capability ``major`` (its ``mha_fwd`` check)."""
+    if head_dim == v_head_dim:
+        return True
+    return major == SPLIT_DIMS_ARCH and ((128 < head_dim <= 192 and 96 < v_head_dim <= 128)
+                                         or (head_dim <= 64 and v_head_dim <= 512))
+
+
+def _causal_name(fn) -> str:
+    """The backward's name for the causal flag: ``is_causal`` (custom ops) or ``causal``."""
+    try:
+        params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    except (TypeError, ValueError):
+        return "causal"
+    return "is_causal" if "is_causal" in params else "causal"
+
+
+class FlashAttn3(OptionalCudaBackend):
+    """The ``flash_attn3`` backend (see the module docstring)."""
+
+    name = "flash_attn3"
+    kernel = "fa3"
+    description = ("FlashAttention-3 varlen kernels (CUDA sm80+, fp16/bf16; flash-attention's "
+                   "hopper/ build)")
+    module, package = "flash_attn_interface", "FlashAttention-3 (module flash_attn_interface)"
+
+    def install_hint(self) -> str:
+        return "build it from flash-attention's hopper/ folder (cd hopper && pip install .)"
+
+    def refuses(self, q: torch.Tensor) -> str | None:
+        problem = super().refuses(q)
+        capability = base.device_capability(q.device) if problem is None else None
+        if capability is not None and capability < MIN_ARCH:
+            problem = f"needs sm80+, got sm{''.join(map(str, capability))}"
+        return problem
+
+    def _dims(self, q, k, v, *rest):
+        """q, k, v (and out/dout) as the kernel takes them: unpadded where ``native_dims``,
+        else padded to one head dim, a multiple of 8."""
+        if native_dims(q.shape[-1], v.shape[-1], base.device_capability(q.device)[0]) and \
+                q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0:
+            return [x.contiguous() for x in (q, k, v, *rest)]
+        return pad_head_dims(q, k, v, *rest, multiple=8)
+
+    def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float,
+                window: Window | None = None):
+        qp, kp, vp = self._dims(q, k, v)
+        fn = self.load()._flash_attn_forward
+        result = fn(**flash_kwargs(fn, 0, band(causal, window), q=qp, k=kp, v=vp,
+                                   cu_seqlens_q=pieces.cu_q_dev, cu_seqlens_k=pieces.cu_k_dev,
+                                   max_seqlen_q=pieces.max_q, max_seqlen_k=pieces.max_k,
+                                   softmax_scale=scale, causal=causal))
+        out, lse = result[0], result[1]
+        keyless = causal or window is not None
+        return out[..., :v.shape[-1]].contiguous(), lse_from_kernel(lse, pieces, keyless)
+
+    def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float,
+                 window: Window | None = None):
+        qp, kp, vp, dop, op = self._dims(q, k, v, dout, out)
+        dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
+        fn = self.load()._flash_attn_backward
+        flags = {_causal_name(fn): causal}
+        fn(**flash_kwargs(fn, 0, band(causal, window), dout=dop, q=qp, k=kp, v=vp, out=op,
+                          softmax_lse=lse_to_kernel(lse, pieces, causal or window is not None),
+                          cu_seqlens_q=pieces.cu_q_dev, cu_seqlens_k=pieces.cu_k_dev,
+                          max_seqlen_q=pieces.max_q, max_seqlen_k=pieces.max_k, dq=dq, dk=dk,
+                          dv=dv, softmax_scale=scale, deterministic=False, **flags))
+        return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
+
+
+BACKEND = register(FlashAttn3())
