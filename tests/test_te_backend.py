@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 SETUPS = {"te2.11": ((2, 11), (9, 8, 0), None), "te2.12-cudnn9.6": ((2, 12), (9, 6, 0), None),
           "te2.15": ((2, 15), (9, 8, 0), None), "te2.15-sm120": ((2, 15), (9, 8, 0), False),
           "te2.12-cudnn9.5": ((2, 12), (9, 5, 0), None)}
-CAUSAL = [(5, 5), (1, 1), (17, 17), (0, 0), (7, 3), (2, 9)]
+CAUSAL = [(5, 5), (1, 1), (17, 17), (0, 0), (7, 3), (2, 9), (70, 6)]
 FULL = [(5, 9), (7, 3), (1, 12), (4, 0), (0, 6), (16, 16)]
 
 
@@ -50,11 +50,12 @@ def test_te_runs_causal_and_full_blocks_exactly(standin, causal, pieces, heads, 
                                                 v_dim):
     """Causal (bottom-right, pieces longer on either side: rows without keys) and full
     blocks, MHA/GQA/MQA and a narrower value head (MLA), on every TE setup; the max lengths
-    TE gets are multiples of 64 (cuDNN 9.6 takes bottom-right masks only so)."""
+    TE gets are multiples of 64, and kv's at least q's (cuDNN 9.6 takes bottom-right masks
+    only so)."""
     got, want = run_both(pieces, causal, None, heads, kv_heads, v_dim)
     assert_like_math_path(got, want, 2e-2)
     assert [c[0] for c in standin.calls] == ["forward", "backward"]
-    assert all(c[1] % 64 == 0 and c[2] % 64 == 0 for c in standin.calls)
+    assert all(c[1] % 64 == 0 and c[2] % 64 == 0 and c[2] >= c[1] for c in standin.calls)
     assert te_backend._SEEN_LAYOUT["packed"] == standin.packed
 
 

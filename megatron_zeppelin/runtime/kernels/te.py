@@ -15,9 +15,9 @@ Softmax stats: ``[total_q, heads, 1]`` (THD with cuDNN >= 9.6, except sm120 from
 ``[batch, heads, max_q, 1]``: the forward reads the layout from the tensor TE returns and the
 backward builds the same (``stats_packed``), converted to and from ``[heads, tq]``; rows without
 keys carry ``+inf`` there. ``max_q``/``max_k`` are rounded up to a multiple of 64 (as TE's own
-``DotProductAttention`` does for THD; cuDNN 9.6 takes bottom-right masks only so) and, for a
-windowed band, ``max_k >= max_q`` (TE refuses a sliding window otherwise); both are upper
-bounds: the kernel reads every piece's length from the offsets.
+``DotProductAttention`` does for THD; cuDNN 9.6 takes bottom-right masks only so) and
+``max_k >= max_q`` (TE refuses a sliding window otherwise, and cuDNN 9.6 a bottom-right mask);
+both are upper bounds: the kernel reads every piece's length from the offsets.
 
 Sliding windows: TE documents ``window_size=(left, right)`` as query ``i`` seeing keys
 ``[i + sk - sq - left, i + sk - sq + right]`` (bottom-right aligned, ``-1`` unbounded;
@@ -147,12 +147,13 @@ def _bounded(left: int, right: int) -> tuple[bool, bool]:
     return (left, right) not in ((-1, -1), (-1, 0)), right == 0
 
 
-def seqlens(pieces: Pieces, windowed: bool) -> tuple[int, int]:
+def seqlens(pieces: Pieces) -> tuple[int, int]:
     """``(max_seqlen_q, max_seqlen_kv)`` for TE: the longest pieces rounded up to 64, and
-    ``kv >= q`` for a windowed band (see the module docstring)."""
+    ``kv >= q`` (TE's selection refuses a window, and cuDNN 9.6 a bottom-right mask,
+    otherwise; see the module docstring)."""
     up = lambda n: max(-(-n // SEQLEN_MULTIPLE), 1) * SEQLEN_MULTIPLE  # noqa: E731
-    max_q, max_k = up(pieces.max_q), up(pieces.max_k)
-    return max_q, max(max_k, max_q) if windowed else max_k
+    max_q = up(pieces.max_q)
+    return max_q, max(up(pieces.max_k), max_q)
 
 
 def _common(module, pieces: Pieces, causal: bool, scale: float, window: Window | None) -> dict:
@@ -204,7 +205,7 @@ class TransformerEngine(OptionalCudaBackend):
     def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float,
                 window: Window | None = None):
         te = self.load()
-        max_q, max_k = seqlens(pieces, _bounded(*band(causal, window))[0])
+        max_q, max_k = seqlens(pieces)
         out, aux = te.fused_attn_fwd(True, max_q, max_k, pieces.cu_q_dev, pieces.cu_k_dev,
                                      q.contiguous(), k.contiguous(), v.contiguous(), q.dtype,
                                      te.FusedAttnBackend["F16_arbitrary_seqlen"],
@@ -216,7 +217,7 @@ class TransformerEngine(OptionalCudaBackend):
     def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float,
                  window: Window | None = None):
         te = self.load()
-        max_q, max_k = seqlens(pieces, _bounded(*band(causal, window))[0])
+        max_q, max_k = seqlens(pieces)
         stats = lse_to_te(lse_to_kernel(lse, pieces, causal or window is not None), pieces,
                           max_q)
         kwargs = _common(te, pieces, causal, scale, window)
