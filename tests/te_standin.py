@@ -11,16 +11,21 @@ functions and their C++ core do with the arguments the backend passes (TE's
   and ``dqkv_layout`` ``thd_thd_thd``, whose defaults ``sbhd``/``sbh3d`` would misread the
   tensors), int32 offsets, the padded offsets equal to the offsets (no padding between
   pieces), ``max_seqlen`` at least the longest piece, fp16/bf16, no bias, no dropout;
-* the backend selection: a band other than causal/full needs cuDNN >= 9.6 and
-  ``max_seqlen_q <= max_seqlen_kv``; before 2.12 only ``(left, 0)`` with a causal mask;
-  ``padding_causal_bottom_right`` under cuDNN 9.6 needs both max lengths multiples of 64 and
-  ``q <= kv``. Otherwise TE fails ("no backend"), as here;
+* the backend selection: THD with ``padding_causal_bottom_right`` or GQA needs cuDNN >= 9.6,
+  and cuDNN 9.10.0/9.10.1 have no F16 path; under cuDNN 9.6 that mask needs both max lengths
+  multiples of 64 and ``q <= kv``; a band other than causal/full needs
+  ``max_seqlen_q <= max_seqlen_kv``, before 2.12 only ``(left, 0)`` with a causal mask, and a
+  left bound on a bottom-right diagonal fails in cuDNN's frontend before 9.10.2 (sm90, THD's
+  equal bucketed totals). Otherwise TE fails, as here;
 * the graph: 2.9-2.11 set a causal mask and only the band's LEFT bound, aligned bottom-right
   only for the ``*_bottom_right`` masks (top-left otherwise); 2.12+ set both bounds, aligned by
   ``bottom_right_diagonal`` (default: bottom-right for those masks);
+* masked scores: ``-inf`` from cuDNN 9.10, float32's lowest before (cuDNN's frontend), so a
+  row without keys gets stats ``-inf`` and output 0, or stats near ``-3.4e38`` and the mean of
+  its piece's values; a row of an empty key piece gets ``-inf`` and 0;
 * the softmax stats: float32 ``[total_q, heads, 1]`` when ``packed`` (THD, cuDNN >= 9.6, not
-  sm120 from TE 2.14) else ``[batch, heads, max_seqlen_q, 1]``, ``+inf`` for rows without keys
-  (the flash convention the backend assumes); the backward demands exactly that tensor back;
+  sm120 from TE 2.14) else ``[batch, heads, max_seqlen_q, 1]``; the backward demands exactly
+  that tensor back, with ``+inf`` (not ``-inf``: ``exp(s + inf)``) for rows without keys;
 * TE <= 2.14's backward takes ``dqkv_dtype`` (here: ``("DType", torch dtype)``, what the
   tests make ``te.te_dtype`` return).
 """
@@ -123,7 +128,7 @@ class StandInTE:
     FusedAttnBackend = {"No_Backend": -1, "F16_max512_seqlen": 0, "F16_arbitrary_seqlen": 1,
                         "FP8": 2}
 
-    def __init__(self, version=(2, 15), cudnn=(9, 8, 0), packed=None) -> None:
+    def __init__(self, version=(2, 15), cudnn=(9, 11, 0), packed=None) -> None:
         self.version, self.cudnn = version, cudnn
         self.packed = cudnn >= (9, 6, 0) if packed is None else packed
         fwd, bwd = SIGNATURES[max(v for v in SIGNATURES if v <= version)]
@@ -176,6 +181,10 @@ class StandInTE:
         sq, skv = a["max_seqlen_q"], a["max_seqlen_kv"]
         if mask not in ("padding", "padding_causal", "padding_causal_bottom_right"):
             _fail(f"mask {mask!r} with THD")
+        gqa = a["q"].shape[1] != a["k"].shape[1]
+        if self.cudnn in ((9, 10, 0), (9, 10, 1)) or (self.cudnn < (9, 6, 0) and (
+                gqa or mask == "padding_causal_bottom_right")):
+            _fail(f"no backend: cuDNN {self.cudnn} with THD, mask {mask!r}, GQA {gqa}")
         if mask == "padding_causal_bottom_right" and self.cudnn < (9, 7, 0) and \
                 (sq % 64 or skv % 64 or sq > skv):
             _fail(f"no backend: cuDNN 9.6 takes padding_causal_bottom_right only with max "
@@ -185,6 +194,10 @@ class StandInTE:
         if self.cudnn < (9, 6, 0) or sq > skv:
             _fail(f"no backend: window {(left, right)} needs cuDNN 9.6+ and max_seqlen_q <= "
                   f"max_seqlen_kv (got {sq}, {skv})")
+        bottom_right = a.get("bottom_right_diagonal") or mask in BOTTOM_RIGHT
+        if self.cudnn < (9, 10, 2) and left >= 0 and bottom_right:
+            _fail("cuDNN frontend: a left bound on a bottom-right diagonal with s_q == s_kv "
+                  "needs cuDNN 9.10.2+ on sm90")
         if self.version < (2, 12) and (right != 0 or "causal" not in mask):
             _fail(f"no backend: TE {self.version} takes only (left, 0) causal windows")
 
@@ -219,7 +232,9 @@ class StandInTE:
                 s = torch.einsum("qhd,khd->hqk", q[qs].double(),
                                  k[ks].double().repeat_interleave(group, 1)) * scale
                 visible = self._band(a, qs.stop - qs.start, ks.stop - ks.start)
-                yield i, qs, ks, s.masked_fill(~visible, float("-inf"))
+                masked = torch.finfo(torch.float32).min if self.cudnn < (9, 10, 0) else \
+                    float("-inf")
+                yield i, qs, ks, s.masked_fill(~visible, masked)
 
     def _forward(self, a: dict):
         cq, ck = self._check(a, "forward")
@@ -228,13 +243,13 @@ class StandInTE:
         q, v = a["q"], a["v"]
         group = q.shape[1] // v.shape[1]
         out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
-        lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float64)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
         for _, qs, ks, s in self._pieces(a, cq, ck):
-            piece = torch.logsumexp(s, -1)
+            piece = torch.logsumexp(s, -1)  # -inf, or about float's lowest, without keys
             seen = torch.isfinite(piece)
-            p = torch.exp(s - piece.masked_fill(~seen, 0.0).unsqueeze(-1))
+            p = torch.exp(s - piece.masked_fill(~seen, 0.0).unsqueeze(-1)).nan_to_num(0.0)
             out[qs] = torch.einsum("hqk,khd->qhd", p, v[ks].double().repeat_interleave(group, 1))
-            lse[:, qs] = piece.masked_fill(~seen, float("inf"))
+            lse[:, qs] = piece
         stats = self._stats(lse.float(), cq, a["max_seqlen_q"])
         return out.to(q.dtype), [stats, torch.zeros(2, dtype=torch.int64)]
 

@@ -24,14 +24,20 @@ class StandInFA3:
     kernel stand-in (``style`` "custom_op" or "2025"; ``neg_inf``: the lse of a row without keys
     is ``-inf``, as FlashAttention-3 writes it since 2025)."""
 
-    def __init__(self, style: str, neg_inf: bool = True) -> None:
+    def __init__(self, style: str, neg_inf: bool = True, split_dims: bool = True) -> None:
+        """split_dims: the build trains unlike q/k and v head dims (2025-04 on)."""
         self.ops = StandInFlashOps(split_dims=lambda d, dv: flash_attn3.native_dims(d, dv, 9),
                                    swapped_gqa=False)
-        self.neg_inf, self.calls = neg_inf, []
+        self.neg_inf, self.split_dims, self.calls = neg_inf, split_dims, []
         self._flash_attn_forward = self._custom_fwd if style == "custom_op" else self._fwd_2025
         self._flash_attn_backward = self._custom_bwd if style == "custom_op" else self._bwd_2025
 
+    def _refuse_split(self, q, v) -> None:
+        if not self.split_dims and q.shape[-1] != v.shape[-1]:  # the 2025-01 build's check
+            raise RuntimeError("v must have shape (total_k, num_heads_k, head_size)")
+
     def _run_fwd(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right):
+        self._refuse_split(q, v)
         self.calls.append(("forward", q.shape[-1], v.shape[-1]))
         out, lse, *_ = self.ops.forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
                                         scale=scale, window_size_left=left,
@@ -42,6 +48,7 @@ class StandInFA3:
 
     def _run_bwd(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dq, dk, dv, scale,
                  causal, left, right):
+        self._refuse_split(q, v)
         self.calls.append(("backward", q.shape[-1], v.shape[-1]))
         lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # both read as "no key"
         grads = self.ops.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0,
@@ -94,11 +101,13 @@ class StandInFA3:
                              *window_size)
 
 
-@pytest.fixture(params=[("custom_op", True), ("2025", True), ("2025", False)],
-                ids=["custom-op", "2025", "2024-lse"])
+@pytest.fixture(params=[("custom_op", True, True), ("2025", True, True), ("2025", True, False),
+                        ("2025", False, False)],
+                ids=["custom-op", "2025-04", "2025-01", "2024-lse"])
 def standin(request, monkeypatch) -> StandInFA3:
     module = StandInFA3(*request.param)
     monkeypatch.setattr(kernels.get("flash_attn3"), "load", lambda: module)
+    monkeypatch.setattr(kernels.get("flash_attn3"), "split_dims_refused", False)
     monkeypatch.setattr(flash_attn3.base, "device_capability", lambda device: (9, 0))
     return module
 
@@ -116,12 +125,14 @@ PIECES = [(5, 5), (1, 1), (9, 9), (0, 0), (7, 3), (2, 9), (4, 0)]
                               "dims-not-8"])
 def test_flash_attn3_runs_blocks_exactly(standin, causal, window, heads, kv_heads, d, v_dim):
     """Causal, full and windowed blocks (rows without keys included), MHA/GQA/MQA, and value
-    head dims unlike q/k's: unpadded where FlashAttention-3 takes them (192/128 on Hopper),
-    padded to one multiple of 8 otherwise; the same results either way."""
+    head dims unlike q/k's: unpadded where FlashAttention-3 trains them (192/128 on Hopper,
+    from its 2025-04 build: an older one refuses, and the backend pads from then on), padded
+    to one multiple of 8 otherwise; the same results either way."""
     got, want = against_math_path("flash_attn3", PIECES, causal, window, heads, kv_heads, d,
                                   v_dim, seed=3)
     assert_like_math_path(got, want, 3e-2)
-    native = flash_attn3.native_dims(d, v_dim, 9) and d % 8 == 0 and v_dim % 8 == 0
+    native = flash_attn3.native_dims(d, v_dim, 9) and d % 8 == 0 and v_dim % 8 == 0 and \
+        (standin.split_dims or d == v_dim)
     kernel_dims = {(c[1], c[2]) for c in standin.calls}
     if native:
         assert kernel_dims == {(d, v_dim)}  # MLA's 192/128 runs unpadded
@@ -131,12 +142,16 @@ def test_flash_attn3_runs_blocks_exactly(standin, causal, window, heads, kv_head
 
 
 def test_flash_attn3_head_dim_rule_and_refusals(monkeypatch):
-    """FlashAttention-3 takes q/k 192 with v 128 (and q/k <= 64 with v <= 512) unpadded on
-    Hopper only; below sm80 the backend refuses; not installed, it says how to build it."""
-    assert flash_attn3.native_dims(192, 128, 9) and flash_attn3.native_dims(64, 512, 9)
+    """FlashAttention-3 trains q/k 192 with v 128 unpadded on Hopper only, and no head dim
+    over 256; below sm80 the backend refuses; not installed, it says how to build it."""
+    assert flash_attn3.native_dims(192, 128, 9) and flash_attn3.native_dims(128, 128, 8)
     assert not flash_attn3.native_dims(192, 128, 8) and not flash_attn3.native_dims(128, 64, 9)
-    assert flash_attn3.native_dims(128, 128, 8)
+    assert not flash_attn3.native_dims(64, 512, 9)  # the forward runs it, the backward not
     backend = kernels.get("flash_attn3")
+    big = torch.zeros(1, 1, 64), torch.zeros(1, 1, 64), torch.zeros(1, 1, 320)
+    with pytest.raises(ValueError, match=r"backend 'flash_attn3' trains head dims up to 256, "
+                                         r"got q/k 64 and v 320"):
+        backend._dims(*big)
     q = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda", 0))
     monkeypatch.setattr(flash_attn3.base, "device_capability", lambda device: (7, 5))
     assert backend.refuses(q) == "needs sm80+, got sm75"

@@ -18,10 +18,9 @@ from megatron_zeppelin.runtime.kernels import te as te_backend
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 # (TE version, cuDNN, packed stats: None = cuDNN's rule; False = sm120 from TE 2.14)
-SETUPS = {"te2.11": ((2, 11), (9, 8, 0), None), "te2.12-cudnn9.6": ((2, 12), (9, 6, 0), None),
-          "te2.15": ((2, 15), (9, 8, 0), None), "te2.15-sm120": ((2, 15), (9, 8, 0), False),
-          "te2.12-cudnn9.5": ((2, 12), (9, 5, 0), None)}
-CAUSAL = [(5, 5), (1, 1), (17, 17), (0, 0), (7, 3), (2, 9), (70, 6)]
+SETUPS = {"te2.11": ((2, 11), (9, 10, 2), None), "te2.12-cudnn9.6": ((2, 12), (9, 6, 0), None),
+          "te2.15": ((2, 15), (9, 11, 0), None), "te2.15-sm120": ((2, 15), (9, 18, 1), False)}
+CAUSAL = [(5, 5), (1, 1), (17, 17), (0, 0), (7, 3), (2, 9), (70, 6), (3, 0)]
 FULL = [(5, 9), (7, 3), (1, 12), (4, 0), (0, 6), (16, 16)]
 
 
@@ -48,8 +47,9 @@ def run_both(pieces, causal, window, heads=4, kv_heads=2, v_dim=16, seed=1):
                          ids=["mha", "gqa", "mqa-mla"])
 def test_te_runs_causal_and_full_blocks_exactly(standin, causal, pieces, heads, kv_heads,
                                                 v_dim):
-    """Causal (bottom-right, pieces longer on either side: rows without keys) and full
-    blocks, MHA/GQA/MQA and a narrower value head (MLA), on every TE setup; the max lengths
+    """Causal (bottom-right, pieces longer on either side: rows without keys, whose stats
+    cuDNN before 9.10 leaves near float's lowest with the mean of the values as output) and
+    full blocks, MHA/GQA/MQA and a narrower value head (MLA), on every TE setup; the max lengths
     TE gets are multiples of 64, and kv's at least q's (cuDNN 9.6 takes bottom-right masks
     only so)."""
     got, want = run_both(pieces, causal, None, heads, kv_heads, v_dim)
@@ -66,10 +66,10 @@ BANDS = [(3, 0), (0, 0), (2, 3), (-1, 2), (4, -1), (1, 5)]
 @pytest.mark.parametrize("pieces", [[(9, 9), (6, 2), (3, 7)], [(70, 5), (0, 4), (5, 5)]],
                          ids=["mixed", "more-rows-than-keys"])
 def test_te_runs_the_bands_its_version_sets_and_refuses_the_rest(standin, window, pieces):
-    """A causal band ``(L, 0)`` runs from cuDNN 9.6 on every TE; a band with a right bound,
-    or a left bound without causal, only from TE 2.12 (both bounds, bottom-right aligned),
-    else refused naming the band, before TE would run it top-left aligned without its right
-    bound. Pieces with more rows than keys get ``max_seqlen_kv >= max_seqlen_q`` (TE's
+    """A causal band ``(L, 0)`` runs from cuDNN 9.10.2 on every TE; a band with a right
+    bound, or a left bound without causal, only from TE 2.12 (both bounds, bottom-right
+    aligned), else refused naming the band, before TE would run it top-left aligned without
+    its right bound or cuDNN's frontend would refuse it. Pieces with more rows than keys get ``max_seqlen_kv >= max_seqlen_q`` (TE's
     selection refuses a window otherwise)."""
     causal = window[1] == 0
     support = te_backend.bands(standin)
@@ -83,6 +83,16 @@ def test_te_runs_the_bands_its_version_sets_and_refuses_the_rest(standin, window
     got, want = run_both(pieces, causal, window)
     assert_like_math_path(got, want, 2e-2)
     assert all(c[2] >= c[1] for c in standin.calls)
+
+
+@pytest.mark.parametrize("pieces", [[(3, 0), (2, 0)], [(0, 4), (0, 2)]],
+                         ids=["no-keys", "no-queries"])
+def test_te_runs_no_kernel_on_a_block_without_rows(standin, pieces):
+    """A block without key (or query) rows: output 0, lse -inf, zero gradients, and no TE
+    call (TE sizes its graph by the log2 of the totals)."""
+    got, want = run_both(pieces, True, None)
+    assert_like_math_path(got, want, 2e-2)
+    assert standin.calls == []
 
 
 def test_te_window_limit_follows_the_installed_te(standin):
@@ -120,13 +130,22 @@ def test_te_without_transformer_engine_says_so_not_the_window(monkeypatch):
     assert "transformer_engine, which is not installed" in kernels.get("te").unavailable()
 
 
-def test_te_refuses_gpus_before_hopper(monkeypatch):
-    """TE's fused attention takes THD from sm90: an A100 block is refused by name."""
-    monkeypatch.setattr(te_backend.base, "device_capability", lambda device: (8, 0))
-    q = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda", 0))
-    assert kernels.get("te").refuses(q) == "needs sm90+ for THD fused attention, got sm80"
-    monkeypatch.setattr(te_backend.base, "device_capability", lambda device: (9, 0))
-    assert kernels.get("te").refuses(q) is None
+def test_te_refuses_gpus_and_cudnns_without_thd_causal(monkeypatch):
+    """TE's fused attention takes THD from sm90, and THD's bottom-right causal mask and GQA
+    from cuDNN 9.6 (9.10.0/9.10.1: no F16 path): refused by name, before TE's own error."""
+    def refusal(capability, cudnn):
+        monkeypatch.setattr(te_backend.base, "device_capability", lambda device: capability)
+        monkeypatch.setattr(te_backend, "cudnn_version", lambda: cudnn)
+        q = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16,
+                                  device=torch.device("cuda", 0))
+        return kernels.get("te").refuses(q)
+
+    assert refusal((8, 0), (9, 11, 0)) == "needs sm90+ for THD fused attention, got sm80"
+    for cudnn in ((9, 5, 1), (9, 10, 0), (9, 10, 1)):
+        assert refusal((9, 0), cudnn) == (
+            f"needs cuDNN 9.6.0+ (not 9.10.0/9.10.1) for THD causal and GQA fused attention, "
+            f"this process has cuDNN {'.'.join(map(str, cudnn))}")
+    assert refusal((9, 0), (9, 6, 0)) is None and refusal((10, 0), (9, 10, 2)) is None
 
 
 @pytest.mark.parametrize("packed", [True, False])

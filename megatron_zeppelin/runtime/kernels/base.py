@@ -179,6 +179,21 @@ def lse_to_kernel(lse: torch.Tensor, pieces: Pieces, causal: bool) -> torch.Tens
     return lse.contiguous()
 
 
+def empty_forward(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of a block without query or key rows (``Pieces.total_q/total_k`` 0), with
+    no kernel launch: output 0 ``[tq, h, v_head_dim]``, lse ``-inf`` ``[h, tq]`` float32."""
+    heads = q.shape[1]
+    return (q.new_zeros((q.shape[0], heads, v.shape[-1])),
+            torch.full((heads, q.shape[0]), float("-inf"), dtype=torch.float32,
+                       device=q.device))
+
+
+def empty_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of such a block: zeros."""
+    return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
 # ----------------------------------------------------------------------------- protocol
 
 @runtime_checkable

@@ -12,12 +12,13 @@ and, in the backward, ``is_causal``; parameters without a default that the engin
 every version's backward reads as "no key"). The backward writes into ``dq``/``dk``/``dv``
 passed in. Causal and windows are bottom-right aligned as in FlashAttention-2 (``base.band``).
 
-Head dims: multiples of 8 up to 256. A value head dim different from the query/key one
-(multi-latent attention) runs as it is where FlashAttention-3 takes it (Hopper; query/key dim in
-(128, 192] with value dim in (96, 128], e.g. DeepSeek's 192/128, or query/key <= 64 with value
-<= 512: ``native_dims``; its backward takes them from flash-attention's 2025-04 sources on),
-else both are zero-padded to the larger (``base.pad_head_dims``), as for flash-attn 2. Only ever
-chosen explicitly; its hardware profile is the cluster's ``<hardware>-fa3`` (``h100-fa3``...).
+Head dims: multiples of 8, the larger at most 256 (the backward's limit). A value head dim
+different from the query/key one (multi-latent attention) runs as it is where FlashAttention-3
+trains it (Hopper; query/key dim in (128, 192] with value dim in (96, 128], e.g. DeepSeek's
+192/128: ``native_dims``; from flash-attention's 2025-04 sources: an older build refuses it, and
+the backend then pads from that call on), else both are zero-padded to the larger
+(``base.pad_head_dims``), as for flash-attn 2. Only ever chosen explicitly; its hardware
+profile is the cluster's ``<hardware>-fa3`` (``h100-fa3``...).
 """
 from __future__ import annotations
 
@@ -33,15 +34,16 @@ from megatron_zeppelin.runtime.kernels.flash_attn import flash_kwargs
 
 MIN_ARCH = (8, 0)     # FlashAttention-3's own check ("Ampere GPUs or newer")
 SPLIT_DIMS_ARCH = 9   # different query/key and value head dims: Hopper only
+MAX_HEAD_DIM = 256    # the backward's limit on the larger head dim
 
 
 def native_dims(head_dim: int, v_head_dim: int, major: int) -> bool:
-    """Whether FlashAttention-3 takes these query/key and value head dims unpadded on a GPU of
-    compute capability ``major`` (its ``mha_fwd`` check)."""
+    """Whether FlashAttention-3 trains these query/key and value head dims unpadded on a GPU of
+    compute capability ``major`` (its ``mha_fwd`` check, less the decode-only pairs beyond the
+    backward's ``MAX_HEAD_DIM``)."""
     if head_dim == v_head_dim:
         return True
-    return major == SPLIT_DIMS_ARCH and ((128 < head_dim <= 192 and 96 < v_head_dim <= 128)
-                                         or (head_dim <= 64 and v_head_dim <= 512))
+    return major == SPLIT_DIMS_ARCH and 128 < head_dim <= 192 and 96 < v_head_dim <= 128
 
 
 def _causal_name(fn) -> str:
@@ -72,37 +74,63 @@ class FlashAttn3(OptionalCudaBackend):
             problem = f"needs sm80+, got sm{''.join(map(str, capability))}"
         return problem
 
-    def _dims(self, q, k, v, *rest):
-        """q, k, v (and out/dout) as the kernel takes them: unpadded where ``native_dims``,
-        else padded to one head dim, a multiple of 8."""
-        if native_dims(q.shape[-1], v.shape[-1], base.device_capability(q.device)[0]) and \
-                q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0:
+    split_dims_refused = False  # this build refused unlike head dims once: pad from then on
+
+    def _dims(self, q, k, v, *rest, padded: bool = False):
+        """q, k, v (and out/dout) as the kernel takes them: unpadded where ``native_dims``
+        (and not ``padded``), else padded to one head dim, a multiple of 8."""
+        d, dv = q.shape[-1], v.shape[-1]
+        if max(d, dv) > MAX_HEAD_DIM:
+            raise ValueError(f"backend 'flash_attn3' trains head dims up to {MAX_HEAD_DIM}, got "
+                             f"q/k {d} and v {dv}; use backend 'te' or 'torch'")
+        if not padded and not self.split_dims_refused and d % 8 == 0 and dv % 8 == 0 and \
+                native_dims(d, dv, base.device_capability(q.device)[0]):
             return [x.contiguous() for x in (q, k, v, *rest)]
         return pad_head_dims(q, k, v, *rest, multiple=8)
 
+    def _call(self, run, tensors: tuple):
+        """``run(*self._dims(*tensors))``; where a build older than 2025-04 refuses unlike
+        head dims, again padded, remembered for the process."""
+        try:
+            return run(*self._dims(*tensors))
+        except RuntimeError as exc:
+            q, v = tensors[0], tensors[2]
+            if q.shape[-1] == v.shape[-1] or not any(word in str(exc) for word in
+                                                     ("head_size", "headdim")):
+                raise  # "v must have shape (total_k, num_heads_k, head_size)" before 2025-04
+            self.split_dims_refused = True
+            return run(*self._dims(*tensors, padded=True))
+
     def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float,
                 window: Window | None = None):
-        qp, kp, vp = self._dims(q, k, v)
         fn = self.load()._flash_attn_forward
-        result = fn(**flash_kwargs(fn, 0, band(causal, window), q=qp, k=kp, v=vp,
-                                   cu_seqlens_q=pieces.cu_q_dev, cu_seqlens_k=pieces.cu_k_dev,
-                                   max_seqlen_q=pieces.max_q, max_seqlen_k=pieces.max_k,
-                                   softmax_scale=scale, causal=causal))
-        out, lse = result[0], result[1]
+
+        def run(qp, kp, vp):
+            return fn(**flash_kwargs(fn, 0, band(causal, window), q=qp, k=kp, v=vp,
+                                     cu_seqlens_q=pieces.cu_q_dev, cu_seqlens_k=pieces.cu_k_dev,
+                                     max_seqlen_q=pieces.max_q, max_seqlen_k=pieces.max_k,
+                                     softmax_scale=scale, causal=causal))[:2]
+
+        out, lse = self._call(run, (q, k, v))
         keyless = causal or window is not None
         return out[..., :v.shape[-1]].contiguous(), lse_from_kernel(lse, pieces, keyless)
 
     def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float,
                  window: Window | None = None):
-        qp, kp, vp, dop, op = self._dims(q, k, v, dout, out)
-        dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
         fn = self.load()._flash_attn_backward
         flags = {_causal_name(fn): causal}
-        fn(**flash_kwargs(fn, 0, band(causal, window), dout=dop, q=qp, k=kp, v=vp, out=op,
-                          softmax_lse=lse_to_kernel(lse, pieces, causal or window is not None),
-                          cu_seqlens_q=pieces.cu_q_dev, cu_seqlens_k=pieces.cu_k_dev,
-                          max_seqlen_q=pieces.max_q, max_seqlen_k=pieces.max_k, dq=dq, dk=dk,
-                          dv=dv, softmax_scale=scale, deterministic=False, **flags))
+        kernel_lse = lse_to_kernel(lse, pieces, causal or window is not None)
+
+        def run(qp, kp, vp, dop, op):
+            dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
+            fn(**flash_kwargs(fn, 0, band(causal, window), dout=dop, q=qp, k=kp, v=vp, out=op,
+                              softmax_lse=kernel_lse, cu_seqlens_q=pieces.cu_q_dev,
+                              cu_seqlens_k=pieces.cu_k_dev, max_seqlen_q=pieces.max_q,
+                              max_seqlen_k=pieces.max_k, dq=dq, dk=dk, dv=dv,
+                              softmax_scale=scale, deterministic=False, **flags))
+            return dq, dk, dv
+
+        dq, dk, dv = self._call(run, (q, k, v, dout, out))
         return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
 
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 
 from megatron_zeppelin.runtime.kernels.base import (HALF, Pieces, Window, band, device_capability,
-                                                    kernel_max_q,
+                                                    empty_backward, empty_forward, kernel_max_q,
                                                     lse_from_kernel, lse_to_kernel,
                                                     pad_head_dims, register)
 
@@ -109,9 +109,7 @@ class NativeFlash:
                 window: Window | None = None):
         heads = q.shape[1]
         if pieces.total_q == 0 or pieces.total_k == 0:
-            return (q.new_zeros((q.shape[0], heads, v.shape[-1])),
-                    torch.full((heads, q.shape[0]), float("-inf"), dtype=torch.float32,
-                               device=q.device))
+            return empty_forward(q, v)
         out, lse, *_ = self.ops.forward(
             *pad_head_dims(q, k, v), pieces.cu_q_dev, pieces.cu_k_dev,
             kernel_max_q(pieces, heads, k.shape[1]), pieces.max_k, 0.0, causal, False,
@@ -127,7 +125,7 @@ class NativeFlash:
     def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float,
                  window: Window | None = None):
         if pieces.total_q == 0 or pieces.total_k == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+            return empty_backward(q, k, v)
         rng_state, unused = self._unused_rng(q.device)
         qp, kp, vp, dop, op = pad_head_dims(q, k, v, dout, out)
         dq, dk, dv = self.ops.backward(

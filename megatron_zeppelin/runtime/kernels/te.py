@@ -11,23 +11,33 @@ the installed TE by the functions' signatures (``TeApi``, read from TE 2.9-2.18'
   defaults ``sbhd``/``sbh3d``): they are set to THD;
 * TE 2.12+ takes ``bottom_right_diagonal`` and its cuDNN graph sets a band's right bound too.
 
-Softmax stats: ``[total_q, heads, 1]`` (THD with cuDNN >= 9.6, except sm120 from TE 2.14) or
-``[batch, heads, max_q, 1]``: the forward reads the layout from the tensor TE returns and the
-backward builds the same (``stats_packed``), converted to and from ``[heads, tq]``; rows without
-keys carry ``+inf`` there. ``max_q``/``max_k`` are rounded up to a multiple of 64 (as TE's own
-``DotProductAttention`` does for THD; cuDNN 9.6 takes bottom-right masks only so) and
-``max_k >= max_q`` (TE refuses a sliding window otherwise, and cuDNN 9.6 a bottom-right mask);
-both are upper bounds: the kernel reads every piece's length from the offsets.
+Requirements (TE's backend selection, ``fused_attn.cpp``): sm90+ and cuDNN 9.6+ (THD with a
+bottom-right causal mask or GQA), not 9.10.0/9.10.1 (no F16 fused attention); ``refuses``
+names them. Softmax stats: ``[total_q, heads, 1]`` (cuDNN >= 9.6, except sm120 from TE 2.14)
+or ``[batch, heads, max_q, 1]``: the forward reads the layout from the tensor TE returns and
+the backward builds the same (``stats_packed``), converted to and from ``[heads, tq]``. A row
+without keys gets ``-inf`` from cuDNN's kernels, but cuDNN's frontend before 9.10 masks with
+float's lowest value, which leaves stats near ``-3.4e38`` and the mean of the masked keys'
+values as output: where the plan says a block has such rows, stats below ``DEAD_LSE`` (or NaN)
+become ``-inf`` with output 0, the engine's convention; the backward gets ``+inf`` for them
+(``exp(s - inf) = 0`` under either mask value). A block without query or key rows runs no
+kernel (TE sizes its graph by the log2 of the totals). ``max_q``/``max_k`` are rounded up to a
+multiple of 64 (as TE's own ``DotProductAttention`` does for THD; cuDNN 9.6 takes bottom-right
+masks only so) and ``max_k >= max_q`` (TE refuses a sliding window otherwise, and cuDNN 9.6 a
+bottom-right mask); both are upper bounds: the kernel reads every piece's length from the
+offsets.
 
 Sliding windows: TE documents ``window_size=(left, right)`` as query ``i`` seeing keys
 ``[i + sk - sq - left, i + sk - sq + right]`` (bottom-right aligned, ``-1`` unbounded;
-``base.band``). TE 2.12+ with cuDNN >= 9.6 runs every band so (``bottom_right_diagonal=True``).
-The cuDNN graph of TE 2.9-2.11 sets only a causal band's left bound, bottom-right aligned only
-for the ``*_bottom_right`` masks: a causal band ``(left, 0)`` runs (mask
-``padding_causal_bottom_right``); a band with ``right > 0`` (a windowed ring's blocks between
-zigzag chunks) would run with no right bound and top-left aligned, and a left bound without a
-causal mask likewise. There such a block is refused, and so is a windowed model with this
-backend, at set-up (``window_limit``). A value head dim different from the query/key one
+``base.band``). They need cuDNN 9.10.2+ (``BANDS_CUDNN``: before, cuDNN's frontend refuses a
+left bound on a bottom-right diagonal when ``s_q == s_kv`` on sm90, and THD's graph dims are
+bucketed token totals, nearly always equal). TE 2.12+ runs every band so
+(``bottom_right_diagonal=True``). The cuDNN graph of TE 2.9-2.11 sets only a causal band's left
+bound, bottom-right aligned only for the ``*_bottom_right`` masks: a causal band ``(left, 0)``
+runs (mask ``padding_causal_bottom_right``); a band with ``right > 0`` (a windowed ring's blocks
+between zigzag chunks) would run with no right bound and top-left aligned, and a left bound
+without a causal mask likewise. There such a block is refused, and so is a windowed model with
+this backend, at set-up (``window_limit``). A value head dim different from the query/key one
 (multi-latent attention) is passed as it is: TE's THD fused attention takes ``head_dim_qk !=
 head_dim_v`` (cuDNN arbitrary-seqlen backend). No dropout is used, so the RNG state passed back
 is unused (zeros). Only ever chosen explicitly.
@@ -42,10 +52,16 @@ import torch
 
 from megatron_zeppelin.runtime.kernels import base
 from megatron_zeppelin.runtime.kernels.base import (OptionalCudaBackend, Pieces, Window, band,
+                                                    empty_backward, empty_forward,
                                                     lse_from_kernel, lse_to_kernel, register)
 
-BANDS_CUDNN = (9, 6, 0)  # cuDNN from which TE takes windows on THD, right bound too
+THD_CUDNN = (9, 6, 0)    # TE's selection: THD with bottom-right causal masks and GQA
+BROKEN_CUDNN = ((9, 10, 0), (9, 10, 1))  # no F16 fused attention in TE's selection
+BANDS_CUDNN = (9, 10, 2)  # windows: cuDNN's frontend refuses a left bound on a bottom-right
+#                          diagonal with s_q == s_kv (THD's bucketed totals) on sm90 before
 THD_ARCH = (9, 0)        # TE's fused attention takes THD from sm90 (its backend selection)
+DEAD_LSE = -1e30         # stats below it mark rows without keys (cuDNN < 9.10 masks with
+#                          float's lowest, not -inf)
 SEQLEN_MULTIPLE = 64     # TE rounds THD max_seqlen so; cuDNN 9.6 needs it for bottom-right
 
 
@@ -88,8 +104,8 @@ def te_dtype(dtype: torch.dtype):
 
 def bands(module) -> str:
     """Which sliding-window bands this TE and cuDNN run on THD: ``all`` (TE 2.12+ with
-    cuDNN >= 9.6: both bounds, bottom-right aligned), ``causal`` (before TE 2.12: ``(left, 0)``
-    only) or ``none`` (cuDNN before 9.6: no window on THD)."""
+    cuDNN >= 9.10.2: both bounds, bottom-right aligned), ``causal`` (before TE 2.12:
+    ``(left, 0)`` only) or ``none`` (cuDNN before 9.10.2, see ``BANDS_CUDNN``)."""
     if cudnn_version() < BANDS_CUDNN:
         return "none"
     return "all" if api(module).diagonal else "causal"
@@ -104,7 +120,7 @@ def stats_packed() -> bool:
     padded from TE 2.14, which a forward always shows before a backward)."""
     if "packed" in _SEEN_LAYOUT:
         return _SEEN_LAYOUT["packed"]
-    return cudnn_version() >= BANDS_CUDNN
+    return cudnn_version() >= THD_CUDNN
 
 
 def _rows(pieces: Pieces, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,18 +208,25 @@ class TransformerEngine(OptionalCudaBackend):
         module = self.load()
         if module is None or bands(module) == "all":
             return None
-        return f"{WINDOW_LIMIT} (this process has cuDNN {'.'.join(map(str, cudnn_version()))})"
+        return f"{WINDOW_LIMIT} (this process has cuDNN {_dotted(cudnn_version())})"
 
     def refuses(self, q: torch.Tensor) -> str | None:
         problem = super().refuses(q)
-        capability = base.device_capability(q.device) if problem is None else None
-        if capability is not None and capability < THD_ARCH:
-            problem = (f"needs sm{THD_ARCH[0]}{THD_ARCH[1]}+ for THD fused attention, got "
-                       f"sm{''.join(map(str, capability))}")
-        return problem
+        if problem is not None:
+            return problem
+        capability, cudnn = base.device_capability(q.device), cudnn_version()
+        if capability < THD_ARCH:
+            return (f"needs sm{THD_ARCH[0]}{THD_ARCH[1]}+ for THD fused attention, got "
+                    f"sm{''.join(map(str, capability))}")
+        if cudnn < THD_CUDNN or cudnn in BROKEN_CUDNN:
+            return (f"needs cuDNN {_dotted(THD_CUDNN)}+ (not 9.10.0/9.10.1) for THD causal and "
+                    f"GQA fused attention, this process has cuDNN {_dotted(cudnn)}")
+        return None
 
     def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float,
                 window: Window | None = None):
+        if pieces.total_q == 0 or pieces.total_k == 0:  # TE sizes graphs by log2 of totals
+            return empty_forward(q, v)
         te = self.load()
         max_q, max_k = seqlens(pieces)
         out, aux = te.fused_attn_fwd(True, max_q, max_k, pieces.cu_q_dev, pieces.cu_k_dev,
@@ -212,10 +235,17 @@ class TransformerEngine(OptionalCudaBackend):
                                      **_common(te, pieces, causal, scale, window))
         _SEEN_LAYOUT["packed"] = aux[0].dim() == 3
         keyless = causal or window is not None
-        return out, lse_from_kernel(lse_from_te(aux[0], pieces, q.shape[1]), pieces, keyless)
+        lse = lse_from_kernel(lse_from_te(aux[0], pieces, q.shape[1]), pieces, keyless)
+        if not pieces.keyless_rows(keyless):
+            return out, lse
+        dead = ~(lse > DEAD_LSE)  # -inf, float's lowest (cuDNN < 9.10) or NaN: no key
+        return (out.masked_fill(dead.t().unsqueeze(-1), 0.0),
+                lse.masked_fill(dead, float("-inf")))
 
     def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float,
                  window: Window | None = None):
+        if pieces.total_q == 0 or pieces.total_k == 0:
+            return empty_backward(q, k, v)
         te = self.load()
         max_q, max_k = seqlens(pieces)
         stats = lse_to_te(lse_to_kernel(lse, pieces, causal or window is not None), pieces,
@@ -225,15 +255,29 @@ class TransformerEngine(OptionalCudaBackend):
             kwargs["dqkv_dtype"] = te_dtype(dout.dtype)
         if api(te).formats:
             kwargs.update(do_format="thd", dqkv_layout="thd_thd_thd")
-        unused_rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
         grads = te.fused_attn_bwd(max_q, max_k, pieces.cu_q_dev, pieces.cu_k_dev,
                                   q.contiguous(), k.contiguous(), v.contiguous(),
                                   out.contiguous(), dout.contiguous(), q.dtype,
-                                  aux_ctx_tensors=[stats, unused_rng_state],
+                                  aux_ctx_tensors=[stats, _unused_rng(q.device)],
                                   fused_attention_backend=te.FusedAttnBackend[
                                       "F16_arbitrary_seqlen"],
                                   deterministic=False, **kwargs)
         return grads[0], grads[1], grads[2]
+
+
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
+_RNG: dict[torch.device, torch.Tensor] = {}
+
+
+def _unused_rng(device: torch.device) -> torch.Tensor:
+    """The backward's RNG state (int64 ``(2,)``, as TE's forward makes it; unused without
+    dropout), made once per device."""
+    if device not in _RNG:
+        _RNG[device] = torch.zeros(2, dtype=torch.int64, device=device)
+    return _RNG[device]
 
 
 BACKEND = register(TransformerEngine())
