@@ -4,6 +4,7 @@ rank's attention buffer ``[tokens, heads, head_dim]``. Used by test_engine.py, t
 and test_gpu.py (through test_engine's names)."""
 from __future__ import annotations
 
+import importlib
 import random
 import time
 
@@ -55,8 +56,8 @@ def plan_of(strategy: str, nodes: int, gpus: int, lengths, **options):
 def case(label, plan, heads=4, kv_heads=2, dtype="float32", modes=("ring",), seed=0,
          local_call_tokens=LOCAL_CALL_TOKENS, backend=None, transport="direct", window=None,
          v_head_dim=None, split=False, sink=False):
-    """backend ``native`` runs the native backend's code path through the kernel stand-in
-    (bf16); transport ``staged`` stages every exchange through host buffers, ``ordered``
+    """backend ``native``, ``te`` or ``flash_attn3`` runs that backend's code path through its
+    kernel's CPU stand-in (bf16; ``STAND_INS``); transport ``staged`` stages every exchange through host buffers, ``ordered``
     matches messages by order per rank pair and group as NCCL does (``runtime/ordered.py``:
     an order that only gloo's tags make agree fails); window: sliding window; v_head_dim: a
     value head dim other than HEAD_DIM (multi-latent attention); split: a ring group whose
@@ -90,6 +91,9 @@ def rank_inputs(plan, rank, batch, dtype):
     return tensors
 
 
+STAND_INS = {"native": "flash_standin", "te": "te_standin", "flash_attn3": "flash3_standin"}
+
+
 def run_case(rank, c, mode, route_group):
     """Forward + backward of case ``c`` in ``mode``; max errors against the reference."""
     plan, (dtype, _) = c["plan"], DTYPES[c["dtype"]]
@@ -97,10 +101,8 @@ def run_case(rank, c, mode, route_group):
                        c["v_head_dim"])
     batch = {n: [t.to(dtype).double() for t in ts] for n, ts in batch.items()}  # as computed
     q, k, v, dout = rank_inputs(plan, rank, batch, dtype)
-    if c["backend"] == "native":
-        from flash_standin import install_in_process
-
-        install_in_process()
+    if c["backend"] in STAND_INS:  # the backend's code path on its kernel's CPU stand-in
+        importlib.import_module(STAND_INS[c["backend"]]).install_in_process()
     engine = AttentionEngine(plan, rank, dist.group.WORLD, timeout_s=30, inter_mode=mode,
                              route_group=route_group,
                              router_topology=router_topology(plan) if mode == "routed" else None,

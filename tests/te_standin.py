@@ -297,3 +297,16 @@ class StandInTE:
             dk[ks] = torch.einsum("hqk,qhd->khd", ds, q[qs].double()).reshape(shape_k).sum(2)
             dv[ks] = torch.einsum("hqk,qhd->khd", p, dop).reshape(shape_v).sum(2)
         return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None]
+
+
+def install_in_process(version=(2, 15), cudnn=(9, 11, 0)) -> StandInTE:
+    """The ``te`` backend on the stand-in of one TE/cuDNN (Hopper), in this process (a worker
+    of run_world): nothing to undo there."""
+    from megatron_zeppelin.runtime.kernels import te
+
+    module = StandInTE(version, cudnn)
+    te.BACKEND.load = lambda: module
+    te.BACKEND.refuses = lambda q: None  # CPU tensors: the stand-in takes them
+    te.cudnn_version = lambda: cudnn
+    te.te_dtype = lambda dtype: ("DType", dtype)
+    return module
