@@ -179,7 +179,7 @@ def _common(module, pieces: Pieces, causal: bool, scale: float, window: Window |
     support = bands(module) if windowed else "all"
     if support == "none" or (support == "causal" and not causal_band):
         raise ValueError(f"backend 'te' cannot run the band window={tuple(window)}: "
-                         f"{WINDOW_LIMIT}; use backend 'native' or 'flash_attn'")
+                         f"{WINDOW_LIMIT}; use backend 'native', 'flash_attn' or 'flash_attn3'")
     kwargs = dict(cu_seqlens_q_padded=pieces.cu_q_dev, cu_seqlens_kv_padded=pieces.cu_k_dev,
                   attn_scale=scale, dropout=0.0, qkv_layout="thd_thd_thd",
                   attn_bias_type="no_bias",
