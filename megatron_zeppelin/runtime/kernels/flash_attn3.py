@@ -82,7 +82,7 @@ class FlashAttn3(OptionalCudaBackend):
         d, dv = q.shape[-1], v.shape[-1]
         if max(d, dv) > MAX_HEAD_DIM:
             raise ValueError(f"backend 'flash_attn3' trains head dims up to {MAX_HEAD_DIM}, got "
-                             f"q/k {d} and v {dv}; use backend 'te' or 'torch'")
+                             f"q/k {d} and v {dv}; use backend 'torch'")
         if not padded and not self.split_dims_refused and d % 8 == 0 and dv % 8 == 0 and \
                 native_dims(d, dv, base.device_capability(q.device)[0]):
             return [x.contiguous() for x in (q, k, v, *rest)]
