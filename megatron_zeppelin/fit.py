@@ -22,8 +22,8 @@ all ranks compute: work x ``shared_by``.
   completion;
 * ``ring_host``: the engine's host work of one ring step (round time minus the kernels and the
   waits), seconds per layer and phase;
-* ``ring_rounds``: per micro-batch (CPU), its ring rounds' host work plus their exchange waits
-  (seconds) and the rounds' count;
+* ``ring_rounds``: per micro-batch, its ring rounds' host work plus their exchange waits
+  (timed on CPU only; seconds) and the rounds' count;
 * ``ping``: active link samples taken at a refit (``runtime.probe.ping_links``), as ``link``;
 * ``attention_ping``: active kernel samples taken at a refit for the table's lengths that no
   call measured (``unmeasured_lengths``, ``runtime.probe.Probe.ping_attention``), as

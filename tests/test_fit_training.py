@@ -168,6 +168,60 @@ def test_the_probe_counts_a_sliding_windows_work_as_the_estimate_prices_it():
     assert window_work(65.0, 64, 1.0) == 1.0 and window_work(1000.0, 64, 0.0) == 1.0
 
 
+class FakeEvent:
+    """``torch.cuda.Event`` for the probe's CUDA path on CPU: recorded at a clock the test
+    sets; done once the test says so."""
+
+    clock, done_until = 0.0, 0.0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at = None
+
+    def record(self, stream=None) -> None:
+        self.at = FakeEvent.clock
+
+    def query(self) -> bool:
+        return self.at <= FakeEvent.done_until
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        return (end.at - self.at) * 1e3  # milliseconds, as CUDA's
+
+
+def test_the_probe_on_cuda_reads_spans_a_micro_batch_later_in_order(monkeypatch):
+    """On CUDA the spans are events read when done (no host wait), in recording order: each
+    micro-batch's linear record subtracts its own engine spans and carries its own ring
+    rounds (timed on the host when they ran), however late its events are read."""
+    import time
+
+    import torch
+
+    from megatron_zeppelin.runtime.probe import Probe
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(FakeEvent, "done_until", 0.0)
+    probe = Probe("cuda")
+    for micro, (engine_s, linear_s, rounds) in enumerate(((2.0, 5.0, 3), (1.0, 4.0, 1))):
+        FakeEvent.clock = 10.0 * micro
+        span = probe.start()
+        engine = probe.start()
+        for _ in range(rounds):
+            probe.ring_round(time.perf_counter(), probe.busy_s)
+        FakeEvent.clock += engine_s
+        probe.stop(engine, ("engine",))
+        FakeEvent.clock += linear_s - engine_s
+        probe.stop(span, ("linear", 100 + micro))
+    FakeEvent.done_until = 6.0  # the device finished micro-batch 0 only
+    first = probe.take()
+    assert [tokens for tokens, _ in first.linear] == [100]
+    assert first.linear[0][1] == pytest.approx(3.0)  # 5 s less its engine's 2 s
+    assert [count for _, count in first.ring_rounds] == [3]
+    FakeEvent.done_until = 100.0
+    second = probe.take()
+    assert [tokens for tokens, _ in second.linear] == [101]
+    assert second.linear[0][1] == pytest.approx(3.0)  # 4 s less its own engine's 1 s
+    assert [count for _, count in second.ring_rounds] == [1]
+
+
 def test_the_probe_pings_the_engines_kernel_at_lengths_no_call_measured():
     import torch
 

@@ -60,7 +60,11 @@ class Probe:
     def stop(self, started, record: tuple) -> None:
         """End the span begun at ``started``; ``record``: ("attention", phase, length,
         squares, tier), ("engine",) (a whole engine phase), ("remap", bytes sent) or
-        ("linear", tokens) (a micro-batch: its time less the engine's and the remap's)."""
+        ("linear", tokens) (a micro-batch: its time less the engine's and the remap's; it takes
+        the micro-batch's ring rounds, timed on the host, with it: on CUDA its span is read a
+        micro-batch later)."""
+        if record[0] == "linear":
+            record, self.rounds = (*record, tuple(self.rounds)), [0.0, 0]
         if not self.cuda:
             seconds = time.perf_counter() - started[0]
             if record[0] == "attention":
@@ -118,9 +122,9 @@ class Probe:
         else:
             self.data.linear.append((record[1], max(0.0, work - self.engine_s)))
             self.engine_s = 0.0
-            if self.rounds[1]:  # the micro-batch's ring rounds: their total, their count
-                self.data.ring_rounds.append((self.rounds[0], self.rounds[1]))
-            self.rounds = [0.0, 0]
+            total, count = record[2]  # the micro-batch's ring rounds: their total, their count
+            if count:
+                self.data.ring_rounds.append((total, count))
 
     flops_per_square = 0.0  # heads x (q head dim + v head dim) of this rank's calls (engine)
     window: int | None = None  # the sliding window of the engine's current calls
@@ -167,14 +171,16 @@ class Probe:
         return samples
 
     def take(self) -> fit.Measurements:
-        """What completed since the last call (CUDA: the events done by now; none waited)."""
-        keep = []
+        """What completed since the last call (CUDA: the spans whose events are done by now,
+        in the order they were recorded: a micro-batch's engine spans before its linear one,
+        which subtracts them; none waited)."""
+        done = 0
         for started, end, record in self._queued:
-            if end.query():
-                self._add(record, started.elapsed_time(end) / 1e3)
-            else:
-                keep.append((started, end, record))
-        self._queued = keep
+            if not end.query():
+                break
+            self._add(record, started.elapsed_time(end) / 1e3)
+            done += 1
+        del self._queued[:done]
         out, self.data = self.data, fit.Measurements()
         return out
 
