@@ -266,7 +266,7 @@ def watchdog(timeout_s: float = 20.0, prog: str | None = None) -> Iterator[str]:
     import sys
 
     from megatron_zeppelin.megatron.loop import fatal
-    from megatron_zeppelin.megatron.loop.watchdog import start_watchdog
+    from megatron_zeppelin.megatron.loop.watchdog import start_watchdog, watched
 
     check_watchdog(timeout_s, prog)
     name = prog or os.path.basename(sys.argv[0]) or "python"
@@ -278,12 +278,9 @@ def watchdog(timeout_s: float = 20.0, prog: str | None = None) -> Iterator[str]:
     previous = signal.getsignal(signal.SIGTERM)
     fatal.take_sigterm_in_python()  # torchrun stops the others when a rank dies
     try:
-        yield line
-    except BaseException as exc:
-        dog.explain(exc)  # a peer's fault ends the process here, naming the peer
-        raise
+        with watched(dog):
+            yield line
     finally:
-        dog.leave("done")  # no-op after explain's leave
         fatal.off_sigterm()
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 

@@ -35,7 +35,7 @@ from megatron_zeppelin.megatron.common.groups import Pool
 from megatron_zeppelin.megatron.common.pipeline_p2p import schedule_kwargs
 from megatron_zeppelin.megatron.common.online_fit import FitSettings, OnlineFit
 from megatron_zeppelin.megatron.loop.train_log import Logger, StepLog, banner
-from megatron_zeppelin.megatron.loop.watchdog import Watchdog, start_watchdog
+from megatron_zeppelin.megatron.loop.watchdog import start_watchdog, watched
 from megatron_zeppelin.megatron.common.model import (build_gpt_model, make_transformer_config,
                                                      windowed_layers)
 from megatron_zeppelin.options import from_flags, name_flags
@@ -476,18 +476,13 @@ def main(argv=None) -> int:
     layout = train_args.validate_args(args, env.world_size(), env.local_world_size())
     ready = preflight.check(args)
     init_process_group(args)
-    watchdog: Watchdog | None = None
     try:
         watchdog, line = start_watchdog(args.zeppelin_watchdog_timeout)
-        setup_megatron(args)
-        train(args, layout, ready, line)
-    except BaseException as exc:
-        if watchdog is not None:
-            watchdog.explain(exc)  # a peer's fault ends the process here, naming the peer
-        if isinstance(exc, ConfigError):
-            dist.destroy_process_group()  # every rank raised it at the same point
+        with watched(watchdog):
+            setup_megatron(args)
+            train(args, layout, ready, line)
+    except ConfigError:
+        dist.destroy_process_group()  # every rank raised it at the same point
         raise
-    if watchdog is not None:
-        watchdog.leave("done")
     dist.destroy_process_group()
     return 0

@@ -25,12 +25,13 @@ the peer that caused it rather than the one this rank happened to talk to.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from megatron_zeppelin.config import ConfigError
 from megatron_zeppelin.megatron.loop import fatal
@@ -300,3 +301,19 @@ def start_watchdog(timeout_s: float, on_fault: Callable[[str], None] = fatal.fau
     return dog, (f"a rank silent for {timeout_s:g} s is named by every other rank within "
                  f"{timeout_s + 2 * dog.interval:g} s (heartbeats every {dog.interval:g} s "
                  f"through the rendezvous store {note})")
+
+
+@contextlib.contextmanager
+def watched(dog: Watchdog | None) -> Iterator[None]:
+    """The block a run's watchdog (``start_watchdog``; None: off) watches: an exception
+    leaving it is handed to ``dog.explain`` first (a communication error waits for the verdict
+    naming the peer behind it, and a peer's fault ends the process there; another is this
+    rank's failure, published) and re-raised; a normal end leaves the watch ("done")."""
+    try:
+        yield
+    except BaseException as exc:
+        if dog is not None:
+            dog.explain(exc)
+        raise
+    if dog is not None:
+        dog.leave("done")
