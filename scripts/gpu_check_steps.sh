@@ -25,7 +25,16 @@ import torch
 print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda)
 if torch.cuda.is_available():
     print("gpu", torch.cuda.get_device_name(), "| capability", torch.cuda.get_device_capability())
-    print("flash kernel", hasattr(torch.ops.aten, "_flash_attention_forward"))
+    print("flash kernel", hasattr(torch.ops.aten, "_flash_attention_forward"), "| cudnn",
+          torch.backends.cudnn.version())
+    from importlib import metadata  # the optional kernels' packages (backends te, flash_attn*)
+    found = []
+    for name in ("transformer_engine", "flash_attn", "flash_attn_3"):
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{name} absent")
+    print(" | ".join(found))
 elif os.environ["GPU_CHECK_CPU"] != "1":
     sys.exit("torch.cuda.is_available() is False: this is not a GPU machine (or torch is CPU-only)")
 EOF
