@@ -57,10 +57,11 @@ def case(label, plan, heads=4, kv_heads=2, dtype="float32", modes=("ring",), see
          local_call_tokens=LOCAL_CALL_TOKENS, backend=None, transport="direct", window=None,
          v_head_dim=None, split=False, sink=False):
     """backend ``native``, ``te`` or ``flash_attn3`` runs that backend's code path through its
-    kernel's CPU stand-in (bf16; ``STAND_INS``); transport ``staged`` stages every exchange through host buffers, ``ordered``
-    matches messages by order per rank pair and group as NCCL does (``runtime/ordered.py``:
-    an order that only gloo's tags make agree fails); window: sliding window; v_head_dim: a
-    value head dim other than HEAD_DIM (multi-latent attention); split: a ring group whose
+    kernel's CPU stand-in (bf16; ``STAND_INS``); transport ``staged`` stages every exchange
+    through host buffers, ``ordered`` matches messages by order per rank pair and group as
+    NCCL does (``runtime/ordered.py``: an order that only gloo's tags make agree fails);
+    window: sliding window; v_head_dim: a value head dim other than HEAD_DIM (multi-latent
+    attention); split: a ring group whose
     sequences only partly fit a halo exchange is split as on CUDA (``schedule.HALO_SPLIT``);
     sink: attention-sink logits per head (learnable: the sink's gradient summed over the
     ranks is checked too)."""

@@ -4,8 +4,8 @@
 the later ``torch.library`` custom ops: ``window_size_left/right``, the backward's
 ``is_causal``), over the varlen kernel stand-in (``flash_standin``) with FlashAttention-3's
 head-dim rule and no FlashAttention-2 ``max_q == 1`` GQA path; the lse of a row without keys
-is ``-inf`` (``+inf`` in 2024's builds), and a build older than 2025-04 refuses unlike q/k and
-v head dims with the real message. ``install_in_process`` makes the ``flash_attn3`` backend
+is ``-inf``, and a build older than 2025-04 refuses unlike q/k and v head dims with the real
+message. ``install_in_process`` makes the ``flash_attn3`` backend
 run on it in a worker process (run_world ranks)."""
 from __future__ import annotations
 
@@ -15,16 +15,22 @@ from flash_standin import StandInFlashOps
 from megatron_zeppelin.runtime.kernels import flash_attn3
 
 
+def forward_takes(head_dim: int, v_head_dim: int) -> bool:
+    """FlashAttention-3's ``mha_fwd`` check for unlike head dims on Hopper, as flash_api.cpp
+    writes it (the backward adds: the larger at most 256)."""
+    return (128 < head_dim <= 192 and 96 < v_head_dim <= 128) or \
+        (head_dim <= 64 and v_head_dim <= 512)
+
+
 class StandInFA3:
     """``flash_attn_interface``'s ``_flash_attn_forward`` / ``_flash_attn_backward`` over the
-    kernel stand-in (``style`` "custom_op" or "2025"; ``neg_inf``: the lse of a row without keys
-    is ``-inf``, as FlashAttention-3 writes it since 2025)."""
+    kernel stand-in (``style`` "custom_op" or "2025"; the lse of a row without keys is
+    ``-inf``, as FlashAttention-3 writes it)."""
 
-    def __init__(self, style: str, neg_inf: bool = True, split_dims: bool = True) -> None:
+    def __init__(self, style: str, split_dims: bool = True) -> None:
         """split_dims: the build trains unlike q/k and v head dims (2025-04 on)."""
-        self.ops = StandInFlashOps(split_dims=lambda d, dv: flash_attn3.native_dims(d, dv, 9),
-                                   swapped_gqa=False)
-        self.neg_inf, self.split_dims, self.calls = neg_inf, split_dims, []
+        self.ops = StandInFlashOps(split_dims=forward_takes, swapped_gqa=False)
+        self.split_dims, self.calls = split_dims, []
         self._flash_attn_forward = self._custom_fwd if style == "custom_op" else self._fwd_2025
         self._flash_attn_backward = self._custom_bwd if style == "custom_op" else self._bwd_2025
 
@@ -38,13 +44,14 @@ class StandInFA3:
         out, lse, *_ = self.ops.forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
                                         scale=scale, window_size_left=left,
                                         window_size_right=right)
-        if self.neg_inf:
-            lse = lse.masked_fill(torch.isposinf(lse), float("-inf"))
+        lse = lse.masked_fill(torch.isposinf(lse), float("-inf"))
         return out, lse, torch.tensor([]), torch.tensor([])
 
     def _run_bwd(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dq, dk, dv, scale,
                  causal, left, right):
         self._refuse_split(q, v)
+        if max(q.shape[-1], v.shape[-1]) > 256:  # mha_bwd's check
+            raise RuntimeError("FlashAttention backward only supports head dimension at most 256")
         self.calls.append(("backward", q.shape[-1], v.shape[-1]))
         lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # both read as "no key"
         grads = self.ops.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0,

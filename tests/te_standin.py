@@ -16,7 +16,8 @@ functions and their C++ core do with the arguments the backend passes (TE's
   multiples of 64 and ``q <= kv``; a band other than causal/full needs
   ``max_seqlen_q <= max_seqlen_kv``, before 2.12 only ``(left, 0)`` with a causal mask, and a
   left bound on a bottom-right diagonal fails in cuDNN's frontend before 9.10.2 (sm90, THD's
-  equal bucketed totals). Otherwise TE fails, as here;
+  equal bucketed totals), and cuDNN 9.14.0 takes none over 1024 keys with a padding mask.
+  Otherwise TE fails, as here;
 * the graph: 2.9-2.11 set a causal mask and only the band's LEFT bound, aligned bottom-right
   only for the ``*_bottom_right`` masks (top-left otherwise); 2.12+ set both bounds, aligned by
   ``bottom_right_diagonal`` (default: bottom-right for those masks);
@@ -194,6 +195,9 @@ class StandInTE:
         if self.cudnn < (9, 6, 0) or sq > skv:
             _fail(f"no backend: window {(left, right)} needs cuDNN 9.6+ and max_seqlen_q <= "
                   f"max_seqlen_kv (got {sq}, {skv})")
+        if self.cudnn == (9, 14, 0) and left >= 0 and skv > 1024:  # masks here: not CAUSAL
+            _fail("no backend: cuDNN 9.14.0 with a left window bound, max_seqlen_kv > 1024 and "
+                  "a padding mask")
         bottom_right = a.get("bottom_right_diagonal") or mask in BOTTOM_RIGHT
         if self.cudnn < (9, 10, 2) and left >= 0 and bottom_right:
             _fail("cuDNN frontend: a left bound on a bottom-right diagonal with s_q == s_kv "

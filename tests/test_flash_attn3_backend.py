@@ -2,8 +2,8 @@
 interfaces (2025's plain functions: ``window_size`` pair, ``causal``, every parameter required;
 later ``torch.library`` custom ops: ``window_size_left/right``, the backward's ``is_causal``),
 built on the varlen kernel stand-in with FlashAttention-3's head-dim rule (``flash_standin``):
-exact against the float64 math path, forward and backward, with the lse convention of each
-build (``-inf`` for rows without keys from 2025, ``+inf`` before)."""
+exact against the float64 math path, forward and backward; a build before 2025-01 (no
+offsets in ``_flash_attn_forward``) is reported unusable."""
 from __future__ import annotations
 
 import types
@@ -19,9 +19,8 @@ from megatron_zeppelin.runtime.kernels import flash_attn3
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
-@pytest.fixture(params=[("custom_op", True, True), ("2025", True, True), ("2025", True, False),
-                        ("2025", False, False)],
-                ids=["custom-op", "2025-04", "2025-01", "2024-lse"])
+@pytest.fixture(params=[("custom_op", True), ("2025", True), ("2025", False)],
+                ids=["custom-op", "2025-04", "2025-01"])
 def standin(request, monkeypatch) -> StandInFA3:
     module = StandInFA3(*request.param)
     monkeypatch.setattr(kernels.get("flash_attn3"), "load", lambda: module)
@@ -70,11 +69,34 @@ def test_flash_attn3_head_dim_rule_and_refusals(monkeypatch):
     with pytest.raises(ValueError, match=r"backend 'flash_attn3' trains head dims up to 256, "
                                          r"got q/k 64 and v 320"):
         backend._dims(*big)
-    q = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda", 0))
+    q = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda", 0),
+                              shape=(8, 4, 128))
     monkeypatch.setattr(flash_attn3.base, "device_capability", lambda device: (7, 5))
     assert backend.refuses(q) == "needs sm80+, got sm75"
     monkeypatch.setattr(flash_attn3.base, "device_capability", lambda device: (9, 0))
     assert backend.refuses(q) is None
+    assert backend.refuses(types.SimpleNamespace(**{**vars(q), "shape": (8, 4, 320)})) == \
+        "trains head dims up to 256, got 320"
     monkeypatch.setattr(backend, "load", lambda: None)
     assert "hopper/ folder" in backend.unavailable()
     assert backend.kernel == "fa3" and backend.window_limit is None
+
+
+def test_flash_attn3_before_2025_is_unusable_by_name(monkeypatch):
+    """2024's FlashAttention-3 had varlen as another function: its ``_flash_attn_forward``
+    takes no offsets, so the backend says which build it needs instead of a TypeError."""
+    old = types.SimpleNamespace(
+        _flash_attn_forward=lambda q, k, v, softmax_scale, causal, window_size: None)
+    backend = kernels.get("flash_attn3")
+    monkeypatch.setattr(backend, "load", lambda: old)
+    assert backend.unavailable().startswith("needs FlashAttention-3 from 2025-01 or later")
+    monkeypatch.setattr(backend, "load", lambda: StandInFA3("custom_op"))
+    assert backend.unavailable() is None
+
+
+@pytest.mark.parametrize("pieces", [[(3, 0), (2, 0)], [(0, 4)]], ids=["no-keys", "no-queries"])
+def test_flash_attn3_runs_no_kernel_on_a_block_without_rows(standin, pieces):
+    """A block without key (or query) rows: output 0, lse -inf, zero gradients, no call."""
+    got, want = against_math_path("flash_attn3", pieces, True, None, 2, 1, 16, 16, seed=4)
+    assert_like_math_path(got, want, 3e-2)
+    assert standin.calls == []

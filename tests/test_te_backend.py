@@ -17,9 +17,14 @@ from megatron_zeppelin.runtime.kernels import te as te_backend
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
-# (TE version, cuDNN, packed stats: None = cuDNN's rule; False = sm120 from TE 2.14)
-SETUPS = {"te2.11": ((2, 11), (9, 10, 2), None), "te2.12-cudnn9.6": ((2, 12), (9, 6, 0), None),
-          "te2.15": ((2, 15), (9, 11, 0), None), "te2.15-sm120": ((2, 15), (9, 18, 1), False)}
+# (TE version, cuDNN, packed stats: None = cuDNN's rule, False = sm120 from TE 2.14; the
+# sliding-window bands it runs, from TE's and cuDNN's sources: all, causal only, or none)
+SETUPS = {"te2.11": ((2, 11), (9, 10, 2), None, "causal"),
+          "te2.12-cudnn9.6": ((2, 12), (9, 6, 0), None, "none"),
+          "te2.12-cudnn9.10.2": ((2, 12), (9, 10, 2), None, "all"),
+          "te2.15": ((2, 15), (9, 11, 0), None, "all"),
+          "te2.15-cudnn9.14.0": ((2, 15), (9, 14, 0), None, "none"),
+          "te2.15-sm120": ((2, 15), (9, 18, 1), False, "all")}
 CAUSAL = [(5, 5), (1, 1), (17, 17), (0, 0), (7, 3), (2, 9), (70, 6), (3, 0)]
 FULL = [(5, 9), (7, 3), (1, 12), (4, 0), (0, 6), (16, 16)]
 
@@ -27,8 +32,9 @@ FULL = [(5, 9), (7, 3), (1, 12), (4, 0), (0, 6), (16, 16)]
 @pytest.fixture(params=list(SETUPS))
 def standin(request, monkeypatch) -> StandInTE:
     """The stand-in of one TE/cuDNN setup as the ``te`` backend's module."""
-    version, cudnn, packed = SETUPS[request.param]
+    version, cudnn, packed, windows = SETUPS[request.param]
     module = StandInTE(version, cudnn, packed)
+    module.windows = windows  # what the backend must run
     monkeypatch.setattr(kernels.get("te"), "load", lambda: module)
     monkeypatch.setattr(te_backend, "cudnn_version", lambda: cudnn)
     monkeypatch.setattr(te_backend, "te_dtype", lambda dtype: ("DType", dtype))
@@ -69,11 +75,12 @@ def test_te_runs_the_bands_its_version_sets_and_refuses_the_rest(standin, window
     """A causal band ``(L, 0)`` runs from cuDNN 9.10.2 on every TE; a band with a right
     bound, or a left bound without causal, only from TE 2.12 (both bounds, bottom-right
     aligned), else refused naming the band, before TE would run it top-left aligned without
-    its right bound or cuDNN's frontend would refuse it. Pieces with more rows than keys get ``max_seqlen_kv >= max_seqlen_q`` (TE's
-    selection refuses a window otherwise)."""
+    its right bound or cuDNN's frontend would refuse it (before 9.10.2, and 9.14.0). Pieces
+    with more rows than keys get ``max_seqlen_kv >= max_seqlen_q`` (TE's selection refuses a
+    window otherwise)."""
     causal = window[1] == 0
-    support = te_backend.bands(standin)
-    runs = support == "all" or (support == "causal" and causal)
+    assert te_backend.bands(standin) == standin.windows
+    runs = standin.windows == "all" or (standin.windows == "causal" and causal)
     if not runs:
         with pytest.raises(ValueError, match=rf"backend 'te' cannot run the band "
                                              rf"window=\({window[0]}, {window[1]}\)"):
@@ -102,7 +109,7 @@ def test_te_window_limit_follows_the_installed_te(standin):
                                                                   _refuse_window_limit)
 
     limit = kernels.get("te").window_limit
-    if te_backend.bands(standin) == "all":
+    if standin.windows == "all":
         assert limit is None
         _refuse_window_limit("te", (None, 128))  # what the state's constructor checks
         return

@@ -44,7 +44,7 @@ class Probe:
         self._queued: list[tuple[object, object, tuple]] = []  # CUDA: (start, end, record)
         self.busy_s = 0.0  # host seconds inside timed kernel calls and waits (CPU)
         self.engine_s = 0.0  # engine work this micro-batch (linear is the remainder)
-        self.rounds = [0.0, 0]  # this micro-batch's ring rounds (CPU): host work + waits, count
+        self.rounds = [0.0, 0]  # this micro-batch's ring rounds: host work + waits, count
         self._work_clock = time.thread_time if torch.get_num_threads() == 1 else \
             time.process_time  # CPU: the rank's own compute seconds (module doc)
 

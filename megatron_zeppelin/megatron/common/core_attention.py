@@ -220,7 +220,8 @@ def _refuse_window_limit(backend: str | None, windows: tuple[int | None, ...]) -
     if limit:
         raise ConfigError(f"--zeppelin-attention-backend={name} with a sliding window of "
                           f"{windowed[0]} tokens (--window-size): {limit}; use "
-                          "--zeppelin-attention-backend native (or flash_attn, flash_attn3)")
+                          "--zeppelin-attention-backend "
+                          f"{' or '.join(kernels.WINDOW_BACKENDS)}")
 
 
 def planning_hardware(cluster: ClusterSpec, backend: str | None, device: torch.device | str,

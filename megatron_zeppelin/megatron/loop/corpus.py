@@ -241,7 +241,7 @@ def describe_lengths(lengths: Sequence[int], max_len: int) -> str:
 
 def trained_documents(lengths: Sequence[int], max_len: int, policy: str) -> tuple[int, int]:
     """(documents, tokens) one pass over the corpus trains on: empty documents are skipped,
-    and with ``--zeppelin-overlong drop`` those longer than ``max_len``."""
+    and with ``--zeppelin-overlong drop`` those longer than ``max_len`` (unused otherwise)."""
     sizes = numpy.asarray(lengths, dtype=numpy.int64)
     kept = sizes[(sizes > 0) & ((sizes <= max_len) if policy == "drop" else True)]
     return int(kept.size), int(kept.sum())
@@ -250,7 +250,7 @@ def trained_documents(lengths: Sequence[int], max_len: int, policy: str) -> tupl
 def documents_per_pass(lengths: Sequence[int]) -> int:
     """Documents one pass over the corpus reads: the non-empty ones (dropped ones are read
     and counted as dropped)."""
-    return int(numpy.count_nonzero(numpy.asarray(lengths)))
+    return trained_documents(lengths, 0, "split")[0]
 
 
 def repeat_note(lengths: Sequence[int], max_len: int, policy: str, iteration_tokens: int

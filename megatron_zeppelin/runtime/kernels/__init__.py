@@ -27,18 +27,18 @@ from typing import Sequence
 
 import torch
 
-from megatron_zeppelin.runtime.kernels.base import (AUTO, KernelBackend, Pieces, Window,
-                                                    accum_dtype, check_block, choices, configured, get,
-                                                    make_pieces, names, register, select)
+from megatron_zeppelin.runtime.kernels.base import (AUTO, WINDOW_BACKENDS, KernelBackend, Pieces,
+                                                    Window, accum_dtype, check_block, choices,
+                                                    configured, get, make_pieces, names,
+                                                    register, select)
 
 BACKEND_MODULES = ("native", "torch_math", "flash_attn", "flash_attn3", "te")
 for _module in BACKEND_MODULES:
     importlib.import_module(f"{__name__}.{_module}")
 
-__all__ = ["AUTO", "KernelBackend", "Pieces", "Window", "accum_dtype", "backend_for", "block_backward",
-           "block_forward",
-           "check_block", "choices", "configured", "get", "make_pieces", "names", "register",
-           "resolve_backend", "select"]
+__all__ = ["AUTO", "WINDOW_BACKENDS", "KernelBackend", "Pieces", "Window", "accum_dtype",
+           "backend_for", "block_backward", "block_forward", "check_block", "choices",
+           "configured", "get", "make_pieces", "names", "register", "resolve_backend", "select"]
 
 
 def _pieces(q: torch.Tensor, cu_q: Sequence[int] | Pieces, cu_k: Sequence[int] | None

@@ -194,6 +194,11 @@ def empty_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
+# The CUDA backends that run every sliding-window band on any version of their kernel: what
+# a refusal of windows by another backend (``window_limit``) points to.
+WINDOW_BACKENDS = ("native", "flash_attn", "flash_attn3")
+
+
 # ----------------------------------------------------------------------------- protocol
 
 @runtime_checkable
@@ -232,9 +237,10 @@ class KernelBackend(Protocol):
 
 
 class OptionalCudaBackend:
-    """Shared parts of the optional packaged backends (flash_attn, te): importable only with
-    their pip extra (``module``, ``package``, ``extra``), CUDA fp16/bf16 tensors only, never
-    picked by ``auto``. ``load()`` returns the module or None."""
+    """Shared parts of the optional packaged backends (flash_attn, flash_attn3, te): importable
+    only once installed (``module``, ``package``; ``install_hint``: their pip ``extra`` by
+    default), CUDA fp16/bf16 tensors only, never picked by ``auto``. ``load()`` returns the
+    module or None."""
 
     module = package = extra = ""
     auto = False

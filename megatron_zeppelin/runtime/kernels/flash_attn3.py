@@ -6,11 +6,14 @@ module ``flash_attn_interface``; not on PyPI as a wheel). Calls its lower-level
 by their signatures (``flash_attn.flash_kwargs``): 2025's take ``window_size=(left, right)``
 and ``causal``, the ``torch.library`` custom ops of later versions ``window_size_left/right``
 and, in the backward, ``is_causal``; parameters without a default that the engine does not use
-(``k_new``, ``page_table``, ...) get None. The forward returns ``(out, softmax_lse, ...)``,
-``softmax_lse`` ``[heads, total_q]`` float32; a row without keys gets ``-inf`` (``+inf`` in
-2024's builds: converted at the boundary as for flash-attn 2, and ``+inf`` goes back, which
-every version's backward reads as "no key"). The backward writes into ``dq``/``dk``/``dv``
-passed in. Causal and windows are bottom-right aligned as in FlashAttention-2 (``base.band``).
+(``k_new``, ``page_table``, ...) get None. Builds before 2025-01, whose ``_flash_attn_forward``
+takes no offsets (varlen was another function), are reported as unusable. The forward returns
+``(out, softmax_lse, ...)``, ``softmax_lse`` ``[heads, total_q]`` float32; a row without keys
+gets ``-inf`` (``+inf`` only on FlashAttention-3's no-key shortcut, which the backend never
+takes: a block without query or key rows runs no kernel; converted at the boundary anyway, as
+for flash-attn 2), and ``+inf`` goes back, which every version's backward reads as "no key".
+The backward writes into ``dq``/``dk``/``dv`` passed in. Causal and windows are bottom-right
+aligned as in FlashAttention-2 (``base.band``).
 
 Head dims: multiples of 8, the larger at most 256 (the backward's limit). A value head dim
 different from the query/key one (multi-latent attention) runs as it is where FlashAttention-3
@@ -28,6 +31,7 @@ import torch
 
 from megatron_zeppelin.runtime.kernels import base
 from megatron_zeppelin.runtime.kernels.base import (OptionalCudaBackend, Pieces, Window, band,
+                                                    empty_backward, empty_forward,
                                                     lse_from_kernel, lse_to_kernel,
                                                     pad_head_dims, register)
 from megatron_zeppelin.runtime.kernels.flash_attn import flash_kwargs
@@ -35,6 +39,7 @@ from megatron_zeppelin.runtime.kernels.flash_attn import flash_kwargs
 MIN_ARCH = (8, 0)     # FlashAttention-3's own check ("Ampere GPUs or newer")
 SPLIT_DIMS_ARCH = 9   # different query/key and value head dims: Hopper only
 MAX_HEAD_DIM = 256    # the backward's limit on the larger head dim
+SPLIT_DIMS_REFUSAL = "v must have shape (total_k, num_heads_k, head_size)"  # before 2025-04
 
 
 def native_dims(head_dim: int, v_head_dim: int, major: int) -> bool:
@@ -46,13 +51,18 @@ def native_dims(head_dim: int, v_head_dim: int, major: int) -> bool:
     return major == SPLIT_DIMS_ARCH and 128 < head_dim <= 192 and 96 < v_head_dim <= 128
 
 
+def _parameters(fn) -> tuple[str, ...]:
+    """The parameter names of a FlashAttention-3 function (custom ops unwrapped; none when
+    the signature cannot be read)."""
+    try:
+        return tuple(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
 def _causal_name(fn) -> str:
     """The backward's name for the causal flag: ``is_causal`` (custom ops) or ``causal``."""
-    try:
-        params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
-    except (TypeError, ValueError):
-        return "causal"
-    return "is_causal" if "is_causal" in params else "causal"
+    return "is_causal" if "is_causal" in _parameters(fn) else "causal"
 
 
 class FlashAttn3(OptionalCudaBackend):
@@ -67,12 +77,25 @@ class FlashAttn3(OptionalCudaBackend):
     def install_hint(self) -> str:
         return "build it from flash-attention's hopper/ folder (cd hopper && pip install .)"
 
+    def unavailable(self) -> str | None:
+        missing = super().unavailable()
+        if missing is None and "cu_seqlens_q" not in _parameters(
+                self.load()._flash_attn_forward):
+            return ("needs FlashAttention-3 from 2025-01 or later (this build's "
+                    "_flash_attn_forward takes no cu_seqlens_q): rebuild it from "
+                    "flash-attention's hopper/ folder, or use backend 'native'")
+        return missing
+
     def refuses(self, q: torch.Tensor) -> str | None:
         problem = super().refuses(q)
-        capability = base.device_capability(q.device) if problem is None else None
-        if capability is not None and capability < MIN_ARCH:
-            problem = f"needs sm80+, got sm{''.join(map(str, capability))}"
-        return problem
+        if problem is not None:
+            return problem
+        if q.shape[-1] > MAX_HEAD_DIM:
+            return f"trains head dims up to {MAX_HEAD_DIM}, got {q.shape[-1]}"
+        capability = base.device_capability(q.device)
+        if capability < MIN_ARCH:
+            return f"needs sm80+, got sm{''.join(map(str, capability))}"
+        return None
 
     split_dims_refused = False  # this build refused unlike head dims once: pad from then on
 
@@ -95,14 +118,15 @@ class FlashAttn3(OptionalCudaBackend):
             return run(*self._dims(*tensors))
         except RuntimeError as exc:
             q, v = tensors[0], tensors[2]
-            if q.shape[-1] == v.shape[-1] or not any(word in str(exc) for word in
-                                                     ("head_size", "headdim")):
-                raise  # "v must have shape (total_k, num_heads_k, head_size)" before 2025-04
+            if q.shape[-1] == v.shape[-1] or SPLIT_DIMS_REFUSAL not in str(exc):
+                raise
             self.split_dims_refused = True
             return run(*self._dims(*tensors, padded=True))
 
     def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float,
                 window: Window | None = None):
+        if pieces.total_q == 0 or pieces.total_k == 0:
+            return empty_forward(q, v)
         fn = self.load()._flash_attn_forward
 
         def run(qp, kp, vp):
@@ -117,6 +141,8 @@ class FlashAttn3(OptionalCudaBackend):
 
     def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float,
                  window: Window | None = None):
+        if pieces.total_q == 0 or pieces.total_k == 0:
+            return empty_backward(q, k, v)
         fn = self.load()._flash_attn_backward
         flags = {_causal_name(fn): causal}
         kernel_lse = lse_to_kernel(lse, pieces, causal or window is not None)

@@ -59,6 +59,8 @@ THD_CUDNN = (9, 6, 0)    # TE's selection: THD with bottom-right causal masks an
 BROKEN_CUDNN = ((9, 10, 0), (9, 10, 1))  # no F16 fused attention in TE's selection
 BANDS_CUDNN = (9, 10, 2)  # windows: cuDNN's frontend refuses a left bound on a bottom-right
 #                          diagonal with s_q == s_kv (THD's bucketed totals) on sm90 before
+BANDS_BROKEN_CUDNN = ((9, 14, 0),)  # TE refuses a left bound with max_seqlen_kv > 1024 and
+#                                    a padding mask there (its selection, TE 2.11+)
 THD_ARCH = (9, 0)        # TE's fused attention takes THD from sm90 (its backend selection)
 DEAD_LSE = -1e30         # stats below it mark rows without keys (cuDNN < 9.10 masks with
 #                          float's lowest, not -inf)
@@ -105,8 +107,8 @@ def te_dtype(dtype: torch.dtype):
 def bands(module) -> str:
     """Which sliding-window bands this TE and cuDNN run on THD: ``all`` (TE 2.12+ with
     cuDNN >= 9.10.2: both bounds, bottom-right aligned), ``causal`` (before TE 2.12:
-    ``(left, 0)`` only) or ``none`` (cuDNN before 9.10.2, see ``BANDS_CUDNN``)."""
-    if cudnn_version() < BANDS_CUDNN:
+    ``(left, 0)`` only) or ``none`` (cuDNN before 9.10.2, see ``BANDS_CUDNN``, or 9.14.0)."""
+    if cudnn_version() < BANDS_CUDNN or cudnn_version() in BANDS_BROKEN_CUDNN:
         return "none"
     return "all" if api(module).diagonal else "causal"
 
@@ -154,8 +156,9 @@ def lse_to_te(lse: torch.Tensor, pieces: Pieces, max_q: int | None = None) -> to
 
 
 WINDOW_LIMIT = ("Transformer Engine's fused attention runs a sliding window on THD from cuDNN "
-                f"{'.'.join(map(str, BANDS_CUDNN))}, and one with a right bound (a windowed "
-                "ring's blocks between zigzag chunks) from TE 2.12; before, only as a causal band")
+                f"{'.'.join(map(str, BANDS_CUDNN))} (not 9.14.0, which refuses one over 1024 "
+                "keys), and one with a right bound (a windowed ring's blocks between zigzag "
+                "chunks) from TE 2.12; before, only as a causal band")
 
 
 def _bounded(left: int, right: int) -> tuple[bool, bool]:
@@ -179,7 +182,7 @@ def _common(module, pieces: Pieces, causal: bool, scale: float, window: Window |
     support = bands(module) if windowed else "all"
     if support == "none" or (support == "causal" and not causal_band):
         raise ValueError(f"backend 'te' cannot run the band window={tuple(window)}: "
-                         f"{WINDOW_LIMIT}; use backend 'native', 'flash_attn' or 'flash_attn3'")
+                         f"{WINDOW_LIMIT}; use backend {' or '.join(base.WINDOW_BACKENDS)}")
     kwargs = dict(cu_seqlens_q_padded=pieces.cu_q_dev, cu_seqlens_kv_padded=pieces.cu_k_dev,
                   attn_scale=scale, dropout=0.0, qkv_layout="thd_thd_thd",
                   attn_bias_type="no_bias",
@@ -219,8 +222,9 @@ class TransformerEngine(OptionalCudaBackend):
             return (f"needs sm{THD_ARCH[0]}{THD_ARCH[1]}+ for THD fused attention, got "
                     f"sm{''.join(map(str, capability))}")
         if cudnn < THD_CUDNN or cudnn in BROKEN_CUDNN:
-            return (f"needs cuDNN {_dotted(THD_CUDNN)}+ (not 9.10.0/9.10.1) for THD causal and "
-                    f"GQA fused attention, this process has cuDNN {_dotted(cudnn)}")
+            broken = "/".join(map(_dotted, BROKEN_CUDNN))
+            return (f"needs cuDNN {_dotted(THD_CUDNN)}+ (not {broken}) for THD causal and GQA "
+                    f"fused attention, this process has cuDNN {_dotted(cudnn)}")
         return None
 
     def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float,
