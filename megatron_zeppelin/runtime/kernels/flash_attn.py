@@ -15,6 +15,7 @@ explicitly (``auto`` picks ``native``, the same FlashAttention-2 code that every
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -24,22 +25,33 @@ from megatron_zeppelin.runtime.kernels.base import (OptionalCudaBackend, Pieces,
                                                     lse_to_kernel, pad_head_dims, register)
 
 
+@functools.lru_cache(maxsize=None)
+def parameters(fn) -> tuple[tuple[str, bool], ...]:
+    """``(name, required)`` of each parameter of a flash-attn / FlashAttention-3 function
+    (``torch.library`` custom ops unwrapped), read once per function: the kernels are called
+    many times per step, and reading a signature costs tens of microseconds. Empty when the
+    signature cannot be read."""
+    try:
+        params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters  # custom_op wraps
+    except (TypeError, ValueError):
+        return ()
+    return tuple((name, p.default is inspect.Parameter.empty) for name, p in params.items())
+
+
 def flash_kwargs(fn, positional: int, window: Window = (-1, -1), **kwargs) -> dict:
     """Keyword arguments that fit this flash-attn version of ``fn``: 2.7+ takes
     window_size_left/right, 2.6 a window_size pair (softcap where the signature has it);
     parameters without a default that the caller does not set (block_table, ...) get None."""
-    try:
-        params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters  # custom_op wraps
-    except (TypeError, ValueError):
-        params = {}
-    if "window_size" in params:
+    params = parameters(fn)
+    names = {name for name, _ in params}
+    if "window_size" in names:
         kwargs["window_size"] = tuple(window)
     else:
         kwargs.update(window_size_left=window[0], window_size_right=window[1])
-    if "softcap" in params or not params:
+    if "softcap" in names or not params:
         kwargs["softcap"] = 0.0
-    for name, param in list(params.items())[positional:]:
-        if name not in kwargs and param.default is inspect.Parameter.empty:
+    for name, required in params[positional:]:
+        if required and name not in kwargs:
             kwargs[name] = None
     return kwargs
 

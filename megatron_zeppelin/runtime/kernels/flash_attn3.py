@@ -25,8 +25,6 @@ profile is the cluster's ``<hardware>-fa3`` (``h100-fa3``...).
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from megatron_zeppelin.runtime.kernels import base
@@ -34,7 +32,7 @@ from megatron_zeppelin.runtime.kernels.base import (OptionalCudaBackend, Pieces,
                                                     empty_backward, empty_forward,
                                                     lse_from_kernel, lse_to_kernel,
                                                     pad_head_dims, register)
-from megatron_zeppelin.runtime.kernels.flash_attn import flash_kwargs
+from megatron_zeppelin.runtime.kernels.flash_attn import flash_kwargs, parameters
 
 MIN_ARCH = (8, 0)     # FlashAttention-3's own check ("Ampere GPUs or newer")
 SPLIT_DIMS_ARCH = 9   # different query/key and value head dims: Hopper only
@@ -51,18 +49,14 @@ def native_dims(head_dim: int, v_head_dim: int, major: int) -> bool:
     return major == SPLIT_DIMS_ARCH and 128 < head_dim <= 192 and 96 < v_head_dim <= 128
 
 
-def _parameters(fn) -> tuple[str, ...]:
-    """The parameter names of a FlashAttention-3 function (custom ops unwrapped; none when
-    the signature cannot be read)."""
-    try:
-        return tuple(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
-    except (TypeError, ValueError):
-        return ()
+def _names(fn) -> tuple[str, ...]:
+    """The parameter names of a FlashAttention-3 function (``flash_attn.parameters``)."""
+    return tuple(name for name, _ in parameters(fn))
 
 
 def _causal_name(fn) -> str:
     """The backward's name for the causal flag: ``is_causal`` (custom ops) or ``causal``."""
-    return "is_causal" if "is_causal" in _parameters(fn) else "causal"
+    return "is_causal" if "is_causal" in _names(fn) else "causal"
 
 
 class FlashAttn3(OptionalCudaBackend):
@@ -79,8 +73,7 @@ class FlashAttn3(OptionalCudaBackend):
 
     def unavailable(self) -> str | None:
         missing = super().unavailable()
-        if missing is None and "cu_seqlens_q" not in _parameters(
-                self.load()._flash_attn_forward):
+        if missing is None and "cu_seqlens_q" not in _names(self.load()._flash_attn_forward):
             return ("needs FlashAttention-3 from 2025-01 or later (this build's "
                     "_flash_attn_forward takes no cu_seqlens_q): rebuild it from "
                     "flash-attention's hopper/ folder, or use backend 'native'")
