@@ -120,10 +120,10 @@ def _exchange(x: torch.Tensor, gather: torch.Tensor, send_splits: tuple[int, ...
     where = f"remap all-to-all on rank {idx.rank}"
     sent = x.index_select(0, gather.to(x.device))
     if idx.exchange == "pairs":  # every rank: NCCL's first P2P batch on a group needs all
-        warm_up([group if group is not None else dist.group.WORLD], x.device)
-        pending = idx.transport.post(_pair_ops(sent, send_splits, received, recv_splits),
-                                     group if group is not None else dist.group.WORLD, where,
-                                     timeout)
+        pool = group if group is not None else dist.group.WORLD
+        warm_up([pool], x.device)
+        pending = idx.transport.post(_pair_ops(sent, send_splits, received, recv_splits), pool,
+                                     where, timeout)
     else:
         pending = idx.transport.all_to_all(received, sent, list(recv_splits), list(send_splits),
                                            group, where, timeout)

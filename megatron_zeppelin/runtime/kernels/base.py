@@ -83,6 +83,11 @@ class Pieces(NamedTuple):
     def total_k(self) -> int:
         return self.cu_k[-1]
 
+    @property
+    def empty(self) -> bool:
+        """No query or no key rows: nothing for a kernel to run (``empty_forward``)."""
+        return self.total_q == 0 or self.total_k == 0
+
     def keyless_rows(self, causal: bool) -> bool:
         """Whether some query row of the block sees no key (host fact of the plan)."""
         return self.keyless_full or (causal and self.keyless_causal)
@@ -180,8 +185,8 @@ def lse_to_kernel(lse: torch.Tensor, pieces: Pieces, causal: bool) -> torch.Tens
 
 
 def empty_forward(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward of a block without query or key rows (``Pieces.total_q/total_k`` 0), with
-    no kernel launch: output 0 ``[tq, h, v_head_dim]``, lse ``-inf`` ``[h, tq]`` float32."""
+    """The forward of a block without query or key rows (``Pieces.empty``), with no kernel
+    launch: output 0 ``[tq, h, v_head_dim]``, lse ``-inf`` ``[h, tq]`` float32."""
     heads = q.shape[1]
     return (q.new_zeros((q.shape[0], heads, v.shape[-1])),
             torch.full((heads, q.shape[0]), float("-inf"), dtype=torch.float32,

@@ -118,7 +118,7 @@ class FlashAttn3(OptionalCudaBackend):
 
     def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float,
                 window: Window | None = None):
-        if pieces.total_q == 0 or pieces.total_k == 0:
+        if pieces.empty:
             return empty_forward(q, v)
         fn = self.load()._flash_attn_forward
 
@@ -134,7 +134,7 @@ class FlashAttn3(OptionalCudaBackend):
 
     def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float,
                  window: Window | None = None):
-        if pieces.total_q == 0 or pieces.total_k == 0:
+        if pieces.empty:
             return empty_backward(q, k, v)
         fn = self.load()._flash_attn_backward
         flags = {_causal_name(fn): causal}

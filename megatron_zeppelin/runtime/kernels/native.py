@@ -108,7 +108,7 @@ class NativeFlash:
     def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float,
                 window: Window | None = None):
         heads = q.shape[1]
-        if pieces.total_q == 0 or pieces.total_k == 0:
+        if pieces.empty:
             return empty_forward(q, v)
         out, lse, *_ = self.ops.forward(
             *pad_head_dims(q, k, v), pieces.cu_q_dev, pieces.cu_k_dev,
@@ -124,7 +124,7 @@ class NativeFlash:
 
     def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float,
                  window: Window | None = None):
-        if pieces.total_q == 0 or pieces.total_k == 0:
+        if pieces.empty:
             return empty_backward(q, k, v)
         rng_state, unused = self._unused_rng(q.device)
         qp, kp, vp, dop, op = pad_head_dims(q, k, v, dout, out)

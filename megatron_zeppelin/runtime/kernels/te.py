@@ -229,7 +229,7 @@ class TransformerEngine(OptionalCudaBackend):
 
     def forward(self, q, k, v, pieces: Pieces, causal: bool, scale: float,
                 window: Window | None = None):
-        if pieces.total_q == 0 or pieces.total_k == 0:  # TE sizes graphs by log2 of totals
+        if pieces.empty:  # TE sizes graphs by log2 of totals
             return empty_forward(q, v)
         te = self.load()
         max_q, max_k = seqlens(pieces)
@@ -248,7 +248,7 @@ class TransformerEngine(OptionalCudaBackend):
 
     def backward(self, dout, q, k, v, out, lse, pieces: Pieces, causal: bool, scale: float,
                  window: Window | None = None):
-        if pieces.total_q == 0 or pieces.total_k == 0:
+        if pieces.empty:
             return empty_backward(q, k, v)
         te = self.load()
         max_q, max_k = seqlens(pieces)
