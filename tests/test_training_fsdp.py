@@ -141,7 +141,8 @@ def pools_body(rank: int, world: int, tmp: str) -> None:
     fsdp2, fsdp2_reductions = counting_reduce_scatters(world, RING_FLAGS + RINGS + FSDP2)
     overlapped = optim_reduction(rank, world)
     extra = {}
-    if compat.since(fsdp_limits.OPTIM_OVERLAP_EXACT):  # accepted from megatron-core 0.17: trained too
+    # accepted from megatron-core 0.17: trained too
+    if compat.since(fsdp_limits.OPTIM_OVERLAP_EXACT):
         extra["optim_overlap"] = run_keeping_parameters(world, RING_FLAGS + RINGS + FSDP[:-1] +
                                                         ["optim"])
     if rank == 0:

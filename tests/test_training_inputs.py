@@ -101,8 +101,8 @@ def test_bad_training_flags_are_refused_by_name(flags, match):
 
 def test_bad_files_and_pool_options_are_refused_by_name(tmp_path):
     """A file as --load, a folder as --zeppelin-profile-out, an empty or repeated --yaml-cfg,
-    an empty --data-path or --zeppelin-cluster and --zeppelin-cp-nodes the pool cannot run: one error each, naming
-    the flag; a YAML list is a window (window_size: [L, 0])."""
+    an empty --data-path or --zeppelin-cluster and --zeppelin-cp-nodes the pool cannot run:
+    one error each, naming the flag; a YAML list is a window (window_size: [L, 0])."""
     afile, empty, listed = tmp_path / "afile", tmp_path / "empty.yaml", tmp_path / "w.yaml"
     afile.write_text("x")
     empty.write_text("")
@@ -371,7 +371,8 @@ def test_a_corpus_smaller_than_an_iteration_is_reported(capsys):
     Logger(args, None, True, DocumentStats(documents=7), False, 1,
            per_pass=documents_per_pass(lengths)).close()
     assert capsys.readouterr().out.startswith(
-        "documents read: 7 (2.33 passes over the corpus's 3 non-empty documents); longer than --seq-length 256")
+        "documents read: 7 (2.33 passes over the corpus's 3 non-empty documents); longer "
+        "than --seq-length 256")
 
 
 # ----------------------------------------------------------------------------- checkpoints
